@@ -1,0 +1,136 @@
+"""One orbax CheckpointManager for the train state, the data iterator and the config.
+
+Saves are asynchronous and atomic (orbax writes to a temporary directory and renames it on
+commit), so an interrupted save is never picked as the latest. Restores place every array
+with the *current* partitioner's shardings, so a run saved on one mesh resumes on another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+import tensorflow as tf
+from absl import logging
+from etils import epath
+
+
+class DatasetCheckpointHandler(ocp.CheckpointHandler):
+    """Saves each process's tf.data iterator position (as t5x's `save_dataset` does)."""
+
+    def _path(self, directory: epath.Path) -> str:
+        return str(directory / f"process_{jax.process_index()}-of-{jax.process_count()}")
+
+    def save(self, directory: epath.Path, args: DatasetArgs) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        tf.train.Checkpoint(iterator=args.iterator).write(self._path(directory))
+
+    def restore(self, directory: epath.Path, args: DatasetArgs) -> Any:
+        path = self._path(directory)
+        if not tf.io.gfile.exists(path + ".index"):
+            raise FileNotFoundError(
+                f"No data-iterator state for process {jax.process_index()} of "
+                f"{jax.process_count()} in {directory}: was the checkpoint written by a run with "
+                "another process count?"
+            )
+        tf.train.Checkpoint(iterator=args.iterator).read(path).assert_consumed()
+        return args.iterator
+
+    def metadata(self, directory: epath.Path) -> None:
+        return None
+
+    def finalize(self, directory: epath.Path) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@ocp.args.register_with_handler(DatasetCheckpointHandler, for_save=True, for_restore=True)
+@dataclasses.dataclass
+class DatasetArgs(ocp.args.CheckpointArgs):
+    iterator: Any
+
+
+class Checkpointer:
+    """Train state + data iterator + operative config under `model_dir/checkpoints`."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        keep: int | None = 3,
+        keep_period: int | None = None,
+        async_save: bool = True,
+    ):
+        """
+        Args:
+          keep: how many of the newest checkpoints to keep (None keeps all).
+          keep_period: also keep every checkpoint whose step is a multiple of this.
+          async_save: write array data in a background thread.
+        """
+        self.directory = epath.Path(model_dir) / "checkpoints"
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            keep_period=keep_period,
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "dataset", "config")
+        )
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def save(self, step: int, state: Any, data_iterator: Any | None, config: str) -> bool:
+        items = {
+            "state": ocp.args.StandardSave(state),
+            "config": ocp.args.JsonSave({"operative_config": config}),
+        }
+        if data_iterator is not None:
+            items["dataset"] = DatasetArgs(data_iterator)
+        return self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def restore(
+        self, step: int, abstract_state: Any, data_iterator: Any | None = None
+    ) -> Any:
+        """Restores `step` onto the shardings carried by `abstract_state` (ShapeDtypeStructs)."""
+        items = {"state": ocp.args.StandardRestore(abstract_state)}
+        if data_iterator is not None:
+            items["dataset"] = DatasetArgs(data_iterator)
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        return restored["state"]
+
+    def restore_latest(
+        self, abstract_state: Any, data_iterator: Any | None = None
+    ) -> tuple[int | None, Any]:
+        """The newest readable checkpoint; falls back (loudly) past unreadable ones."""
+        for step in sorted(self.all_steps(), reverse=True):
+            try:
+                return step, self.restore(step, abstract_state, data_iterator)
+            except Exception as e:  # noqa: BLE001 - report and try the previous one
+                logging.error("Checkpoint at step %d could not be read (%s).", step, e)
+                print(
+                    f"WARNING: checkpoint {self.directory}/{step} could not be read ({e}); "
+                    "falling back to the previous one.",
+                    flush=True,
+                )
+        if self.all_steps():
+            raise RuntimeError(
+                f"No checkpoint under {self.directory} could be read (steps {self.all_steps()}); "
+                "refusing to train from scratch over them. Move them away to start over."
+            )
+        return None, None
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()

@@ -1,0 +1,83 @@
+"""Gin flags: --gin_file, --gin_search_paths, --gin.NAME=VALUE, --gin_bindings; the run.
+
+Gin files are searched in the current directory, the repository's `gin/` and the installed
+package's copy of it, so `--gin_file=gin/gptj_pretrain.gin` works from the repository root and
+`--gin_file=gptj_pretrain.gin` from anywhere.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import gin
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_REPO_DIR = os.path.dirname(_PACKAGE_DIR)
+
+
+def default_search_paths() -> list[str]:
+    """cwd, the repository root and its gin/, and the installed package's gin/ copy."""
+    candidates = [
+        os.getcwd(),
+        _REPO_DIR,
+        os.path.join(_REPO_DIR, "gin"),
+        os.path.join(_PACKAGE_DIR, "gin"),
+    ]
+    return [p for p in dict.fromkeys(candidates) if os.path.isdir(p)]
+
+
+def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
+    """Turns `--gin.NAME=VALUE` into `--gin_bindings=NAME = VALUE` (as t5x does)."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--gin.") and "=" in arg:
+            name, value = arg[len("--gin.") :].split("=", 1)
+            out.append(f"--gin_bindings={name} = {value}")
+        else:
+            out.append(arg)
+    return out
+
+
+def _find_file(name: str, search_paths: Sequence[str]) -> str:
+    if os.path.isabs(name) or os.path.exists(name):
+        if not os.path.exists(name):
+            raise FileNotFoundError(f"Gin file {name!r} does not exist.")
+        return name
+    for root in search_paths:
+        path = os.path.join(root, name)
+        if os.path.exists(path):
+            return path
+    available = []
+    for root in search_paths:
+        for dirpath, _, files in os.walk(root):
+            available += [
+                os.path.relpath(os.path.join(dirpath, f), root) for f in files if f.endswith(".gin")
+            ]
+    close = difflib.get_close_matches(name, sorted(set(available)), n=3, cutoff=0.5)
+    hint = f" Did you mean {close}?" if close else ""
+    raise FileNotFoundError(
+        f"Gin file {name!r} not found in {list(search_paths)}.{hint}"
+    )
+
+
+def parse_gin(
+    gin_files: Sequence[str],
+    gin_bindings: Sequence[str] = (),
+    search_paths: Sequence[str] = (),
+    finalize: bool = True,
+) -> None:
+    """Parses files and bindings; raises with Gin's own message on any mistake."""
+    paths = list(search_paths) + default_search_paths()
+    for p in paths:
+        gin.add_config_file_search_path(p)
+    files = [_find_file(f, paths) for f in gin_files]
+    gin.parse_config_files_and_bindings(files, list(gin_bindings), finalize_config=finalize)
+
+
+@gin.configurable
+def run(fn: Callable[[], Any] = gin.REQUIRED) -> Any:
+    """The run function bound in Gin (`run.fn = @train`)."""
+    return fn()

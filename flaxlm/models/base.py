@@ -1,0 +1,176 @@
+"""Models around a Flax module: init, logical axes, loss, logits.
+
+A model pairs a family's module with the seqio feature converter that shapes its batches
+and the loss that trains it. Families differ only in their module (see `gptj.py`, ...).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import seqio
+
+Array = jax.Array
+Batch = Mapping[str, Array]
+Params = Any
+
+
+class ModuleConfig(Protocol):
+    """What a family's config offers the model: its module and its FLOP count."""
+
+    max_position_embeddings: int
+
+    def make_module(self) -> nn.Module: ...
+
+    def flops_per_token(self, seq_len: int) -> float: ...
+
+
+def cross_entropy(
+    logits: Array, targets: Array, weights: Array, z_loss: float = 0.0
+) -> tuple[Array, Array, Array]:
+    """Summed token cross-entropy (+ z-loss) in float32.
+
+    Returns (loss_sum, z_loss_sum, correct_sum), each weighted by `weights`.
+    """
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    xent = log_z - target_logit
+    z = z_loss * jnp.square(log_z)
+    weights = weights.astype(jnp.float32)
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    return jnp.sum((xent + z) * weights), jnp.sum(z * weights), jnp.sum(correct * weights)
+
+
+class BaseModel(abc.ABC):
+    """Loss, logits and parameter layout of one module; DESIGN.md's model seam."""
+
+    FEATURE_CONVERTER_CLS: type[seqio.FeatureConverter]
+
+    def __init__(self, config: ModuleConfig, *, z_loss: float = 0.0):
+        self.config = config
+        self.module = config.make_module()
+        self.z_loss = z_loss
+
+    # -------------------------------------------------------------- parameters
+
+    @abc.abstractmethod
+    def _dummy_batch(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Array]: ...
+
+    @abc.abstractmethod
+    def _apply(self, params: Params, batch: Batch, *, rng: Array | None = None) -> Array: ...
+
+    def _boxed_init(self, rng: Array, batch_shapes: Mapping[str, tuple[int, ...]]) -> Any:
+        batch = self._dummy_batch(batch_shapes)
+        return self._init_variables(rng, batch)["params"]
+
+    @abc.abstractmethod
+    def _init_variables(self, rng: Array, batch: dict[str, Array]) -> Any: ...
+
+    def init_params(self, rng: Array, batch_shapes: Mapping[str, tuple[int, ...]]) -> Params:
+        """Fresh params (plain arrays). Works under `jax.eval_shape` and `jax.jit`."""
+        return nn.unbox(self._boxed_init(rng, batch_shapes))
+
+    def params_axes(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> Any:
+        """Tree of PartitionSpecs of logical axis names, one per param."""
+        boxed = jax.eval_shape(lambda: self._boxed_init(jax.random.PRNGKey(0), batch_shapes))
+        return nn.get_partition_spec(boxed)
+
+    # -------------------------------------------------------------- training
+
+    def loss_fn(
+        self,
+        params: Params,
+        batch: Batch,
+        rng: Array | None,
+        normalizer: Array | float | None = None,
+    ) -> tuple[Array, dict[str, Array]]:
+        """Weighted cross-entropy divided by `normalizer` (the batch's weight sum if None).
+
+        Passing the global weight sum as `normalizer` makes microbatches add up to the
+        full-batch loss exactly. Metrics are sums, so they also add across microbatches.
+        """
+        logits = self._apply(params, batch, rng=rng)
+        targets, weights = self.targets_and_weights(batch)
+        loss_sum, z_sum, correct_sum = cross_entropy(logits, targets, weights, self.z_loss)
+        weight_sum = jnp.sum(weights.astype(jnp.float32))
+        if normalizer is None:
+            normalizer = jnp.maximum(weight_sum, 1.0)
+        metrics = {
+            "loss_sum": loss_sum,
+            "z_loss_sum": z_sum,
+            "correct_sum": correct_sum,
+            "weight_sum": weight_sum,
+        }
+        return loss_sum / normalizer, metrics
+
+    def compute_logits(self, params: Params, batch: Batch) -> Array:
+        """float32 logits `[batch, length, vocab]` (deterministic: no dropout)."""
+        return self._apply(params, batch, rng=None).astype(jnp.float32)
+
+    @abc.abstractmethod
+    def targets_and_weights(self, batch: Batch) -> tuple[Array, Array]: ...
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return self.config.flops_per_token(seq_len)
+
+    def check_lengths(self, task_feature_lengths: Mapping[str, int]) -> None:
+        """Fails early when a feature is longer than the model's positions."""
+        limit = getattr(self.config, "max_position_embeddings", None)
+        for name, length in task_feature_lengths.items():
+            if limit is not None and length > limit:
+                raise ValueError(
+                    f"Feature length {name}={length} exceeds the model's "
+                    f"max_position_embeddings={limit}; shorten TASK_FEATURE_LENGTHS."
+                )
+
+
+@gin.configurable
+class DecoderOnlyModel(BaseModel):
+    """A causal language model over seqio's decoder-only features."""
+
+    FEATURE_CONVERTER_CLS = seqio.DecoderFeatureConverter
+
+    def __init__(self, config: ModuleConfig = gin.REQUIRED, *, z_loss: float = 0.0):
+        super().__init__(config, z_loss=z_loss)
+
+    def _dummy_batch(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Array]:
+        shape = tuple(batch_shapes["decoder_input_tokens"])
+        return {"decoder_input_tokens": jnp.zeros(shape, jnp.int32)}
+
+    def _init_variables(self, rng: Array, batch: dict[str, Array]) -> Any:
+        return self.module.init(rng, batch["decoder_input_tokens"])
+
+    def _apply(self, params: Params, batch: Batch, *, rng: Array | None = None) -> Array:
+        rngs = {"dropout": rng} if rng is not None else None
+        return self.module.apply(
+            {"params": params},
+            batch["decoder_input_tokens"],
+            batch.get("decoder_positions"),
+            batch.get("decoder_segment_ids"),
+            deterministic=rng is None,
+            rngs=rngs,
+        )
+
+    def targets_and_weights(self, batch: Batch) -> tuple[Array, Array]:
+        targets = batch["decoder_target_tokens"]
+        weights = batch.get("decoder_loss_weights")
+        if weights is None:
+            weights = (targets > 0).astype(jnp.float32)
+        return targets, weights
+
+
+def batch_shapes_from(feature_lengths: Mapping[str, int], batch_size: int) -> dict[str, Any]:
+    """`{feature: (batch, length)}` for the model features a converter produces."""
+    return {k: (batch_size, v) for k, v in feature_lengths.items()}
+
+
+def dummy_numpy_batch(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    return {k: np.zeros(v, np.int32) for k, v in shapes.items()}

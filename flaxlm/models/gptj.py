@@ -1,0 +1,172 @@
+"""GPT-J: parallel attention + MLP residual, partial interleaved rotary, gelu-new, untied head.
+
+Follows HuggingFace's `GPTJForCausalLM` (the PyTorch reference our logits must match).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from flaxlm.models import layers
+
+Array = jax.Array
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class GPTJConfig:
+    """GPT-J hyper-parameters (HF names where they exist) and compute options."""
+
+    vocab_size: int = 50400  # HF pads GPT-J's 50257 tokens to 50400
+    hidden_size: int = 4096  # HF: n_embd
+    num_layers: int = 28  # HF: n_layer
+    num_heads: int = 16  # HF: n_head
+    rotary_dim: int = 64  # features of each head that are rotated
+    intermediate_size: int | None = None  # HF: n_inner; 4 * hidden_size if None
+    max_position_embeddings: int = 2048  # HF: n_positions
+    layer_norm_epsilon: float = 1e-5
+    activation: str = "gelu_new"
+    dropout_rate: float = 0.0
+    dtype: str = "float32"  # compute dtype; norms, softmax and logits stay float32
+    param_dtype: str = "float32"
+    remat_policy: str = "none"  # see layers.REMAT_POLICIES
+    scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}."
+            )
+        if self.rotary_dim > self.head_dim or self.rotary_dim % 2:
+            raise ValueError(
+                f"rotary_dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}."
+            )
+        if self.activation not in layers.ACTIVATIONS:
+            raise ValueError(
+                f"activation {self.activation!r}: expected one of {sorted(layers.ACTIVATIONS)}."
+            )
+        if self.remat_policy not in layers.REMAT_POLICIES:
+            raise ValueError(
+                f"remat_policy {self.remat_policy!r}: expected one of "
+                f"{sorted(layers.REMAT_POLICIES)}."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.intermediate_size or 4 * self.hidden_size
+
+    def num_params(self) -> int:
+        """Parameter count (for FLOP estimates)."""
+        e, v, n = self.hidden_size, self.vocab_size, self.num_layers
+        block = 4 * e * e + 2 * e * self.mlp_dim + self.mlp_dim + e + 2 * e
+        return v * e + n * block + 2 * e + e * v + v
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls plus the attention scores."""
+        non_embedding = self.num_params() - self.vocab_size * self.hidden_size
+        return 6.0 * non_embedding + 12.0 * self.num_layers * self.hidden_size * seq_len
+
+    def make_module(self) -> GPTJ:
+        return GPTJ(self)
+
+
+class GPTJBlock(nn.Module):
+    config: GPTJConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Array, mask: Array) -> Array:
+        cfg = self.config
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        x = layers.constrain(x, layers.ACTIVATION_AXES)
+        h = layers.LayerNorm(cfg.layer_norm_epsilon, name="ln_1", **dense)(x)
+
+        # Attention: [batch, length, heads, head_dim]
+        qkv = {
+            n: layers.DenseGeneral(
+                (cfg.num_heads, cfg.head_dim), ("embed", "heads", "head_dim"), name=n, **dense
+            )(h)
+            for n in ("q_proj", "k_proj", "v_proj")
+        }
+        sin, cos = layers.rotary_sin_cos(positions, cfg.rotary_dim)
+        q = layers.apply_rotary(qkv["q_proj"], sin, cos, interleaved=True)
+        k = layers.apply_rotary(qkv["k_proj"], sin, cos, interleaved=True)
+        q = layers.constrain(q, layers.HEAD_AXES)
+        k = layers.constrain(k, layers.HEAD_AXES)
+        attn = layers.dot_product_attention(q, k, qkv["v_proj"], mask, dtype=cfg.dtype)
+        attn = layers.DenseGeneral(
+            cfg.hidden_size, ("heads", "head_dim", "embed"), axis=(-2, -1), name="out_proj", **dense
+        )(attn)
+        attn = checkpoint_name(attn, "attn_out")
+
+        # MLP on the same normalised input (GPT-J's parallel residual).
+        m = layers.DenseGeneral(cfg.mlp_dim, ("embed", "mlp"), use_bias=True, name="fc_in", **dense)(
+            h
+        )
+        m = layers.constrain(layers.ACTIVATIONS[cfg.activation](m), ("batch", "length", "mlp"))
+        m = layers.DenseGeneral(
+            cfg.hidden_size, ("mlp", "embed"), use_bias=True, name="fc_out", **dense
+        )(m)
+        m = checkpoint_name(m, "mlp_out")
+
+        out = attn + m
+        if cfg.dropout_rate:
+            out = nn.Dropout(cfg.dropout_rate)(out, deterministic=self.deterministic)
+        return layers.constrain(x + out, layers.ACTIVATION_AXES)
+
+
+class GPTJ(nn.Module):
+    """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
+
+    config: GPTJConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Array,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        *,
+        deterministic: bool = True,
+    ) -> Array:
+        cfg = self.config
+        batch, length = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        mask = layers.attention_mask(segment_ids, batch, length, causal=True)
+        x = layers.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="wte"
+        )(tokens)
+        if cfg.dropout_rate:
+            x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        x = layers.stack_blocks(
+            GPTJBlock,
+            cfg.num_layers,
+            scan_layers=cfg.scan_layers,
+            remat_policy=cfg.remat_policy,
+            name="h",
+            config=cfg,
+            deterministic=deterministic,
+        )(x, positions, mask)
+        x = layers.LayerNorm(
+            cfg.layer_norm_epsilon, dtype=jnp.float32, param_dtype=cfg.param_dtype, name="ln_f"
+        )(x)
+        logits = layers.DenseGeneral(
+            cfg.vocab_size,
+            ("embed", "vocab"),
+            use_bias=True,
+            dtype=jnp.float32,
+            param_dtype=cfg.param_dtype,
+            name="lm_head",
+        )(x)
+        return layers.constrain(logits, ("batch", "length", "vocab"))

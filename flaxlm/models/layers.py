@@ -1,0 +1,290 @@
+"""Shared, logically-annotated building blocks: dense, embed, norms, rotary, attention, remat.
+
+Every parameter carries logical axis names (`nn.with_logical_partitioning`); activations are
+pinned with `nn.with_logical_constraint`. Nothing here knows a mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+Dtype = Any
+Initializer = Callable[..., Array]
+
+# Activations are pinned at block boundaries with these logical names.
+ACTIVATION_AXES = ("batch", "length", "embed")
+HEAD_AXES = ("batch", "length", "heads", "head_dim")
+
+
+def as_dtype(dtype: Dtype) -> jnp.dtype:
+    """Accepts 'bfloat16', jnp.bfloat16, ... (Gin binds strings)."""
+    return jnp.dtype(dtype)
+
+
+def constrain(x: Array, axes: Sequence[str | None]) -> Array:
+    return nn.with_logical_constraint(x, tuple(axes))
+
+
+class DenseGeneral(nn.Module):
+    """A dense layer over the trailing `len(axis)` dims with logically named kernel axes.
+
+    `kernel_axes` names the input dims followed by the output dims, e.g.
+    `('embed', 'heads', 'head_dim')` for a query projection to `features=(heads, head_dim)`.
+    """
+
+    features: int | tuple[int, ...]
+    kernel_axes: tuple[str, ...]
+    axis: int | tuple[int, ...] = -1
+    use_bias: bool = False
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Initializer = nn.initializers.normal(0.02)
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
+        axis = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
+        axis = tuple(a % x.ndim for a in axis)
+        in_shape = tuple(x.shape[a] for a in axis)
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(self.kernel_init, self.kernel_axes),
+            in_shape + features,
+            as_dtype(self.param_dtype),
+        )
+        dtype = as_dtype(self.dtype)
+        contract = (axis, tuple(range(len(axis))))
+        y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), (contract, ((), ())))
+        if self.use_bias:
+            bias = self.param(
+                "bias",
+                nn.with_logical_partitioning(
+                    nn.initializers.zeros, self.kernel_axes[len(axis) :]
+                ),
+                features,
+                as_dtype(self.param_dtype),
+            )
+            y = y + bias.astype(dtype)
+        return y
+
+
+class Embed(nn.Module):
+    """Token embedding `[vocab, embed]`; `attend` gives tied-head logits."""
+
+    num_embeddings: int
+    features: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    embedding_init: Initializer = nn.initializers.normal(0.02)
+
+    def setup(self) -> None:
+        self.embedding = self.param(
+            "embedding",
+            nn.with_logical_partitioning(self.embedding_init, ("vocab", "embed")),
+            (self.num_embeddings, self.features),
+            as_dtype(self.param_dtype),
+        )
+
+    def __call__(self, ids: Array) -> Array:
+        # [batch, length] -> [batch, length, embed]
+        return jnp.take(self.embedding, ids, axis=0).astype(as_dtype(self.dtype))
+
+    def attend(self, x: Array) -> Array:
+        # [batch, length, embed] x [vocab, embed] -> [batch, length, vocab]
+        dtype = as_dtype(self.dtype)
+        return jnp.einsum("ble,ve->blv", x.astype(dtype), self.embedding.astype(dtype))
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm computed in float32 whatever the compute dtype."""
+
+    epsilon: float = 1e-5
+    use_bias: bool = True
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        features = x.shape[-1]
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+            (features,),
+            as_dtype(self.param_dtype),
+        )
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon) * scale.astype(jnp.float32)
+        if self.use_bias:
+            bias = self.param(
+                "bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+                (features,),
+                as_dtype(self.param_dtype),
+            )
+            y = y + bias.astype(jnp.float32)
+        return y.astype(as_dtype(self.dtype))
+
+
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+}
+
+
+# ---------------------------------------------------------------------------- rotary
+
+
+def rotary_sin_cos(positions: Array, dim: int, theta: float = 10000.0) -> tuple[Array, Array]:
+    """sin/cos tables `[batch, length, dim // 2]` in float32 for integer positions."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rotary(x: Array, sin: Array, cos: Array, *, interleaved: bool) -> Array:
+    """Rotates the first `2 * sin.shape[-1]` features of each head of `x`.
+
+    x: [batch, length, heads, head_dim]; sin, cos: [batch, length, rot_dim // 2].
+    `interleaved` pairs features (0,1), (2,3), ... (GPT-J); otherwise (i, i + rot_dim/2)
+    (GPT-NeoX / Llama).
+    """
+    rot_dim = 2 * sin.shape[-1]
+    x_rot, x_pass = x[..., :rot_dim].astype(jnp.float32), x[..., rot_dim:]
+    sin, cos = sin[:, :, None, :], cos[:, :, None, :]
+    if interleaved:
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        out = out.reshape(x_rot.shape)
+    else:
+        x1, x2 = jnp.split(x_rot, 2, axis=-1)
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return jnp.concatenate([out.astype(x.dtype), x_pass], axis=-1)
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+def attention_mask(
+    segment_ids: Array | None,
+    batch: int,
+    length: int,
+    *,
+    causal: bool = True,
+) -> Array:
+    """Boolean `[batch, 1, q_len, kv_len]`: causal, and never across packed segments."""
+    mask = jnp.ones((batch, 1, length, length), dtype=bool)
+    if causal:
+        mask = mask & jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        mask = mask & same[:, None]
+    return mask
+
+
+def dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    mask: Array | None = None,
+    *,
+    scale: float | None = None,
+    dtype: Dtype = jnp.float32,
+) -> Array:
+    """Softmax attention in float32; grouped-query when key has fewer heads than query.
+
+    query: [batch, q_len, heads, head_dim]; key, value: [batch, kv_len, kv_heads, head_dim];
+    mask: bool, broadcastable to [batch, heads, q_len, kv_len]. Returns [batch, q_len, heads,
+    head_dim] in `dtype`.
+    """
+    b, q_len, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    groups = heads // kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    q = query.reshape(b, q_len, kv_heads, groups, head_dim)
+    # [batch, kv_heads, groups, q_len, kv_len]
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, key, preferred_element_type=jnp.float32)
+    scores = scores.astype(jnp.float32) * scale
+    if mask is not None:
+        mask = jnp.broadcast_to(mask, (b, heads, q_len, key.shape[1]))
+        mask = mask.reshape(b, kv_heads, groups, q_len, key.shape[1])
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(as_dtype(dtype))
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, value.astype(as_dtype(dtype)))
+    return out.reshape(b, q_len, heads, head_dim)
+
+
+# ---------------------------------------------------------------------------- remat
+
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Keep only the two sublayer outputs (tagged with checkpoint_name in each block).
+    "minimal": jax.checkpoint_policies.save_only_these_names("attn_out", "mlp_out"),
+}
+
+
+def remat_block(block_cls: type[nn.Module], policy: str, static_argnums: tuple[int, ...] = ()):
+    """`block_cls` wrapped in `nn.remat` with the named policy ('none' returns it as is)."""
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy={policy!r}: expected one of {sorted(REMAT_POLICIES)}.")
+    if policy == "none":
+        return block_cls
+    return nn.remat(
+        block_cls,
+        policy=REMAT_POLICIES[policy],
+        prevent_cse=True,
+        static_argnums=static_argnums,
+    )
+
+
+def stack_blocks(
+    block_cls: type[nn.Module],
+    num_layers: int,
+    *,
+    scan_layers: bool,
+    remat_policy: str,
+    name: str = "layers",
+    **block_kwargs: Any,
+) -> Callable[..., Any]:
+    """Applies `num_layers` blocks `(x, *args) -> x`, scanned (params gain a `layers` axis)
+    or unrolled (`layers_0`, `layers_1`, ...). Returns a callable `(x, *args) -> x`."""
+    block = remat_block(block_cls, remat_policy)
+    if scan_layers:
+
+        class _ScanBody(nn.Module):
+            @nn.compact
+            def __call__(self, x: Array, *args: Any) -> tuple[Array, None]:
+                return block(**block_kwargs, name="block")(x, *args), None
+
+        scanned = nn.scan(
+            _ScanBody,
+            variable_axes={"params": 0},
+            split_rngs={"params": True, "dropout": True},
+            in_axes=nn.broadcast,
+            length=num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(name=name)
+        return lambda x, *args: scanned(x, *args)[0]
+
+    blocks = [block(**block_kwargs, name=f"{name}_{i}") for i in range(num_layers)]
+
+    def apply(x: Array, *args: Any) -> Array:
+        for b in blocks:
+            x = b(x, *args)
+        return x
+
+    return apply

@@ -1,0 +1,383 @@
+"""The Partitioner: a device mesh per platform, logical axis rules, and partitioned jit.
+
+Model code names its dimensions with logical axes (`batch`, `embed`, `mlp`, ...). The
+Partitioner owns the mapping from those names to mesh axes `('data', 'fsdp', 'tensor')`, the
+mesh itself, and this host's share of the global batch. It knows no model.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import gin
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def standard_logical_axis_rules() -> tuple[tuple[str, Any], ...]:
+    """The rules of DESIGN.md: batch over (data, fsdp), embed over fsdp, widths over tensor.
+
+    Rules are matched in order and a mesh axis is used at most once per array, so an
+    activation `[batch, length, embed]` shards only its batch (fsdp is taken by `batch`),
+    while a kernel `[embed, mlp]` is split over both fsdp and tensor.
+    """
+    return (
+        ("batch", ("data", "fsdp")),
+        ("vocab", "tensor"),
+        ("mlp", "tensor"),
+        ("heads", "tensor"),
+        ("kv_heads", "tensor"),
+        ("embed", "fsdp"),
+        ("length", None),
+        ("head_dim", None),
+        ("kv", None),
+        ("layers", None),
+    )
+
+
+def resolve_mesh_shape(mesh_shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
+    """Replaces a single -1 with the remaining devices; errors name the shape and the count."""
+    shape = tuple(int(s) for s in mesh_shape)
+    if sum(s == -1 for s in shape) > 1:
+        raise ValueError(f"mesh_shape {shape} may contain at most one -1.")
+    if any(s == 0 or s < -1 for s in shape):
+        raise ValueError(f"mesh_shape {shape} must hold positive sizes (and at most one -1).")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if num_devices % known:
+            raise ValueError(
+                f"mesh_shape {shape} does not divide the {num_devices} devices: "
+                f"{num_devices} is not a multiple of {known}."
+            )
+        shape = tuple(num_devices // known if s == -1 else s for s in shape)
+    if math.prod(shape) != num_devices:
+        raise ValueError(
+            f"mesh_shape {tuple(mesh_shape)} needs {math.prod(shape)} devices, "
+            f"but there are {num_devices} devices."
+        )
+    return shape
+
+
+def _granules(devices: Sequence[Any]) -> tuple[str, int]:
+    """The slower network's unit: TPU slices when there are several, else processes."""
+    slices = {getattr(d, "slice_index", 0) for d in devices}
+    if len(slices) > 1:
+        return "slice_index", len(slices)
+    return "process_index", len({d.process_index for d in devices})
+
+
+def split_dcn_shape(mesh_shape: Sequence[int], num_granules: int) -> tuple[int, ...]:
+    """How many granules (hosts or slices) each mesh axis spans.
+
+    Granules are spread over the leading axes first (`data`, then `fsdp`); `tensor`, the
+    last axis, crosses granules only when nothing else can take them.
+    """
+    remaining = num_granules
+    dcn = []
+    for size in mesh_shape:
+        g = math.gcd(remaining, size)
+        dcn.append(g)
+        remaining //= g
+    if remaining != 1:
+        raise ValueError(
+            f"mesh_shape {tuple(mesh_shape)} cannot be split over {num_granules} hosts/slices."
+        )
+    return tuple(dcn)
+
+
+def build_device_mesh(
+    mesh_shape: Sequence[int],
+    devices: Sequence[Any],
+    dcn_mesh_shape: Sequence[int] | None = None,
+) -> np.ndarray:
+    """An array of devices shaped `mesh_shape` that follows the platform's topology."""
+    platform = devices[0].platform
+    if platform == "cpu":
+        return np.asarray(devices, dtype=object).reshape(mesh_shape)
+    attr, num_granules = _granules(devices)
+    if dcn_mesh_shape is None:
+        if num_granules == 1 or (platform == "tpu" and attr == "process_index"):
+            # One TPU slice is one torus even across hosts: follow its coordinates.
+            return mesh_utils.create_device_mesh(mesh_shape, devices)
+        dcn_mesh_shape = split_dcn_shape(mesh_shape, num_granules)
+    dcn_mesh_shape = tuple(dcn_mesh_shape)
+    if len(dcn_mesh_shape) != len(mesh_shape) or any(
+        m % d for m, d in zip(mesh_shape, dcn_mesh_shape, strict=True)
+    ):
+        raise ValueError(
+            f"dcn_mesh_shape {dcn_mesh_shape} must divide mesh_shape {tuple(mesh_shape)} "
+            "axis by axis."
+        )
+    ici_shape = tuple(m // d for m, d in zip(mesh_shape, dcn_mesh_shape, strict=True))
+    return mesh_utils.create_hybrid_device_mesh(
+        ici_shape,
+        dcn_mesh_shape,
+        devices,
+        process_is_granule=attr == "process_index",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DataLayout:
+    """This host's share of the global batch.
+
+    Hosts whose devices hold the same rows of the global batch (a model replica spanning
+    hosts) get the same `shard_index`, and so read the same examples.
+    """
+
+    global_batch_size: int
+    per_host_batch_size: int
+    shard_index: int
+    num_shards: int
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P) or x is None
+
+
+@gin.configurable
+class Partitioner:
+    """Builds the mesh and maps logical axis names onto it."""
+
+    def __init__(
+        self,
+        mesh_shape: Sequence[int] = (1, -1, 1),
+        mesh_axis_names: Sequence[str] = MESH_AXES,
+        logical_axis_rules: LogicalRules | None = None,
+        optimizer_sharding: str = "params",
+        dcn_mesh_shape: Sequence[int] | None = None,
+        devices: Sequence[Any] | None = None,
+    ):
+        """
+        Args:
+          mesh_shape: size of each mesh axis; one -1 takes the remaining devices.
+          mesh_axis_names: names of the mesh axes, outermost (slowest network) first.
+          logical_axis_rules: (logical name, mesh axes) pairs; the standard rules if None.
+          optimizer_sharding: "params" (optimizer state sharded like the params) or
+            "zero1" (optimizer state also split over `data` while params are replicated).
+          dcn_mesh_shape: how many hosts/slices each axis spans; derived if None.
+          devices: the devices to use; all of `jax.devices()` if None.
+        """
+        if optimizer_sharding not in ("params", "zero1"):
+            raise ValueError(
+                f"optimizer_sharding={optimizer_sharding!r}: expected 'params' or 'zero1'."
+            )
+        if len(mesh_shape) != len(mesh_axis_names):
+            raise ValueError(
+                f"mesh_shape {tuple(mesh_shape)} has {len(mesh_shape)} axes but "
+                f"mesh_axis_names {tuple(mesh_axis_names)} has {len(mesh_axis_names)}."
+            )
+        devices = list(jax.devices() if devices is None else devices)
+        self.mesh_shape = resolve_mesh_shape(mesh_shape, len(devices))
+        self.mesh_axis_names = tuple(mesh_axis_names)
+        self.logical_axis_rules = tuple(
+            standard_logical_axis_rules() if logical_axis_rules is None else logical_axis_rules
+        )
+        self.optimizer_sharding = optimizer_sharding
+        device_array = build_device_mesh(self.mesh_shape, devices, dcn_mesh_shape)
+        self.mesh = Mesh(device_array, self.mesh_axis_names)
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.mesh_axis_names, self.mesh_shape))
+        return f"Partitioner({axes}, optimizer_sharding={self.optimizer_sharding!r})"
+
+    # ------------------------------------------------------------------ logical -> mesh
+
+    def mesh_axes(self, logical_axes: P | Sequence[str | None] | None) -> P:
+        """The mesh PartitionSpec for one array's logical axes."""
+        if logical_axes is None:
+            return P()
+        known = {name for name, _ in self.logical_axis_rules}
+        unknown = [a for a in logical_axes if a is not None and a not in known]
+        if unknown:
+            raise ValueError(
+                f"Logical axes {unknown} (of {tuple(logical_axes)}) have no rule in "
+                "Partitioner.logical_axis_rules; add one, e.g. (name, None) to replicate."
+            )
+        return nn.logical_to_mesh_axes(tuple(logical_axes), self.logical_axis_rules)
+
+    def sharding(self, logical_axes_tree: Any) -> Any:
+        """Tree of PartitionSpecs of logical names -> tree of NamedShardings."""
+        return jax.tree.map(
+            lambda a: NamedSharding(self.mesh, self.mesh_axes(a)),
+            logical_axes_tree,
+            is_leaf=_is_spec,
+        )
+
+    def opt_state_sharding(self, logical_axes_tree: Any, shapes_tree: Any) -> Any:
+        """Shardings for optimizer state: like `sharding`, plus `data` under ZeRO-1.
+
+        Under ZeRO-1 each array's first dimension that is not yet split and that the `data`
+        degree divides is split over `data`; params keep their own (replicated) sharding.
+        """
+        if self.optimizer_sharding != "zero1":
+            return self.sharding(logical_axes_tree)
+        data_size = dict(zip(self.mesh_axis_names, self.mesh_shape))["data"]
+
+        def one(axes: P | None, shape: Any) -> NamedSharding:
+            spec = list(self.mesh_axes(axes))
+            dims = tuple(shape.shape)
+            spec += [None] * (len(dims) - len(spec))
+            used = {a for s in spec if s for a in ((s,) if isinstance(s, str) else s)}
+            if data_size > 1 and "data" not in used:
+                for i, (s, d) in enumerate(zip(spec, dims)):
+                    if s is None and d % data_size == 0:
+                        spec[i] = "data"
+                        break
+            return NamedSharding(self.mesh, P(*spec))
+
+        return jax.tree.map(one, logical_axes_tree, shapes_tree, is_leaf=_is_spec)
+
+    def constrain(self, x: Any, logical_axes: Any) -> Any:
+        """with_sharding_constraint by logical names (inside a partitioned function)."""
+        return jax.lax.with_sharding_constraint(x, self.sharding(logical_axes))
+
+    # ------------------------------------------------------------------ data
+
+    def data_layout(self, global_batch_size: int) -> DataLayout:
+        """Which rows of the global batch this host feeds, and how many hosts read alike."""
+        batch_axes = self.batch_mesh_axes()
+        data_degree = self.data_parallel_degree()
+        if global_batch_size % data_degree:
+            raise ValueError(
+                f"Batch size {global_batch_size} is not divisible by the data-parallel degree "
+                f"{data_degree} (mesh axes {batch_axes} of mesh {self.mesh_shape})."
+            )
+        sharding = NamedSharding(self.mesh, P(batch_axes or None))
+        index_map = sharding.devices_indices_map((global_batch_size,))
+        rows_by_process: dict[int, set[tuple[int, int]]] = collections.defaultdict(set)
+        for device, (rows,) in index_map.items():
+            start, stop, _ = rows.indices(global_batch_size)
+            rows_by_process[device.process_index].add((start, stop))
+        spans = {}
+        for process, rows in rows_by_process.items():
+            starts, stops = zip(*sorted(rows))
+            if any(a != b for a, b in zip(stops[:-1], starts[1:])):
+                raise ValueError(
+                    f"Process {process} holds non-contiguous rows {sorted(rows)} of the batch; "
+                    "choose a mesh whose data axes follow the process order."
+                )
+            spans[process] = (starts[0], stops[-1])
+        distinct = sorted(set(spans.values()))
+        my_span = spans[jax.process_index()]
+        return DataLayout(
+            global_batch_size=global_batch_size,
+            per_host_batch_size=my_span[1] - my_span[0],
+            shard_index=distinct.index(my_span),
+            num_shards=len(distinct),
+        )
+
+    def batch_mesh_axes(self) -> tuple[str, ...]:
+        """The mesh axes that split the `batch` logical axis."""
+        spec = self.mesh_axes(("batch",))
+        axes = spec[0] if len(spec) else None
+        if axes is None:
+            return ()
+        return (axes,) if isinstance(axes, str) else tuple(axes)
+
+    def data_parallel_degree(self) -> int:
+        """Into how many parts the global batch is split."""
+        sizes = dict(zip(self.mesh_axis_names, self.mesh_shape))
+        return math.prod(sizes[a] for a in self.batch_mesh_axes())
+
+    def batch_sharding(self, ndim: int = 2) -> NamedSharding:
+        """Sharding of a `[batch, length, ...]` input array."""
+        return NamedSharding(self.mesh, self.mesh_axes(("batch",) + (None,) * (ndim - 1)))
+
+    # ------------------------------------------------------------------ compute
+
+    def partition(
+        self,
+        fn: Callable[..., Any],
+        in_axes: Any,
+        out_axes: Any,
+        donate_argnums: Sequence[int] = (),
+    ) -> Callable[..., Any]:
+        """`jax.jit` of `fn` with shardings given as logical axes, traced under the rules.
+
+        `in_axes`/`out_axes` may hold PartitionSpecs of logical names or ready shardings.
+        """
+
+        def to_sharding(tree: Any) -> Any:
+            return jax.tree.map(
+                lambda a: a if isinstance(a, NamedSharding) else NamedSharding(
+                    self.mesh, self.mesh_axes(a)
+                ),
+                tree,
+                is_leaf=lambda x: _is_spec(x) or isinstance(x, NamedSharding),
+            )
+
+        jitted = jax.jit(
+            fn,
+            in_shardings=to_sharding(in_axes),
+            out_shardings=to_sharding(out_axes),
+            donate_argnums=tuple(donate_argnums),
+        )
+        return PartitionedFunction(jitted, self)
+
+    def context(self) -> Any:
+        """The mesh and logical rules in force while tracing model code."""
+        return _Context(self)
+
+
+class _Context:
+    def __init__(self, partitioner: Partitioner):
+        self._partitioner = partitioner
+        self._stack: list[Any] = []
+
+    def __enter__(self) -> _Context:
+        for cm in (
+            jax.set_mesh(self._partitioner.mesh),
+            nn.logical_axis_rules(self._partitioner.logical_axis_rules),
+        ):
+            cm.__enter__()
+            self._stack.append(cm)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        while self._stack:
+            self._stack.pop().__exit__(*exc)
+
+
+class PartitionedFunction:
+    """A jitted function that traces and runs under its Partitioner's mesh and rules."""
+
+    def __init__(self, jitted: Any, partitioner: Partitioner):
+        self._jitted = jitted
+        self._partitioner = partitioner
+
+    def __call__(self, *args: Any) -> Any:
+        with self._partitioner.context():
+            return self._jitted(*args)
+
+    def lower(self, *args: Any) -> Any:
+        with self._partitioner.context():
+            return self._jitted.lower(*args)
+
+
+def path_name(path: tuple[Any, ...]) -> str:
+    """'a/b/c' for a jax key path."""
+    return _path_name(path)

@@ -1,0 +1,340 @@
+"""The train and eval steps (microbatched, partitioned) and the training loop.
+
+`train` is the Gin-bound run function of `gin/runs/pretrain.gin`: it creates the state
+already sharded, restores the latest checkpoint, and runs steps with logging, evaluation
+and checkpointing between them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from etils import epath
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from flaxlm import checkpoints, data, metrics, optimizers
+from flaxlm.models.base import BaseModel, batch_shapes_from
+from flaxlm.partitioning import Partitioner
+from flaxlm.train_state import TrainState
+
+Batch = Mapping[str, jax.Array]
+METRIC_SUMS = ("loss_sum", "z_loss_sum", "correct_sum", "weight_sum")
+
+
+def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
+    """`[batch, ...]` -> `[num_microbatches, batch // num_microbatches, ...]`.
+
+    Microbatch i takes rows i, i + n, i + 2n, ...: every data-parallel device holds an equal
+    share of every microbatch, so splitting moves no data between devices.
+    """
+
+    def split(x: jax.Array) -> jax.Array:
+        rows = x.shape[0] // num_microbatches
+        return x.reshape((rows, num_microbatches) + x.shape[1:]).swapaxes(0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def summarize(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Mean loss and accuracy from summed metrics."""
+    denom = jnp.maximum(sums["weight_sum"], 1.0)
+    return {
+        "loss": sums["loss_sum"] / denom,
+        "z_loss": sums["z_loss_sum"] / denom,
+        "accuracy": sums["correct_sum"] / denom,
+        "num_tokens": sums["weight_sum"],
+    }
+
+
+def make_train_step(
+    model: BaseModel,
+    partitioner: Partitioner,
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    num_microbatches: int = 1,
+    seed: int = 0,
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    """The (unjitted) train step: gradients summed over microbatches in a `lax.scan`."""
+    batch_axes = partitioner.mesh_axes(("batch",))[0]
+
+    def grads_and_sums(params: Any, batch: Batch, rng: jax.Array, normalizer: jax.Array):
+        grad_fn = jax.value_and_grad(model.loss_fn, has_aux=True)
+        (_, sums), grads = grad_fn(params, batch, rng, normalizer)
+        return grads, sums
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        rng = jax.random.fold_in(jax.random.PRNGKey(seed), state.step)
+        _, weights = model.targets_and_weights(batch)
+        normalizer = jnp.maximum(jnp.sum(weights.astype(jnp.float32)), 1.0)
+        if num_microbatches == 1:
+            grads, sums = grads_and_sums(state.params, batch, rng, normalizer)
+        else:
+            micro = split_microbatches(batch, num_microbatches)
+            micro = jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(
+                    x, NamedSharding(partitioner.mesh, P(None, batch_axes))
+                ),
+                micro,
+            )
+
+            def body(carry, xs):
+                i, mb = xs
+                grads, sums = grads_and_sums(
+                    state.params, mb, jax.random.fold_in(rng, i), normalizer
+                )
+                acc_grads, acc_sums = carry
+                return (
+                    jax.tree.map(jnp.add, acc_grads, grads),
+                    jax.tree.map(jnp.add, acc_sums, sums),
+                ), None
+
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+            zero_sums = {k: jnp.zeros((), jnp.float32) for k in METRIC_SUMS}
+            (grads, sums), _ = jax.lax.scan(
+                body, (zeros, zero_sums), (jnp.arange(num_microbatches), micro)
+            )
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        new_state = state.apply_gradients(grads)
+        out = summarize(sums)
+        out["grad_norm"] = optax.global_norm(grads)
+        out["param_norm"] = optax.global_norm(state.params)
+        lr = learning_rate(state.step) if callable(learning_rate) else learning_rate
+        out["learning_rate"] = jnp.asarray(lr, jnp.float32)
+        return new_state, out
+
+    return train_step
+
+
+def make_eval_step(model: BaseModel) -> Callable[[Any, Batch], dict[str, jax.Array]]:
+    def eval_step(params: Any, batch: Batch) -> dict[str, jax.Array]:
+        _, sums = model.loss_fn(params, batch, None, 1.0)
+        return sums
+
+    return eval_step
+
+
+def check_batch_size(partitioner: Partitioner, batch_size: int, num_microbatches: int) -> None:
+    layout_degree = partitioner.data_parallel_degree()
+    if num_microbatches < 1 or batch_size % (layout_degree * num_microbatches):
+        raise ValueError(
+            f"BATCH_SIZE={batch_size} must be divisible by the data-parallel degree "
+            f"{layout_degree} times num_microbatches={num_microbatches} "
+            f"(= {layout_degree * num_microbatches})."
+        )
+
+
+def check_model_dir(model_dir: str) -> epath.Path:
+    path = epath.Path(model_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_test_{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"MODEL_DIR {model_dir!r} cannot be written: {e}") from e
+    return path
+
+
+class Setup:
+    """Everything a run builds before its first step (shared by train and benchmarks)."""
+
+    def __init__(
+        self,
+        model: BaseModel,
+        partitioner: Partitioner,
+        optimizer: optax.GradientTransformation,
+        feature_lengths: Mapping[str, int],
+        *,
+        seed: int = 0,
+    ):
+        self.model = model
+        self.partitioner = partitioner
+        init_shapes = batch_shapes_from(feature_lengths, 1)
+        self.params_axes = model.params_axes(init_shapes)
+
+        def init_state() -> TrainState:
+            params = model.init_params(jax.random.PRNGKey(seed), init_shapes)
+            return TrainState.create(params, optimizer)
+
+        abstract = jax.eval_shape(init_state)
+        axes = abstract.logical_axes(self.params_axes)
+        self.state_shardings = abstract.replace(
+            step=NamedSharding(partitioner.mesh, P()),
+            params=partitioner.sharding(axes.params),
+            opt_state=partitioner.opt_state_sharding(axes.opt_state, abstract.opt_state),
+        )
+        self.abstract_state = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            abstract,
+            self.state_shardings,
+        )
+        self.init_state = partitioner.partition(init_state, (), self.state_shardings)
+        self.batch_axes = {name: P("batch", None) for name in feature_lengths}
+
+    def partition_train_step(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
+        return self.partitioner.partition(
+            step_fn,
+            (self.state_shardings, self.batch_axes),
+            (self.state_shardings, None),
+            donate_argnums=(0,),
+        )
+
+    def partition_eval_step(self, eval_fn: Callable[..., Any]) -> Callable[..., Any]:
+        return self.partitioner.partition(
+            eval_fn, (self.state_shardings.params, self.batch_axes), None
+        )
+
+
+def evaluate_batches(
+    eval_step: Callable[..., Any], params: Any, iterator: data.DataIterator, steps: int
+) -> dict[str, float]:
+    iterator.reset()
+    total = None
+    for _ in range(steps):
+        try:
+            sums = eval_step(params, next(iterator))
+        except StopIteration:
+            break
+        total = sums if total is None else jax.tree.map(jnp.add, total, sums)
+    if total is None:
+        raise ValueError("The evaluation dataset produced no batches.")
+    return {f"eval/{k}": float(v) for k, v in summarize(total).items()}
+
+
+@gin.configurable
+def train(
+    *,
+    model: BaseModel = gin.REQUIRED,
+    partitioner: Partitioner = gin.REQUIRED,
+    train_dataset_cfg: data.DatasetConfig = gin.REQUIRED,
+    eval_dataset_cfg: data.DatasetConfig | None = None,
+    learning_rate: optax.ScalarOrSchedule = gin.REQUIRED,
+    optimizer_factory: Callable[..., optax.GradientTransformation] = optimizers.create_optimizer,
+    model_dir: str = gin.REQUIRED,
+    total_steps: int = gin.REQUIRED,
+    num_microbatches: int = 1,
+    log_period: int = 10,
+    eval_period: int = 0,
+    eval_steps: int = 10,
+    checkpoint_period: int = 100,
+    keep_checkpoints: int | None = 3,
+    keep_period: int | None = None,
+    seed: int = 0,
+) -> TrainState:
+    """Trains `model` on `train_dataset_cfg` for `total_steps`, resuming from `model_dir`.
+
+    Args:
+      learning_rate: a float or an optax schedule (e.g. `@create_schedule()`).
+      optimizer_factory: called with `learning_rate=` to build the optax optimizer.
+      eval_period: evaluate every this many steps (and at the end); 0 disables.
+      checkpoint_period: save every this many steps (and at the end).
+      keep_checkpoints / keep_period: keep the newest K, and every Mth permanently.
+    """
+    start_time = time.perf_counter()
+    path = check_model_dir(model_dir)
+    check_batch_size(partitioner, train_dataset_cfg.batch_size, num_microbatches)
+    model.check_lengths(train_dataset_cfg.task_feature_lengths)
+    converter = model.FEATURE_CONVERTER_CLS
+    feature_lengths = data.model_feature_lengths(train_dataset_cfg, converter)
+
+    layout = partitioner.data_layout(train_dataset_cfg.batch_size)
+    train_iter = data.DataIterator(
+        data.get_dataset(train_dataset_cfg, layout, converter), partitioner, layout
+    )
+    eval_iter = None
+    if eval_dataset_cfg is not None and eval_period:
+        check_batch_size(partitioner, eval_dataset_cfg.batch_size, 1)
+        eval_layout = partitioner.data_layout(eval_dataset_cfg.batch_size)
+        eval_iter = data.DataIterator(
+            data.get_dataset(eval_dataset_cfg, eval_layout, converter), partitioner, eval_layout
+        )
+
+    tx = optimizer_factory(learning_rate=learning_rate)
+    setup = Setup(model, partitioner, tx, feature_lengths, seed=seed)
+    ckpt = checkpoints.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
+    start_step, state = ckpt.restore_latest(setup.abstract_state, train_iter.tf_iterator)
+    if state is None:
+        start_step, state = 0, setup.init_state()
+        print(f"Initialised {model.__class__.__name__} on {partitioner}.", flush=True)
+    else:
+        print(f"Resumed from checkpoint step {start_step} in {ckpt.directory}.", flush=True)
+
+    train_step = setup.partition_train_step(
+        make_train_step(
+            model, partitioner, learning_rate, num_microbatches=num_microbatches, seed=seed
+        )
+    )
+    eval_step = setup.partition_eval_step(make_eval_step(model)) if eval_iter else None
+    config_str = gin.operative_config_str()
+    if jax.process_index() == 0:
+        (path / "config.gin").write_text(config_str)
+    writer = metrics.create_writer(model_dir)
+    progress = metrics.Progress(
+        total_steps, start_step, model.flops_per_token(max(feature_lengths.values()))
+    )
+    tokens_per_step = train_dataset_cfg.batch_size * max(feature_lengths.values())
+
+    step = start_step
+    last_saved = start_step
+    period_start, period_steps, period_wait = time.perf_counter(), 0, train_iter.wait_seconds
+    try:
+        while step < total_steps:
+            state, step_metrics = train_step(state, next(train_iter))
+            step += 1
+            period_steps += 1
+            if step % log_period == 0 or step == total_steps:
+                scalars = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+                if not np.isfinite(scalars["loss"]):
+                    raise FloatingPointError(
+                        f"Loss is {scalars['loss']} at step {step}; stopping. The last good "
+                        f"checkpoint is step {ckpt.latest_step()} in {ckpt.directory}."
+                    )
+                elapsed = time.perf_counter() - period_start
+                scalars.update(progress.rates(tokens_per_step * period_steps, elapsed))
+                scalars["input_wait_fraction"] = (train_iter.wait_seconds - period_wait) / max(
+                    elapsed, 1e-9
+                )
+                writer.write_scalars(step, scalars)
+                writer.flush()
+                if jax.process_index() == 0:
+                    print(progress.line(step, scalars), flush=True)
+                period_start, period_steps = time.perf_counter(), 0
+                period_wait = train_iter.wait_seconds
+            if eval_step and (step % eval_period == 0 or step == total_steps):
+                eval_scalars = evaluate_batches(eval_step, state.params, eval_iter, eval_steps)
+                writer.write_scalars(step, eval_scalars)
+                writer.flush()
+                if jax.process_index() == 0:
+                    print(
+                        f"step {step} | eval loss {eval_scalars['eval/loss']:.4f} | "
+                        f"eval accuracy {eval_scalars['eval/accuracy']:.4f}",
+                        flush=True,
+                    )
+            if step % checkpoint_period == 0 or step == total_steps:
+                ckpt.save(step, state, train_iter.tf_iterator, config_str)
+                last_saved = step
+    finally:
+        ckpt.close()
+        writer.close()
+    if jax.process_index() == 0:
+        if start_step >= total_steps:
+            print(f"Already trained to step {start_step} (TRAIN_STEPS={total_steps}).")
+        print(
+            f"Done in {metrics.format_duration(time.perf_counter() - start_time)}. "
+            f"Wrote to {path}:\n"
+            f"  checkpoints  {ckpt.directory} (latest step {last_saved})\n"
+            f"  config       {path / 'config.gin'}\n"
+            f"  metrics      {path / 'metrics.jsonl'}\n"
+            f"  tensorboard  {path / 'tensorboard'}",
+            flush=True,
+        )
+    return state

@@ -1,0 +1,46 @@
+"""flaxlm: Gin-configured, t5x-style training of language models in JAX."""
+
+import setuptools
+
+# Versions that must move together are pinned together: tensorflow, tensorflow-cpu
+# and tensorflow-text share a minor version (seqio needs tensorflow-text); jax and
+# jaxlib are one release; flax/optax/orbax are the releases tested with that jax.
+INSTALL_REQUIRES = [
+    "jax==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "optax==0.2.8",
+    "orbax-checkpoint==0.12.8",
+    "gin-config==0.5.0",
+    "seqio==0.0.20",
+    "tensorflow==2.21.0",
+    "tensorflow-cpu==2.21.0",
+    "tensorflow-text==2.21.1",
+    "tensorflow-datasets==4.9.10",
+    "transformers==5.23.0",
+    "safetensors==0.8.0",
+    "etils[epath]",
+    "absl-py",
+    "numpy",
+]
+
+EXTRAS_REQUIRE = {
+    # torch==2.13.0 is the CPU build; a looser pin pulls a multi-GB CUDA build.
+    "test": ["pytest", "ruff", "torch==2.13.0", "wandb"],
+    "wandb": ["wandb"],
+}
+
+setuptools.setup(
+    name="flaxlm",
+    version="0.1.0",
+    description="Gin-configured pre-training and fine-tuning of language models in JAX",
+    python_requires=">=3.11",
+    packages=setuptools.find_packages(include=["flaxlm", "flaxlm.*", "tasks", "tasks.*"])
+    + ["flaxlm.gin"],
+    # The repository's gin/ tree ships inside the package as flaxlm/gin, so that
+    # `--gin_file=gptj_pretrain.gin` resolves from any directory once installed.
+    package_dir={"flaxlm.gin": "gin"},
+    package_data={"flaxlm.gin": ["*.gin", "*/*.gin"]},
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
+)
