@@ -97,9 +97,7 @@ class Checkpointer:
             items["dataset"] = DatasetArgs(data_iterator)
         return self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-    def restore(
-        self, step: int, abstract_state: Any, data_iterator: Any | None = None
-    ) -> Any:
+    def restore(self, step: int, abstract_state: Any, data_iterator: Any | None = None) -> Any:
         """Restores `step` onto the shardings carried by `abstract_state` (ShapeDtypeStructs)."""
         items = {"state": ocp.args.StandardRestore(abstract_state)}
         if data_iterator is not None:

@@ -58,9 +58,7 @@ def _find_file(name: str, search_paths: Sequence[str]) -> str:
             ]
     close = difflib.get_close_matches(name, sorted(set(available)), n=3, cutoff=0.5)
     hint = f" Did you mean {close}?" if close else ""
-    raise FileNotFoundError(
-        f"Gin file {name!r} not found in {list(search_paths)}.{hint}"
-    )
+    raise FileNotFoundError(f"Gin file {name!r} not found in {list(search_paths)}.{hint}")
 
 
 def parse_gin(

@@ -150,7 +150,9 @@ class MultiWriter:
 
 
 @gin.configurable
-def create_writer(model_dir: str, use_tensorboard: bool = True, use_wandb: bool = False) -> MultiWriter:
+def create_writer(
+    model_dir: str, use_tensorboard: bool = True, use_wandb: bool = False
+) -> MultiWriter:
     """The writers for `model_dir` (none on processes other than 0)."""
     if jax.process_index() != 0:
         return MultiWriter([])

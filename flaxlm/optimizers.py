@@ -32,7 +32,9 @@ def create_schedule(
     end = peak_learning_rate * end_learning_rate_ratio
     decay_steps = max(int(total_steps) - warmup_steps, 1)
     if decay == "cosine":
-        after = optax.cosine_decay_schedule(peak_learning_rate, decay_steps, alpha=end_learning_rate_ratio)
+        after = optax.cosine_decay_schedule(
+            peak_learning_rate, decay_steps, alpha=end_learning_rate_ratio
+        )
     elif decay == "linear":
         after = optax.linear_schedule(peak_learning_rate, end, decay_steps)
     elif decay == "rsqrt":

@@ -235,7 +235,8 @@ class Partitioner:
         """
         if self.optimizer_sharding != "zero1":
             return self.sharding(logical_axes_tree)
-        data_size = dict(zip(self.mesh_axis_names, self.mesh_shape))["data"]
+        sizes = dict(zip(self.mesh_axis_names, self.mesh_shape))
+        data_size = sizes["data"]
 
         def one(axes: P | None, shape: Any) -> NamedSharding:
             spec = list(self.mesh_axes(axes))
@@ -244,8 +245,10 @@ class Partitioner:
             used = {a for s in spec if s for a in ((s,) if isinstance(s, str) else s)}
             if data_size > 1 and "data" not in used:
                 for i, (s, d) in enumerate(zip(spec, dims)):
-                    if s is None and d % data_size == 0:
-                        spec[i] = "data"
+                    names = () if s is None else (s,) if isinstance(s, str) else tuple(s)
+                    # A dim not split yet (its mesh axes, if any, all have size 1).
+                    if math.prod(sizes[a] for a in names) == 1 and d % data_size == 0:
+                        spec[i] = (*names, "data") if names else "data"
                         break
             return NamedSharding(self.mesh, P(*spec))
 
@@ -323,8 +326,10 @@ class Partitioner:
 
         def to_sharding(tree: Any) -> Any:
             return jax.tree.map(
-                lambda a: a if isinstance(a, NamedSharding) else NamedSharding(
-                    self.mesh, self.mesh_axes(a)
+                lambda a: (
+                    a
+                    if isinstance(a, NamedSharding)
+                    else NamedSharding(self.mesh, self.mesh_axes(a))
                 ),
                 tree,
                 is_leaf=lambda x: _is_spec(x) or isinstance(x, NamedSharding),

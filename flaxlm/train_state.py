@@ -22,8 +22,12 @@ class TrainState(flax.struct.PyTreeNode):
 
     @classmethod
     def create(cls, params: Any, tx: optax.GradientTransformation) -> TrainState:
-        return cls(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
-                   opt_state=tx.init(params), tx=tx)
+        return cls(
+            step=jax.numpy.zeros((), jax.numpy.int32),
+            params=params,
+            opt_state=tx.init(params),
+            tx=tx,
+        )
 
     def apply_gradients(self, grads: Any) -> TrainState:
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
@@ -36,20 +40,24 @@ class TrainState(flax.struct.PyTreeNode):
         `self` may be abstract (`jax.eval_shape`). Optimizer-state leaves that mirror a param
         (same key path suffix and rank) take that param's axes; others are replicated.
         """
-        by_path = {}
-        for path, axes in jax.tree_util.tree_flatten_with_path(
+        axes_leaves = jax.tree_util.tree_flatten_with_path(
             params_axes, is_leaf=lambda x: isinstance(x, P)
-        )[0]:
-            by_path[path_name(path)] = axes
+        )[0]
+        shapes = [tuple(x.shape) for x in jax.tree.leaves(self.params)]
+        by_path = {
+            path_name(path): (axes, shape)
+            for (path, axes), shape in zip(axes_leaves, shapes, strict=True)
+        }
 
         def opt_leaf(path: tuple[Any, ...], leaf: Any) -> P:
             name = path_name(path)
-            # The longest param path that ends this leaf's path, with a matching rank.
+            # The longest param path that ends this leaf's path, with the same shape
+            # (factored moments, e.g. Adafactor's v_row, have other shapes: replicated).
             matches = [
                 (len(param_path), axes)
-                for param_path, axes in by_path.items()
+                for param_path, (axes, shape) in by_path.items()
                 if (name == param_path or name.endswith("/" + param_path))
-                and len(axes) == leaf.ndim
+                and tuple(leaf.shape) == shape
             ]
             return max(matches, key=lambda m: m[0])[1] if matches else P()
 

@@ -55,6 +55,49 @@ def summarize(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     }
 
 
+def accumulate_gradients(
+    model: BaseModel,
+    partitioner: Partitioner,
+    params: Any,
+    batch: Batch,
+    rng: jax.Array,
+    num_microbatches: int = 1,
+) -> tuple[Any, dict[str, jax.Array]]:
+    """Gradients of the batch's mean loss and its metric sums, over microbatches in a scan.
+
+    Every microbatch's loss is divided by the *whole* batch's weight sum, so the summed
+    gradients equal the one-big-batch gradients (same math, less memory).
+    """
+    _, weights = model.targets_and_weights(batch)
+    normalizer = jnp.maximum(jnp.sum(weights.astype(jnp.float32)), 1.0)
+    grad_fn = jax.value_and_grad(model.loss_fn, has_aux=True)
+    if num_microbatches == 1:
+        (_, sums), grads = grad_fn(params, batch, rng, normalizer)
+        return grads, sums
+
+    batch_axes = partitioner.batch_mesh_axes() or None
+    micro = jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(
+            x, NamedSharding(partitioner.mesh, P(None, batch_axes))
+        ),
+        split_microbatches(batch, num_microbatches),
+    )
+
+    def body(carry, xs):
+        i, mb = xs
+        (_, sums), grads = grad_fn(params, mb, jax.random.fold_in(rng, i), normalizer)
+        acc_grads, acc_sums = carry
+        return (
+            jax.tree.map(jnp.add, acc_grads, grads),
+            jax.tree.map(jnp.add, acc_sums, sums),
+        ), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    zero_sums = {k: jnp.zeros((), jnp.float32) for k in METRIC_SUMS}
+    (grads, sums), _ = jax.lax.scan(body, (zeros, zero_sums), (jnp.arange(num_microbatches), micro))
+    return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), sums
+
+
 def make_train_step(
     model: BaseModel,
     partitioner: Partitioner,
@@ -63,46 +106,13 @@ def make_train_step(
     num_microbatches: int = 1,
     seed: int = 0,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-    """The (unjitted) train step: gradients summed over microbatches in a `lax.scan`."""
-    batch_axes = partitioner.mesh_axes(("batch",))[0]
-
-    def grads_and_sums(params: Any, batch: Batch, rng: jax.Array, normalizer: jax.Array):
-        grad_fn = jax.value_and_grad(model.loss_fn, has_aux=True)
-        (_, sums), grads = grad_fn(params, batch, rng, normalizer)
-        return grads, sums
+    """The (unjitted) train step: accumulate gradients, apply the optimizer, report metrics."""
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         rng = jax.random.fold_in(jax.random.PRNGKey(seed), state.step)
-        _, weights = model.targets_and_weights(batch)
-        normalizer = jnp.maximum(jnp.sum(weights.astype(jnp.float32)), 1.0)
-        if num_microbatches == 1:
-            grads, sums = grads_and_sums(state.params, batch, rng, normalizer)
-        else:
-            micro = split_microbatches(batch, num_microbatches)
-            micro = jax.tree.map(
-                lambda x: jax.lax.with_sharding_constraint(
-                    x, NamedSharding(partitioner.mesh, P(None, batch_axes))
-                ),
-                micro,
-            )
-
-            def body(carry, xs):
-                i, mb = xs
-                grads, sums = grads_and_sums(
-                    state.params, mb, jax.random.fold_in(rng, i), normalizer
-                )
-                acc_grads, acc_sums = carry
-                return (
-                    jax.tree.map(jnp.add, acc_grads, grads),
-                    jax.tree.map(jnp.add, acc_sums, sums),
-                ), None
-
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-            zero_sums = {k: jnp.zeros((), jnp.float32) for k in METRIC_SUMS}
-            (grads, sums), _ = jax.lax.scan(
-                body, (zeros, zero_sums), (jnp.arange(num_microbatches), micro)
-            )
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        grads, sums = accumulate_gradients(
+            model, partitioner, state.params, batch, rng, num_microbatches
+        )
         new_state = state.apply_gradients(grads)
         out = summarize(sums)
         out["grad_norm"] = optax.global_norm(grads)

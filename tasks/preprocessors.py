@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import seqio
 import tensorflow as tf
-
-
 
 
 def split_targets(

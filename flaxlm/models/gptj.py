@@ -110,9 +110,9 @@ class GPTJBlock(nn.Module):
         attn = checkpoint_name(attn, "attn_out")
 
         # MLP on the same normalised input (GPT-J's parallel residual).
-        m = layers.DenseGeneral(cfg.mlp_dim, ("embed", "mlp"), use_bias=True, name="fc_in", **dense)(
-            h
-        )
+        m = layers.DenseGeneral(
+            cfg.mlp_dim, ("embed", "mlp"), use_bias=True, name="fc_in", **dense
+        )(h)
         m = layers.constrain(layers.ACTIVATIONS[cfg.activation](m), ("batch", "length", "mlp"))
         m = layers.DenseGeneral(
             cfg.hidden_size, ("mlp", "embed"), use_bias=True, name="fc_out", **dense
@@ -145,7 +145,11 @@ class GPTJ(nn.Module):
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         mask = layers.attention_mask(segment_ids, batch, length, causal=True)
         x = layers.Embed(
-            cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="wte"
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            name="wte",
         )(tokens)
         if cfg.dropout_rate:
             x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)

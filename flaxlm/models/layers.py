@@ -66,9 +66,7 @@ class DenseGeneral(nn.Module):
         if self.use_bias:
             bias = self.param(
                 "bias",
-                nn.with_logical_partitioning(
-                    nn.initializers.zeros, self.kernel_axes[len(axis) :]
-                ),
+                nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[len(axis) :]),
                 features,
                 as_dtype(self.param_dtype),
             )

@@ -1,0 +1,66 @@
+"""Small models and batches shared by the tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flaxlm import optimizers
+from flaxlm.models.base import DecoderOnlyModel
+from flaxlm.models.gptj import GPTJConfig
+
+SEQ_LEN = 16
+
+
+def tiny_gptj(**overrides) -> DecoderOnlyModel:
+    """A 2-layer GPT-J whose widths divide 8 (so every mesh in the tests can split them)."""
+    kwargs = dict(
+        vocab_size=128,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        rotary_dim=4,
+        max_position_embeddings=64,
+    )
+    kwargs.update(overrides)
+    return DecoderOnlyModel(GPTJConfig(**kwargs))
+
+
+def feature_lengths(length: int = SEQ_LEN) -> dict[str, int]:
+    return {
+        name: length
+        for name in (
+            "decoder_input_tokens",
+            "decoder_target_tokens",
+            "decoder_loss_weights",
+            "decoder_segment_ids",
+            "decoder_positions",
+        )
+    }
+
+
+def random_batch(batch_size: int = 8, length: int = SEQ_LEN, seed: int = 0) -> dict:
+    """A packed batch: two segments per row, positions restarting in each, some padding."""
+    rng = np.random.default_rng(seed)
+    targets = rng.integers(3, 128, size=(batch_size, length), dtype=np.int32)
+    inputs = np.concatenate([np.zeros((batch_size, 1), np.int32), targets[:, :-1]], axis=1)
+    split = length // 2
+    segments = (
+        np.where(np.arange(length) < split, 1, 2).astype(np.int32)[None].repeat(batch_size, 0)
+    )
+    positions = np.where(np.arange(length) < split, np.arange(length), np.arange(length) - split)
+    positions = positions.astype(np.int32)[None].repeat(batch_size, 0)
+    weights = np.ones((batch_size, length), np.int32)
+    weights[:, -2:] = 0  # padding at the end of each row
+    segments[:, -2:] = 0
+    targets[:, -2:] = 0
+    return {
+        "decoder_input_tokens": inputs,
+        "decoder_target_tokens": targets,
+        "decoder_loss_weights": weights,
+        "decoder_segment_ids": segments,
+        "decoder_positions": positions,
+    }
+
+
+def adamw(learning_rate: float = 1e-2):
+    return optimizers.create_optimizer(learning_rate=learning_rate)
