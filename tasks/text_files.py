@@ -37,7 +37,7 @@ def register_text_files_task(
             raise FileNotFoundError(f"Task {name!r}: no files match {globs} for split {split!r}.")
     if one_example_per == "line":
         source = seqio.TextLineDataSource(split_to_filepattern=patterns)
-        key = "text"
+        to_dict = [lambda ds: ds.map(lambda line: {"text": line})]
     elif one_example_per == "file":
 
         def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None):
@@ -48,14 +48,15 @@ def register_text_files_task(
             return ds.map(lambda f: {"text": tf.io.read_file(f)})
 
         source = seqio.FunctionDataSource(dataset_fn, splits=tuple(patterns))
-        key = "text"
+        to_dict = []
     else:
         raise ValueError(f"one_example_per={one_example_per!r}: expected 'line' or 'file'.")
     seqio.TaskRegistry.add(
         name,
         source=source,
         preprocessors=[
-            functools.partial(seqio.preprocessors.rekey, key_map={"targets": key}),
+            *to_dict,
+            functools.partial(seqio.preprocessors.rekey, key_map={"targets": "text"}),
             seqio.preprocessors.tokenize,
             split_targets,
             seqio.preprocessors.append_eos_after_trim,
