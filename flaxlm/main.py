@@ -36,6 +36,8 @@ def _initialize_distributed() -> None:
             raise app.UsageError(
                 "--coordinator_address, --process_count and --process_index go together."
             )
+        # CPU processes exchange collectives over gloo (TPU/GPU ignore this setting).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
             coordinator_address=FLAGS.coordinator_address,
             num_processes=FLAGS.process_count,
@@ -44,6 +46,8 @@ def _initialize_distributed() -> None:
         return
     try:
         # Auto-detects TPU pods, Slurm, Open MPI, ...; a plain machine has nothing to join.
+        # CPU processes exchange collectives over gloo (TPU/GPU ignore this setting).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize()
     except (ValueError, RuntimeError):
         pass

@@ -1,0 +1,34 @@
+"""Run by test_multiprocess.py as one of several processes joined by jax.distributed."""
+
+import json
+import os
+import sys
+
+import jax
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(
+    coordinator_address=sys.argv[1], num_processes=int(sys.argv[2]), process_id=int(sys.argv[3])
+)
+
+import numpy as np  # noqa: E402
+
+from flaxlm.partitioning import Partitioner  # noqa: E402
+
+out = {"process_index": jax.process_index(), "layouts": {}}
+for shape in [(2, 4, 1), (1, 8, 1), (1, 4, 2), (1, 1, 8)]:
+    partitioner = Partitioner(mesh_shape=shape)
+    layout = partitioner.data_layout(16)
+    # Each host feeds rows that identify its shard; the global array must hold them in order.
+    local = np.full((layout.per_host_batch_size, 4), layout.shard_index, np.int32)
+    sharding = partitioner.batch_sharding(2)
+    global_batch = jax.make_array_from_process_local_data(sharding, local, (16, 4))
+    total = int(jax.jit(lambda x: x.sum(), out_shardings=None)(global_batch))
+    out["layouts"][str(shape)] = {
+        "per_host": layout.per_host_batch_size,
+        "shard": layout.shard_index,
+        "num_shards": layout.num_shards,
+        "sum": total,
+    }
+print("RESULT " + json.dumps(out), flush=True)
+os._exit(0)

@@ -1,0 +1,111 @@
+"""Several processes on one machine joined by jax.distributed (gloo collectives)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_main import read_metrics
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args_for, num_processes, devices_per_process, cwd, timeout=300):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    address = f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args_for(address, i)],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(num_processes)
+    ]
+    results = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        results.append((p.returncode, stdout, stderr))
+    return results
+
+
+@pytest.mark.slow
+def test_hosts_holding_the_same_batch_rows_read_the_same_shard(tmp_path):
+    results = launch(
+        lambda addr, i: [os.path.join(HERE, "multiprocess_worker.py"), addr, "2", str(i)],
+        num_processes=2,
+        devices_per_process=4,
+        cwd=str(tmp_path),
+    )
+    layouts = []
+    for code, stdout, stderr in results:
+        assert code == 0, stderr[-3000:]
+        line = next(x for x in stdout.splitlines() if x.startswith("RESULT "))
+        layouts.append(json.loads(line[len("RESULT ") :])["layouts"])
+    for shape in ["(2, 4, 1)", "(1, 8, 1)", "(1, 4, 2)"]:
+        # The batch is split across the hosts: each reads half, a shard of its own.
+        assert [lay[shape]["shard"] for lay in layouts] == [0, 1]
+        assert all(lay[shape]["num_shards"] == 2 and lay[shape]["per_host"] == 8 for lay in layouts)
+        assert layouts[0][shape]["sum"] == 8 * 4 * 1  # rows of shard 1 are ones
+    # Pure tensor parallelism across both hosts: one replica, both hosts read the same shard.
+    assert all(
+        lay["(1, 1, 8)"] == {"per_host": 16, "shard": 0, "num_shards": 1, "sum": 0}
+        for lay in layouts
+    )
+
+
+@pytest.mark.slow
+def test_two_process_training_run_completes(tmp_path, repo_dir):
+    model_dir = str(tmp_path / "run")
+    args = [
+        "-m",
+        "flaxlm.main",
+        "--gin_file=gin/gptj_pretrain.gin",
+        f"--gin.MODEL_DIR='{model_dir}'",
+        "--gin.TRAIN_STEPS=6",
+        "--gin.LOG_PERIOD=2",
+        "--gin.EVAL_PERIOD=6",
+        "--gin.EVAL_STEPS=2",
+        "--gin.CHECKPOINT_PERIOD=3",
+        "--gin.BATCH_SIZE=8",
+        "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+        "--gin.Partitioner.mesh_shape=(2, -1, 1)",
+    ]
+    results = launch(
+        lambda addr, i: [
+            *args,
+            f"--coordinator_address={addr}",
+            "--process_count=2",
+            f"--process_index={i}",
+        ],
+        num_processes=2,
+        devices_per_process=4,
+        cwd=repo_dir,
+    )
+    for code, _, stderr in results:
+        assert code == 0, stderr[-3000:]
+    assert "data=2, fsdp=4" in results[0][1]
+    assert [r["step"] for r in read_metrics(model_dir) if "loss" in r] == [2, 4, 6]
+    ckpt = os.path.join(model_dir, "checkpoints", "6", "dataset")
+    files = os.listdir(ckpt)
+    assert any(f.startswith("process_0-of-2") for f in files)
+    assert any(f.startswith("process_1-of-2") for f in files)
