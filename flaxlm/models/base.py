@@ -43,7 +43,7 @@ def cross_entropy(
     log_z = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     xent = log_z - target_logit
-    z = z_loss * jnp.square(log_z)
+    z = z_loss * jnp.square(log_z) if z_loss else jnp.zeros_like(log_z)
     weights = weights.astype(jnp.float32)
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
     return jnp.sum((xent + z) * weights), jnp.sum(z * weights), jnp.sum(correct * weights)
