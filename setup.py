@@ -17,6 +17,9 @@ INSTALL_REQUIRES = [
     "tensorflow-cpu==2.21.0",
     "tensorflow-text==2.21.1",
     "tensorflow-datasets==4.9.10",
+    # tf.summary writes event files only when TensorBoard is installed; TF 2.21 no
+    # longer depends on it.
+    "tensorboard==2.21.0",
     "transformers==5.23.0",
     "safetensors==0.8.0",
     "etils[epath]",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 # TensorFlow is only the input pipeline here; keep its C++ start-up chatter out of the log.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -53,9 +54,26 @@ def _initialize_distributed() -> None:
         pass
 
 
+def _multiprocess() -> bool:
+    import jax
+
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _multiprocess():
+        # A normal exit waits at jax.distributed's shutdown barrier for peers that are
+        # themselves blocked in a collective waiting for this process: leave at once so
+        # that they see the connection drop and fail too, instead of hanging.
+        os._exit(code)
+    sys.exit(code)
+
+
 def _fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    _exit(2)
 
 
 def main(argv: list[str]) -> None:
@@ -90,6 +108,14 @@ def main(argv: list[str]) -> None:
         gin_utils.run()
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
+    except Exception:
+        if not _multiprocess():
+            raise
+        import jax
+
+        print(f"process {jax.process_index()} failed:", file=sys.stderr)
+        traceback.print_exc()
+        _exit(1)
     del gin
 
 

@@ -101,31 +101,51 @@ def build_device_mesh(
     devices: Sequence[Any],
     dcn_mesh_shape: Sequence[int] | None = None,
 ) -> np.ndarray:
-    """An array of devices shaped `mesh_shape` that follows the platform's topology."""
+    """An array of devices shaped `mesh_shape` that follows the platform's topology.
+
+    Each host's devices stay one block of the mesh (in row-major order) whenever the shape
+    allows, so that each host feeds one contiguous range of the batch (`data_layout`).
+    """
     platform = devices[0].platform
     if platform == "cpu":
         return np.asarray(devices, dtype=object).reshape(mesh_shape)
-    attr, num_granules = _granules(devices)
-    if dcn_mesh_shape is None:
-        if num_granules == 1 or (platform == "tpu" and attr == "process_index"):
-            # One TPU slice is one torus even across hosts: follow its coordinates.
-            return mesh_utils.create_device_mesh(mesh_shape, devices)
-        dcn_mesh_shape = split_dcn_shape(mesh_shape, num_granules)
-    dcn_mesh_shape = tuple(dcn_mesh_shape)
-    if len(dcn_mesh_shape) != len(mesh_shape) or any(
-        m % d for m, d in zip(mesh_shape, dcn_mesh_shape, strict=True)
-    ):
-        raise ValueError(
-            f"dcn_mesh_shape {dcn_mesh_shape} must divide mesh_shape {tuple(mesh_shape)} "
-            "axis by axis."
+
+    def hosts_in_blocks(mesh: np.ndarray) -> bool:
+        hosts = [d.process_index for d in mesh.flat]
+        runs = [h for i, h in enumerate(hosts) if i == 0 or h != hosts[i - 1]]
+        return len(runs) == len(set(runs))
+
+    def hybrid(dcn: Sequence[int], attr: str) -> np.ndarray:
+        dcn = tuple(dcn)
+        if len(dcn) != len(mesh_shape) or any(m % d for m, d in zip(mesh_shape, dcn, strict=True)):
+            raise ValueError(
+                f"dcn_mesh_shape {dcn} must divide mesh_shape {tuple(mesh_shape)} axis by axis."
+            )
+        ici_shape = tuple(m // d for m, d in zip(mesh_shape, dcn, strict=True))
+        return mesh_utils.create_hybrid_device_mesh(
+            ici_shape,
+            dcn,
+            devices,
+            process_is_granule=attr == "process_index",
+            allow_split_physical_axes=True,
         )
-    ici_shape = tuple(m // d for m, d in zip(mesh_shape, dcn_mesh_shape, strict=True))
-    return mesh_utils.create_hybrid_device_mesh(
-        ici_shape,
-        dcn_mesh_shape,
-        devices,
-        process_is_granule=attr == "process_index",
-    )
+
+    attr, num_granules = _granules(devices)
+    if dcn_mesh_shape is not None:
+        return hybrid(dcn_mesh_shape, attr)
+    num_hosts = len({d.process_index for d in devices})
+    if num_granules == 1 or (platform == "tpu" and attr == "process_index"):
+        # One TPU slice is one torus even across hosts: follow its coordinates (splitting a
+        # physical axis if the shape needs it), unless that interleaves the hosts.
+        mesh = mesh_utils.create_device_mesh(mesh_shape, devices, allow_split_physical_axes=True)
+        if hosts_in_blocks(mesh):
+            return mesh
+        return hybrid(split_dcn_shape(mesh_shape, num_hosts), "process_index")
+    mesh = hybrid(split_dcn_shape(mesh_shape, num_granules), attr)
+    if attr == "slice_index" and not hosts_in_blocks(mesh):
+        # Slices of several hosts each: hosts as the granules keep both blocks.
+        return hybrid(split_dcn_shape(mesh_shape, num_hosts), "process_index")
+    return mesh
 
 
 @dataclasses.dataclass(frozen=True)

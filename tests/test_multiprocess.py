@@ -5,6 +5,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -19,32 +21,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args_for, num_processes, devices_per_process, cwd, timeout=300):
+def launch(args_for, num_processes, devices_per_process, cwd, timeout=300, grace=120):
+    """Runs the processes to completion; once one fails, the rest get `grace` seconds."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     address = f"127.0.0.1:{free_port()}"
+    logs = [tempfile.TemporaryFile("w+") for _ in range(2 * num_processes)]
     procs = [
         subprocess.Popen(
             [sys.executable, *args_for(address, i)],
             cwd=cwd,
             env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdout=logs[2 * i],
+            stderr=logs[2 * i + 1],
             text=True,
         )
         for i in range(num_processes)
     ]
+    start = time.monotonic()
+    deadline = start + timeout
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + grace)
+        if time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            break
+        time.sleep(0.5)
     results = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        results.append((p.returncode, stdout, stderr))
+    for i, p in enumerate(procs):
+        p.wait()
+        out, err = logs[2 * i], logs[2 * i + 1]
+        out.seek(0)
+        err.seek(0)
+        results.append((p.returncode, out.read(), err.read()))
+        out.close()
+        err.close()
     return results
 
 
@@ -109,3 +123,37 @@ def test_two_process_training_run_completes(tmp_path, repo_dir):
     files = os.listdir(ckpt)
     assert any(f.startswith("process_0-of-2") for f in files)
     assert any(f.startswith("process_1-of-2") for f in files)
+
+
+@pytest.mark.slow
+def test_a_failure_on_one_process_stops_all_of_them(tmp_path, repo_dir):
+    """Process 0 fails at its first metrics write; nobody may hang waiting for it."""
+    start = time.monotonic()
+    results = launch(
+        lambda addr, i: [
+            "-m",
+            "flaxlm.main",
+            "--gin_file=gin/gptj_pretrain.gin",
+            f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
+            "--gin.TRAIN_STEPS=6",
+            "--gin.LOG_PERIOD=2",
+            "--gin.BATCH_SIZE=8",
+            "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+            "--gin.Partitioner.mesh_shape=(2, -1, 1)",
+            "--tasks_module=tests.crash_on_process_0",
+            f"--coordinator_address={addr}",
+            "--process_count=2",
+            f"--process_index={i}",
+        ],
+        num_processes=2,
+        devices_per_process=4,
+        cwd=repo_dir,
+        grace=150,
+    )
+    elapsed = time.monotonic() - start
+    (code0, _, err0), (code1, _, err1) = results
+    assert code0 == 1, err0[-3000:]
+    assert "process 0 failed" in err0 and "injected failure on process 0" in err0
+    # Killed by the harness would be -9; the peer must notice and exit on its own.
+    assert code1 not in (0, -9), (code1, err1[-3000:])
+    assert elapsed < 250, elapsed
