@@ -53,7 +53,8 @@ TARGET_RATIO = 0.97
 TARGET_INPUT_WAIT = 0.02
 RESULTS_HEADER = (
     "| date | command | machine | config | flaxlm ms/step | plain ms/step | ratio | "
-    "input wait | note |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    "torch ms/step | input wait | note |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
 Batch = Mapping[str, Any]
@@ -81,6 +82,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=("stdlib", "random"),
         default="stdlib",
         help="the fixed batch: the first stdlib_py batch, or random tokens",
+    )
+    p.add_argument(
+        "--torch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time HF's PyTorch GPTJForCausalLM with torch.optim.AdamW in each round",
     )
     p.add_argument("--note", default="", help="free text for the RESULTS.md row")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON here")
@@ -165,6 +172,60 @@ def make_plain_step(
     return step
 
 
+# ---------------------------------------------------------------------------- torch side
+
+
+class TorchSide:
+    """HF's PyTorch GPT-J of the same shape, trained with AdamW on the same tokens.
+
+    The reference point of the ground rules (a plain JAX step on these CPUs runs about 2x
+    slower than PyTorch). Its init differs from ours, so only its time is compared.
+    """
+
+    def __init__(self, args: argparse.Namespace, batch: Batch) -> None:
+        import torch
+        import transformers
+
+        torch.manual_seed(0)
+        torch.set_num_threads(os.cpu_count() or 1)
+        head_dim = args.hidden_size // args.num_heads
+        config = transformers.GPTJConfig(
+            vocab_size=VOCAB_SIZE,
+            n_positions=max(2048, args.seq_len),
+            n_embd=args.hidden_size,
+            n_layer=args.num_layers,
+            n_head=args.num_heads,
+            rotary_dim=min(32, head_dim - head_dim % 2),
+            activation_function="gelu_new",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=False,
+        )
+        self.torch = torch
+        self.model = transformers.GPTJForCausalLM(config).train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE)
+        self.inputs = torch.from_numpy(np.asarray(batch["decoder_input_tokens"], np.int64))
+        self.labels = torch.from_numpy(np.asarray(batch["decoder_target_tokens"], np.int64))
+        self.loss = float("nan")
+
+    def step(self) -> float:
+        logits = self.model(input_ids=self.inputs).logits
+        loss = self.torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), self.labels.flatten()
+        )
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        return float(loss.detach())
+
+    def run(self, n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            self.loss = self.step()
+        return time.perf_counter() - start
+
+
 # ---------------------------------------------------------------------------- measurement
 
 
@@ -209,9 +270,13 @@ class Sides:
 
 
 def measure_ratio(
-    sides: Sides, flaxlm_batch: Batch, plain_batch: Batch, args: argparse.Namespace
+    sides: Sides,
+    flaxlm_batch: Batch,
+    plain_batch: Batch,
+    args: argparse.Namespace,
+    torch_side: TorchSide | None = None,
 ) -> dict:
-    """Warm-up (compile), then R rounds of N flaxlm steps followed by N plain steps."""
+    """Warm-up (compile), then R rounds of N flaxlm steps, N plain steps (and N torch ones)."""
     start = time.perf_counter()
     sides.run_flaxlm(flaxlm_batch, 1)
     sides.run_plain(plain_batch, 1)
@@ -219,19 +284,32 @@ def measure_ratio(
     if args.warmup > 1:
         sides.run_flaxlm(flaxlm_batch, args.warmup - 1)
         sides.run_plain(plain_batch, args.warmup - 1)
-    print(f"  compiled and warmed up both steps in {time.perf_counter() - start:.1f}s", flush=True)
-    flaxlm_times, plain_times = [], []
+    if torch_side is not None:
+        torch_side.run(args.warmup)
+    print(f"  compiled and warmed up every step in {time.perf_counter() - start:.1f}s", flush=True)
+    flaxlm_times, plain_times, torch_times = [], [], []
     for r in range(args.repeats):
         flaxlm_times.append(sides.run_flaxlm(flaxlm_batch, args.steps) / args.steps)
         plain_times.append(sides.run_plain(plain_batch, args.steps) / args.steps)
-        print(
+        line = (
             f"  round {r + 1}/{args.repeats}: flaxlm {flaxlm_times[-1] * 1e3:.1f} ms/step, "
-            f"plain {plain_times[-1] * 1e3:.1f} ms/step",
-            flush=True,
+            f"plain {plain_times[-1] * 1e3:.1f} ms/step"
         )
+        if torch_side is not None:
+            torch_times.append(torch_side.run(args.steps) / args.steps)
+            line += f", torch {torch_times[-1] * 1e3:.1f} ms/step"
+        print(line, flush=True)
     flaxlm_median = statistics.median(flaxlm_times)
     plain_median = statistics.median(plain_times)
+    torch_result = {}
+    if torch_times:
+        torch_result = {
+            "torch_step_seconds": statistics.median(torch_times),
+            "torch_step_seconds_per_round": torch_times,
+            "torch_last_loss": torch_side.loss,
+        }
     return {
+        **torch_result,
         "flaxlm_step_seconds": flaxlm_median,
         "plain_step_seconds": plain_median,
         "ratio": plain_median / flaxlm_median,
@@ -318,6 +396,15 @@ def print_report(results: dict) -> None:
             f"target >= {TARGET_RATIO}: {ok(ratio['ratio'] >= TARGET_RATIO)}",
         ),
     ]
+    if "torch_step_seconds" in ratio:
+        torch_s = ratio["torch_step_seconds"]
+        rows.append(
+            (
+                "PyTorch (HF GPTJ) step",
+                f"{ms(torch_s)} ms/step",
+                f"torch / flaxlm = {torch_s / ratio['flaxlm_step_seconds']:.3f}",
+            )
+        )
     if loop:
         rows += [
             ("loop with input", f"{ms(loop['loop_step_seconds'])} ms/step", ""),
@@ -359,6 +446,9 @@ def markdown_row(results: dict, args: argparse.Namespace) -> str:
         ms(results["ratio"]["flaxlm_step_seconds"]),
         ms(results["ratio"]["plain_step_seconds"]),
         f"{results['ratio']['ratio']:.3f}",
+        ms(results["ratio"]["torch_step_seconds"])
+        if "torch_step_seconds" in results["ratio"]
+        else "-",
         wait,
         args.note,
     ]
@@ -411,8 +501,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "jax_version": jax.__version__,
         "devices": jax.device_count(),
     }
-    print("Alternating flaxlm and plain steps:", flush=True)
-    results["ratio"] = measure_ratio(sides, flaxlm_batch, plain_batch, args)
+    torch_side = TorchSide(args, batch) if args.torch else None
+    print(
+        "Alternating flaxlm, plain" + (" and torch" if args.torch else "") + " steps:", flush=True
+    )
+    results["ratio"] = measure_ratio(sides, flaxlm_batch, plain_batch, args, torch_side)
     if args.input_steps > 0:
         print(f"Training loop over stdlib_py for {args.input_steps} steps:", flush=True)
         results["input"] = measure_input_wait(sides, iterator, args)
