@@ -100,10 +100,22 @@ class Checkpointer:
     def restore(self, step: int, abstract_state: Any, data_iterator: Any | None = None) -> Any:
         """Restores `step` onto the shardings carried by `abstract_state` (ShapeDtypeStructs)."""
         items = {"state": ocp.args.StandardRestore(abstract_state)}
-        if data_iterator is not None:
+        # A checkpoint written by an import (hf.import_checkpoint) has no iterator position:
+        # the data then starts from the beginning.
+        if data_iterator is not None and (self.directory / str(step) / "dataset").exists():
             items["dataset"] = DatasetArgs(data_iterator)
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         return restored["state"]
+
+    def restore_params(self, step: int, abstract_params: Any) -> Any:
+        """Only the params of the train state at `step`, placed as `abstract_params` say."""
+        args = ocp.args.PyTreeRestore(
+            item={"params": abstract_params},
+            restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract_params}),
+            partial_restore=True,
+        )
+        restored = self._manager.restore(step, args=ocp.args.Composite(state=args))
+        return restored["state"]["params"]
 
     def restore_latest(
         self, abstract_state: Any, data_iterator: Any | None = None

@@ -7,7 +7,8 @@ and the loss that trains it. Families differ only in their module (see `gptj.py`
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import flax.linen as nn
@@ -26,6 +27,8 @@ class ModuleConfig(Protocol):
     """What a family's config offers the model: its module and its FLOP count."""
 
     max_position_embeddings: int
+    vocab_size: int  # the logits' width (may be padded past the real vocabulary)
+    real_vocab_size: int | None  # ids at or above this are padding and never predicted
 
     def make_module(self) -> nn.Module: ...
 
@@ -53,6 +56,7 @@ class BaseModel(abc.ABC):
     """Loss, logits and parameter layout of one module; DESIGN.md's model seam."""
 
     FEATURE_CONVERTER_CLS: type[seqio.FeatureConverter]
+    TASK_FEATURES: tuple[str, ...] = ("targets",)  # the task features the converter reads
 
     def __init__(self, config: ModuleConfig, *, z_loss: float = 0.0):
         self.config = config
@@ -78,6 +82,12 @@ class BaseModel(abc.ABC):
         """Fresh params (plain arrays). Works under `jax.eval_shape` and `jax.jit`."""
         return nn.unbox(self._boxed_init(rng, batch_shapes))
 
+    def example_batch_shapes(self, length: int = 8, batch: int = 1) -> dict[str, tuple[int, int]]:
+        """Model-feature shapes for `length`-long task features (enough to build params)."""
+        converter = self.FEATURE_CONVERTER_CLS(pack=False)
+        lengths = converter.get_model_feature_lengths({k: length for k in self.TASK_FEATURES})
+        return {k: (batch, v) for k, v in lengths.items()}
+
     def params_axes(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> Any:
         """Tree of PartitionSpecs of logical axis names, one per param."""
         boxed = jax.eval_shape(lambda: self._boxed_init(jax.random.PRNGKey(0), batch_shapes))
@@ -97,7 +107,7 @@ class BaseModel(abc.ABC):
         Passing the global weight sum as `normalizer` makes microbatches add up to the
         full-batch loss exactly. Metrics are sums, so they also add across microbatches.
         """
-        logits = self._apply(params, batch, rng=rng)
+        logits = self._logits(params, batch, rng)
         targets, weights = self.targets_and_weights(batch)
         loss_sum, z_sum, correct_sum = cross_entropy(logits, targets, weights, self.z_loss)
         weight_sum = jnp.sum(weights.astype(jnp.float32))
@@ -113,7 +123,16 @@ class BaseModel(abc.ABC):
 
     def compute_logits(self, params: Params, batch: Batch) -> Array:
         """float32 logits `[batch, length, vocab]` (deterministic: no dropout)."""
-        return self._apply(params, batch, rng=None).astype(jnp.float32)
+        return self._logits(params, batch, None)
+
+    def _logits(self, params: Params, batch: Batch, rng: Array | None) -> Array:
+        logits = self._apply(params, batch, rng=rng).astype(jnp.float32)
+        real = getattr(self.config, "real_vocab_size", None)
+        if real is not None and real < logits.shape[-1]:
+            # Rows padded onto the vocabulary (for sharding) never win or take probability.
+            ids = jnp.arange(logits.shape[-1])
+            logits = jnp.where(ids < real, logits, jnp.finfo(jnp.float32).min)
+        return logits
 
     @abc.abstractmethod
     def targets_and_weights(self, batch: Batch) -> tuple[Array, Array]: ...
@@ -174,3 +193,66 @@ def batch_shapes_from(feature_lengths: Mapping[str, int], batch_size: int) -> di
 
 def dummy_numpy_batch(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     return {k: np.zeros(v, np.int32) for k, v in shapes.items()}
+
+
+# ------------------------------------------------------------------ HuggingFace name mapping
+# Each family file describes how its params correspond to a HuggingFace checkpoint's
+# tensors with these plain records; `flaxlm/hf.py` does the reading, placing and writing.
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One param <-> one HF tensor.
+
+    `param` is the param's path joined by '/', `hf` the HF tensor name; a `{i}` in both is
+    repeated for i in range(layers) (hf.py stacks them when the model scans its layers).
+    The HF tensor is the param reshaped to 2-D after its first `split` axes (to 1-D when
+    `split` is None), transposed when `transpose` (torch `Linear` stores [out, in]).
+    `vocab_axis` is the param axis that hf.py pads to the model's `vocab_size`.
+    `to_flax` / `to_hf` (numpy -> numpy) replace the reshape rule where it is not enough.
+    """
+
+    param: str
+    hf: str
+    split: int | None = None
+    transpose: bool = False
+    layers: int = 0
+    vocab_axis: int | None = None
+    to_flax: Callable[[np.ndarray, tuple[int, ...]], np.ndarray] | None = None
+    to_hf: Callable[[np.ndarray], np.ndarray] | None = None
+
+
+def linear(param: str, hf: str, split: int = 1, **kw: Any) -> HFTensor:
+    """A torch `nn.Linear` weight ([out, in]) for a kernel whose first `split` axes are in."""
+    return HFTensor(param, hf, split=split, transpose=True, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class HFSpec:
+    """How one family reads and writes HuggingFace checkpoints.
+
+    config_from_hf: HF config.json dict (+ keyword overrides) -> the family's config, with
+      the real vocabulary size (hf.py pads it).
+    config_to_hf: the family's config -> HF config.json dict (with `model_type` and
+      `architectures`), for the real vocabulary size.
+    tensors: config -> the HFTensor records covering every param exactly once.
+    ignore: regular expressions of HF tensor names that have no param (buffers, tied copies).
+    """
+
+    model_types: tuple[str, ...]
+    config_cls: type
+    model_cls: Callable[[Any], BaseModel]
+    config_from_hf: Callable[..., Any]
+    config_to_hf: Callable[[Any], dict[str, Any]]
+    tensors: Callable[[Any], list[HFTensor]]
+    ignore: tuple[str, ...] = ()
+    auto_class: str = "AutoModelForCausalLM"  # the transformers class that loads an export
+
+
+HF_SPECS: dict[str, HFSpec] = {}
+
+
+def register_hf(spec: HFSpec) -> HFSpec:
+    for model_type in spec.model_types:
+        HF_SPECS[model_type] = spec
+    return spec

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from flaxlm.models import layers
+from flaxlm.models.base import DecoderOnlyModel, HFSpec, HFTensor, linear, register_hf
 
 Array = jax.Array
 
@@ -24,6 +25,7 @@ class GPTJConfig:
     """GPT-J hyper-parameters (HF names where they exist) and compute options."""
 
     vocab_size: int = 50400  # HF pads GPT-J's 50257 tokens to 50400
+    real_vocab_size: int | None = None  # ids from here up are padding (None: all real)
     hidden_size: int = 4096  # HF: n_embd
     num_layers: int = 28  # HF: n_layer
     num_heads: int = 16  # HF: n_head
@@ -174,3 +176,80 @@ class GPTJ(nn.Module):
             name="lm_head",
         )(x)
         return layers.constrain(logits, ("batch", "length", "vocab"))
+
+
+# ------------------------------------------------------------------ HuggingFace
+
+
+def config_from_hf(hf: dict, **overrides) -> GPTJConfig:
+    kwargs = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["n_embd"],
+        num_layers=hf["n_layer"],
+        num_heads=hf["n_head"],
+        rotary_dim=hf.get("rotary_dim") or hf["n_embd"] // hf["n_head"],
+        intermediate_size=hf.get("n_inner"),
+        max_position_embeddings=hf["n_positions"],
+        layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+        activation=hf.get("activation_function", "gelu_new"),
+    )
+    kwargs.update(overrides)
+    return GPTJConfig(**kwargs)
+
+
+def config_to_hf(cfg: GPTJConfig) -> dict:
+    return {
+        "model_type": "gptj",
+        "architectures": ["GPTJForCausalLM"],
+        "vocab_size": cfg.real_vocab_size or cfg.vocab_size,
+        "n_embd": cfg.hidden_size,
+        "n_layer": cfg.num_layers,
+        "n_head": cfg.num_heads,
+        "rotary_dim": cfg.rotary_dim,
+        "n_inner": cfg.intermediate_size,
+        "n_positions": cfg.max_position_embeddings,
+        "layer_norm_epsilon": cfg.layer_norm_epsilon,
+        "activation_function": cfg.activation,
+        "tie_word_embeddings": False,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    }
+
+
+def hf_tensors(cfg: GPTJConfig) -> list[HFTensor]:
+    n = cfg.num_layers
+    block = [
+        HFTensor("h_{i}/ln_1/scale", "transformer.h.{i}.ln_1.weight", layers=n),
+        HFTensor("h_{i}/ln_1/bias", "transformer.h.{i}.ln_1.bias", layers=n),
+        *(
+            linear(f"h_{{i}}/{p}/kernel", f"transformer.h.{{i}}.attn.{p}.weight", layers=n)
+            for p in ("q_proj", "k_proj", "v_proj")
+        ),
+        linear("h_{i}/out_proj/kernel", "transformer.h.{i}.attn.out_proj.weight", 2, layers=n),
+        linear("h_{i}/fc_in/kernel", "transformer.h.{i}.mlp.fc_in.weight", layers=n),
+        HFTensor("h_{i}/fc_in/bias", "transformer.h.{i}.mlp.fc_in.bias", layers=n),
+        linear("h_{i}/fc_out/kernel", "transformer.h.{i}.mlp.fc_out.weight", layers=n),
+        HFTensor("h_{i}/fc_out/bias", "transformer.h.{i}.mlp.fc_out.bias", layers=n),
+    ]
+    return [
+        HFTensor("wte/embedding", "transformer.wte.weight", split=1, vocab_axis=0),
+        *block,
+        HFTensor("ln_f/scale", "transformer.ln_f.weight"),
+        HFTensor("ln_f/bias", "transformer.ln_f.bias"),
+        linear("lm_head/kernel", "lm_head.weight", vocab_axis=1),
+        HFTensor("lm_head/bias", "lm_head.bias", vocab_axis=0),
+    ]
+
+
+HF_SPEC = register_hf(
+    HFSpec(
+        model_types=("gptj",),
+        config_cls=GPTJConfig,
+        model_cls=DecoderOnlyModel,
+        config_from_hf=config_from_hf,
+        config_to_hf=config_to_hf,
+        tensors=hf_tensors,
+        ignore=(r"\.attn\.(bias|masked_bias)$",),
+    )
+)

@@ -133,11 +133,39 @@ class LayerNorm(nn.Module):
         return y.astype(as_dtype(self.dtype))
 
 
+class RMSNorm(nn.Module):
+    """RMS normalisation in float32 (Llama, T5, Gemma): no mean, no bias.
+
+    `scale_plus_one` multiplies by `1 + scale` with the param initialised at zero (Gemma).
+    """
+
+    epsilon: float = 1e-6
+    scale_plus_one: bool = False
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        init = nn.initializers.zeros if self.scale_plus_one else nn.initializers.ones
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(init, ("embed",)),
+            (x.shape[-1],),
+            as_dtype(self.param_dtype),
+        )
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.epsilon)
+        scale = scale.astype(jnp.float32)
+        y = y * (1.0 + scale if self.scale_plus_one else scale)
+        return y.astype(as_dtype(self.dtype))
+
+
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
     "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
     "gelu": functools.partial(jax.nn.gelu, approximate=False),
     "relu": jax.nn.relu,
     "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
 }
 
 
@@ -180,12 +208,30 @@ def attention_mask(
     length: int,
     *,
     causal: bool = True,
+    sliding_window: int | None = None,
+    kv_segment_ids: Array | None = None,
+    kv_length: int | None = None,
 ) -> Array:
-    """Boolean `[batch, 1, q_len, kv_len]`: causal, and never across packed segments."""
-    mask = jnp.ones((batch, 1, length, length), dtype=bool)
+    """Boolean `[batch, 1, q_len, kv_len]`: causal, and never across packed segments.
+
+    `sliding_window` W lets a query see only the W most recent positions (itself included,
+    Mistral). `kv_segment_ids` / `kv_length` describe keys that are not the queries
+    (cross-attention); then segment ids pair queries with keys of the same segment, and
+    padding (segment 0) is never attended.
+    """
+    kv_len = length if kv_length is None else kv_length
+    mask = jnp.ones((batch, 1, length, kv_len), dtype=bool)
+    q_pos = jnp.arange(length)[:, None]
+    k_pos = jnp.arange(kv_len)[None, :]
     if causal:
-        mask = mask & jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
-    if segment_ids is not None:
+        mask = mask & (k_pos <= q_pos)[None, None]
+    if sliding_window is not None:
+        mask = mask & (q_pos - k_pos < sliding_window)[None, None]
+    if kv_segment_ids is not None:
+        q_seg = jnp.ones((batch, length), jnp.int32) if segment_ids is None else segment_ids
+        same = (q_seg[:, :, None] == kv_segment_ids[:, None, :]) & (kv_segment_ids > 0)[:, None]
+        mask = mask & same[:, None]
+    elif segment_ids is not None:
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
         mask = mask & same[:, None]
     return mask
@@ -197,14 +243,17 @@ def dot_product_attention(
     value: Array,
     mask: Array | None = None,
     *,
+    bias: Array | None = None,
     scale: float | None = None,
     dtype: Dtype = jnp.float32,
 ) -> Array:
     """Softmax attention in float32; grouped-query when key has fewer heads than query.
 
     query: [batch, q_len, heads, head_dim]; key, value: [batch, kv_len, kv_heads, head_dim];
-    mask: bool, broadcastable to [batch, heads, q_len, kv_len]. Returns [batch, q_len, heads,
-    head_dim] in `dtype`.
+    mask: bool, broadcastable to [batch, heads, q_len, kv_len]; bias: added to the scaled
+    scores, broadcastable to [batch, heads, q_len, kv_len] (T5's relative positions);
+    scale: default head_dim**-0.5 (T5 uses 1.0). Returns [batch, q_len, heads, head_dim]
+    in `dtype`.
     """
     b, q_len, heads, head_dim = query.shape
     kv_heads = key.shape[2]
@@ -214,6 +263,9 @@ def dot_product_attention(
     # [batch, kv_heads, groups, q_len, kv_len]
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, key, preferred_element_type=jnp.float32)
     scores = scores.astype(jnp.float32) * scale
+    if bias is not None:
+        bias = jnp.broadcast_to(bias.astype(jnp.float32), (b, heads, q_len, key.shape[1]))
+        scores = scores + bias.reshape(b, kv_heads, groups, q_len, key.shape[1])
     if mask is not None:
         mask = jnp.broadcast_to(mask, (b, heads, q_len, key.shape[1]))
         mask = mask.reshape(b, kv_heads, groups, q_len, key.shape[1])

@@ -1,0 +1,467 @@
+"""HuggingFace checkpoints in and out: config.json + safetensors <-> sharded params.
+
+Each family file registers an `HFSpec` (models/base.py) saying how its config and params
+correspond to HF's. Reading places every tensor straight onto its sharding, one tensor and
+one device shard at a time (`jax.make_array_from_callback` over a memory-mapped safetensors
+read), so a checkpoint larger than one device's memory loads. Writing gathers one param at
+a time on the host and writes safetensors shards (with an index past `max_shard_size`) that
+`transformers` loads as is.
+
+    model, params = hf.from_pretrained("/path/to/hf_dir", partitioner)
+    hf.save_pretrained(model, params, "/path/to/out_dir")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+from flax import traverse_util
+from jax.sharding import SingleDeviceSharding
+
+import flaxlm.models  # noqa: F401  (registers every family's HFSpec)
+from flaxlm.models.base import HF_SPECS, BaseModel, HFSpec, HFTensor
+from flaxlm.partitioning import Partitioner
+
+Params = Any
+VOCAB_MULTIPLE = 128
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+# ------------------------------------------------------------------------ families
+
+
+def spec_for_model_type(model_type: str) -> HFSpec:
+    if model_type not in HF_SPECS:
+        raise ValueError(
+            f"config.json has model_type {model_type!r}, which flaxlm does not know; "
+            f"known: {sorted(HF_SPECS)}."
+        )
+    return HF_SPECS[model_type]
+
+
+def spec_for_config(config: Any) -> HFSpec:
+    for spec in HF_SPECS.values():
+        if isinstance(config, spec.config_cls):
+            return spec
+    raise ValueError(f"No HuggingFace mapping for {type(config).__name__}.")
+
+
+def read_hf_config(path: str | epath.Path) -> dict[str, Any]:
+    file = epath.Path(path) / "config.json"
+    if not file.exists():
+        raise FileNotFoundError(f"{file} not found: a HuggingFace checkpoint directory needs one.")
+    return json.loads(file.read_text())
+
+
+def padded_vocab_size(vocab_size: int, partitioner: Partitioner | None = None) -> int:
+    """`vocab_size` rounded up to a multiple of 128 and of the `tensor` axis size."""
+    multiple = VOCAB_MULTIPLE
+    if partitioner is not None:
+        sizes = dict(zip(partitioner.mesh_axis_names, partitioner.mesh_shape, strict=True))
+        multiple = math.lcm(multiple, sizes.get("tensor", 1))
+    return -(-vocab_size // multiple) * multiple
+
+
+def config_from_hf_dict(
+    hf_config: Mapping[str, Any],
+    partitioner: Partitioner | None = None,
+    dtype: Any = None,
+    **overrides: Any,
+) -> tuple[HFSpec, Any]:
+    """The family spec and its config for an HF config.json dict, vocabulary padded."""
+    spec = spec_for_model_type(hf_config.get("model_type", "<missing>"))
+    config = spec.config_from_hf(dict(hf_config))
+    real = config.vocab_size
+    options: dict[str, Any] = {}
+    if dtype is not None:
+        names = {f.name for f in dataclasses.fields(config)}
+        options = {k: jnp.dtype(dtype).name for k in ("dtype", "param_dtype") if k in names}
+    options.update(vocab_size=padded_vocab_size(real, partitioner), real_vocab_size=real)
+    options.update(overrides)
+    return spec, dataclasses.replace(config, **options)
+
+
+# ------------------------------------------------------------------------ tensors
+
+
+def _expand(tensors: Sequence[HFTensor], scan: bool) -> dict[str, tuple[HFTensor, list[str]]]:
+    """Param path -> (record, HF names), one name per layer for stacked (scanned) params."""
+    out: dict[str, tuple[HFTensor, list[str]]] = {}
+    for t in tensors:
+        if t.layers == 0:
+            out[t.param] = (t, [t.hf])
+        elif scan:
+            # `name_{i}/rest` unrolled is `name/block/rest` scanned, layers on axis 0.
+            out[re.sub(r"_\{i\}", "/block", t.param, count=1)] = (
+                t,
+                [t.hf.format(i=i) for i in range(t.layers)],
+            )
+        else:
+            for i in range(t.layers):
+                out[t.param.format(i=i)] = (t, [t.hf.format(i=i)])
+    return out
+
+
+def _hf_layout(t: HFTensor, array: np.ndarray) -> np.ndarray:
+    """A param (one layer, vocabulary unpadded) in HF's layout."""
+    if t.to_hf is not None:
+        return t.to_hf(array)
+    shape = array.shape
+    if t.split is None:
+        out = array.reshape(-1)
+    else:
+        out = array.reshape(math.prod(shape[: t.split]), math.prod(shape[t.split :]))
+    return out.T if t.transpose else out
+
+
+def _flax_layout(t: HFTensor, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """An HF tensor in the param's layout (one layer, vocabulary unpadded)."""
+    if t.to_flax is not None:
+        return t.to_flax(array, shape)
+    if t.transpose:
+        array = array.T
+    return array.reshape(shape)
+
+
+def _hf_shape(t: HFTensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return _hf_layout(t, np.broadcast_to(np.zeros((), np.float32), shape)).shape
+
+
+class SafetensorsReader:
+    """Memory-mapped access to the tensors of a (possibly sharded) safetensors checkpoint."""
+
+    def __init__(self, path: str | epath.Path):
+        from safetensors import safe_open
+
+        root = epath.Path(path)
+        index = root / INDEX_FILE
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in root.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(
+                    f"No *.safetensors in {root}; flaxlm reads HF checkpoints in safetensors "
+                    "(save with `save_pretrained(..., safe_serialization=True)`)."
+                )
+        self._handles = {f: safe_open(str(root / f), framework="numpy") for f in files}
+        self.file_of: dict[str, str] = {}
+        for f, handle in self._handles.items():
+            for name in handle.keys():
+                self.file_of[name] = f
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
+
+    def read(self, name: str) -> np.ndarray:
+        return self._handles[self.file_of[name]].get_tensor(name)
+
+
+def _check_tensors(
+    spec: HFSpec,
+    expanded: Mapping[str, tuple[HFTensor, list[str]]],
+    shapes: Mapping[str, tuple[int, ...]],
+    reader: SafetensorsReader,
+    real_vocab: int,
+    path: Any,
+) -> None:
+    """Every mapped tensor present with the shape the config implies; nothing left over."""
+    used = set()
+    for param, (t, names) in expanded.items():
+        if param not in shapes:
+            raise ValueError(f"{type(spec).__name__} maps {param!r}, which the model lacks.")
+        stacked = t.layers > 0 and param.count("/block/") and len(names) == t.layers
+        layer_shape = list(shapes[param][1:] if stacked else shapes[param])
+        if t.vocab_axis is not None:
+            layer_shape[t.vocab_axis] = real_vocab
+        want = _hf_shape(t, tuple(layer_shape))
+        for name in names:
+            if name not in reader.file_of:
+                raise ValueError(
+                    f"{path}: tensor {name!r} is missing; the checkpoint does not match its "
+                    "config.json."
+                )
+            got = reader.shape(name)
+            if got != want:
+                raise ValueError(
+                    f"{path}: tensor {name!r} has shape {got}, but config.json implies {want}."
+                )
+            used.add(name)
+    missing = sorted(set(shapes) - set(expanded))
+    if missing:
+        raise ValueError(f"The HF mapping of {spec.model_types[0]} does not cover {missing}.")
+    ignore = [re.compile(p) for p in spec.ignore]
+    extra = sorted(
+        n for n in reader.file_of if n not in used and not any(p.search(n) for p in ignore)
+    )
+    if extra:
+        raise ValueError(
+            f"{path}: tensors {extra[:5]}{' ...' if len(extra) > 5 else ''} have no place in a "
+            f"{spec.model_types[0]} model with this config.json (more layers than num_layers?)."
+        )
+
+
+def _param_shardings(
+    model: BaseModel, shapes: Any, partitioner: Partitioner | None, batch_shapes: Any
+) -> Any:
+    if partitioner is None:
+        device = SingleDeviceSharding(jax.local_devices()[0])
+        return jax.tree.map(lambda _: device, shapes)
+    return partitioner.sharding(model.params_axes(batch_shapes))
+
+
+def _shard_reader(
+    reader: SafetensorsReader,
+    t: HFTensor,
+    names: Sequence[str],
+    aval: Any,
+    stacked: bool,
+    real_vocab: int,
+) -> Any:
+    """The `make_array_from_callback` callback of one param: index -> that shard's values."""
+    layer_shape = tuple(aval.shape[1:] if stacked else aval.shape)
+    unpadded = list(layer_shape)
+    if t.vocab_axis is not None:
+        unpadded[t.vocab_axis] = real_vocab
+
+    def layer(i: int) -> np.ndarray:
+        array = _flax_layout(t, reader.read(names[i]), tuple(unpadded))
+        if t.vocab_axis is not None and layer_shape[t.vocab_axis] > real_vocab:
+            pad = [(0, 0)] * array.ndim
+            pad[t.vocab_axis] = (0, layer_shape[t.vocab_axis] - real_vocab)
+            array = np.pad(array, pad)
+        return array
+
+    def callback(index: tuple[slice, ...]) -> np.ndarray:
+        if not stacked:
+            return np.asarray(layer(0)[index], aval.dtype)
+        return np.stack(
+            [np.asarray(layer(i)[index[1:]], aval.dtype) for i in range(len(names))[index[0]]]
+        )
+
+    return callback
+
+
+def load_params(
+    model: BaseModel,
+    path: str | epath.Path,
+    partitioner: Partitioner | None = None,
+    shardings: Any = None,
+) -> Params:
+    """The params of `model` read from an HF checkpoint, each placed on its sharding.
+
+    `shardings` (a tree like the params) wins over `partitioner`; with neither, the params
+    go to the first local device. The model's vocabulary may be larger than the checkpoint's
+    (padding rows are zeros).
+    """
+    spec = spec_for_config(model.config)
+    batch_shapes = model.example_batch_shapes()
+    abstract = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0), batch_shapes))
+    if shardings is None:
+        shardings = _param_shardings(model, abstract, partitioner, batch_shapes)
+    flat_abstract = traverse_util.flatten_dict(abstract, sep="/")
+    flat_shardings = traverse_util.flatten_dict(shardings, sep="/")
+    shapes = {k: tuple(v.shape) for k, v in flat_abstract.items()}
+    scan = bool(getattr(model.config, "scan_layers", False))
+    expanded = _expand(spec.tensors(model.config), scan)
+    reader = SafetensorsReader(path)
+    real_vocab = model.config.real_vocab_size or model.config.vocab_size
+    _check_tensors(spec, expanded, shapes, reader, real_vocab, path)
+
+    flat_params = {}
+    for param, (t, names) in expanded.items():
+        aval = flat_abstract[param]
+        stacked = t.layers > 0 and scan
+        callback = _shard_reader(reader, t, names, aval, stacked, real_vocab)
+        flat_params[param] = jax.make_array_from_callback(
+            aval.shape, flat_shardings[param], callback
+        )
+    return traverse_util.unflatten_dict(flat_params, sep="/")
+
+
+def from_pretrained(
+    path: str | epath.Path,
+    partitioner: Partitioner | None = None,
+    dtype: Any = jnp.float32,
+    **config_overrides: Any,
+) -> tuple[BaseModel, Params]:
+    """`(model, params)` from a local HF directory (config.json + *.safetensors).
+
+    The family comes from config.json's `model_type`; `dtype` sets both the compute and the
+    param dtype; `config_overrides` set other config fields (e.g. `scan_layers=True`).
+    """
+    hf_config = read_hf_config(path)
+    spec, config = config_from_hf_dict(hf_config, partitioner, dtype, **config_overrides)
+    model = spec.model_cls(config)
+    return model, load_params(model, path, partitioner)
+
+
+# ------------------------------------------------------------------------ writing
+
+
+def _host_array(x: jax.Array) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def hf_state_dict(model: BaseModel, params: Params) -> Iterator[tuple[str, np.ndarray]]:
+    """`(HF name, numpy tensor)` for every param, vocabulary padding removed."""
+    spec = spec_for_config(model.config)
+    scan = bool(getattr(model.config, "scan_layers", False))
+    flat = traverse_util.flatten_dict(params, sep="/")
+    real_vocab = model.config.real_vocab_size or model.config.vocab_size
+    for param, (t, names) in _expand(spec.tensors(model.config), scan).items():
+        array = _host_array(flat[param])
+        layers = list(array) if t.layers and scan else [array]
+        for name, layer in zip(names, layers, strict=True):
+            if t.vocab_axis is not None:
+                layer = np.take(layer, np.arange(real_vocab), axis=t.vocab_axis)
+            yield name, np.ascontiguousarray(_hf_layout(t, layer))
+
+
+def hf_config_dict(model: BaseModel, dtype: Any = None) -> dict[str, Any]:
+    spec = spec_for_config(model.config)
+    out = spec.config_to_hf(model.config)
+    out["vocab_size"] = model.config.real_vocab_size or model.config.vocab_size
+    out["torch_dtype"] = jnp.dtype(dtype or jnp.float32).name
+    return out
+
+
+def save_pretrained(
+    model: BaseModel,
+    params: Params,
+    out_dir: str | epath.Path,
+    *,
+    max_shard_size: int = 5 * 2**30,
+    dtype: Any = None,
+) -> None:
+    """Writes `config.json` and safetensors (sharded with an index past `max_shard_size`).
+
+    `dtype` casts every tensor (default: as stored). All processes must call this (params
+    spread over hosts are gathered); process 0 writes.
+    """
+    from safetensors.numpy import save_file
+
+    out = epath.Path(out_dir)
+    write = jax.process_index() == 0
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    sizes = [0]
+    for name, tensor in hf_state_dict(model, params):
+        if dtype is not None:
+            tensor = tensor.astype(jnp.dtype(dtype))
+        if sizes[-1] and sizes[-1] + tensor.nbytes > max_shard_size:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = tensor
+        sizes[-1] += tensor.nbytes
+    if not write:
+        return
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out / SINGLE_FILE), metadata=metadata)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / fname), metadata=metadata)
+            weight_map.update({name: fname for name in shard})
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    config = hf_config_dict(model, dtype or next(iter(shards[0].values())).dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+# ------------------------------------------------------------------------ runs
+
+
+@gin.configurable
+def import_checkpoint(
+    *,
+    hf_dir: str = gin.REQUIRED,
+    model_dir: str = gin.REQUIRED,
+    partitioner: Partitioner | None = None,
+    dtype: str = "float32",
+) -> None:
+    """Run function: HF directory -> flaxlm params checkpoint (step 0) in `model_dir`.
+
+    Writes `model_dir/checkpoints/0` (params only) and `model_dir/hf_config.json`; a
+    training run over that `model_dir` with `INIT_FROM_HF` unset starts from it.
+    """
+    from flaxlm import checkpoints
+
+    partitioner = partitioner or Partitioner()
+    model, params = from_pretrained(hf_dir, partitioner, jnp.dtype(dtype))
+    out = epath.Path(model_dir)
+    ckpt = checkpoints.Checkpointer(model_dir)
+    ckpt.save_params(0, params)
+    ckpt.wait()
+    if jax.process_index() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "hf_config.json").write_text(json.dumps(hf_config_dict(model), indent=2))
+    print(f"Imported {hf_dir} ({model.config.__class__.__name__}) into {ckpt.directory}.")
+
+
+@gin.configurable
+def export_checkpoint(
+    *,
+    model_dir: str = gin.REQUIRED,
+    out_dir: str = gin.REQUIRED,
+    model: BaseModel | None = None,
+    partitioner: Partitioner | None = None,
+    step: int | None = None,
+    dtype: str | None = None,
+) -> None:
+    """Run function: the params of a flaxlm checkpoint -> an HF directory.
+
+    The model is the bound one, else the one recorded in `model_dir/hf_config.json`.
+    `step` defaults to the latest checkpoint.
+    """
+    from flaxlm import checkpoints
+
+    partitioner = partitioner or Partitioner()
+    if model is None:
+        model = model_from_hf_config(epath.Path(model_dir) / "hf_config.json", partitioner)
+    batch_shapes = model.example_batch_shapes()
+    abstract = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0), batch_shapes))
+    shardings = partitioner.sharding(model.params_axes(batch_shapes))
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    ckpt = checkpoints.Checkpointer(model_dir)
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise ValueError(f"No checkpoint in {ckpt.directory} to export.")
+    params = ckpt.restore_params(step, abstract)
+    save_pretrained(model, params, out_dir, dtype=dtype)
+    print(f"Exported step {step} of {ckpt.directory} to {out_dir}.")
+
+
+def model_from_hf_config(
+    file: str | epath.Path, partitioner: Partitioner | None = None, **overrides: Any
+) -> BaseModel:
+    """A model for the HF config.json at `file` (vocabulary padded for `partitioner`)."""
+    file = epath.Path(file)
+    if not file.exists():
+        raise ValueError(
+            f"{file} not found: bind the model (include its gin/models/ file) to export a "
+            "checkpoint that was not imported from HuggingFace."
+        )
+    spec, config = config_from_hf_dict(json.loads(file.read_text()), partitioner, **overrides)
+    return spec.model_cls(config)
