@@ -8,6 +8,7 @@ with the *current* partitioner's shardings, so a run saved on one mesh resumes o
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -79,7 +80,7 @@ class Checkpointer:
             create=True,
         )
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "dataset", "config")
+            self.directory, options=options, item_names=("state", "dataset", "config", "params")
         )
 
     def latest_step(self) -> int | None:
@@ -97,18 +98,43 @@ class Checkpointer:
             items["dataset"] = DatasetArgs(data_iterator)
         return self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-    def restore(self, step: int, abstract_state: Any, data_iterator: Any | None = None) -> Any:
-        """Restores `step` onto the shardings carried by `abstract_state` (ShapeDtypeStructs)."""
+    def save_params(self, step: int, params: Any) -> bool:
+        """A params-only checkpoint (an import): training from it starts a fresh optimizer."""
+        return self._manager.save(
+            step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)), force=True
+        )
+
+    def is_params_only(self, step: int) -> bool:
+        step_dir = self.directory / str(step)
+        return (step_dir / "params").exists() and not (step_dir / "state").exists()
+
+    def restore(
+        self,
+        step: int,
+        abstract_state: Any,
+        data_iterator: Any | None = None,
+        from_params: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """Restores `step` onto the shardings carried by `abstract_state` (ShapeDtypeStructs).
+
+        A params-only checkpoint becomes a state through `from_params(params)`.
+        """
+        if self.is_params_only(step):
+            if from_params is None:
+                raise ValueError(f"{self.directory}/{step} holds params only, not a train state.")
+            return from_params(self.restore_params(step, abstract_state.params))
         items = {"state": ocp.args.StandardRestore(abstract_state)}
-        # A checkpoint written by an import (hf.import_checkpoint) has no iterator position:
-        # the data then starts from the beginning.
+        # A checkpoint without an iterator position starts the data from the beginning.
         if data_iterator is not None and (self.directory / str(step) / "dataset").exists():
             items["dataset"] = DatasetArgs(data_iterator)
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         return restored["state"]
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
-        """Only the params of the train state at `step`, placed as `abstract_params` say."""
+        """Only the params at `step` (of a train state or a params-only checkpoint)."""
+        if self.is_params_only(step):
+            args = ocp.args.StandardRestore(abstract_params)
+            return self._manager.restore(step, args=ocp.args.Composite(params=args))["params"]
         args = ocp.args.PyTreeRestore(
             item={"params": abstract_params},
             restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract_params}),
@@ -118,12 +144,15 @@ class Checkpointer:
         return restored["state"]["params"]
 
     def restore_latest(
-        self, abstract_state: Any, data_iterator: Any | None = None
+        self,
+        abstract_state: Any,
+        data_iterator: Any | None = None,
+        from_params: Callable[[Any], Any] | None = None,
     ) -> tuple[int | None, Any]:
         """The newest readable checkpoint; falls back (loudly) past unreadable ones."""
         for step in sorted(self.all_steps(), reverse=True):
             try:
-                return step, self.restore(step, abstract_state, data_iterator)
+                return step, self.restore(step, abstract_state, data_iterator, from_params)
             except Exception as e:  # noqa: BLE001 - report and try the previous one
                 logging.error("Checkpoint at step %d could not be read (%s).", step, e)
                 print(

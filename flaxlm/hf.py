@@ -391,6 +391,20 @@ def save_pretrained(
 # ------------------------------------------------------------------------ runs
 
 
+def record_hf_config(model: BaseModel, model_dir: str | epath.Path) -> None:
+    """Writes `model_dir/hf_config.json`, from which `export_checkpoint` rebuilds the model.
+
+    Beside HF's fields it keeps flaxlm's own config (`flaxlm_config`: padded vocabulary,
+    scan_layers, dtypes) so that the rebuilt model has exactly the checkpoint's params.
+    """
+    if jax.process_index() == 0:
+        out = epath.Path(model_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        record = hf_config_dict(model)
+        record["flaxlm_config"] = dataclasses.asdict(model.config)
+        (out / "hf_config.json").write_text(json.dumps(record, indent=2))
+
+
 @gin.configurable
 def import_checkpoint(
     *,
@@ -402,7 +416,8 @@ def import_checkpoint(
     """Run function: HF directory -> flaxlm params checkpoint (step 0) in `model_dir`.
 
     Writes `model_dir/checkpoints/0` (params only) and `model_dir/hf_config.json`; a
-    training run over that `model_dir` with `INIT_FROM_HF` unset starts from it.
+    training run over that `model_dir` (the same model bound) starts from it with a fresh
+    optimizer state.
     """
     from flaxlm import checkpoints
 
@@ -411,10 +426,8 @@ def import_checkpoint(
     out = epath.Path(model_dir)
     ckpt = checkpoints.Checkpointer(model_dir)
     ckpt.save_params(0, params)
-    ckpt.wait()
-    if jax.process_index() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "hf_config.json").write_text(json.dumps(hf_config_dict(model), indent=2))
+    ckpt.close()
+    record_hf_config(model, out)
     print(f"Imported {hf_dir} ({model.config.__class__.__name__}) into {ckpt.directory}.")
 
 
@@ -449,6 +462,7 @@ def export_checkpoint(
     if step is None:
         raise ValueError(f"No checkpoint in {ckpt.directory} to export.")
     params = ckpt.restore_params(step, abstract)
+    ckpt.close()
     save_pretrained(model, params, out_dir, dtype=dtype)
     print(f"Exported step {step} of {ckpt.directory} to {out_dir}.")
 
@@ -463,5 +477,10 @@ def model_from_hf_config(
             f"{file} not found: bind the model (include its gin/models/ file) to export a "
             "checkpoint that was not imported from HuggingFace."
         )
-    spec, config = config_from_hf_dict(json.loads(file.read_text()), partitioner, **overrides)
+    record = json.loads(file.read_text())
+    if "flaxlm_config" in record:
+        spec = spec_for_model_type(record.get("model_type", "<missing>"))
+        config = dataclasses.replace(spec.config_cls(**record["flaxlm_config"]), **overrides)
+    else:
+        spec, config = config_from_hf_dict(record, partitioner, **overrides)
     return spec.model_cls(config)

@@ -188,6 +188,12 @@ class Setup:
             self.state_shardings,
         )
         self.init_state = partitioner.partition(init_state, (), self.state_shardings)
+        # Given params (an import or INIT_FROM_HF), a fresh optimizer state beside them.
+        self.state_from_params = partitioner.partition(
+            lambda params: TrainState.create(params, optimizer),
+            (self.state_shardings.params,),
+            self.state_shardings,
+        )
         self.batch_axes = {name: P("batch", None) for name in feature_lengths}
 
     def partition_train_step(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -239,6 +245,7 @@ def train(
     keep_checkpoints: int | None = 3,
     keep_period: int | None = None,
     seed: int = 0,
+    init_from_hf: str | None = None,
 ) -> TrainState:
     """Trains `model` on `train_dataset_cfg` for `total_steps`, resuming from `model_dir`.
 
@@ -248,6 +255,8 @@ def train(
       eval_period: evaluate every this many steps (and at the end); 0 disables.
       checkpoint_period: save every this many steps (and at the end).
       keep_checkpoints / keep_period: keep the newest K, and every Mth permanently.
+      init_from_hf: a HuggingFace directory whose params start the run (fine-tuning) when
+        `model_dir` has no checkpoint yet; `model` must have the checkpoint's shape.
     """
     start_time = time.perf_counter()
     path = check_model_dir(model_dir)
@@ -271,8 +280,17 @@ def train(
     tx = optimizer_factory(learning_rate=learning_rate)
     setup = Setup(model, partitioner, tx, feature_lengths, seed=seed)
     ckpt = checkpoints.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
-    start_step, state = ckpt.restore_latest(setup.abstract_state, train_iter.tf_iterator)
-    if state is None:
+    start_step, state = ckpt.restore_latest(
+        setup.abstract_state, train_iter.tf_iterator, setup.state_from_params
+    )
+    if state is None and init_from_hf:
+        from flaxlm import hf
+
+        params = hf.load_params(model, init_from_hf, shardings=setup.state_shardings.params)
+        start_step, state = 0, setup.state_from_params(params)
+        hf.record_hf_config(model, model_dir)
+        print(f"Initialised {model.__class__.__name__} from {init_from_hf}.", flush=True)
+    elif state is None:
         start_step, state = 0, setup.init_state()
         print(f"Initialised {model.__class__.__name__} on {partitioner}.", flush=True)
     else:
