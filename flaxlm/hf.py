@@ -141,7 +141,7 @@ def _hf_shape(t: HFTensor, shape: tuple[int, ...]) -> tuple[int, ...]:
 class SafetensorsReader:
     """Memory-mapped access to the tensors of a (possibly sharded) safetensors checkpoint."""
 
-    def __init__(self, path: str | epath.Path):
+    def __init__(self, path: str | epath.Path, base_model_prefix: str = ""):
         from safetensors import safe_open
 
         root = epath.Path(path)
@@ -157,16 +157,21 @@ class SafetensorsReader:
                     "(save with `save_pretrained(..., safe_serialization=True)`)."
                 )
         self._handles = {f: safe_open(str(root / f), framework="numpy") for f in files}
-        self.file_of: dict[str, str] = {}
-        for f, handle in self._handles.items():
-            for name in handle.keys():
-                self.file_of[name] = f
+        stored = {name: f for f, handle in self._handles.items() for name in handle.keys()}
+        # Our name -> the file's. A checkpoint saved from the bare base model (GPT2Model,
+        # OPTModel: most hub GPT-2 and OPT files) names its tensors without the prefix.
+        self._stored = {name: name for name in stored}
+        prefix = f"{base_model_prefix}." if base_model_prefix else ""
+        if prefix and not any(name.startswith(prefix) for name in stored):
+            self._stored = {prefix + name: name for name in stored}
+        self.file_of: dict[str, str] = {n: stored[s] for n, s in self._stored.items()}
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
+        handle = self._handles[self.file_of[name]]
+        return tuple(handle.get_slice(self._stored[name]).get_shape())
 
     def read(self, name: str) -> np.ndarray:
-        return self._handles[self.file_of[name]].get_tensor(name)
+        return self._handles[self.file_of[name]].get_tensor(self._stored[name])
 
 
 def _check_tensors(
@@ -276,7 +281,7 @@ def load_params(
     shapes = {k: tuple(v.shape) for k, v in flat_abstract.items()}
     scan = bool(getattr(model.config, "scan_layers", False))
     expanded = _expand(spec.tensors(model.config), scan)
-    reader = SafetensorsReader(path)
+    reader = SafetensorsReader(path, spec.base_model_prefix)
     real_vocab = model.config.real_vocab_size or model.config.vocab_size
     _check_tensors(spec, expanded, shapes, reader, real_vocab, path)
 

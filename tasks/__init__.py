@@ -1,3 +1,7 @@
 """SeqIO tasks and mixtures; importing this package registers them."""
 
-from tasks import stdlib, text_files  # noqa: F401
+from tasks import (  # noqa: F401
+    seq2seq,  # noqa: F401
+    stdlib,
+    text_files,
+)

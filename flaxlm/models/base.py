@@ -186,6 +186,54 @@ class DecoderOnlyModel(BaseModel):
         return targets, weights
 
 
+@gin.configurable
+class EncoderDecoderModel(BaseModel):
+    """A sequence-to-sequence model over seqio's encoder-decoder features.
+
+    The module is called as `module(encoder_input_tokens, decoder_input_tokens,
+    encoder_segment_ids, decoder_segment_ids, encoder_positions, decoder_positions,
+    deterministic=...)`, the last four possibly None, and returns logits
+    `[batch, target_len, vocab]`. `decoder_input_tokens` are the targets shifted right
+    (seqio's `EncDecFeatureConverter` does the shift).
+    """
+
+    FEATURE_CONVERTER_CLS = seqio.EncDecFeatureConverter
+    TASK_FEATURES = ("inputs", "targets")
+
+    def __init__(self, config: ModuleConfig = gin.REQUIRED, *, z_loss: float = 0.0):
+        super().__init__(config, z_loss=z_loss)
+
+    def _dummy_batch(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Array]:
+        return {
+            k: jnp.zeros(tuple(batch_shapes[k]), jnp.int32)
+            for k in ("encoder_input_tokens", "decoder_input_tokens")
+        }
+
+    def _init_variables(self, rng: Array, batch: dict[str, Array]) -> Any:
+        return self.module.init(rng, batch["encoder_input_tokens"], batch["decoder_input_tokens"])
+
+    def _apply(self, params: Params, batch: Batch, *, rng: Array | None = None) -> Array:
+        rngs = {"dropout": rng} if rng is not None else None
+        return self.module.apply(
+            {"params": params},
+            batch["encoder_input_tokens"],
+            batch["decoder_input_tokens"],
+            batch.get("encoder_segment_ids"),
+            batch.get("decoder_segment_ids"),
+            batch.get("encoder_positions"),
+            batch.get("decoder_positions"),
+            deterministic=rng is None,
+            rngs=rngs,
+        )
+
+    def targets_and_weights(self, batch: Batch) -> tuple[Array, Array]:
+        targets = batch["decoder_target_tokens"]
+        weights = batch.get("decoder_loss_weights")
+        if weights is None:
+            weights = (targets > 0).astype(jnp.float32)
+        return targets, weights
+
+
 def batch_shapes_from(feature_lengths: Mapping[str, int], batch_size: int) -> dict[str, Any]:
     """`{feature: (batch, length)}` for the model features a converter produces."""
     return {k: (batch_size, v) for k, v in feature_lengths.items()}
@@ -247,6 +295,9 @@ class HFSpec:
     tensors: Callable[[Any], list[HFTensor]]
     ignore: tuple[str, ...] = ()
     auto_class: str = "AutoModelForCausalLM"  # the transformers class that loads an export
+    # HF's `base_model_prefix` ('transformer', 'model'): files saved from the bare base
+    # model name their tensors without it, and hf.py reads those too.
+    base_model_prefix: str = ""
 
 
 HF_SPECS: dict[str, HFSpec] = {}

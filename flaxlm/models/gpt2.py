@@ -1,0 +1,314 @@
+"""GPT-2: learned positions, pre-LN blocks with a fused qkv projection, gelu-new, tied head.
+
+Follows HuggingFace's `GPT2LMHeadModel` (the PyTorch reference our logits must match). HF
+stores GPT-2's projections as `Conv1D` weights, `[in, out]`, so they map without transposes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from flaxlm.models import layers
+from flaxlm.models.base import DecoderOnlyModel, HFSpec, HFTensor, linear, register_hf
+
+Array = jax.Array
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    """GPT-2 hyper-parameters (HF names where they exist) and compute options."""
+
+    vocab_size: int = 50257
+    real_vocab_size: int | None = None  # ids from here up are padding (None: all real)
+    hidden_size: int = 768  # HF: n_embd
+    num_layers: int = 12  # HF: n_layer
+    num_heads: int = 12  # HF: n_head
+    intermediate_size: int | None = None  # HF: n_inner; 4 * hidden_size if None
+    max_position_embeddings: int = 1024  # HF: n_positions
+    layer_norm_epsilon: float = 1e-5
+    activation: str = "gelu_new"  # HF: activation_function
+    scale_attn_weights: bool = True  # scores / sqrt(head_dim); False: unscaled
+    tie_word_embeddings: bool = True  # the head reuses wte
+    dropout_rate: float = 0.0
+    dtype: str = "float32"  # compute dtype; norms and softmax stay float32
+    param_dtype: str = "float32"
+    remat_policy: str = "none"  # see layers.REMAT_POLICIES
+    scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}."
+            )
+        if self.activation not in layers.ACTIVATIONS:
+            raise ValueError(
+                f"activation {self.activation!r}: expected one of {sorted(layers.ACTIVATIONS)}."
+            )
+        if self.remat_policy not in layers.REMAT_POLICIES:
+            raise ValueError(
+                f"remat_policy {self.remat_policy!r}: expected one of "
+                f"{sorted(layers.REMAT_POLICIES)}."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.intermediate_size or 4 * self.hidden_size
+
+    def num_params(self) -> int:
+        """Parameter count (for FLOP estimates)."""
+        e, f, n, v = self.hidden_size, self.mlp_dim, self.num_layers, self.vocab_size
+        block = 4 * e * e + 4 * e + 2 * e * f + f + e + 4 * e
+        total = v * e + self.max_position_embeddings * e + n * block + 2 * e
+        return total + (0 if self.tie_word_embeddings else v * e)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls (head included) plus attention scores."""
+        matmul = self.num_params() - self.max_position_embeddings * self.hidden_size
+        if not self.tie_word_embeddings:
+            matmul -= self.vocab_size * self.hidden_size  # the input lookup is not a matmul
+        return 6.0 * matmul + 12.0 * self.num_layers * self.hidden_size * seq_len
+
+    def make_module(self) -> GPT2:
+        return GPT2(self)
+
+
+class GPT2Attention(nn.Module):
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array) -> Array:
+        cfg = self.config
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        # One kernel for q, k and v, laid out as HF's c_attn: [embed, 3, heads, head_dim].
+        qkv = layers.DenseGeneral(
+            (3, cfg.num_heads, cfg.head_dim),
+            ("embed", None, "heads", "head_dim"),
+            use_bias=True,
+            name="c_attn",
+            **dense,
+        )(x)
+        q, k, v = (qkv[:, :, i] for i in range(3))  # each [batch, length, heads, head_dim]
+        q = layers.constrain(q, layers.HEAD_AXES)
+        k = layers.constrain(k, layers.HEAD_AXES)
+        scale = cfg.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
+        out = layers.dot_product_attention(q, k, v, mask, scale=scale, dtype=cfg.dtype)
+        return layers.DenseGeneral(
+            cfg.hidden_size,
+            ("heads", "head_dim", "embed"),
+            axis=(-2, -1),
+            use_bias=True,
+            name="c_proj",
+            **dense,
+        )(out)
+
+
+class GPT2MLP(nn.Module):
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        h = layers.DenseGeneral(cfg.mlp_dim, ("embed", "mlp"), use_bias=True, name="c_fc", **dense)(
+            x
+        )
+        h = layers.constrain(layers.ACTIVATIONS[cfg.activation](h), ("batch", "length", "mlp"))
+        return layers.DenseGeneral(
+            cfg.hidden_size, ("mlp", "embed"), use_bias=True, name="c_proj", **dense
+        )(h)
+
+
+class GPT2Block(nn.Module):
+    config: GPT2Config
+    deterministic: bool = True
+
+    def _dropout(self, x: Array) -> Array:
+        if self.config.dropout_rate:
+            x = nn.Dropout(self.config.dropout_rate)(x, deterministic=self.deterministic)
+        return x
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array) -> Array:
+        cfg = self.config
+        norm = dict(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        x = layers.constrain(x, layers.ACTIVATION_AXES)
+        attn = GPT2Attention(cfg, name="attn")(layers.LayerNorm(name="ln_1", **norm)(x), mask)
+        x = x + self._dropout(checkpoint_name(attn, "attn_out"))
+        x = layers.constrain(x, layers.ACTIVATION_AXES)
+        m = GPT2MLP(cfg, name="mlp")(layers.LayerNorm(name="ln_2", **norm)(x))
+        x = x + self._dropout(checkpoint_name(m, "mlp_out"))
+        return layers.constrain(x, layers.ACTIVATION_AXES)
+
+
+class GPT2(nn.Module):
+    """`(tokens, positions, segment_ids) -> logits [batch, length, vocab]`."""
+
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Array,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        *,
+        deterministic: bool = True,
+    ) -> Array:
+        cfg = self.config
+        batch, length = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        mask = layers.attention_mask(segment_ids, batch, length, causal=True)
+        wte = layers.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            name="wte",
+        )
+        # The position table is small and never split over its rows.
+        wpe = self.param(
+            "wpe",
+            nn.with_logical_partitioning(nn.initializers.normal(0.01), (None, "embed")),
+            (cfg.max_position_embeddings, cfg.hidden_size),
+            layers.as_dtype(cfg.param_dtype),
+        )
+        x = wte(tokens) + jnp.take(wpe, positions, axis=0).astype(layers.as_dtype(cfg.dtype))
+        if cfg.dropout_rate:
+            x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        x = layers.stack_blocks(
+            GPT2Block,
+            cfg.num_layers,
+            scan_layers=cfg.scan_layers,
+            remat_policy=cfg.remat_policy,
+            name="h",
+            config=cfg,
+            deterministic=deterministic,
+        )(x, mask)
+        x = layers.LayerNorm(
+            cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="ln_f"
+        )(x)
+        if cfg.tie_word_embeddings:
+            logits = wte.attend(x)
+        else:
+            logits = layers.DenseGeneral(
+                cfg.vocab_size,
+                ("embed", "vocab"),
+                dtype=jnp.float32,
+                param_dtype=cfg.param_dtype,
+                name="lm_head",
+            )(x)
+        return layers.constrain(logits, ("batch", "length", "vocab"))
+
+
+# ------------------------------------------------------------------ HuggingFace
+
+# HF options this module does not implement, with the only value it accepts.
+_REQUIRED_HF = {
+    "scale_attn_by_inverse_layer_idx": False,
+    "reorder_and_upcast_attn": False,
+    "add_cross_attention": False,
+}
+
+
+def config_from_hf(hf: dict, **overrides) -> GPT2Config:
+    for key, value in _REQUIRED_HF.items():
+        if hf.get(key, value) != value:
+            raise ValueError(
+                f"GPT-2 config.json sets {key}={hf[key]!r}; flaxlm's GPT-2 supports only {value!r}."
+            )
+    kwargs = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["n_embd"],
+        num_layers=hf["n_layer"],
+        num_heads=hf["n_head"],
+        intermediate_size=hf.get("n_inner"),
+        max_position_embeddings=hf["n_positions"],
+        layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+        activation=hf.get("activation_function", "gelu_new"),
+        scale_attn_weights=hf.get("scale_attn_weights", True),
+        tie_word_embeddings=hf.get("tie_word_embeddings", True),
+    )
+    kwargs.update(overrides)
+    return GPT2Config(**kwargs)
+
+
+def config_to_hf(cfg: GPT2Config) -> dict:
+    return {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": cfg.real_vocab_size or cfg.vocab_size,
+        "n_embd": cfg.hidden_size,
+        "n_layer": cfg.num_layers,
+        "n_head": cfg.num_heads,
+        "n_inner": cfg.intermediate_size,
+        "n_positions": cfg.max_position_embeddings,
+        "layer_norm_epsilon": cfg.layer_norm_epsilon,
+        "activation_function": cfg.activation,
+        "scale_attn_weights": cfg.scale_attn_weights,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    }
+
+
+def conv1d(param: str, hf: str, split: int | None = 1, **kw) -> HFTensor:
+    """A HF `Conv1D` weight: already `[in, out]`, so reshaped but not transposed."""
+    return HFTensor(param, hf, split=split, transpose=False, **kw)
+
+
+def hf_tensors(cfg: GPT2Config) -> list[HFTensor]:
+    n = cfg.num_layers
+    block = [
+        conv1d("h_{i}/attn/c_attn/kernel", "transformer.h.{i}.attn.c_attn.weight", layers=n),
+        conv1d("h_{i}/attn/c_attn/bias", "transformer.h.{i}.attn.c_attn.bias", None, layers=n),
+        conv1d("h_{i}/attn/c_proj/kernel", "transformer.h.{i}.attn.c_proj.weight", 2, layers=n),
+        conv1d("h_{i}/mlp/c_fc/kernel", "transformer.h.{i}.mlp.c_fc.weight", layers=n),
+        conv1d("h_{i}/mlp/c_proj/kernel", "transformer.h.{i}.mlp.c_proj.weight", layers=n),
+        *(
+            HFTensor(f"h_{{i}}/{m}/{p}/bias", f"transformer.h.{{i}}.{m}.{p}.bias", layers=n)
+            for m, p in (("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj"))
+        ),
+        *(
+            HFTensor(f"h_{{i}}/{ln}/{ours}", f"transformer.h.{{i}}.{ln}.{theirs}", layers=n)
+            for ln in ("ln_1", "ln_2")
+            for ours, theirs in (("scale", "weight"), ("bias", "bias"))
+        ),
+    ]
+    out = [
+        HFTensor("wte/embedding", "transformer.wte.weight", split=1, vocab_axis=0),
+        HFTensor("wpe", "transformer.wpe.weight", split=1),
+        *block,
+        HFTensor("ln_f/scale", "transformer.ln_f.weight"),
+        HFTensor("ln_f/bias", "transformer.ln_f.bias"),
+    ]
+    if not cfg.tie_word_embeddings:
+        out.append(linear("lm_head/kernel", "lm_head.weight", vocab_axis=1))
+    return out
+
+
+HF_SPEC = register_hf(
+    HFSpec(
+        model_types=("gpt2",),
+        config_cls=GPT2Config,
+        model_cls=DecoderOnlyModel,
+        config_from_hf=config_from_hf,
+        config_to_hf=config_to_hf,
+        tensors=hf_tensors,
+        base_model_prefix="transformer",
+        # Old files keep the causal-mask buffers; a tied model's file may hold the head copy.
+        ignore=(r"\.attn\.(bias|masked_bias)$", r"^lm_head\.weight$"),
+    )
+)

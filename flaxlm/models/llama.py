@@ -1,0 +1,445 @@
+"""Llama 1/2/3 and Mistral: pre-RMSNorm blocks, rotary (half layout), SwiGLU, grouped-query.
+
+Mistral is Llama with sliding-window attention. Follows HuggingFace's `LlamaForCausalLM` and
+`MistralForCausalLM` (the PyTorch references our logits must match).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from flaxlm.models import layers
+from flaxlm.models.base import DecoderOnlyModel, HFSpec, HFTensor, linear, register_hf
+
+Array = jax.Array
+
+MODEL_TYPES = ("llama", "mistral")
+ROPE_SCALING_TYPES = ("linear", "llama3")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Llama / Mistral hyper-parameters (HF names where they exist) and compute options."""
+
+    vocab_size: int = 32000
+    real_vocab_size: int | None = None  # ids from here up are padding (None: all real)
+    hidden_size: int = 4096
+    num_layers: int = 32  # HF: num_hidden_layers
+    num_heads: int = 32  # HF: num_attention_heads
+    num_kv_heads: int | None = None  # HF: num_key_value_heads; None: num_heads
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    intermediate_size: int = 11008
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling_type: str | None = None  # None, 'linear' or 'llama3'
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3 scaling only
+    rope_high_freq_factor: float = 4.0  # llama3 scaling only
+    rope_original_max_position_embeddings: int = 8192  # llama3 scaling only
+    sliding_window: int | None = None  # a query sees this many latest positions (Mistral)
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False  # the head reuses the token embedding
+    activation: str = "silu"  # HF: hidden_act
+    model_type: str = "llama"  # the HF model_type written on export: 'llama' or 'mistral'
+    dropout_rate: float = 0.0
+    dtype: str = "float32"  # compute dtype; norms, softmax, rotary and logits stay float32
+    param_dtype: str = "float32"
+    remat_policy: str = "none"  # see layers.REMAT_POLICIES
+    scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
+
+    def __post_init__(self):
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads} "
+                "(or set head_dim)."
+            )
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.kv_heads}."
+            )
+        if self.dim_per_head % 2:
+            raise ValueError(f"head_dim {self.dim_per_head} must be even for rotary embeddings.")
+        if self.rope_scaling_type not in (None, *ROPE_SCALING_TYPES):
+            raise ValueError(
+                f"rope_scaling_type {self.rope_scaling_type!r}: expected None or one of "
+                f"{ROPE_SCALING_TYPES}."
+            )
+        if self.rope_scaling_type and self.rope_scaling_factor <= 0:
+            raise ValueError(f"rope_scaling_factor {self.rope_scaling_factor} must be positive.")
+        if self.rope_scaling_type == "llama3" and not (
+            self.rope_high_freq_factor > self.rope_low_freq_factor > 0
+        ):
+            raise ValueError(
+                f"llama3 rope scaling needs rope_high_freq_factor ({self.rope_high_freq_factor}) "
+                f"> rope_low_freq_factor ({self.rope_low_freq_factor}) > 0."
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window {self.sliding_window} must be None or positive.")
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type {self.model_type!r}: expected one of {MODEL_TYPES}.")
+        if self.model_type == "llama" and self.sliding_window is not None:
+            raise ValueError(
+                "sliding_window is a Mistral feature (HF Llama ignores it): set "
+                "model_type='mistral' or sliding_window=None."
+            )
+        if self.model_type == "mistral" and (self.attention_bias or self.mlp_bias):
+            raise ValueError(
+                "HF Mistral has no attention_bias or mlp_bias: set both False or "
+                "model_type='llama'."
+            )
+        if self.activation not in layers.ACTIVATIONS:
+            raise ValueError(
+                f"activation {self.activation!r}: expected one of {sorted(layers.ACTIVATIONS)}."
+            )
+        if self.remat_policy not in layers.REMAT_POLICIES:
+            raise ValueError(
+                f"remat_policy {self.remat_policy!r}: expected one of "
+                f"{sorted(layers.REMAT_POLICIES)}."
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def num_params(self) -> int:
+        """Parameter count (for FLOP estimates)."""
+        e, v, d, f = self.hidden_size, self.vocab_size, self.dim_per_head, self.intermediate_size
+        q, kv = self.num_heads * d, self.kv_heads * d
+        attn = e * (q + 2 * kv) + q * e + (q + 2 * kv if self.attention_bias else 0)
+        mlp = 3 * e * f + (2 * f + e if self.mlp_bias else 0)
+        block = attn + mlp + 2 * e
+        head = 0 if self.tie_word_embeddings else v * e
+        return v * e + self.num_layers * block + e + head
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls plus the attention scores."""
+        non_embedding = self.num_params() - self.vocab_size * self.hidden_size
+        context = min(seq_len, self.sliding_window or seq_len)
+        attn_width = self.num_heads * self.dim_per_head
+        return 6.0 * non_embedding + 12.0 * self.num_layers * attn_width * context
+
+    def make_module(self) -> Llama:
+        return Llama(self)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+    """float32 inverse frequencies `[head_dim // 2]`, scaled as `rope_scaling_type` says."""
+    dim = cfg.dim_per_head
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    inv_freq = inv_freq.astype(np.float32)
+    factor = cfg.rope_scaling_factor
+    if cfg.rope_scaling_type == "linear":
+        # Dividing the frequencies is dividing the positions by `factor`.
+        return inv_freq / np.float32(factor)
+    if cfg.rope_scaling_type == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        context = cfg.rope_original_max_position_embeddings
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        wavelen = np.float32(2 * math.pi) / inv_freq
+        scaled = np.where(wavelen > context / low, inv_freq / np.float32(factor), inv_freq)
+        smooth = (np.float32(context) / wavelen - np.float32(low)) / np.float32(high - low)
+        blended = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+        medium = (wavelen >= context / high) & (wavelen <= context / low)
+        return np.where(medium, blended, scaled).astype(np.float32)
+    return inv_freq
+
+
+def rope_sin_cos(positions: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
+    """sin/cos `[batch, length, head_dim // 2]` in float32."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.sin(angles), jnp.cos(angles)
+
+
+def kv_heads_axis(num_kv_heads: int) -> str | None:
+    """Logical name of the key/value heads axis; one shared head (MQA) is never split."""
+    return "kv_heads" if num_kv_heads > 1 else None
+
+
+class LlamaBlock(nn.Module):
+    config: LlamaConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: Array, sin: Array, cos: Array, mask: Array) -> Array:
+        cfg = self.config
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        kv_axis = kv_heads_axis(cfg.kv_heads)
+        x = layers.constrain(x, layers.ACTIVATION_AXES)
+        h = layers.RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **dense)(x)
+
+        # Attention: q [batch, length, heads, head_dim], k/v [batch, length, kv_heads, head_dim]
+        q = layers.DenseGeneral(
+            (cfg.num_heads, cfg.dim_per_head),
+            ("embed", "heads", "head_dim"),
+            use_bias=cfg.attention_bias,
+            name="q_proj",
+            **dense,
+        )(h)
+        k, v = (
+            layers.DenseGeneral(
+                (cfg.kv_heads, cfg.dim_per_head),
+                ("embed", kv_axis, "head_dim"),
+                use_bias=cfg.attention_bias,
+                name=n,
+                **dense,
+            )(h)
+            for n in ("k_proj", "v_proj")
+        )
+        q = layers.constrain(layers.apply_rotary(q, sin, cos, interleaved=False), layers.HEAD_AXES)
+        k = layers.apply_rotary(k, sin, cos, interleaved=False)
+        k = layers.constrain(k, ("batch", "length", kv_axis, "head_dim"))
+        attn = layers.dot_product_attention(q, k, v, mask, dtype=cfg.dtype)
+        attn = layers.DenseGeneral(
+            cfg.hidden_size,
+            ("heads", "head_dim", "embed"),
+            axis=(-2, -1),
+            use_bias=cfg.attention_bias,
+            name="o_proj",
+            **dense,
+        )(attn)
+        attn = checkpoint_name(attn, "attn_out")
+        if cfg.dropout_rate:
+            attn = nn.Dropout(cfg.dropout_rate)(attn, deterministic=self.deterministic)
+        x = layers.constrain(x + attn, layers.ACTIVATION_AXES)
+
+        # SwiGLU MLP: down(act(gate(h)) * up(h))
+        h = layers.RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **dense)(x)
+        gate, up = (
+            layers.DenseGeneral(
+                cfg.intermediate_size, ("embed", "mlp"), use_bias=cfg.mlp_bias, name=n, **dense
+            )(h)
+            for n in ("gate_proj", "up_proj")
+        )
+        m = layers.constrain(
+            layers.ACTIVATIONS[cfg.activation](gate) * up, ("batch", "length", "mlp")
+        )
+        m = layers.DenseGeneral(
+            cfg.hidden_size, ("mlp", "embed"), use_bias=cfg.mlp_bias, name="down_proj", **dense
+        )(m)
+        m = checkpoint_name(m, "mlp_out")
+        if cfg.dropout_rate:
+            m = nn.Dropout(cfg.dropout_rate)(m, deterministic=self.deterministic)
+        return layers.constrain(x + m, layers.ACTIVATION_AXES)
+
+
+class Llama(nn.Module):
+    """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
+
+    config: LlamaConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Array,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        *,
+        deterministic: bool = True,
+    ) -> Array:
+        cfg = self.config
+        batch, length = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        mask = layers.attention_mask(
+            segment_ids, batch, length, causal=True, sliding_window=cfg.sliding_window
+        )
+        sin, cos = rope_sin_cos(positions, rope_inv_freq(cfg))
+        embed = layers.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            name="embed_tokens",
+        )
+        x = embed(tokens)
+        if cfg.dropout_rate:
+            x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        x = layers.stack_blocks(
+            LlamaBlock,
+            cfg.num_layers,
+            scan_layers=cfg.scan_layers,
+            remat_policy=cfg.remat_policy,
+            name="layers",
+            config=cfg,
+            deterministic=deterministic,
+        )(x, sin, cos, mask)
+        x = layers.RMSNorm(
+            cfg.rms_norm_eps, dtype=jnp.float32, param_dtype=cfg.param_dtype, name="norm"
+        )(x)
+        if cfg.tie_word_embeddings:
+            logits = jnp.einsum("ble,ve->blv", x, embed.embedding.astype(jnp.float32))
+        else:
+            logits = layers.DenseGeneral(
+                cfg.vocab_size,
+                ("embed", "vocab"),
+                dtype=jnp.float32,
+                param_dtype=cfg.param_dtype,
+                name="lm_head",
+            )(x)
+        return layers.constrain(logits, ("batch", "length", "vocab"))
+
+
+# ------------------------------------------------------------------ HuggingFace
+
+
+def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """LlamaConfig's rope fields from `rope_parameters` (transformers 5) or the older
+    top-level `rope_theta` + `rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    out: dict[str, Any] = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 1e4)))}
+    if kind == "default":
+        return out
+    if kind not in ROPE_SCALING_TYPES:
+        raise ValueError(
+            f"config.json has rope type {kind!r}; flaxlm supports 'default' and "
+            f"{ROPE_SCALING_TYPES} ('dynamic' NTK scaling changes with the sequence length and "
+            "is not supported)."
+        )
+    out.update(rope_scaling_type=kind, rope_scaling_factor=float(params["factor"]))
+    if kind == "llama3":
+        out.update(
+            rope_low_freq_factor=float(params["low_freq_factor"]),
+            rope_high_freq_factor=float(params["high_freq_factor"]),
+            rope_original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    return out
+
+
+def rope_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_type": cfg.rope_scaling_type or "default"}
+    params["rope_theta"] = cfg.rope_theta
+    if cfg.rope_scaling_type:
+        params["factor"] = cfg.rope_scaling_factor
+    if cfg.rope_scaling_type == "llama3":
+        params.update(
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
+        )
+    return params
+
+
+def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
+    kwargs = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads"),
+        head_dim=hf.get("head_dim"),
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf["max_position_embeddings"],
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        sliding_window=hf.get("sliding_window") if hf["model_type"] == "mistral" else None,
+        attention_bias=hf.get("attention_bias", False),
+        mlp_bias=hf.get("mlp_bias", False),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        activation=hf.get("hidden_act", "silu"),
+        model_type=hf["model_type"],
+        **rope_from_hf(hf),
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def config_to_hf(cfg: LlamaConfig) -> dict:
+    out = {
+        "model_type": cfg.model_type,
+        "architectures": [
+            "MistralForCausalLM" if cfg.model_type == "mistral" else "LlamaForCausalLM"
+        ],
+        "vocab_size": cfg.real_vocab_size or cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.dim_per_head,
+        "intermediate_size": cfg.intermediate_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": rope_to_hf(cfg),
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": cfg.activation,
+        "attention_dropout": 0.0,
+    }
+    if cfg.model_type == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    else:
+        out.update(attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias)
+    return out
+
+
+def hf_tensors(cfg: LlamaConfig) -> list[HFTensor]:
+    n = cfg.num_layers
+    attn = "model.layers.{i}.self_attn"
+    block = [
+        HFTensor(
+            "layers_{i}/input_layernorm/scale", "model.layers.{i}.input_layernorm.weight", layers=n
+        ),
+        *(
+            linear(f"layers_{{i}}/{p}/kernel", f"{attn}.{p}.weight", layers=n)
+            for p in ("q_proj", "k_proj", "v_proj")
+        ),
+        linear("layers_{i}/o_proj/kernel", f"{attn}.o_proj.weight", 2, layers=n),
+        HFTensor(
+            "layers_{i}/post_attention_layernorm/scale",
+            "model.layers.{i}.post_attention_layernorm.weight",
+            layers=n,
+        ),
+        *(
+            linear(f"layers_{{i}}/{p}/kernel", f"model.layers.{{i}}.mlp.{p}.weight", layers=n)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        ),
+    ]
+    if cfg.attention_bias:
+        block += [
+            HFTensor(f"layers_{{i}}/{p}/bias", f"{attn}.{p}.bias", layers=n)
+            for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+        ]
+    if cfg.mlp_bias:
+        block += [
+            HFTensor(f"layers_{{i}}/{p}/bias", f"model.layers.{{i}}.mlp.{p}.bias", layers=n)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        ]
+    head = (
+        []
+        if cfg.tie_word_embeddings
+        else [linear("lm_head/kernel", "lm_head.weight", vocab_axis=1)]
+    )
+    return [
+        HFTensor("embed_tokens/embedding", "model.embed_tokens.weight", split=1, vocab_axis=0),
+        *block,
+        HFTensor("norm/scale", "model.norm.weight"),
+        *head,
+    ]
+
+
+HF_SPEC = register_hf(
+    HFSpec(
+        model_types=MODEL_TYPES,
+        config_cls=LlamaConfig,
+        model_cls=DecoderOnlyModel,
+        config_from_hf=config_from_hf,
+        config_to_hf=config_to_hf,
+        tensors=hf_tensors,
+        # Buffers, and the head that a tied checkpoint may still carry.
+        ignore=(r"rotary_emb\.inv_freq$", r"^lm_head\.weight$"),
+    )
+)

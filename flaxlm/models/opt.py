@@ -1,0 +1,333 @@
+"""OPT: learned positions (offset 2), pre- or post-LN blocks, ReLU MLP, tied head.
+
+Follows HuggingFace's `OPTForCausalLM` (the PyTorch reference our logits must match),
+including OPT-350m's word-embedding projection and its post-LN blocks without a final norm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from flaxlm.models import layers
+from flaxlm.models.base import DecoderOnlyModel, HFSpec, HFTensor, linear, register_hf
+
+Array = jax.Array
+
+# OPT's position table has two extra rows: position p reads row p + 2 (a fairseq legacy).
+POSITION_OFFSET = 2
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class OPTConfig:
+    """OPT hyper-parameters (HF names where they exist) and compute options."""
+
+    vocab_size: int = 50272
+    real_vocab_size: int | None = None  # ids from here up are padding (None: all real)
+    hidden_size: int = 768
+    num_layers: int = 12  # HF: num_hidden_layers
+    num_heads: int = 12  # HF: num_attention_heads
+    ffn_dim: int = 3072
+    max_position_embeddings: int = 2048
+    word_embed_proj_dim: int | None = None  # token embedding width; hidden_size if None
+    do_layer_norm_before: bool = True  # False: post-LN blocks and no final norm (OPT-350m)
+    remove_final_layer_norm: bool = False  # HF: _remove_final_layer_norm (old fine-tunes)
+    enable_bias: bool = True  # biases of the attention and MLP projections
+    tie_word_embeddings: bool = True  # the head reuses the token embedding
+    layer_norm_epsilon: float = 1e-5  # torch nn.LayerNorm's default; HF does not configure it
+    activation: str = "relu"  # HF: activation_function
+    dropout_rate: float = 0.0
+    dtype: str = "float32"  # compute dtype; norms and softmax stay float32
+    param_dtype: str = "float32"
+    remat_policy: str = "none"  # see layers.REMAT_POLICIES
+    scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}."
+            )
+        if self.activation not in layers.ACTIVATIONS:
+            raise ValueError(
+                f"activation {self.activation!r}: expected one of {sorted(layers.ACTIVATIONS)}."
+            )
+        if self.remat_policy not in layers.REMAT_POLICIES:
+            raise ValueError(
+                f"remat_policy {self.remat_policy!r}: expected one of "
+                f"{sorted(layers.REMAT_POLICIES)}."
+            )
+        if self.word_embed_proj_dim is not None and self.word_embed_proj_dim <= 0:
+            raise ValueError(
+                f"word_embed_proj_dim {self.word_embed_proj_dim} must be positive "
+                "(or None for hidden_size)."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def embed_dim(self) -> int:
+        """Width of the token embedding (and of the head's input)."""
+        return self.word_embed_proj_dim or self.hidden_size
+
+    @property
+    def projects(self) -> bool:
+        """Whether project_in / project_out map between embed_dim and hidden_size."""
+        return self.embed_dim != self.hidden_size
+
+    @property
+    def final_layer_norm(self) -> bool:
+        return self.do_layer_norm_before and not self.remove_final_layer_norm
+
+    def num_params(self) -> int:
+        """Parameter count (for FLOP estimates)."""
+        e, f, n, v = self.hidden_size, self.ffn_dim, self.num_layers, self.vocab_size
+        bias = int(self.enable_bias)
+        block = 4 * e * e + 2 * e * f + bias * (4 * e + f + e) + 4 * e
+        total = v * self.embed_dim + (self.max_position_embeddings + POSITION_OFFSET) * e
+        total += n * block + 2 * e * int(self.final_layer_norm)
+        total += 2 * e * self.embed_dim * int(self.projects)
+        return total + (0 if self.tie_word_embeddings else v * self.embed_dim)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls (head included) plus attention scores."""
+        position_table = (self.max_position_embeddings + POSITION_OFFSET) * self.hidden_size
+        matmul = self.num_params() - position_table
+        if not self.tie_word_embeddings:
+            matmul -= self.vocab_size * self.embed_dim  # the input lookup is not a matmul
+        return 6.0 * matmul + 12.0 * self.num_layers * self.hidden_size * seq_len
+
+    def make_module(self) -> OPT:
+        return OPT(self)
+
+
+class OPTBlock(nn.Module):
+    config: OPTConfig
+    deterministic: bool = True
+
+    def _dropout(self, x: Array) -> Array:
+        if self.config.dropout_rate:
+            x = nn.Dropout(self.config.dropout_rate)(x, deterministic=self.deterministic)
+        return x
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array) -> Array:
+        cfg = self.config
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        norm = dict(epsilon=cfg.layer_norm_epsilon, **dense)
+        pre = cfg.do_layer_norm_before
+        x = layers.constrain(x, layers.ACTIVATION_AXES)
+
+        # Attention: [batch, length, heads, head_dim]
+        h = layers.LayerNorm(name="self_attn_layer_norm", **norm)(x) if pre else x
+        qkv = {
+            n: layers.DenseGeneral(
+                (cfg.num_heads, cfg.head_dim),
+                ("embed", "heads", "head_dim"),
+                use_bias=cfg.enable_bias,
+                name=n,
+                **dense,
+            )(h)
+            for n in ("q_proj", "k_proj", "v_proj")
+        }
+        # HF scales the query before the product; doing the same keeps rounding identical.
+        q = layers.constrain(qkv["q_proj"] * cfg.head_dim**-0.5, layers.HEAD_AXES)
+        k = layers.constrain(qkv["k_proj"], layers.HEAD_AXES)
+        attn = layers.dot_product_attention(q, k, qkv["v_proj"], mask, scale=1.0, dtype=cfg.dtype)
+        attn = layers.DenseGeneral(
+            cfg.hidden_size,
+            ("heads", "head_dim", "embed"),
+            axis=(-2, -1),
+            use_bias=cfg.enable_bias,
+            name="out_proj",
+            **dense,
+        )(attn)
+        attn = checkpoint_name(attn, "attn_out")
+        x = x + self._dropout(attn)
+        if not pre:
+            x = layers.LayerNorm(name="self_attn_layer_norm", **norm)(x)
+        x = layers.constrain(x, layers.ACTIVATION_AXES)
+
+        # MLP
+        h = layers.LayerNorm(name="final_layer_norm", **norm)(x) if pre else x
+        m = layers.DenseGeneral(
+            cfg.ffn_dim, ("embed", "mlp"), use_bias=cfg.enable_bias, name="fc1", **dense
+        )(h)
+        m = layers.constrain(layers.ACTIVATIONS[cfg.activation](m), ("batch", "length", "mlp"))
+        m = layers.DenseGeneral(
+            cfg.hidden_size, ("mlp", "embed"), use_bias=cfg.enable_bias, name="fc2", **dense
+        )(m)
+        m = checkpoint_name(m, "mlp_out")
+        x = x + self._dropout(m)
+        if not pre:
+            x = layers.LayerNorm(name="final_layer_norm", **norm)(x)
+        return layers.constrain(x, layers.ACTIVATION_AXES)
+
+
+class OPT(nn.Module):
+    """`(tokens, positions, segment_ids) -> logits [batch, length, vocab]`."""
+
+    config: OPTConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Array,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        *,
+        deterministic: bool = True,
+    ) -> Array:
+        cfg = self.config
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        batch, length = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        mask = layers.attention_mask(segment_ids, batch, length, causal=True)
+
+        embed = layers.Embed(cfg.vocab_size, cfg.embed_dim, name="embed_tokens", **dense)
+        x = embed(tokens)
+        if cfg.projects:
+            x = layers.DenseGeneral(cfg.hidden_size, (None, "embed"), name="project_in", **dense)(x)
+        # The position table is small and never split over its rows.
+        table = self.param(
+            "embed_positions",
+            nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")),
+            (cfg.max_position_embeddings + POSITION_OFFSET, cfg.hidden_size),
+            layers.as_dtype(cfg.param_dtype),
+        )
+        x = x + jnp.take(table, positions + POSITION_OFFSET, axis=0).astype(x.dtype)
+        x = layers.stack_blocks(
+            OPTBlock,
+            cfg.num_layers,
+            scan_layers=cfg.scan_layers,
+            remat_policy=cfg.remat_policy,
+            name="layers",
+            config=cfg,
+            deterministic=deterministic,
+        )(x, mask)
+        if cfg.final_layer_norm:
+            x = layers.LayerNorm(cfg.layer_norm_epsilon, name="final_layer_norm", **dense)(x)
+        if cfg.projects:
+            x = layers.DenseGeneral(cfg.embed_dim, ("embed", None), name="project_out", **dense)(x)
+        if cfg.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = layers.DenseGeneral(
+                cfg.vocab_size,
+                ("embed", "vocab"),
+                dtype=jnp.float32,
+                param_dtype=cfg.param_dtype,
+                name="lm_head",
+            )(x)
+        return layers.constrain(logits, ("batch", "length", "vocab"))
+
+
+# ------------------------------------------------------------------ HuggingFace
+
+# HF options whose other values this module does not implement.
+_REQUIRED_HF = {"layer_norm_elementwise_affine": True}
+
+
+def config_from_hf(hf: dict, **overrides) -> OPTConfig:
+    for key, value in _REQUIRED_HF.items():
+        if hf.get(key, value) != value:
+            raise ValueError(
+                f"OPT config.json sets {key}={hf[key]!r}; flaxlm's OPT supports only {value!r}."
+            )
+    kwargs = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        ffn_dim=hf["ffn_dim"],
+        max_position_embeddings=hf["max_position_embeddings"],
+        word_embed_proj_dim=hf.get("word_embed_proj_dim"),
+        do_layer_norm_before=hf.get("do_layer_norm_before", True),
+        remove_final_layer_norm=hf.get("_remove_final_layer_norm", False),
+        enable_bias=hf.get("enable_bias", True),
+        tie_word_embeddings=hf.get("tie_word_embeddings", True),
+        activation=hf.get("activation_function", "relu"),
+    )
+    kwargs.update(overrides)
+    return OPTConfig(**kwargs)
+
+
+def config_to_hf(cfg: OPTConfig) -> dict:
+    return {
+        "model_type": "opt",
+        "architectures": ["OPTForCausalLM"],
+        "vocab_size": cfg.real_vocab_size or cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "ffn_dim": cfg.ffn_dim,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "word_embed_proj_dim": cfg.embed_dim,
+        "do_layer_norm_before": cfg.do_layer_norm_before,
+        "_remove_final_layer_norm": cfg.remove_final_layer_norm,
+        "enable_bias": cfg.enable_bias,
+        "layer_norm_elementwise_affine": True,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "activation_function": cfg.activation,
+        "dropout": 0.0,
+        "attention_dropout": 0.0,
+        "layerdrop": 0.0,
+    }
+
+
+def hf_tensors(cfg: OPTConfig) -> list[HFTensor]:
+    n = cfg.num_layers
+    hf = "model.decoder.layers.{i}"
+    block = []
+    for p in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        split = 2 if p == "out_proj" else 1
+        block.append(
+            linear(f"layers_{{i}}/{p}/kernel", f"{hf}.self_attn.{p}.weight", split, layers=n)
+        )
+        if cfg.enable_bias:
+            block.append(HFTensor(f"layers_{{i}}/{p}/bias", f"{hf}.self_attn.{p}.bias", layers=n))
+    for p in ("fc1", "fc2"):
+        block.append(linear(f"layers_{{i}}/{p}/kernel", f"{hf}.{p}.weight", layers=n))
+        if cfg.enable_bias:
+            block.append(HFTensor(f"layers_{{i}}/{p}/bias", f"{hf}.{p}.bias", layers=n))
+    for p in ("self_attn_layer_norm", "final_layer_norm"):
+        block.append(HFTensor(f"layers_{{i}}/{p}/scale", f"{hf}.{p}.weight", layers=n))
+        block.append(HFTensor(f"layers_{{i}}/{p}/bias", f"{hf}.{p}.bias", layers=n))
+
+    out = [
+        HFTensor("embed_tokens/embedding", "model.decoder.embed_tokens.weight", 1, vocab_axis=0),
+        HFTensor("embed_positions", "model.decoder.embed_positions.weight", 1),
+        *block,
+    ]
+    if cfg.final_layer_norm:
+        out.append(HFTensor("final_layer_norm/scale", "model.decoder.final_layer_norm.weight"))
+        out.append(HFTensor("final_layer_norm/bias", "model.decoder.final_layer_norm.bias"))
+    if cfg.projects:
+        out.append(linear("project_in/kernel", "model.decoder.project_in.weight"))
+        out.append(linear("project_out/kernel", "model.decoder.project_out.weight"))
+    if not cfg.tie_word_embeddings:
+        out.append(linear("lm_head/kernel", "lm_head.weight", vocab_axis=1))
+    return out
+
+
+HF_SPEC = register_hf(
+    HFSpec(
+        model_types=("opt",),
+        config_cls=OPTConfig,
+        model_cls=DecoderOnlyModel,
+        config_from_hf=config_from_hf,
+        config_to_hf=config_to_hf,
+        tensors=hf_tensors,
+        base_model_prefix="model",
+        # A tied model's file may still hold the head (a copy of embed_tokens).
+        ignore=(r"^lm_head\.weight$",),
+    )
+)

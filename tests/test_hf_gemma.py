@@ -1,0 +1,148 @@
+"""Gemma from and to HuggingFace: logits against transformers' PyTorch model."""
+
+import json
+
+import gin
+import jax
+import numpy as np
+import optax
+import pytest
+import torch
+import transformers
+from jax.sharding import PartitionSpec as P
+
+from flaxlm import hf
+from flaxlm.models import gemma
+from flaxlm.partitioning import Partitioner
+from tests.hf_helpers import (
+    decoder_batch,
+    max_abs_diff,
+    padded_batch,
+    save_torch_model,
+    torch_logits,
+)
+
+VOCAB = 250
+LENGTHS = (20, 11, 20, 5)
+
+# head_dim 16 is not hidden_size / num_heads (8) in either variant.
+VARIANTS = {
+    "multi_query": dict(num_key_value_heads=1),
+    "multi_head": dict(num_key_value_heads=4, rope_parameters={"rope_theta": 5e4}),
+}
+
+
+def tiny_hf_gemma(tmp_path, **overrides):
+    """A random tiny torch model (norm weights perturbed too), saved to `tmp_path/hf`."""
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=16,
+        max_position_embeddings=64,
+        attention_dropout=0.0,
+        initializer_range=0.1,  # sharp enough attention that positions visibly matter
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    config = transformers.GemmaConfig(**kwargs, attn_implementation="eager")
+    model = transformers.GemmaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model, save_torch_model(model, tmp_path / "hf")
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_import_matches_transformers_and_export_reloads(tmp_path, variant):
+    torch_model, path = tiny_hf_gemma(tmp_path, **VARIANTS[variant])
+    ids, mask = padded_batch(VOCAB, LENGTHS)
+    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+
+    model, params = hf.from_pretrained(path)
+    assert model.config.head_dim == 16 and model.config.tie_word_embeddings
+    assert max_abs_diff(model.compute_logits(params, decoder_batch(ids, mask)), theirs, mask) < 1e-4
+
+    scan = variant == "multi_head"
+    model, params = hf.from_pretrained(path, Partitioner(mesh_shape=(1, 4, 2)), scan_layers=scan)
+    ours = model.compute_logits(params, decoder_batch(ids, mask))
+    assert max_abs_diff(ours, theirs, mask) < 1e-4
+    assert int(np.asarray(ours).argmax(-1).max()) < VOCAB
+    k_proj = (params["layers"]["block"] if scan else params["layers_0"])["k_proj"]["kernel"]
+    # One shared key/value head is replicated; several are split like the query heads.
+    assert k_proj.sharding.spec[-2] == (None if variant == "multi_query" else "tensor")
+
+    out = tmp_path / "out"
+    hf.save_pretrained(model, params, out)
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(out), output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert isinstance(reloaded, transformers.GemmaForCausalLM)
+    again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(again, theirs, mask) < 1e-5
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["vocab_size"] == VOCAB and exported["head_dim"] == 16
+
+
+def test_fsdp_training_lowers_the_loss_and_exports(tmp_path):
+    _, path = tiny_hf_gemma(tmp_path, **VARIANTS["multi_query"])
+    partitioner = Partitioner(mesh_shape=(1, 8, 1))
+    model, params = hf.from_pretrained(path, partitioner)
+    ids, mask = padded_batch(VOCAB, (16, 16, 11, 16, 16, 7, 16, 16), seed=1)
+    batch = jax.device_put(decoder_batch(ids, mask), partitioner.sharding(P("batch", "length")))
+    optimizer = optax.adam(1e-2)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt_state):
+        (loss, _), grads = jax.value_and_grad(model.loss_fn, has_aux=True)(params, batch, None)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for _ in range(8):
+        params, opt_state, loss = step(params, opt_state)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.5
+    assert params["embed_tokens"]["embedding"].sharding.spec[1] == "fsdp"
+
+    out = tmp_path / "trained"
+    hf.save_pretrained(model, params, out)
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(out), output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    ours = model.compute_logits(params, decoder_batch(ids, mask))
+    theirs = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(ours, theirs, mask) < 1e-4
+
+
+def test_bad_config_names_the_field():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        gemma.GemmaConfig(num_heads=8, num_kv_heads=3)
+    with pytest.raises(ValueError, match="activation"):
+        gemma.GemmaConfig(activation="gelu_fast")
+
+
+GIN_FILES = {
+    "gemma_tiny": dict(vocab_size=384, hidden_size=256, num_kv_heads=1, head_dim=96),
+    "gemma_2b": dict(hidden_size=2048, num_layers=18, num_heads=8, num_kv_heads=1),
+    "gemma_7b": dict(hidden_size=3072, num_layers=28, num_heads=16, num_kv_heads=16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GIN_FILES))
+def test_gin_model_file_builds_its_config(repo_dir, name):
+    gin.clear_config()
+    try:
+        gin.parse_config_files_and_bindings([f"{repo_dir}/gin/models/{name}.gin"], [])
+        config = gemma.GemmaConfig()
+    finally:
+        gin.clear_config()
+    for field, value in GIN_FILES[name].items():
+        assert getattr(config, field) == value, field
+    assert config.vocab_size % 128 == 0 and config.tie_word_embeddings

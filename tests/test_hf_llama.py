@@ -1,0 +1,257 @@
+"""Llama and Mistral from and to HuggingFace: logits against transformers' PyTorch models."""
+
+import dataclasses
+import json
+
+import gin
+import jax
+import numpy as np
+import optax
+import pytest
+import torch
+import transformers
+from jax.sharding import PartitionSpec as P
+
+from flaxlm import gin_utils, hf
+from flaxlm.models import llama
+from flaxlm.models.base import DecoderOnlyModel
+from flaxlm.partitioning import Partitioner
+from tests.hf_helpers import (
+    decoder_batch,
+    max_abs_diff,
+    padded_batch,
+    save_torch_model,
+    torch_logits,
+)
+from tests.test_main import read_metrics, run_main
+
+VOCAB = 250
+LENGTHS = (40, 23, 40, 9)  # long enough for the rope scalings and the window to matter
+
+VARIANTS = {
+    "gqa_theta": dict(num_key_value_heads=2, rope_parameters={"rope_theta": 5e4}),
+    "linear_rope": dict(
+        rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0},
+        attention_bias=True,
+        mlp_bias=True,
+    ),
+    "llama3_rope": dict(
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 1e4,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,  # wavelengths fall in all three bands
+        },
+    ),
+    "tied": dict(tie_word_embeddings=True, head_dim=16),
+    "mistral_window": dict(model_type="mistral", num_key_value_heads=2, sliding_window=8),
+}
+
+
+def tiny_hf_llama(tmp_path, model_type="llama", **overrides):
+    """A random tiny torch model (norm weights perturbed too), saved to `tmp_path/hf`."""
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        attention_dropout=0.0,
+        initializer_range=0.1,  # sharp enough attention that positions visibly matter
+    )
+    kwargs.update(overrides)
+    config_cls = transformers.MistralConfig if model_type == "mistral" else transformers.LlamaConfig
+    model_cls = (
+        transformers.MistralForCausalLM
+        if model_type == "mistral"
+        else transformers.LlamaForCausalLM
+    )
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**kwargs, attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model, save_torch_model(model, tmp_path / "hf")
+
+
+def logits_of(model, params, ids, mask):
+    return model.compute_logits(params, decoder_batch(ids, mask))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_import_matches_transformers_and_export_reloads(tmp_path, variant):
+    torch_model, path = tiny_hf_llama(tmp_path, **VARIANTS[variant])
+    ids, mask = padded_batch(VOCAB, LENGTHS)
+    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+
+    model, params = hf.from_pretrained(path)
+    assert max_abs_diff(logits_of(model, params, ids, mask), theirs, mask) < 1e-4
+
+    partitioner = Partitioner(mesh_shape=(1, 4, 2))
+    model, params = hf.from_pretrained(path, partitioner, scan_layers=variant == "tied")
+    ours = logits_of(model, params, ids, mask)
+    assert max_abs_diff(ours, theirs, mask) < 1e-4
+    assert int(np.asarray(ours).argmax(-1).max()) < VOCAB
+    layer = params["layers"]["block"] if variant == "tied" else params["layers_0"]
+    assert layer["gate_proj"]["kernel"].sharding.spec[-1] == "tensor"
+
+    out = tmp_path / "out"
+    hf.save_pretrained(model, params, out)
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(out), output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert type(reloaded) is type(torch_model)
+    again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(again, theirs, mask) < 1e-5
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["vocab_size"] == VOCAB
+    assert exported["rope_parameters"] == torch_model.config.rope_parameters
+
+
+def test_sliding_window_changes_the_logits(tmp_path):
+    _, path = tiny_hf_llama(tmp_path, **VARIANTS["mistral_window"])
+    model, params = hf.from_pretrained(path)
+    assert model.config.sliding_window == 8 and model.config.model_type == "mistral"
+    unwindowed = DecoderOnlyModel(dataclasses.replace(model.config, sliding_window=None))
+    batch = decoder_batch(*padded_batch(VOCAB, LENGTHS))
+    windowed = np.asarray(model.compute_logits(params, batch))
+    full = np.asarray(unwindowed.compute_logits(params, batch))
+    # Identical while the window covers the whole prefix, different after.
+    np.testing.assert_allclose(windowed[:, :8], full[:, :8], atol=1e-5)
+    assert np.abs(windowed[0, 8:] - full[0, 8:]).max() > 1e-3
+
+
+def test_rope_scaling_from_legacy_config_fields():
+    legacy = {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert llama.rope_from_hf(legacy) == {
+        "rope_theta": 5e5,
+        "rope_scaling_type": "linear",
+        "rope_scaling_factor": 2.0,
+    }
+    assert llama.rope_from_hf({}) == {"rope_theta": 1e4}
+
+
+def test_dynamic_rope_scaling_is_refused():
+    with pytest.raises(ValueError, match="'dynamic'"):
+        llama.rope_from_hf({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(num_heads=4, num_kv_heads=3, hidden_size=32), "num_kv_heads"),
+        (dict(rope_scaling_type="yarn"), "rope_scaling_type"),
+        (dict(sliding_window=16), "sliding_window"),
+        (dict(model_type="mistral", mlp_bias=True), "mlp_bias"),
+    ],
+)
+def test_bad_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        llama.LlamaConfig(**kwargs)
+
+
+def test_fsdp_training_lowers_the_loss_and_exports(tmp_path):
+    torch_model, path = tiny_hf_llama(tmp_path, **VARIANTS["gqa_theta"])
+    partitioner = Partitioner(mesh_shape=(1, 8, 1))
+    model, params = hf.from_pretrained(path, partitioner)
+    ids, mask = padded_batch(VOCAB, (24, 24, 17, 24, 24, 9, 24, 24), seed=1)
+    batch = jax.device_put(decoder_batch(ids, mask), partitioner.sharding(P("batch", "length")))
+    optimizer = optax.adam(1e-2)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt_state):
+        (loss, _), grads = jax.value_and_grad(model.loss_fn, has_aux=True)(params, batch, None)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for _ in range(8):
+        params, opt_state, loss = step(params, opt_state)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.5
+    assert params["layers_0"]["q_proj"]["kernel"].sharding.spec[0] == "fsdp"
+
+    out = tmp_path / "trained"
+    hf.save_pretrained(model, params, out)
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(out), output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    ours = model.compute_logits(params, decoder_batch(ids, mask))
+    theirs = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(ours, theirs, mask) < 1e-4
+
+
+GIN_FILES = {
+    "llama_tiny": dict(hidden_size=256, num_kv_heads=2, vocab_size=384),
+    "llama2_7b": dict(hidden_size=4096, num_layers=32, intermediate_size=11008),
+    "llama2_13b": dict(hidden_size=5120, num_layers=40, intermediate_size=13824),
+    "llama2_70b": dict(hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8),
+    "llama3_8b": dict(vocab_size=128256, rope_theta=5e5, rope_scaling_type="llama3"),
+    "mistral_7b": dict(sliding_window=4096, model_type="mistral", max_position_embeddings=32768),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GIN_FILES))
+def test_gin_model_file_builds_its_config(repo_dir, name):
+    gin.clear_config()
+    try:
+        gin.parse_config_files_and_bindings([f"{repo_dir}/gin/models/{name}.gin"], [])
+        config = llama.LlamaConfig()
+    finally:
+        gin.clear_config()
+    for field, value in GIN_FILES[name].items():
+        assert getattr(config, field) == value, field
+    assert config.vocab_size % 128 == 0
+
+
+def test_finetune_gin_parses_with_the_tiny_llama(repo_dir):
+    gin.clear_config()
+    try:
+        gin_utils.parse_gin(["llama_finetune.gin"], search_paths=[f"{repo_dir}/gin"])
+        assert gin.query_parameter("%INIT_FROM_HF") is None
+        assert gin.query_parameter("%MIXTURE_OR_TASK_NAME") == "stdlib_py"
+        assert llama.LlamaConfig().hidden_size == 256
+    finally:
+        gin.clear_config()
+
+
+@pytest.mark.slow
+def test_finetune_gin_trains_from_a_hf_llama(tmp_path, repo_dir):
+    """gin/llama_finetune.gin, started from an HF Llama of llama_tiny.gin's shape."""
+    torch_model, path = tiny_hf_llama(
+        tmp_path,
+        vocab_size=384,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+    model_dir = str(tmp_path / "run")
+    result = run_main(
+        [
+            "--gin_file=gin/llama_finetune.gin",
+            f"--gin.MODEL_DIR='{model_dir}'",
+            f"--gin.INIT_FROM_HF='{path}'",
+            "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+            "--gin.BATCH_SIZE=8",
+            "--gin.TRAIN_STEPS=2",
+            "--gin.EVAL_PERIOD=0",
+            "--gin.LOG_PERIOD=1",
+        ],
+        cwd=repo_dir,
+        devices=8,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"from {path}" in result.stdout
+    assert len(read_metrics(model_dir)) >= 1
