@@ -1,7 +1,8 @@
 """SeqIO tasks and mixtures; importing this package registers them."""
 
 from tasks import (  # noqa: F401
-    seq2seq,  # noqa: F401
+    mlm,
+    seq2seq,
     stdlib,
     text_files,
 )

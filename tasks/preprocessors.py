@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import seqio
 import tensorflow as tf
 
 
@@ -32,3 +33,50 @@ def split_targets(
     return dataset.flat_map(to_chunks).map(
         lambda ex: {"targets": ex["targets"]}, num_parallel_calls=tf.data.AUTOTUNE
     )
+
+
+def mask_tokens(
+    dataset: tf.data.Dataset,
+    *,
+    mask_id: int,
+    random_ids: tuple[int, int],
+    mask_rate: float = 0.15,
+    never_mask: tuple[int, ...] = (0, 1),
+    key: str = "targets",
+) -> tf.data.Dataset:
+    """BERT-style masking of the tokenized `key`, for `models.base.MaskedLMFeatureConverter`.
+
+    Each token (except ids in `never_mask`) is chosen with probability `mask_rate`; a chosen
+    token becomes `mask_id` 80% of the time, a random id in `[random_ids[0], random_ids[1])`
+    10%, and stays itself 10%. Output: `inputs` (the masked ids) and `targets`: the original
+    ids, negated where chosen (the loss is taken there). Zeros would not do as "no loss":
+    seqio's packing treats 0 as padding and drops it. Deterministic given seqio's
+    preprocessing seed (stateless random ops).
+    """
+    low, high = random_ids
+    if not 0.0 < mask_rate < 1.0 or low >= high:
+        raise ValueError(
+            f"mask_tokens: mask_rate={mask_rate} must be in (0, 1) and random_ids={random_ids} "
+            "a non-empty [low, high) range."
+        )
+
+    @seqio.map_over_dataset(num_seeds=3)
+    def mask(ex: Mapping[str, tf.Tensor], seeds: tf.Tensor) -> dict[str, tf.Tensor]:
+        tokens = ex[key]
+        shape = tf.shape(tokens)
+        eligible = tf.reduce_all(
+            tf.not_equal(tokens[:, None], tf.constant(never_mask, tokens.dtype)[None, :]), axis=1
+        )
+        chosen = (tf.random.stateless_uniform(shape, seed=seeds[0]) < mask_rate) & eligible
+        kind = tf.random.stateless_uniform(shape, seed=seeds[1])
+        random = tf.random.stateless_uniform(
+            shape, seed=seeds[2], minval=low, maxval=high, dtype=tokens.dtype
+        )
+        replaced = tf.where(kind < 0.8, tf.cast(mask_id, tokens.dtype), tokens)
+        replaced = tf.where((kind >= 0.8) & (kind < 0.9), random, replaced)
+        out = dict(ex)
+        out["inputs"] = tf.where(chosen, replaced, tokens)
+        out["targets"] = tf.where(chosen, -tokens, tokens)
+        return out
+
+    return mask(dataset)

@@ -8,7 +8,13 @@ from flaxlm.models import (  # noqa: F401
     layers,
     llama,  # noqa: F401
     opt,  # noqa: F401
+    roberta,  # noqa: F401
     t5,  # noqa: F401
 )
-from flaxlm.models.base import BaseModel, DecoderOnlyModel  # noqa: F401
+from flaxlm.models.base import (  # noqa: F401
+    BaseModel,
+    DecoderOnlyModel,
+    EncoderDecoderModel,
+    EncoderOnlyModel,
+)
 from flaxlm.models.gptj import GPTJ, GPTJConfig  # noqa: F401

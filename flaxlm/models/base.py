@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import seqio
+import tensorflow as tf
 
 Array = jax.Array
 Batch = Mapping[str, Array]
@@ -229,6 +230,94 @@ class EncoderDecoderModel(BaseModel):
     def targets_and_weights(self, batch: Batch) -> tuple[Array, Array]:
         targets = batch["decoder_target_tokens"]
         weights = batch.get("decoder_loss_weights")
+        if weights is None:
+            weights = (targets > 0).astype(jnp.float32)
+        return targets, weights
+
+
+class MaskedLMFeatureConverter(seqio.FeatureConverter):
+    """Encoder-only masked-LM features from aligned `inputs` and `targets`.
+
+    `inputs` are the (masked) token ids the encoder reads; `targets` are the original ids,
+    negated at the positions chosen for the loss (see `tasks.preprocessors.mask_tokens`;
+    seqio's packing drops zeros, so "no loss" cannot be a 0). Unlike
+    `seqio.EncoderFeatureConverter`, whose loss covers only positions that show the mask
+    id, the loss here covers every chosen position, including those BERT-style masking left
+    unchanged or replaced by a random token.
+    """
+
+    TASK_FEATURES = {
+        "inputs": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
+        "targets": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
+    }
+    MODEL_FEATURES = {
+        "encoder_input_tokens": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
+        "encoder_target_tokens": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
+        "encoder_loss_weights": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
+    }
+    PACKING_FEATURE_DTYPES = {"encoder_segment_ids": tf.int32, "encoder_positions": tf.int32}
+
+    def _convert_features(
+        self, ds: tf.data.Dataset, task_feature_lengths: Mapping[str, int]
+    ) -> tf.data.Dataset:
+        def convert(features: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+            out = {
+                "encoder_input_tokens": features["inputs"],
+                "encoder_target_tokens": tf.abs(features["targets"]),
+                "encoder_loss_weights": tf.cast(features["targets"] < 0, tf.int32),
+            }
+            if self.pack:
+                out["encoder_segment_ids"] = features["inputs_segment_ids"]
+                out["encoder_positions"] = features["inputs_positions"]
+            return out
+
+        ds = self._pack_or_pad(ds, task_feature_lengths)
+        return ds.map(convert, num_parallel_calls=tf.data.AUTOTUNE)
+
+    def get_model_feature_lengths(self, task_feature_lengths: Mapping[str, int]) -> dict:
+        length = task_feature_lengths["inputs"]
+        names = ["encoder_input_tokens", "encoder_target_tokens", "encoder_loss_weights"]
+        if self.pack:
+            names += ["encoder_segment_ids", "encoder_positions"]
+        return {name: length for name in names}
+
+
+@gin.configurable
+class EncoderOnlyModel(BaseModel):
+    """A bidirectional encoder trained as a masked language model (RoBERTa).
+
+    The module is called as `module(tokens, positions, segment_ids, deterministic=...)` and
+    returns logits `[batch, length, vocab]` at every position; the loss counts only the
+    positions `encoder_loss_weights` marks (the masked ones).
+    """
+
+    FEATURE_CONVERTER_CLS = MaskedLMFeatureConverter
+    TASK_FEATURES = ("inputs", "targets")
+
+    def __init__(self, config: ModuleConfig = gin.REQUIRED, *, z_loss: float = 0.0):
+        super().__init__(config, z_loss=z_loss)
+
+    def _dummy_batch(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Array]:
+        shape = tuple(batch_shapes["encoder_input_tokens"])
+        return {"encoder_input_tokens": jnp.zeros(shape, jnp.int32)}
+
+    def _init_variables(self, rng: Array, batch: dict[str, Array]) -> Any:
+        return self.module.init(rng, batch["encoder_input_tokens"])
+
+    def _apply(self, params: Params, batch: Batch, *, rng: Array | None = None) -> Array:
+        rngs = {"dropout": rng} if rng is not None else None
+        return self.module.apply(
+            {"params": params},
+            batch["encoder_input_tokens"],
+            batch.get("encoder_positions"),
+            batch.get("encoder_segment_ids"),
+            deterministic=rng is None,
+            rngs=rngs,
+        )
+
+    def targets_and_weights(self, batch: Batch) -> tuple[Array, Array]:
+        targets = batch["encoder_target_tokens"]
+        weights = batch.get("encoder_loss_weights")
         if weights is None:
             weights = (targets > 0).astype(jnp.float32)
         return targets, weights
