@@ -309,8 +309,21 @@ def from_pretrained(
     """
     hf_config = read_hf_config(path)
     spec, config = config_from_hf_dict(hf_config, partitioner, dtype, **config_overrides)
-    model = spec.model_cls(config)
+    model = spec.model_cls(config, eos_id=hf_eos_id(hf_config, path))
     return model, load_params(model, path, partitioner)
+
+
+def hf_eos_id(
+    hf_config: Mapping[str, Any], path: str | epath.Path | None = None
+) -> int | list[int] | None:
+    """The EOS id(s) generation stops at: generation_config.json's, else config.json's."""
+    if path is not None:
+        file = epath.Path(path) / "generation_config.json"
+        if file.exists():
+            generation = json.loads(file.read_text())
+            if generation.get("eos_token_id") is not None:
+                return generation["eos_token_id"]
+    return hf_config.get("eos_token_id")
 
 
 # ------------------------------------------------------------------------ writing
@@ -488,4 +501,4 @@ def model_from_hf_config(
         config = dataclasses.replace(spec.config_cls(**record["flaxlm_config"]), **overrides)
     else:
         spec, config = config_from_hf_dict(record, partitioner, **overrides)
-    return spec.model_cls(config)
+    return spec.model_cls(config, eos_id=hf_eos_id(record))

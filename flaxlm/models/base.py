@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import flax.linen as nn
@@ -18,6 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import seqio
 import tensorflow as tf
+
+from flaxlm import decoding
+from flaxlm.models import layers
 
 Array = jax.Array
 Batch = Mapping[str, Array]
@@ -53,16 +57,37 @@ def cross_entropy(
     return jnp.sum((xent + z) * weights), jnp.sum(z * weights), jnp.sum(correct * weights)
 
 
+MODEL_EOS = -1  # generate(eos_id=MODEL_EOS): the model's own EOS ids
+
+
+def eos_tuple(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
+    if eos_id is None:
+        return ()
+    if isinstance(eos_id, (int, np.integer)):
+        return (int(eos_id),)
+    return tuple(int(e) for e in eos_id)
+
+
 class BaseModel(abc.ABC):
     """Loss, logits and parameter layout of one module; DESIGN.md's model seam."""
 
     FEATURE_CONVERTER_CLS: type[seqio.FeatureConverter]
     TASK_FEATURES: tuple[str, ...] = ("targets",)  # the task features the converter reads
 
-    def __init__(self, config: ModuleConfig, *, z_loss: float = 0.0):
+    def __init__(
+        self,
+        config: ModuleConfig,
+        *,
+        z_loss: float = 0.0,
+        eos_id: int | Sequence[int] | None = 1,
+    ):
+        """`eos_id`: the token(s) that end generation (seqio's vocabularies use 1; an HF
+        import takes its config's `eos_token_id`)."""
         self.config = config
         self.module = config.make_module()
         self.z_loss = z_loss
+        self.eos_ids = eos_tuple(eos_id)
+        self._decoders: dict[Any, Callable[..., Any]] = {}
 
     # -------------------------------------------------------------- parameters
 
@@ -127,13 +152,125 @@ class BaseModel(abc.ABC):
         return self._logits(params, batch, None)
 
     def _logits(self, params: Params, batch: Batch, rng: Array | None) -> Array:
-        logits = self._apply(params, batch, rng=rng).astype(jnp.float32)
+        return self._mask_padded_vocab(self._apply(params, batch, rng=rng))
+
+    def _mask_padded_vocab(self, logits: Array) -> Array:
+        """float32 logits where ids padded onto the vocabulary (for sharding) never win or
+        take probability."""
+        logits = logits.astype(jnp.float32)
         real = getattr(self.config, "real_vocab_size", None)
         if real is not None and real < logits.shape[-1]:
-            # Rows padded onto the vocabulary (for sharding) never win or take probability.
             ids = jnp.arange(logits.shape[-1])
             logits = jnp.where(ids < real, logits, jnp.finfo(jnp.float32).min)
         return logits
+
+    def score(self, params: Params, batch: Batch) -> Array:
+        """float32 `[batch]`: each example's summed log-likelihood of its targets (weighted
+        by the loss weights), from an unpacked batch of the model's features."""
+        logits = self.compute_logits(params, batch)
+        targets, weights = self.targets_and_weights(batch)
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        target = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+        return jnp.sum(target * weights.astype(jnp.float32), axis=-1)
+
+    # -------------------------------------------------------------- decoding
+
+    def generate(
+        self,
+        params: Params,
+        batch: Mapping[str, Any],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        num_beams: int = 1,
+        rng: Array | None = None,
+        *,
+        length_penalty: float = 1.0,
+        eos_id: int | Sequence[int] | None = MODEL_EOS,
+        partitioner: Any = None,
+    ) -> np.ndarray:
+        """int32 numpy `[batch, max_new_tokens]`: the tokens generated after each prompt, 0
+        after its EOS (which is kept).
+
+        `batch["inputs"]`: int `[batch, prompt_len]` prompts (for an encoder-decoder model,
+        the encoder's inputs), right-padded with 0; `batch["inputs_lengths"]` (optional)
+        their lengths, else each row ends at its last non-zero token. Rows of different
+        lengths decode as if alone. Greedy when `temperature` is 0, else sampled (seeded by
+        `rng`) from the `top_k` / `top_p` set; `num_beams > 1` is beam search. `eos_id`
+        overrides the model's EOS ids (None: never stop early). With a `partitioner`, the
+        prompts are split over its batch axes (when the batch divides) and the whole
+        decoding loop runs as one program on its mesh, on every process.
+        """
+        inputs, lengths = self._prompts(batch)
+        eos_ids = self.eos_ids if eos_id == MODEL_EOS else eos_tuple(eos_id)
+        config = decoding.DecodingConfig(
+            max_new_tokens=max_new_tokens,
+            temperature=float(temperature),
+            top_k=int(top_k),
+            top_p=float(top_p),
+            num_beams=int(num_beams),
+            length_penalty=float(length_penalty),
+            eos_ids=eos_ids,
+        )
+        self.check_decoding(inputs, lengths, config)
+        rng = jax.random.PRNGKey(0) if rng is None else rng
+        key = (config, id(partitioner))
+        if key not in self._decoders:
+            fn = functools.partial(self._generate_tokens, config=config)
+            self._decoders[key] = decoding.compile_decoder(fn, partitioner)
+        return self._decoders[key](params, inputs, lengths, rng)
+
+    def _prompts(self, batch: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        if "inputs" not in batch:
+            raise ValueError(
+                f"generate needs batch['inputs'] (int [batch, prompt_len], right-padded with "
+                f"0); got keys {sorted(batch)}."
+            )
+        inputs = np.asarray(batch["inputs"]).astype(np.int32)
+        if inputs.ndim != 2:
+            raise ValueError(f"batch['inputs'] must be [batch, prompt_len], got {inputs.shape}.")
+        lengths = batch.get("inputs_lengths")
+        if lengths is None:
+            nonzero = inputs != 0
+            lengths = np.where(
+                nonzero.any(1), inputs.shape[1] - np.argmax(nonzero[:, ::-1], axis=1), 0
+            )
+        lengths = np.asarray(lengths).astype(np.int32).reshape(-1)
+        if lengths.shape[0] != inputs.shape[0] or (lengths > inputs.shape[1]).any():
+            raise ValueError(
+                f"inputs_lengths {lengths.tolist()} do not fit inputs of shape {inputs.shape}."
+            )
+        return inputs, lengths
+
+    def check_decoding(
+        self, inputs: np.ndarray, lengths: np.ndarray, config: decoding.DecodingConfig
+    ) -> None:
+        """Fails before any device work when a request cannot be decoded."""
+        del inputs, lengths, config  # nothing to check in general
+
+    def _decode_module(self) -> nn.Module:
+        """The module for decoding: the same params, no rematerialisation."""
+        if getattr(self.config, "remat_policy", "none") == "none":
+            return self.module
+        return dataclasses.replace(self.config, remat_policy="none").make_module()
+
+    def _generate_tokens(
+        self,
+        params: Params,
+        inputs: Array,
+        lengths: Array,
+        rng: Array,
+        *,
+        config: decoding.DecodingConfig,
+    ) -> Array:
+        first_logits, cache, step = self._start_decoding(params, inputs, lengths, config)
+        return decoding.decode(first_logits, cache, step, config, rng)
+
+    def _start_decoding(
+        self, params: Params, inputs: Array, lengths: Array, config: decoding.DecodingConfig
+    ) -> tuple[Array, Any, decoding.StepFn]:
+        raise TypeError(f"{type(self).__name__} does not generate text.")
 
     @abc.abstractmethod
     def targets_and_weights(self, batch: Batch) -> tuple[Array, Array]: ...
@@ -158,8 +295,14 @@ class DecoderOnlyModel(BaseModel):
 
     FEATURE_CONVERTER_CLS = seqio.DecoderFeatureConverter
 
-    def __init__(self, config: ModuleConfig = gin.REQUIRED, *, z_loss: float = 0.0):
-        super().__init__(config, z_loss=z_loss)
+    def __init__(
+        self,
+        config: ModuleConfig = gin.REQUIRED,
+        *,
+        z_loss: float = 0.0,
+        eos_id: int | Sequence[int] | None = 1,
+    ):
+        super().__init__(config, z_loss=z_loss, eos_id=eos_id)
 
     def _dummy_batch(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Array]:
         shape = tuple(batch_shapes["decoder_input_tokens"])
@@ -186,6 +329,68 @@ class DecoderOnlyModel(BaseModel):
             weights = (targets > 0).astype(jnp.float32)
         return targets, weights
 
+    def check_decoding(
+        self, inputs: np.ndarray, lengths: np.ndarray, config: decoding.DecodingConfig
+    ) -> None:
+        if (lengths < 1).any():
+            raise ValueError(
+                f"Prompts {np.flatnonzero(lengths < 1).tolist()} are empty; a decoder-only "
+                "model needs at least one prompt token (e.g. a BOS token) to continue from."
+            )
+        limit = getattr(self.config, "max_position_embeddings", None)
+        longest = int(lengths.max()) + config.max_new_tokens
+        if limit is not None and longest > limit:
+            raise ValueError(
+                f"The longest prompt ({int(lengths.max())} tokens) plus max_new_tokens "
+                f"({config.max_new_tokens}) is {longest}, beyond the model's "
+                f"max_position_embeddings={limit}; shorten the prompt or max_new_tokens."
+            )
+
+    def _start_decoding(
+        self, params: Params, inputs: Array, lengths: Array, config: decoding.DecodingConfig
+    ) -> tuple[Array, Any, decoding.StepFn]:
+        batch, prompt_len = inputs.shape
+        # Left-pad: every row's prompt ends at slot prompt_len - 1, so all rows write the
+        # same cache slot each step; slots before `start` are masked out.
+        start = (prompt_len - lengths).astype(jnp.int32)
+        source = jnp.arange(prompt_len)[None, :] - start[:, None]
+        tokens = jnp.take_along_axis(inputs, jnp.maximum(source, 0), axis=1)
+        tokens = jnp.where(source >= 0, tokens, 0)
+        rows = batch * config.num_beams
+        tokens, start = (jnp.repeat(x, config.num_beams, axis=0) for x in (tokens, start))
+        cache_len = prompt_len + config.max_new_tokens
+        module = self._decode_module()
+
+        def run(tokens: Array, index: Array | int, cache: Any) -> tuple[Array, Any]:
+            state = layers.Decoding(jnp.asarray(index, jnp.int32), start, cache_len)
+            positions = layers.decoding_positions(state, rows, tokens.shape[1])
+            logits, variables = module.apply(
+                {"params": params, "cache": cache},
+                tokens,
+                positions,
+                None,
+                decoding=state,
+                mutable=["cache"],
+            )
+            return self._mask_padded_vocab(logits[:, -1]), variables["cache"]
+
+        def init_cache() -> Any:
+            state = layers.Decoding(jnp.int32(0), start, cache_len)
+            dummy = jnp.zeros((rows, cache_len), jnp.int32)
+            return module.init(jax.random.PRNGKey(0), dummy, None, None, decoding=state)["cache"]
+
+        cache = _zeros_like_shapes(jax.eval_shape(init_cache))
+        first_logits, cache = run(tokens, 0, cache)
+
+        def step(token: Array, t: Array, cache: Any) -> tuple[Array, Any]:
+            return run(token[:, None], prompt_len + t, cache)
+
+        return first_logits, cache, step
+
+
+def _zeros_like_shapes(shapes: Any) -> Any:
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
 
 @gin.configurable
 class EncoderDecoderModel(BaseModel):
@@ -201,8 +406,14 @@ class EncoderDecoderModel(BaseModel):
     FEATURE_CONVERTER_CLS = seqio.EncDecFeatureConverter
     TASK_FEATURES = ("inputs", "targets")
 
-    def __init__(self, config: ModuleConfig = gin.REQUIRED, *, z_loss: float = 0.0):
-        super().__init__(config, z_loss=z_loss)
+    def __init__(
+        self,
+        config: ModuleConfig = gin.REQUIRED,
+        *,
+        z_loss: float = 0.0,
+        eos_id: int | Sequence[int] | None = 1,
+    ):
+        super().__init__(config, z_loss=z_loss, eos_id=eos_id)
 
     def _dummy_batch(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Array]:
         return {
@@ -233,6 +444,50 @@ class EncoderDecoderModel(BaseModel):
         if weights is None:
             weights = (targets > 0).astype(jnp.float32)
         return targets, weights
+
+    def _start_decoding(
+        self, params: Params, inputs: Array, lengths: Array, config: decoding.DecodingConfig
+    ) -> tuple[Array, Any, decoding.StepFn]:
+        # The encoder reads each input once; padding (segment 0) is never attended.
+        segment_ids = (jnp.arange(inputs.shape[1])[None, :] < lengths[:, None]).astype(jnp.int32)
+        module = self._decode_module()
+        encoded = module.apply({"params": params}, inputs, segment_ids, method="encode")
+        encoded, segment_ids = (
+            jnp.repeat(x, config.num_beams, axis=0) for x in (encoded, segment_ids)
+        )
+        rows = encoded.shape[0]
+        start = jnp.zeros((rows,), jnp.int32)
+        cache_len = config.max_new_tokens  # the start token and all but the last new token
+
+        def run(tokens: Array, index: Array | int, cache: Any) -> tuple[Array, Any]:
+            state = layers.Decoding(jnp.asarray(index, jnp.int32), start, cache_len)
+            logits, variables = module.apply(
+                {"params": params, "cache": cache},
+                encoded,
+                tokens[:, None],
+                segment_ids,
+                decoding=state,
+                method="decode",
+                mutable=["cache"],
+            )
+            return self._mask_padded_vocab(logits[:, -1]), variables["cache"]
+
+        def init_cache() -> Any:
+            state = layers.Decoding(jnp.int32(0), start, cache_len)
+            dummy = jnp.zeros((rows, cache_len), jnp.int32)
+            variables = module.init(
+                jax.random.PRNGKey(0), encoded, dummy, segment_ids, decoding=state, method="decode"
+            )
+            return variables["cache"]
+
+        cache = _zeros_like_shapes(jax.eval_shape(init_cache))
+        # Decoding starts from the decoder start token (0, T5's pad id, as seqio shifts).
+        first_logits, cache = run(jnp.zeros((rows,), jnp.int32), 0, cache)
+
+        def step(token: Array, t: Array, cache: Any) -> tuple[Array, Any]:
+            return run(token, t + 1, cache)
+
+        return first_logits, cache, step
 
 
 class MaskedLMFeatureConverter(seqio.FeatureConverter):
@@ -294,8 +549,14 @@ class EncoderOnlyModel(BaseModel):
     FEATURE_CONVERTER_CLS = MaskedLMFeatureConverter
     TASK_FEATURES = ("inputs", "targets")
 
-    def __init__(self, config: ModuleConfig = gin.REQUIRED, *, z_loss: float = 0.0):
-        super().__init__(config, z_loss=z_loss)
+    def __init__(
+        self,
+        config: ModuleConfig = gin.REQUIRED,
+        *,
+        z_loss: float = 0.0,
+        eos_id: int | Sequence[int] | None = 1,
+    ):
+        super().__init__(config, z_loss=z_loss, eos_id=eos_id)
 
     def _dummy_batch(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Array]:
         shape = tuple(batch_shapes["encoder_input_tokens"])

@@ -87,7 +87,14 @@ class GemmaBlock(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x: Array, sin: Array, cos: Array, mask: Array) -> Array:
+    def __call__(
+        self,
+        x: Array,
+        sin: Array,
+        cos: Array,
+        mask: Array,
+        decoding: layers.Decoding | None = None,
+    ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         norm = dict(epsilon=cfg.rms_norm_eps, scale_plus_one=True, **dense)
@@ -117,6 +124,9 @@ class GemmaBlock(nn.Module):
         q = layers.constrain(layers.apply_rotary(q, sin, cos, interleaved=False), layers.HEAD_AXES)
         k = layers.apply_rotary(k, sin, cos, interleaved=False)
         k = layers.constrain(k, ("batch", "length", kv_axis, "head_dim"))
+        k, v = layers.KVCache(("batch", "length", kv_axis, "head_dim"), name="cache")(
+            k, v, decoding
+        )
         attn = layers.dot_product_attention(q, k, v, mask, dtype=cfg.dtype)
         attn = layers.DenseGeneral(
             cfg.hidden_size,
@@ -160,12 +170,13 @@ class Gemma(nn.Module):
         segment_ids: Array | None = None,
         *,
         deterministic: bool = True,
+        decoding: layers.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         batch, length = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        mask = layers.attention_mask(segment_ids, batch, length, causal=True)
+        mask = layers.causal_mask(segment_ids, batch, length, decoding)
         sin, cos = layers.rotary_sin_cos(positions, cfg.head_dim, cfg.rope_theta)
         embed = layers.Embed(
             cfg.vocab_size,
@@ -186,7 +197,7 @@ class Gemma(nn.Module):
             name="layers",
             config=cfg,
             deterministic=deterministic,
-        )(x, sin, cos, mask)
+        )(x, sin, cos, mask, decoding)
         x = layers.RMSNorm(
             cfg.rms_norm_eps,
             scale_plus_one=True,

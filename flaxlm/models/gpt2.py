@@ -87,7 +87,7 @@ class GPT2Attention(nn.Module):
     config: GPT2Config
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array) -> Array:
+    def __call__(self, x: Array, mask: Array, decoding: layers.Decoding | None = None) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         # One kernel for q, k and v, laid out as HF's c_attn: [embed, 3, heads, head_dim].
@@ -101,6 +101,7 @@ class GPT2Attention(nn.Module):
         q, k, v = (qkv[:, :, i] for i in range(3))  # each [batch, length, heads, head_dim]
         q = layers.constrain(q, layers.HEAD_AXES)
         k = layers.constrain(k, layers.HEAD_AXES)
+        k, v = layers.KVCache(name="cache")(k, v, decoding)
         scale = cfg.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
         out = layers.dot_product_attention(q, k, v, mask, scale=scale, dtype=cfg.dtype)
         return layers.DenseGeneral(
@@ -139,11 +140,13 @@ class GPT2Block(nn.Module):
         return x
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array) -> Array:
+    def __call__(self, x: Array, mask: Array, decoding: layers.Decoding | None = None) -> Array:
         cfg = self.config
         norm = dict(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         x = layers.constrain(x, layers.ACTIVATION_AXES)
-        attn = GPT2Attention(cfg, name="attn")(layers.LayerNorm(name="ln_1", **norm)(x), mask)
+        attn = GPT2Attention(cfg, name="attn")(
+            layers.LayerNorm(name="ln_1", **norm)(x), mask, decoding
+        )
         x = x + self._dropout(checkpoint_name(attn, "attn_out"))
         x = layers.constrain(x, layers.ACTIVATION_AXES)
         m = GPT2MLP(cfg, name="mlp")(layers.LayerNorm(name="ln_2", **norm)(x))
@@ -164,12 +167,13 @@ class GPT2(nn.Module):
         segment_ids: Array | None = None,
         *,
         deterministic: bool = True,
+        decoding: layers.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         batch, length = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        mask = layers.attention_mask(segment_ids, batch, length, causal=True)
+        mask = layers.causal_mask(segment_ids, batch, length, decoding)
         wte = layers.Embed(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -195,7 +199,7 @@ class GPT2(nn.Module):
             name="h",
             config=cfg,
             deterministic=deterministic,
-        )(x, mask)
+        )(x, mask, decoding)
         x = layers.LayerNorm(
             cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="ln_f"
         )(x)

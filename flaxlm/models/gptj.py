@@ -87,7 +87,9 @@ class GPTJBlock(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x: Array, positions: Array, mask: Array) -> Array:
+    def __call__(
+        self, x: Array, positions: Array, mask: Array, decoding: layers.Decoding | None = None
+    ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         x = layers.constrain(x, layers.ACTIVATION_AXES)
@@ -105,7 +107,8 @@ class GPTJBlock(nn.Module):
         k = layers.apply_rotary(qkv["k_proj"], sin, cos, interleaved=True)
         q = layers.constrain(q, layers.HEAD_AXES)
         k = layers.constrain(k, layers.HEAD_AXES)
-        attn = layers.dot_product_attention(q, k, qkv["v_proj"], mask, dtype=cfg.dtype)
+        k, v = layers.KVCache(name="cache")(k, qkv["v_proj"], decoding)
+        attn = layers.dot_product_attention(q, k, v, mask, dtype=cfg.dtype)
         attn = layers.DenseGeneral(
             cfg.hidden_size, ("heads", "head_dim", "embed"), axis=(-2, -1), name="out_proj", **dense
         )(attn)
@@ -140,12 +143,13 @@ class GPTJ(nn.Module):
         segment_ids: Array | None = None,
         *,
         deterministic: bool = True,
+        decoding: layers.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         batch, length = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        mask = layers.attention_mask(segment_ids, batch, length, causal=True)
+        mask = layers.causal_mask(segment_ids, batch, length, decoding)
         x = layers.Embed(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -163,7 +167,7 @@ class GPTJ(nn.Module):
             name="h",
             config=cfg,
             deterministic=deterministic,
-        )(x, positions, mask)
+        )(x, positions, mask, decoding)
         x = layers.LayerNorm(
             cfg.layer_norm_epsilon, dtype=jnp.float32, param_dtype=cfg.param_dtype, name="ln_f"
         )(x)

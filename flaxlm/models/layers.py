@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -237,6 +238,78 @@ def attention_mask(
     return mask
 
 
+@flax.struct.dataclass
+class Decoding:
+    """Where incremental decoding is: the cache slot of the first query token (`index`), the
+    first slot of each row that holds a real token (`start`; prompts are left-padded so
+    every row writes the same slot), and the cache size (`length`, static)."""
+
+    index: Array  # int32 scalar
+    start: Array  # int32 [batch]
+    length: int = flax.struct.field(pytree_node=False, default=0)
+
+
+def causal_mask(
+    segment_ids: Array | None,
+    batch: int,
+    length: int,
+    decoding: Decoding | None = None,
+    *,
+    sliding_window: int | None = None,
+) -> Array:
+    """A decoder's self-attention mask: `attention_mask` over the sequence itself, or while
+    decoding `[batch, 1, q_len, cache_len]` over the cache: slots written so far, at or
+    after the row's `start`, within the sliding window."""
+    if decoding is None:
+        return attention_mask(
+            segment_ids, batch, length, causal=True, sliding_window=sliding_window
+        )
+    q_slot = decoding.index + jnp.arange(length)[:, None]
+    k_slot = jnp.arange(decoding.length)[None, :]
+    mask = k_slot <= q_slot
+    if sliding_window is not None:
+        mask = mask & (q_slot - k_slot < sliding_window)
+    real = k_slot[None] >= decoding.start[:, None, None]  # [batch, 1, cache_len]
+    return (mask[None] & real)[:, None]
+
+
+def decoding_positions(decoding: Decoding, batch: int, length: int) -> Array:
+    """int32 `[batch, length]` positions of the query tokens while decoding (a left-padded
+    row counts from its first real token)."""
+    slots = decoding.index + jnp.arange(length, dtype=jnp.int32)[None, :]
+    return jnp.broadcast_to(jnp.maximum(slots - decoding.start[:, None], 0), (batch, length))
+
+
+class KVCache(nn.Module):
+    """Keys and values of the tokens decoded so far (Flax collection `cache`).
+
+    Outside decoding it returns its inputs. While decoding it writes the new keys and
+    values at `decoding.index` and returns the whole cache `[batch, cache_len, heads,
+    head_dim]` (what `causal_mask` masks).
+    """
+
+    axes: tuple[str | None, ...] = HEAD_AXES
+
+    @nn.compact
+    def __call__(self, key: Array, value: Array, decoding: Decoding | None) -> tuple[Array, Array]:
+        if decoding is None:
+            return key, value
+        shape = (key.shape[0], decoding.length, *key.shape[2:])
+        cached = {
+            name: self.variable("cache", name, jnp.zeros, shape, x.dtype)
+            for name, x in (("key", key), ("value", value))
+        }
+        out = []
+        for name, x in (("key", key), ("value", value)):
+            var = cached[name]
+            updated = jax.lax.dynamic_update_slice(
+                var.value, x.astype(var.value.dtype), (0, decoding.index, 0, 0)
+            )
+            var.value = constrain(updated, self.axes)
+            out.append(var.value)
+        return out[0], out[1]
+
+
 def dot_product_attention(
     query: Array,
     key: Array,
@@ -322,7 +395,7 @@ def stack_blocks(
 
         scanned = nn.scan(
             _ScanBody,
-            variable_axes={"params": 0},
+            variable_axes={"params": 0, "cache": 0},
             split_rngs={"params": True, "dropout": True},
             in_axes=nn.broadcast,
             length=num_layers,

@@ -176,7 +176,14 @@ class LlamaBlock(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x: Array, sin: Array, cos: Array, mask: Array) -> Array:
+    def __call__(
+        self,
+        x: Array,
+        sin: Array,
+        cos: Array,
+        mask: Array,
+        decoding: layers.Decoding | None = None,
+    ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         kv_axis = kv_heads_axis(cfg.kv_heads)
@@ -204,6 +211,9 @@ class LlamaBlock(nn.Module):
         q = layers.constrain(layers.apply_rotary(q, sin, cos, interleaved=False), layers.HEAD_AXES)
         k = layers.apply_rotary(k, sin, cos, interleaved=False)
         k = layers.constrain(k, ("batch", "length", kv_axis, "head_dim"))
+        k, v = layers.KVCache(("batch", "length", kv_axis, "head_dim"), name="cache")(
+            k, v, decoding
+        )
         attn = layers.dot_product_attention(q, k, v, mask, dtype=cfg.dtype)
         attn = layers.DenseGeneral(
             cfg.hidden_size,
@@ -251,13 +261,14 @@ class Llama(nn.Module):
         segment_ids: Array | None = None,
         *,
         deterministic: bool = True,
+        decoding: layers.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         batch, length = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        mask = layers.attention_mask(
-            segment_ids, batch, length, causal=True, sliding_window=cfg.sliding_window
+        mask = layers.causal_mask(
+            segment_ids, batch, length, decoding, sliding_window=cfg.sliding_window
         )
         sin, cos = rope_sin_cos(positions, rope_inv_freq(cfg))
         embed = layers.Embed(
@@ -278,7 +289,7 @@ class Llama(nn.Module):
             name="layers",
             config=cfg,
             deterministic=deterministic,
-        )(x, sin, cos, mask)
+        )(x, sin, cos, mask, decoding)
         x = layers.RMSNorm(
             cfg.rms_norm_eps, dtype=jnp.float32, param_dtype=cfg.param_dtype, name="norm"
         )(x)

@@ -118,7 +118,7 @@ class OPTBlock(nn.Module):
         return x
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array) -> Array:
+    def __call__(self, x: Array, mask: Array, decoding: layers.Decoding | None = None) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         norm = dict(epsilon=cfg.layer_norm_epsilon, **dense)
@@ -140,7 +140,8 @@ class OPTBlock(nn.Module):
         # HF scales the query before the product; doing the same keeps rounding identical.
         q = layers.constrain(qkv["q_proj"] * cfg.head_dim**-0.5, layers.HEAD_AXES)
         k = layers.constrain(qkv["k_proj"], layers.HEAD_AXES)
-        attn = layers.dot_product_attention(q, k, qkv["v_proj"], mask, scale=1.0, dtype=cfg.dtype)
+        k, v = layers.KVCache(name="cache")(k, qkv["v_proj"], decoding)
+        attn = layers.dot_product_attention(q, k, v, mask, scale=1.0, dtype=cfg.dtype)
         attn = layers.DenseGeneral(
             cfg.hidden_size,
             ("heads", "head_dim", "embed"),
@@ -184,13 +185,14 @@ class OPT(nn.Module):
         segment_ids: Array | None = None,
         *,
         deterministic: bool = True,
+        decoding: layers.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         batch, length = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        mask = layers.attention_mask(segment_ids, batch, length, causal=True)
+        mask = layers.causal_mask(segment_ids, batch, length, decoding)
 
         embed = layers.Embed(cfg.vocab_size, cfg.embed_dim, name="embed_tokens", **dense)
         x = embed(tokens)
@@ -212,7 +214,7 @@ class OPT(nn.Module):
             name="layers",
             config=cfg,
             deterministic=deterministic,
-        )(x, mask)
+        )(x, mask, decoding)
         if cfg.final_layer_norm:
             x = layers.LayerNorm(cfg.layer_norm_epsilon, name="final_layer_norm", **dense)(x)
         if cfg.projects:

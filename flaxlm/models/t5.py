@@ -190,7 +190,14 @@ class T5Attention(nn.Module):
     config: T5Config
 
     @nn.compact
-    def __call__(self, x: Array, kv: Array, mask: Array | None, bias: Array | None) -> Array:
+    def __call__(
+        self,
+        x: Array,
+        kv: Array,
+        mask: Array | None,
+        bias: Array | None,
+        decoding: layers.Decoding | None = None,
+    ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
 
@@ -209,6 +216,7 @@ class T5Attention(nn.Module):
         q = project("q", (cfg.d_model * cfg.d_kv) ** -0.5, x)
         k = project("k", cfg.d_model**-0.5, kv)
         v = project("v", cfg.d_model**-0.5, kv)
+        k, v = layers.KVCache(name="cache")(k, v, decoding)
         out = layers.dot_product_attention(q, k, v, mask, bias=bias, scale=1.0, dtype=cfg.dtype)
         return layers.DenseGeneral(
             cfg.d_model,
@@ -265,6 +273,7 @@ class T5Block(nn.Module):
         mask: Array | None,
         encoded: Array | None = None,
         cross_mask: Array | None = None,
+        decoding: layers.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         norm = dict(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
@@ -277,7 +286,9 @@ class T5Block(nn.Module):
 
         x = layers.constrain(x, layers.ACTIVATION_AXES)
         h = layers.RMSNorm(**norm, name="self_attention_norm")(x)
-        x = residual(x, T5Attention(cfg, name="SelfAttention")(h, h, mask, bias), "attn_out")
+        x = residual(
+            x, T5Attention(cfg, name="SelfAttention")(h, h, mask, bias, decoding), "attn_out"
+        )
         if self.is_decoder:
             h = layers.RMSNorm(**norm, name="cross_attention_norm")(x)
             attn = T5Attention(cfg, name="EncDecAttention")(h, encoded, cross_mask, None)
@@ -306,11 +317,18 @@ class T5Stack(nn.Module):
         encoder_segment_ids: Array | None = None,
         *,
         deterministic: bool = True,
+        decoding: layers.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         batch, length = x.shape[:2]
-        if positions is None:
+        if decoding is not None:
+            # The queries sit at cache slots index.., the keys at every slot of the cache.
+            positions = decoding.index + jnp.arange(length, dtype=jnp.int32)[None]
+            key_positions = jnp.arange(decoding.length, dtype=jnp.int32)[None]
+        elif positions is None:
             positions = jnp.arange(length, dtype=jnp.int32)[None]
+        if decoding is None:
+            key_positions = positions
         table = self.param(
             "relative_attention_bias",
             nn.with_logical_partitioning(_normal(cfg.d_model**-0.5), (None, "heads")),
@@ -319,7 +337,7 @@ class T5Stack(nn.Module):
         )
         buckets = relative_position_buckets(
             positions,
-            positions,
+            key_positions,
             bidirectional=not self.is_decoder,
             num_buckets=cfg.relative_attention_num_buckets,
             max_distance=cfg.relative_attention_max_distance,
@@ -329,7 +347,7 @@ class T5Stack(nn.Module):
 
         args: tuple[Array | None, ...]
         if self.is_decoder:
-            mask = layers.attention_mask(segment_ids, batch, length, causal=True)
+            mask = layers.causal_mask(segment_ids, batch, length, decoding)
             cross_mask = None
             if encoder_segment_ids is not None:
                 cross_mask = layers.attention_mask(
@@ -340,7 +358,7 @@ class T5Stack(nn.Module):
                     kv_segment_ids=encoder_segment_ids,
                     kv_length=encoded.shape[1],
                 )
-            args = (bias, mask, encoded, cross_mask)
+            args = (bias, mask, encoded, cross_mask, decoding)
         else:
             mask = None
             if segment_ids is not None:
@@ -423,12 +441,22 @@ class T5(nn.Module):
         positions: Array | None = None,
         *,
         deterministic: bool = True,
+        decoding: layers.Decoding | None = None,
     ) -> Array:
-        """Shifted targets `[batch, target_len]` over an encoder output -> float32 logits."""
+        """Shifted targets `[batch, target_len]` over an encoder output -> float32 logits.
+
+        With `decoding`, `tokens` are the next ones to decode and the decoder's self-attention
+        reads and extends the `cache` collection."""
         cfg = self.config
         x = self.shared(tokens)
         x = self.decoder(
-            x, segment_ids, positions, encoded, encoder_segment_ids, deterministic=deterministic
+            x,
+            segment_ids,
+            positions,
+            encoded,
+            encoder_segment_ids,
+            deterministic=deterministic,
+            decoding=decoding,
         )
         x = x.astype(jnp.float32)
         if cfg.scale_decoder_outputs:

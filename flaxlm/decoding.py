@@ -1,0 +1,312 @@
+"""Autoregressive decoding over a KV cache: greedy, temperature / top-k / top-p sampling,
+and beam search with a length penalty.
+
+The algorithms here know no model. A model hands them the logits after its prompt and a
+`step` function `(tokens [rows], t, cache) -> (logits [rows, vocab], cache)` that feeds the
+token chosen at step `t` (0-based over the new tokens) and returns the logits for step
+`t + 1`; the cache is any pytree whose leaves hold the rows in the axis `ndim - 4`
+(`[rows, length, heads, head_dim]`, with a leading layers axis when layers are scanned).
+Everything is traced inside one `jit` with static shapes: `lax.while_loop` runs until
+every row has stopped or `max_new_tokens` are out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+Array = jax.Array
+Cache = Any
+StepFn = Callable[[Array, Array, Cache], tuple[Array, Cache]]
+
+NEG_INF = -1.0e9  # what HF adds to scores that must never be chosen
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodingConfig:
+    """How to choose tokens (hashable: one compiled decoder per distinct config).
+
+    temperature 0 is greedy; otherwise sample from softmax(logits / temperature) restricted
+    to the `top_k` most likely tokens (0: all) and to the smallest set whose probability
+    reaches `top_p` (1.0: all). `num_beams > 1` is beam search (deterministic); its scores
+    are summed log-probabilities divided by `generated_length ** length_penalty`, as in
+    HuggingFace's beam search with `early_stopping=False`.
+    """
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    eos_ids: tuple[int, ...] = ()  # a row stops after any of these
+    pad_id: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}.")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: no limit), got {self.top_k}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.num_beams < 1:
+            raise ValueError(f"num_beams must be at least 1, got {self.num_beams}.")
+        if self.num_beams > 1 and self.temperature > 0:
+            raise ValueError("Beam search is deterministic: use temperature=0 with num_beams > 1.")
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+def filter_logits(logits: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
+    """float32 logits with tokens outside the top-k / top-p set at -inf (at least one kept)."""
+    logits = logits.astype(jnp.float32)
+    neg = jnp.finfo(jnp.float32).min
+    if top_k and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, neg, logits)
+    if top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # Keep a token while the mass of the tokens ranked above it is still below top_p.
+        before = jnp.cumsum(probs, axis=-1) - probs
+        kept = jnp.where(before < top_p, sorted_logits, jnp.inf)
+        threshold = jnp.min(kept, axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, neg, logits)
+    return logits
+
+
+def is_eos(tokens: Array, config: DecodingConfig) -> Array:
+    """bool, like `tokens`: which are one of the config's EOS ids."""
+    hit = jnp.zeros(tokens.shape, bool)
+    for eos in config.eos_ids:
+        hit = hit | (tokens == eos)
+    return hit
+
+
+def choose_tokens(logits: Array, rng: Array, config: DecodingConfig) -> Array:
+    """int32 `[rows]`: argmax, or a sample under the config's temperature/top-k/top-p."""
+    if config.temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits.astype(jnp.float32) / config.temperature
+    filtered = filter_logits(scaled, config.top_k, config.top_p)
+    return jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
+
+
+def sample(
+    first_logits: Array, cache: Cache, step: StepFn, config: DecodingConfig, rng: Array
+) -> tuple[Array, Array]:
+    """Greedy or sampled decoding of `max_new_tokens` per row.
+
+    Returns (tokens int32 `[rows, max_new_tokens]` with `pad_id` after a row's EOS,
+    lengths int32 `[rows]`: the tokens each row generated, its EOS included).
+    """
+    rows = first_logits.shape[0]
+    n = config.max_new_tokens
+
+    def cond(carry):
+        t, _, _, done, _, _ = carry
+        return (t < n) & ~jnp.all(done)
+
+    def body(carry):
+        t, logits, cache, done, tokens, lengths = carry
+        token = choose_tokens(logits, jax.random.fold_in(rng, t), config)
+        token = jnp.where(done, config.pad_id, token)
+        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, t))
+        lengths = lengths + (~done).astype(jnp.int32)
+        done = done | is_eos(token, config)
+        # The last token needs no logits after it.
+        logits, cache = jax.lax.cond(
+            t + 1 < n, lambda: step(token, t, cache), lambda: (logits, cache)
+        )
+        return t + 1, logits, cache, done, tokens, lengths
+
+    carry = (
+        jnp.int32(0),
+        first_logits.astype(jnp.float32),
+        cache,
+        jnp.zeros((rows,), bool),
+        jnp.full((rows, n), config.pad_id, jnp.int32),
+        jnp.zeros((rows,), jnp.int32),
+    )
+    _, _, _, _, tokens, lengths = jax.lax.while_loop(cond, body, carry)
+    return tokens, lengths
+
+
+# ---------------------------------------------------------------------------- beam search
+
+
+def gather_rows(cache: Cache, rows: Array) -> Cache:
+    """Reorders the cache's rows (axis `ndim - 4` of each leaf) by `rows`."""
+
+    def one(x: Array) -> Array:
+        return jnp.take(x, rows, axis=x.ndim - 4) if x.ndim >= 4 else x
+
+    return jax.tree.map(one, cache)
+
+
+def _gather(x: Array, index: Array) -> Array:
+    """x `[batch, beams, ...]`, index `[batch, k]` -> `[batch, k, ...]`."""
+    return jax.vmap(lambda a, i: a[i])(x, index)
+
+
+def beam_search(
+    first_logits: Array, cache: Cache, step: StepFn, config: DecodingConfig
+) -> tuple[Array, Array]:
+    """Beam search over `num_beams` copies of each row (rows = batch * num_beams, beams of
+    one example adjacent). The algorithm is HuggingFace's (`early_stopping=False`): keep
+    the 2 * beams best continuations (more with several EOS ids), finish those among the
+    top `beams` that end in EOS (or reach `max_new_tokens`), continue the best unfinished
+    `beams`, and stop a row once no running beam can beat its worst finished one.
+
+    Returns (tokens int32 `[batch, max_new_tokens]` of the best finished beam, `pad_id`
+    after EOS; its score float32 `[batch]`).
+    """
+    k = config.num_beams
+    rows, vocab = first_logits.shape
+    batch = rows // k
+    n = config.max_new_tokens
+    # Enough candidates that `k` survive even if every EOS id ends one of them.
+    width = max(2, 1 + len(config.eos_ids)) * k
+    top_k_mask = jnp.arange(width) < k
+    penalty = config.length_penalty
+
+    def cond(carry):
+        t, *_, improvable, all_hit = carry
+        return (t < n) & jnp.any(improvable) & ~all_hit
+
+    def body(carry):
+        t, logits, cache, seqs, scores, done_seqs, done_scores, done_flags, improvable, _ = carry
+        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        log_probs = log_probs.reshape(batch, k, vocab) + scores[:, :, None]
+        top_scores, top_index = jax.lax.top_k(log_probs.reshape(batch, k * vocab), width)
+        origin, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
+        top_seqs = _gather(seqs, origin).at[:, :, t].set(token)
+        hits = is_eos(token, config) | (t + 1 >= n)
+
+        # The best `k` unfinished continuations run on.
+        running_scores = top_scores + hits.astype(jnp.float32) * NEG_INF
+        keep = jax.lax.top_k(running_scores, k)[1]
+        seqs = _gather(top_seqs, keep)
+        scores = _gather(running_scores, keep)
+        beam_rows = _gather(origin, keep) + jnp.arange(batch)[:, None] * k
+
+        # Finished ones among the top `k` compete with the finished so far.
+        finished = hits & top_k_mask[None]
+        candidate = top_scores / ((t + 1) ** penalty)
+        candidate = candidate + (~improvable[:, None]).astype(jnp.float32) * NEG_INF
+        candidate = candidate + (~finished).astype(jnp.float32) * NEG_INF
+        merged_scores = jnp.concatenate([done_scores, candidate], axis=1)
+        best = jax.lax.top_k(merged_scores, k)[1]
+        done_seqs = _gather(jnp.concatenate([done_seqs, top_seqs], axis=1), best)
+        done_scores = _gather(merged_scores, best)
+        done_flags = _gather(jnp.concatenate([done_flags, finished], axis=1), best)
+
+        # Could the best running beam still beat the worst finished one?
+        best_running = scores[:, :1] / ((t + 1) ** penalty)
+        worst_done = jnp.where(done_flags, jnp.min(done_scores, axis=1, keepdims=True), NEG_INF)
+        improvable = improvable & jnp.any(best_running > worst_done, axis=1)
+
+        cache = gather_rows(cache, beam_rows.reshape(-1))
+        tokens = seqs[:, :, t].reshape(-1)
+        logits, cache = jax.lax.cond(
+            t + 1 < n, lambda: step(tokens, t, cache), lambda: (logits, cache)
+        )
+        return (
+            t + 1,
+            logits,
+            cache,
+            seqs,
+            scores,
+            done_seqs,
+            done_scores,
+            done_flags,
+            improvable,
+            jnp.all(hits),
+        )
+
+    first_scores = jnp.where(jnp.arange(k) == 0, 0.0, NEG_INF)
+    carry = (
+        jnp.int32(0),
+        first_logits.astype(jnp.float32),
+        cache,
+        jnp.full((batch, k, n), config.pad_id, jnp.int32),
+        jnp.broadcast_to(first_scores, (batch, k)).astype(jnp.float32),
+        jnp.full((batch, k, n), config.pad_id, jnp.int32),
+        jnp.full((batch, k), NEG_INF, jnp.float32),
+        jnp.zeros((batch, k), bool),
+        jnp.ones((batch,), bool),
+        jnp.bool_(False),
+    )
+    out = jax.lax.while_loop(cond, body, carry)
+    done_seqs, done_scores = out[5], out[6]
+    return done_seqs[:, 0], done_scores[:, 0]
+
+
+def decode(
+    first_logits: Array,
+    cache: Cache,
+    step: StepFn,
+    config: DecodingConfig,
+    rng: Array | None = None,
+) -> Array:
+    """int32 `[batch, max_new_tokens]` new tokens (`pad_id` after EOS) by the config's method.
+
+    With beams, `first_logits` and the cache hold `num_beams` adjacent copies of each row.
+    """
+    if config.num_beams > 1:
+        return beam_search(first_logits, cache, step, config)[0]
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+    return sample(first_logits, cache, step, config, rng)[0]
+
+
+# ---------------------------------------------------------------------------- running
+
+
+def _global_array(x: np.ndarray, partitioner: Any) -> Array:
+    """The same host array on every process -> one global array, split over the batch axes
+    when they divide its rows (replicated otherwise)."""
+    split = x.shape[0] % partitioner.data_parallel_degree() == 0
+    axes = ("batch" if split else None,) + (None,) * (x.ndim - 1)
+    sharding = NamedSharding(partitioner.mesh, partitioner.mesh_axes(axes))
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def compile_decoder(
+    fn: Callable[[Any, Array, Array, Array], Array], partitioner: Any = None
+) -> Callable[[Any, np.ndarray, np.ndarray, Array], np.ndarray]:
+    """`fn(params, inputs, lengths, rng) -> tokens`, jitted; numpy in and out.
+
+    With a Partitioner, it traces under the partitioner's mesh and logical rules (so the
+    model's logical constraints shard the cache and activations), takes the params as they
+    are sharded, splits the prompts over the batch axes, and hands every process the whole
+    result. Every process must pass the same prompts.
+    """
+    if partitioner is None:
+        jitted = jax.jit(fn)
+
+        def run(params: Any, inputs: np.ndarray, lengths: np.ndarray, rng: Array) -> np.ndarray:
+            return np.asarray(jitted(params, jnp.asarray(inputs), jnp.asarray(lengths), rng))
+
+        return run
+
+    replicated = NamedSharding(partitioner.mesh, P())
+    jitted = jax.jit(fn, out_shardings=replicated)
+
+    def run_sharded(params: Any, inputs: np.ndarray, lengths: np.ndarray, rng: Array) -> np.ndarray:
+        inputs_global, lengths_global = (_global_array(x, partitioner) for x in (inputs, lengths))
+        with partitioner.context():
+            out = jitted(params, inputs_global, lengths_global, rng)
+        return np.asarray(multihost_utils.process_allgather(out, tiled=True))
+
+    return run_sharded

@@ -1,0 +1,258 @@
+"""Decoding with the KV cache: token-for-token against transformers' generate, against
+re-running the whole sequence, sharded against unsharded; sampling; beam search; score."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from flaxlm import decoding, hf
+from flaxlm.partitioning import Partitioner
+from tests.hf_helpers import decoder_batch, padded_batch
+from tests.test_hf_gemma import tiny_hf_gemma
+from tests.test_hf_gpt2 import tiny_hf_gpt2
+from tests.test_hf_gptj import tiny_hf_gptj
+from tests.test_hf_llama import VARIANTS as LLAMA_VARIANTS
+from tests.test_hf_llama import tiny_hf_llama
+from tests.test_hf_opt import tiny_hf_opt
+from tests.test_hf_t5 import tiny_hf_t5
+
+NEW_TOKENS = 20
+PROMPT_LENGTHS = (5, 12, 3, 9)
+
+
+def _llama(variant):
+    kwargs = dict(LLAMA_VARIANTS[variant])
+    return lambda tmp: tiny_hf_llama(tmp, kwargs.pop("model_type", "llama"), **kwargs)
+
+
+FAMILIES = {
+    "gptj": lambda tmp: tiny_hf_gptj(tmp),
+    "opt_pre_ln": lambda tmp: tiny_hf_opt(tmp, "pre_ln"),
+    "opt_post_ln_proj": lambda tmp: tiny_hf_opt(tmp, "post_ln_proj"),
+    "gpt2": lambda tmp: tiny_hf_gpt2(tmp, "standard"),
+    "llama_gqa": _llama("gqa_theta"),
+    "llama3_rope": _llama("llama3_rope"),
+    # A window of 8 over prompts of up to 12 tokens plus 20 new ones.
+    "mistral_window": _llama("mistral_window"),
+    "gemma_mqa": lambda tmp: tiny_hf_gemma(tmp, num_key_value_heads=1),
+}
+SHARDED = {
+    "gptj": FAMILIES["gptj"],
+    # Grouped-query attention whose 4 key/value heads split over tensor=4.
+    "llama_gqa": lambda tmp: tiny_hf_llama(tmp, num_attention_heads=8, num_key_value_heads=4),
+    "gemma_mqa": FAMILIES["gemma_mqa"],
+}
+
+
+def hf_greedy(torch_model, ids, lengths, max_new_tokens=NEW_TOKENS, **kwargs):
+    """transformers' greedy generate of each prompt alone, new tokens only, padded with 0
+    after EOS (as ours)."""
+    out = np.zeros((len(lengths), max_new_tokens), np.int64)
+    for row, n in enumerate(lengths):
+        prompt = torch.from_numpy(ids[row : row + 1, :n])
+        with torch.no_grad():
+            generated = torch_model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                **kwargs,
+            )
+        new = generated[0, n:].numpy()
+        out[row, : len(new)] = new
+    return out
+
+
+def naive_greedy(model, params, ids, lengths, max_new_tokens):
+    """Greedy decoding that re-runs the whole sequence for every token (no cache)."""
+    logits_fn = jax.jit(model.compute_logits)
+    out = np.zeros((len(lengths), max_new_tokens), np.int64)
+    for row, n in enumerate(lengths):
+        seq = list(ids[row, :n])
+        for t in range(max_new_tokens):
+            tokens = np.asarray([seq], np.int32)
+            logits = np.asarray(logits_fn(params, {"decoder_input_tokens": tokens}))
+            token = int(np.argmax(logits[0, -1]))
+            out[row, t] = token
+            seq.append(token)
+            if token in model.eos_ids:
+                break
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_matches_transformers_for_prompts_of_different_lengths(tmp_path, family):
+    torch_model, path = FAMILIES[family](tmp_path)
+    model, params = hf.from_pretrained(path)
+    vocab = torch_model.config.vocab_size
+    ids, _ = padded_batch(vocab, PROMPT_LENGTHS, seed=1)
+    ours = model.generate(params, {"inputs": ids}, NEW_TOKENS)
+    theirs = hf_greedy(torch_model, ids, PROMPT_LENGTHS)
+    np.testing.assert_array_equal(ours, theirs)
+    # The padded prompts decoded as a batch, and each alone, agree.
+    alone = model.generate(params, {"inputs": ids[1:2, :12]}, NEW_TOKENS)
+    np.testing.assert_array_equal(alone[0], ours[1])
+
+
+def test_eos_stops_a_row_and_pads_after_it(tmp_path):
+    torch_model, path = tiny_hf_gpt2(tmp_path, "standard")
+    model, params = hf.from_pretrained(path)
+    ids, _ = padded_batch(torch_model.config.vocab_size, PROMPT_LENGTHS, seed=1)
+    free = model.generate(params, {"inputs": ids}, NEW_TOKENS, eos_id=None)
+    # Make the third token of row 0 the EOS: the row stops there, the others go on.
+    eos = int(free[0, 2])
+    stopped = model.generate(params, {"inputs": ids}, NEW_TOKENS, eos_id=eos)
+    np.testing.assert_array_equal(stopped[0, :3], free[0, :3])
+    assert (stopped[0, 3:] == 0).all()
+    theirs = hf_greedy(torch_model, ids, PROMPT_LENGTHS, eos_token_id=eos)
+    np.testing.assert_array_equal(stopped, theirs)
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "gptj"])
+def test_cached_decoding_equals_rerunning_the_sequence(tmp_path, family):
+    _, path = FAMILIES[family](tmp_path)
+    # Scanned layers and a remat policy change neither the params nor the tokens.
+    model, params = hf.from_pretrained(path, scan_layers=True, remat_policy="full")
+    ids, _ = padded_batch(model.config.real_vocab_size, (6, 2, 10), seed=2)
+    ours = model.generate(params, {"inputs": ids}, 12)
+    np.testing.assert_array_equal(ours, naive_greedy(model, params, ids, (6, 2, 10), 12))
+
+
+@pytest.mark.parametrize("family", sorted(SHARDED))
+def test_sharded_decoding_equals_unsharded(tmp_path, family):
+    _, path = SHARDED[family](tmp_path)
+    model, params = hf.from_pretrained(path)
+    ids, _ = padded_batch(model.config.real_vocab_size, PROMPT_LENGTHS, seed=3)
+    single = model.generate(params, {"inputs": ids}, 16)
+    partitioner = Partitioner(mesh_shape=(1, 2, 4))
+    sharded_model, sharded_params = hf.from_pretrained(path, partitioner)
+    kernel = jax.tree.leaves(sharded_params)[0]
+    assert len(kernel.sharding.device_set) == 8
+    sharded = sharded_model.generate(sharded_params, {"inputs": ids}, 16, partitioner=partitioner)
+    np.testing.assert_array_equal(sharded, single)
+    # Beam search too, under the mesh.
+    beams = model.generate(params, {"inputs": ids}, 8, num_beams=3)
+    sharded_beams = sharded_model.generate(
+        sharded_params, {"inputs": ids}, 8, num_beams=3, partitioner=partitioner
+    )
+    np.testing.assert_array_equal(sharded_beams, beams)
+
+
+@pytest.mark.parametrize("version", ["v1_0", "v1_1"])
+def test_t5_greedy_and_beam_search_match_transformers(tmp_path, version):
+    torch_model, path = tiny_hf_t5(tmp_path, version)
+    model, params = hf.from_pretrained(path)
+    lengths = (10, 4, 12)
+    ids, mask = padded_batch(torch_model.config.vocab_size, lengths, seed=4)
+    batch = {"inputs": ids}
+    for num_beams in (1, 4):
+        ours = model.generate(params, batch, NEW_TOKENS, num_beams=num_beams)
+        with torch.no_grad():
+            theirs = torch_model.generate(
+                torch.from_numpy(ids),
+                attention_mask=torch.from_numpy(mask),
+                max_new_tokens=NEW_TOKENS,
+                num_beams=num_beams,
+                do_sample=False,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+                # transformers sizes T5's cache by the encoder's depth; v1_1 here has a
+                # deeper decoder, so HF re-runs the sequence instead.
+                use_cache=version == "v1_0",
+            ).numpy()[:, 1:]  # drop the decoder start token
+        expected = np.zeros_like(ours)
+        expected[:, : theirs.shape[1]] = theirs
+        np.testing.assert_array_equal(ours, expected, err_msg=f"num_beams={num_beams}")
+
+
+def test_beam_search_with_length_penalty_matches_transformers_decoder_only(tmp_path):
+    torch_model, path = tiny_hf_llama(tmp_path, **LLAMA_VARIANTS["gqa_theta"])
+    model, params = hf.from_pretrained(path)
+    ids, _ = padded_batch(torch_model.config.vocab_size, (7,), seed=5)
+    # An EOS that the beams meet early, so finished hypotheses compete under the penalty.
+    free = model.generate(params, {"inputs": ids}, 10, eos_id=None)
+    eos = int(free[0, 3])
+    for penalty in (0.5, 2.0):
+        ours = model.generate(
+            params, {"inputs": ids}, 10, num_beams=4, length_penalty=penalty, eos_id=eos
+        )
+        theirs = hf_greedy(
+            torch_model, ids, (7,), 10, num_beams=4, length_penalty=penalty, eos_token_id=eos
+        )
+        np.testing.assert_array_equal(ours, theirs, err_msg=f"length_penalty={penalty}")
+
+
+def test_sampling_is_seeded_and_respects_top_k(tmp_path):
+    _, path = tiny_hf_gpt2(tmp_path, "standard")
+    model, params = hf.from_pretrained(path)
+    ids, _ = padded_batch(model.config.real_vocab_size, PROMPT_LENGTHS, seed=6)
+    batch = {"inputs": ids}
+    key = jax.random.PRNGKey(7)
+    a = model.generate(params, batch, 12, temperature=1.0, rng=key)
+    b = model.generate(params, batch, 12, temperature=1.0, rng=key)
+    c = model.generate(params, batch, 12, temperature=1.0, rng=jax.random.PRNGKey(8))
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+    greedy = model.generate(params, batch, 12)
+    top1 = model.generate(params, batch, 12, temperature=0.7, top_k=1, rng=key)
+    np.testing.assert_array_equal(top1, greedy)
+    tiny_p = model.generate(params, batch, 12, temperature=1.3, top_p=1e-6, rng=key)
+    np.testing.assert_array_equal(tiny_p, greedy)
+
+
+def test_filter_logits_keeps_top_k_and_the_top_p_nucleus():
+    logits = jnp.log(jnp.asarray([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    kept = lambda x: np.isfinite(np.asarray(x)) & (np.asarray(x) > -1e30)  # noqa: E731
+    assert kept(decoding.filter_logits(logits, top_k=2)).tolist() == [[1, 1, 0, 0, 0]]
+    # 0.5 + 0.2 = 0.7 < 0.8, so the third token is needed to reach 0.8.
+    assert kept(decoding.filter_logits(logits, top_p=0.8)).tolist() == [[1, 1, 1, 0, 0]]
+    assert kept(decoding.filter_logits(logits, top_p=0.5)).tolist() == [[1, 0, 0, 0, 0]]
+    assert kept(decoding.filter_logits(logits, top_k=3, top_p=0.6)).tolist() == [[1, 1, 0, 0, 0]]
+
+
+def test_sampled_tokens_follow_the_model_distribution():
+    """With a fixed first-step distribution, sample frequencies approach softmax(logits/T)."""
+    probs = np.asarray([0.6, 0.3, 0.1])
+    logits = jnp.log(jnp.asarray(probs))[None].repeat(4000, 0)
+    config = decoding.DecodingConfig(max_new_tokens=1, temperature=1.0)
+    tokens = decoding.choose_tokens(logits, jax.random.PRNGKey(0), config)
+    freq = np.bincount(np.asarray(tokens), minlength=3) / 4000
+    np.testing.assert_allclose(freq, probs, atol=0.03)
+
+
+def test_score_is_the_sum_of_target_log_probabilities(tmp_path):
+    _, path = tiny_hf_llama(tmp_path, **LLAMA_VARIANTS["gqa_theta"])
+    model, params = hf.from_pretrained(path)
+    ids, mask = padded_batch(model.config.real_vocab_size, PROMPT_LENGTHS, seed=7)
+    batch = decoder_batch(ids, mask)
+    weights = mask.copy()
+    weights[:, :2] = 0  # a prefix that is not scored
+    batch["decoder_loss_weights"] = weights.astype(np.int32)
+    scores = np.asarray(jax.jit(model.score)(params, batch))
+    logits = np.asarray(model.compute_logits(params, batch), np.float64)
+    log_probs = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))[..., None]
+        - logits.max(-1, keepdims=True)
+    )
+    target = np.take_along_axis(log_probs, ids[..., None], -1)[..., 0]
+    np.testing.assert_allclose(scores, (target * weights).sum(-1), rtol=1e-5)
+
+
+def test_bad_generate_requests_fail_before_device_work(tmp_path):
+    _, path = tiny_hf_gpt2(tmp_path, "standard")
+    model, params = hf.from_pretrained(path)
+    ids, _ = padded_batch(model.config.real_vocab_size, (5, 3), seed=8)
+    with pytest.raises(ValueError, match="max_position_embeddings=64"):
+        model.generate(params, {"inputs": ids}, 60)
+    with pytest.raises(ValueError, match="empty"):
+        model.generate(params, {"inputs": np.zeros((1, 4), np.int32)}, 4)
+    with pytest.raises(ValueError, match="batch\\['inputs'\\]"):
+        model.generate(params, {"decoder_input_tokens": ids}, 4)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(params, {"inputs": ids}, 4, num_beams=2, temperature=0.5)
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate(params, {"inputs": ids}, 4, temperature=1.0, top_p=0.0)
