@@ -22,6 +22,9 @@ INSTALL_REQUIRES = [
     "tensorboard==2.21.0",
     "transformers==5.23.0",
     "safetensors==0.8.0",
+    # Text metrics of seqio tasks (tasks/metrics.py).
+    "sacrebleu==2.6.0",
+    "rouge-score==0.1.2",
     "etils[epath]",
     "absl-py",
     "numpy",

@@ -420,6 +420,7 @@ def record_hf_config(model: BaseModel, model_dir: str | epath.Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         record = hf_config_dict(model)
         record["flaxlm_config"] = dataclasses.asdict(model.config)
+        record["flaxlm_eos_ids"] = list(model.eos_ids)
         (out / "hf_config.json").write_text(json.dumps(record, indent=2))
 
 
@@ -501,4 +502,5 @@ def model_from_hf_config(
         config = dataclasses.replace(spec.config_cls(**record["flaxlm_config"]), **overrides)
     else:
         spec, config = config_from_hf_dict(record, partitioner, **overrides)
-    return spec.model_cls(config, eos_id=hf_eos_id(record))
+    eos = record["flaxlm_eos_ids"] if "flaxlm_eos_ids" in record else hf_eos_id(record)
+    return spec.model_cls(config, eos_id=eos)

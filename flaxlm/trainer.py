@@ -7,6 +7,7 @@ and checkpointing between them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -223,7 +224,45 @@ def evaluate_batches(
         total = sums if total is None else jax.tree.map(jnp.add, total, sums)
     if total is None:
         raise ValueError("The evaluation dataset produced no batches.")
-    return {f"eval/{k}": float(v) for k, v in summarize(total).items()}
+    return eval_scalars(total)
+
+
+def eval_scalars(total: Mapping[str, jax.Array]) -> dict[str, float]:
+    """`eval/loss`, `eval/accuracy`, `eval/perplexity` (of the cross-entropy, z-loss
+    excluded), ... from summed eval metrics."""
+    out = {f"eval/{k}": float(v) for k, v in summarize(total).items()}
+    out["eval/perplexity"] = float(np.exp(min(out["eval/loss"] - out["eval/z_loss"], 700.0)))
+    return out
+
+
+def evaluate_split(
+    model: BaseModel,
+    params: Any,
+    partitioner: Partitioner,
+    cfg: data.DatasetConfig,
+    max_batches: int | None = None,
+) -> dict[str, float]:
+    """Loss, token accuracy and perplexity over one pass of `cfg`'s split (the last
+    partial batch left out; at most `max_batches`), with the params as they are sharded."""
+    cfg = dataclasses.replace(cfg, num_epochs=1, shuffle=False)
+    check_batch_size(partitioner, cfg.batch_size, 1)
+    layout = partitioner.data_layout(cfg.batch_size)
+    converter = model.FEATURE_CONVERTER_CLS
+    iterator = data.DataIterator(data.get_dataset(cfg, layout, converter), partitioner, layout)
+    step = jax.jit(make_eval_step(model))
+    total = None
+    for number, batch in enumerate(iterator):
+        if max_batches is not None and number >= max_batches:
+            break
+        with partitioner.context():
+            sums = step(params, batch)
+        total = sums if total is None else jax.tree.map(jnp.add, total, sums)
+    if total is None:
+        raise ValueError(
+            f"{cfg.mixture_or_task_name} ({cfg.split}) has fewer than one batch of "
+            f"{cfg.batch_size} examples to evaluate."
+        )
+    return eval_scalars(total)
 
 
 @gin.configurable
@@ -246,6 +285,7 @@ def train(
     keep_period: int | None = None,
     seed: int = 0,
     init_from_hf: str | None = None,
+    eval_task_metrics: bool = True,
 ) -> TrainState:
     """Trains `model` on `train_dataset_cfg` for `total_steps`, resuming from `model_dir`.
 
@@ -257,6 +297,8 @@ def train(
       keep_checkpoints / keep_period: keep the newest K, and every Mth permanently.
       init_from_hf: a HuggingFace directory whose params start the run (fine-tuning) when
         `model_dir` has no checkpoint yet; `model` must have the checkpoint's shape.
+      eval_task_metrics: at each evaluation also run the eval task's own metric functions
+        (seqio evaluation over generated text and scores), if it has any.
     """
     start_time = time.perf_counter()
     path = check_model_dir(model_dir)
@@ -302,6 +344,22 @@ def train(
         )
     )
     eval_step = setup.partition_eval_step(make_eval_step(model)) if eval_iter else None
+    task_evaluator = None
+    if eval_iter is not None and eval_task_metrics:
+        from flaxlm import evaluation
+
+        task_evaluator = evaluation.TaskEvaluator(
+            eval_dataset_cfg,
+            model,
+            partitioner,
+            num_examples=eval_steps * eval_dataset_cfg.batch_size,
+        )
+        task_evaluator = task_evaluator if task_evaluator.active else None
+    if not (path / "hf_config.json").exists():
+        from flaxlm import hf
+
+        # What infer/score/evaluate/export rebuild the model from.
+        hf.record_hf_config(model, model_dir)
     config_str = gin.operative_config_str()
     if jax.process_index() == 0:
         (path / "config.gin").write_text(config_str)
@@ -338,13 +396,21 @@ def train(
                 period_start, period_steps = time.perf_counter(), 0
                 period_wait = train_iter.wait_seconds
             if eval_step and (step % eval_period == 0 or step == total_steps):
-                eval_scalars = evaluate_batches(eval_step, state.params, eval_iter, eval_steps)
-                writer.write_scalars(step, eval_scalars)
+                scalars = evaluate_batches(eval_step, state.params, eval_iter, eval_steps)
+                if task_evaluator is not None:
+                    scalars.update(task_evaluator.evaluate(state.params, step))
+                writer.write_scalars(step, scalars)
                 writer.flush()
                 if jax.process_index() == 0:
+                    task = "".join(
+                        f" | {k[len('eval/') :]} {v:.4g}"
+                        for k, v in scalars.items()
+                        if k.count("/") > 1
+                    )
                     print(
-                        f"step {step} | eval loss {eval_scalars['eval/loss']:.4f} | "
-                        f"eval accuracy {eval_scalars['eval/accuracy']:.4f}",
+                        f"step {step} | eval loss {scalars['eval/loss']:.4f} | "
+                        f"eval accuracy {scalars['eval/accuracy']:.4f} | "
+                        f"eval perplexity {scalars['eval/perplexity']:.4g}{task}",
                         flush=True,
                     )
             if step % checkpoint_period == 0 or step == total_steps:

@@ -2,7 +2,8 @@
 
 `stdlib_py_continuation`: the standard-library sources (the same files and splits as
 `stdlib_py`) cut into chunks; the encoder reads the first part of a chunk and the decoder
-writes the rest. Nothing to download.
+writes the rest. Evaluated by exact match, BLEU and ROUGE of the generated rest. Nothing to
+download.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 import seqio
 import tensorflow as tf
 
+from tasks.metrics import bleu, exact_match, rouge
 from tasks.stdlib import stdlib_files
 
 TASK_NAME = "stdlib_py_continuation"
@@ -78,5 +80,5 @@ seqio.TaskRegistry.add(
         "inputs": seqio.Feature(_VOCABULARY, add_eos=True, dtype=tf.int32),
         "targets": seqio.Feature(_VOCABULARY, add_eos=True, dtype=tf.int32),
     },
-    metric_fns=[],
+    metric_fns=[exact_match, bleu, rouge],
 )
