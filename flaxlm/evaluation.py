@@ -123,6 +123,27 @@ def _model_ids(
     return ids
 
 
+def read_examples_from_texts(
+    texts: Sequence[str],
+    model: BaseModel,
+    vocabulary: seqio.Vocabulary | None = None,
+    targets: Sequence[str | None] | None = None,
+) -> tuple[list[Example], seqio.Vocabulary, str]:
+    """`(examples, vocabulary, "texts")` for input strings (and optional target strings)."""
+    vocabulary = vocabulary or seqio.ByteVocabulary()
+    targets = list(targets) if targets is not None else [None] * len(texts)
+    examples = [
+        Example(
+            text,
+            _model_ids(model, vocabulary, text, is_target=False),
+            target,
+            None if target is None else _model_ids(model, vocabulary, target, is_target=True),
+        )
+        for text, target in zip(texts, targets)
+    ]
+    return examples, vocabulary, "texts"
+
+
 def read_examples(
     source: str,
     model: BaseModel,
@@ -153,17 +174,10 @@ def read_examples(
                 )
             lines = epath.Path(source).read_text().splitlines()
             records = [(line, None) for line in lines if line.strip()]
-        for text, target in records[:max_examples]:
-            examples.append(
-                Example(
-                    text,
-                    _model_ids(model, vocabulary, text, is_target=False),
-                    target,
-                    None
-                    if target is None
-                    else _model_ids(model, vocabulary, target, is_target=True),
-                )
-            )
+        records = records[:max_examples]
+        examples, vocabulary, _ = read_examples_from_texts(
+            [r[0] for r in records], model, vocabulary, [r[1] for r in records]
+        )
     else:
         data.import_task_module(task_module)
         data._check_registered(source)

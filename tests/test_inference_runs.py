@@ -1,0 +1,221 @@
+"""infer / score / eval runs end to end (subprocesses, multi-process included), and the
+seqio task evaluation they and training share."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from flaxlm import data, evaluation
+from flaxlm.models import base, t5
+from flaxlm.partitioning import Partitioner
+from tasks import metrics as task_metrics
+from tests.test_main import run_main
+from tests.test_multiprocess import launch
+
+PROMPTS = ["def main(", "import os\nimport", "class Foo(", "x = [", "return", "# a comment"]
+PAIRS = [("def f(x):\n    return", " x"), ("import", " os"), ("for i in", " range(3):")]
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, repo_dir):
+    """A tiny GPT-J MODEL_DIR after a few steps of the default run."""
+    model_dir = str(tmp_path_factory.mktemp("infer") / "run")
+    result = run_main(
+        [
+            "--gin_file=gin/gptj_pretrain.gin",
+            f"--gin.MODEL_DIR='{model_dir}'",
+            "--gin.TRAIN_STEPS=8",
+            "--gin.EVAL_PERIOD=0",
+            "--gin.CHECKPOINT_PERIOD=8",
+            "--gin.BATCH_SIZE=8",
+            "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+        ],
+        repo_dir,
+        devices=8,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.path.exists(os.path.join(model_dir, "hf_config.json"))
+    return model_dir
+
+
+def in_process_outputs(model_dir, prompts, max_new_tokens):
+    partitioner = Partitioner(mesh_shape=(1, 2, 4))
+    model, params, step = evaluation.load_model_and_params(model_dir, partitioner)
+    assert step == 8
+    examples, vocab, _ = evaluation.read_examples_from_texts(prompts, model)
+    return evaluation.generate_texts(
+        model,
+        params,
+        examples,
+        vocab,
+        partitioner,
+        evaluation.GenerationSettings(max_new_tokens=max_new_tokens),
+        batch_size=4,
+    )
+
+
+@pytest.mark.slow
+def test_infer_score_and_eval_runs_from_a_training_run(trained, tmp_path, repo_dir):
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("".join(json.dumps({"in_text": p}) + "\n" for p in PROMPTS))
+    out_dir = tmp_path / "infer"
+    result = run_main(
+        [
+            "--gin_file=gin/runs/infer.gin",
+            f"--gin.CHECKPOINT='{trained}'",
+            f"--gin.INFER_SOURCE='{jsonl}'",
+            f"--gin.OUTPUT_DIR='{out_dir}'",
+            "--gin.MAX_NEW_TOKENS=12",
+            "--gin.INFER_BATCH_SIZE=4",
+            "--gin.Partitioner.mesh_shape=(1, 2, 4)",
+        ],
+        repo_dir,
+        devices=8,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "decode" in result.stdout and "tokens/s" in result.stdout
+    records = read_jsonl(out_dir / "prompts.jsonl")
+    assert [r["input"] for r in records] == PROMPTS
+    assert (out_dir / "config.gin").exists()
+    assert [r["output"] for r in records] == in_process_outputs(trained, PROMPTS, 12)
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"in_text": i, "out_text": o}) + "\n" for i, o in PAIRS))
+    score_dir = tmp_path / "score"
+    result = run_main(
+        [
+            "--gin_file=gin/runs/score.gin",
+            f"--gin.CHECKPOINT='{trained}'",
+            f"--gin.SCORE_SOURCE='{pairs}'",
+            f"--gin.OUTPUT_DIR='{score_dir}'",
+            "--gin.SCORE_BATCH_SIZE=2",
+        ],
+        repo_dir,
+        devices=8,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    scores = read_jsonl(score_dir / "pairs.jsonl")
+    assert [(r["input"], r["target"]) for r in scores] == PAIRS
+    assert [r["num_tokens"] for r in scores] == [len(o.encode()) for _, o in PAIRS]
+    # Each score is the target's log-likelihood from the model's logits.
+    partitioner = Partitioner(mesh_shape=(1, 8, 1))
+    model, params, _ = evaluation.load_model_and_params(trained, partitioner)
+    vocab = evaluation.seqio.ByteVocabulary()
+    for record, (i, o) in zip(scores, PAIRS):
+        seq = vocab.encode(i) + vocab.encode(o)
+        logits = np.asarray(
+            model.compute_logits(params, {"decoder_input_tokens": np.asarray([seq[:-1]])})
+        )[0].astype(np.float64)
+        log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        target = [log_probs[t, seq[t + 1]] for t in range(len(vocab.encode(i)) - 1, len(seq) - 1)]
+        assert record["score"] == pytest.approx(sum(target), rel=1e-4)
+
+    eval_dir = tmp_path / "eval"
+    result = run_main(
+        [
+            "--gin_file=gin/runs/eval.gin",
+            f"--gin.CHECKPOINT='{trained}'",
+            "--gin.MIXTURE_OR_TASK_NAME='stdlib_py'",
+            "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+            f"--gin.OUTPUT_DIR='{eval_dir}'",
+            "--gin.EVAL_STEPS=3",
+        ],
+        repo_dir,
+        devices=8,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = read_jsonl(eval_dir / "metrics.jsonl")
+    assert record["step"] == 8
+    assert record["eval/perplexity"] == pytest.approx(np.exp(record["eval/loss"]), rel=1e-4)
+    assert 0 < record["eval/accuracy"] < 1
+    assert os.listdir(eval_dir / "tensorboard")
+
+
+@pytest.mark.slow
+def test_two_process_infer_writes_every_output_once_in_order(trained, tmp_path, repo_dir):
+    prompts = [p.replace("\n", " ") for p in PROMPTS]  # one prompt per line
+    text = tmp_path / "prompts.txt"
+    text.write_text("\n".join(prompts) + "\n")
+    out_dir = tmp_path / "infer2"
+    args = [
+        "-m",
+        "flaxlm.main",
+        "--gin_file=gin/runs/infer.gin",
+        f"--gin.CHECKPOINT='{trained}'",
+        f"--gin.INFER_SOURCE='{text}'",
+        f"--gin.OUTPUT_DIR='{out_dir}'",
+        "--gin.MAX_NEW_TOKENS=12",
+        "--gin.INFER_BATCH_SIZE=4",
+        # tensor spans both processes: every process runs every batch.
+        "--gin.Partitioner.mesh_shape=(1, 2, 4)",
+    ]
+    results = launch(
+        lambda addr, i: [
+            *args,
+            f"--coordinator_address={addr}",
+            "--process_count=2",
+            f"--process_index={i}",
+        ],
+        num_processes=2,
+        devices_per_process=4,
+        cwd=repo_dir,
+    )
+    for code, _, stderr in results:
+        assert code == 0, stderr[-3000:]
+    records = read_jsonl(out_dir / "prompts.jsonl")
+    assert [r["input"] for r in records] == prompts
+    assert [r["output"] for r in records] == in_process_outputs(trained, prompts, 12)
+
+
+def test_bad_jsonl_line_is_named_with_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"in_text": "ok"}\n{"in_text": \n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        list(evaluation.read_jsonl(str(path)))
+    path.write_text('{"in_text": "ok"}\n{"text": "no in_text"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: missing string field\(s\) \['in_text'\]"):
+        list(evaluation.read_jsonl(str(path)))
+
+
+def test_text_metrics():
+    assert task_metrics.exact_match(["a b", "c"], [" a b", "d"]) == {"exact_match": 50.0}
+    assert task_metrics.bleu(["the cat sat on the mat"], ["the cat sat on the mat"])[
+        "bleu"
+    ] == pytest.approx(100.0)
+    assert task_metrics.bleu(["the cat sat on the mat"], ["a dog ran"])["bleu"] < 5
+    scores = task_metrics.rouge(["the cat sat"], ["the cat sat"])
+    assert scores == pytest.approx({"rouge1": 100.0, "rouge2": 100.0, "rougeLsum": 100.0})
+
+
+def test_task_evaluator_runs_the_tasks_metrics_on_generated_text():
+    """A T5 on stdlib_py_continuation: predictions come from `generate`; with a model that
+    copies nothing the metrics are computed, finite, and keyed by task."""
+    config = t5.T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2)
+    model = base.EncoderDecoderModel(config)
+    partitioner = Partitioner(mesh_shape=(1, 4, 2))
+    params = model.init_params(jax.random.PRNGKey(0), model.example_batch_shapes())
+    cfg = data.DatasetConfig(
+        mixture_or_task_name="stdlib_py_continuation",
+        task_feature_lengths={"inputs": 16, "targets": 16},
+        split="validation",
+        batch_size=4,
+        module="tasks",
+    )
+    evaluator = evaluation.TaskEvaluator(
+        cfg, model, partitioner, evaluation.GenerationSettings(max_new_tokens=8), num_examples=6
+    )
+    assert evaluator.active
+    scalars = evaluator.evaluate(params, step=3)
+    assert set(scalars) == {
+        f"eval/stdlib_py_continuation/{k}"
+        for k in ("exact_match", "bleu", "rouge1", "rouge2", "rougeLsum")
+    }
+    assert all(np.isfinite(v) for v in scalars.values())
