@@ -70,14 +70,16 @@ def naive_greedy(model, params, ids, lengths, max_new_tokens):
     """Greedy decoding that re-runs the whole sequence for every token (no cache)."""
     logits_fn = jax.jit(model.compute_logits)
     out = np.zeros((len(lengths), max_new_tokens), np.int64)
+    # One fixed-size buffer per row (causal attention: what follows a position is unseen).
+    buffer = np.zeros((1, max(lengths) + max_new_tokens), np.int32)
     for row, n in enumerate(lengths):
-        seq = list(ids[row, :n])
+        buffer[:] = 0
+        buffer[0, :n] = ids[row, :n]
         for t in range(max_new_tokens):
-            tokens = np.asarray([seq], np.int32)
-            logits = np.asarray(logits_fn(params, {"decoder_input_tokens": tokens}))
-            token = int(np.argmax(logits[0, -1]))
+            logits = np.asarray(logits_fn(params, {"decoder_input_tokens": buffer}))
+            token = int(np.argmax(logits[0, n + t - 1]))
             out[row, t] = token
-            seq.append(token)
+            buffer[0, n + t] = token
             if token in model.eos_ids:
                 break
     return out

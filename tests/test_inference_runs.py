@@ -174,6 +174,41 @@ def test_two_process_infer_writes_every_output_once_in_order(trained, tmp_path, 
     assert [r["input"] for r in records] == prompts
     assert [r["output"] for r in records] == in_process_outputs(trained, prompts, 12)
 
+    # Scoring too: 2 processes, batch split over fsdp, every pair once and in order.
+    pairs = tmp_path / "pairs.jsonl"
+    many = PAIRS * 3
+    pairs.write_text("".join(json.dumps({"in_text": i, "out_text": o}) + "\n" for i, o in many))
+    score_args = [
+        "-m",
+        "flaxlm.main",
+        "--gin_file=gin/runs/score.gin",
+        f"--gin.CHECKPOINT='{trained}'",
+        f"--gin.SCORE_SOURCE='{pairs}'",
+        f"--gin.OUTPUT_DIR='{tmp_path / 'score2'}'",
+        "--gin.SCORE_BATCH_SIZE=4",
+        "--gin.Partitioner.mesh_shape=(2, 4, 1)",
+    ]
+    results = launch(
+        lambda addr, i: [
+            *score_args,
+            f"--coordinator_address={addr}",
+            "--process_count=2",
+            f"--process_index={i}",
+        ],
+        num_processes=2,
+        devices_per_process=4,
+        cwd=repo_dir,
+    )
+    for code, _, stderr in results:
+        assert code == 0, stderr[-3000:]
+    scores = read_jsonl(tmp_path / "score2" / "pairs.jsonl")
+    assert [(r["input"], r["target"]) for r in scores] == many
+    by_pair = {}
+    for r in scores:
+        by_pair.setdefault((r["input"], r["target"]), []).append(r["score"])
+    for values in by_pair.values():
+        assert max(values) - min(values) < 1e-4 * max(1.0, abs(values[0]))
+
 
 def test_bad_jsonl_line_is_named_with_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
@@ -219,3 +254,39 @@ def test_task_evaluator_runs_the_tasks_metrics_on_generated_text():
         for k in ("exact_match", "bleu", "rouge1", "rouge2", "rougeLsum")
     }
     assert all(np.isfinite(v) for v in scalars.values())
+
+
+def test_infer_from_an_hf_directory_equals_generate(tmp_path):
+    from tests.test_hf_gpt2 import tiny_hf_gpt2
+
+    _, path = tiny_hf_gpt2(tmp_path, "standard", vocab_size=300)
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("".join(json.dumps({"in_text": p}) + "\n" for p in PROMPTS[:3]))
+    vocab = evaluation.seqio.ByteVocabulary()
+    out = evaluation.infer(
+        checkpoint=path,
+        source=str(jsonl),
+        output_dir=str(tmp_path / "out"),
+        vocabulary=vocab,
+        settings=evaluation.GenerationSettings(max_new_tokens=6),
+        batch_size=2,
+    )
+    records = read_jsonl(out)
+    model, params = evaluation.hf.from_pretrained(path)
+    for record in records:
+        ids = np.asarray([vocab.encode(record["input"])])
+        tokens = model.generate(params, {"inputs": ids}, 6)[0]
+        assert record["output"] == vocab.decode(evaluation._until_eos(tokens, model.eos_ids))
+
+
+def test_prompts_from_a_seqio_task_keep_the_tasks_tokens():
+    config = t5.T5Config(vocab_size=384, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+    model = base.EncoderDecoderModel(config)
+    examples, vocab, name = evaluation.read_examples(
+        "stdlib_py_continuation", model, None, task_module="tasks", max_examples=3
+    )
+    assert name == "stdlib_py_continuation" and len(examples) == 3
+    for e in examples:
+        assert e.input_ids[-1] == 1  # the task's inputs end with EOS
+        assert e.input_text == vocab.decode(e.input_ids)
+        assert e.target_ids is not None
