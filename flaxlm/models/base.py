@@ -264,12 +264,30 @@ class BaseModel(abc.ABC):
         *,
         config: decoding.DecodingConfig,
     ) -> Array:
-        first_logits, cache, step = self._start_decoding(params, inputs, lengths, config)
-        return decoding.decode(first_logits, cache, step, config, rng)
+        first_logits, state = self.prefill(params, inputs, lengths, config)
 
-    def _start_decoding(
+        def step(token: Array, t: Array, state: Any) -> tuple[Array, Any]:
+            return self.decode_step(params, token, t, state, config)
+
+        return decoding.decode(first_logits, state, step, config, rng)
+
+    def prefill(
         self, params: Params, inputs: Array, lengths: Array, config: decoding.DecodingConfig
-    ) -> tuple[Array, Any, decoding.StepFn]:
+    ) -> tuple[Array, dict[str, Any]]:
+        """Reads the prompts (`num_beams` copies of each): float32 logits `[rows, vocab]` for
+        the first new token, and the decoding state (the KV cache and what the steps need;
+        a pytree whose 4-D+ leaves are the cache, rows in axis `ndim - 4`)."""
+        raise TypeError(f"{type(self).__name__} does not generate text.")
+
+    def decode_step(
+        self,
+        params: Params,
+        token: Array,
+        t: Array,
+        state: dict[str, Any],
+        config: decoding.DecodingConfig,
+    ) -> tuple[Array, dict[str, Any]]:
+        """Feeds new token number `t` (int32 `[rows]`): the logits for token `t + 1`."""
         raise TypeError(f"{type(self).__name__} does not generate text.")
 
     @abc.abstractmethod
@@ -346,9 +364,24 @@ class DecoderOnlyModel(BaseModel):
                 f"max_position_embeddings={limit}; shorten the prompt or max_new_tokens."
             )
 
-    def _start_decoding(
+    def _run_decoder(
+        self, params: Params, tokens: Array, index: Array, state: dict[str, Any], cache_len: int
+    ) -> tuple[Array, dict[str, Any]]:
+        where = layers.Decoding(jnp.asarray(index, jnp.int32), state["start"], cache_len)
+        positions = layers.decoding_positions(where, tokens.shape[0], tokens.shape[1])
+        logits, variables = self._decode_module().apply(
+            {"params": params, "cache": state["cache"]},
+            tokens,
+            positions,
+            None,
+            decoding=where,
+            mutable=["cache"],
+        )
+        return self._mask_padded_vocab(logits[:, -1]), {**state, "cache": variables["cache"]}
+
+    def prefill(
         self, params: Params, inputs: Array, lengths: Array, config: decoding.DecodingConfig
-    ) -> tuple[Array, Any, decoding.StepFn]:
+    ) -> tuple[Array, dict[str, Any]]:
         batch, prompt_len = inputs.shape
         # Left-pad: every row's prompt ends at slot prompt_len - 1, so all rows write the
         # same cache slot each step; slots before `start` are masked out.
@@ -359,33 +392,36 @@ class DecoderOnlyModel(BaseModel):
         rows = batch * config.num_beams
         tokens, start = (jnp.repeat(x, config.num_beams, axis=0) for x in (tokens, start))
         cache_len = prompt_len + config.max_new_tokens
-        module = self._decode_module()
-
-        def run(tokens: Array, index: Array | int, cache: Any) -> tuple[Array, Any]:
-            state = layers.Decoding(jnp.asarray(index, jnp.int32), start, cache_len)
-            positions = layers.decoding_positions(state, rows, tokens.shape[1])
-            logits, variables = module.apply(
-                {"params": params, "cache": cache},
-                tokens,
-                positions,
-                None,
-                decoding=state,
-                mutable=["cache"],
-            )
-            return self._mask_padded_vocab(logits[:, -1]), variables["cache"]
 
         def init_cache() -> Any:
-            state = layers.Decoding(jnp.int32(0), start, cache_len)
+            where = layers.Decoding(jnp.int32(0), start, cache_len)
             dummy = jnp.zeros((rows, cache_len), jnp.int32)
-            return module.init(jax.random.PRNGKey(0), dummy, None, None, decoding=state)["cache"]
+            module = self._decode_module()
+            return module.init(jax.random.PRNGKey(0), dummy, None, None, decoding=where)["cache"]
 
-        cache = _zeros_like_shapes(jax.eval_shape(init_cache))
-        first_logits, cache = run(tokens, 0, cache)
+        state = {
+            "cache": _zeros_like_shapes(jax.eval_shape(init_cache)),
+            "start": start,
+            "prompt_len": jnp.int32(prompt_len),
+        }
+        return self._run_decoder(params, tokens, jnp.int32(0), state, cache_len)
 
-        def step(token: Array, t: Array, cache: Any) -> tuple[Array, Any]:
-            return run(token[:, None], prompt_len + t, cache)
+    def decode_step(
+        self,
+        params: Params,
+        token: Array,
+        t: Array,
+        state: dict[str, Any],
+        config: decoding.DecodingConfig,
+    ) -> tuple[Array, dict[str, Any]]:
+        cache_len = _cache_length(state["cache"])
+        return self._run_decoder(params, token[:, None], state["prompt_len"] + t, state, cache_len)
 
-        return first_logits, cache, step
+
+def _cache_length(cache: Any) -> int:
+    """Slots of a KV cache (axis `ndim - 3` of its leaves: `[(layers,) rows, slots, ...]`)."""
+    leaf = jax.tree.leaves(cache)[0]
+    return leaf.shape[leaf.ndim - 3]
 
 
 def _zeros_like_shapes(shapes: Any) -> Any:
@@ -445,9 +481,25 @@ class EncoderDecoderModel(BaseModel):
             weights = (targets > 0).astype(jnp.float32)
         return targets, weights
 
-    def _start_decoding(
+    def _run_decoder(
+        self, params: Params, tokens: Array, index: Array, state: dict[str, Any]
+    ) -> tuple[Array, dict[str, Any]]:
+        cache_len = _cache_length(state["cache"])
+        where = layers.Decoding(jnp.asarray(index, jnp.int32), state["start"], cache_len)
+        logits, variables = self._decode_module().apply(
+            {"params": params, "cache": state["cache"]},
+            state["encoded"],
+            tokens[:, None],
+            state["encoder_segment_ids"],
+            decoding=where,
+            method="decode",
+            mutable=["cache"],
+        )
+        return self._mask_padded_vocab(logits[:, -1]), {**state, "cache": variables["cache"]}
+
+    def prefill(
         self, params: Params, inputs: Array, lengths: Array, config: decoding.DecodingConfig
-    ) -> tuple[Array, Any, decoding.StepFn]:
+    ) -> tuple[Array, dict[str, Any]]:
         # The encoder reads each input once; padding (segment 0) is never attended.
         segment_ids = (jnp.arange(inputs.shape[1])[None, :] < lengths[:, None]).astype(jnp.int32)
         module = self._decode_module()
@@ -459,35 +511,32 @@ class EncoderDecoderModel(BaseModel):
         start = jnp.zeros((rows,), jnp.int32)
         cache_len = config.max_new_tokens  # the start token and all but the last new token
 
-        def run(tokens: Array, index: Array | int, cache: Any) -> tuple[Array, Any]:
-            state = layers.Decoding(jnp.asarray(index, jnp.int32), start, cache_len)
-            logits, variables = module.apply(
-                {"params": params, "cache": cache},
-                encoded,
-                tokens[:, None],
-                segment_ids,
-                decoding=state,
-                method="decode",
-                mutable=["cache"],
-            )
-            return self._mask_padded_vocab(logits[:, -1]), variables["cache"]
-
         def init_cache() -> Any:
-            state = layers.Decoding(jnp.int32(0), start, cache_len)
+            where = layers.Decoding(jnp.int32(0), start, cache_len)
             dummy = jnp.zeros((rows, cache_len), jnp.int32)
             variables = module.init(
-                jax.random.PRNGKey(0), encoded, dummy, segment_ids, decoding=state, method="decode"
+                jax.random.PRNGKey(0), encoded, dummy, segment_ids, decoding=where, method="decode"
             )
             return variables["cache"]
 
-        cache = _zeros_like_shapes(jax.eval_shape(init_cache))
+        state = {
+            "cache": _zeros_like_shapes(jax.eval_shape(init_cache)),
+            "start": start,
+            "encoded": encoded,
+            "encoder_segment_ids": segment_ids,
+        }
         # Decoding starts from the decoder start token (0, T5's pad id, as seqio shifts).
-        first_logits, cache = run(jnp.zeros((rows,), jnp.int32), 0, cache)
+        return self._run_decoder(params, jnp.zeros((rows,), jnp.int32), jnp.int32(0), state)
 
-        def step(token: Array, t: Array, cache: Any) -> tuple[Array, Any]:
-            return run(token, t + 1, cache)
-
-        return first_logits, cache, step
+    def decode_step(
+        self,
+        params: Params,
+        token: Array,
+        t: Array,
+        state: dict[str, Any],
+        config: decoding.DecodingConfig,
+    ) -> tuple[Array, dict[str, Any]]:
+        return self._run_decoder(params, token, t + 1, state)
 
 
 class MaskedLMFeatureConverter(seqio.FeatureConverter):
