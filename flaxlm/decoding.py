@@ -68,14 +68,16 @@ class DecodingConfig:
 # ---------------------------------------------------------------------------- sampling
 
 
-def filter_logits(logits: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
-    """float32 logits with tokens outside the top-k / top-p set at -inf (at least one kept)."""
+def filter_logits(logits: Array, top_k: int = 0, top_p: float | Array = 1.0) -> Array:
+    """float32 logits with tokens outside the top-k / top-p set at -inf (at least one kept).
+
+    `top_p` may be an array broadcastable to `[rows, 1]` (one nucleus per row)."""
     logits = logits.astype(jnp.float32)
     neg = jnp.finfo(jnp.float32).min
     if top_k and top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, neg, logits)
-    if top_p < 1.0:
+    if not (isinstance(top_p, (int, float)) and top_p >= 1.0):  # an array: per-row top_p
         sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         # Keep a token while the mass of the tokens ranked above it is still below top_p.

@@ -90,7 +90,7 @@ def main(argv: list[str]) -> None:
     import gin
 
     import flaxlm.models  # noqa: F401  (registers model configurables)
-    from flaxlm import evaluation, hf, trainer  # noqa: F401  (register the run functions)
+    from flaxlm import evaluation, hf, serve, trainer  # noqa: F401  (register run functions)
 
     if FLAGS.tasks_module:
         importlib.import_module(FLAGS.tasks_module)
