@@ -295,8 +295,27 @@ class TextStream:
                 text = text[:at]
         if not self.stopped and text.endswith("\ufffd"):
             return ""  # part of a multi-byte character: wait for the rest
-        delta = text[len(self.sent) :]
-        self.sent = text
+        final = len(text) if self.stopped else len(text) - self._stop_prefix(text)
+        delta = text[len(self.sent) : final]
+        self.sent = text[:final] if final > len(self.sent) else self.sent
+        return delta
+
+    def _stop_prefix(self, text: str) -> int:
+        """Length of the longest end of `text` that may begin a stop string (held back)."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def flush(self) -> str:
+        """Whatever text is still held back (an unfinished character) once decoding ends."""
+        if self.stopped:
+            return ""
+        text = self.vocabulary.decode(self.ids)
+        delta, self.sent = text[len(self.sent) :], text
         return delta
 
     def logprobs(self, count: int | None) -> dict[str, Any] | None:
@@ -339,8 +358,7 @@ class Server:
         if isinstance(engine.model, EncoderDecoderModel):
             self.max_positions = None  # relative positions: no hard limit
         handler = _make_handler(self)
-        self.httpd = http.server.ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _HTTPServer((host, port), handler)
 
     @property
     def address(self) -> str:
@@ -381,6 +399,11 @@ class Server:
     def serve_forever(self) -> None:
         self.engine.start()
         self.httpd.serve_forever()
+
+
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # many clients connecting at once are queued, not reset
 
 
 _PAGE = epath.Path(__file__).parent / "serve_page.html"
@@ -483,6 +506,7 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                         except StopIteration as done:
                             reason = done.value
                             break
+                    text += stream.flush()
                     reason = "stop" if stream.stopped else reason
                     completion_tokens += len(stream.ids)
                     choices.append(
@@ -549,6 +573,9 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                             delta = next(gen)
                         except StopIteration as done:
                             reason = "stop" if stream.stopped else done.value
+                            rest = stream.flush()
+                            if rest:
+                                send(index, rest, None)
                             break
                         if delta:
                             logprobs = None

@@ -25,3 +25,28 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def repo_dir() -> str:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def trained_gptj(tmp_path_factory, repo_dir) -> str:
+    """A tiny GPT-J MODEL_DIR (byte vocabulary) after 8 steps of the default run; shared by
+    the inference and serving tests."""
+    from tests.test_main import run_main
+
+    model_dir = str(tmp_path_factory.mktemp("trained_gptj") / "run")
+    result = run_main(
+        [
+            "--gin_file=gin/gptj_pretrain.gin",
+            f"--gin.MODEL_DIR='{model_dir}'",
+            "--gin.TRAIN_STEPS=8",
+            "--gin.EVAL_PERIOD=0",
+            "--gin.CHECKPOINT_PERIOD=8",
+            "--gin.BATCH_SIZE=8",
+            "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+        ],
+        repo_dir,
+        devices=8,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.path.exists(os.path.join(model_dir, "hf_config.json"))
+    return model_dir

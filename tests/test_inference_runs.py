@@ -24,28 +24,6 @@ def read_jsonl(path):
         return [json.loads(line) for line in f]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, repo_dir):
-    """A tiny GPT-J MODEL_DIR after a few steps of the default run."""
-    model_dir = str(tmp_path_factory.mktemp("infer") / "run")
-    result = run_main(
-        [
-            "--gin_file=gin/gptj_pretrain.gin",
-            f"--gin.MODEL_DIR='{model_dir}'",
-            "--gin.TRAIN_STEPS=8",
-            "--gin.EVAL_PERIOD=0",
-            "--gin.CHECKPOINT_PERIOD=8",
-            "--gin.BATCH_SIZE=8",
-            "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
-        ],
-        repo_dir,
-        devices=8,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert os.path.exists(os.path.join(model_dir, "hf_config.json"))
-    return model_dir
-
-
 def in_process_outputs(model_dir, prompts, max_new_tokens):
     partitioner = Partitioner(mesh_shape=(1, 2, 4))
     model, params, step = evaluation.load_model_and_params(model_dir, partitioner)
@@ -63,14 +41,14 @@ def in_process_outputs(model_dir, prompts, max_new_tokens):
 
 
 @pytest.mark.slow
-def test_infer_score_and_eval_runs_from_a_training_run(trained, tmp_path, repo_dir):
+def test_infer_score_and_eval_runs_from_a_training_run(trained_gptj, tmp_path, repo_dir):
     jsonl = tmp_path / "prompts.jsonl"
     jsonl.write_text("".join(json.dumps({"in_text": p}) + "\n" for p in PROMPTS))
     out_dir = tmp_path / "infer"
     result = run_main(
         [
             "--gin_file=gin/runs/infer.gin",
-            f"--gin.CHECKPOINT='{trained}'",
+            f"--gin.CHECKPOINT='{trained_gptj}'",
             f"--gin.INFER_SOURCE='{jsonl}'",
             f"--gin.OUTPUT_DIR='{out_dir}'",
             "--gin.MAX_NEW_TOKENS=12",
@@ -85,7 +63,7 @@ def test_infer_score_and_eval_runs_from_a_training_run(trained, tmp_path, repo_d
     records = read_jsonl(out_dir / "prompts.jsonl")
     assert [r["input"] for r in records] == PROMPTS
     assert (out_dir / "config.gin").exists()
-    assert [r["output"] for r in records] == in_process_outputs(trained, PROMPTS, 12)
+    assert [r["output"] for r in records] == in_process_outputs(trained_gptj, PROMPTS, 12)
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"in_text": i, "out_text": o}) + "\n" for i, o in PAIRS))
@@ -93,7 +71,7 @@ def test_infer_score_and_eval_runs_from_a_training_run(trained, tmp_path, repo_d
     result = run_main(
         [
             "--gin_file=gin/runs/score.gin",
-            f"--gin.CHECKPOINT='{trained}'",
+            f"--gin.CHECKPOINT='{trained_gptj}'",
             f"--gin.SCORE_SOURCE='{pairs}'",
             f"--gin.OUTPUT_DIR='{score_dir}'",
             "--gin.SCORE_BATCH_SIZE=2",
@@ -107,7 +85,7 @@ def test_infer_score_and_eval_runs_from_a_training_run(trained, tmp_path, repo_d
     assert [r["num_tokens"] for r in scores] == [len(o.encode()) for _, o in PAIRS]
     # Each score is the target's log-likelihood from the model's logits.
     partitioner = Partitioner(mesh_shape=(1, 8, 1))
-    model, params, _ = evaluation.load_model_and_params(trained, partitioner)
+    model, params, _ = evaluation.load_model_and_params(trained_gptj, partitioner)
     vocab = evaluation.seqio.ByteVocabulary()
     for record, (i, o) in zip(scores, PAIRS):
         seq = vocab.encode(i) + vocab.encode(o)
@@ -122,7 +100,7 @@ def test_infer_score_and_eval_runs_from_a_training_run(trained, tmp_path, repo_d
     result = run_main(
         [
             "--gin_file=gin/runs/eval.gin",
-            f"--gin.CHECKPOINT='{trained}'",
+            f"--gin.CHECKPOINT='{trained_gptj}'",
             "--gin.MIXTURE_OR_TASK_NAME='stdlib_py'",
             "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
             f"--gin.OUTPUT_DIR='{eval_dir}'",
@@ -140,7 +118,7 @@ def test_infer_score_and_eval_runs_from_a_training_run(trained, tmp_path, repo_d
 
 
 @pytest.mark.slow
-def test_two_process_infer_writes_every_output_once_in_order(trained, tmp_path, repo_dir):
+def test_two_process_infer_writes_every_output_once_in_order(trained_gptj, tmp_path, repo_dir):
     prompts = [p.replace("\n", " ") for p in PROMPTS]  # one prompt per line
     text = tmp_path / "prompts.txt"
     text.write_text("\n".join(prompts) + "\n")
@@ -149,7 +127,7 @@ def test_two_process_infer_writes_every_output_once_in_order(trained, tmp_path, 
         "-m",
         "flaxlm.main",
         "--gin_file=gin/runs/infer.gin",
-        f"--gin.CHECKPOINT='{trained}'",
+        f"--gin.CHECKPOINT='{trained_gptj}'",
         f"--gin.INFER_SOURCE='{text}'",
         f"--gin.OUTPUT_DIR='{out_dir}'",
         "--gin.MAX_NEW_TOKENS=12",
@@ -172,7 +150,7 @@ def test_two_process_infer_writes_every_output_once_in_order(trained, tmp_path, 
         assert code == 0, stderr[-3000:]
     records = read_jsonl(out_dir / "prompts.jsonl")
     assert [r["input"] for r in records] == prompts
-    assert [r["output"] for r in records] == in_process_outputs(trained, prompts, 12)
+    assert [r["output"] for r in records] == in_process_outputs(trained_gptj, prompts, 12)
 
     # Scoring too: 2 processes, batch split over fsdp, every pair once and in order.
     pairs = tmp_path / "pairs.jsonl"
@@ -182,7 +160,7 @@ def test_two_process_infer_writes_every_output_once_in_order(trained, tmp_path, 
         "-m",
         "flaxlm.main",
         "--gin_file=gin/runs/score.gin",
-        f"--gin.CHECKPOINT='{trained}'",
+        f"--gin.CHECKPOINT='{trained_gptj}'",
         f"--gin.SCORE_SOURCE='{pairs}'",
         f"--gin.OUTPUT_DIR='{tmp_path / 'score2'}'",
         "--gin.SCORE_BATCH_SIZE=4",
