@@ -14,11 +14,13 @@ def _params_and_batch(model):
     return params, batch
 
 
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize(
     "policy", ["full", "dots_saveable", "dots_with_no_batch_dims_saveable", "minimal"]
 )
-def test_remat_policy_gives_the_same_loss_and_gradients(policy):
-    base, remat = tiny_gptj(), tiny_gptj(remat_policy=policy)
+def test_remat_policy_gives_the_same_loss_and_gradients(policy, scan_layers):
+    base = tiny_gptj(scan_layers=scan_layers)
+    remat = tiny_gptj(remat_policy=policy, scan_layers=scan_layers)
     params, batch = _params_and_batch(base)
 
     def grads(model):

@@ -41,8 +41,11 @@ class GPT2Config:
     param_dtype: str = "float32"
     remat_policy: str = "none"  # see layers.REMAT_POLICIES
     scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
+    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see layers.dot_product_attention)
+    attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
     def __post_init__(self):
+        layers.check_attention(self.attention, self.attention_chunk_size)
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}."
@@ -103,7 +106,16 @@ class GPT2Attention(nn.Module):
         k = layers.constrain(k, layers.HEAD_AXES)
         k, v = layers.KVCache(name="cache")(k, v, decoding)
         scale = cfg.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
-        out = layers.dot_product_attention(q, k, v, mask, scale=scale, dtype=cfg.dtype)
+        out = layers.dot_product_attention(
+            q,
+            k,
+            v,
+            mask,
+            scale=scale,
+            dtype=cfg.dtype,
+            implementation=cfg.attention,
+            chunk_size=cfg.attention_chunk_size,
+        )
         return layers.DenseGeneral(
             cfg.hidden_size,
             ("heads", "head_dim", "embed"),

@@ -203,6 +203,68 @@ def apply_rotary(x: Array, sin: Array, cos: Array, *, interleaved: bool) -> Arra
 # ---------------------------------------------------------------------------- attention
 
 
+@flax.struct.dataclass
+class Mask:
+    """Which keys each query may attend to, computed on demand for any block of queries and
+    keys (`block`) or whole (`dense`, bool `[batch, 1, q_len, kv_len]`); the blockwise
+    attention never holds the whole mask.
+
+    Queries sit at slots `q_offset + i`, keys at slots `j`. `causal`: a key at a later slot
+    is hidden; `sliding_window` W: only the W latest slots (the query's own included) are
+    seen; `kv_start` (per row): keys before it are padding (left-padded decoding). Segment
+    ids keep packed examples apart: with `cross` (keys are another sequence) a query sees
+    keys of its own segment and never segment 0 (padding); otherwise queries and keys share
+    `q_segment_ids`.
+    """
+
+    q_segment_ids: Array | None
+    kv_segment_ids: Array | None
+    kv_start: Array | None
+    q_offset: Array | int
+    batch: int = flax.struct.field(pytree_node=False, default=1)
+    q_len: int = flax.struct.field(pytree_node=False, default=1)
+    kv_len: int = flax.struct.field(pytree_node=False, default=1)
+    causal: bool = flax.struct.field(pytree_node=False, default=True)
+    sliding_window: int | None = flax.struct.field(pytree_node=False, default=None)
+    cross: bool = flax.struct.field(pytree_node=False, default=False)
+
+    def block(self, q_start: Array | int, q_size: int, k_start: Array | int, k_size: int) -> Array:
+        """bool `[batch, 1, q_size, k_size]` for queries q_start.. and keys k_start.. (either
+        start may be traced; rows and columns past the ends are False)."""
+        q_idx = q_start + jnp.arange(q_size)
+        k_idx = k_start + jnp.arange(k_size)
+        q_slot = (self.q_offset + q_idx)[:, None]
+        k_slot = k_idx[None, :]
+        mask = (q_idx < self.q_len)[:, None] & (k_idx < self.kv_len)[None, :]
+        if self.causal:
+            mask = mask & (k_slot <= q_slot)
+        if self.sliding_window is not None:
+            mask = mask & (q_slot - k_slot < self.sliding_window)
+        mask = jnp.broadcast_to(mask[None], (self.batch, q_size, k_size))
+        if self.kv_start is not None:
+            mask = mask & (k_slot[None] >= self.kv_start[:, None, None])
+
+        def take(ids: Array, start: Array | int, size: int, length: int) -> Array:
+            padded = jnp.pad(ids, ((0, 0), (0, size)))  # reads past the end see segment 0
+            return jax.lax.dynamic_slice_in_dim(padded, start, size, axis=1)
+
+        if self.cross:
+            if self.q_segment_ids is None:
+                q_seg = jnp.ones((self.batch, q_size), jnp.int32)
+            else:
+                q_seg = take(self.q_segment_ids, q_start, q_size, self.q_len)
+            k_seg = take(self.kv_segment_ids, k_start, k_size, self.kv_len)
+            mask = mask & (q_seg[:, :, None] == k_seg[:, None, :]) & (k_seg > 0)[:, None, :]
+        elif self.q_segment_ids is not None:
+            q_seg = take(self.q_segment_ids, q_start, q_size, self.q_len)
+            k_seg = take(self.q_segment_ids, k_start, k_size, self.q_len)
+            mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])
+        return mask[:, None]
+
+    def dense(self) -> Array:
+        return self.block(0, self.q_len, 0, self.kv_len)
+
+
 def attention_mask(
     segment_ids: Array | None,
     batch: int,
@@ -212,30 +274,26 @@ def attention_mask(
     sliding_window: int | None = None,
     kv_segment_ids: Array | None = None,
     kv_length: int | None = None,
-) -> Array:
-    """Boolean `[batch, 1, q_len, kv_len]`: causal, and never across packed segments.
+) -> Mask:
+    """Causal (optionally), and never across packed segments.
 
     `sliding_window` W lets a query see only the W most recent positions (itself included,
     Mistral). `kv_segment_ids` / `kv_length` describe keys that are not the queries
     (cross-attention); then segment ids pair queries with keys of the same segment, and
     padding (segment 0) is never attended.
     """
-    kv_len = length if kv_length is None else kv_length
-    mask = jnp.ones((batch, 1, length, kv_len), dtype=bool)
-    q_pos = jnp.arange(length)[:, None]
-    k_pos = jnp.arange(kv_len)[None, :]
-    if causal:
-        mask = mask & (k_pos <= q_pos)[None, None]
-    if sliding_window is not None:
-        mask = mask & (q_pos - k_pos < sliding_window)[None, None]
-    if kv_segment_ids is not None:
-        q_seg = jnp.ones((batch, length), jnp.int32) if segment_ids is None else segment_ids
-        same = (q_seg[:, :, None] == kv_segment_ids[:, None, :]) & (kv_segment_ids > 0)[:, None]
-        mask = mask & same[:, None]
-    elif segment_ids is not None:
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]
-        mask = mask & same[:, None]
-    return mask
+    return Mask(
+        q_segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        kv_start=None,
+        q_offset=0,
+        batch=batch,
+        q_len=length,
+        kv_len=length if kv_length is None else kv_length,
+        causal=causal,
+        sliding_window=sliding_window,
+        cross=kv_segment_ids is not None,
+    )
 
 
 @flax.struct.dataclass
@@ -256,21 +314,25 @@ def causal_mask(
     decoding: Decoding | None = None,
     *,
     sliding_window: int | None = None,
-) -> Array:
+) -> Mask:
     """A decoder's self-attention mask: `attention_mask` over the sequence itself, or while
-    decoding `[batch, 1, q_len, cache_len]` over the cache: slots written so far, at or
-    after the row's `start`, within the sliding window."""
+    decoding over the cache: slots written so far, at or after the row's `start`, within
+    the sliding window."""
     if decoding is None:
         return attention_mask(
             segment_ids, batch, length, causal=True, sliding_window=sliding_window
         )
-    q_slot = decoding.index + jnp.arange(length)[:, None]
-    k_slot = jnp.arange(decoding.length)[None, :]
-    mask = k_slot <= q_slot
-    if sliding_window is not None:
-        mask = mask & (q_slot - k_slot < sliding_window)
-    real = k_slot[None] >= decoding.start[:, None, None]  # [batch, 1, cache_len]
-    return (mask[None] & real)[:, None]
+    return Mask(
+        q_segment_ids=None,
+        kv_segment_ids=None,
+        kv_start=decoding.start,
+        q_offset=decoding.index,
+        batch=batch,
+        q_len=length,
+        kv_len=decoding.length,
+        causal=True,
+        sliding_window=sliding_window,
+    )
 
 
 def decoding_positions(decoding: Decoding, batch: int, length: int) -> Array:
@@ -310,24 +372,54 @@ class KVCache(nn.Module):
         return out[0], out[1]
 
 
+ATTENTION_IMPLEMENTATIONS = ("xla", "jax", "chunked")
+
+
+def check_attention(implementation: str, chunk_size: int) -> None:
+    """Config check for the attention choice (fails before any device work)."""
+    if implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention {implementation!r}: expected one of {ATTENTION_IMPLEMENTATIONS}."
+        )
+    if chunk_size < 1:
+        raise ValueError(f"attention_chunk_size must be positive, got {chunk_size}.")
+
+
 def dot_product_attention(
     query: Array,
     key: Array,
     value: Array,
-    mask: Array | None = None,
+    mask: Mask | Array | None = None,
     *,
     bias: Array | None = None,
     scale: float | None = None,
     dtype: Dtype = jnp.float32,
+    implementation: str = "xla",
+    chunk_size: int = 512,
 ) -> Array:
     """Softmax attention in float32; grouped-query when key has fewer heads than query.
 
     query: [batch, q_len, heads, head_dim]; key, value: [batch, kv_len, kv_heads, head_dim];
-    mask: bool, broadcastable to [batch, heads, q_len, kv_len]; bias: added to the scaled
-    scores, broadcastable to [batch, heads, q_len, kv_len] (T5's relative positions);
-    scale: default head_dim**-0.5 (T5 uses 1.0). Returns [batch, q_len, heads, head_dim]
-    in `dtype`.
+    mask: a `Mask` or bool broadcastable to [batch, heads, q_len, kv_len]; bias: added to
+    the scaled scores, broadcastable to [batch, heads, q_len, kv_len] (T5's relative
+    positions); scale: default head_dim**-0.5 (T5 uses 1.0). Returns [batch, q_len, heads,
+    head_dim] in `dtype`.
+
+    implementation: 'xla' (einsums, the default), 'jax' (`jax.nn.dot_product_attention`:
+    cuDNN flash attention on GPU where it applies, XLA elsewhere) or 'chunked' (blocks of
+    `chunk_size` queries and keys with an online softmax: memory linear in the length).
     """
+    if implementation == "chunked":
+        return _chunked_attention(query, key, value, mask, bias, scale, dtype, chunk_size)
+    if isinstance(mask, Mask):
+        mask = mask.dense()
+    if implementation == "jax":
+        return _jax_attention(query, key, value, mask, bias, scale, dtype)
+    if implementation != "xla":
+        raise ValueError(
+            f"attention implementation {implementation!r}: expected one of "
+            f"{ATTENTION_IMPLEMENTATIONS}."
+        )
     b, q_len, heads, head_dim = query.shape
     kv_heads = key.shape[2]
     groups = heads // kv_heads
@@ -346,6 +438,97 @@ def dot_product_attention(
     probs = jax.nn.softmax(scores, axis=-1).astype(as_dtype(dtype))
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, value.astype(as_dtype(dtype)))
     return out.reshape(b, q_len, heads, head_dim)
+
+
+def _jax_attention(query, key, value, mask, bias, scale, dtype) -> Array:
+    dtype = as_dtype(dtype)
+    b, q_len, heads, _ = query.shape
+    kv_len = key.shape[1]
+    if mask is not None:
+        mask = jnp.broadcast_to(mask, (b, heads, q_len, kv_len))
+    if bias is not None:
+        bias = jnp.broadcast_to(bias, (b, heads, q_len, kv_len)).astype(dtype)
+    return jax.nn.dot_product_attention(
+        query.astype(dtype),
+        key.astype(dtype),
+        value.astype(dtype),
+        bias=bias,
+        mask=mask,
+        scale=scale,
+    )
+
+
+def _chunked_attention(query, key, value, mask, bias, scale, dtype, chunk_size) -> Array:
+    """Flash-attention-style blocks: for each block of queries, scan over blocks of keys
+    keeping the running max, normaliser and weighted sum in float32."""
+    dtype = as_dtype(dtype)
+    b, q_len, heads, head_dim = query.shape
+    kv_len, kv_heads = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    qc, kc = min(chunk_size, q_len), min(chunk_size, kv_len)
+    q_blocks, k_blocks = -(-q_len // qc), -(-kv_len // kc)
+
+    def pad(x: Array, size: int, axis: int) -> Array:
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, size - x.shape[axis])
+        return jnp.pad(x, widths)
+
+    q = pad(query, q_blocks * qc, 1).reshape(b, q_blocks * qc, kv_heads, groups, head_dim)
+    k = pad(key, k_blocks * kc, 1)
+    v = pad(value.astype(dtype), k_blocks * kc, 1)
+    if bias is not None:
+        bias = jnp.broadcast_to(bias.astype(jnp.float32), (b, heads, q_len, kv_len))
+        bias = pad(pad(bias, q_blocks * qc, 2), k_blocks * kc, 3)
+    dense_mask = None
+    if mask is not None and not isinstance(mask, Mask):
+        dense_mask = jnp.broadcast_to(mask, (b, heads, q_len, kv_len))
+        dense_mask = pad(pad(dense_mask, q_blocks * qc, 2), k_blocks * kc, 3)
+    neg = jnp.finfo(jnp.float32).min
+
+    def query_block(qi: Array) -> Array:
+        q_blk = jax.lax.dynamic_slice_in_dim(q, qi * qc, qc, axis=1)
+
+        def key_block(carry, ki):
+            m, norm, acc = carry
+            k_blk = jax.lax.dynamic_slice_in_dim(k, ki * kc, kc, axis=1)
+            v_blk = jax.lax.dynamic_slice_in_dim(v, ki * kc, kc, axis=1)
+            s = jnp.einsum("bqhgd,bkhd->bhgqk", q_blk, k_blk, preferred_element_type=jnp.float32)
+            s = s.astype(jnp.float32) * scale
+            if bias is not None:
+                blk = jax.lax.dynamic_slice(bias, (0, 0, qi * qc, ki * kc), (b, heads, qc, kc))
+                s = s + blk.reshape(b, kv_heads, groups, qc, kc)
+            if isinstance(mask, Mask):
+                keep = jnp.broadcast_to(mask.block(qi * qc, qc, ki * kc, kc), (b, heads, qc, kc))
+            elif dense_mask is not None:
+                keep = jax.lax.dynamic_slice(
+                    dense_mask, (0, 0, qi * qc, ki * kc), (b, heads, qc, kc)
+                )
+            else:
+                keep = jnp.broadcast_to((ki * kc + jnp.arange(kc)) < kv_len, (b, heads, qc, kc))
+            keep = keep.reshape(b, kv_heads, groups, qc, kc)
+            s = jnp.where(keep, s, neg)
+            m_new = jnp.maximum(m, s.max(-1))
+            correction = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[..., None])
+            norm_new = norm * correction + p.sum(-1)
+            acc = acc * correction[..., None] + jnp.einsum(
+                "bhgqk,bkhd->bhgqd", p.astype(dtype), v_blk, preferred_element_type=jnp.float32
+            )
+            return (m_new, norm_new, acc), None
+
+        init = (
+            jnp.full((b, kv_heads, groups, qc), neg, jnp.float32),
+            jnp.zeros((b, kv_heads, groups, qc), jnp.float32),
+            jnp.zeros((b, kv_heads, groups, qc, head_dim), jnp.float32),
+        )
+        (_, norm, acc), _ = jax.lax.scan(key_block, init, jnp.arange(k_blocks))
+        out = acc / norm[..., None]  # [b, kv_heads, groups, qc, head_dim]
+        return out.transpose(0, 3, 1, 2, 4).reshape(b, qc, heads, head_dim)
+
+    blocks = jax.lax.map(query_block, jnp.arange(q_blocks))  # [q_blocks, b, qc, heads, hd]
+    out = blocks.transpose(1, 0, 2, 3, 4).reshape(b, q_blocks * qc, heads, head_dim)
+    return out[:, :q_len].astype(dtype)
 
 
 # ---------------------------------------------------------------------------- remat

@@ -58,8 +58,11 @@ class LlamaConfig:
     param_dtype: str = "float32"
     remat_policy: str = "none"  # see layers.REMAT_POLICIES
     scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
+    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see layers.dot_product_attention)
+    attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
     def __post_init__(self):
+        layers.check_attention(self.attention, self.attention_chunk_size)
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads} "
@@ -214,7 +217,15 @@ class LlamaBlock(nn.Module):
         k, v = layers.KVCache(("batch", "length", kv_axis, "head_dim"), name="cache")(
             k, v, decoding
         )
-        attn = layers.dot_product_attention(q, k, v, mask, dtype=cfg.dtype)
+        attn = layers.dot_product_attention(
+            q,
+            k,
+            v,
+            mask,
+            dtype=cfg.dtype,
+            implementation=cfg.attention,
+            chunk_size=cfg.attention_chunk_size,
+        )
         attn = layers.DenseGeneral(
             cfg.hidden_size,
             ("heads", "head_dim", "embed"),

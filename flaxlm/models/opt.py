@@ -47,8 +47,11 @@ class OPTConfig:
     param_dtype: str = "float32"
     remat_policy: str = "none"  # see layers.REMAT_POLICIES
     scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
+    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see layers.dot_product_attention)
+    attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
     def __post_init__(self):
+        layers.check_attention(self.attention, self.attention_chunk_size)
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}."
@@ -141,7 +144,16 @@ class OPTBlock(nn.Module):
         q = layers.constrain(qkv["q_proj"] * cfg.head_dim**-0.5, layers.HEAD_AXES)
         k = layers.constrain(qkv["k_proj"], layers.HEAD_AXES)
         k, v = layers.KVCache(name="cache")(k, qkv["v_proj"], decoding)
-        attn = layers.dot_product_attention(q, k, v, mask, scale=1.0, dtype=cfg.dtype)
+        attn = layers.dot_product_attention(
+            q,
+            k,
+            v,
+            mask,
+            scale=1.0,
+            dtype=cfg.dtype,
+            implementation=cfg.attention,
+            chunk_size=cfg.attention_chunk_size,
+        )
         attn = layers.DenseGeneral(
             cfg.hidden_size,
             ("heads", "head_dim", "embed"),

@@ -42,8 +42,11 @@ class RobertaConfig:
     param_dtype: str = "float32"
     remat_policy: str = "none"  # see layers.REMAT_POLICIES
     scan_layers: bool = False
+    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see layers.dot_product_attention)
+    attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
     def __post_init__(self):
+        layers.check_attention(self.attention, self.attention_chunk_size)
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}."
@@ -111,7 +114,15 @@ class RobertaLayer(nn.Module):
         }
         q = layers.constrain(qkv["query"], layers.HEAD_AXES)
         k = layers.constrain(qkv["key"], layers.HEAD_AXES)
-        attn = layers.dot_product_attention(q, k, qkv["value"], mask, dtype=cfg.dtype)
+        attn = layers.dot_product_attention(
+            q,
+            k,
+            qkv["value"],
+            mask,
+            dtype=cfg.dtype,
+            implementation=cfg.attention,
+            chunk_size=cfg.attention_chunk_size,
+        )
         attn = layers.DenseGeneral(
             cfg.hidden_size,
             ("heads", "head_dim", "embed"),

@@ -49,8 +49,11 @@ class T5Config:
     param_dtype: str = "float32"
     remat_policy: str = "none"  # see layers.REMAT_POLICIES
     scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
+    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see layers.dot_product_attention)
+    attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
     def __post_init__(self):
+        layers.check_attention(self.attention, self.attention_chunk_size)
         for name in ("d_model", "d_kv", "d_ff", "num_layers", "num_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
@@ -217,7 +220,17 @@ class T5Attention(nn.Module):
         k = project("k", cfg.d_model**-0.5, kv)
         v = project("v", cfg.d_model**-0.5, kv)
         k, v = layers.KVCache(name="cache")(k, v, decoding)
-        out = layers.dot_product_attention(q, k, v, mask, bias=bias, scale=1.0, dtype=cfg.dtype)
+        out = layers.dot_product_attention(
+            q,
+            k,
+            v,
+            mask,
+            bias=bias,
+            scale=1.0,
+            dtype=cfg.dtype,
+            implementation=cfg.attention,
+            chunk_size=cfg.attention_chunk_size,
+        )
         return layers.DenseGeneral(
             cfg.d_model,
             ("heads", "head_dim", "embed"),

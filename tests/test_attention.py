@@ -1,0 +1,144 @@
+"""The attention implementations agree: XLA einsums, jax.nn.dot_product_attention and the
+blockwise (chunked) one, under every kind of mask; the chunked one stays linear in memory."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxlm.models import layers
+from tests.helpers import random_batch, tiny_gptj
+
+IMPLEMENTATIONS = ("jax", "chunked")
+
+
+def qkv(batch=2, q_len=13, kv_len=13, heads=4, kv_heads=2, head_dim=8, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(keys[0], (batch, q_len, heads, head_dim))
+    k = jax.random.normal(keys[1], (batch, kv_len, kv_heads, head_dim))
+    v = jax.random.normal(keys[2], (batch, kv_len, kv_heads, head_dim))
+    return q, k, v
+
+
+def segments(batch, length, cuts, pad):
+    """Packed segment ids 1, 2, ... cut at `cuts`, the last `pad` positions padding (0)."""
+    ids = np.zeros((batch, length), np.int32)
+    for row in range(batch):
+        ids[row, : length - pad] = 1 + np.searchsorted(cuts, np.arange(length - pad), "right")
+    return jnp.asarray(ids)
+
+
+def masks():
+    seg = segments(2, 13, [4, 9], pad=2)
+    kv_seg = segments(2, 11, [5], pad=3)
+    return {
+        "causal": (layers.attention_mask(None, 2, 13), 13, None),
+        "causal_packed": (layers.attention_mask(seg, 2, 13), 13, None),
+        "bidirectional_packed": (layers.attention_mask(seg, 2, 13, causal=False), 13, None),
+        "sliding_window": (layers.attention_mask(seg, 2, 13, sliding_window=3), 13, None),
+        "cross_padded": (
+            layers.attention_mask(
+                segments(2, 13, [6], pad=0),
+                2,
+                13,
+                causal=False,
+                kv_segment_ids=kv_seg,
+                kv_length=11,
+            ),
+            11,
+            None,
+        ),
+        "decoding_left_padded": (
+            layers.causal_mask(
+                None, 2, 3, layers.Decoding(jnp.int32(5), jnp.asarray([0, 4]), 13), sliding_window=4
+            ),
+            13,
+            None,
+        ),
+        "relative_bias": (
+            layers.attention_mask(None, 2, 13, causal=False),
+            13,
+            jax.random.normal(jax.random.PRNGKey(9), (1, 4, 13, 13)),
+        ),
+        "no_mask": (None, 13, None),
+    }
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", sorted(masks()))
+def test_implementations_agree_under_every_mask(implementation, name):
+    mask, kv_len, bias = masks()[name]
+    q_len = mask.q_len if mask is not None else 13
+    q, k, v = qkv(q_len=q_len, kv_len=kv_len)
+    expected = layers.dot_product_attention(q, k, v, mask, bias=bias, implementation="xla")
+    got = layers.dot_product_attention(
+        q, k, v, mask, bias=bias, implementation=implementation, chunk_size=4
+    )
+    # Rows with no visible key (padding queries of a cross mask) are undefined anyway.
+    if mask is not None:
+        seen = np.asarray(mask.dense()).any(-1)[:, 0]  # [batch, q_len]
+    else:
+        seen = np.ones((2, q_len), bool)
+    np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(expected)[seen], atol=2e-5)
+
+
+def test_a_dense_bool_mask_works_in_every_implementation():
+    q, k, v = qkv()
+    dense = layers.attention_mask(segments(2, 13, [5], pad=1), 2, 13).dense()
+    expected = layers.dot_product_attention(q, k, v, dense)
+    for implementation in IMPLEMENTATIONS:
+        got = layers.dot_product_attention(
+            q, k, v, dense, implementation=implementation, chunk_size=5
+        )
+        np.testing.assert_allclose(got[:, :12], expected[:, :12], atol=2e-5)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_model_logits_and_gradients_agree_across_implementations(implementation):
+    batch = {k: jnp.asarray(v) for k, v in random_batch(batch_size=2).items()}
+    xla = tiny_gptj()
+    other = tiny_gptj(attention=implementation, attention_chunk_size=5)
+    params = xla.init_params(jax.random.PRNGKey(0), {"decoder_input_tokens": (1, 16)})
+
+    def loss_and_grads(model):
+        return jax.jit(jax.value_and_grad(lambda p: model.loss_fn(p, batch, None)[0]))(params)
+
+    (l0, g0), (l1, g1) = loss_and_grads(xla), loss_and_grads(other)
+    assert abs(float(l0) - float(l1)) < 1e-5
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_chunked_attention_memory_grows_linearly_with_length():
+    def temp_bytes(implementation, length):
+        q, k, v = qkv(batch=1, q_len=length, kv_len=length, heads=4, kv_heads=4, head_dim=16)
+        mask = layers.attention_mask(None, 1, length)
+        fn = jax.jit(
+            lambda q, k, v: layers.dot_product_attention(
+                q, k, v, mask, implementation=implementation, chunk_size=256
+            )
+        )
+        return fn.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+
+    xla = [temp_bytes("xla", n) for n in (1024, 4096)]
+    chunked = [temp_bytes("chunked", n) for n in (1024, 4096)]
+    assert xla[1] > 10 * xla[0]  # the scores grow with length squared
+    assert chunked[1] < 6 * chunked[0]  # blocks: linear in length
+    assert chunked[1] < xla[1] / 8
+
+
+def test_unknown_attention_is_named():
+    with pytest.raises(ValueError, match="attention 'flash'"):
+        tiny_gptj(attention="flash")
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_decoding_gives_the_same_tokens_with_every_implementation(implementation):
+    xla = tiny_gptj()
+    other = tiny_gptj(attention=implementation, attention_chunk_size=4)
+    params = xla.init_params(jax.random.PRNGKey(1), {"decoder_input_tokens": (1, 16)})
+    prompts = {"inputs": np.asarray([[5, 9, 33, 2, 7, 0, 0], [8, 1, 4, 4, 4, 4, 9]], np.int32)}
+    np.testing.assert_array_equal(
+        other.generate(params, prompts, 10, eos_id=None),
+        xla.generate(params, prompts, 10, eos_id=None),
+    )
