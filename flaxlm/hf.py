@@ -418,7 +418,11 @@ def record_hf_config(model: BaseModel, model_dir: str | epath.Path) -> None:
     if jax.process_index() == 0:
         out = epath.Path(model_dir)
         out.mkdir(parents=True, exist_ok=True)
-        record = hf_config_dict(model)
+        spec = spec_for_config(model.config)
+        try:
+            record = hf_config_dict(model)
+        except ValueError:  # a variant HF cannot express (e.g. ALiBi GPT-2): flaxlm's own only
+            record = {"model_type": spec.model_types[0]}
         record["flaxlm_config"] = dataclasses.asdict(model.config)
         record["flaxlm_eos_ids"] = list(model.eos_ids)
         (out / "hf_config.json").write_text(json.dumps(record, indent=2))

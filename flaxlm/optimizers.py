@@ -6,6 +6,7 @@ from typing import Any
 
 import gin
 import jax
+import jax.numpy as jnp
 import optax
 
 from flaxlm.partitioning import path_name
@@ -67,26 +68,33 @@ def create_optimizer(
     weight_decay: float = 0.1,
     clip_norm: float | None = 1.0,
     adafactor_factored: bool = True,
+    mu_dtype: str | None = None,
 ) -> optax.GradientTransformation:
-    """AdamW or Adafactor with global-norm clipping and masked weight decay.
+    """AdamW, Adafactor or Lion with global-norm clipping and masked weight decay.
 
     Args:
-      name: 'adamw' or 'adafactor' (factored second moments).
+      name: 'adamw', 'adafactor' (factored second moments) or 'lion' (sign of the
+        interpolated momentum; use a learning rate ~3-10x smaller than AdamW's).
       clip_norm: global gradient-norm clip; None or 0 disables it.
+      mu_dtype: dtype of the first moments (e.g. 'bfloat16' halves their memory); the
+        params' dtype if None.
     """
     chain = []
     if clip_norm:
         chain.append(optax.clip_by_global_norm(clip_norm))
+    mu = jnp.dtype(mu_dtype) if mu_dtype else None
     if name == "adamw":
-        chain.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
+        chain.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps, mu_dtype=mu))
+    elif name == "lion":
+        chain.append(optax.scale_by_lion(b1=b1, b2=b2, mu_dtype=mu))
     elif name == "adafactor":
         chain.append(
             optax.scale_by_factored_rms(factored=adafactor_factored, decay_rate=b2, epsilon=1e-30)
         )
         if b1:
-            chain.append(optax.trace(decay=b1))
+            chain.append(optax.trace(decay=b1, accumulator_dtype=mu))
     else:
-        raise ValueError(f"optimizer name={name!r}: expected 'adamw' or 'adafactor'.")
+        raise ValueError(f"optimizer name={name!r}: expected 'adamw', 'adafactor' or 'lion'.")
     if weight_decay:
         chain.append(optax.add_decayed_weights(weight_decay, mask=decay_mask))
     chain.append(optax.scale_by_learning_rate(learning_rate))

@@ -354,7 +354,7 @@ class Server:
         self.model_name = model_name
         self.max_tokens_limit = max_tokens_limit
         self.request_timeout = request_timeout_s
-        self.max_positions = getattr(engine.model.config, "max_position_embeddings", None)
+        self.max_positions = engine.model.position_limit()
         if isinstance(engine.model, EncoderDecoderModel):
             self.max_positions = None  # relative positions: no hard limit
         handler = _make_handler(self)

@@ -358,8 +358,9 @@ def train(
     if not (path / "hf_config.json").exists():
         from flaxlm import hf
 
-        # What infer/score/evaluate/export rebuild the model from.
-        hf.record_hf_config(model, model_dir)
+        # What infer/score/evaluate/export rebuild the model from (families flaxlm knows).
+        if any(isinstance(model.config, spec.config_cls) for spec in hf.HF_SPECS.values()):
+            hf.record_hf_config(model, model_dir)
     config_str = gin.operative_config_str()
     if jax.process_index() == 0:
         (path / "config.gin").write_text(config_str)

@@ -296,9 +296,15 @@ class BaseModel(abc.ABC):
     def flops_per_token(self, seq_len: int) -> float:
         return self.config.flops_per_token(seq_len)
 
+    def position_limit(self) -> int | None:
+        """The longest sequence the model's positions cover (None: no limit)."""
+        if hasattr(self.config, "position_limit"):
+            return self.config.position_limit
+        return getattr(self.config, "max_position_embeddings", None)
+
     def check_lengths(self, task_feature_lengths: Mapping[str, int]) -> None:
         """Fails early when a feature is longer than the model's positions."""
-        limit = getattr(self.config, "max_position_embeddings", None)
+        limit = self.position_limit()
         for name, length in task_feature_lengths.items():
             if limit is not None and length > limit:
                 raise ValueError(
@@ -355,7 +361,7 @@ class DecoderOnlyModel(BaseModel):
                 f"Prompts {np.flatnonzero(lengths < 1).tolist()} are empty; a decoder-only "
                 "model needs at least one prompt token (e.g. a BOS token) to continue from."
             )
-        limit = getattr(self.config, "max_position_embeddings", None)
+        limit = self.position_limit()
         longest = int(lengths.max()) + config.max_new_tokens
         if limit is not None and longest > limit:
             raise ValueError(

@@ -36,6 +36,9 @@ class GPT2Config:
     activation: str = "gelu_new"  # HF: activation_function
     scale_attn_weights: bool = True  # scores / sqrt(head_dim); False: unscaled
     tie_word_embeddings: bool = True  # the head reuses wte
+    # 'learned' (GPT-2's wpe table) or 'alibi' (no table: a per-head linear bias on the
+    # distance, Press et al. 2022, which extrapolates to longer sequences than trained).
+    position_embedding: str = "learned"
     dropout_rate: float = 0.0
     dtype: str = "float32"  # compute dtype; norms and softmax stay float32
     param_dtype: str = "float32"
@@ -46,6 +49,10 @@ class GPT2Config:
 
     def __post_init__(self):
         layers.check_attention(self.attention, self.attention_chunk_size)
+        if self.position_embedding not in ("learned", "alibi"):
+            raise ValueError(
+                f"position_embedding {self.position_embedding!r}: expected 'learned' or 'alibi'."
+            )
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}."
@@ -65,6 +72,15 @@ class GPT2Config:
         return self.hidden_size // self.num_heads
 
     @property
+    def position_limit(self) -> int | None:
+        """The longest sequence the model can read (ALiBi: no limit)."""
+        return None if self.position_embedding == "alibi" else self.max_position_embeddings
+
+    @property
+    def position_table_size(self) -> int:
+        return 0 if self.position_embedding == "alibi" else self.max_position_embeddings
+
+    @property
     def mlp_dim(self) -> int:
         return self.intermediate_size or 4 * self.hidden_size
 
@@ -72,12 +88,12 @@ class GPT2Config:
         """Parameter count (for FLOP estimates)."""
         e, f, n, v = self.hidden_size, self.mlp_dim, self.num_layers, self.vocab_size
         block = 4 * e * e + 4 * e + 2 * e * f + f + e + 4 * e
-        total = v * e + self.max_position_embeddings * e + n * block + 2 * e
+        total = v * e + self.position_table_size * e + n * block + 2 * e
         return total + (0 if self.tie_word_embeddings else v * e)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls (head included) plus attention scores."""
-        matmul = self.num_params() - self.max_position_embeddings * self.hidden_size
+        matmul = self.num_params() - self.position_table_size * self.hidden_size
         if not self.tie_word_embeddings:
             matmul -= self.vocab_size * self.hidden_size  # the input lookup is not a matmul
         return 6.0 * matmul + 12.0 * self.num_layers * self.hidden_size * seq_len
@@ -90,7 +106,13 @@ class GPT2Attention(nn.Module):
     config: GPT2Config
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, decoding: layers.Decoding | None = None) -> Array:
+    def __call__(
+        self,
+        x: Array,
+        mask: Array,
+        decoding: layers.Decoding | None = None,
+        bias: Array | None = None,
+    ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         # One kernel for q, k and v, laid out as HF's c_attn: [embed, 3, heads, head_dim].
@@ -111,6 +133,7 @@ class GPT2Attention(nn.Module):
             k,
             v,
             mask,
+            bias=bias,
             scale=scale,
             dtype=cfg.dtype,
             implementation=cfg.attention,
@@ -152,12 +175,18 @@ class GPT2Block(nn.Module):
         return x
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, decoding: layers.Decoding | None = None) -> Array:
+    def __call__(
+        self,
+        x: Array,
+        mask: Array,
+        decoding: layers.Decoding | None = None,
+        bias: Array | None = None,
+    ) -> Array:
         cfg = self.config
         norm = dict(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         x = layers.constrain(x, layers.ACTIVATION_AXES)
         attn = GPT2Attention(cfg, name="attn")(
-            layers.LayerNorm(name="ln_1", **norm)(x), mask, decoding
+            layers.LayerNorm(name="ln_1", **norm)(x), mask, decoding, bias
         )
         x = x + self._dropout(checkpoint_name(attn, "attn_out"))
         x = layers.constrain(x, layers.ACTIVATION_AXES)
@@ -193,14 +222,24 @@ class GPT2(nn.Module):
             param_dtype=cfg.param_dtype,
             name="wte",
         )
-        # The position table is small and never split over its rows.
-        wpe = self.param(
-            "wpe",
-            nn.with_logical_partitioning(nn.initializers.normal(0.01), (None, "embed")),
-            (cfg.max_position_embeddings, cfg.hidden_size),
-            layers.as_dtype(cfg.param_dtype),
-        )
-        x = wte(tokens) + jnp.take(wpe, positions, axis=0).astype(layers.as_dtype(cfg.dtype))
+        bias = None
+        if cfg.position_embedding == "alibi":
+            x = wte(tokens)
+            key_positions = positions
+            if decoding is not None:  # keys are the cache's slots, counted from each row's start
+                slots = jnp.arange(decoding.length, dtype=jnp.int32)[None]
+                key_positions = jnp.maximum(slots - decoding.start[:, None], 0)
+            bias = layers.alibi_bias(positions, key_positions, cfg.num_heads)
+        else:
+            # The position table is small and never split over its rows.
+            wpe = self.param(
+                "wpe",
+                nn.with_logical_partitioning(nn.initializers.normal(0.01), (None, "embed")),
+                (cfg.max_position_embeddings, cfg.hidden_size),
+                layers.as_dtype(cfg.param_dtype),
+            )
+            positions_embedded = jnp.take(wpe, positions, axis=0)
+            x = wte(tokens) + positions_embedded.astype(layers.as_dtype(cfg.dtype))
         if cfg.dropout_rate:
             x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         x = layers.stack_blocks(
@@ -211,7 +250,7 @@ class GPT2(nn.Module):
             name="h",
             config=cfg,
             deterministic=deterministic,
-        )(x, mask, decoding)
+        )(x, mask, decoding, bias)
         x = layers.LayerNorm(
             cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="ln_f"
         )(x)
@@ -261,6 +300,11 @@ def config_from_hf(hf: dict, **overrides) -> GPT2Config:
 
 
 def config_to_hf(cfg: GPT2Config) -> dict:
+    if cfg.position_embedding != "learned":
+        raise ValueError(
+            f"A GPT-2 with position_embedding={cfg.position_embedding!r} has no HuggingFace "
+            "GPT2LMHeadModel equivalent (HF's GPT-2 has learned positions only)."
+        )
     return {
         "model_type": "gpt2",
         "architectures": ["GPT2LMHeadModel"],

@@ -39,11 +39,20 @@ class GPTJConfig:
     param_dtype: str = "float32"
     remat_policy: str = "none"  # see layers.REMAT_POLICIES
     scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
+    # Forgetful Causal Masking during training (EasyLM): hide a fraction drawn from
+    # [fcm_min_ratio, fcm_max_ratio] of each row's past tokens; 0 disables it.
+    fcm_min_ratio: float = 0.0
+    fcm_max_ratio: float = 0.0
     attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see layers.dot_product_attention)
     attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
     def __post_init__(self):
         layers.check_attention(self.attention, self.attention_chunk_size)
+        if not 0.0 <= self.fcm_min_ratio <= self.fcm_max_ratio < 1.0:
+            raise ValueError(
+                f"FCM ratios must satisfy 0 <= fcm_min_ratio ({self.fcm_min_ratio}) <= "
+                f"fcm_max_ratio ({self.fcm_max_ratio}) < 1."
+            )
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}."
@@ -161,6 +170,10 @@ class GPTJ(nn.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         mask = layers.causal_mask(segment_ids, batch, length, decoding)
+        if cfg.fcm_max_ratio > 0 and not deterministic and decoding is None:
+            mask = layers.forgetful_causal_mask(
+                mask, self.make_rng("dropout"), positions, cfg.fcm_min_ratio, cfg.fcm_max_ratio
+            )
         x = layers.Embed(
             cfg.vocab_size,
             cfg.hidden_size,

@@ -200,6 +200,32 @@ def apply_rotary(x: Array, sin: Array, cos: Array, *, interleaved: bool) -> Arra
     return jnp.concatenate([out.astype(x.dtype), x_pass], axis=-1)
 
 
+# ---------------------------------------------------------------------------- ALiBi
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi's per-head slopes: 2^(-8/n), 2^(-16/n), ... for the largest power of two n
+    <= num_heads, then every other slope of 2n for the remaining heads (Press et al.)."""
+
+    def geometric(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    power = 2 ** int(np.floor(np.log2(num_heads)))
+    slopes = geometric(power)
+    if power < num_heads:
+        slopes += geometric(2 * power)[0::2][: num_heads - power]
+    return np.asarray(slopes, np.float32)
+
+
+def alibi_bias(q_positions: Array, k_positions: Array, num_heads: int) -> Array:
+    """float32 `[batch, heads, q_len, kv_len]`: -slope * (query position - key position)
+    (keys after the query, masked anyway, get a positive distance's mirror image)."""
+    distance = jnp.abs(q_positions[:, :, None] - k_positions[:, None, :]).astype(jnp.float32)
+    slopes = jnp.asarray(alibi_slopes(num_heads))
+    return -slopes[None, :, None, None] * distance[:, None]
+
+
 # ---------------------------------------------------------------------------- attention
 
 
@@ -221,6 +247,7 @@ class Mask:
     kv_segment_ids: Array | None
     kv_start: Array | None
     q_offset: Array | int
+    kv_keep: Array | None = None  # bool [batch, kv_len]: False hides a key from every query
     batch: int = flax.struct.field(pytree_node=False, default=1)
     q_len: int = flax.struct.field(pytree_node=False, default=1)
     kv_len: int = flax.struct.field(pytree_node=False, default=1)
@@ -243,6 +270,10 @@ class Mask:
         mask = jnp.broadcast_to(mask[None], (self.batch, q_size, k_size))
         if self.kv_start is not None:
             mask = mask & (k_slot[None] >= self.kv_start[:, None, None])
+        if self.kv_keep is not None:
+            keep = jnp.pad(self.kv_keep, ((0, 0), (0, k_size)))
+            keep = jax.lax.dynamic_slice_in_dim(keep, k_start, k_size, axis=1)
+            mask = mask & keep[:, None, :]
 
         def take(ids: Array, start: Array | int, size: int, length: int) -> Array:
             padded = jnp.pad(ids, ((0, 0), (0, size)))  # reads past the end see segment 0
@@ -305,6 +336,19 @@ class Decoding:
     index: Array  # int32 scalar
     start: Array  # int32 [batch]
     length: int = flax.struct.field(pytree_node=False, default=0)
+
+
+def forgetful_causal_mask(
+    mask: Mask, rng: Array, positions: Array, min_ratio: float, max_ratio: float
+) -> Mask:
+    """Forgetful Causal Masking (Liu et al. 2022, as EasyLM trains GPT-J): each row draws a
+    ratio in [min_ratio, max_ratio] and hides that fraction of its keys from every query;
+    the first token of each sequence (position 0) always stays visible."""
+    ratio_rng, keep_rng = jax.random.split(rng)
+    batch, length = positions.shape
+    ratio = jax.random.uniform(ratio_rng, (batch, 1), minval=min_ratio, maxval=max_ratio)
+    keep = (jax.random.uniform(keep_rng, (batch, length)) >= ratio) | (positions == 0)
+    return mask.replace(kv_keep=keep)
 
 
 def causal_mask(
