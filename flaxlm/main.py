@@ -108,6 +108,9 @@ def main(argv: list[str]) -> None:
         gin_utils.run()
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
+    except FloatingPointError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        _exit(1)
     except Exception:
         if not _multiprocess():
             raise
