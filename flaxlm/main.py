@@ -103,7 +103,7 @@ def main(argv: list[str]) -> None:
         finally:
             logging.set_verbosity(verbosity)
     except Exception as e:  # noqa: BLE001 - any Gin mistake is a usage error
-        _fail(f"bad Gin configuration: {e}")
+        _fail(f"bad Gin configuration: {gin_utils.with_suggestion(str(e))}")
     try:
         gin_utils.run()
     except (ValueError, FileNotFoundError) as e:

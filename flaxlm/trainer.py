@@ -16,6 +16,7 @@ import gin
 import jax
 import jax.numpy as jnp
 import optax
+import seqio
 from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -242,6 +243,24 @@ def evaluate_batches(
     return {f"eval/{k}": float(v) for k, v in summarize(total).items()}
 
 
+def next_batch(iterator: data.DataIterator, cfg: data.DatasetConfig, step: int) -> Batch:
+    """The next training batch; running out is an error that names the data."""
+    try:
+        return next(iterator)
+    except StopIteration:
+        name = cfg.mixture_or_task_name
+        source = getattr(seqio.get_mixture_or_task(name), "source", None)
+        files = None
+        if isinstance(source, seqio.FileDataSource):
+            files = list(source.list_shards(cfg.split))
+        raise ValueError(
+            f"The training data ran out at step {step}: task {name!r} (split {cfg.split!r}"
+            + (f", files {files}" if files else "")
+            + f") produced no more batches of {cfg.batch_size}. Is a data file empty, or "
+            "num_epochs too small for TRAIN_STEPS?"
+        ) from None
+
+
 @gin.configurable
 def train(
     *,
@@ -372,7 +391,7 @@ def train(
     signals = preemption.PreemptionHandler().install()
     try:
         while step < total_steps:
-            state, step_metrics = train_step(state, next(train_iter))
+            state, step_metrics = train_step(state, next_batch(train_iter, train_dataset_cfg, step))
             step += 1
             period_steps += 1
             check_finite()
