@@ -135,9 +135,10 @@ class Checkpointer:
             tree = tree["params"]
         return _shapes(tree)
 
-    def check_same_model(self, step: int, abstract_params: Any) -> None:
+    def _check_shapes(
+        self, step: int, saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]
+    ) -> None:
         """Raises CheckpointMismatchError naming the params whose shapes differ."""
-        saved, wanted = self.saved_param_shapes(step), _shapes(abstract_params)
         if saved == wanted:
             return
         problems = [
@@ -215,8 +216,7 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - report and try the previous one
                 warn(step, e)
                 continue
-            if saved != _shapes(abstract_state.params):
-                self.check_same_model(step, abstract_state.params)
+            self._check_shapes(step, saved, _shapes(abstract_state.params))
             try:
                 return step, self.restore(step, abstract_state, data_iterator, from_params)
             except Exception as e:  # noqa: BLE001 - report and try the previous one
