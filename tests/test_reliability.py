@@ -117,17 +117,20 @@ def test_kill_9_mid_save_mid_eval_and_mid_step_then_restart_gives_identical_loss
     out, _ = second.communicate(timeout=300)
     assert second.returncode == -signal.SIGKILL
     assert "Resumed from checkpoint step 2" in out
-    assert checkpoint_steps(model_dir)[-1] == 4
+    # Step 4's async save has committed unless the machine is slow enough to reach step 6's
+    # evaluation first.
+    after_second = checkpoint_steps(model_dir)[-1]
+    assert after_second in (2, 4)
 
-    # 3. Restarts from step 4, killed from outside once step 7 is logged (wherever it is).
+    # 3. Restarts, killed from outside once step 7 is logged (wherever it is then).
     third = start_main(args_for(model_dir), repo_dir)
     wait_for_step(model_dir, 7, third)
     third.kill()
     out, _ = third.communicate(timeout=60)
-    assert "Resumed from checkpoint step 4" in out
-    # Step 6's async save may or may not have committed when the kill landed.
+    assert f"Resumed from checkpoint step {after_second}" in out
+    # The latest *committed* save, whatever the kill interrupted.
     resume_from = checkpoint_steps(model_dir)[-1]
-    assert resume_from in (4, 6, 8)
+    assert resume_from in (4, 6, 8, 10)
 
     # 4. Finishes.
     last = run_main(args_for(model_dir), cwd=repo_dir)
