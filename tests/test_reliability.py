@@ -1,8 +1,8 @@
 """Preemption, kill -9 and non-finite values, through `python -m flaxlm.main` (subprocesses).
 
-Every run here has the same config (10 steps of the tiny GPT-J, a checkpoint every 2 steps,
-an evaluation every 3), so each interrupted run can be compared step by step with one
-uninterrupted reference run.
+Every run here has the same config (10 steps of the tiny GPT-J with dropout, a checkpoint
+every 2 steps, an evaluation every 3), so each interrupted run can be compared step by step
+with one uninterrupted reference run.
 """
 
 import json
@@ -28,6 +28,8 @@ CONFIG = [
     "--gin.CHECKPOINT_PERIOD=2",
     "--gin.EVAL_PERIOD=3",
     "--gin.EVAL_STEPS=1",
+    # Dropout on, so that exact resume also covers the per-step dropout RNG.
+    "--gin.GPTJConfig.dropout_rate=0.1",
 ]
 
 
