@@ -17,6 +17,8 @@ import tensorflow as tf
 from absl import logging
 from etils import epath
 
+from flaxlm.partitioning import path_name
+
 
 class DatasetCheckpointHandler(ocp.CheckpointHandler):
     """Saves each process's tf.data iterator position (as t5x's `save_dataset` does)."""
@@ -49,6 +51,19 @@ class DatasetCheckpointHandler(ocp.CheckpointHandler):
         pass
 
 
+class CheckpointMismatchError(ValueError):
+    """A checkpoint written for a model of another shape than the one being restored."""
+
+
+class NoReadableCheckpointError(ValueError):
+    """Checkpoints exist but none of them can be read."""
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {path_name(path): tuple(leaf.shape) for path, leaf in leaves}
+
+
 @ocp.args.register_with_handler(DatasetCheckpointHandler, for_save=True, for_restore=True)
 @dataclasses.dataclass
 class DatasetArgs(ocp.args.CheckpointArgs):
@@ -78,6 +93,9 @@ class Checkpointer:
             keep_period=keep_period,
             enable_async_checkpointing=async_save,
             create=True,
+            # A save killed before its commit leaves a `*.orbax-checkpoint-tmp*` directory
+            # that no restore considers; remove it on the next start.
+            cleanup_tmp_directories=True,
         )
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "dataset", "config", "params")
@@ -107,6 +125,36 @@ class Checkpointer:
     def is_params_only(self, step: int) -> bool:
         step_dir = self.directory / str(step)
         return (step_dir / "params").exists() and not (step_dir / "state").exists()
+
+    def saved_param_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+        """`{'path/to/param': shape}` as recorded in the checkpoint's metadata."""
+        item = "params" if self.is_params_only(step) else "state"
+        meta = ocp.PyTreeCheckpointHandler().metadata(self.directory / str(step) / item)
+        tree = meta.tree if hasattr(meta, "tree") else meta
+        if item == "state":
+            tree = tree["params"]
+        return _shapes(tree)
+
+    def _check_shapes(
+        self, step: int, saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]
+    ) -> None:
+        """Raises CheckpointMismatchError naming the params whose shapes differ."""
+        if saved == wanted:
+            return
+        problems = [
+            f"{name}: {saved[name]} in the checkpoint, {wanted[name]} in this model"
+            for name in sorted(saved.keys() & wanted.keys())
+            if saved[name] != wanted[name]
+        ]
+        problems += [f"{n}: only in the checkpoint" for n in sorted(saved.keys() - wanted.keys())]
+        problems += [f"{n}: only in this model" for n in sorted(wanted.keys() - saved.keys())]
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CheckpointMismatchError(
+            f"Checkpoint {self.directory}/{step} was written for a different model: "
+            + "; ".join(problems[:5])
+            + f"{more}. Use a new MODEL_DIR, or the model configuration the checkpoint was "
+            "trained with (its config.gin)."
+        )
 
     def restore(
         self,
@@ -149,19 +197,32 @@ class Checkpointer:
         data_iterator: Any | None = None,
         from_params: Callable[[Any], Any] | None = None,
     ) -> tuple[int | None, Any]:
-        """The newest readable checkpoint; falls back (loudly) past unreadable ones."""
+        """The newest readable checkpoint; falls back (loudly) past unreadable ones.
+
+        A checkpoint of a model with other param shapes is an error, not a fallback.
+        """
+
+        def warn(step: int, e: Exception) -> None:
+            logging.error("Checkpoint at step %d could not be read (%s).", step, e)
+            print(
+                f"WARNING: checkpoint {self.directory}/{step} could not be read ({e}); "
+                "falling back to the previous one.",
+                flush=True,
+            )
+
         for step in sorted(self.all_steps(), reverse=True):
+            try:
+                saved = self.saved_param_shapes(step)
+            except Exception as e:  # noqa: BLE001 - report and try the previous one
+                warn(step, e)
+                continue
+            self._check_shapes(step, saved, _shapes(abstract_state.params))
             try:
                 return step, self.restore(step, abstract_state, data_iterator, from_params)
             except Exception as e:  # noqa: BLE001 - report and try the previous one
-                logging.error("Checkpoint at step %d could not be read (%s).", step, e)
-                print(
-                    f"WARNING: checkpoint {self.directory}/{step} could not be read ({e}); "
-                    "falling back to the previous one.",
-                    flush=True,
-                )
+                warn(step, e)
         if self.all_steps():
-            raise RuntimeError(
+            raise NoReadableCheckpointError(
                 f"No checkpoint under {self.directory} could be read (steps {self.all_steps()}); "
                 "refusing to train from scratch over them. Move them away to start over."
             )

@@ -8,7 +8,9 @@ package's copy of it, so `--gin_file=gin/gptj_pretrain.gin` works from the repos
 from __future__ import annotations
 
 import difflib
+import inspect
 import os
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,6 +75,32 @@ def parse_gin(
         gin.add_config_file_search_path(p)
     files = [_find_file(f, paths) for f in gin_files]
     gin.parse_config_files_and_bindings(files, list(gin_bindings), finalize_config=finalize)
+
+
+def _registered_configurables() -> dict[str, Any]:
+    # Gin has no public listing of its registry; read it to suggest names, nothing more.
+    return dict(gin.config._REGISTRY._selector_map)  # noqa: SLF001
+
+
+def with_suggestion(message: str) -> str:
+    """Gin's error message plus "Did you mean ...?" for a misspelled configurable/parameter."""
+    first, newline, rest = message.partition("\n")
+    registry = _registered_configurables()
+    close: list[str] = []
+    unknown = re.search(r"No configurable matching (?:reference )?'@?([\w.]+)", first)
+    no_param = re.search(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", first)
+    if unknown:
+        wanted = unknown.group(1).split(".")[-1]
+        names = sorted({selector.split(".")[-1] for selector in registry})
+        close = difflib.get_close_matches(wanted, names, n=3, cutoff=0.6)
+    elif no_param:
+        selector, wanted = no_param.groups()
+        matches = [c for s, c in registry.items() if s == selector or s.endswith("." + selector)]
+        if len(matches) == 1:
+            params = list(inspect.signature(matches[0].wrapped).parameters)
+            close = difflib.get_close_matches(wanted, params, n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return first + hint + newline + rest
 
 
 @gin.configurable

@@ -103,11 +103,14 @@ def main(argv: list[str]) -> None:
         finally:
             logging.set_verbosity(verbosity)
     except Exception as e:  # noqa: BLE001 - any Gin mistake is a usage error
-        _fail(f"bad Gin configuration: {e}")
+        _fail(f"bad Gin configuration: {gin_utils.with_suggestion(str(e))}")
     try:
         gin_utils.run()
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
+    except FloatingPointError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        _exit(1)
     except Exception:
         if not _multiprocess():
             raise

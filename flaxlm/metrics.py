@@ -66,8 +66,11 @@ class JsonlWriter:
         if not self._pending:
             return
         existing = self.path.read_text() if self.path.exists() else ""
-        # epath has no append mode on every backend: rewrite (the file stays small).
-        self.path.write_text(existing + "".join(line + "\n" for line in self._pending))
+        # epath has no append mode on every backend: rewrite (the file stays small), through
+        # a temporary file and a rename so that a kill mid-write never truncates the log.
+        tmp = self.path.parent / (self.path.name + ".tmp")
+        tmp.write_text(existing + "".join(line + "\n" for line in self._pending))
+        tmp.replace(self.path)
         self._pending = []
 
 

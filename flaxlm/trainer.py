@@ -16,13 +16,13 @@ from typing import Any
 import gin
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
+import seqio
 from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flaxlm import checkpoints, data, metrics, optimizers
+from flaxlm import checkpoints, data, metrics, optimizers, preemption
 from flaxlm.models.base import BaseModel, batch_shapes_from
 from flaxlm.partitioning import Partitioner
 from flaxlm.train_state import TrainState
@@ -106,17 +106,34 @@ def make_train_step(
     *,
     num_microbatches: int = 1,
     seed: int = 0,
+    skip_nonfinite_updates: bool = False,
+    inject_nonfinite_loss_at_step: int | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-    """The (unjitted) train step: accumulate gradients, apply the optimizer, report metrics."""
+    """The (unjitted) train step: accumulate gradients, apply the optimizer, report metrics.
+
+    `metrics["nonfinite"]` is 1 when the loss or the gradient norm is NaN/Inf. With
+    `skip_nonfinite_updates` such an update leaves params and optimizer state unchanged (the
+    step still advances). `inject_nonfinite_loss_at_step=k` (testing only) scales the loss and
+    gradients of step k (1-based, as logged) by inf.
+    """
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         rng = jax.random.fold_in(jax.random.PRNGKey(seed), state.step)
         grads, sums = accumulate_gradients(
             model, partitioner, state.params, batch, rng, num_microbatches
         )
+        if inject_nonfinite_loss_at_step is not None:
+            scale = jnp.where(state.step + 1 == inject_nonfinite_loss_at_step, jnp.inf, 1.0)
+            grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+            sums = {**sums, "loss_sum": sums["loss_sum"] * scale}
         new_state = state.apply_gradients(grads)
         out = summarize(sums)
         out["grad_norm"] = optax.global_norm(grads)
+        finite = jnp.isfinite(out["loss"]) & jnp.isfinite(out["grad_norm"])
+        out["nonfinite"] = 1 - finite.astype(jnp.int32)
+        if skip_nonfinite_updates:
+            kept = state.replace(step=new_state.step)
+            new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
         out["param_norm"] = optax.global_norm(state.params)
         lr = learning_rate(state.step) if callable(learning_rate) else learning_rate
         out["learning_rate"] = jnp.asarray(lr, jnp.float32)
@@ -265,6 +282,24 @@ def evaluate_split(
     return eval_scalars(total)
 
 
+def next_batch(iterator: data.DataIterator, cfg: data.DatasetConfig, step: int) -> Batch:
+    """The next training batch; running out is an error that names the data."""
+    try:
+        return next(iterator)
+    except StopIteration:
+        name = cfg.mixture_or_task_name
+        source = getattr(seqio.get_mixture_or_task(name), "source", None)
+        files = None
+        if isinstance(source, seqio.FileDataSource):
+            files = list(source.list_shards(cfg.split))
+        raise ValueError(
+            f"The training data ran out at step {step}: task {name!r} (split {cfg.split!r}"
+            + (f", files {files}" if files else "")
+            + f") produced no more batches of {cfg.batch_size}. Is a data file empty, or "
+            "num_epochs too small for TRAIN_STEPS?"
+        ) from None
+
+
 @gin.configurable
 def train(
     *,
@@ -286,6 +321,8 @@ def train(
     seed: int = 0,
     init_from_hf: str | None = None,
     eval_task_metrics: bool = True,
+    skip_nonfinite_updates: bool = False,
+    inject_nonfinite_loss_at_step: int | None = None,
 ) -> TrainState:
     """Trains `model` on `train_dataset_cfg` for `total_steps`, resuming from `model_dir`.
 
@@ -299,6 +336,13 @@ def train(
         `model_dir` has no checkpoint yet; `model` must have the checkpoint's shape.
       eval_task_metrics: at each evaluation also run the eval task's own metric functions
         (seqio evaluation over generated text and scores), if it has any.
+      skip_nonfinite_updates: on a NaN/Inf loss or gradient, skip that update and count it
+        (`nonfinite_updates_skipped`) instead of stopping with the step and last good
+        checkpoint named.
+      inject_nonfinite_loss_at_step: testing only: make step k's loss and gradients Inf.
+
+    SIGTERM or SIGINT saves a checkpoint at the current step and returns (see
+    `preemption.py`).
     """
     start_time = time.perf_counter()
     path = check_model_dir(model_dir)
@@ -340,7 +384,13 @@ def train(
 
     train_step = setup.partition_train_step(
         make_train_step(
-            model, partitioner, learning_rate, num_microbatches=num_microbatches, seed=seed
+            model,
+            partitioner,
+            learning_rate,
+            num_microbatches=num_microbatches,
+            seed=seed,
+            skip_nonfinite_updates=skip_nonfinite_updates,
+            inject_nonfinite_loss_at_step=inject_nonfinite_loss_at_step,
         )
     )
     eval_step = setup.partition_eval_step(make_eval_step(model)) if eval_iter else None
@@ -372,19 +422,47 @@ def train(
 
     step = start_step
     last_saved = start_step
+    preempted = False
+    # The non-finite check of step N runs after step N+1 is dispatched (so the host never
+    # idles the device), and before anything that logs, evaluates or saves step N.
+    unchecked: tuple[int, dict[str, jax.Array]] | None = None
+    skipped = jnp.zeros((), jnp.int32)
+
+    def check_finite() -> None:
+        nonlocal unchecked
+        if unchecked is None or skip_nonfinite_updates:
+            unchecked = None
+            return
+        bad_step, bad = unchecked
+        unchecked = None
+        if int(bad["nonfinite"]):
+            ckpt.wait()
+            last = ckpt.latest_step()
+            where = f"step {last} in {ckpt.directory}" if last is not None else "none yet"
+            raise FloatingPointError(
+                f"Non-finite values at step {bad_step} (loss {float(bad['loss'])}, gradient "
+                f"norm {float(bad['grad_norm'])}); stopping. Last good checkpoint: {where}. "
+                "Lower the learning rate or resume with "
+                "--gin.train.skip_nonfinite_updates=True to skip such updates."
+            )
+
     period_start, period_steps, period_wait = time.perf_counter(), 0, train_iter.wait_seconds
+    signals = preemption.PreemptionHandler().install()
     try:
         while step < total_steps:
-            state, step_metrics = train_step(state, next(train_iter))
+            state, step_metrics = train_step(state, next_batch(train_iter, train_dataset_cfg, step))
             step += 1
             period_steps += 1
+            check_finite()
+            unchecked = (step, step_metrics)
+            if skip_nonfinite_updates:
+                skipped = skipped + step_metrics["nonfinite"]
+            stop = signals.should_stop()
             if step % log_period == 0 or step == total_steps:
+                check_finite()
                 scalars = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-                if not np.isfinite(scalars["loss"]):
-                    raise FloatingPointError(
-                        f"Loss is {scalars['loss']} at step {step}; stopping. The last good "
-                        f"checkpoint is step {ckpt.latest_step()} in {ckpt.directory}."
-                    )
+                if skip_nonfinite_updates:
+                    scalars["nonfinite_updates_skipped"] = float(skipped)
                 elapsed = time.perf_counter() - period_start
                 scalars.update(progress.rates(tokens_per_step * period_steps, elapsed))
                 scalars["input_wait_fraction"] = (train_iter.wait_seconds - period_wait) / max(
@@ -397,6 +475,7 @@ def train(
                 period_start, period_steps = time.perf_counter(), 0
                 period_wait = train_iter.wait_seconds
             if eval_step and (step % eval_period == 0 or step == total_steps):
+                check_finite()
                 scalars = evaluate_batches(eval_step, state.params, eval_iter, eval_steps)
                 if task_evaluator is not None:
                     scalars.update(task_evaluator.evaluate(state.params, step))
@@ -414,14 +493,27 @@ def train(
                         f"eval perplexity {scalars['eval/perplexity']:.4g}{task}",
                         flush=True,
                     )
-            if step % checkpoint_period == 0 or step == total_steps:
+            if step % checkpoint_period == 0 or step == total_steps or stop:
+                check_finite()
                 ckpt.save(step, state, train_iter.tf_iterator, config_str)
                 last_saved = step
+            if stop:
+                preempted = True
+                break
+        check_finite()
     finally:
-        ckpt.close()
+        ckpt.close()  # waits for an async save in flight (a second signal exits at once)
         writer.close()
+        signals.uninstall()
     if jax.process_index() == 0:
-        if start_step >= total_steps:
+        if preempted:
+            cause = signals.received.name if signals.received else "a signal to another process"
+            print(
+                f"Preempted by {cause} at step {step}: saved checkpoint "
+                f"{ckpt.directory / str(step)}. Run the same command again to resume from it.",
+                flush=True,
+            )
+        elif start_step >= total_steps:
             print(f"Already trained to step {start_step} (TRAIN_STEPS={total_steps}).")
         print(
             f"Done in {metrics.format_duration(time.perf_counter() - start_time)}. "

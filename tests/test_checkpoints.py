@@ -2,25 +2,37 @@
 
 import jax
 import numpy as np
+import pytest
 import seqio
 
 import tasks  # noqa: F401
-from flaxlm import checkpoints, data
+from flaxlm import checkpoints, data, trainer
 from flaxlm.partitioning import Partitioner
 from flaxlm.trainer import Setup
-from tests.helpers import adamw, feature_lengths, tiny_gptj
+from tests.helpers import adamw, feature_lengths, random_batch, tiny_gptj
 
 
 def _setup(mesh_shape):
     return Setup(tiny_gptj(), Partitioner(mesh_shape=mesh_shape), adamw(), feature_lengths())
 
 
-def test_restore_on_other_mesh_gives_same_params(tmp_path):
+def _next_loss(setup, state):
+    """The loss of one more train step (with dropout-free tiny GPT-J: a pure function)."""
+    step = setup.partition_train_step(
+        trainer.make_train_step(setup.model, setup.partitioner, 1e-2, seed=0)
+    )
+    copy = jax.tree.map(lambda x: x.copy(), state)  # the step donates its input
+    return float(step(copy, random_batch())[1]["loss"])
+
+
+def test_restore_on_other_mesh_gives_same_params_and_next_loss(tmp_path):
     saved = _setup((1, 8, 1))
     state = saved.init_state()
+    saved_loss = _next_loss(saved, state)
     ckpt = checkpoints.Checkpointer(str(tmp_path))
     ckpt.save(3, state, None, "config")
     ckpt.close()
+    host_state = jax.device_get(state)
 
     for mesh in [(2, 2, 2), (8, 1, 1)]:
         target = _setup(mesh)
@@ -29,13 +41,26 @@ def test_restore_on_other_mesh_gives_same_params(tmp_path):
         )
         assert step == 3
         for a, b, s in zip(
-            jax.tree.leaves(state),
+            jax.tree.leaves(host_state),
             jax.tree.leaves(restored),
             jax.tree.leaves(target.state_shardings),
             strict=True,
         ):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            np.testing.assert_array_equal(a, np.asarray(b))
             assert b.sharding.is_equivalent_to(s, b.ndim)
+        # Bit-identical to the same step on this mesh from the never-saved state; another
+        # mesh sums in another order, so against the saving mesh it is equal to float32.
+        placed = jax.tree.unflatten(
+            jax.tree.structure(restored),
+            [
+                jax.device_put(x, s)
+                for x, s in zip(
+                    jax.tree.leaves(host_state), jax.tree.leaves(target.state_shardings)
+                )
+            ],
+        )
+        assert _next_loss(target, restored) == _next_loss(target, placed)
+        assert abs(_next_loss(target, restored) - saved_loss) < 1e-5
 
 
 def test_data_iterator_position_is_restored(tmp_path):
@@ -81,3 +106,55 @@ def test_unreadable_latest_checkpoint_falls_back_to_the_previous(tmp_path, capsy
     step, restored = checkpoints.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state)
     assert step == 1 and restored is not None
     assert "checkpoints/2 could not be read" in capsys.readouterr().out
+
+
+def test_unreadable_checkpoints_only_is_an_error_not_a_fresh_start(tmp_path):
+    setup = _setup((1, 8, 1))
+    ckpt = checkpoints.Checkpointer(str(tmp_path))
+    ckpt.save(1, setup.init_state(), None, "config")
+    ckpt.close()
+    for f in (tmp_path / "checkpoints" / "1" / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    with pytest.raises(checkpoints.NoReadableCheckpointError, match="refusing to train"):
+        checkpoints.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state)
+
+
+def test_checkpoint_of_another_model_names_the_mismatched_params(tmp_path):
+    ckpt = checkpoints.Checkpointer(str(tmp_path))
+    ckpt.save(2, _setup((1, 8, 1)).init_state(), None, "config")
+    ckpt.close()
+    wider = Setup(tiny_gptj(hidden_size=64), Partitioner((1, 8, 1)), adamw(), feature_lengths())
+    with pytest.raises(checkpoints.CheckpointMismatchError) as e:
+        checkpoints.Checkpointer(str(tmp_path)).restore_latest(wider.abstract_state)
+    assert "different model" in str(e.value)
+    assert "h_0/fc_in/kernel: (32, 128) in the checkpoint, (64, 256) in this model" in str(e.value)
+
+
+def test_keep_the_newest_k_plus_every_mth_permanently(tmp_path):
+    state = _setup((1, 8, 1)).init_state()
+    ckpt = checkpoints.Checkpointer(str(tmp_path), keep=2, keep_period=4)
+    for step in range(1, 11):
+        ckpt.save(step, state, None, "config")
+    ckpt.close()
+    assert checkpoints.Checkpointer(str(tmp_path)).all_steps() == [4, 8, 9, 10]
+
+
+def test_a_save_killed_before_its_commit_is_never_restored(tmp_path):
+    setup = _setup((1, 8, 1))
+    ckpt = checkpoints.Checkpointer(str(tmp_path))
+    ckpt.save(1, setup.init_state(), None, "config")
+    ckpt.close()
+    # What a kill -9 mid-save leaves: step 2 in orbax's temporary directory, never renamed.
+    partial = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp-1234"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "half_written").write_bytes(b"\0" * 10)
+    reopened = checkpoints.Checkpointer(str(tmp_path))
+    assert reopened.all_steps() == [1]
+    step, state = reopened.restore_latest(setup.abstract_state)
+    assert step == 1
+    # The resumed run saves step 2 again; the leftover is cleaned up, not mistaken for it.
+    reopened.save(2, state, None, "config")
+    reopened.close()
+    assert not partial.exists()
+    assert checkpoints.Checkpointer(str(tmp_path)).all_steps() == [1, 2]

@@ -157,3 +157,101 @@ def test_a_failure_on_one_process_stops_all_of_them(tmp_path, repo_dir):
     # Killed by the harness would be -9; the peer must notice and exit on its own.
     assert code1 not in (0, -9), (code1, err1[-3000:])
     assert elapsed < 250, elapsed
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_by_two_processes_restores_in_one_on_other_meshes(tmp_path):
+    import jax
+    import numpy as np
+
+    from flaxlm import checkpoints, trainer
+    from flaxlm.partitioning import Partitioner
+    from tests.helpers import adamw, feature_lengths, random_batch, tiny_gptj
+
+    model_dir = str(tmp_path / "run")
+    results = launch(
+        lambda addr, i: [
+            os.path.join(HERE, "multiprocess_checkpoint_worker.py"),
+            addr,
+            "2",
+            str(i),
+            model_dir,
+        ],
+        num_processes=2,
+        devices_per_process=4,
+        cwd=os.path.dirname(HERE),
+    )
+    for code, _, stderr in results:
+        assert code == 0, stderr[-3000:]
+    line = next(x for x in results[0][1].splitlines() if x.startswith("RESULT "))
+    saved_loss = json.loads(line[len("RESULT ") :])["next_loss"]
+    saved = np.load(os.path.join(model_dir, "params.npz"))
+
+    for mesh in [(2, 2, 2), (8, 1, 1)]:
+        setup = trainer.Setup(tiny_gptj(), Partitioner(mesh), adamw(), feature_lengths())
+        step, state = checkpoints.Checkpointer(model_dir).restore_latest(setup.abstract_state)
+        assert step == 1
+        for path, leaf in jax.tree.leaves_with_path(state.params):
+            np.testing.assert_array_equal(np.asarray(leaf), saved[jax.tree_util.keystr(path)])
+        train_step = setup.partition_train_step(
+            trainer.make_train_step(setup.model, setup.partitioner, 1e-2, seed=0)
+        )
+        _, metrics = train_step(state, random_batch(seed=1))
+        # Other devices and mesh: the same math in another summation order.
+        assert abs(float(metrics["loss"]) - saved_loss) < 1e-5
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_all_at_the_same_step_with_a_checkpoint(tmp_path, repo_dir):
+    import signal
+
+    from tests.test_reliability import wait_for_step
+
+    model_dir = str(tmp_path / "run")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([repo_dir, env.get("PYTHONPATH", "")])
+    address = f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flaxlm.main",
+                "--gin_file=gin/gptj_pretrain.gin",
+                f"--gin.MODEL_DIR='{model_dir}'",
+                "--gin.TRAIN_STEPS=200",
+                "--gin.LOG_PERIOD=1",
+                "--gin.EVAL_PERIOD=0",
+                "--gin.CHECKPOINT_PERIOD=100",
+                "--gin.BATCH_SIZE=8",
+                "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+                "--gin.Partitioner.mesh_shape=(2, -1, 1)",
+                f"--coordinator_address={address}",
+                "--process_count=2",
+                f"--process_index={i}",
+            ],
+            cwd=repo_dir,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        wait_for_step(model_dir, 3, procs[0])
+        procs[1].send_signal(signal.SIGTERM)
+        outputs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    stopped = max(r["step"] for r in read_metrics(model_dir) if "loss" in r)
+    assert 3 <= stopped < 200
+    assert f"Preempted by a signal to another process at step {stopped}" in outputs[0][0]
+    files = os.listdir(os.path.join(model_dir, "checkpoints", str(stopped), "dataset"))
+    assert any(f.startswith("process_0-of-2") for f in files)
+    assert any(f.startswith("process_1-of-2") for f in files)

@@ -1,0 +1,47 @@
+"""A `--tasks_module` for test_reliability: registers the usual tasks, then `kill -9`s this
+process at the point that FLAXLM_TEST_KILL names: 'save:4' while step 4's checkpoint is being
+written (before orbax commits it), 'eval:6' in the middle of the evaluation at step 6."""
+
+import os
+import signal
+
+import tasks  # noqa: F401
+from flaxlm import checkpoints, metrics, trainer
+
+WHERE, _, STEP = os.environ.get("FLAXLM_TEST_KILL", "").partition(":")
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if WHERE == "save":
+    _save = checkpoints.DatasetCheckpointHandler.save
+
+    def _save_then_die(self, directory, args):
+        _save(self, directory, args)
+        # `directory` is `<step>.orbax-checkpoint-tmp-<n>/dataset` until the commit renames it.
+        if directory.parent.name.split(".")[0] == STEP:
+            assert "tmp" in directory.parent.name, directory
+            _die()
+
+    checkpoints.DatasetCheckpointHandler.save = _save_then_die
+
+elif WHERE == "eval":
+    _last_logged = [None]
+    _write = metrics.JsonlWriter.write_scalars
+    _evaluate = trainer.evaluate_batches
+
+    def _write_and_remember(self, step, scalars):
+        _last_logged[0] = step
+        _write(self, step, scalars)
+
+    def _evaluate_then_die(eval_step, params, iterator, steps):
+        if str(_last_logged[0]) == STEP:
+            iterator.reset()
+            eval_step(params, next(iterator))  # one batch in, then die
+            _die()
+        return _evaluate(eval_step, params, iterator, steps)
+
+    metrics.JsonlWriter.write_scalars = _write_and_remember
+    trainer.evaluate_batches = _evaluate_then_die

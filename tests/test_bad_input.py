@@ -1,0 +1,177 @@
+"""Each bad input of a run fails with a message naming the thing to fix (subprocesses).
+
+Every row runs `python -m flaxlm.main` and checks: exit code 2, the culprit named in stderr,
+no Python traceback, and no checkpoint written (or, for a MODEL_DIR that has one, none
+changed). A malformed JSONL line belongs to the data tests (tasks/ and data.py).
+"""
+
+import hashlib
+import os
+
+import pytest
+
+from tests.test_main import run_main
+
+PRETRAIN = [
+    "--gin_file=gin/gptj_pretrain.gin",
+    "--gin.TRAIN_STEPS=1",
+    "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+    "--gin.BATCH_SIZE=8",
+    "--gin.EVAL_PERIOD=0",
+]
+FINETUNE = [
+    "--gin_file=models/gptj_tiny.gin",
+    "--gin_file=partitioning/fsdp.gin",
+    "--gin_file=runs/finetune.gin",
+    "--gin.MIXTURE_OR_TASK_NAME='stdlib_py'",
+    "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+    "--gin.BATCH_SIZE=8",
+    "--gin.TRAIN_STEPS=1",
+    "--gin.EVAL_PERIOD=0",
+]
+TEXT_FILES = [
+    "--gin.MIXTURE_OR_TASK_NAME=@register_text_files_task()",
+    "--gin.register_text_files_task.name='my_text'",
+]
+
+# id: (arguments, what stderr must contain). `{name}` is filled in from `paths` below.
+ROWS = {
+    "gin_file_that_does_not_exist": (
+        ["--gin_file=gin/gptj_pretrian.gin"],
+        ["gptj_pretrian.gin", "not found", "Did you mean ['gin/gptj_pretrain.gin'"],
+    ),
+    "misspelled_configurable": (
+        [*PRETRAIN, "--gin.GPTJConfg.hidden_size=8"],
+        ["No configurable matching 'GPTJConfg'", "Did you mean 'GPTJConfig'"],
+    ),
+    "misspelled_parameter": (
+        [*PRETRAIN, "--gin.GPTJConfig.hiden_size=8"],
+        ["parameter named 'hiden_size'", "Did you mean 'hidden_size'"],
+    ),
+    "mesh_that_does_not_divide_the_devices": (
+        [*PRETRAIN, "--gin.Partitioner.mesh_shape=(3,-1,1)"],
+        ["(3, -1, 1)", "8"],
+    ),
+    "batch_not_divisible_by_data_degree_times_microbatches": (
+        [*PRETRAIN, "--gin.NUM_MICROBATCHES=3"],
+        ["BATCH_SIZE=8", "data-parallel degree 8", "num_microbatches=3", "(= 24)"],
+    ),
+    "unregistered_task": (
+        [*PRETRAIN, "--gin.MIXTURE_OR_TASK_NAME='stdlib_pyy'"],
+        ["'stdlib_pyy'", "Did you mean ['stdlib_py'"],
+    ),
+    "missing_data_file": (
+        [
+            *PRETRAIN,
+            *TEXT_FILES,
+            "--gin.register_text_files_task.split_files={'train': '{missing}'}",
+        ],
+        ["'my_text'", "no files match", "{missing}"],
+    ),
+    "empty_data_file": (
+        [*PRETRAIN, *TEXT_FILES, "--gin.register_text_files_task.split_files={'train': '{empty}'}"],
+        ["'my_text'", "{empty}", "ran out at step 0"],
+    ),
+    "sequence_longer_than_the_model_positions": (
+        [*PRETRAIN, "--gin.TASK_FEATURE_LENGTHS={'targets': 4096}"],
+        ["targets=4096", "max_position_embeddings=2048"],
+    ),
+    "hf_directory_missing_files": (
+        [*FINETUNE, "--gin.INIT_FROM_HF='{empty_hf}'"],
+        ["{empty_hf}", "No *.safetensors"],
+    ),
+    "hf_directory_with_mismatched_tensors": (
+        [*FINETUNE, "--gin.INIT_FROM_HF='{small_hf}'"],
+        ["{small_hf}", "'transformer.wte.weight' has shape (384, 128)", "(384, 256)"],
+    ),
+    "model_dir_that_cannot_be_written": (
+        [*PRETRAIN, "--gin.MODEL_DIR='{under_a_file}'"],
+        ["MODEL_DIR '{under_a_file}' cannot be written"],
+    ),
+    "checkpoint_of_a_different_model": (
+        [*PRETRAIN, "--gin.MODEL_DIR='{trained}'", "--gin.GPTJConfig.hidden_size=128"],
+        [
+            "{trained}/checkpoints/1 was written for a different model",
+            "(256,) in the checkpoint, (128,) in this model",
+        ],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory, repo_dir):
+    root = tmp_path_factory.mktemp("bad_input")
+    (root / "empty.txt").write_text("")
+    (root / "a_file").write_text("not a directory")
+    (root / "empty_hf").mkdir()
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    small = transformers.GPTJConfig(
+        vocab_size=384, n_positions=2048, n_embd=128, n_layer=4, n_head=4, rotary_dim=16
+    )
+    transformers.GPTJForCausalLM(small).save_pretrained(str(root / "small_hf"))
+    return {
+        "root": str(root),
+        "missing": str(root / "no_such_file.txt"),
+        "empty": str(root / "empty.txt"),
+        "under_a_file": str(root / "a_file" / "run"),
+        "empty_hf": str(root / "empty_hf"),
+        "small_hf": str(root / "small_hf"),
+    }
+
+
+@pytest.fixture(scope="module")
+def trained(paths, repo_dir):
+    """A MODEL_DIR holding a 1-step checkpoint of the default tiny GPT-J."""
+    model_dir = os.path.join(paths["root"], "trained")
+    result = run_main([*PRETRAIN, f"--gin.MODEL_DIR='{model_dir}'"], cwd=repo_dir, devices=8)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return model_dir
+
+
+def tree_digest(directory):
+    digest = hashlib.sha256()
+    for root, dirs, files in sorted(os.walk(directory)):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            digest.update(os.path.relpath(path, directory).encode())
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", list(ROWS))
+def test_bad_input_fails_naming_the_culprit_without_writing_a_checkpoint(
+    row, tmp_path, repo_dir, paths, request
+):
+    fill = dict(paths)
+    if "{trained}" in " ".join(ROWS[row][0]):
+        fill["trained"] = request.getfixturevalue("trained")
+    args = [_fill(a, fill) for a in ROWS[row][0]]
+    expected = [_fill(e, fill) for e in ROWS[row][1]]
+    model_dir = fill.get("trained") or str(tmp_path / "run")
+    if not any(a.startswith("--gin.MODEL_DIR=") for a in args):
+        args.append(f"--gin.MODEL_DIR='{model_dir}'")
+    before = tree_digest(model_dir) if os.path.isdir(model_dir) else None
+
+    result = run_main(args, cwd=repo_dir, devices=8)
+
+    assert result.returncode == 2, result.stderr[-3000:]
+    for text in expected:
+        assert text in result.stderr, (text, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    if before is not None:
+        assert tree_digest(model_dir) == before
+    else:
+        checkpoints = os.path.join(model_dir, "checkpoints")
+        assert not os.path.isdir(checkpoints) or os.listdir(checkpoints) == []
+
+
+def _fill(text, values):
+    for key, value in values.items():
+        text = text.replace(f"{{{key}}}", value)
+    return text
