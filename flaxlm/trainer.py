@@ -8,6 +8,7 @@ and checkpointing between them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -248,7 +249,7 @@ def eval_scalars(total: Mapping[str, jax.Array]) -> dict[str, float]:
     """`eval/loss`, `eval/accuracy`, `eval/perplexity` (of the cross-entropy, z-loss
     excluded), ... from summed eval metrics."""
     out = {f"eval/{k}": float(v) for k, v in summarize(total).items()}
-    out["eval/perplexity"] = float(np.exp(min(out["eval/loss"] - out["eval/z_loss"], 700.0)))
+    out["eval/perplexity"] = float(math.exp(min(out["eval/loss"] - out["eval/z_loss"], 700.0)))
     return out
 
 
