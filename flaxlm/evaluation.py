@@ -236,13 +236,6 @@ def _write_config(output_dir: epath.Path) -> None:
         (output_dir / "config.gin").write_text(gin.operative_config_str())
 
 
-def _prompt_length(examples: Sequence[Example], input_length: int | None) -> tuple[int, int]:
-    """(padded prompt length, how many prompts are longer and get cut)."""
-    longest = max(len(e.input_ids) for e in examples)
-    length = input_length or longest
-    return length, sum(len(e.input_ids) > length for e in examples)
-
-
 def _cut(ids: list[int], length: int, keep_end: bool) -> list[int]:
     return ids[-length:] if keep_end else ids[:length]
 
@@ -272,29 +265,31 @@ class GenerationSettings:
     seed: int = 0
 
 
-def generate_texts(
+def generate_ids(
     model: BaseModel,
     params: Params,
-    examples: Sequence[Example],
-    vocabulary: seqio.Vocabulary,
+    prompts: Sequence[list[int]],
     partitioner: Partitioner,
     settings: GenerationSettings,
     *,
     batch_size: int,
     input_length: int | None = None,
     progress: Callable[[str], None] | None = None,
-) -> list[str]:
-    """The decoded continuation of each example, in order (every process gets all)."""
-    length, cut = _prompt_length(examples, input_length)
+) -> list[list[int]]:
+    """The new token ids after each prompt (up to EOS), in order (every process gets all).
+    Prompts are padded to `input_length` (the longest if None; longer ones are cut)."""
+    longest = max(len(p) for p in prompts)
+    length = input_length or longest
+    cut = sum(len(p) > length for p in prompts)
     if cut and progress:
-        progress(f"{cut} prompt(s) longer than {length} tokens are cut to their last {length}.")
+        progress(f"{cut} prompt(s) longer than {length} tokens are cut to {length}.")
     is_encdec = isinstance(model, EncoderDecoderModel)
-    outputs: list[str] = []
-    total_batches = math.ceil(len(examples) / batch_size)
+    outputs: list[list[int]] = []
+    total_batches = math.ceil(len(prompts) / batch_size)
     start_time = time.perf_counter()
     generated = 0
-    for number, (start, chunk) in enumerate(_batches(examples, batch_size), 1):
-        rows = [_cut(e.input_ids, length, keep_end=not is_encdec) for e in chunk]
+    for number, (start, chunk) in enumerate(_batches(prompts, batch_size), 1):
+        rows = [_cut(p, length, keep_end=not is_encdec) for p in chunk]
         inputs = _pad_rows(rows, length, batch_size)
         lengths = np.asarray([len(r) for r in rows] + [len(rows[0])] * (batch_size - len(rows)))
         tokens = model.generate(
@@ -312,16 +307,42 @@ def generate_texts(
         for row in range(len(chunk)):
             ids = _until_eos(tokens[row], model.eos_ids)
             generated += len(ids) + (len(ids) < settings.max_new_tokens)
-            outputs.append(vocabulary.decode(ids))
+            outputs.append(ids)
         if progress:
             elapsed = time.perf_counter() - start_time
             rate = generated / max(elapsed, 1e-9)
             eta = elapsed / number * (total_batches - number)
             progress(
-                f"batch {number}/{total_batches} | {len(outputs)}/{len(examples)} examples | "
+                f"batch {number}/{total_batches} | {len(outputs)}/{len(prompts)} examples | "
                 f"decode {rate:,.0f} tokens/s | ETA {metrics.format_duration(eta)}"
             )
     return outputs
+
+
+def generate_texts(
+    model: BaseModel,
+    params: Params,
+    examples: Sequence[Example],
+    vocabulary: seqio.Vocabulary,
+    partitioner: Partitioner,
+    settings: GenerationSettings,
+    *,
+    batch_size: int,
+    input_length: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[str]:
+    """The decoded continuation of each example, in order (every process gets all)."""
+    ids = generate_ids(
+        model,
+        params,
+        [e.input_ids for e in examples],
+        partitioner,
+        settings,
+        batch_size=batch_size,
+        input_length=input_length,
+        progress=progress,
+    )
+    return [vocabulary.decode(i) for i in ids]
 
 
 def _print(message: str) -> None:
@@ -607,31 +628,16 @@ class TaskEvaluator:
 
     def predict_fn(self, ds: tf.data.Dataset, model_feature_shapes: Any = None) -> list:
         indexed = self._examples(ds)
-        examples = [Example("", self._prompt(ex)) for _, ex in indexed]
-        vocab_outputs: list[list[int]] = []
-        length, _ = _prompt_length(examples, None)
-        is_encdec = isinstance(self.model, EncoderDecoderModel)
-        for _, chunk in _batches(examples, self.batch_size):
-            rows = [_cut(e.input_ids, length, keep_end=not is_encdec) for e in chunk]
-            inputs = _pad_rows(rows, length, self.batch_size)
-            lengths = np.asarray(
-                [len(r) for r in rows] + [len(rows[0])] * (self.batch_size - len(rows))
-            )
-            s = self.settings
-            tokens = self.model.generate(
-                self.params,
-                {"inputs": inputs, "inputs_lengths": lengths},
-                s.max_new_tokens,
-                s.temperature,
-                s.top_k,
-                s.top_p,
-                s.num_beams,
-                jax.random.PRNGKey(s.seed),
-                length_penalty=s.length_penalty,
-                partitioner=self.partitioner,
-            )
-            vocab_outputs += [_until_eos(tokens[r], self.model.eos_ids) for r in range(len(chunk))]
-        return [(i, out) for (i, _), out in zip(indexed, vocab_outputs)]
+        prompts = [self._prompt(ex) for _, ex in indexed]
+        outputs = generate_ids(
+            self.model,
+            self.params,
+            prompts,
+            self.partitioner,
+            self.settings,
+            batch_size=self.batch_size,
+        )
+        return [(i, out) for (i, _), out in zip(indexed, outputs)]
 
     def score_fn(self, ds: tf.data.Dataset, model_feature_shapes: Any = None) -> list:
         indexed = self._examples(ds)

@@ -76,7 +76,7 @@ class BaseModel(abc.ABC):
 
     def __init__(
         self,
-        config: ModuleConfig,
+        config: ModuleConfig = gin.REQUIRED,
         *,
         z_loss: float = 0.0,
         eos_id: int | Sequence[int] | None = 1,
@@ -319,15 +319,6 @@ class DecoderOnlyModel(BaseModel):
 
     FEATURE_CONVERTER_CLS = seqio.DecoderFeatureConverter
 
-    def __init__(
-        self,
-        config: ModuleConfig = gin.REQUIRED,
-        *,
-        z_loss: float = 0.0,
-        eos_id: int | Sequence[int] | None = 1,
-    ):
-        super().__init__(config, z_loss=z_loss, eos_id=eos_id)
-
     def _dummy_batch(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Array]:
         shape = tuple(batch_shapes["decoder_input_tokens"])
         return {"decoder_input_tokens": jnp.zeros(shape, jnp.int32)}
@@ -447,15 +438,6 @@ class EncoderDecoderModel(BaseModel):
 
     FEATURE_CONVERTER_CLS = seqio.EncDecFeatureConverter
     TASK_FEATURES = ("inputs", "targets")
-
-    def __init__(
-        self,
-        config: ModuleConfig = gin.REQUIRED,
-        *,
-        z_loss: float = 0.0,
-        eos_id: int | Sequence[int] | None = 1,
-    ):
-        super().__init__(config, z_loss=z_loss, eos_id=eos_id)
 
     def _dummy_batch(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Array]:
         return {
@@ -603,15 +585,6 @@ class EncoderOnlyModel(BaseModel):
 
     FEATURE_CONVERTER_CLS = MaskedLMFeatureConverter
     TASK_FEATURES = ("inputs", "targets")
-
-    def __init__(
-        self,
-        config: ModuleConfig = gin.REQUIRED,
-        *,
-        z_loss: float = 0.0,
-        eos_id: int | Sequence[int] | None = 1,
-    ):
-        super().__init__(config, z_loss=z_loss, eos_id=eos_id)
 
     def _dummy_batch(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Array]:
         shape = tuple(batch_shapes["encoder_input_tokens"])

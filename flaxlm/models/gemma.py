@@ -48,7 +48,7 @@ class GemmaConfig:
     attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
     def __post_init__(self):
-        layers.check_attention(self.attention, self.attention_chunk_size)
+        layers.check_options(self)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads {self.num_heads} must be a multiple of num_kv_heads "
@@ -56,15 +56,6 @@ class GemmaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings.")
-        if self.activation not in layers.ACTIVATIONS:
-            raise ValueError(
-                f"activation {self.activation!r}: expected one of {sorted(layers.ACTIVATIONS)}."
-            )
-        if self.remat_policy not in layers.REMAT_POLICIES:
-            raise ValueError(
-                f"remat_policy {self.remat_policy!r}: expected one of "
-                f"{sorted(layers.REMAT_POLICIES)}."
-            )
 
     def num_params(self) -> int:
         """Parameter count (for FLOP estimates)."""

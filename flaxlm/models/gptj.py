@@ -47,7 +47,7 @@ class GPTJConfig:
     attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
     def __post_init__(self):
-        layers.check_attention(self.attention, self.attention_chunk_size)
+        layers.check_options(self)
         if not 0.0 <= self.fcm_min_ratio <= self.fcm_max_ratio < 1.0:
             raise ValueError(
                 f"FCM ratios must satisfy 0 <= fcm_min_ratio ({self.fcm_min_ratio}) <= "
@@ -60,15 +60,6 @@ class GPTJConfig:
         if self.rotary_dim > self.head_dim or self.rotary_dim % 2:
             raise ValueError(
                 f"rotary_dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}."
-            )
-        if self.activation not in layers.ACTIVATIONS:
-            raise ValueError(
-                f"activation {self.activation!r}: expected one of {sorted(layers.ACTIVATIONS)}."
-            )
-        if self.remat_policy not in layers.REMAT_POLICIES:
-            raise ValueError(
-                f"remat_policy {self.remat_policy!r}: expected one of "
-                f"{sorted(layers.REMAT_POLICIES)}."
             )
 
     @property

@@ -419,14 +419,22 @@ class KVCache(nn.Module):
 ATTENTION_IMPLEMENTATIONS = ("xla", "jax", "chunked")
 
 
-def check_attention(implementation: str, chunk_size: int) -> None:
-    """Config check for the attention choice (fails before any device work)."""
-    if implementation not in ATTENTION_IMPLEMENTATIONS:
+def check_options(config: Any) -> None:
+    """The checks every family config shares (called from its `__post_init__`, so a bad
+    value fails before any device work): attention, activation and remat choices."""
+    attention = getattr(config, "attention", "xla")
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention {attention!r}: expected one of {ATTENTION_IMPLEMENTATIONS}.")
+    if getattr(config, "attention_chunk_size", 1) < 1:
         raise ValueError(
-            f"attention {implementation!r}: expected one of {ATTENTION_IMPLEMENTATIONS}."
+            f"attention_chunk_size must be positive, got {config.attention_chunk_size}."
         )
-    if chunk_size < 1:
-        raise ValueError(f"attention_chunk_size must be positive, got {chunk_size}.")
+    activation = getattr(config, "activation", None)
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r}: expected one of {sorted(ACTIVATIONS)}.")
+    remat = getattr(config, "remat_policy", "none")
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy {remat!r}: expected one of {sorted(REMAT_POLICIES)}.")
 
 
 def dot_product_attention(

@@ -62,7 +62,7 @@ class LlamaConfig:
     attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
     def __post_init__(self):
-        layers.check_attention(self.attention, self.attention_chunk_size)
+        layers.check_options(self)
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads} "
@@ -101,15 +101,6 @@ class LlamaConfig:
             raise ValueError(
                 "HF Mistral has no attention_bias or mlp_bias: set both False or "
                 "model_type='llama'."
-            )
-        if self.activation not in layers.ACTIVATIONS:
-            raise ValueError(
-                f"activation {self.activation!r}: expected one of {sorted(layers.ACTIVATIONS)}."
-            )
-        if self.remat_policy not in layers.REMAT_POLICIES:
-            raise ValueError(
-                f"remat_policy {self.remat_policy!r}: expected one of "
-                f"{sorted(layers.REMAT_POLICIES)}."
             )
 
     @property

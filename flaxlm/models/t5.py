@@ -53,7 +53,6 @@ class T5Config:
     attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
     def __post_init__(self):
-        layers.check_attention(self.attention, self.attention_chunk_size)
         for name in ("d_model", "d_kv", "d_ff", "num_layers", "num_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
@@ -83,11 +82,7 @@ class T5Config:
                 f"relative_attention_max_distance {self.relative_attention_max_distance} must "
                 f"exceed relative_attention_num_buckets // 2 = {buckets // 2}."
             )
-        if self.remat_policy not in layers.REMAT_POLICIES:
-            raise ValueError(
-                f"remat_policy {self.remat_policy!r}: expected one of "
-                f"{sorted(layers.REMAT_POLICIES)}."
-            )
+        layers.check_options(self)
 
     @property
     def decoder_layers(self) -> int:
