@@ -12,7 +12,6 @@ import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from flaxlm.models import layers
 from flaxlm.models.base import DecoderOnlyModel, HFSpec, HFTensor, linear, register_hf
@@ -92,68 +91,38 @@ class GemmaBlock(nn.Module):
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         norm = dict(epsilon=cfg.rms_norm_eps, scale_plus_one=True, **dense)
-        # One shared key/value head (MQA) is replicated, never split.
-        kv_axis = "kv_heads" if cfg.num_kv_heads > 1 else None
         x = layers.constrain(x, layers.ACTIVATION_AXES)
         h = layers.RMSNorm(name="input_layernorm", **norm)(x)
 
-        # Attention: q [batch, length, heads, head_dim], k/v [batch, length, kv_heads, head_dim]
-        q = layers.DenseGeneral(
-            (cfg.num_heads, cfg.head_dim),
-            ("embed", "heads", "head_dim"),
-            use_bias=cfg.attention_bias,
-            name="q_proj",
-            **dense,
-        )(h)
-        k, v = (
-            layers.DenseGeneral(
-                (cfg.num_kv_heads, cfg.head_dim),
-                ("embed", kv_axis, "head_dim"),
-                use_bias=cfg.attention_bias,
-                name=n,
-                **dense,
-            )(h)
-            for n in ("k_proj", "v_proj")
-        )
-        q = layers.constrain(layers.apply_rotary(q, sin, cos, interleaved=False), layers.HEAD_AXES)
-        k = layers.apply_rotary(k, sin, cos, interleaved=False)
-        k = layers.constrain(k, ("batch", "length", kv_axis, "head_dim"))
-        k, v = layers.KVCache(("batch", "length", kv_axis, "head_dim"), name="cache")(
-            k, v, decoding
-        )
-        attn = layers.dot_product_attention(
-            q,
-            k,
-            v,
+        attn = layers.rotary_self_attention(
+            h,
+            sin,
+            cos,
             mask,
-            dtype=cfg.dtype,
-            implementation=cfg.attention,
-            chunk_size=cfg.attention_chunk_size,
-        )
-        attn = layers.DenseGeneral(
-            cfg.hidden_size,
-            ("heads", "head_dim", "embed"),
-            axis=(-2, -1),
+            decoding,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            hidden_size=cfg.hidden_size,
             use_bias=cfg.attention_bias,
-            name="o_proj",
+            attention=cfg.attention,
+            chunk_size=cfg.attention_chunk_size,
             **dense,
-        )(attn)
-        attn = checkpoint_name(attn, "attn_out")
+        )
         if cfg.dropout_rate:
             attn = nn.Dropout(cfg.dropout_rate)(attn, deterministic=self.deterministic)
         x = layers.constrain(x + attn, layers.ACTIVATION_AXES)
 
         # GeGLU MLP: down(gelu(gate(h)) * up(h))
         h = layers.RMSNorm(name="post_attention_layernorm", **norm)(x)
-        gate, up = (
-            layers.DenseGeneral(cfg.intermediate_size, ("embed", "mlp"), name=n, **dense)(h)
-            for n in ("gate_proj", "up_proj")
+        m = layers.gated_mlp(
+            h,
+            intermediate_size=cfg.intermediate_size,
+            hidden_size=cfg.hidden_size,
+            activation=cfg.activation,
+            use_bias=False,
+            **dense,
         )
-        m = layers.constrain(
-            layers.ACTIVATIONS[cfg.activation](gate) * up, ("batch", "length", "mlp")
-        )
-        m = layers.DenseGeneral(cfg.hidden_size, ("mlp", "embed"), name="down_proj", **dense)(m)
-        m = checkpoint_name(m, "mlp_out")
         if cfg.dropout_rate:
             m = nn.Dropout(cfg.dropout_rate)(m, deterministic=self.deterministic)
         return layers.constrain(x + m, layers.ACTIVATION_AXES)

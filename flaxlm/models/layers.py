@@ -15,6 +15,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 Array = jax.Array
 Dtype = Any
@@ -593,6 +594,77 @@ REMAT_POLICIES: dict[str, Any] = {
     # Keep only the two sublayer outputs (tagged with checkpoint_name in each block).
     "minimal": jax.checkpoint_policies.save_only_these_names("attn_out", "mlp_out"),
 }
+
+
+def kv_heads_axis(num_kv_heads: int) -> str | None:
+    """Logical name of the key/value heads axis; one shared head (MQA) is never split."""
+    return "kv_heads" if num_kv_heads > 1 else None
+
+
+def rotary_self_attention(
+    h: Array,
+    sin: Array,
+    cos: Array,
+    mask: Mask | Array,
+    decoding: Decoding | None,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    hidden_size: int,
+    use_bias: bool,
+    attention: str,
+    chunk_size: int,
+    dtype: Dtype,
+    param_dtype: Dtype,
+) -> Array:
+    """Llama-style attention, built inside the calling block's scope (`q_proj`, `k_proj`,
+    `v_proj`, `o_proj`, `cache`): rotary (half-split) queries and keys, grouped-query heads.
+
+    h: [batch, length, embed] -> [batch, length, embed], tagged `attn_out` for remat.
+    """
+    dense = dict(dtype=dtype, param_dtype=param_dtype, use_bias=use_bias)
+    kv_axis = kv_heads_axis(num_kv_heads)
+    q = DenseGeneral((num_heads, head_dim), ("embed", "heads", "head_dim"), name="q_proj", **dense)(
+        h
+    )
+    k, v = (
+        DenseGeneral((num_kv_heads, head_dim), ("embed", kv_axis, "head_dim"), name=n, **dense)(h)
+        for n in ("k_proj", "v_proj")
+    )
+    kv_axes = ("batch", "length", kv_axis, "head_dim")
+    q = constrain(apply_rotary(q, sin, cos, interleaved=False), HEAD_AXES)
+    k = constrain(apply_rotary(k, sin, cos, interleaved=False), kv_axes)
+    k, v = KVCache(kv_axes, name="cache")(k, v, decoding)
+    attn = dot_product_attention(
+        q, k, v, mask, dtype=dtype, implementation=attention, chunk_size=chunk_size
+    )
+    attn = DenseGeneral(
+        hidden_size, ("heads", "head_dim", "embed"), axis=(-2, -1), name="o_proj", **dense
+    )(attn)
+    return checkpoint_name(attn, "attn_out")
+
+
+def gated_mlp(
+    h: Array,
+    *,
+    intermediate_size: int,
+    hidden_size: int,
+    activation: str,
+    use_bias: bool,
+    dtype: Dtype,
+    param_dtype: Dtype,
+) -> Array:
+    """`down_proj(act(gate_proj(h)) * up_proj(h))` in the calling block's scope (SwiGLU,
+    GeGLU); tagged `mlp_out` for remat."""
+    dense = dict(dtype=dtype, param_dtype=param_dtype, use_bias=use_bias)
+    gate, up = (
+        DenseGeneral(intermediate_size, ("embed", "mlp"), name=n, **dense)(h)
+        for n in ("gate_proj", "up_proj")
+    )
+    m = constrain(ACTIVATIONS[activation](gate) * up, ("batch", "length", "mlp"))
+    m = DenseGeneral(hidden_size, ("mlp", "embed"), name="down_proj", **dense)(m)
+    return checkpoint_name(m, "mlp_out")
 
 
 def remat_block(block_cls: type[nn.Module], policy: str, static_argnums: tuple[int, ...] = ()):

@@ -15,7 +15,6 @@ import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
 from flaxlm.models import layers
 from flaxlm.models.base import DecoderOnlyModel, HFSpec, HFTensor, linear, register_hf
@@ -160,11 +159,6 @@ def rope_sin_cos(positions: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
     return jnp.sin(angles), jnp.cos(angles)
 
 
-def kv_heads_axis(num_kv_heads: int) -> str | None:
-    """Logical name of the key/value heads axis; one shared head (MQA) is never split."""
-    return "kv_heads" if num_kv_heads > 1 else None
-
-
 class LlamaBlock(nn.Module):
     config: LlamaConfig
     deterministic: bool = True
@@ -180,71 +174,38 @@ class LlamaBlock(nn.Module):
     ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-        kv_axis = kv_heads_axis(cfg.kv_heads)
         x = layers.constrain(x, layers.ACTIVATION_AXES)
         h = layers.RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **dense)(x)
 
-        # Attention: q [batch, length, heads, head_dim], k/v [batch, length, kv_heads, head_dim]
-        q = layers.DenseGeneral(
-            (cfg.num_heads, cfg.dim_per_head),
-            ("embed", "heads", "head_dim"),
-            use_bias=cfg.attention_bias,
-            name="q_proj",
-            **dense,
-        )(h)
-        k, v = (
-            layers.DenseGeneral(
-                (cfg.kv_heads, cfg.dim_per_head),
-                ("embed", kv_axis, "head_dim"),
-                use_bias=cfg.attention_bias,
-                name=n,
-                **dense,
-            )(h)
-            for n in ("k_proj", "v_proj")
-        )
-        q = layers.constrain(layers.apply_rotary(q, sin, cos, interleaved=False), layers.HEAD_AXES)
-        k = layers.apply_rotary(k, sin, cos, interleaved=False)
-        k = layers.constrain(k, ("batch", "length", kv_axis, "head_dim"))
-        k, v = layers.KVCache(("batch", "length", kv_axis, "head_dim"), name="cache")(
-            k, v, decoding
-        )
-        attn = layers.dot_product_attention(
-            q,
-            k,
-            v,
+        attn = layers.rotary_self_attention(
+            h,
+            sin,
+            cos,
             mask,
-            dtype=cfg.dtype,
-            implementation=cfg.attention,
-            chunk_size=cfg.attention_chunk_size,
-        )
-        attn = layers.DenseGeneral(
-            cfg.hidden_size,
-            ("heads", "head_dim", "embed"),
-            axis=(-2, -1),
+            decoding,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.kv_heads,
+            head_dim=cfg.dim_per_head,
+            hidden_size=cfg.hidden_size,
             use_bias=cfg.attention_bias,
-            name="o_proj",
+            attention=cfg.attention,
+            chunk_size=cfg.attention_chunk_size,
             **dense,
-        )(attn)
-        attn = checkpoint_name(attn, "attn_out")
+        )
         if cfg.dropout_rate:
             attn = nn.Dropout(cfg.dropout_rate)(attn, deterministic=self.deterministic)
         x = layers.constrain(x + attn, layers.ACTIVATION_AXES)
 
         # SwiGLU MLP: down(act(gate(h)) * up(h))
         h = layers.RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **dense)(x)
-        gate, up = (
-            layers.DenseGeneral(
-                cfg.intermediate_size, ("embed", "mlp"), use_bias=cfg.mlp_bias, name=n, **dense
-            )(h)
-            for n in ("gate_proj", "up_proj")
+        m = layers.gated_mlp(
+            h,
+            intermediate_size=cfg.intermediate_size,
+            hidden_size=cfg.hidden_size,
+            activation=cfg.activation,
+            use_bias=cfg.mlp_bias,
+            **dense,
         )
-        m = layers.constrain(
-            layers.ACTIVATIONS[cfg.activation](gate) * up, ("batch", "length", "mlp")
-        )
-        m = layers.DenseGeneral(
-            cfg.hidden_size, ("mlp", "embed"), use_bias=cfg.mlp_bias, name="down_proj", **dense
-        )(m)
-        m = checkpoint_name(m, "mlp_out")
         if cfg.dropout_rate:
             m = nn.Dropout(cfg.dropout_rate)(m, deterministic=self.deterministic)
         return layers.constrain(x + m, layers.ACTIVATION_AXES)
