@@ -161,7 +161,9 @@ class FlaxLM(TemplateLM):
             try:
                 size = int(batch_size)
             except ValueError:
-                raise ValueError(f"batch_size must be an integer or 'auto', got {batch_size!r}.")
+                raise ValueError(
+                    f"batch_size must be an integer or 'auto', got {batch_size!r}."
+                ) from None
         if size < 1:
             raise ValueError(f"batch_size must be at least 1, got {size}.")
         return _round_up(size, self.partitioner.data_parallel_degree())
