@@ -104,10 +104,17 @@ def results(lm, task_dir):
 
 
 def _score(lm, inputs, targets):
-    """Summed target log-likelihoods straight from `model.score` (flaxlm's score path)."""
-    return evaluation.score_examples(
-        lm.model, lm.params, inputs, targets, lm.partitioner, batch_size=8
-    )
+    """Summed target log-likelihoods straight from `model.score` (flaxlm's score path),
+    every batch padded to [8, MAX_LENGTH] so that one program serves all of them."""
+    scorer = evaluation.Scorer(lm.model, lm.partitioner)
+    out = []
+    for start in range(0, len(inputs), 8):
+        rows = list(zip(inputs, targets))[start : start + 8]
+        rows += [rows[0]] * (8 - len(rows))
+        batch = evaluation.score_batch_features(lm.model, *zip(*rows))
+        batch = harness._pad_length(batch, MAX_LENGTH, MAX_LENGTH)
+        out += scorer(lm.params, batch)[: min(8, len(inputs) - start)].tolist()
+    return out, scorer
 
 
 def test_multiple_choice_accuracy_equals_direct_model_scores(lm, results):
@@ -118,7 +125,7 @@ def test_multiple_choice_accuracy_equals_direct_model_scores(lm, results):
             target = list(VOCAB.encode(" " + choice))
             inputs.append(context[-(MAX_LENGTH + 1 - len(target)) :])
             targets.append(target)
-    scores = iter(_score(lm, inputs, targets))
+    scores = iter(_score(lm, inputs, targets)[0])
     expected = [[next(scores) for _ in doc["choices"]] for doc in MC_DOCS]
     accuracy = np.mean([np.argmax(s) == d["label"] for s, d in zip(expected, MC_DOCS)])
     assert results["results"]["flaxlm_test_mc"]["acc,none"] == pytest.approx(accuracy)
@@ -127,20 +134,6 @@ def test_multiple_choice_accuracy_equals_direct_model_scores(lm, results):
     for ours, theirs in zip(got, expected):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-4)
     assert len(VOCAB.encode(MC_DOCS[-1]["question"])) > MAX_LENGTH  # the cut case ran
-
-
-def _eval_path_log_likelihood(lm, ids):
-    """seqio's decoder features (inputs = targets shifted right after 0), as the eval
-    steps feed them, scored by `model.score`."""
-    n = len(ids)
-    batch = {
-        "decoder_input_tokens": np.asarray([[0] + ids[:-1]], np.int32),
-        "decoder_target_tokens": np.asarray([ids], np.int32),
-        "decoder_loss_weights": np.ones((1, n), np.int32),
-        "decoder_segment_ids": np.ones((1, n), np.int32),
-        "decoder_positions": np.arange(n, dtype=np.int32)[None],
-    }
-    return float(lm.model.score(lm.params, batch)[0])
 
 
 def test_loglikelihood_rolling_equals_flaxlm_scores_and_eval_path(lm, results):
@@ -156,19 +149,30 @@ def test_loglikelihood_rolling_equals_flaxlm_scores_and_eval_path(lm, results):
         ([0], full[:64]),
         (full[63:64], full[64:]),
     ]
-    s = _score(lm, [p[0] for p in pairs], [p[1] for p in pairs])
+    s, scorer = _score(lm, [p[0] for p in pairs], [p[1] for p in pairs])
     expected = [s[0], s[1] + s[2], s[3] + s[4]]
-    requests = [
-        lm_eval.api.instance.Instance("loglikelihood_rolling", {}, (d["text"],), i)
-        for i, d in enumerate(ROLLING_DOCS)
-    ]
-    np.testing.assert_allclose(lm.loglikelihood_rolling(requests), expected, rtol=1e-5)
-    # One window is the whole document as seqio's eval features score it.
-    assert expected[0] == pytest.approx(_eval_path_log_likelihood(lm, short), rel=1e-5)
+    samples = sorted(results["samples"]["flaxlm_test_roll"], key=lambda s: s["doc_id"])
+    np.testing.assert_allclose([x["resps"][0][0] for x in samples], expected, rtol=1e-5)
     total_bytes = sum(len(d["text"].encode()) for d in ROLLING_DOCS)
     perplexity = math.exp(-sum(expected) / total_bytes)
     got = results["results"]["flaxlm_test_roll"]["byte_perplexity,none"]
     assert got == pytest.approx(perplexity, rel=1e-5)
+    # A one-window document scores as seqio's decoder features (targets shifted right
+    # after 0) do in the eval steps.
+    n = len(short)
+    row = np.zeros((8, MAX_LENGTH), np.int32)
+    eval_batch = {
+        "decoder_input_tokens": row.copy(),
+        "decoder_target_tokens": row.copy(),
+        "decoder_loss_weights": row.copy(),
+        "decoder_segment_ids": row.copy(),
+        "decoder_positions": np.broadcast_to(np.arange(MAX_LENGTH, dtype=np.int32), row.shape),
+    }
+    eval_batch["decoder_input_tokens"][:, :n] = [0] + short[:-1]
+    eval_batch["decoder_target_tokens"][:, :n] = short
+    eval_batch["decoder_loss_weights"][:, :n] = 1
+    eval_batch["decoder_segment_ids"][:, :n] = 1
+    assert expected[0] == pytest.approx(float(scorer(lm.params, eval_batch)[0]), rel=1e-5)
 
 
 def test_generate_until_equals_model_generate_cut_at_stops(lm, results):
@@ -243,3 +247,4 @@ def test_cli_runs_lm_eval_with_the_flaxlm_model(tmp_path, trained_gptj, task_dir
     accuracy = written["results"]["flaxlm_test_mc"]["acc,none"]
     assert accuracy == pytest.approx(results["results"]["flaxlm_test_mc"]["acc,none"])
     assert written["config"]["mesh_shape"]["tensor"] == 2
+
