@@ -247,4 +247,3 @@ def test_cli_runs_lm_eval_with_the_flaxlm_model(tmp_path, trained_gptj, task_dir
     accuracy = written["results"]["flaxlm_test_mc"]["acc,none"]
     assert accuracy == pytest.approx(results["results"]["flaxlm_test_mc"]["acc,none"])
     assert written["config"]["mesh_shape"]["tensor"] == 2
-
