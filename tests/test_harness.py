@@ -194,6 +194,14 @@ def test_generate_until_equals_model_generate_cut_at_stops(lm, results):
     assert [s["resps"][0][0] for s in samples] == expected
     assert any(e != t for e, t in zip(expected, texts))  # a stop string did cut
     assert len(VOCAB.encode(GEN_DOCS[-1]["prompt"])) > room  # the cut prompt ran
+    # loglikelihood's is_greedy: true for the greedy continuation, false once it changes.
+    greedy = [int(t) for t in evaluation._until_eos(tokens[0], lm.model.eos_ids)]
+    assert greedy
+    changed = greedy[:-1] + [(greedy[-1] + 1) % 256 + 3]
+    [(_, is_greedy), (_, is_changed_greedy)] = lm.score_tokens(
+        [(prompts[0], greedy), (prompts[0], changed)]
+    )
+    assert is_greedy and not is_changed_greedy
 
 
 def test_cut_at_stops_takes_the_earliest():
