@@ -471,18 +471,24 @@ def score_batch_features(
 
 
 class Scorer:
-    """`model.score` jitted under a partitioner; numpy in, numpy out on every process."""
+    """`model.score` (or `fn(params, batch)`, any pytree of `[batch, ...]` arrays) jitted
+    under a partitioner; numpy in, numpy out on every process."""
 
-    def __init__(self, model: BaseModel, partitioner: Partitioner):
+    def __init__(
+        self,
+        model: BaseModel,
+        partitioner: Partitioner,
+        fn: Callable[[Params, Mapping[str, Any]], Any] | None = None,
+    ):
         self._partitioner = partitioner
         self._fn = jax.jit(
-            model.score,
+            fn or model.score,
             out_shardings=jax.sharding.NamedSharding(
                 partitioner.mesh, jax.sharding.PartitionSpec()
             ),
         )
 
-    def __call__(self, params: Params, batch: Mapping[str, np.ndarray]) -> np.ndarray:
+    def __call__(self, params: Params, batch: Mapping[str, np.ndarray]) -> Any:
         from jax.experimental import multihost_utils
 
         from flaxlm.decoding import _global_array
@@ -490,7 +496,7 @@ class Scorer:
         global_batch = {k: _global_array(v, self._partitioner) for k, v in batch.items()}
         with self._partitioner.context():
             out = self._fn(params, global_batch)
-        return np.asarray(multihost_utils.process_allgather(out, tiled=True))
+        return jax.tree.map(np.asarray, multihost_utils.process_allgather(out, tiled=True))
 
 
 def score_examples(
