@@ -24,7 +24,7 @@ import seqio
 import tensorflow as tf
 from etils import epath
 
-from flaxlm import checkpoints, data, hf, metrics
+from flaxlm import checkpoints, data, hf, lora, metrics
 from flaxlm.models.base import BaseModel, DecoderOnlyModel, EncoderDecoderModel
 from flaxlm.partitioning import Partitioner
 
@@ -58,6 +58,9 @@ def load_model_and_params(
         return model, params, 0
     if model is None:
         model = hf.model_from_hf_config(path / "hf_config.json", partitioner)
+    if lora.read_record(path) is not None:  # a LoRA run: its adapters merged into the base
+        params, step = lora.restore_merged(path, model, partitioner, step)
+        return model, params, step
     batch_shapes = model.example_batch_shapes()
     abstract = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0), batch_shapes))
     shardings = partitioner.sharding(model.params_axes(batch_shapes))

@@ -464,7 +464,8 @@ def export_checkpoint(
     step: int | None = None,
     dtype: str | None = None,
 ) -> None:
-    """Run function: the params of a flaxlm checkpoint -> an HF directory.
+    """Run function: the params of a flaxlm checkpoint -> an HF directory (a LoRA run's
+    adapters merged into its base params).
 
     The model is the bound one, else the one recorded in `model_dir/hf_config.json`.
     `step` defaults to the latest checkpoint.
@@ -474,6 +475,13 @@ def export_checkpoint(
     partitioner = partitioner or Partitioner()
     if model is None:
         model = model_from_hf_config(epath.Path(model_dir) / "hf_config.json", partitioner)
+    from flaxlm import lora
+
+    if lora.read_record(model_dir) is not None:  # a LoRA run: export base + adapters merged
+        params, step = lora.restore_merged(model_dir, model, partitioner, step)
+        save_pretrained(model, params, out_dir, dtype=dtype)
+        print(f"Exported step {step} of LoRA run {model_dir} (merged) to {out_dir}.")
+        return
     batch_shapes = model.example_batch_shapes()
     abstract = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0), batch_shapes))
     shardings = partitioner.sharding(model.params_axes(batch_shapes))

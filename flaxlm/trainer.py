@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flaxlm import checkpoints, data, metrics, optimizers, preemption
+from flaxlm import lora as lora_lib
 from flaxlm.models.base import BaseModel, batch_shapes_from
 from flaxlm.partitioning import Partitioner
 from flaxlm.train_state import TrainState
@@ -109,19 +110,26 @@ def make_train_step(
     seed: int = 0,
     skip_nonfinite_updates: bool = False,
     inject_nonfinite_loss_at_step: int | None = None,
-) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    lora: lora_lib.LoraConfig | None = None,
+) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
     """The (unjitted) train step: accumulate gradients, apply the optimizer, report metrics.
 
     `metrics["nonfinite"]` is 1 when the loss or the gradient norm is NaN/Inf. With
     `skip_nonfinite_updates` such an update leaves params and optimizer state unchanged (the
     step still advances). `inject_nonfinite_loss_at_step=k` (testing only) scales the loss and
     gradients of step k (1-based, as logged) by inf.
+
+    With `lora`, `state.params` are the adapters and the step takes the frozen base params as
+    a third argument: `train_step(state, batch, base_params)`.
     """
 
-    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    def train_step(
+        state: TrainState, batch: Batch, base_params: Any = None
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
         rng = jax.random.fold_in(jax.random.PRNGKey(seed), state.step)
+        loss_model = model if lora is None else lora_lib.LoraModel(model, lora, base_params)
         grads, sums = accumulate_gradients(
-            model, partitioner, state.params, batch, rng, num_microbatches
+            loss_model, partitioner, state.params, batch, rng, num_microbatches
         )
         if inject_nonfinite_loss_at_step is not None:
             scale = jnp.where(state.step + 1 == inject_nonfinite_loss_at_step, jnp.inf, 1.0)
@@ -143,8 +151,14 @@ def make_train_step(
     return train_step
 
 
-def make_eval_step(model: BaseModel) -> Callable[[Any, Batch], dict[str, jax.Array]]:
-    def eval_step(params: Any, batch: Batch) -> dict[str, jax.Array]:
+def make_eval_step(
+    model: BaseModel, lora: lora_lib.LoraConfig | None = None
+) -> Callable[..., dict[str, jax.Array]]:
+    """`eval_step(params, batch)`; with `lora`, `eval_step(adapters, batch, base_params)`."""
+
+    def eval_step(params: Any, batch: Batch, base_params: Any = None) -> dict[str, jax.Array]:
+        if lora is not None:
+            params = lora_lib.merge(base_params, params, lora)
         _, sums = model.loss_fn(params, batch, None, 1.0)
         return sums
 
@@ -174,7 +188,12 @@ def check_model_dir(model_dir: str) -> epath.Path:
 
 
 class Setup:
-    """Everything a run builds before its first step (shared by train and benchmarks)."""
+    """Everything a run builds before its first step (shared by train and benchmarks).
+
+    With `lora`, the state's params are the adapters (`lora_kernels` says which); the base
+    params stay outside the state, on `base_shardings`, and are an extra argument of the
+    partitioned train and eval steps.
+    """
 
     def __init__(
         self,
@@ -184,15 +203,32 @@ class Setup:
         feature_lengths: Mapping[str, int],
         *,
         seed: int = 0,
+        lora: lora_lib.LoraConfig | None = None,
     ):
         self.model = model
         self.partitioner = partitioner
+        self.lora = lora
         init_shapes = batch_shapes_from(feature_lengths, 1)
         self.params_axes = model.params_axes(init_shapes)
+        self.base_shardings = None
+        if lora is not None:
+            self.lora_kernels = lora_lib.plan(lora, model, init_shapes)
+            self.base_shardings = partitioner.sharding(self.params_axes)
+            self.init_base = partitioner.partition(
+                lambda: model.init_params(jax.random.PRNGKey(seed), init_shapes),
+                (),
+                self.base_shardings,
+            )
+            self.params_axes = lora_lib.adapter_axes(self.lora_kernels)
+
+        def init_params() -> Any:
+            if lora is not None:
+                rng = jax.random.fold_in(jax.random.PRNGKey(seed), 1)
+                return lora_lib.init_adapters(rng, self.lora_kernels)
+            return model.init_params(jax.random.PRNGKey(seed), init_shapes)
 
         def init_state() -> TrainState:
-            params = model.init_params(jax.random.PRNGKey(seed), init_shapes)
-            return TrainState.create(params, optimizer)
+            return TrainState.create(init_params(), optimizer)
 
         abstract = jax.eval_shape(init_state)
         axes = abstract.logical_axes(self.params_axes)
@@ -216,16 +252,36 @@ class Setup:
         self.batch_axes = {name: P("batch", None) for name in feature_lengths}
 
     def partition_train_step(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
+        if self.lora is None:
+            return self.partitioner.partition(
+                step_fn,
+                (self.state_shardings, self.batch_axes),
+                (self.state_shardings, None),
+                donate_argnums=(0,),
+            )
         return self.partitioner.partition(
             step_fn,
-            (self.state_shardings, self.batch_axes),
+            (self.state_shardings, self.batch_axes, self.base_shardings),
             (self.state_shardings, None),
             donate_argnums=(0,),
         )
 
     def partition_eval_step(self, eval_fn: Callable[..., Any]) -> Callable[..., Any]:
+        if self.lora is None:
+            return self.partitioner.partition(
+                eval_fn, (self.state_shardings.params, self.batch_axes), None
+            )
         return self.partitioner.partition(
-            eval_fn, (self.state_shardings.params, self.batch_axes), None
+            eval_fn, (self.state_shardings.params, self.batch_axes, self.base_shardings), None
+        )
+
+    def partition_merge(self) -> Callable[[Any, Any], Any]:
+        """`merge(base_params, adapters)` -> the model's params, on the base shardings."""
+        lora = self.lora
+        return self.partitioner.partition(
+            lambda base, adapters: lora_lib.merge(base, adapters, lora),
+            (self.base_shardings, self.state_shardings.params),
+            self.base_shardings,
         )
 
 
@@ -301,6 +357,37 @@ def next_batch(iterator: data.DataIterator, cfg: data.DatasetConfig, step: int) 
         ) from None
 
 
+def load_lora_base(
+    setup: Setup, model_dir: str, init_from_hf: str | None, base_checkpoint: str | None
+) -> Any:
+    """The frozen base params of a LoRA run (see `train`), and `model_dir/lora.json`."""
+    model, partitioner = setup.model, setup.partitioner
+    if init_from_hf:
+        from flaxlm import hf
+
+        source: dict[str, Any] = {"hf": os.path.abspath(init_from_hf)}
+        params = hf.load_params(model, init_from_hf, shardings=setup.base_shardings)
+        hf.record_hf_config(model, model_dir)
+    elif base_checkpoint:
+        step = checkpoints.Checkpointer(base_checkpoint).latest_step()
+        source = {"checkpoint": os.path.abspath(base_checkpoint), "step": step}
+        params = lora_lib.restore_base(source, model, partitioner)
+    else:
+        base_dir = os.path.join(os.path.abspath(model_dir), "base")
+        source = {"checkpoint": base_dir, "step": 0}
+        base_ckpt = checkpoints.Checkpointer(base_dir)
+        if base_ckpt.latest_step() is None:
+            params = setup.init_base()
+            base_ckpt.save_params(0, params)
+            base_ckpt.close()
+        else:
+            base_ckpt.close()
+            params = lora_lib.restore_base(source, model, partitioner)
+    lora_lib.write_record(model_dir, setup.lora, source)
+    print(f"LoRA on {len(setup.lora_kernels)} kernels; frozen base params from {source}.")
+    return params
+
+
 @gin.configurable
 def train(
     *,
@@ -324,6 +411,8 @@ def train(
     eval_task_metrics: bool = True,
     skip_nonfinite_updates: bool = False,
     inject_nonfinite_loss_at_step: int | None = None,
+    lora: lora_lib.LoraConfig | None = None,
+    lora_base_checkpoint: str | None = None,
 ) -> TrainState:
     """Trains `model` on `train_dataset_cfg` for `total_steps`, resuming from `model_dir`.
 
@@ -341,6 +430,12 @@ def train(
         (`nonfinite_updates_skipped`) instead of stopping with the step and last good
         checkpoint named.
       inject_nonfinite_loss_at_step: testing only: make step k's loss and gradients Inf.
+      lora: train low-rank adapters (`@lora.LoraConfig()`) instead of the params. The base
+        params are frozen: from `init_from_hf`, else the latest checkpoint of
+        `lora_base_checkpoint` (a flaxlm MODEL_DIR), else a random init saved once to
+        `model_dir/base`. Only the adapters have optimizer state and are checkpointed;
+        `model_dir/lora.json` records the config and the base, so infer, eval and
+        export_hf merge them.
 
     SIGTERM or SIGINT saves a checkpoint at the current step and returns (see
     `preemption.py`).
@@ -365,12 +460,15 @@ def train(
         )
 
     tx = optimizer_factory(learning_rate=learning_rate)
-    setup = Setup(model, partitioner, tx, feature_lengths, seed=seed)
+    setup = Setup(model, partitioner, tx, feature_lengths, seed=seed, lora=lora)
     ckpt = checkpoints.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
     start_step, state = ckpt.restore_latest(
         setup.abstract_state, train_iter.tf_iterator, setup.state_from_params
     )
-    if state is None and init_from_hf:
+    base_params = None
+    if lora is not None:
+        base_params = load_lora_base(setup, model_dir, init_from_hf, lora_base_checkpoint)
+    if state is None and init_from_hf and lora is None:
         from flaxlm import hf
 
         params = hf.load_params(model, init_from_hf, shardings=setup.state_shardings.params)
@@ -392,9 +490,25 @@ def train(
             seed=seed,
             skip_nonfinite_updates=skip_nonfinite_updates,
             inject_nonfinite_loss_at_step=inject_nonfinite_loss_at_step,
+            lora=lora,
         )
     )
-    eval_step = setup.partition_eval_step(make_eval_step(model)) if eval_iter else None
+    eval_step = setup.partition_eval_step(make_eval_step(model, lora)) if eval_iter else None
+    eval_params = lambda params: params  # noqa: E731 - the model's params from the state's
+    if lora is not None:
+        lora_train_step, lora_eval_step, merge = train_step, eval_step, setup.partition_merge()
+
+        def train_step(state: TrainState, batch: Batch) -> Any:
+            return lora_train_step(state, batch, base_params)
+
+        if lora_eval_step is not None:
+
+            def eval_step(adapters: Any, batch: Batch) -> Any:
+                return lora_eval_step(adapters, batch, base_params)
+
+        def eval_params(adapters: Any) -> Any:
+            return merge(base_params, adapters)
+
     task_evaluator = None
     if eval_iter is not None and eval_task_metrics:
         from flaxlm import evaluation
@@ -479,7 +593,7 @@ def train(
                 check_finite()
                 scalars = evaluate_batches(eval_step, state.params, eval_iter, eval_steps)
                 if task_evaluator is not None:
-                    scalars.update(task_evaluator.evaluate(state.params, step))
+                    scalars.update(task_evaluator.evaluate(eval_params(state.params), step))
                 writer.write_scalars(step, scalars)
                 writer.flush()
                 if jax.process_index() == 0:

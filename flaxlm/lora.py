@@ -1,0 +1,327 @@
+"""Low-rank adapters (LoRA) over any model's dense kernels, applied functionally.
+
+`LoraConfig.rules` maps regexes over "/"-joined kernel paths (e.g. `decoder/layers_0/attn/
+q_proj/kernel`) to ranks. Every matched kernel `W` (dims: [stacked layers...] + in + out)
+gets `lora_a` (stack + in + [r], random) and `lora_b` (stack + [r] + out, zeros), and the
+model computes with `W + (alpha / r) * A @ B`: `apply_adapters(base, adapters)` builds those
+effective params outside the model, so every family works unchanged, and gradients taken
+with respect to the adapters never reach (or change) the base params. `merge` is the same
+fold, done once, for export and inference.
+
+The adapter tree mirrors the kernels' module paths (`.../q_proj/lora_a`), and the adapter
+axes are the kernel's logical axes (the rank dim unsharded), so adapters shard under any
+mesh as their kernels do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import string
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+from etils import epath
+from flax import traverse_util
+from jax.sharding import PartitionSpec as P
+
+from flaxlm.models import layers
+
+Params = Any
+LORA_FILE = "lora.json"  # in a LoRA run's MODEL_DIR: the config and where the base params live
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Which dense kernels get adapters, of which rank, and how they are scaled."""
+
+    # (regex, rank) pairs; a kernel takes the rank of the first regex that `re.search`es
+    # its "/"-joined path. Every regex must match at least one kernel.
+    rules: Sequence[tuple[str, int]] = ((r"(q|v)_proj/kernel$", 8),)
+    # The update is scaled by alpha / rank (as in the LoRA paper and PEFT).
+    alpha: float = 16.0
+
+    def __post_init__(self) -> None:
+        rules = tuple((str(p), r) for p, r in self.rules)
+        if not rules:
+            raise ValueError("LoraConfig.rules is empty: give (regex, rank) pairs.")
+        for pattern, rank in rules:
+            if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+                raise ValueError(
+                    f"LoraConfig rule ({pattern!r}, {rank!r}): the rank must be an int >= 1."
+                )
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"LoraConfig rule {pattern!r} is not a valid regex: {e}") from e
+        object.__setattr__(self, "rules", rules)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rules": [list(r) for r in self.rules], "alpha": self.alpha}
+
+    @classmethod
+    def from_json(cls, record: Mapping[str, Any]) -> LoraConfig:
+        return cls(rules=tuple((p, int(r)) for p, r in record["rules"]), alpha=record["alpha"])
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptedKernel:
+    """One matched kernel: its shape split into stacked / input / output dims, and its rank."""
+
+    path: tuple[str, ...]  # the kernel's key path in the params tree
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]  # the kernel's logical axes
+    num_stacked: int  # leading dims added by scanned layers
+    num_in: int
+    rank: int
+
+    @property
+    def a_shape(self) -> tuple[int, ...]:
+        return self.shape[: self.num_stacked + self.num_in] + (self.rank,)
+
+    @property
+    def b_shape(self) -> tuple[int, ...]:
+        return (
+            self.shape[: self.num_stacked]
+            + (self.rank,)
+            + self.shape[self.num_stacked + self.num_in :]
+        )
+
+    @property
+    def a_axes(self) -> P:
+        return P(*self.axes[: self.num_stacked + self.num_in], None)
+
+    @property
+    def b_axes(self) -> P:
+        s, i = self.num_stacked, self.num_in
+        return P(*self.axes[:s], None, *self.axes[s + i :])
+
+
+def dense_kernels(model: Any, batch_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """`{"a/b/kernel": (shape, logical_axes, num_in)}` for every `layers.DenseGeneral` kernel
+    of `model`, found by tracing its init (nothing is allocated)."""
+    num_in: dict[tuple[str, ...], int] = {}
+
+    def record(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+        module = context.module
+        if isinstance(module, layers.DenseGeneral) and context.method_name == "__call__":
+            axis = module.axis if isinstance(module.axis, Sequence) else (module.axis,)
+            num_in[tuple(str(p) for p in module.path)] = len(axis)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        boxed = jax.eval_shape(lambda: model._boxed_init(jax.random.PRNGKey(0), batch_shapes))
+    axes_tree = nn.get_partition_spec(boxed)
+    shapes = nn.unbox(boxed)
+    flat_shapes = traverse_util.flatten_dict(shapes)
+    flat_axes = traverse_util.flatten_dict(axes_tree, is_leaf=lambda _, x: isinstance(x, P))
+    found = {}
+    for path, leaf in flat_shapes.items():
+        if path[-1] != "kernel" or path[:-1] not in num_in:
+            continue
+        found["/".join(path)] = (path, tuple(leaf.shape), tuple(flat_axes[path]), num_in[path[:-1]])
+    return found
+
+
+def plan(
+    cfg: LoraConfig, model: Any, batch_shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, AdaptedKernel]:
+    """The kernels `cfg` adapts, by path; a rule that matches no kernel, or a rank larger
+    than a matched kernel allows, is an error."""
+    kernels = dense_kernels(model, batch_shapes)
+    chosen: dict[str, AdaptedKernel] = {}
+    used = set()
+    for name, (path, shape, axes, num_in) in sorted(kernels.items()):
+        for pattern, rank in cfg.rules:
+            if re.search(pattern, name):
+                used.add(pattern)
+                # Stacked (scanned) dims lead: the kernel has more dims than in + out.
+                num_out = len(axes) - num_in
+                num_stacked = 0
+                if "layers" in axes:
+                    num_stacked = axes.index("layers") + 1
+                    num_out = len(axes) - num_stacked - num_in
+                fan_in = math.prod(shape[num_stacked : num_stacked + num_in])
+                fan_out = math.prod(shape[num_stacked + num_in :])
+                if rank > min(fan_in, fan_out) or num_out < 1:
+                    raise ValueError(
+                        f"LoRA rule ({pattern!r}, {rank}): rank {rank} is larger than kernel "
+                        f"{name} (shape {shape}) allows (at most {min(fan_in, fan_out)})."
+                    )
+                chosen[name] = AdaptedKernel(path, shape, axes, num_stacked, num_in, rank)
+                break
+    unused = [p for p, _ in cfg.rules if p not in used]
+    if unused:
+        some = sorted(kernels)[:12]
+        raise ValueError(
+            f"LoRA rule(s) {unused} match no dense kernel of {type(model.config).__name__}. "
+            f"Kernel paths look like: {some}{' ...' if len(kernels) > 12 else ''}."
+        )
+    return chosen
+
+
+def _module_path(kernel: AdaptedKernel) -> tuple[str, ...]:
+    return kernel.path[:-1]
+
+
+def init_adapters(rng: jax.Array, kernels: Mapping[str, AdaptedKernel]) -> Params:
+    """A (normal, std 1/sqrt(fan_in)) and B (zeros) for each kernel: the adapted model
+    starts equal to the base."""
+    flat = {}
+    for i, (_, k) in enumerate(sorted(kernels.items())):
+        fan_in = math.prod(k.shape[k.num_stacked : k.num_stacked + k.num_in])
+        a = jax.random.normal(jax.random.fold_in(rng, i), k.a_shape, jnp.float32)
+        flat[_module_path(k) + ("lora_a",)] = a / math.sqrt(fan_in)
+        flat[_module_path(k) + ("lora_b",)] = jnp.zeros(k.b_shape, jnp.float32)
+    return traverse_util.unflatten_dict(flat)
+
+
+def adapter_axes(kernels: Mapping[str, AdaptedKernel]) -> Params:
+    """The adapters' logical axes (the same tree as `init_adapters`)."""
+    flat = {}
+    for k in kernels.values():
+        flat[_module_path(k) + ("lora_a",)] = k.a_axes
+        flat[_module_path(k) + ("lora_b",)] = k.b_axes
+    return traverse_util.unflatten_dict(flat)
+
+
+def delta(a: jax.Array, b: jax.Array, kernel_ndim: int, scale: float) -> jax.Array:
+    """`scale * A @ B` in float32, shaped like the kernel (stacked dims batched)."""
+    num_stacked = (a.ndim - 1) + (b.ndim - 1) - kernel_ndim
+    num_in = a.ndim - 1 - num_stacked
+    num_out = b.ndim - 1 - num_stacked
+    letters = iter(string.ascii_letters)
+    stack = "".join(next(letters) for _ in range(num_stacked))
+    ins = "".join(next(letters) for _ in range(num_in))
+    outs = "".join(next(letters) for _ in range(num_out))
+    r = next(letters)
+    spec = f"{stack}{ins}{r},{stack}{r}{outs}->{stack}{ins}{outs}"
+    return scale * jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
+
+
+def apply_adapters(base: Params, adapters: Params, alpha: float) -> Params:
+    """The effective params: each adapted kernel becomes `W + (alpha/r) A @ B` (in W's
+    dtype); every other param is `base`'s own array."""
+    flat_base = traverse_util.flatten_dict(base)
+    flat_ad = traverse_util.flatten_dict(adapters)
+    out = dict(flat_base)
+    modules = {path[:-1] for path in flat_ad}
+    for module in modules:
+        a, b = flat_ad[module + ("lora_a",)], flat_ad[module + ("lora_b",)]
+        key = module + ("kernel",)
+        if key not in flat_base:
+            raise ValueError(f"Adapter {'/'.join(module)} has no kernel in the base params.")
+        w = flat_base[key]
+        rank = a.shape[-1]
+        d = delta(a, b, w.ndim, alpha / rank)
+        out[key] = (w.astype(jnp.float32) + d).astype(w.dtype)
+    return traverse_util.unflatten_dict(out)
+
+
+def merge(base_params: Params, adapters: Params, cfg: LoraConfig) -> Params:
+    """Base params with the adapters folded in: an ordinary params tree of the model."""
+    return apply_adapters(base_params, adapters, cfg.alpha)
+
+
+class LoraModel:
+    """The loss of `model` as a function of the adapters alone (base params held fixed).
+
+    Built inside the jitted train step with the base params as an argument of that step:
+    `jax.grad` of `loss_fn` is taken with respect to the adapters only, so the base gets
+    no gradient and no optimizer state.
+    """
+
+    def __init__(self, model: Any, cfg: LoraConfig, base_params: Params):
+        self.model = model
+        self.cfg = cfg
+        self.base_params = base_params
+
+    def targets_and_weights(self, batch: Any) -> Any:
+        return self.model.targets_and_weights(batch)
+
+    def loss_fn(self, adapters: Params, batch: Any, rng: Any, normalizer: Any = None) -> Any:
+        params = apply_adapters(jax.lax.stop_gradient(self.base_params), adapters, self.cfg.alpha)
+        return self.model.loss_fn(params, batch, rng, normalizer)
+
+
+# ---------------------------------------------------------------- a LoRA run's MODEL_DIR
+
+
+def write_record(model_dir: str | epath.Path, cfg: LoraConfig, base: Mapping[str, Any]) -> None:
+    """`MODEL_DIR/lora.json`: the config and the base params' source (`{"hf": dir}` or
+    `{"checkpoint": model_dir, "step": n}`), so that infer/eval/export can merge."""
+    if jax.process_index() == 0:
+        record = {"config": cfg.to_json(), "base": dict(base)}
+        (epath.Path(model_dir) / LORA_FILE).write_text(json.dumps(record, indent=2))
+
+
+def read_record(model_dir: str | epath.Path) -> tuple[LoraConfig, dict[str, Any]] | None:
+    """`(cfg, base source)` of a LoRA run's MODEL_DIR; None for any other directory."""
+    file = epath.Path(model_dir) / LORA_FILE
+    if not file.exists():
+        return None
+    record = json.loads(file.read_text())
+    return LoraConfig.from_json(record["config"]), record["base"]
+
+
+def _abstract(model: Any, partitioner: Any) -> tuple[Any, Any]:
+    """The model's abstract params and their shardings under `partitioner`."""
+    shapes = model.example_batch_shapes()
+    abstract = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0), shapes))
+    return abstract, partitioner.sharding(model.params_axes(shapes))
+
+
+def restore_base(base: Mapping[str, Any], model: Any, partitioner: Any) -> Params:
+    """The frozen base params from their recorded source, placed on the model's shardings."""
+    from flaxlm import checkpoints, hf
+
+    abstract, shardings = _abstract(model, partitioner)
+    if "hf" in base:
+        return hf.load_params(model, base["hf"], shardings=shardings)
+    ckpt = checkpoints.Checkpointer(base["checkpoint"])
+    step = base.get("step")
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise ValueError(f"LoRA base: no checkpoint in {ckpt.directory}.")
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    params = ckpt.restore_params(step, abstract)
+    ckpt.close()
+    return params
+
+
+def restore_merged(
+    model_dir: str | epath.Path, model: Any, partitioner: Any, step: int | None = None
+) -> tuple[Params, int]:
+    """`(merged params, step)` of a LoRA run's MODEL_DIR: its adapters at `step` (the
+    latest if None) folded into the recorded base params."""
+    from flaxlm import checkpoints
+
+    record = read_record(model_dir)
+    if record is None:
+        raise ValueError(f"{model_dir} has no {LORA_FILE}: not a LoRA run.")
+    cfg, base_source = record
+    kernels = plan(cfg, model, model.example_batch_shapes())
+    shardings = partitioner.sharding(adapter_axes(kernels))
+    abstract = jax.eval_shape(lambda: init_adapters(jax.random.PRNGKey(0), kernels))
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    ckpt = checkpoints.Checkpointer(str(model_dir))
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise ValueError(f"No checkpoint in {ckpt.directory}.")
+    adapters = ckpt.restore_params(step, abstract)
+    ckpt.close()
+    base = restore_base(base_source, model, partitioner)
+    base_shardings = jax.tree.map(lambda x: x.sharding, base)
+    merged = jax.jit(lambda b, a: merge(b, a, cfg), out_shardings=base_shardings)(base, adapters)
+    return merged, step

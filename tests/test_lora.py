@@ -1,0 +1,223 @@
+"""LoRA: only adapters train, the base stays bit-identical, merge and HF export reproduce the
+adapted model."""
+
+import json
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+from flax import traverse_util
+from jax.sharding import PartitionSpec as P
+
+from flaxlm import checkpoints, data, evaluation, hf, lora, trainer
+from flaxlm.models import layers, llama
+from flaxlm.models.base import DecoderOnlyModel
+from flaxlm.partitioning import Partitioner, path_name
+from tests.helpers import adamw, feature_lengths, random_batch
+from tests.hf_helpers import decoder_batch, max_abs_diff, padded_batch, torch_logits
+from tests.test_hf_llama import tiny_hf_llama
+
+RULES = ((r"(q|v)_proj/kernel$", 4), (r"o_proj/kernel$", 2), (r"down_proj/kernel$", 4))
+
+
+def tiny_llama(scan_layers: bool = False) -> DecoderOnlyModel:
+    config = llama.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        scan_layers=scan_layers,
+    )
+    return DecoderOnlyModel(config)
+
+
+def randomize_b(adapters, seed=1):
+    """Nonzero B everywhere, so the adapters change the model."""
+    flat = traverse_util.flatten_dict(adapters)
+    key = jax.random.PRNGKey(seed)
+    for i, (path, x) in enumerate(sorted(flat.items())):
+        if path[-1] == "lora_b":
+            flat[path] = 0.1 * jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
+    return traverse_util.unflatten_dict(flat)
+
+
+def reference_logits(model, base, adapters, alpha, batch):
+    """The adapted model computed the textbook way, `x W + (alpha/r) (x A) B` at each adapted
+    dense layer (base params unmerged), by intercepting the layers' calls."""
+    flat = traverse_util.flatten_dict(adapters)
+
+    def add_lora(next_fun, args, kwargs, context):
+        y = next_fun(*args, **kwargs)
+        module = context.module
+        key = tuple(module.path) + ("lora_a",)
+        if isinstance(module, layers.DenseGeneral) and key in flat:
+            a, b = flat[key], flat[tuple(module.path) + ("lora_b",)]
+            x, n_in = args[0], a.ndim - 1
+            xa = jnp.tensordot(x, a, axes=(list(range(x.ndim - n_in, x.ndim)), list(range(n_in))))
+            y = y + (alpha / a.shape[-1]) * jnp.tensordot(xa, b, axes=1)
+        return y
+
+    with nn.intercept_methods(add_lora):
+        return np.asarray(model.compute_logits(base, batch))
+
+
+def leaf_names(tree):
+    return [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, scan_layers", [((1, 8, 1), False), ((2, 2, 2), True)], ids=["fsdp", "2x2x2_scan"]
+)
+def test_only_adapters_train_and_base_stays_bit_identical(mesh_shape, scan_layers):
+    model = tiny_llama(scan_layers)
+    partitioner = Partitioner(mesh_shape=mesh_shape)
+    cfg = lora.LoraConfig(rules=RULES, alpha=8.0)
+    setup = trainer.Setup(model, partitioner, adamw(3e-2), feature_lengths(), lora=cfg)
+    base = setup.init_base()
+    before = jax.device_get(base)
+    state = setup.init_state()
+
+    # The state holds adapters only, and the optimizer has moments for them alone.
+    names = leaf_names(state.params)
+    assert names and all(n.endswith(("/lora_a", "/lora_b")) for n in names)
+    adapter_size = sum(x.size for x in jax.tree.leaves(state.params))
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
+    assert sum(x.size for x in moments) == 2 * adapter_size  # AdamW's mu and nu
+    base_size = sum(x.size for x in jax.tree.leaves(base))
+    assert adapter_size < base_size / 10
+    # Adapters are sharded like their kernels (heads over `tensor`, embed over `fsdp`).
+    q = "layers/block/q_proj" if scan_layers else "layers_0/q_proj"
+    q_ad = traverse_util.flatten_dict(state.params, sep="/")
+    spec_b = q_ad[f"{q}/lora_b"].sharding.spec
+    assert spec_b == partitioner.mesh_axes(
+        P(*(("layers",) if scan_layers else ()), None, "heads", "head_dim")
+    )
+    if mesh_shape[2] > 1:
+        assert "tensor" in tuple(spec_b)
+
+    step = setup.partition_train_step(trainer.make_train_step(model, partitioner, 3e-2, lora=cfg))
+    b0 = jax.device_get(state.params)
+    losses = []
+    for i in range(4):
+        state, metrics = step(state, random_batch(seed=i % 2), base)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+    after = jax.device_get(base)
+    for name, x, y in zip(leaf_names(before), jax.tree.leaves(before), jax.tree.leaves(after)):
+        assert np.array_equal(x, y), name  # bit-identical
+    b1 = jax.device_get(state.params)
+    changed = [
+        n
+        for n, x, y in zip(leaf_names(b0), jax.tree.leaves(b0), jax.tree.leaves(b1))
+        if not np.array_equal(x, y)
+    ]
+    assert sorted(changed) == sorted(leaf_names(b0))  # every A and B moved
+
+    # Eval on the merged params equals eval through the adapters.
+    merged = setup.partition_merge()(base, state.params)
+    eval_step = setup.partition_eval_step(trainer.make_eval_step(model, cfg))
+    via_adapters = eval_step(state.params, random_batch(seed=5), base)
+    via_merged = jax.jit(trainer.make_eval_step(model))(merged, random_batch(seed=5))
+    np.testing.assert_allclose(via_adapters["loss_sum"], via_merged["loss_sum"], rtol=1e-6)
+
+
+def test_merge_matches_textbook_lora_forward():
+    model = tiny_llama()
+    cfg = lora.LoraConfig(rules=RULES, alpha=8.0)
+    shapes = model.example_batch_shapes()
+    base = model.init_params(jax.random.PRNGKey(0), shapes)
+    kernels = lora.plan(cfg, model, shapes)
+    modules = ("q_proj", "v_proj", "o_proj", "down_proj")
+    assert sorted(kernels) == sorted(f"layers_{i}/{m}/kernel" for i in range(2) for m in modules)
+    assert kernels["layers_0/o_proj/kernel"].a_shape == (4, 8, 2)  # in = (heads, head_dim)
+    adapters = lora.init_adapters(jax.random.PRNGKey(1), kernels)
+    batch = decoder_batch(*padded_batch(128, (12, 7, 12, 3)))
+
+    # B starts at zero: the adapted model starts as the base.
+    start = np.asarray(model.compute_logits(lora.merge(base, adapters, cfg), batch))
+    np.testing.assert_array_equal(start, np.asarray(model.compute_logits(base, batch)))
+
+    adapters = randomize_b(adapters)
+    merged_logits = np.asarray(model.compute_logits(lora.merge(base, adapters, cfg), batch))
+    reference = reference_logits(model, base, adapters, cfg.alpha, batch)
+    assert np.abs(reference - start).max() > 1e-2  # the adapters matter
+    np.testing.assert_allclose(merged_logits, reference, atol=1e-5)
+
+
+def test_bad_rules_fail_clearly():
+    model, shapes = tiny_llama(), tiny_llama().example_batch_shapes()
+    with pytest.raises(ValueError, match=r"match no dense kernel.*layers_0/q_proj/kernel"):
+        lora.plan(lora.LoraConfig(rules=((r"query/kernel", 4),)), model, shapes)
+    with pytest.raises(ValueError, match="rank 64 is larger than kernel"):
+        lora.plan(lora.LoraConfig(rules=((r"q_proj", 64),)), model, shapes)
+    with pytest.raises(ValueError, match="rank must be an int >= 1"):
+        lora.LoraConfig(rules=((r"q_proj", 0),))
+    with pytest.raises(ValueError, match="not a valid regex"):
+        lora.LoraConfig(rules=((r"q_proj(", 4),))
+
+
+@pytest.mark.slow
+def test_lora_run_checkpoints_adapters_and_exports_merged_to_hf(tmp_path):
+    """train(lora=...) from an HF Llama: the checkpoint holds only adapters; export_hf and
+    infer's loader merge them; transformers reproduces the adapted logits."""
+    import tasks  # noqa: F401 - registers stdlib_py
+
+    torch_model, hf_path = tiny_hf_llama(tmp_path, vocab_size=384)
+    partitioner = Partitioner(mesh_shape=(1, 4, 2))
+    model = hf.model_from_hf_config(os.path.join(hf_path, "config.json"), partitioner)
+    cfg = lora.LoraConfig(rules=RULES, alpha=8.0)
+    model_dir = str(tmp_path / "run")
+    dataset = data.DatasetConfig(
+        mixture_or_task_name="stdlib_py", task_feature_lengths={"targets": 32}, batch_size=8
+    )
+    trainer.train(
+        model=model,
+        partitioner=partitioner,
+        train_dataset_cfg=dataset,
+        learning_rate=3e-2,
+        model_dir=model_dir,
+        total_steps=3,
+        checkpoint_period=3,
+        log_period=1,
+        init_from_hf=hf_path,
+        lora=cfg,
+    )
+    record = json.loads((tmp_path / "run" / "lora.json").read_text())
+    assert record["base"] == {"hf": os.path.abspath(hf_path)}
+    ckpt = checkpoints.Checkpointer(model_dir)
+    saved = ckpt.saved_param_shapes(3)
+    ckpt.close()
+    assert saved and all(n.endswith(("/lora_a", "/lora_b")) for n in saved)
+    assert saved["layers_0/q_proj/lora_b"] == (4, 4, 8)
+
+    out = tmp_path / "exported"
+    hf.export_checkpoint(model_dir=model_dir, out_dir=str(out), partitioner=partitioner)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ids, mask = padded_batch(250, (12, 7, 12, 3))
+    theirs = torch_logits(reloaded, input_ids=ids, attention_mask=mask)
+
+    # The adapted model, computed unmerged from the HF base and the saved adapters.
+    base = hf.load_params(model, hf_path, partitioner)
+    kernels = lora.plan(cfg, model, model.example_batch_shapes())
+    abstract = jax.eval_shape(lambda: lora.init_adapters(jax.random.PRNGKey(0), kernels))
+    ckpt = checkpoints.Checkpointer(model_dir)
+    adapters = ckpt.restore_params(3, abstract)
+    ckpt.close()
+    assert float(jnp.abs(adapters["layers_0"]["q_proj"]["lora_b"]).max()) > 0
+    adapted = reference_logits(model, base, adapters, cfg.alpha, decoder_batch(ids, mask))
+    base_torch = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(adapted, base_torch, mask) > 1e-3  # training changed the model
+    assert max_abs_diff(adapted, theirs, mask) < 1e-4
+
+    # infer/eval's loader sees the merged model too.
+    _, merged, step = evaluation.load_model_and_params(model_dir, partitioner)
+    assert step == 3
+    ours = np.asarray(model.compute_logits(merged, decoder_batch(ids, mask)))
+    assert max_abs_diff(ours, theirs, mask) < 1e-4
