@@ -107,3 +107,10 @@ def with_suggestion(message: str) -> str:
 def run(fn: Callable[[], Any] = gin.REQUIRED) -> Any:
     """The run function bound in Gin (`run.fn = @train`)."""
     return fn()
+
+
+@gin.configurable
+def run_in_order(fns: Sequence[Callable[[], Any]] = gin.REQUIRED) -> list[Any]:
+    """Several run functions, one after another (`run.fn = @run_in_order`, e.g.
+    `run_in_order.fns = [@trainer.train, @evaluation.infer]`: fine-tune, then generate)."""
+    return [fn() for fn in fns]
