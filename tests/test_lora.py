@@ -17,10 +17,12 @@ from flaxlm import checkpoints, data, evaluation, hf, lora, trainer
 from flaxlm.models import layers, llama
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.partitioning import Partitioner, path_name
-from tests.helpers import adamw, feature_lengths, random_batch
+from tests.helpers import adamw, feature_lengths, random_batch, tiny_gptj
 from tests.hf_helpers import decoder_batch, max_abs_diff, padded_batch, torch_logits
 from tests.test_hf_llama import tiny_hf_llama
+from tests.test_main import read_metrics, run_main
 
+VALIDATION = "data/instructions/validation.jsonl"
 RULES = ((r"(q|v)_proj/kernel$", 4), (r"o_proj/kernel$", 2), (r"down_proj/kernel$", 4))
 
 
@@ -64,8 +66,11 @@ def reference_logits(model, base, adapters, alpha, batch):
             y = y + (alpha / a.shape[-1]) * jnp.tensordot(xa, b, axes=1)
         return y
 
-    with nn.intercept_methods(add_lora):
-        return np.asarray(model.compute_logits(base, batch))
+    def forward(base, batch):
+        with nn.intercept_methods(add_lora):
+            return model.compute_logits(base, batch)
+
+    return np.asarray(jax.jit(forward)(base, batch))
 
 
 def leaf_names(tree):
@@ -128,24 +133,34 @@ def test_only_adapters_train_and_base_stays_bit_identical(mesh_shape, scan_layer
     np.testing.assert_allclose(via_adapters["loss_sum"], via_merged["loss_sum"], rtol=1e-6)
 
 
-def test_merge_matches_textbook_lora_forward():
-    model = tiny_llama()
-    cfg = lora.LoraConfig(rules=RULES, alpha=8.0)
+@pytest.mark.parametrize("family", ["llama", "gptj"])
+def test_merge_matches_textbook_lora_forward(family):
+    if family == "llama":
+        model = tiny_llama()
+        cfg = lora.LoraConfig(rules=RULES, alpha=8.0)
+        modules = ("q_proj", "v_proj", "o_proj", "down_proj")
+        expected = [f"layers_{i}/{m}/kernel" for i in range(2) for m in modules]
+    else:
+        model = tiny_gptj()
+        cfg = lora.LoraConfig(rules=((r"(q|v|out)_proj", 4), (r"fc_in", 2)), alpha=4.0)
+        modules = ("q_proj", "v_proj", "out_proj", "fc_in")
+        expected = [f"h_{i}/{m}/kernel" for i in range(2) for m in modules]
     shapes = model.example_batch_shapes()
     base = model.init_params(jax.random.PRNGKey(0), shapes)
     kernels = lora.plan(cfg, model, shapes)
-    modules = ("q_proj", "v_proj", "o_proj", "down_proj")
-    assert sorted(kernels) == sorted(f"layers_{i}/{m}/kernel" for i in range(2) for m in modules)
-    assert kernels["layers_0/o_proj/kernel"].a_shape == (4, 8, 2)  # in = (heads, head_dim)
+    assert sorted(kernels) == sorted(expected)
+    if family == "llama":
+        assert kernels["layers_0/o_proj/kernel"].a_shape == (4, 8, 2)  # in = (heads, head_dim)
     adapters = lora.init_adapters(jax.random.PRNGKey(1), kernels)
     batch = decoder_batch(*padded_batch(128, (12, 7, 12, 3)))
+    logits = jax.jit(model.compute_logits)
 
     # B starts at zero: the adapted model starts as the base.
-    start = np.asarray(model.compute_logits(lora.merge(base, adapters, cfg), batch))
-    np.testing.assert_array_equal(start, np.asarray(model.compute_logits(base, batch)))
+    start = np.asarray(logits(lora.merge(base, adapters, cfg), batch))
+    np.testing.assert_array_equal(start, np.asarray(logits(base, batch)))
 
     adapters = randomize_b(adapters)
-    merged_logits = np.asarray(model.compute_logits(lora.merge(base, adapters, cfg), batch))
+    merged_logits = np.asarray(logits(lora.merge(base, adapters, cfg), batch))
     reference = reference_logits(model, base, adapters, cfg.alpha, batch)
     assert np.abs(reference - start).max() > 1e-2  # the adapters matter
     np.testing.assert_allclose(merged_logits, reference, atol=1e-5)
@@ -221,3 +236,43 @@ def test_lora_run_checkpoints_adapters_and_exports_merged_to_hf(tmp_path):
     assert step == 3
     ours = np.asarray(model.compute_logits(merged, decoder_batch(ids, mask)))
     assert max_abs_diff(ours, theirs, mask) < 1e-4
+
+
+@pytest.mark.slow
+def test_llama_lora_gin_trains_adapters_then_generates_and_resumes(tmp_path, repo_dir):
+    model_dir, gen_dir = tmp_path / "run", tmp_path / "gen"
+    args = [
+        "--gin_file=gin/llama_lora.gin",
+        f"--gin.MODEL_DIR='{model_dir}'",
+        f"--gin.OUTPUT_DIR='{gen_dir}'",
+        "--gin.BATCH_SIZE=8",
+        "--gin.LOG_PERIOD=1",
+        "--gin.EVAL_PERIOD=0",
+        "--gin.MAX_EXAMPLES=3",
+        "--gin.MAX_NEW_TOKENS=4",
+    ]
+    result = run_main([*args, "--gin.TRAIN_STEPS=3"], cwd=repo_dir, devices=8)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LoRA on 28 kernels" in result.stdout  # 7 projections x 4 layers
+    assert len(read_metrics(str(model_dir))) == 3
+    record = json.loads((model_dir / "lora.json").read_text())
+    assert record["base"] == {"checkpoint": str(model_dir / "base"), "step": 0}
+    assert record["config"]["rules"][0] == ["(q|k|v|o)_proj/kernel$", 8]
+    ckpt = checkpoints.Checkpointer(str(model_dir))
+    saved = ckpt.saved_param_shapes(3)
+    ckpt.close()
+    assert len(saved) == 56 and all(n.endswith(("/lora_a", "/lora_b")) for n in saved)
+    prompts = [json.loads(line)["in_text"] for line in open(repo_dir + "/" + VALIDATION)][:3]
+    outputs = [json.loads(line) for line in (gen_dir / "validation.jsonl").read_text().splitlines()]
+    assert [o["input"] for o in outputs] == prompts
+    assert all(isinstance(o["output"], str) for o in outputs)
+
+    # The same command with more steps resumes the adapters (the base is not re-created).
+    result = run_main(
+        [*args, "--gin.TRAIN_STEPS=5", "--gin.run_in_order.fns=[@trainer.train]"],
+        cwd=repo_dir,
+        devices=8,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Resumed from checkpoint step 3" in result.stdout
+    assert [m["step"] for m in read_metrics(str(model_dir))] == [1, 2, 3, 4, 5]
