@@ -78,7 +78,11 @@ def leaf_names(tree):
 
 
 @pytest.mark.parametrize(
-    "mesh_shape, scan_layers", [((1, 8, 1), False), ((2, 2, 2), True)], ids=["fsdp", "2x2x2_scan"]
+    "mesh_shape, scan_layers",
+    [
+        pytest.param((1, 8, 1), False, id="fsdp"),
+        pytest.param((2, 2, 2), True, id="2x2x2_scan", marks=pytest.mark.slow),
+    ],
 )
 def test_only_adapters_train_and_base_stays_bit_identical(mesh_shape, scan_layers):
     model = tiny_llama(scan_layers)
