@@ -252,27 +252,18 @@ class Setup:
         self.batch_axes = {name: P("batch", None) for name in feature_lengths}
 
     def partition_train_step(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
-        if self.lora is None:
-            return self.partitioner.partition(
-                step_fn,
-                (self.state_shardings, self.batch_axes),
-                (self.state_shardings, None),
-                donate_argnums=(0,),
-            )
+        base = () if self.lora is None else (self.base_shardings,)
         return self.partitioner.partition(
             step_fn,
-            (self.state_shardings, self.batch_axes, self.base_shardings),
+            (self.state_shardings, self.batch_axes, *base),
             (self.state_shardings, None),
             donate_argnums=(0,),
         )
 
     def partition_eval_step(self, eval_fn: Callable[..., Any]) -> Callable[..., Any]:
-        if self.lora is None:
-            return self.partitioner.partition(
-                eval_fn, (self.state_shardings.params, self.batch_axes), None
-            )
+        base = () if self.lora is None else (self.base_shardings,)
         return self.partitioner.partition(
-            eval_fn, (self.state_shardings.params, self.batch_axes, self.base_shardings), None
+            eval_fn, (self.state_shardings.params, self.batch_axes, *base), None
         )
 
     def partition_merge(self) -> Callable[[Any, Any], Any]:
@@ -441,6 +432,8 @@ def train(
     `preemption.py`).
     """
     start_time = time.perf_counter()
+    if lora_base_checkpoint and lora is None:
+        raise ValueError("lora_base_checkpoint is set but lora is not: bind train.lora too.")
     path = check_model_dir(model_dir)
     check_batch_size(partitioner, train_dataset_cfg.batch_size, num_microbatches)
     model.check_lengths(train_dataset_cfg.task_feature_lengths)
@@ -494,8 +487,12 @@ def train(
         )
     )
     eval_step = setup.partition_eval_step(make_eval_step(model, lora)) if eval_iter else None
-    eval_params = lambda params: params  # noqa: E731 - the model's params from the state's
-    if lora is not None:
+
+    def eval_params(params: Any) -> Any:
+        """The model's params from the state's."""
+        return params
+
+    if lora is not None:  # the steps take the frozen base params as their last argument
         lora_train_step, lora_eval_step, merge = train_step, eval_step, setup.partition_merge()
 
         def train_step(state: TrainState, batch: Batch) -> Any:
