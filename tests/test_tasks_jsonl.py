@@ -142,3 +142,61 @@ def test_encoder_decoder_batch_reads_inputs_and_targets(tmp_path):
         assert list(batch["decoder_target_tokens"][row][: len(dec)]) == dec
         assert list(batch["decoder_input_tokens"][row][: len(dec)]) == [0] + dec[:-1]
         assert list(batch["decoder_loss_weights"][row]) == [1] * len(dec) + [0] * (8 - len(dec))
+
+
+def _reverse_pairs(n=64):
+    rng = np.random.default_rng(0)
+    words = ["cat", "dog", "sun", "moon", "tree", "fish"]
+    pairs = []
+    for _ in range(n):
+        w = [str(x) for x in rng.choice(words, 3)]
+        pairs.append({"in_text": f"reverse: {' '.join(w)} =>", "out_text": " " + " ".join(w[::-1])})
+    return pairs
+
+
+@pytest.mark.slow
+def test_jsonl_finetune_gin_trains_with_falling_loss(tmp_path, repo_dir):
+    from tests.test_main import read_metrics, run_main
+
+    train = _write(tmp_path / "train.jsonl", _reverse_pairs())
+    model_dir = str(tmp_path / "run")
+    result = run_main(
+        [
+            "--gin_file=gin/jsonl_finetune.gin",
+            f"--gin.JSONL_TRAIN='{train}'",
+            f"--gin.MODEL_DIR='{model_dir}'",
+            "--gin.TRAIN_STEPS=20",
+            "--gin.WARMUP_STEPS=4",
+            "--gin.LOG_PERIOD=5",
+            "--gin.EVAL_PERIOD=20",
+            "--gin.CHECKPOINT_PERIOD=20",
+            "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 32}",
+        ],
+        cwd=repo_dir,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(model_dir)
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 4 and losses[-1] < 0.5 * losses[0], losses
+    assert any("eval/loss" in r for r in records), records
+
+
+@pytest.mark.slow
+def test_jsonl_finetune_with_a_malformed_line_fails_before_training(tmp_path, repo_dir):
+    from tests.test_main import run_main
+
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(PAIRS[0]) + "\n" + '{"in_text": "a"}\n')
+    model_dir = tmp_path / "run"
+    result = run_main(
+        [
+            "--gin_file=gin/jsonl_finetune.gin",
+            f"--gin.JSONL_TRAIN='{path}'",
+            f"--gin.MODEL_DIR='{model_dir}'",
+        ],
+        cwd=repo_dir,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"{path}:2: missing string field(s) ['out_text']" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (model_dir / "checkpoints").exists()
