@@ -1,6 +1,7 @@
 """SeqIO tasks and mixtures; importing this package registers them."""
 
 from tasks import (  # noqa: F401
+    hf_datasets,
     jsonl,
     mlm,
     seq2seq,

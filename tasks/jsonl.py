@@ -26,6 +26,21 @@ import tensorflow as tf
 from flaxlm.evaluation import read_jsonl
 
 
+def in_memory_dataset(
+    columns: Mapping[str, Sequence[str]], shuffle: bool, seed: int | None
+) -> tf.data.Dataset:
+    """Examples `{name: text}` from equal-length columns held in memory, in order or, when
+    `shuffle`, in a full permutation drawn from `seed` (a new one each epoch, the same
+    sequence for the same seed). Only indices are shuffled, so the buffer stays small, and
+    the iterator checkpoints (no Python generator in the pipeline)."""
+    tensors = {k: tf.constant(list(v), tf.string) for k, v in columns.items()}
+    n = len(next(iter(columns.values())))
+    index = tf.data.Dataset.range(n)
+    if shuffle:
+        index = index.shuffle(n, seed=seed, reshuffle_each_iteration=True)
+    return index.map(lambda i: {k: tf.gather(t, i) for k, t in tensors.items()})
+
+
 def _files(name: str, split: str, globs: Sequence[str]) -> list[str]:
     files = sorted({f for g in globs for f in tf.io.gfile.glob(g)})
     if not files:
@@ -79,9 +94,9 @@ def register_jsonl_task(
         read_pairs(split_files_, input_key, target_key)  # fail now, not mid-training
 
     def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
-        del shuffle_files, seed  # seqio shuffles the examples; there is one file order
         inputs, targets = read_pairs(files[split], input_key, target_key)
-        return tf.data.Dataset.from_tensor_slices({"inputs": inputs, "targets": targets})
+        columns = {"inputs": inputs, "targets": targets}
+        return in_memory_dataset(columns, shuffle=shuffle_files, seed=seed)
 
     vocabulary = vocabulary or seqio.ByteVocabulary()
     seqio.TaskRegistry.add(
