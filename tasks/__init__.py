@@ -7,4 +7,5 @@ from tasks import (  # noqa: F401
     seq2seq,
     stdlib,
     text_files,
+    tfds_tasks,
 )
