@@ -3,6 +3,7 @@
 from tasks import (  # noqa: F401
     hf_datasets,
     jsonl,
+    mixtures,
     mlm,
     seq2seq,
     stdlib,
