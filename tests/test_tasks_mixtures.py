@@ -2,6 +2,7 @@
 
 import json
 
+import gin
 import pytest
 import seqio
 
@@ -57,3 +58,27 @@ def test_mixture_of_an_unknown_task_or_bad_rate_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="different output features"):
         register_mixture(name="mix_bad", tasks_and_rates={a: 1.0, pairs: 1.0})
     assert "mix_bad" not in seqio.MixtureRegistry.names()
+
+
+def test_mixture_binds_in_gin_with_scoped_task_factories(tmp_path):
+    (tmp_path / "c.txt").write_text("cherry\n")
+    (tmp_path / "d.txt").write_text("date\n")
+    gin.clear_config()
+    try:
+        gin.parse_config(
+            f"""
+            register_mixture.name = 'mix_gin'
+            register_mixture.tasks_and_rates = [
+                (@c/register_text_files_task(), 1.0), (@d/register_text_files_task(), 2.0)]
+            c/register_text_files_task.name = 'mix_gin_c'
+            c/register_text_files_task.split_files = {{'train': '{tmp_path}/c.txt'}}
+            d/register_text_files_task.name = 'mix_gin_d'
+            d/register_text_files_task.split_files = {{'train': '{tmp_path}/d.txt'}}
+            """
+        )
+        name = register_mixture()
+    finally:
+        gin.clear_config()
+    mixture = seqio.get_mixture_or_task(name)
+    assert sorted(t.name for t in mixture.tasks) == ["mix_gin_c", "mix_gin_d"]
+    assert mixture.get_rate(seqio.get_mixture_or_task("mix_gin_d")) == 2.0
