@@ -104,8 +104,10 @@ def test_prefix_lm_loss_weights_cover_only_the_output_tokens(tmp_path):
         assert list(batch["decoder_loss_weights"][row]) == expected
     # The model takes exactly these weights: its loss is over the out_text tokens alone.
     model = tiny_gptj(vocab_size=384)
-    params = model.init_params(jax.random.PRNGKey(0), {"decoder_input_tokens": (3, 16)})
-    _, metrics = model.loss_fn(params, jax.tree.map(np.asarray, batch), None)
+    params = jax.jit(
+        lambda: model.init_params(jax.random.PRNGKey(0), {"decoder_input_tokens": (3, 16)})
+    )()
+    _, metrics = jax.jit(lambda p, b: model.loss_fn(p, b, None))(params, batch)
     assert float(metrics["weight_sum"]) == sum(len(p["out_text"]) + 1 for p in PAIRS)
 
 
