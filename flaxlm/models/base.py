@@ -460,11 +460,16 @@ class EncoderDecoderModel(BaseModel):
 
     def _apply(self, params: Params, batch: Batch, *, rng: Array | None = None) -> Array:
         rngs = {"dropout": rng} if rng is not None else None
+        encoder_segment_ids = batch.get("encoder_segment_ids")
+        if encoder_segment_ids is None:
+            # seqio's unpacked batches carry no segment ids; the encoder's padding (id 0)
+            # must still be hidden from its keys, as t5x masks `encoder_input_tokens > 0`.
+            encoder_segment_ids = (batch["encoder_input_tokens"] > 0).astype(jnp.int32)
         return self.module.apply(
             {"params": params},
             batch["encoder_input_tokens"],
             batch["decoder_input_tokens"],
-            batch.get("encoder_segment_ids"),
+            encoder_segment_ids,
             batch.get("decoder_segment_ids"),
             batch.get("encoder_positions"),
             batch.get("decoder_positions"),
