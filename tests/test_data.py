@@ -178,9 +178,10 @@ def test_resume_across_an_epoch_boundary_continues_with_the_same_batches(tmp_pat
 
     straight_it = iterator()
     straight = [straight_it.next_numpy()["decoder_target_tokens"] for _ in range(10)]
-    # 40 rows of 24 distinct lines: the window crosses an epoch boundary.
-    rows = {bytes(r) for b in straight for r in b}
-    assert len(rows) == 24 and 10 * 4 > len(rows)
+    # 40 rows from 24 lines: the last 5 batches hold second-epoch lines (seqio repeats, then
+    # shuffles, so the epochs blend in the shuffle buffer), some of them already seen.
+    rows = [bytes(r) for b in straight for r in b]
+    assert len(set(rows)) <= 24 and set(rows[:20]) & set(rows[20:])
 
     stopped = iterator()
     head = [stopped.next_numpy()["decoder_target_tokens"] for _ in range(5)]
