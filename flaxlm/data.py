@@ -13,9 +13,12 @@ axis. Hosts holding the same rows (a model replica spanning hosts) read the same
 host builds the whole global batch unless its devices hold all of it. A host's rows go to the
 mesh through `jax.make_array_from_process_local_data`.
 
-The zipped iterator is one tf.data iterator, checkpointed with the train state (shuffle
-buffers and position included), so a restored run continues with exactly the batches an
-uninterrupted run would have seen, across epoch boundaries too.
+The zipped iterator is one tf.data iterator per host, checkpointed with the train state
+(shuffle buffers and position included), so a run restored with the same process count and
+mesh continues with exactly the batches an uninterrupted run would have seen, across epoch
+boundaries too. Each logical shard is a full seqio pipeline (own shuffle buffer and packing),
+so a host reading many shards pays their start-up once; `num_input_shards=1` is one pipeline
+that every host reads whole and slices (fine for one host or small batches).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def test_global_batch_is_sharded_over_the_batch_axes():
 
 
 def test_same_seed_gives_the_same_batches():
-    partitioner = Partitioner(mesh_shape=(8, 1, 1))
+    partitioner = Partitioner(mesh_shape=(2, 1, 4))
     layout = partitioner.data_layout(8)
 
     def first_batches(seed):

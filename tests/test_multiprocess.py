@@ -313,11 +313,12 @@ def _tiny_run(tmp_path, name, mesh, steps, processes, repo_dir):
 
 
 @pytest.fixture(scope="module")
-def one_process_reference(tmp_path_factory, repo_dir):
-    """6 steps straight in one process with 8 devices: losses and global batches."""
-    losses, (batches,) = _tiny_run(
-        tmp_path_factory.mktemp("reference"), "ref", (2, 1, 4), 6, 1, repo_dir
-    )
+def one_process_resumed(tmp_path_factory, repo_dir):
+    """One process with 8 devices: 3 steps, stopped, resumed to 6 (an epoch is about 4
+    steps, so the resumed window crosses an epoch boundary). Losses and global batches."""
+    tmp = tmp_path_factory.mktemp("reference")
+    _tiny_run(tmp, "ref", (2, 1, 4), 3, 1, repo_dir)
+    losses, (batches,) = _tiny_run(tmp, "ref", (2, 1, 4), 6, 1, repo_dir)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6] and len(batches) == 6
     return losses, batches
 
@@ -325,15 +326,13 @@ def one_process_reference(tmp_path_factory, repo_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [(8, 1, 1), (2, 1, 4), (1, 2, 4)])
 def test_two_processes_read_their_rows_of_the_one_process_batches(
-    tmp_path, repo_dir, one_process_reference, mesh
+    tmp_path, repo_dir, one_process_resumed, mesh
 ):
+    """Same global batches and losses whatever the process count, and a resumed run sees
+    exactly the batches of a straight one; each process read only its own rows."""
     import numpy as np
 
-    ref_losses, ref_batches = one_process_reference
-    # An epoch is about 4 steps: stopping at 3 and resuming to 6 crosses its boundary.
-    rows = [[], []]
-    if mesh == (2, 1, 4):
-        _tiny_run(tmp_path, "run", mesh, 3, 2, repo_dir)
+    ref_losses, ref_batches = one_process_resumed
     losses, rows = _tiny_run(tmp_path, "run", mesh, 6, 2, repo_dir)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     for step in losses:
