@@ -1,9 +1,24 @@
-"""SeqIO glue: this host's shard, feature conversion, and global `jax.Array` batches.
+"""SeqIO glue: logical input shards, feature conversion, and global `jax.Array` batches.
 
-Each host asks seqio for the shard that `Partitioner.data_layout` assigns to it (hosts that
-hold the same rows of the global batch read the same shard), batches it to the per-host batch
-size, and `jax.make_array_from_process_local_data` assembles the global batch on the mesh.
-The tf.data iterator is checkpointable, so a restored run continues where it stopped.
+The input is split into `R` logical shards, `R` fixed by the mesh and the config alone
+(`DatasetConfig.num_input_shards`, by default the data-parallel degree: one shard per row block
+of the global batch), never by the number of processes. Logical shard `r` is
+`seqio.get_dataset(..., shard_info=ShardInfo(r, R), seed=seed)` batched to `B / R` rows, and
+supplies rows `[r * B / R, (r + 1) * B / R)` of every global batch of `B` rows. So the sequence
+of global batches is the same for 1 process with 8 devices, 2 with 4, or 4 with 2.
+
+A host reads exactly the logical shards that cover the rows its devices hold
+(`Partitioner.data_layout`): their tf.data pipelines are zipped and concatenated along the batch
+axis. Hosts holding the same rows (a model replica spanning hosts) read the same shards, and no
+host builds the whole global batch unless its devices hold all of it. A host's rows go to the
+mesh through `jax.make_array_from_process_local_data`.
+
+The zipped iterator is one tf.data iterator per host, checkpointed with the train state
+(shuffle buffers and position included), so a run restored with the same process count and
+mesh continues with exactly the batches an uninterrupted run would have seen, across epoch
+boundaries too. Each logical shard is a full seqio pipeline (own shuffle buffer and packing),
+so a host reading many shards pays their start-up once; `num_input_shards=1` is one pipeline
+that every host reads whole and slices (fine for one host or small batches).
 """
 
 from __future__ import annotations
@@ -54,6 +69,9 @@ class DatasetConfig:
     use_cached: bool = False
     module: str | None = None  # a module to import that registers the task
     num_epochs: int | None = None  # None: repeat forever
+    # Logical input shards R (must divide batch_size); None: the mesh's data-parallel degree.
+    # Fixed by the config and mesh, never by the process count, so the batches are too.
+    num_input_shards: int | None = None
 
 
 def import_task_module(module: str | None) -> None:
@@ -74,26 +92,71 @@ def _check_registered(name: str) -> None:
     )
 
 
-def get_dataset(
-    cfg: DatasetConfig, layout: DataLayout, feature_converter_cls: type[seqio.FeatureConverter]
+def input_shard_count(cfg: DatasetConfig, layout: DataLayout) -> int:
+    """R: `cfg.num_input_shards`, else one logical shard per row block of the batch."""
+    shards = cfg.num_input_shards or layout.data_parallel_degree
+    if shards < 1 or layout.global_batch_size % shards:
+        raise ValueError(
+            f"num_input_shards={shards} must be positive and divide the batch size "
+            f"{layout.global_batch_size}; set DatasetConfig.num_input_shards to a divisor of it."
+        )
+    return shards
+
+
+def host_input_shards(cfg: DatasetConfig, layout: DataLayout) -> range:
+    """The logical shards that cover this host's rows of the global batch."""
+    rows = layout.global_batch_size // input_shard_count(cfg, layout)
+    return range(layout.row_start // rows, -(-layout.row_stop // rows))
+
+
+def logical_shard(
+    cfg: DatasetConfig,
+    index: int,
+    num_shards: int,
+    feature_converter_cls: type[seqio.FeatureConverter],
 ) -> tf.data.Dataset:
-    """This host's batches `[per_host_batch, length]` of model features, as tf.data."""
-    configure_tensorflow()
-    import_task_module(cfg.module)
-    _check_registered(cfg.mixture_or_task_name)
-    ds = seqio.get_dataset(
+    """Logical shard `index` of `num_shards`, as unbatched model features."""
+    return seqio.get_dataset(
         cfg.mixture_or_task_name,
         task_feature_lengths=dict(cfg.task_feature_lengths),
         dataset_split=cfg.split,
         shuffle=cfg.shuffle,
         num_epochs=cfg.num_epochs,
         feature_converter=feature_converter_cls(pack=cfg.pack),
-        shard_info=seqio.ShardInfo(index=layout.shard_index, num_shards=layout.num_shards),
+        shard_info=seqio.ShardInfo(index=index, num_shards=num_shards),
         seed=cfg.seed,
         use_cached=cfg.use_cached,
         verbose=False,
     )
-    return ds.batch(layout.per_host_batch_size, drop_remainder=True).prefetch(2)
+
+
+def get_dataset(
+    cfg: DatasetConfig, layout: DataLayout, feature_converter_cls: type[seqio.FeatureConverter]
+) -> tf.data.Dataset:
+    """This host's rows `[per_host_batch, length]` of each global batch, as tf.data."""
+    configure_tensorflow()
+    import_task_module(cfg.module)
+    _check_registered(cfg.mixture_or_task_name)
+    total = input_shard_count(cfg, layout)
+    rows = layout.global_batch_size // total
+    shards = host_input_shards(cfg, layout)
+    parts = tuple(
+        logical_shard(cfg, r, total, feature_converter_cls).batch(rows, drop_remainder=True)
+        for r in shards
+    )
+    if len(parts) == 1:
+        ds = parts[0]
+    else:
+        ds = tf.data.Dataset.zip(parts).map(
+            lambda *batches: {k: tf.concat([b[k] for b in batches], 0) for k in batches[0]}
+        )
+    # With num_input_shards below the data-parallel degree, a shard may cover more rows
+    # than this host holds.
+    offset = layout.row_start - shards.start * rows
+    if offset or len(shards) * rows != layout.per_host_batch_size:
+        stop = offset + layout.per_host_batch_size
+        ds = ds.map(lambda batch: {k: v[offset:stop] for k, v in batch.items()})
+    return ds.prefetch(2)
 
 
 def model_feature_lengths(

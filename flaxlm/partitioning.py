@@ -150,16 +150,24 @@ def build_device_mesh(
 
 @dataclasses.dataclass(frozen=True)
 class DataLayout:
-    """This host's share of the global batch.
+    """This host's share of the global batch: rows `[row_start, row_start + per_host_batch_size)`.
 
-    Hosts whose devices hold the same rows of the global batch (a model replica spanning
-    hosts) get the same `shard_index`, and so read the same examples.
+    The global batch is split into `data_parallel_degree` equal row blocks, one per distinct
+    slice of the batch over the mesh's batch axes; a host's rows are a whole number of blocks.
+    Hosts whose devices hold the same rows (a model replica spanning hosts) get the same
+    `shard_index` (of `num_shards` distinct host spans), and so read identical examples.
     """
 
     global_batch_size: int
     per_host_batch_size: int
     shard_index: int
     num_shards: int
+    row_start: int = 0
+    data_parallel_degree: int = 1
+
+    @property
+    def row_stop(self) -> int:
+        return self.row_start + self.per_host_batch_size
 
 
 def _path_name(path: tuple[Any, ...]) -> str:
@@ -280,8 +288,8 @@ class Partitioner:
 
     # ------------------------------------------------------------------ data
 
-    def data_layout(self, global_batch_size: int) -> DataLayout:
-        """Which rows of the global batch this host feeds, and how many hosts read alike."""
+    def data_layout(self, global_batch_size: int, process_index: int | None = None) -> DataLayout:
+        """Which rows of the global batch a host feeds (this host's unless `process_index`)."""
         batch_axes = self.batch_mesh_axes()
         data_degree = self.data_parallel_degree()
         if global_batch_size % data_degree:
@@ -305,12 +313,17 @@ class Partitioner:
                 )
             spans[process] = (starts[0], stops[-1])
         distinct = sorted(set(spans.values()))
-        my_span = spans[jax.process_index()]
+        process = jax.process_index() if process_index is None else process_index
+        if process not in spans:
+            raise ValueError(f"Process {process} holds no device of mesh {self.mesh_shape}.")
+        my_span = spans[process]
         return DataLayout(
             global_batch_size=global_batch_size,
             per_host_batch_size=my_span[1] - my_span[0],
             shard_index=distinct.index(my_span),
             num_shards=len(distinct),
+            row_start=my_span[0],
+            data_parallel_degree=data_degree,
         )
 
     def batch_mesh_axes(self) -> tuple[str, ...]:

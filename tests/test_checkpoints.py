@@ -64,7 +64,7 @@ def test_restore_on_other_mesh_gives_same_params_and_next_loss(tmp_path):
 
 
 def test_data_iterator_position_is_restored(tmp_path):
-    partitioner = Partitioner(mesh_shape=(8, 1, 1))
+    partitioner = Partitioner(mesh_shape=(2, 1, 4))  # 2 logical input shards
     cfg = data.DatasetConfig(
         mixture_or_task_name="stdlib_py", task_feature_lengths={"targets": 32}, batch_size=8
     )

@@ -255,3 +255,90 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step_with_a_checkpoint(tmp
     files = os.listdir(os.path.join(model_dir, "checkpoints", str(stopped), "dataset"))
     assert any(f.startswith("process_0-of-2") for f in files)
     assert any(f.startswith("process_1-of-2") for f in files)
+
+
+def _tiny_run(tmp_path, name, mesh, steps, processes, repo_dir):
+    """`python -m flaxlm.main` on a tiny repeating task (an epoch is about 4 steps); returns
+    (per-step losses, the rows each process fed per step)."""
+    import numpy as np
+
+    run_dir = tmp_path / name
+    run_dir.mkdir(exist_ok=True)
+    for f in range(4):
+        lines = "".join(f"file {f} line {i} {'x' * (i % 5)}\n" for i in range(16))
+        (run_dir / f"part{f}.txt").write_text(lines)
+    os.environ["FLAXLM_TEST_RECORD_DIR"] = str(run_dir)
+    args = [
+        "-m",
+        "flaxlm.main",
+        "--gin_file=gin/gptj_pretrain.gin",
+        f"--gin.MODEL_DIR='{run_dir / 'model'}'",
+        "--gin.MIXTURE_OR_TASK_NAME='test_tiny_lines'",
+        "--gin.TASK_FEATURE_LENGTHS={'targets': 32}",
+        "--gin.BATCH_SIZE=8",
+        f"--gin.TRAIN_STEPS={steps}",
+        "--gin.LOG_PERIOD=1",
+        "--gin.EVAL_PERIOD=0",
+        "--gin.CHECKPOINT_PERIOD=3",
+        f"--gin.Partitioner.mesh_shape={mesh}",
+        # 2 input shards for every mesh, so that all runs read the same global batches.
+        "--gin.train/DatasetConfig.num_input_shards=2",
+        "--tasks_module=tests.record_batches",
+    ]
+    try:
+        results = launch(
+            lambda addr, i: (
+                args
+                + (
+                    [f"--coordinator_address={addr}", f"--process_count={processes}"]
+                    + [f"--process_index={i}"]
+                    if processes > 1
+                    else []
+                )
+            ),
+            num_processes=processes,
+            devices_per_process=8 // processes,
+            cwd=repo_dir,
+        )
+    finally:
+        del os.environ["FLAXLM_TEST_RECORD_DIR"]
+    for code, _, stderr in results:
+        assert code == 0, stderr[-3000:]
+    losses = {r["step"]: r["loss"] for r in read_metrics(str(run_dir / "model")) if "loss" in r}
+    rows = []
+    for i in range(processes):
+        with open(run_dir / f"process_{i}.jsonl") as f:
+            rows.append([np.asarray(json.loads(line)) for line in f])
+    return losses, rows
+
+
+@pytest.fixture(scope="module")
+def one_process_resumed(tmp_path_factory, repo_dir):
+    """One process with 8 devices: 3 steps, stopped, resumed to 6 (an epoch is about 4
+    steps, so the resumed window crosses an epoch boundary). Losses and global batches."""
+    tmp = tmp_path_factory.mktemp("reference")
+    _tiny_run(tmp, "ref", (2, 1, 4), 3, 1, repo_dir)
+    losses, (batches,) = _tiny_run(tmp, "ref", (2, 1, 4), 6, 1, repo_dir)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and len(batches) == 6
+    return losses, batches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [(8, 1, 1), (2, 1, 4), (1, 2, 4)])
+def test_two_processes_read_their_rows_of_the_one_process_batches(
+    tmp_path, repo_dir, one_process_resumed, mesh
+):
+    """Same global batches and losses whatever the process count, and a resumed run sees
+    exactly the batches of a straight one; each process read only its own rows."""
+    import numpy as np
+
+    ref_losses, ref_batches = one_process_resumed
+    losses, rows = _tiny_run(tmp_path, "run", mesh, 6, 2, repo_dir)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    for step in losses:
+        assert abs(losses[step] - ref_losses[step]) < 1e-6, (step, losses, ref_losses)
+    # Each process fed exactly its half of every global batch (data split over the hosts).
+    for process, fed in enumerate(rows):
+        assert len(fed) == 6
+        for got, want in zip(fed, ref_batches):
+            np.testing.assert_array_equal(got, want[4 * process : 4 * (process + 1)])
