@@ -67,7 +67,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=list(layers.REMAT_POLICIES),
         help="compared under --remat-partitioning",
     )
-    p.add_argument("--remat-partitioning", default="fsdp", choices=tuple(bench_common.PARTITIONINGS))
+    p.add_argument(
+        "--remat-partitioning", default="fsdp", choices=tuple(bench_common.PARTITIONINGS)
+    )
     p.add_argument("--layers", type=int, default=None, help="override the layer count (28 / 32)")
     p.add_argument("--hidden", type=int, default=None, help="override the width (4096)")
     p.add_argument("--batch-size", type=int, default=8)
@@ -232,8 +234,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for m in args.models:
         first = next(r for r in rows if r["model"] == m)
         print(
-            f"{m}: {first['num_params'] / 1e9:.3f}B params, params {gib(first['params_total_bytes'])}"
-            f" GiB, optimizer {gib(first['opt_total_bytes'])} GiB in all"
+            f"{m}: {first['num_params'] / 1e9:.3f}B params, "
+            f"params {gib(first['params_total_bytes'])} GiB, "
+            f"optimizer {gib(first['opt_total_bytes'])} GiB in all"
         )
     print(
         f"batch {args.batch_size} x length {args.seq_len}, scan_layers={args.scan_layers}, "
