@@ -93,8 +93,11 @@ class FlaxlmSide:
             trainer.make_train_step(model, self.partitioner, LEARNING_RATE)
         )
         self.state = setup.init_state()
+        # Unpacked rows: the model takes no positions / segment ids (the same as all-ones
+        # segments and 0..L-1 positions, which is what the torch side sees).
         self.batch = {
-            k: jax.device_put(v, self.partitioner.batch_sharding(v.ndim)) for k, v in batch.items()
+            k: jax.device_put(batch[k], self.partitioner.batch_sharding(batch[k].ndim))
+            for k in lengths
         }
         self.loss = float("nan")
 

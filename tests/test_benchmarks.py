@@ -57,6 +57,7 @@ ENTRY %main (a: f32[4,8]) -> f32[4,8] {
     assert out["unparsed"] == []
 
 
+@pytest.mark.slow
 def test_memory_fsdp_and_zero1_targets(tmp_path):
     memory = load("memory")
     path = tmp_path / "memory.json"
@@ -74,6 +75,7 @@ def test_memory_fsdp_and_zero1_targets(tmp_path):
     assert fsdp["temp_bytes"] > 0 and fsdp["remat_policy"] == memory.MODEL_REMAT
 
 
+@pytest.mark.slow
 def test_collectives_dp_matches_theory():
     collectives = load("collectives")
     argv = ["--partitionings", "dp", "--layers", "1", "--hidden", "64", "--vocab", "128"]
@@ -85,6 +87,7 @@ def test_collectives_dp_matches_theory():
     assert "all-gather" not in row["measured"]["by_kind"]
 
 
+@pytest.mark.slow
 def test_compile_time_scan(tmp_path):
     compile_time = load("compile_time")
     argv = ["--layers", "1", "3", "--modes", "scan", "--hidden", "64", "--seq-len", "16"]
