@@ -32,8 +32,10 @@ INSTALL_REQUIRES = [
 
 EXTRAS_REQUIRE = {
     # torch==2.13.0 is the CPU build; a looser pin pulls a multi-GB CUDA build.
-    "test": ["pytest", "ruff", "torch==2.13.0", "wandb", "lm_eval==0.4.13"],
+    "test": ["pytest", "ruff", "torch==2.13.0", "wandb", "lm_eval==0.4.13", "datasets==5.2.0"],
     "wandb": ["wandb"],
+    # tasks/hf_datasets.py: local HuggingFace `datasets` (save_to_disk, json, parquet).
+    "hf_datasets": ["datasets==5.2.0"],
     # `python -m flaxlm.harness`: lm-evaluation-harness with the `flaxlm` model.
     "lm_eval": ["lm_eval==0.4.13"],
 }

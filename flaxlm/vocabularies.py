@@ -23,6 +23,12 @@ import seqio
 import tensorflow as tf
 from etils import epath
 
+# seqio's own vocabularies, bindable in Gin files as `@seqio.SentencePieceVocabulary()`
+# (`seqio.SentencePieceVocabulary.sentencepiece_model_file = '/path/spm.model'`) and
+# `@seqio.ByteVocabulary()`.
+gin.external_configurable(seqio.SentencePieceVocabulary, module="seqio")
+gin.external_configurable(seqio.ByteVocabulary, module="seqio")
+
 
 @gin.configurable
 class HuggingFaceVocabulary(seqio.Vocabulary):

@@ -1,8 +1,15 @@
 """SeqIO tasks and mixtures; importing this package registers them."""
 
+# Vocabularies the task factories take, bindable in Gin: @HuggingFaceVocabulary(),
+# @seqio.SentencePieceVocabulary(), @seqio.ByteVocabulary().
+from flaxlm import vocabularies  # noqa: F401
 from tasks import (  # noqa: F401
+    hf_datasets,
+    jsonl,
+    mixtures,
     mlm,
     seq2seq,
     stdlib,
     text_files,
+    tfds_tasks,
 )

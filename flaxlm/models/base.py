@@ -313,36 +313,46 @@ class BaseModel(abc.ABC):
                 )
 
 
-@gin.configurable
-class DecoderOnlyModel(BaseModel):
-    """A causal language model over seqio's decoder-only features."""
+class _SingleStackModel(BaseModel):
+    """A model of one stack fed `<STACK>_input_tokens` (+ positions and segment ids), with
+    the loss on `<STACK>_target_tokens` weighted by `<STACK>_loss_weights`."""
 
-    FEATURE_CONVERTER_CLS = seqio.DecoderFeatureConverter
+    STACK = "decoder"
+
+    def _feature(self, name: str) -> str:
+        return f"{self.STACK}_{name}"
 
     def _dummy_batch(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Array]:
-        shape = tuple(batch_shapes["decoder_input_tokens"])
-        return {"decoder_input_tokens": jnp.zeros(shape, jnp.int32)}
+        key = self._feature("input_tokens")
+        return {key: jnp.zeros(tuple(batch_shapes[key]), jnp.int32)}
 
     def _init_variables(self, rng: Array, batch: dict[str, Array]) -> Any:
-        return self.module.init(rng, batch["decoder_input_tokens"])
+        return self.module.init(rng, batch[self._feature("input_tokens")])
 
     def _apply(self, params: Params, batch: Batch, *, rng: Array | None = None) -> Array:
         rngs = {"dropout": rng} if rng is not None else None
         return self.module.apply(
             {"params": params},
-            batch["decoder_input_tokens"],
-            batch.get("decoder_positions"),
-            batch.get("decoder_segment_ids"),
+            batch[self._feature("input_tokens")],
+            batch.get(self._feature("positions")),
+            batch.get(self._feature("segment_ids")),
             deterministic=rng is None,
             rngs=rngs,
         )
 
     def targets_and_weights(self, batch: Batch) -> tuple[Array, Array]:
-        targets = batch["decoder_target_tokens"]
-        weights = batch.get("decoder_loss_weights")
+        targets = batch[self._feature("target_tokens")]
+        weights = batch.get(self._feature("loss_weights"))
         if weights is None:
             weights = (targets > 0).astype(jnp.float32)
         return targets, weights
+
+
+@gin.configurable
+class DecoderOnlyModel(_SingleStackModel):
+    """A causal language model over seqio's decoder-only features."""
+
+    FEATURE_CONVERTER_CLS = seqio.DecoderFeatureConverter
 
     def check_decoding(
         self, inputs: np.ndarray, lengths: np.ndarray, config: decoding.DecodingConfig
@@ -450,11 +460,16 @@ class EncoderDecoderModel(BaseModel):
 
     def _apply(self, params: Params, batch: Batch, *, rng: Array | None = None) -> Array:
         rngs = {"dropout": rng} if rng is not None else None
+        encoder_segment_ids = batch.get("encoder_segment_ids")
+        if encoder_segment_ids is None:
+            # seqio's unpacked batches carry no segment ids; the encoder's padding (id 0)
+            # must still be hidden from its keys, as t5x masks `encoder_input_tokens > 0`.
+            encoder_segment_ids = (batch["encoder_input_tokens"] > 0).astype(jnp.int32)
         return self.module.apply(
             {"params": params},
             batch["encoder_input_tokens"],
             batch["decoder_input_tokens"],
-            batch.get("encoder_segment_ids"),
+            encoder_segment_ids,
             batch.get("decoder_segment_ids"),
             batch.get("encoder_positions"),
             batch.get("decoder_positions"),
@@ -575,7 +590,7 @@ class MaskedLMFeatureConverter(seqio.FeatureConverter):
 
 
 @gin.configurable
-class EncoderOnlyModel(BaseModel):
+class EncoderOnlyModel(_SingleStackModel):
     """A bidirectional encoder trained as a masked language model (RoBERTa).
 
     The module is called as `module(tokens, positions, segment_ids, deterministic=...)` and
@@ -585,31 +600,7 @@ class EncoderOnlyModel(BaseModel):
 
     FEATURE_CONVERTER_CLS = MaskedLMFeatureConverter
     TASK_FEATURES = ("inputs", "targets")
-
-    def _dummy_batch(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Array]:
-        shape = tuple(batch_shapes["encoder_input_tokens"])
-        return {"encoder_input_tokens": jnp.zeros(shape, jnp.int32)}
-
-    def _init_variables(self, rng: Array, batch: dict[str, Array]) -> Any:
-        return self.module.init(rng, batch["encoder_input_tokens"])
-
-    def _apply(self, params: Params, batch: Batch, *, rng: Array | None = None) -> Array:
-        rngs = {"dropout": rng} if rng is not None else None
-        return self.module.apply(
-            {"params": params},
-            batch["encoder_input_tokens"],
-            batch.get("encoder_positions"),
-            batch.get("encoder_segment_ids"),
-            deterministic=rng is None,
-            rngs=rngs,
-        )
-
-    def targets_and_weights(self, batch: Batch) -> tuple[Array, Array]:
-        targets = batch["encoder_target_tokens"]
-        weights = batch.get("encoder_loss_weights")
-        if weights is None:
-            weights = (targets > 0).astype(jnp.float32)
-        return targets, weights
+    STACK = "encoder"
 
 
 def batch_shapes_from(feature_lengths: Mapping[str, int], batch_size: int) -> dict[str, Any]:
