@@ -182,7 +182,18 @@ class TorchSide:
     slower than PyTorch). Its init differs from ours, so only its time is compared.
     """
 
-    def __init__(self, args: argparse.Namespace, batch: Batch) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        batch: Batch,
+        *,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        clip_norm: float | None = None,
+    ) -> None:
+        """The optimizer arguments default to `torch.optim.AdamW`'s own; `clip_norm` clips
+        the global gradient norm before each update (as flaxlm's optimizer does)."""
         import torch
         import transformers
 
@@ -204,7 +215,14 @@ class TorchSide:
         )
         self.torch = torch
         self.model = transformers.GPTJForCausalLM(config).train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=LEARNING_RATE,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
+        self.clip_norm = clip_norm
         self.inputs = torch.from_numpy(np.asarray(batch["decoder_input_tokens"], np.int64))
         self.labels = torch.from_numpy(np.asarray(batch["decoder_target_tokens"], np.int64))
         self.loss = float("nan")
@@ -216,6 +234,8 @@ class TorchSide:
         )
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        if self.clip_norm:
+            self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
         self.opt.step()
         return float(loss.detach())
 

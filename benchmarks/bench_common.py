@@ -1,0 +1,170 @@
+"""Helpers shared by the compile-only benchmarks (memory, collectives, compile time).
+
+They build flaxlm's own train step (`trainer.Setup`, `trainer.make_train_step`,
+`Partitioner.partition`) and lower and compile it on abstract inputs: the train state is
+`Setup.abstract_state` (ShapeDtypeStructs carrying their shardings), the batch is abstract
+too, so nothing is allocated at full size.
+
+Import this module before JAX when simulated devices are wanted (`force_host_devices`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+# The partitionings of gin/partitioning/*.gin: (mesh_shape, optimizer_sharding).
+PARTITIONINGS: dict[str, tuple[tuple[int, int, int], str]] = {
+    "dp": ((-1, 1, 1), "params"),
+    "zero1": ((-1, 1, 1), "zero1"),
+    "fsdp": ((1, -1, 1), "params"),
+    "tp": ((1, 1, -1), "params"),
+    "fsdp_tp": ((1, -1, 2), "params"),
+}
+
+
+def force_host_devices(count: int = 8) -> None:
+    """Simulate `count` CPU devices (as tests/conftest.py does); only before JAX starts."""
+    if "jax" in sys.modules:
+        return  # already started (e.g. under pytest, which sets 8 itself)
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_description() -> str:
+    import jax
+
+    device = jax.devices()[0]
+    return (
+        f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}; "
+        f"{jax.device_count()}x {device.device_kind} ({device.platform})"
+    )
+
+
+def make_partitioner(name: str, devices: Sequence[Any] | None = None) -> Any:
+    """The Partitioner of `gin/partitioning/<name>.gin`."""
+    from flaxlm.partitioning import Partitioner
+
+    if name not in PARTITIONINGS:
+        raise ValueError(f"partitioning {name!r}: expected one of {sorted(PARTITIONINGS)}.")
+    mesh_shape, optimizer_sharding = PARTITIONINGS[name]
+    return Partitioner(
+        mesh_shape=mesh_shape, optimizer_sharding=optimizer_sharding, devices=devices
+    )
+
+
+def feature_lengths(model: Any, seq_len: int) -> dict[str, int]:
+    """Model-feature lengths for `seq_len`-long task features."""
+    return {k: v[1] for k, v in model.example_batch_shapes(seq_len, 1).items()}
+
+
+class CompiledStep:
+    """flaxlm's partitioned train step, lowered and compiled on abstract inputs."""
+
+    def __init__(
+        self,
+        model: Any,
+        partitioner: Any,
+        batch_size: int,
+        seq_len: int,
+        learning_rate: float = 1e-3,
+    ) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        from flaxlm import optimizers, trainer
+
+        lengths = feature_lengths(model, seq_len)
+        tx = optimizers.create_optimizer(learning_rate=learning_rate)
+        self.setup = trainer.Setup(model, partitioner, tx, lengths)
+        step = self.setup.partition_train_step(
+            trainer.make_train_step(model, partitioner, learning_rate)
+        )
+        sharding = partitioner.batch_sharding(2)
+        self.abstract_batch = {
+            k: jax.ShapeDtypeStruct((batch_size, n), jnp.int32, sharding=sharding)
+            for k, n in lengths.items()
+        }
+        start = time.perf_counter()
+        self.lowered = step.lower(self.setup.abstract_state, self.abstract_batch)
+        self.lower_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        self.compiled = self.lowered.compile()
+        self.compile_seconds = time.perf_counter() - start
+
+
+def per_device_bytes(abstract_tree: Any) -> int:
+    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest
+    shard, i.e. device 0's for even splits)."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for leaf in jax.tree.leaves(abstract_tree):
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        total += int(np.prod(shard, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def total_bytes(abstract_tree: Any) -> int:
+    """Bytes of a tree of ShapeDtypeStructs, unsharded."""
+    import jax
+    import numpy as np
+
+    return sum(
+        int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        for leaf in jax.tree.leaves(abstract_tree)
+    )
+
+
+def unsharded_leaves(abstract_tree: Any, min_bytes: int = 0) -> list[tuple[str, tuple, str]]:
+    """(path, shape, spec) of leaves held whole on every device (for diagnosing targets)."""
+    import jax
+    import numpy as np
+
+    from flaxlm.partitioning import path_name
+
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_tree)[0]:
+        nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        if tuple(leaf.sharding.shard_shape(leaf.shape)) == tuple(leaf.shape):
+            if nbytes >= min_bytes and leaf.shape:
+                out.append((path_name(path), tuple(leaf.shape), str(leaf.sharding.spec)))
+    return out
+
+
+def write_json(results: Mapping[str, Any], path: str | None) -> None:
+    import json
+
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"\nWrote {path}")
+
+
+def print_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """A markdown table (pasteable into RESULTS.md)."""
+    print("| " + " | ".join(header) + " |")
+    print("| " + " | ".join("---" for _ in header) + " |")
+    for row in rows:
+        print("| " + " | ".join(str(c) for c in row) + " |")

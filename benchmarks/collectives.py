@@ -1,0 +1,399 @@
+"""Bytes moved by collectives in flaxlm's train step, read from the compiled HLO, vs theory.
+
+flaxlm's own train step (`make_train_step` partitioned by `Setup.partition_train_step`) for a
+small GPT-J is lowered and compiled on abstract inputs on 8 devices under dp, fsdp and tp
+(gin/partitioning/*.gin); `compiled.as_text()` is parsed for all-gather, reduce-scatter,
+all-reduce (and all-to-all, collective-permute), each op counted as many times as the
+while loops around it run (`known_trip_count`, e.g. the scanned layers).
+
+Two units per op, n = devices in its group, R = bytes of its result on one device:
+- array bytes: the size of the whole array the collective is about (all-gather: R;
+  reduce-scatter: its input, n x R; all-reduce: R);
+- ring bytes: what one device sends in a ring implementation (all-gather (n-1)/n x R,
+  reduce-scatter (n-1) x R, all-reduce 2 (n-1)/n x R); the ratio to theory uses these.
+
+Theory (P = bytes of a param, A = bytes of a [batch, length, embed] activation):
+- DP: one all-reduce of every gradient.
+- FSDP: each sharded param all-gathered in forward and again in backward, its gradient
+  reduce-scattered; params left whole (axes not mapped to fsdp) have their gradient
+  all-reduced.
+- TP (Megatron): per layer two all-reduces of A in forward and two in backward, plus the
+  vocab-split embedding (forward) and head (backward) one each.
+
+Target: measured <= 1.1 x theory.
+
+    python benchmarks/collectives.py --json /tmp/collectives.json
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common  # noqa: E402
+
+bench_common.force_host_devices(8)
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import shlex  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
+from flaxlm.models.gptj import GPTJConfig  # noqa: E402
+
+TARGET = 1.1
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+SHAPE_RE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
+COMPUTATION_RE = re.compile(r"^(?:ENTRY )?%(\S+) \(.*\{$")
+INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*)$")
+
+
+def type_bytes(type_str: str) -> int:
+    """Bytes of an HLO type (a shape or a tuple of shapes)."""
+    total = 0
+    for dtype, dims in SHAPE_RE.findall(type_str):
+        total += math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype]
+    return total
+
+
+def split_type(rhs: str) -> tuple[str, str, str]:
+    """`TYPE opcode(operands), attrs` -> (type, opcode, rest)."""
+    if rhs.startswith("("):
+        depth = 0
+        i = 0
+        for i, ch in enumerate(rhs):  # noqa: B007
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                break
+        type_str, rest = rhs[: i + 1], rhs[i + 1 :].lstrip()
+    else:
+        type_str, _, rest = rhs.partition(" ")
+    return type_str, rest.split("(", 1)[0], rest
+
+
+def group_size(attrs: str, num_devices: int) -> int:
+    """Devices per replica group, from `replica_groups=` in any of XLA's spellings."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:
+        sizes = {k.strip("' "): int(v) for k, v in re.findall(r"'?([\w]+)'?=(\d+)", m.group(1))}
+        names = [n.strip("' ") for n in m.group(2).split(",") if n.strip()]
+        return math.prod(sizes[n] for n in names)
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=", attrs)
+    if m:
+        return int(m.group(1).split(",")[-1])
+    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", attrs)
+    if m:
+        return len([x for x in m.group(1).split(",") if x])
+    return num_devices  # `replica_groups={}`: all devices
+
+
+@dataclasses.dataclass
+class Op:
+    kind: str
+    result_bytes: int
+    group: int
+    phase: str  # forward, backward or other (from the op's metadata)
+
+    @property
+    def array_bytes(self) -> int:
+        return self.result_bytes * (self.group if self.kind == "reduce-scatter" else 1)
+
+    @property
+    def ring_bytes(self) -> float:
+        n, r = self.group, self.result_bytes
+        if n <= 1:
+            return 0.0
+        if self.kind == "all-reduce":
+            return 2 * (n - 1) / n * r
+        if self.kind == "reduce-scatter":
+            return float((n - 1) * r)
+        if self.kind == "collective-permute":
+            return float(r)
+        return (n - 1) / n * r
+
+
+def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
+    """Collectives per train step: each op with the product of its enclosing trip counts."""
+    computations: dict[str, list[str]] = {}
+    entry = None
+    current = None
+    for line in text.splitlines():
+        m = COMPUTATION_RE.match(line)
+        if m:
+            current = m.group(1)
+            computations[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            computations[current].append(line)
+    if entry is None:
+        raise ValueError("No ENTRY computation in the HLO text.")
+
+    unparsed: list[str] = []
+    memo: dict[str, list[tuple[Op, int]]] = {}
+
+    def ops_of(name: str) -> list[tuple[Op, int]]:
+        if name in memo:
+            return memo[name]
+        memo[name] = []  # guards against cycles
+        out: list[tuple[Op, int]] = []
+        for line in computations.get(name, []):
+            m = INSTRUCTION_RE.match(line)
+            if not m:
+                continue
+            type_str, opcode, rest = split_type(m.group(2))
+            if opcode in COLLECTIVES:
+                op_name = re.search(r'op_name="([^"]*)"', rest)
+                op_name = op_name.group(1) if op_name else ""
+                phase = (
+                    "backward"
+                    if "transpose(" in op_name
+                    else "forward"
+                    if "jvp(" in op_name
+                    else "other"
+                )
+                out.append(
+                    (Op(opcode, type_bytes(type_str), group_size(rest, num_devices), phase), 1)
+                )
+            elif any(opcode == c + "-start" for c in COLLECTIVES):
+                unparsed.append(m.group(1))
+            elif opcode == "while":
+                body = re.search(r"body=%([^\s,]+)", rest).group(1)
+                trip = re.search(r'known_trip_count"?:\{"n":"(\d+)"', rest)
+                if trip is None:
+                    unparsed.append(f"{m.group(1)} (while without known_trip_count: counted once)")
+                count = int(trip.group(1)) if trip else 1
+                out += [(op, c * count) for op, c in ops_of(body)]
+            else:
+                for callee in re.findall(r"(?:calls|branch_computations)=\{?%([^\s,}]+)", rest):
+                    out += ops_of(callee)
+        memo[name] = out
+        return out
+
+    ops = ops_of(entry)
+    totals: dict[str, dict[str, float]] = collections.defaultdict(
+        lambda: {"count": 0, "array_bytes": 0, "ring_bytes": 0.0}
+    )
+    for op, count in ops:
+        for key in (op.kind, f"{op.kind}/{op.phase}"):
+            totals[key]["count"] += count
+            totals[key]["array_bytes"] += count * op.array_bytes
+            totals[key]["ring_bytes"] += count * op.ring_bytes
+    return {
+        "by_kind": dict(totals),
+        "array_bytes": sum(c * op.array_bytes for op, c in ops),
+        "ring_bytes": sum(c * op.ring_bytes for op, c in ops),
+        "unparsed": unparsed,
+    }
+
+
+# ---------------------------------------------------------------------------- theory
+
+
+def theory(
+    name: str, setup: Any, config: GPTJConfig, batch_size: int, seq_len: int, n: int
+) -> dict[str, Any]:
+    """Theoretical array and ring bytes per device per step (see the module docstring)."""
+    params = setup.abstract_state.params
+    leaves = jax.tree.leaves(params)
+    whole = sum(
+        math.prod(x.shape) * np.dtype(x.dtype).itemsize
+        for x in leaves
+        if tuple(x.sharding.shard_shape(x.shape)) == tuple(x.shape)
+    )
+    split = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves) - whole
+    ring = (n - 1) / n
+    if name == "dp":
+        parts = {"all-reduce gradients": (whole + split, 2 * ring * (whole + split))}
+    elif name == "fsdp":
+        parts = {
+            "all-gather params forward": (split, ring * split),
+            "all-gather params backward": (split, ring * split),
+            "reduce-scatter gradients": (split, ring * split),
+            "all-reduce gradients of whole params": (whole, 2 * ring * whole),
+        }
+    elif name == "tp":
+        act = batch_size * seq_len * config.hidden_size * np.dtype(config.dtype).itemsize
+        count = 4 * config.num_layers + 2
+        parts = {
+            f"all-reduce activations ({count} = 4 x {config.num_layers} layers + 2)": (
+                count * act,
+                2 * ring * count * act,
+            )
+        }
+    else:
+        raise ValueError(f"No theory for partitioning {name!r}; expected dp, fsdp or tp.")
+    return {
+        "parts": {k: {"array_bytes": a, "ring_bytes": r} for k, (a, r) in parts.items()},
+        "array_bytes": sum(a for a, _ in parts.values()),
+        "ring_bytes": sum(r for _, r in parts.values()),
+    }
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--partitionings", nargs="+", choices=("dp", "fsdp", "tp"), default=["dp", "fsdp", "tp"]
+    )
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--dump-hlo", metavar="DIR", help="also write each compiled HLO text here")
+    p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON here")
+    args = p.parse_args(argv)
+    for k in ("layers", "hidden", "heads", "vocab", "batch_size", "seq_len"):
+        if getattr(args, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be at least 1.")
+    n = 8
+    if args.heads % n or args.vocab % n or args.hidden % n or args.batch_size % n:
+        p.error(f"--heads, --vocab, --hidden and --batch-size must be multiples of {n} (devices).")
+    return args
+
+
+def mib(x: float) -> str:
+    return f"{x / 2**20:.2f}"
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    head_dim = args.hidden // args.heads
+    config = GPTJConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        rotary_dim=min(32, head_dim - head_dim % 2),
+        dtype="float32",
+        param_dtype="float32",
+        remat_policy="none",
+        scan_layers=args.scan_layers,
+    )
+    model = DecoderOnlyModel(config)
+    rows = []
+    for name in args.partitionings:
+        print(f"compiling {name} ...", flush=True)
+        partitioner = bench_common.make_partitioner(name)
+        step = bench_common.CompiledStep(model, partitioner, args.batch_size, args.seq_len)
+        text = step.compiled.as_text()
+        if args.dump_hlo:
+            os.makedirs(args.dump_hlo, exist_ok=True)
+            with open(os.path.join(args.dump_hlo, f"{name}.hlo.txt"), "w") as f:
+                f.write(text)
+        measured = parse_hlo(text, jax.device_count())
+        expected = theory(
+            name, step.setup, config, args.batch_size, args.seq_len, jax.device_count()
+        )
+        ratio = measured["ring_bytes"] / expected["ring_bytes"]
+        rows.append(
+            {
+                "partitioning": name,
+                "mesh": dict(zip(partitioner.mesh_axis_names, partitioner.mesh_shape)),
+                "measured": measured,
+                "theory": expected,
+                "ratio": ratio,
+                "array_ratio": measured["array_bytes"] / expected["array_bytes"],
+                "pass": ratio <= TARGET,
+            }
+        )
+
+    print(
+        f"\nGPT-J {args.layers}x{args.hidden} ({args.heads} heads, vocab {args.vocab}), "
+        f"B{args.batch_size}xL{args.seq_len}, float32, scan_layers={args.scan_layers}, "
+        f"{jax.device_count()} devices; MiB per device per step\n"
+    )
+    header = ["partitioning", "collective", "count", "array MiB", "ring MiB"]
+    table = []
+    for r in rows:
+        for kind, t in sorted(r["measured"]["by_kind"].items()):
+            table.append(
+                [r["partitioning"], kind, t["count"], mib(t["array_bytes"]), mib(t["ring_bytes"])]
+            )
+        for part, t in r["theory"]["parts"].items():
+            table.append(
+                [
+                    r["partitioning"],
+                    f"theory: {part}",
+                    "",
+                    mib(t["array_bytes"]),
+                    mib(t["ring_bytes"]),
+                ]
+            )
+    bench_common.print_table(header, table)
+    print()
+    summary = []
+    for r in rows:
+        summary.append(
+            [
+                r["partitioning"],
+                mib(r["measured"]["ring_bytes"]),
+                mib(r["theory"]["ring_bytes"]),
+                f"{r['ratio']:.3f}",
+                f"{r['array_ratio']:.3f}",
+                f"{'PASS' if r['pass'] else 'FAIL'} (<= {TARGET})",
+            ]
+        )
+        for u in r["measured"]["unparsed"]:
+            print(f"  note {r['partitioning']}: {u}")
+    bench_common.print_table(
+        [
+            "partitioning",
+            "measured ring MiB",
+            "theory ring MiB",
+            "ratio",
+            "array-bytes ratio",
+            "target",
+        ],
+        summary,
+    )
+    results = {
+        "date": datetime.date.today().isoformat(),
+        "command": shlex.join(["python", "benchmarks/collectives.py", *(argv or sys.argv[1:])]),
+        "machine": bench_common.machine_description(),
+        "jax_version": jax.__version__,
+        "devices": jax.device_count(),
+        "args": {k: v for k, v in vars(args).items() if k != "json"},
+        "rows": rows,
+    }
+    bench_common.write_json(results, args.json)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Train-step compile time against depth, with and without `scan_layers`.
+
+flaxlm's own train step (`make_train_step` partitioned by `Setup.partition_train_step`) for a
+tiny GPT-J is lowered and compiled (`.lower(abstract state, abstract batch).compile()`,
+wall clock, nothing executed) for each layer count, with the blocks unrolled and with
+`nn.scan` over them, on 8 devices under fsdp. Each configuration is timed `--repeats` times
+(a fresh model and jit each time, so nothing is cached) and the median is reported.
+
+Target: with scan_layers, 24 layers compile in <= 1.5 x the time of 2 layers.
+
+    python benchmarks/compile_time.py --json /tmp/compile_time.json
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common  # noqa: E402
+
+bench_common.force_host_devices(8)
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import shlex  # noqa: E402
+import statistics  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+
+import jax  # noqa: E402
+
+from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
+from flaxlm.models.gptj import GPTJConfig  # noqa: E402
+
+TARGET = 1.5
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 8, 24])
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--partitioning", default="fsdp", choices=tuple(bench_common.PARTITIONINGS))
+    p.add_argument("--repeats", type=int, default=1, help="compiles per configuration (median)")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=("scan", "unrolled"),
+        default=["scan", "unrolled"],
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON here")
+    args = p.parse_args(argv)
+    if min(args.layers) < 1 or args.repeats < 1 or args.hidden % args.heads:
+        p.error("--layers and --repeats must be at least 1; --hidden a multiple of --heads.")
+    return args
+
+
+def compile_seconds(layers: int, scan: bool, args: argparse.Namespace) -> dict[str, float]:
+    head_dim = args.hidden // args.heads
+    model = DecoderOnlyModel(
+        GPTJConfig(
+            vocab_size=384,
+            hidden_size=args.hidden,
+            num_layers=layers,
+            num_heads=args.heads,
+            rotary_dim=min(32, head_dim - head_dim % 2),
+            dtype="float32",
+            param_dtype="float32",
+            remat_policy="none",
+            scan_layers=scan,
+        )
+    )
+    partitioner = bench_common.make_partitioner(args.partitioning)
+    step = bench_common.CompiledStep(model, partitioner, args.batch_size, args.seq_len)
+    return {
+        "lower_seconds": step.lower_seconds,
+        "compile_seconds": step.compile_seconds,
+        "total_seconds": step.lower_seconds + step.compile_seconds,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    rows = []
+    # Alternate the modes and layer counts inside each repeat, so that a burst of load on
+    # the machine does not fall on one configuration only.
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for r in range(args.repeats):
+        for layers in args.layers:
+            for mode in args.modes:
+                t = compile_seconds(layers, mode == "scan", args)
+                runs.setdefault((mode, layers), []).append(t)
+                print(
+                    f"  repeat {r + 1}: {mode:8s} {layers:3d} layers: lower "
+                    f"{t['lower_seconds']:.2f}s + compile {t['compile_seconds']:.2f}s",
+                    flush=True,
+                )
+    for (mode, layers), ts in runs.items():
+        rows.append(
+            {
+                "mode": mode,
+                "layers": layers,
+                **{k: statistics.median(t[k] for t in ts) for k in ts[0]},
+                "total_seconds_all": [t["total_seconds"] for t in ts],
+            }
+        )
+    rows.sort(key=lambda r: (r["mode"], r["layers"]))
+    base = {r["mode"]: r["total_seconds"] for r in rows if r["layers"] == min(args.layers)}
+    for r in rows:
+        r["vs_fewest_layers"] = r["total_seconds"] / base[r["mode"]]
+    table = [
+        [
+            r["mode"],
+            r["layers"],
+            f"{r['lower_seconds']:.2f}",
+            f"{r['compile_seconds']:.2f}",
+            f"{r['total_seconds']:.2f}",
+            f"{r['vs_fewest_layers']:.2f}",
+        ]
+        for r in rows
+    ]
+    print(
+        f"\nGPT-J width {args.hidden}, B{args.batch_size}xL{args.seq_len}, "
+        f"{args.partitioning} on {jax.device_count()} devices, median of {args.repeats}\n"
+    )
+    bench_common.print_table(
+        ["mode", "layers", "lower s", "compile s", "total s", f"x of {min(args.layers)} layers"],
+        table,
+    )
+    results = {
+        "date": datetime.date.today().isoformat(),
+        "command": shlex.join(["python", "benchmarks/compile_time.py", *(argv or sys.argv[1:])]),
+        "machine": bench_common.machine_description(),
+        "jax_version": jax.__version__,
+        "devices": jax.device_count(),
+        "args": {k: v for k, v in vars(args).items() if k != "json"},
+        "rows": rows,
+    }
+    scan = {r["layers"]: r for r in rows if r["mode"] == "scan"}
+    if len(scan) > 1:
+        most, fewest = max(scan), min(scan)
+        ratio = scan[most]["total_seconds"] / scan[fewest]["total_seconds"]
+        results["scan_ratio"] = ratio
+        results["pass"] = ratio <= TARGET
+        print(
+            f"\nscan: {most} layers / {fewest} layers = {ratio:.2f} "
+            f"(target <= {TARGET}: {'PASS' if ratio <= TARGET else 'FAIL'})"
+        )
+    bench_common.write_json(results, args.json)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""Per-device memory of flaxlm's train step for GPT-J 6B and Llama 2 7B shapes on 8 devices.
+
+Nothing is allocated: the train state is `trainer.Setup.abstract_state` (shapes, dtypes and
+the shardings the run would use), the batch is abstract, and the step is flaxlm's own
+(`make_train_step` partitioned by `Setup.partition_train_step`), lowered and compiled. Per
+device and per configuration the report gives:
+
+- params, optimizer state: bytes of one device's shard of each array of the abstract state
+  (from its sharding), summed;
+- temporaries: `compiled.memory_analysis().temp_size_in_bytes` (XLA's buffers for
+  activations, gradients, gathered params, ... at this batch and length).
+
+Partitionings are those of gin/partitioning/*.gin on 8 devices (dp, zero1, fsdp, tp,
+fsdp_tp = fsdp 4 x tensor 2), with the model gin's remat policy; then every remat policy
+under fsdp. Targets: FSDP params + optimizer <= 1.05 x total / 8 per device; ZeRO-1
+optimizer <= 1.05 x total / 8 while params are whole.
+
+    python benchmarks/memory.py --json /tmp/memory.json
+    python benchmarks/memory.py --models gptj --layers 2 --hidden 256   # quick
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common  # noqa: E402
+
+bench_common.force_host_devices(8)
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import shlex  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+
+from flaxlm.models import layers  # noqa: E402
+from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
+from flaxlm.models.gptj import GPTJConfig  # noqa: E402
+from flaxlm.models.llama import LlamaConfig  # noqa: E402
+
+TARGET = 1.05
+GIB = 2**30
+MODEL_REMAT = "dots_with_no_batch_dims_saveable"  # the policy of gptj_6b.gin / llama2_7b.gin
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--models", nargs="+", choices=("gptj", "llama"), default=["gptj", "llama"])
+    p.add_argument(
+        "--partitionings",
+        nargs="+",
+        choices=tuple(bench_common.PARTITIONINGS),
+        default=list(bench_common.PARTITIONINGS),
+    )
+    p.add_argument(
+        "--remat-policies",
+        nargs="*",
+        choices=tuple(layers.REMAT_POLICIES),
+        default=list(layers.REMAT_POLICIES),
+        help="compared under --remat-partitioning",
+    )
+    p.add_argument(
+        "--remat-partitioning", default="fsdp", choices=tuple(bench_common.PARTITIONINGS)
+    )
+    p.add_argument("--layers", type=int, default=None, help="override the layer count (28 / 32)")
+    p.add_argument("--hidden", type=int, default=None, help="override the width (4096)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument(
+        "--scan-layers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="nn.scan the blocks (as the model gins do; one layer body compiled)",
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON here")
+    args = p.parse_args(argv)
+    for name in ("batch_size", "seq_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1.")
+    if args.layers is not None and args.layers < 1:
+        p.error("--layers must be at least 1.")
+    if args.hidden is not None and (args.hidden < 128 or args.hidden % 128):
+        p.error("--hidden must be a multiple of 128 (heads of 128 / 256 features).")
+    if args.batch_size % 8:
+        p.error("--batch-size must be a multiple of 8 (the data-parallel degree of dp).")
+    return args
+
+
+def build_model(name: str, args: argparse.Namespace, remat: str) -> DecoderOnlyModel:
+    """The shapes of gin/models/gptj_6b.gin or llama2_7b.gin (bf16 compute, f32 params)."""
+    hidden = args.hidden or 4096
+    scale = hidden / 4096
+    common = dict(
+        hidden_size=hidden,
+        dtype="bfloat16",
+        param_dtype="float32",
+        remat_policy=remat,
+        scan_layers=args.scan_layers,
+    )
+    if name == "gptj":
+        config = GPTJConfig(
+            vocab_size=50400,
+            num_layers=args.layers or 28,
+            num_heads=max(8, int(16 * scale)),
+            rotary_dim=min(64, hidden // max(8, int(16 * scale))),
+            intermediate_size=4 * hidden,
+            max_position_embeddings=2048,
+            **common,
+        )
+    else:
+        config = LlamaConfig(
+            vocab_size=32000,
+            num_layers=args.layers or 32,
+            num_heads=max(8, int(32 * scale)),
+            num_kv_heads=max(8, int(32 * scale)),
+            intermediate_size=int(11008 * scale) // 8 * 8,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            **common,
+        )
+    return DecoderOnlyModel(config)
+
+
+def measure(
+    model_name: str, partitioning: str, remat: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    model = build_model(model_name, args, remat)
+    partitioner = bench_common.make_partitioner(partitioning)
+    start = time.perf_counter()
+    step = bench_common.CompiledStep(model, partitioner, args.batch_size, args.seq_len)
+    wall = time.perf_counter() - start
+    state = step.setup.abstract_state
+    mem = step.compiled.memory_analysis()
+    n = jax.device_count()
+    params_total = bench_common.total_bytes(state.params)
+    opt_total = bench_common.total_bytes(state.opt_state)
+    row = {
+        "model": model_name,
+        "partitioning": partitioning,
+        "mesh": dict(zip(partitioner.mesh_axis_names, partitioner.mesh_shape)),
+        "remat_policy": remat,
+        "num_params": sum(x.size for x in jax.tree.leaves(state.params)),
+        "params_total_bytes": params_total,
+        "opt_total_bytes": opt_total,
+        "params_bytes": bench_common.per_device_bytes(state.params),
+        "opt_bytes": bench_common.per_device_bytes(state.opt_state),
+        "temp_bytes": int(mem.temp_size_in_bytes),
+        "argument_bytes": int(mem.argument_size_in_bytes),
+        "output_bytes": int(mem.output_size_in_bytes),
+        "alias_bytes": int(mem.alias_size_in_bytes),
+        "compile_seconds": wall,
+    }
+    ideal = (params_total + opt_total) / n
+    if partitioning == "fsdp":
+        value = row["params_bytes"] + row["opt_bytes"]
+        row["target"] = f"params+opt <= {TARGET} x total/{n}"
+        row["target_ratio"] = value / ideal
+        row["pass"] = value <= TARGET * ideal
+    elif partitioning == "zero1":
+        row["target"] = f"opt <= {TARGET} x total/{n}, params whole"
+        row["target_ratio"] = row["opt_bytes"] / (opt_total / n)
+        row["pass"] = (
+            row["opt_bytes"] <= TARGET * opt_total / n and row["params_bytes"] == params_total
+        )
+    if row.get("pass") is False:
+        # Name what keeps the target from being met: arrays held whole on every device.
+        tree = state.opt_state if partitioning == "zero1" else state
+        row["unsharded"] = [
+            f"{p} {s} {spec}"
+            for p, s, spec in bench_common.unsharded_leaves(tree, min_bytes=1 << 20)
+        ]
+    return row
+
+
+def gib(x: float) -> str:
+    return f"{x / GIB:.2f}"
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    configs = []
+    for model_name in args.models:
+        for partitioning in args.partitionings:
+            configs.append((model_name, partitioning, MODEL_REMAT))
+        for remat in args.remat_policies:
+            if (model_name, args.remat_partitioning, remat) not in configs:
+                configs.append((model_name, args.remat_partitioning, remat))
+    rows = []
+    for model_name, partitioning, remat in configs:
+        print(f"compiling {model_name} / {partitioning} / {remat} ...", flush=True)
+        rows.append(measure(model_name, partitioning, remat, args))
+        print(f"  {rows[-1]['compile_seconds']:.1f}s", flush=True)
+
+    header = [
+        "model",
+        "partitioning",
+        "remat",
+        "params GiB/dev",
+        "opt GiB/dev",
+        "temp GiB/dev",
+        "params+opt / (total/8)",
+        "target",
+    ]
+    table = []
+    for r in rows:
+        n = jax.device_count()
+        ratio = (r["params_bytes"] + r["opt_bytes"]) / (
+            (r["params_total_bytes"] + r["opt_total_bytes"]) / n
+        )
+        verdict = "-"
+        if "pass" in r:
+            verdict = f"{'PASS' if r['pass'] else 'FAIL'} ({r['target_ratio']:.3f}, {r['target']})"
+        table.append(
+            [
+                r["model"],
+                r["partitioning"],
+                r["remat_policy"],
+                gib(r["params_bytes"]),
+                gib(r["opt_bytes"]),
+                gib(r["temp_bytes"]),
+                f"{ratio:.3f}",
+                verdict,
+            ]
+        )
+    print()
+    for m in args.models:
+        first = next(r for r in rows if r["model"] == m)
+        print(
+            f"{m}: {first['num_params'] / 1e9:.3f}B params, "
+            f"params {gib(first['params_total_bytes'])} GiB, "
+            f"optimizer {gib(first['opt_total_bytes'])} GiB in all"
+        )
+    print(
+        f"batch {args.batch_size} x length {args.seq_len}, scan_layers={args.scan_layers}, "
+        f"{jax.device_count()} devices\n"
+    )
+    bench_common.print_table(header, table)
+    for r in rows:
+        for line in r.get("unsharded", []):
+            print(f"  FAIL {r['model']}/{r['partitioning']}: whole on every device: {line}")
+    results = {
+        "date": datetime.date.today().isoformat(),
+        "command": shlex.join(["python", "benchmarks/memory.py", *(argv or sys.argv[1:])]),
+        "machine": bench_common.machine_description(),
+        "jax_version": jax.__version__,
+        "devices": jax.device_count(),
+        "args": {k: v for k, v in vars(args).items() if k != "json"},
+        "rows": rows,
+    }
+    bench_common.write_json(results, args.json)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Smoke tests of the compile-only benchmarks and the PyTorch comparison, at tiny shapes."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(REPO, "benchmarks")
+
+
+def load(name: str):
+    """benchmarks/<name>.py as a module (the scripts import their siblings by name)."""
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", f"{BENCHMARKS}/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parse_hlo_counts_collectives_inside_loops():
+    collectives = load("collectives")
+    hlo = """HloModule m
+
+%body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]{1,0}) parameter(0)
+  %ag = f32[16,8]{1,0} all-gather(%x), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}, metadata={op_name="jit(f)/jvp(M)/while/body/dot"}
+  ROOT %t = (s32[], f32[4,8]{1,0}) tuple(%i, %y)
+}
+
+%cond (p: (s32[], f32[4,8])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[4,8]) -> f32[4,8] {
+  %w = (s32[], f32[4,8]{1,0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %ar = (f32[4,8]{1,0}, bf16[2]{0}) all-reduce(%a, %b), channel_id=2, replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, to_apply=%add, metadata={op_name="jit(f)/transpose(jvp(M))/dot"}
+  ROOT %rs = f32[1,8]{1,0} reduce-scatter(%a), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}
+}
+"""  # noqa: E501
+    out = collectives.parse_hlo(hlo, 8)
+    ag, ar, rs = (out["by_kind"][k] for k in ("all-gather", "all-reduce", "reduce-scatter"))
+    # all-gather: 3 trips of a 16x8 f32 result over groups of 4
+    assert ag["count"] == 3 and ag["array_bytes"] == 3 * 512
+    assert ag["ring_bytes"] == pytest.approx(3 * 512 * 3 / 4)
+    assert out["by_kind"]["all-gather/forward"]["count"] == 3
+    # all-reduce of a tuple (128 + 4 bytes) over 8 devices, in backward
+    assert ar["count"] == 1 and ar["array_bytes"] == 132
+    assert ar["ring_bytes"] == pytest.approx(2 * 7 / 8 * 132)
+    assert out["by_kind"]["all-reduce/backward"]["count"] == 1
+    # reduce-scatter: input 4x the 32-byte result, each device sends 3 results
+    assert rs["array_bytes"] == 128 and rs["ring_bytes"] == 96
+    assert out["unparsed"] == []
+
+
+@pytest.mark.slow
+def test_memory_fsdp_and_zero1_targets(tmp_path):
+    memory = load("memory")
+    path = tmp_path / "memory.json"
+    argv = ["--models", "gptj", "--layers", "1", "--hidden", "128", "--seq-len", "16"]
+    argv += ["--partitionings", "fsdp", "zero1", "--remat-policies", "--json", str(path)]
+    results = memory.main(argv)
+    assert json.loads(path.read_text())["rows"] == json.loads(json.dumps(results["rows"]))
+    rows = {r["partitioning"]: r for r in results["rows"]}
+    assert set(rows) == {"fsdp", "zero1"}
+    fsdp, zero1 = rows["fsdp"], rows["zero1"]
+    total = fsdp["params_total_bytes"] + fsdp["opt_total_bytes"]
+    assert fsdp["pass"] and total / 8 <= fsdp["params_bytes"] + fsdp["opt_bytes"] <= total / 7
+    assert zero1["pass"] and zero1["params_bytes"] == zero1["params_total_bytes"]
+    assert zero1["opt_bytes"] < zero1["opt_total_bytes"] / 7
+    assert fsdp["temp_bytes"] > 0 and fsdp["remat_policy"] == memory.MODEL_REMAT
+
+
+@pytest.mark.slow
+def test_collectives_dp_matches_theory():
+    collectives = load("collectives")
+    argv = ["--partitionings", "dp", "--layers", "1", "--hidden", "64", "--vocab", "128"]
+    results = collectives.main(argv + ["--seq-len", "16"])
+    (row,) = results["rows"]
+    # DP: exactly one all-reduce of the gradients (plus scalar metric reductions)
+    assert row["ratio"] == pytest.approx(1.0, abs=0.01) and row["pass"]
+    assert row["measured"]["by_kind"]["all-reduce"]["array_bytes"] >= row["theory"]["array_bytes"]
+    assert "all-gather" not in row["measured"]["by_kind"]
+
+
+@pytest.mark.slow
+def test_compile_time_scan(tmp_path):
+    compile_time = load("compile_time")
+    argv = ["--layers", "1", "3", "--modes", "scan", "--hidden", "64", "--seq-len", "16"]
+    results = compile_time.main(argv + ["--json", str(tmp_path / "ct.json")])
+    assert [(r["mode"], r["layers"]) for r in results["rows"]] == [("scan", 1), ("scan", 3)]
+    assert all(r["compile_seconds"] > 0 and r["lower_seconds"] > 0 for r in results["rows"])
+    assert results["scan_ratio"] > 0 and isinstance(results["pass"], bool)
+    assert json.loads((tmp_path / "ct.json").read_text())["scan_ratio"] == results["scan_ratio"]
+
+
+@pytest.mark.slow
+def test_vs_pytorch_tiny():
+    vs_pytorch = load("vs_pytorch")
+    argv = ["--hidden-size", "64", "--num-layers", "1", "--num-heads", "2", "--batch-size", "2"]
+    argv += ["--seq-len", "16", "--steps", "2", "--repeats", "2", "--warmup", "1"]
+    results = vs_pytorch.main(argv)
+    assert results["flaxlm_tokens_per_second"] > 0 and results["torch_tokens_per_second"] > 0
+    assert len(results["ratio_per_round"]) == 2
+    # both start near ln(vocab) = ln(384) on random tokens, and both train
+    for side in ("flaxlm", "torch"):
+        assert 5.0 < results["warmup_losses"][side] < 7.0
+        assert results["last_losses"][side] < results["warmup_losses"][side]
