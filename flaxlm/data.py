@@ -26,8 +26,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import json
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import gin
@@ -90,6 +91,24 @@ def _check_registered(name: str) -> None:
         "Register it in a module and pass that module (DatasetConfig.module or "
         "--gin.MIXTURE_OR_TASK_MODULE)."
     )
+
+
+def read_jsonl(path: str, required: Sequence[str] = ("in_text",)) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a JSONL file; a bad line fails naming the file and line."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not valid JSON ({e.msg}).") from e
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object, got {line[:60]!r}.")
+            missing = [k for k in required if not isinstance(record.get(k), str)]
+            if missing:
+                raise ValueError(f"{path}:{number}: missing string field(s) {missing}.")
+            yield record
 
 
 def input_shard_count(cfg: DatasetConfig, layout: DataLayout) -> int:

@@ -92,24 +92,6 @@ class Example:
     target_ids: list[int] | None = None
 
 
-def read_jsonl(path: str, required: Sequence[str] = ("in_text",)) -> Iterator[dict[str, Any]]:
-    """The JSON objects of a JSONL file; a bad line fails naming the file and line."""
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: not valid JSON ({e.msg}).") from e
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object, got {line[:60]!r}.")
-            missing = [k for k in required if not isinstance(record.get(k), str)]
-            if missing:
-                raise ValueError(f"{path}:{number}: missing string field(s) {missing}.")
-            yield record
-
-
 def _model_ids(
     model: BaseModel, vocabulary: seqio.Vocabulary, text: str, *, is_target: bool
 ) -> list[int]:
@@ -168,7 +150,7 @@ def read_examples(
         name = epath.Path(source).stem
         if source.endswith(".jsonl"):
             fields = ("in_text", "out_text") if need_targets else ("in_text",)
-            records = [(r["in_text"], r.get("out_text")) for r in read_jsonl(source, fields)]
+            records = [(r["in_text"], r.get("out_text")) for r in data.read_jsonl(source, fields)]
         else:
             if need_targets:
                 raise ValueError(

@@ -23,7 +23,7 @@ import gin
 import seqio
 import tensorflow as tf
 
-from flaxlm.evaluation import read_jsonl
+from flaxlm.data import read_jsonl
 
 
 def in_memory_dataset(

@@ -192,10 +192,10 @@ def test_bad_jsonl_line_is_named_with_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"in_text": "ok"}\n{"in_text": \n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
-        list(evaluation.read_jsonl(str(path)))
+        list(data.read_jsonl(str(path)))
     path.write_text('{"in_text": "ok"}\n{"text": "no in_text"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: missing string field\(s\) \['in_text'\]"):
-        list(evaluation.read_jsonl(str(path)))
+        list(data.read_jsonl(str(path)))
 
 
 def test_text_metrics():
