@@ -141,11 +141,12 @@ def test_loglikelihood_rolling_equals_flaxlm_scores_and_eval_path(lm, results):
     short, partial, full = docs
     assert len(short) <= MAX_LENGTH and len(partial) == 100 and len(full) == 2 * MAX_LENGTH
     # Windows of MAX_LENGTH predictions, each conditioned on everything before it in the
-    # window (the last window reaches back a full MAX_LENGTH).
+    # window: the last window's input (context + continuation minus its last token) is a
+    # full MAX_LENGTH, so its context starts at 100 - MAX_LENGTH - 1.
     pairs = [
         ([0], short),
         ([0], partial[:64]),
-        (partial[100 - MAX_LENGTH : 64], partial[64:]),
+        (partial[100 - MAX_LENGTH - 1 : 64], partial[64:]),
         ([0], full[:64]),
         (full[63:64], full[64:]),
     ]
