@@ -32,7 +32,15 @@ INSTALL_REQUIRES = [
 
 EXTRAS_REQUIRE = {
     # torch==2.13.0 is the CPU build; a looser pin pulls a multi-GB CUDA build.
-    "test": ["pytest", "pytest-xdist==3.8.0", "ruff", "torch==2.13.0", "wandb", "lm_eval==0.4.13", "datasets==5.2.0"],
+    "test": [
+        "pytest",
+        "pytest-xdist==3.8.0",
+        "ruff",
+        "torch==2.13.0",
+        "wandb",
+        "lm_eval==0.4.13",
+        "datasets==5.2.0",
+    ],
     "wandb": ["wandb"],
     # tasks/hf_datasets.py: local HuggingFace `datasets` (save_to_disk, json, parquet).
     "hf_datasets": ["datasets==5.2.0"],
