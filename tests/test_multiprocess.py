@@ -257,7 +257,7 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step_with_a_checkpoint(tmp
     assert any(f.startswith("process_1-of-2") for f in files)
 
 
-def _tiny_run(tmp_path, name, mesh, steps, processes, repo_dir):
+def _tiny_run(tmp_path, name, mesh, steps, processes, repo_dir, extra_args=()):
     """`python -m flaxlm.main` on a tiny repeating task (an epoch is about 4 steps); returns
     (per-step losses, the rows each process fed per step)."""
     import numpy as np
@@ -284,6 +284,7 @@ def _tiny_run(tmp_path, name, mesh, steps, processes, repo_dir):
         # 2 input shards for every mesh, so that all runs read the same global batches.
         "--gin.train/DatasetConfig.num_input_shards=2",
         "--tasks_module=tests.record_batches",
+        *extra_args,
     ]
     try:
         results = launch(
@@ -324,7 +325,7 @@ def one_process_resumed(tmp_path_factory, repo_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [(8, 1, 1), (2, 1, 4), (1, 2, 4)])
+@pytest.mark.parametrize("mesh", [(8, 1, 1), (2, 1, 4), (1, 2, 4), (1, 1, 8)])
 def test_two_processes_read_their_rows_of_the_one_process_batches(
     tmp_path, repo_dir, one_process_resumed, mesh
 ):
@@ -333,12 +334,22 @@ def test_two_processes_read_their_rows_of_the_one_process_batches(
     import numpy as np
 
     ref_losses, ref_batches = one_process_resumed
-    losses, rows = _tiny_run(tmp_path, "run", mesh, 6, 2, repo_dir)
+    # (1, 1, 8): `tensor` spans both processes, so each holds every row of the one model
+    # replica. The tiny model's 4 heads do not split 8 ways, so that run has 8 heads: its
+    # losses differ from the reference's, its batches must not.
+    replica_spans_hosts = mesh[0] * mesh[1] == 1
+    extra = ["--gin.GPTJConfig.num_heads=8"] if replica_spans_hosts else []
+    losses, rows = _tiny_run(tmp_path, "run", mesh, 6, 2, repo_dir, extra)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     for step in losses:
-        assert abs(losses[step] - ref_losses[step]) < 1e-6, (step, losses, ref_losses)
-    # Each process fed exactly its half of every global batch (data split over the hosts).
+        if not replica_spans_hosts:
+            assert abs(losses[step] - ref_losses[step]) < 1e-6, (step, losses, ref_losses)
+    # Each process fed exactly its half of every global batch (data split over the hosts),
+    # or, where the replica spans both processes, both read the same whole batch.
     for process, fed in enumerate(rows):
         assert len(fed) == 6
         for got, want in zip(fed, ref_batches):
-            np.testing.assert_array_equal(got, want[4 * process : 4 * (process + 1)])
+            if replica_spans_hosts:
+                np.testing.assert_array_equal(got, want)
+            else:
+                np.testing.assert_array_equal(got, want[4 * process : 4 * (process + 1)])
