@@ -33,9 +33,9 @@ from collections.abc import Sequence  # noqa: E402
 import jax  # noqa: E402
 import seqio  # noqa: E402
 from absl import logging  # noqa: E402
+from bench_common import machine_description  # noqa: E402  (puts the repository on sys.path)
 
 import tasks  # noqa: E402, F401
-from benchmarks.train_step import machine_description  # noqa: E402
 from flaxlm import data, optimizers, trainer  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
 from flaxlm.models.gptj import GPTJConfig  # noqa: E402

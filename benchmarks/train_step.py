@@ -26,7 +26,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import shlex  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -40,6 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from absl import logging  # noqa: E402
+from bench_common import machine_description  # noqa: E402  (a sibling script)
 
 import tasks  # noqa: E402, F401  (registers stdlib_py)
 from flaxlm import data, optimizers, trainer  # noqa: E402
@@ -372,25 +372,6 @@ def measure_input_wait(sides: Sides, iterator: data.DataIterator, args: argparse
 
 
 # ---------------------------------------------------------------------------- report
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_description() -> str:
-    device = jax.devices()[0]
-    return (
-        f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}; "
-        f"{jax.device_count()}x {device.device_kind} ({device.platform})"
-    )
 
 
 def config_description(args: argparse.Namespace) -> str:
