@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping, Sequence
 
 import seqio
 import tensorflow as tf
@@ -80,3 +81,35 @@ def mask_tokens(
         return out
 
     return mask(dataset)
+
+
+def add_lm_task(
+    name: str,
+    source: seqio.DataSource,
+    *,
+    text_key: str = "text",
+    vocabulary: seqio.Vocabulary | None = None,
+    add_eos: bool = True,
+    preprocessors: Sequence[Callable[..., tf.data.Dataset]] = (),
+) -> str:
+    """Registers a language-modelling task over `source` and returns its name: the text
+    feature `text_key` (after `preprocessors`) becomes `targets`, tokenized (bytes if no
+    `vocabulary`), cut into target-length chunks, with EOS after each."""
+    seqio.TaskRegistry.add(
+        name,
+        source=source,
+        preprocessors=[
+            *preprocessors,
+            functools.partial(seqio.preprocessors.rekey, key_map={"targets": text_key}),
+            seqio.preprocessors.tokenize,
+            split_targets,
+            seqio.preprocessors.append_eos_after_trim,
+        ],
+        output_features={
+            "targets": seqio.Feature(
+                vocabulary or seqio.ByteVocabulary(), add_eos=add_eos, dtype=tf.int32
+            )
+        },
+        metric_fns=[],
+    )
+    return name

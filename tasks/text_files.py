@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 
 import gin
 import seqio
 import tensorflow as tf
 
-from tasks.preprocessors import split_targets
+from tasks.preprocessors import add_lm_task
 
 
 @gin.configurable
@@ -51,21 +50,4 @@ def register_text_files_task(
         to_dict = []
     else:
         raise ValueError(f"one_example_per={one_example_per!r}: expected 'line' or 'file'.")
-    seqio.TaskRegistry.add(
-        name,
-        source=source,
-        preprocessors=[
-            *to_dict,
-            functools.partial(seqio.preprocessors.rekey, key_map={"targets": "text"}),
-            seqio.preprocessors.tokenize,
-            split_targets,
-            seqio.preprocessors.append_eos_after_trim,
-        ],
-        output_features={
-            "targets": seqio.Feature(
-                vocabulary or seqio.ByteVocabulary(), add_eos=add_eos, dtype=tf.int32
-            )
-        },
-        metric_fns=[],
-    )
-    return name
+    return add_lm_task(name, source, vocabulary=vocabulary, add_eos=add_eos, preprocessors=to_dict)

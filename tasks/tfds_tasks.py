@@ -9,14 +9,12 @@ your own with `register_tfds_task(..., vocabulary=...)` for another tokenizer.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 
 import gin
 import seqio
-import tensorflow as tf
 
-from tasks.preprocessors import split_targets
+from tasks.preprocessors import add_lm_task
 
 # {task: (tfds name, {split: TFDS split})}. The splits are spelled out so that registering
 # never asks TFDS for the dataset's info (which could reach the network).
@@ -51,23 +49,13 @@ def register_tfds_task(
     if name in seqio.TaskRegistry.names():
         return name
     split_map = dict(splits) if isinstance(splits, Mapping) else {s: s for s in splits}
-    seqio.TaskRegistry.add(
+    return add_lm_task(
         name,
-        source=seqio.TfdsDataSource(tfds_name, tfds_data_dir=tfds_data_dir, splits=split_map),
-        preprocessors=[
-            functools.partial(seqio.preprocessors.rekey, key_map={"targets": text_key}),
-            seqio.preprocessors.tokenize,
-            split_targets,
-            seqio.preprocessors.append_eos_after_trim,
-        ],
-        output_features={
-            "targets": seqio.Feature(
-                vocabulary or seqio.ByteVocabulary(), add_eos=add_eos, dtype=tf.int32
-            )
-        },
-        metric_fns=[],
+        seqio.TfdsDataSource(tfds_name, tfds_data_dir=tfds_data_dir, splits=split_map),
+        text_key=text_key,
+        vocabulary=vocabulary,
+        add_eos=add_eos,
     )
-    return name
 
 
 for _name, (_tfds_name, _splits) in DEFAULT_TASKS.items():
