@@ -153,6 +153,25 @@ def unsharded_leaves(abstract_tree: Any, min_bytes: int = 0) -> list[tuple[str, 
     return out
 
 
+def run_record(script: str, args: Any, argv: Sequence[str] | None, **fields: Any) -> dict[str, Any]:
+    """What every benchmark's JSON starts with: date, the command that reproduces the run
+    (`script` with `argv`), machine, JAX version and devices, the arguments; then `fields`."""
+    import datetime
+    import shlex
+
+    import jax
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "command": shlex.join(["python", f"benchmarks/{script}", *(argv or sys.argv[1:])]),
+        "machine": machine_description(),
+        "jax_version": jax.__version__,
+        "devices": jax.device_count(),
+        "args": {k: v for k, v in vars(args).items() if k != "json"},
+        **fields,
+    }
+
+
 def write_json(results: Mapping[str, Any], path: str | None) -> None:
     import json
 

@@ -38,10 +38,8 @@ bench_common.force_host_devices(8)
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import dataclasses  # noqa: E402
-import datetime  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
-import shlex  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -382,15 +380,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ],
         summary,
     )
-    results = {
-        "date": datetime.date.today().isoformat(),
-        "command": shlex.join(["python", "benchmarks/collectives.py", *(argv or sys.argv[1:])]),
-        "machine": bench_common.machine_description(),
-        "jax_version": jax.__version__,
-        "devices": jax.device_count(),
-        "args": {k: v for k, v in vars(args).items() if k != "json"},
-        "rows": rows,
-    }
+    results = bench_common.run_record("collectives.py", args, argv, rows=rows)
     bench_common.write_json(results, args.json)
     return results
 

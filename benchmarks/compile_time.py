@@ -22,8 +22,6 @@ import bench_common  # noqa: E402
 bench_common.force_host_devices(8)
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
-import shlex  # noqa: E402
 import statistics  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
@@ -132,15 +130,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ["mode", "layers", "lower s", "compile s", "total s", f"x of {min(args.layers)} layers"],
         table,
     )
-    results = {
-        "date": datetime.date.today().isoformat(),
-        "command": shlex.join(["python", "benchmarks/compile_time.py", *(argv or sys.argv[1:])]),
-        "machine": bench_common.machine_description(),
-        "jax_version": jax.__version__,
-        "devices": jax.device_count(),
-        "args": {k: v for k, v in vars(args).items() if k != "json"},
-        "rows": rows,
-    }
+    results = bench_common.run_record("compile_time.py", args, argv, rows=rows)
     scan = {r["layers"]: r for r in rows if r["mode"] == "scan"}
     if len(scan) > 1:
         most, fewest = max(scan), min(scan)

@@ -30,8 +30,6 @@ import bench_common  # noqa: E402
 bench_common.force_host_devices(8)
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
-import shlex  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
@@ -246,15 +244,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for r in rows:
         for line in r.get("unsharded", []):
             print(f"  FAIL {r['model']}/{r['partitioning']}: whole on every device: {line}")
-    results = {
-        "date": datetime.date.today().isoformat(),
-        "command": shlex.join(["python", "benchmarks/memory.py", *(argv or sys.argv[1:])]),
-        "machine": bench_common.machine_description(),
-        "jax_version": jax.__version__,
-        "devices": jax.device_count(),
-        "args": {k: v for k, v in vars(args).items() if k != "json"},
-        "rows": rows,
-    }
+    results = bench_common.run_record("memory.py", args, argv, rows=rows)
     bench_common.write_json(results, args.json)
     return results
 
