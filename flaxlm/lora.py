@@ -1,12 +1,14 @@
-"""Low-rank adapters (LoRA) over any model's dense kernels, applied functionally.
+"""Low-rank adapters (LoRA) over any model's dense kernels.
 
 `LoraConfig.rules` maps regexes over "/"-joined kernel paths (e.g. `decoder/layers_0/attn/
 q_proj/kernel`) to ranks. Every matched kernel `W` (dims: [stacked layers...] + in + out)
-gets `lora_a` (stack + in + [r], random) and `lora_b` (stack + [r] + out, zeros), and the
-model computes with `W + (alpha / r) * A @ B`: `apply_adapters(base, adapters)` builds those
-effective params outside the model, so every family works unchanged, and gradients taken
-with respect to the adapters never reach (or change) the base params. `merge` is the same
-fold, done once, for export and inference.
+gets `lora_a` (stack + in + [r], random) and `lora_b` (stack + [r] + out, zeros).
+
+Training computes the textbook `x W + (alpha / r) (dropout(x) A) B`: `with_adapters` puts the
+(scaled) adapters into the params tree beside their kernels, where `layers.DenseGeneral.adapt`
+finds them (scanned layers slice them like any param), so every family works unchanged, the
+frozen `W` gets no gradient, and nothing kernel-sized is built per step. `merge` folds them
+into the kernels (`W + (alpha / r) A @ B`) once, for evaluation, inference and export.
 
 The adapter tree mirrors the kernels' module paths (`.../q_proj/lora_a`), and the adapter
 axes are the kernel's logical axes (the rank dim unsharded), so adapters shard under any
@@ -47,6 +49,8 @@ class LoraConfig:
     rules: Sequence[tuple[str, int]] = ((r"(q|v)_proj/kernel$", 8),)
     # The update is scaled by alpha / rank (as in the LoRA paper and PEFT).
     alpha: float = 16.0
+    # Dropout on the input of the low-rank path (training only; PEFT's lora_dropout).
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         rules = tuple((str(p), r) for p, r in self.rules)
@@ -61,14 +65,24 @@ class LoraConfig:
                 re.compile(pattern)
             except re.error as e:
                 raise ValueError(f"LoraConfig rule {pattern!r} is not a valid regex: {e}") from e
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoraConfig.dropout={self.dropout!r}: expected 0 <= dropout < 1.")
         object.__setattr__(self, "rules", rules)
 
     def to_json(self) -> dict[str, Any]:
-        return {"rules": [list(r) for r in self.rules], "alpha": self.alpha}
+        return {
+            "rules": [list(r) for r in self.rules],
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+        }
 
     @classmethod
     def from_json(cls, record: Mapping[str, Any]) -> LoraConfig:
-        return cls(rules=tuple((p, int(r)) for p, r in record["rules"]), alpha=record["alpha"])
+        return cls(
+            rules=tuple((p, int(r)) for p, r in record["rules"]),
+            alpha=record["alpha"],
+            dropout=record.get("dropout", 0.0),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +125,8 @@ def dense_kernels(model: Any, batch_shapes: Mapping[str, tuple[int, ...]]) -> di
 
     def record(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
         module = context.module
-        if isinstance(module, layers.DenseGeneral) and context.method_name == "__call__":
-            axis = module.axis if isinstance(module.axis, Sequence) else (module.axis,)
-            num_in[tuple(str(p) for p in module.path)] = len(axis)
+        if isinstance(module, layers.DenseGeneral) and context.method_name == "weights":
+            num_in[tuple(str(p) for p in module.path)] = len(args[0])  # args: (in_shape,)
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(record):
@@ -225,6 +238,19 @@ def apply_adapters(base: Params, adapters: Params, alpha: float) -> Params:
     return traverse_util.unflatten_dict(out)
 
 
+def with_adapters(base: Params, adapters: Params, alpha: float) -> Params:
+    """`base` with each adapter beside its kernel (`lora_a` scaled by `alpha / r`): the
+    params under which `layers.DenseGeneral` computes `x W + (dropout(x) A) B`."""
+    flat = traverse_util.flatten_dict(base)
+    for path, x in traverse_util.flatten_dict(adapters).items():
+        if path[:-1] + ("kernel",) not in flat:
+            raise ValueError(f"Adapter {'/'.join(path[:-1])} has no kernel in the base params.")
+        if path[-1] == "lora_a":
+            x = x * (alpha / x.shape[-1])
+        flat[path] = x
+    return traverse_util.unflatten_dict(flat)
+
+
 def merge(base_params: Params, adapters: Params, cfg: LoraConfig) -> Params:
     """Base params with the adapters folded in: an ordinary params tree of the model."""
     return apply_adapters(base_params, adapters, cfg.alpha)
@@ -247,8 +273,11 @@ class LoraModel:
         return self.model.targets_and_weights(batch)
 
     def loss_fn(self, adapters: Params, batch: Any, rng: Any, normalizer: Any = None) -> Any:
-        params = apply_adapters(jax.lax.stop_gradient(self.base_params), adapters, self.cfg.alpha)
-        return self.model.loss_fn(params, batch, rng, normalizer)
+        base = jax.lax.stop_gradient(self.base_params)
+        params = with_adapters(base, adapters, self.cfg.alpha)
+        rate = self.cfg.dropout if rng is not None else 0.0
+        with layers.lora_dropout(rate):
+            return self.model.loss_fn(params, batch, rng, normalizer)
 
 
 # ---------------------------------------------------------------- a LoRA run's MODEL_DIR

@@ -52,14 +52,16 @@ def randomize_b(adapters, seed=1):
 
 def reference_logits(model, base, adapters, alpha, batch):
     """The adapted model computed the textbook way, `x W + (alpha/r) (x A) B` at each adapted
-    dense layer (base params unmerged), by intercepting the layers' calls."""
+    dense layer (base params unmerged), by intercepting the layers' output hook."""
     flat = traverse_util.flatten_dict(adapters)
 
     def add_lora(next_fun, args, kwargs, context):
         y = next_fun(*args, **kwargs)
         module = context.module
         key = tuple(module.path) + ("lora_a",)
-        if isinstance(module, layers.DenseGeneral) and key in flat:
+        if isinstance(module, layers.DenseGeneral) and context.method_name == "adapt":
+            if key not in flat:
+                return y
             a, b = flat[key], flat[tuple(module.path) + ("lora_b",)]
             x, n_in = args[0], a.ndim - 1
             xa = jnp.tensordot(x, a, axes=(list(range(x.ndim - n_in, x.ndim)), list(range(n_in))))
@@ -168,6 +170,40 @@ def test_merge_matches_textbook_lora_forward(family):
     reference = reference_logits(model, base, adapters, cfg.alpha, batch)
     assert np.abs(reference - start).max() > 1e-2  # the adapters matter
     np.testing.assert_allclose(merged_logits, reference, atol=1e-5)
+    # Training's unmerged path (adapters beside the kernels) computes the same model.
+    unmerged = np.asarray(logits(lora.with_adapters(base, adapters, cfg.alpha), batch))
+    np.testing.assert_allclose(unmerged, reference, atol=1e-5)
+
+
+def test_lora_dropout_acts_on_the_low_rank_path_only_in_training():
+    model = tiny_llama(scan_layers=True)
+    shapes = model.example_batch_shapes()
+    base = model.init_params(jax.random.PRNGKey(0), shapes)
+    batch = random_batch(seed=3)
+    losses = {}
+    for name, dropout in (("none", 0.0), ("half", 0.5)):
+        cfg = lora.LoraConfig(rules=RULES, alpha=8.0, dropout=dropout)
+        adapters = lora.init_adapters(jax.random.PRNGKey(1), lora.plan(cfg, model, shapes))
+        for b_name, ad in (("zero_b", adapters), ("random_b", randomize_b(adapters))):
+            loss_model = lora.LoraModel(model, cfg, base)
+            for rng_name, rng in (
+                ("eval", None),
+                ("rng0", jax.random.PRNGKey(0)),
+                ("rng1", jax.random.PRNGKey(1)),
+            ):
+                loss = jax.jit(loss_model.loss_fn)(ad, batch, rng)[0]
+                losses[name, b_name, rng_name] = float(loss)
+    # B = 0: the low-rank path adds nothing, dropped or not (the base path is never dropped).
+    zero_b = {v for k, v in losses.items() if k[1] == "zero_b"}
+    assert len(zero_b) == 1
+    # Without dropout, the rng changes nothing; with it, the loss depends on the rng in
+    # training and equals the no-dropout loss in evaluation (rng None).
+    assert losses["none", "random_b", "rng0"] == losses["none", "random_b", "eval"]
+    assert losses["half", "random_b", "eval"] == losses["none", "random_b", "eval"]
+    assert losses["half", "random_b", "rng0"] != losses["half", "random_b", "rng1"]
+    assert losses["half", "random_b", "rng0"] != losses["none", "random_b", "rng0"]
+    with pytest.raises(ValueError, match="dropout"):
+        lora.LoraConfig(dropout=1.0)
 
 
 def test_bad_rules_fail_clearly():

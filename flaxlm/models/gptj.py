@@ -99,12 +99,14 @@ class GPTJBlock(nn.Module):
         h = layers.LayerNorm(cfg.layer_norm_epsilon, name="ln_1", **dense)(x)
 
         # Attention: [batch, length, heads, head_dim]
-        qkv = {
-            n: layers.DenseGeneral(
+        names = ("q_proj", "k_proj", "v_proj")
+        projections = [
+            layers.DenseGeneral(
                 (cfg.num_heads, cfg.head_dim), ("embed", "heads", "head_dim"), name=n, **dense
-            )(h)
-            for n in ("q_proj", "k_proj", "v_proj")
-        }
+            )
+            for n in names
+        ]
+        qkv = dict(zip(names, layers.parallel_dense(h, projections)))
         sin, cos = layers.rotary_sin_cos(positions, cfg.rotary_dim)
         q = layers.apply_rotary(qkv["q_proj"], sin, cos, interleaved=True)
         k = layers.apply_rotary(qkv["k_proj"], sin, cos, interleaved=True)

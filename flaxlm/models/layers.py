@@ -6,8 +6,9 @@ pinned with `nn.with_logical_constraint`. Nothing here knows a mesh.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -40,6 +41,10 @@ class DenseGeneral(nn.Module):
 
     `kernel_axes` names the input dims followed by the output dims, e.g.
     `('embed', 'heads', 'head_dim')` for a query projection to `features=(heads, head_dim)`.
+
+    When the params hold low-rank adapters beside the kernel (`lora_a`: in dims + [rank],
+    already scaled; `lora_b`: [rank] + out dims; put there by `flaxlm.lora`), the layer adds
+    `(dropout(x) A) B` to its output (`adapt`); the model's own init never creates them.
     """
 
     features: int | tuple[int, ...]
@@ -50,30 +55,119 @@ class DenseGeneral(nn.Module):
     param_dtype: Dtype = jnp.float32
     kernel_init: Initializer = nn.initializers.normal(0.02)
 
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
+    def _features(self) -> tuple[int, ...]:
+        return (self.features,) if isinstance(self.features, int) else tuple(self.features)
+
+    def contracted(self, ndim: int) -> tuple[int, ...]:
+        """The dims of an `ndim`-dim input that the kernel contracts."""
         axis = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
-        axis = tuple(a % x.ndim for a in axis)
-        in_shape = tuple(x.shape[a] for a in axis)
+        return tuple(a % ndim for a in axis)
+
+    @nn.compact
+    def weights(self, in_shape: tuple[int, ...]) -> tuple[Array, Array | None]:
+        """`(kernel, bias or None)` in the param dtype, for inputs whose contracted dims have
+        `in_shape` (created on first use)."""
+        features = self._features()
         kernel = self.param(
             "kernel",
             nn.with_logical_partitioning(self.kernel_init, self.kernel_axes),
-            in_shape + features,
+            tuple(in_shape) + features,
             as_dtype(self.param_dtype),
         )
-        dtype = as_dtype(self.dtype)
-        contract = (axis, tuple(range(len(axis))))
-        y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), (contract, ((), ())))
+        bias = None
         if self.use_bias:
             bias = self.param(
                 "bias",
-                nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[len(axis) :]),
+                nn.with_logical_partitioning(
+                    nn.initializers.zeros, self.kernel_axes[len(in_shape) :]
+                ),
                 features,
                 as_dtype(self.param_dtype),
             )
+        return kernel, bias
+
+    def __call__(self, x: Array) -> Array:
+        axis = self.contracted(x.ndim)
+        kernel, bias = self.weights(tuple(x.shape[a] for a in axis))
+        dtype = as_dtype(self.dtype)
+        contract = (axis, tuple(range(len(axis))))
+        y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), (contract, ((), ())))
+        if bias is not None:
             y = y + bias.astype(dtype)
-        return y
+        return self.adapt(x, y)
+
+    def adapt(self, x: Array, y: Array) -> Array:
+        """`y` plus the low-rank update `(dropout(x) A) B` when the params hold adapters for
+        this layer; `y` unchanged otherwise."""
+        if not self.has_variable("params", "lora_a"):
+            return y
+        a = self.get_variable("params", "lora_a")
+        b = self.get_variable("params", "lora_b")
+        dtype = as_dtype(self.dtype)
+        rate = _LORA_DROPOUT[-1] if _LORA_DROPOUT else 0.0
+        if rate > 0.0:
+            keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - rate, x.shape)
+            x = jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+        axis = self.contracted(x.ndim)
+        contract = (axis, tuple(range(len(axis))))
+        xa = jax.lax.dot_general(x.astype(dtype), a.astype(dtype), (contract, ((), ())))
+        update = jnp.tensordot(xa, b.astype(dtype), axes=1)
+        return y + update.astype(y.dtype)
+
+
+# Dropout rate on the input of LoRA's low-rank path while a train step is traced (a stack:
+# `lora_dropout` nests); empty, i.e. no dropout, otherwise.
+_LORA_DROPOUT: list[float] = []
+
+
+@contextlib.contextmanager
+def lora_dropout(rate: float) -> Iterator[None]:
+    """Within this context, adapted `DenseGeneral`s drop their low-rank path's input with
+    `rate` (needs a `dropout` rng in the model's apply)."""
+    _LORA_DROPOUT.append(float(rate))
+    try:
+        yield
+    finally:
+        _LORA_DROPOUT.pop()
+
+
+def parallel_dense(x: Array, projections: Sequence[DenseGeneral]) -> list[Array]:
+    """`[p(x) for p in projections]`, with one matmul for each group of projections whose
+    kernels have equal shapes and axes: their kernels are stacked on a new leading dim (local
+    under any sharding) and contracted with `x` once.
+
+    This is Megatron's fused QKV without changing the params (still one kernel per
+    projection, as in HF checkpoints): under tensor parallelism the input gradient of a group
+    is one partial sum over the sharded output dims, all-reduced once, instead of once per
+    projection.
+    """
+    groups: dict[Any, list[int]] = {}
+    for i, p in enumerate(projections):
+        key = (
+            p._features(),
+            tuple(p.kernel_axes),
+            p.contracted(x.ndim),
+            p.use_bias,
+            as_dtype(p.dtype),
+        )
+        groups.setdefault(key, []).append(i)
+    out: list[Array | None] = [None] * len(projections)
+    for (_, _, axis, _, dtype), members in groups.items():
+        if len(members) == 1:
+            out[members[0]] = projections[members[0]](x)
+            continue
+        weights = [projections[i].weights(tuple(x.shape[a] for a in axis)) for i in members]
+        kernel = jnp.stack([k.astype(dtype) for k, _ in weights])  # [group, in..., out...]
+        contract = (axis, tuple(range(1, len(axis) + 1)))
+        y = jax.lax.dot_general(x.astype(dtype), kernel, (contract, ((), ())))
+        group_dim = x.ndim - len(axis)  # y: x's free dims, group, out dims
+        for j, i in enumerate(members):
+            y_i = jax.lax.index_in_dim(y, j, group_dim, keepdims=False)
+            bias = weights[j][1]
+            if bias is not None:
+                y_i = y_i + bias.astype(dtype)
+            out[i] = projections[i].adapt(x, y_i)
+    return out  # type: ignore[return-value]
 
 
 class Embed(nn.Module):
@@ -625,12 +719,19 @@ def rotary_self_attention(
     """
     dense = dict(dtype=dtype, param_dtype=param_dtype, use_bias=use_bias)
     kv_axis = kv_heads_axis(num_kv_heads)
-    q = DenseGeneral((num_heads, head_dim), ("embed", "heads", "head_dim"), name="q_proj", **dense)(
-        h
-    )
-    k, v = (
-        DenseGeneral((num_kv_heads, head_dim), ("embed", kv_axis, "head_dim"), name=n, **dense)(h)
-        for n in ("k_proj", "v_proj")
+    q, k, v = parallel_dense(
+        h,
+        [
+            DenseGeneral(
+                (num_heads, head_dim), ("embed", "heads", "head_dim"), name="q_proj", **dense
+            ),
+            *(
+                DenseGeneral(
+                    (num_kv_heads, head_dim), ("embed", kv_axis, "head_dim"), name=n, **dense
+                )
+                for n in ("k_proj", "v_proj")
+            ),
+        ],
     )
     kv_axes = ("batch", "length", kv_axis, "head_dim")
     q = constrain(apply_rotary(q, sin, cos, interleaved=False), HEAD_AXES)
@@ -658,9 +759,12 @@ def gated_mlp(
     """`down_proj(act(gate_proj(h)) * up_proj(h))` in the calling block's scope (SwiGLU,
     GeGLU); tagged `mlp_out` for remat."""
     dense = dict(dtype=dtype, param_dtype=param_dtype, use_bias=use_bias)
-    gate, up = (
-        DenseGeneral(intermediate_size, ("embed", "mlp"), name=n, **dense)(h)
-        for n in ("gate_proj", "up_proj")
+    gate, up = parallel_dense(
+        h,
+        [
+            DenseGeneral(intermediate_size, ("embed", "mlp"), name=n, **dense)
+            for n in ("gate_proj", "up_proj")
+        ],
     )
     m = constrain(ACTIVATIONS[activation](gate) * up, ("batch", "length", "mlp"))
     m = DenseGeneral(hidden_size, ("mlp", "embed"), name="down_proj", **dense)(m)

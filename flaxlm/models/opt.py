@@ -121,16 +121,18 @@ class OPTBlock(nn.Module):
 
         # Attention: [batch, length, heads, head_dim]
         h = layers.LayerNorm(name="self_attn_layer_norm", **norm)(x) if pre else x
-        qkv = {
-            n: layers.DenseGeneral(
+        names = ("q_proj", "k_proj", "v_proj")
+        projections = [
+            layers.DenseGeneral(
                 (cfg.num_heads, cfg.head_dim),
                 ("embed", "heads", "head_dim"),
                 use_bias=cfg.enable_bias,
                 name=n,
                 **dense,
-            )(h)
-            for n in ("q_proj", "k_proj", "v_proj")
-        }
+            )
+            for n in names
+        ]
+        qkv = dict(zip(names, layers.parallel_dense(h, projections)))
         # HF scales the query before the product; doing the same keeps rounding identical.
         q = layers.constrain(qkv["q_proj"] * cfg.head_dim**-0.5, layers.HEAD_AXES)
         k = layers.constrain(qkv["k_proj"], layers.HEAD_AXES)

@@ -93,16 +93,18 @@ class RobertaLayer(nn.Module):
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         norm = dict(epsilon=cfg.layer_norm_epsilon, param_dtype=cfg.param_dtype)
         x = layers.constrain(x, layers.ACTIVATION_AXES)
-        qkv = {
-            n: layers.DenseGeneral(
+        names = ("query", "key", "value")
+        projections = [
+            layers.DenseGeneral(
                 (cfg.num_heads, cfg.head_dim),
                 ("embed", "heads", "head_dim"),
                 use_bias=True,
                 name=n,
                 **dense,
-            )(x)
-            for n in ("query", "key", "value")
-        }
+            )
+            for n in names
+        ]
+        qkv = dict(zip(names, layers.parallel_dense(x, projections)))
         q = layers.constrain(qkv["query"], layers.HEAD_AXES)
         k = layers.constrain(qkv["key"], layers.HEAD_AXES)
         attn = layers.dot_product_attention(

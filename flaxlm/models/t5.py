@@ -183,7 +183,8 @@ def _normal(std: float) -> layers.Initializer:
 
 
 class T5Attention(nn.Module):
-    """Multi-head attention without score scaling (T5 folds it into the init)."""
+    """Multi-head attention without score scaling (T5 folds it into the init); `kv=None` is
+    self-attention."""
 
     config: T5Config
 
@@ -191,7 +192,7 @@ class T5Attention(nn.Module):
     def __call__(
         self,
         x: Array,
-        kv: Array,
+        kv: Array | None,
         mask: Array | None,
         bias: Array | None,
         decoding: layers.Decoding | None = None,
@@ -199,21 +200,25 @@ class T5Attention(nn.Module):
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
 
-        def project(name: str, std: float, inputs: Array) -> Array:
+        def projection(name: str, std: float) -> layers.DenseGeneral:
             # [batch, length, embed] -> [batch, length, heads, head_dim]
-            y = layers.DenseGeneral(
+            return layers.DenseGeneral(
                 (cfg.num_heads, cfg.d_kv),
                 ("embed", "heads", "head_dim"),
                 kernel_init=_normal(std),
                 name=name,
                 **dense,
-            )(inputs)
-            return layers.constrain(y, layers.HEAD_AXES)
+            )
 
         # HF's init: the query absorbs the missing 1/sqrt(d_kv).
-        q = project("q", (cfg.d_model * cfg.d_kv) ** -0.5, x)
-        k = project("k", cfg.d_model**-0.5, kv)
-        v = project("v", cfg.d_model**-0.5, kv)
+        q_proj = projection("q", (cfg.d_model * cfg.d_kv) ** -0.5)
+        kv_proj = [projection(n, cfg.d_model**-0.5) for n in ("k", "v")]
+        if kv is None:  # self-attention: one fused projection of x
+            q, k, v = layers.parallel_dense(x, [q_proj, *kv_proj])
+        else:
+            q = q_proj(x)
+            k, v = layers.parallel_dense(kv, kv_proj)
+        q, k, v = (layers.constrain(y, layers.HEAD_AXES) for y in (q, k, v))
         k, v = layers.KVCache(name="cache")(k, v, decoding)
         out = layers.dot_product_attention(
             q,
@@ -248,16 +253,21 @@ class T5MLP(nn.Module):
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         act = layers.ACTIVATIONS[cfg.activation]
 
-        def wi(name: str) -> Array:
-            return layers.DenseGeneral(
-                cfg.d_ff,
-                ("embed", "mlp"),
-                kernel_init=_normal(cfg.d_model**-0.5),
-                name=name,
-                **dense,
-            )(x)
-
-        h = act(wi("wi_0")) * wi("wi_1") if cfg.is_gated else act(wi("wi"))
+        names = ("wi_0", "wi_1") if cfg.is_gated else ("wi",)
+        wi = layers.parallel_dense(
+            x,
+            [
+                layers.DenseGeneral(
+                    cfg.d_ff,
+                    ("embed", "mlp"),
+                    kernel_init=_normal(cfg.d_model**-0.5),
+                    name=name,
+                    **dense,
+                )
+                for name in names
+            ],
+        )
+        h = act(wi[0]) * wi[1] if cfg.is_gated else act(wi[0])
         h = layers.constrain(h, ("batch", "length", "mlp"))
         if cfg.dropout_rate:
             h = nn.Dropout(cfg.dropout_rate)(h, deterministic=self.deterministic)
@@ -295,7 +305,7 @@ class T5Block(nn.Module):
         x = layers.constrain(x, layers.ACTIVATION_AXES)
         h = layers.RMSNorm(**norm, name="self_attention_norm")(x)
         x = residual(
-            x, T5Attention(cfg, name="SelfAttention")(h, h, mask, bias, decoding), "attn_out"
+            x, T5Attention(cfg, name="SelfAttention")(h, None, mask, bias, decoding), "attn_out"
         )
         if self.is_decoder:
             h = layers.RMSNorm(**norm, name="cross_attention_norm")(x)
