@@ -6,7 +6,7 @@ Two sources at the same shapes as the step that would consume them:
   sources) through an HF tokenizer (a BPE trained here, nothing downloaded), packed prefix-LM
   rows of `--seq-len // 2` input + `--seq-len // 2` target tokens.
 
-For each, the pipeline side times `--batches` host batches out of `data.get_dataset` (after
+For each, the pipeline side times `--batches` host batches out of `data.host_input` (after
 warm-up) as numpy, the step side times `--steps` partitioned train steps of the tiny GPT-J on
 one such batch. Tokens are row positions (batch x length); the non-padding share is reported.
 
@@ -112,7 +112,7 @@ def measure(name: str, lengths: dict, vocab_size: int, args: argparse.Namespace)
     )
     converter = seqio.DecoderFeatureConverter
     layout = partitioner.data_layout(cfg.batch_size)
-    iterator = data.DataIterator(data.get_dataset(cfg, layout, converter), partitioner, layout)
+    iterator = data.DataIterator(data.host_input(cfg, layout, converter), partitioner, layout)
     feature_lengths = data.model_feature_lengths(cfg, converter)
     model = DecoderOnlyModel(
         GPTJConfig(

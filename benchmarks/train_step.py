@@ -479,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.batch_source == "stdlib" or args.input_steps > 0:
         start = time.perf_counter()
         layout = partitioner.data_layout(args.batch_size)
-        ds = data.get_dataset(cfg, layout, model.FEATURE_CONVERTER_CLS)
+        ds = data.host_input(cfg, layout, model.FEATURE_CONVERTER_CLS)
         iterator = data.DataIterator(ds, partitioner, layout)
         first = iterator.next_numpy()
         print(f"  first stdlib_py batch in {time.perf_counter() - start:.1f}s", flush=True)

@@ -20,26 +20,54 @@ from etils import epath
 from flaxlm.partitioning import path_name
 
 
-class DatasetCheckpointHandler(ocp.CheckpointHandler):
-    """Saves each process's tf.data iterator position (as t5x's `save_dataset` does)."""
+def _shard_file(shard: int, num_shards: int) -> str:
+    return f"shard_{shard}-of-{num_shards}"
 
-    def _path(self, directory: epath.Path) -> str:
-        return str(directory / f"process_{jax.process_index()}-of-{jax.process_count()}")
+
+class DataIteratorMismatchError(ValueError):
+    """A checkpoint's data-iterator state was written for other logical input shards."""
+
+
+def check_dataset_state(directory: epath.Path, data_iterator: Any) -> None:
+    """Raises `DataIteratorMismatchError`, naming the fix, unless `directory` holds the state
+    of every logical input shard `data_iterator` reads."""
+    num_shards = data_iterator.num_shards
+    missing = [
+        r
+        for r in data_iterator.shard_iterators
+        if not tf.io.gfile.exists(f"{directory / _shard_file(r, num_shards)}.index")
+    ]
+    if not missing:
+        return
+    found = sorted({f.split(".")[0] for f in tf.io.gfile.listdir(str(directory)) if "-of-" in f})
+    raise DataIteratorMismatchError(
+        f"{directory} holds no data-iterator state for logical input shard(s) {missing} of "
+        f"{data_iterator.num_shards} (it has {found}). The checkpoint was written with another "
+        "number of logical input shards: set DatasetConfig.num_input_shards (by default the "
+        "mesh's data-parallel degree) to the number in its file names to resume the data "
+        "exactly, or train from its params with a fresh data order."
+    )
+
+
+class DatasetCheckpointHandler(ocp.CheckpointHandler):
+    """Saves the data iterator's position per logical input shard (`shard_{r}-of-{R}`, each
+    written by the lowest-numbered process that reads it), so a run restores onto any
+    process count that keeps R."""
 
     def save(self, directory: epath.Path, args: DatasetArgs) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        tf.train.Checkpoint(iterator=args.iterator).write(self._path(directory))
+        it = args.iterator
+        for r in sorted(it.saved_shards):
+            path = str(directory / _shard_file(r, it.num_shards))
+            tf.train.Checkpoint(iterator=it.shard_iterators[r]).write(path)
 
     def restore(self, directory: epath.Path, args: DatasetArgs) -> Any:
-        path = self._path(directory)
-        if not tf.io.gfile.exists(path + ".index"):
-            raise FileNotFoundError(
-                f"No data-iterator state for process {jax.process_index()} of "
-                f"{jax.process_count()} in {directory}: was the checkpoint written by a run with "
-                "another process count?"
-            )
-        tf.train.Checkpoint(iterator=args.iterator).read(path).assert_consumed()
-        return args.iterator
+        it = args.iterator
+        check_dataset_state(directory, it)
+        for r, tf_iterator in it.shard_iterators.items():
+            path = str(directory / _shard_file(r, it.num_shards))
+            tf.train.Checkpoint(iterator=tf_iterator).read(path).assert_consumed()
+        return it
 
     def metadata(self, directory: epath.Path) -> None:
         return None
@@ -173,10 +201,14 @@ class Checkpointer:
             return from_params(self.restore_params(step, abstract_state.params))
         items = {"state": ocp.args.StandardRestore(abstract_state)}
         # A checkpoint without an iterator position starts the data from the beginning.
-        if data_iterator is not None and (self.directory / str(step) / "dataset").exists():
+        if data_iterator is not None and self._has_dataset(step):
+            check_dataset_state(self.directory / str(step) / "dataset", data_iterator)
             items["dataset"] = DatasetArgs(data_iterator)
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         return restored["state"]
+
+    def _has_dataset(self, step: int) -> bool:
+        return (self.directory / str(step) / "dataset").exists()
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """Only the params at `step` (of a train state or a params-only checkpoint)."""
@@ -217,6 +249,8 @@ class Checkpointer:
                 warn(step, e)
                 continue
             self._check_shapes(step, saved, _shapes(abstract_state.params))
+            if data_iterator is not None and self._has_dataset(step):
+                check_dataset_state(self.directory / str(step) / "dataset", data_iterator)
             try:
                 return step, self.restore(step, abstract_state, data_iterator, from_params)
             except Exception as e:  # noqa: BLE001 - report and try the previous one

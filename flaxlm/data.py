@@ -8,17 +8,18 @@ supplies rows `[r * B / R, (r + 1) * B / R)` of every global batch of `B` rows. 
 of global batches is the same for 1 process with 8 devices, 2 with 4, or 4 with 2.
 
 A host reads exactly the logical shards that cover the rows its devices hold
-(`Partitioner.data_layout`): their tf.data pipelines are zipped and concatenated along the batch
-axis. Hosts holding the same rows (a model replica spanning hosts) read the same shards, and no
-host builds the whole global batch unless its devices hold all of it. A host's rows go to the
-mesh through `jax.make_array_from_process_local_data`.
+(`Partitioner.data_layout`, `host_input`): one tf.data iterator per shard, their batches
+concatenated along the batch axis. Hosts holding the same rows (a model replica spanning hosts)
+read the same shards, and no host builds the whole global batch unless its devices hold all of
+it. A host's rows go to the mesh through `jax.make_array_from_process_local_data`.
 
-The zipped iterator is one tf.data iterator per host, checkpointed with the train state
-(shuffle buffers and position included), so a run restored with the same process count and
-mesh continues with exactly the batches an uninterrupted run would have seen, across epoch
-boundaries too. Each logical shard is a full seqio pipeline (own shuffle buffer and packing),
-so a host reading many shards pays their start-up once; `num_input_shards=1` is one pipeline
-that every host reads whole and slices (fine for one host or small batches).
+Each logical shard's iterator is checkpointed with the train state (shuffle buffers and
+position included; `checkpoints.DatasetCheckpointHandler`), once, by the lowest-numbered process
+that reads it. A run restored with any process count (and the same R) continues with exactly
+the batches an uninterrupted run would have seen, across epoch boundaries too. Each logical
+shard is a full seqio pipeline (own shuffle buffer and packing), so a host reading many shards
+pays their start-up once; `num_input_shards=1` is one pipeline that every host reads whole and
+slices (fine for one host or small batches).
 """
 
 from __future__ import annotations
@@ -149,33 +150,61 @@ def logical_shard(
     )
 
 
-def get_dataset(
+@dataclasses.dataclass(frozen=True)
+class HostInput:
+    """The logical input shards a host reads, `{r: shard r batched to B / R rows}` of
+    `num_shards` R, and its rows: `[offset, offset + rows)` of their concatenation."""
+
+    shards: Mapping[int, tf.data.Dataset]
+    num_shards: int
+    offset: int
+    rows: int
+
+    def cut(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """This host's rows of the shards' concatenated batch (numpy or tf)."""
+        if self.offset == 0 and self.rows == next(iter(batch.values())).shape[0]:
+            return dict(batch)
+        return {k: v[self.offset : self.offset + self.rows] for k, v in batch.items()}
+
+    def dataset(self) -> tf.data.Dataset:
+        """This host's rows of each global batch as one tf.data pipeline."""
+        parts = tuple(self.shards.values())
+        if len(parts) == 1:
+            ds = parts[0]
+        else:
+            ds = tf.data.Dataset.zip(parts).map(
+                lambda *batches: {k: tf.concat([b[k] for b in batches], 0) for k in batches[0]}
+            )
+        return ds.map(self.cut)
+
+
+def host_input(
     cfg: DatasetConfig, layout: DataLayout, feature_converter_cls: type[seqio.FeatureConverter]
-) -> tf.data.Dataset:
-    """This host's rows `[per_host_batch, length]` of each global batch, as tf.data."""
+) -> HostInput:
+    """The logical shards covering this host's rows (`layout`) of every global batch."""
     configure_tensorflow()
     import_task_module(cfg.module)
     _check_registered(cfg.mixture_or_task_name)
     total = input_shard_count(cfg, layout)
     rows = layout.global_batch_size // total
     shards = host_input_shards(cfg, layout)
-    parts = tuple(
-        logical_shard(cfg, r, total, feature_converter_cls).batch(rows, drop_remainder=True)
+    parts = {
+        r: logical_shard(cfg, r, total, feature_converter_cls)
+        .batch(rows, drop_remainder=True)
+        .prefetch(2)
         for r in shards
-    )
-    if len(parts) == 1:
-        ds = parts[0]
-    else:
-        ds = tf.data.Dataset.zip(parts).map(
-            lambda *batches: {k: tf.concat([b[k] for b in batches], 0) for k in batches[0]}
-        )
+    }
     # With num_input_shards below the data-parallel degree, a shard may cover more rows
     # than this host holds.
     offset = layout.row_start - shards.start * rows
-    if offset or len(shards) * rows != layout.per_host_batch_size:
-        stop = offset + layout.per_host_batch_size
-        ds = ds.map(lambda batch: {k: v[offset:stop] for k, v in batch.items()})
-    return ds.prefetch(2)
+    return HostInput(parts, total, offset, layout.per_host_batch_size)
+
+
+def get_dataset(
+    cfg: DatasetConfig, layout: DataLayout, feature_converter_cls: type[seqio.FeatureConverter]
+) -> tf.data.Dataset:
+    """This host's rows `[per_host_batch, length]` of each global batch, as tf.data."""
+    return host_input(cfg, layout, feature_converter_cls).dataset().prefetch(2)
 
 
 def model_feature_lengths(
@@ -185,26 +214,58 @@ def model_feature_lengths(
     return dict(converter.get_model_feature_lengths(dict(cfg.task_feature_lengths)))
 
 
-class DataIterator:
-    """Global batches on the mesh from this host's tf.data iterator; checkpointable."""
+def _shards_saved_by(
+    process: int, partitioner: Partitioner, global_batch_size: int, num_shards: int
+) -> frozenset[int]:
+    """The logical shards whose iterator state `process` checkpoints: those it reads and no
+    lower-numbered process reads."""
+    rows = global_batch_size // num_shards
+    owner: dict[int, int] = {}
+    for p in range(jax.process_count()):
+        try:
+            layout = partitioner.data_layout(global_batch_size, process_index=p)
+        except ValueError:
+            continue  # a process with no device in the mesh reads nothing
+        for r in range(layout.row_start // rows, -(-layout.row_stop // rows)):
+            owner.setdefault(r, p)
+    return frozenset(r for r, p in owner.items() if p == process)
 
-    def __init__(self, ds: tf.data.Dataset, partitioner: Partitioner, layout: DataLayout):
-        self._ds = ds
-        self._iterator = iter(ds)
+
+class DataIterator:
+    """Global batches on the mesh from this host's logical input shards; checkpointable per
+    logical shard (`shard_iterators`, each saved by one process: `saved_shards`)."""
+
+    def __init__(self, source: HostInput, partitioner: Partitioner, layout: DataLayout):
+        if not isinstance(source, HostInput):
+            raise TypeError(
+                f"DataIterator reads a data.HostInput (data.host_input(...)), not {type(source)}."
+            )
+        self._source = source
         self._partitioner = partitioner
         self._layout = layout
+        self.reset()
         self.wait_seconds = 0.0  # time spent waiting on the input pipeline
+        self.num_shards = source.num_shards
+        self.saved_shards = _shards_saved_by(
+            jax.process_index(), partitioner, layout.global_batch_size, source.num_shards
+        )
 
     @property
-    def tf_iterator(self) -> Any:
-        return self._iterator
+    def shard_iterators(self) -> dict[int, Any]:
+        """`{r: tf.data iterator}` for the logical shards this host reads."""
+        return dict(self._iterators)
 
     def reset(self) -> None:
-        self._iterator = iter(self._ds)
+        self._iterators = {r: iter(ds) for r, ds in self._source.shards.items()}
 
     def next_numpy(self) -> dict[str, np.ndarray]:
         start = time.perf_counter()
-        batch = jax.tree.map(np.asarray, next(self._iterator))
+        parts = [jax.tree.map(np.asarray, next(it)) for it in self._iterators.values()]
+        if len(parts) == 1:
+            batch = parts[0]
+        else:
+            batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        batch = self._source.cut(batch)
         self.wait_seconds += time.perf_counter() - start
         return batch
 

@@ -313,7 +313,7 @@ def evaluate_split(
     check_batch_size(partitioner, cfg.batch_size, 1)
     layout = partitioner.data_layout(cfg.batch_size)
     converter = model.FEATURE_CONVERTER_CLS
-    iterator = data.DataIterator(data.get_dataset(cfg, layout, converter), partitioner, layout)
+    iterator = data.DataIterator(data.host_input(cfg, layout, converter), partitioner, layout)
     step = jax.jit(make_eval_step(model))
     total = None
     for number, batch in enumerate(iterator):
@@ -442,21 +442,21 @@ def train(
 
     layout = partitioner.data_layout(train_dataset_cfg.batch_size)
     train_iter = data.DataIterator(
-        data.get_dataset(train_dataset_cfg, layout, converter), partitioner, layout
+        data.host_input(train_dataset_cfg, layout, converter), partitioner, layout
     )
     eval_iter = None
     if eval_dataset_cfg is not None and eval_period:
         check_batch_size(partitioner, eval_dataset_cfg.batch_size, 1)
         eval_layout = partitioner.data_layout(eval_dataset_cfg.batch_size)
         eval_iter = data.DataIterator(
-            data.get_dataset(eval_dataset_cfg, eval_layout, converter), partitioner, eval_layout
+            data.host_input(eval_dataset_cfg, eval_layout, converter), partitioner, eval_layout
         )
 
     tx = optimizer_factory(learning_rate=learning_rate)
     setup = Setup(model, partitioner, tx, feature_lengths, seed=seed, lora=lora)
     ckpt = checkpoints.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
     start_step, state = ckpt.restore_latest(
-        setup.abstract_state, train_iter.tf_iterator, setup.state_from_params
+        setup.abstract_state, train_iter, setup.state_from_params
     )
     base_params = None
     if lora is not None:
@@ -607,7 +607,7 @@ def train(
                     )
             if step % checkpoint_period == 0 or step == total_steps or stop:
                 check_finite()
-                ckpt.save(step, state, train_iter.tf_iterator, config_str)
+                ckpt.save(step, state, train_iter, config_str)
                 last_saved = step
             if stop:
                 preempted = True

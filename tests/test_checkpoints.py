@@ -1,5 +1,7 @@
 """Checkpoints restore onto other meshes and bring the data iterator back."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -71,7 +73,7 @@ def test_data_iterator_position_is_restored(tmp_path):
     layout = partitioner.data_layout(8)
 
     def iterator():
-        ds = data.get_dataset(cfg, layout, seqio.DecoderFeatureConverter)
+        ds = data.host_input(cfg, layout, seqio.DecoderFeatureConverter)
         return data.DataIterator(ds, partitioner, layout)
 
     setup = _setup((8, 1, 1))
@@ -80,17 +82,30 @@ def test_data_iterator_position_is_restored(tmp_path):
     for _ in range(3):
         it.next_numpy()
     ckpt = checkpoints.Checkpointer(str(tmp_path))
-    ckpt.save(3, state, it.tf_iterator, "config")
+    ckpt.save(3, state, it, "config")
     ckpt.close()
     expected = [it.next_numpy()["decoder_target_tokens"] for _ in range(2)]
 
     resumed = iterator()
-    checkpoints.Checkpointer(str(tmp_path)).restore_latest(
-        setup.abstract_state, resumed.tf_iterator
-    )
+    checkpoints.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state, resumed)
     got = [resumed.next_numpy()["decoder_target_tokens"] for _ in range(2)]
     for e, g in zip(expected, got):
         np.testing.assert_array_equal(e, g)
+    files = sorted(os.listdir(tmp_path / "checkpoints" / "3" / "dataset"))
+    assert {f.split(".")[0] for f in files if f.startswith("shard_")} == {
+        "shard_0-of-2",
+        "shard_1-of-2",
+    }
+
+    # Another number of logical shards (here the default for a data-parallel degree of 8)
+    # cannot resume the data exactly: a clear error, not a fallback to older checkpoints.
+    other = Partitioner(mesh_shape=(8, 1, 1))
+    other_layout = other.data_layout(8)
+    other_it = data.DataIterator(
+        data.host_input(cfg, other_layout, seqio.DecoderFeatureConverter), other, other_layout
+    )
+    with pytest.raises(checkpoints.DataIteratorMismatchError, match="num_input_shards"):
+        checkpoints.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state, other_it)
 
 
 def test_unreadable_latest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):

@@ -36,7 +36,7 @@ def test_global_batch_is_sharded_over_the_batch_axes():
     cfg = _cfg()
     layout = partitioner.data_layout(cfg.batch_size)
     it = data.DataIterator(
-        data.get_dataset(cfg, layout, seqio.DecoderFeatureConverter), partitioner, layout
+        data.host_input(cfg, layout, seqio.DecoderFeatureConverter), partitioner, layout
     )
     batch = next(it)
     tokens = batch["decoder_input_tokens"]
@@ -50,7 +50,7 @@ def test_same_seed_gives_the_same_batches():
     layout = partitioner.data_layout(8)
 
     def first_batches(seed):
-        ds = data.get_dataset(_cfg(seed=seed), layout, seqio.DecoderFeatureConverter)
+        ds = data.host_input(_cfg(seed=seed), layout, seqio.DecoderFeatureConverter)
         it = data.DataIterator(ds, partitioner, layout)
         return [it.next_numpy()["decoder_target_tokens"] for _ in range(3)]
 
@@ -173,7 +173,7 @@ def test_resume_across_an_epoch_boundary_continues_with_the_same_batches(tmp_pat
     layout = partitioner.data_layout(4)
 
     def iterator():
-        ds = data.get_dataset(cfg, layout, seqio.DecoderFeatureConverter)
+        ds = data.host_input(cfg, layout, seqio.DecoderFeatureConverter)
         return data.DataIterator(ds, partitioner, layout)
 
     straight_it = iterator()
@@ -185,9 +185,14 @@ def test_resume_across_an_epoch_boundary_continues_with_the_same_batches(tmp_pat
 
     stopped = iterator()
     head = [stopped.next_numpy()["decoder_target_tokens"] for _ in range(5)]
-    path = tf.train.Checkpoint(iterator=stopped.tf_iterator).write(str(tmp_path / "it"))
+    assert sorted(stopped.shard_iterators) == [0, 1]  # one iterator per logical shard
+    paths = {
+        r: tf.train.Checkpoint(iterator=it).write(str(tmp_path / f"it{r}"))
+        for r, it in stopped.shard_iterators.items()
+    }
     resumed = iterator()
-    tf.train.Checkpoint(iterator=resumed.tf_iterator).read(path).assert_consumed()
+    for r, it in resumed.shard_iterators.items():
+        tf.train.Checkpoint(iterator=it).read(paths[r]).assert_consumed()
     tail = [resumed.next_numpy()["decoder_target_tokens"] for _ in range(5)]
     for a, b in zip(straight, head + tail):
         np.testing.assert_array_equal(a, b)

@@ -119,10 +119,12 @@ def test_two_process_training_run_completes(tmp_path, repo_dir):
         assert code == 0, stderr[-3000:]
     assert "data=2, fsdp=4" in results[0][1]
     assert [r["step"] for r in read_metrics(model_dir) if "loss" in r] == [2, 4, 6]
-    ckpt = os.path.join(model_dir, "checkpoints", "6", "dataset")
-    files = os.listdir(ckpt)
-    assert any(f.startswith("process_0-of-2") for f in files)
-    assert any(f.startswith("process_1-of-2") for f in files)
+    # The iterator state is saved per logical input shard (the data-parallel degree, 8), each
+    # once, whichever process reads it.
+    files = os.listdir(os.path.join(model_dir, "checkpoints", "6", "dataset"))
+    assert {f.split(".")[0] for f in files if f.startswith("shard_")} == {
+        f"shard_{r}-of-8" for r in range(8)
+    }
 
 
 @pytest.mark.slow
@@ -253,8 +255,9 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step_with_a_checkpoint(tmp
     assert 3 <= stopped < 200
     assert f"Preempted by a signal to another process at step {stopped}" in outputs[0][0]
     files = os.listdir(os.path.join(model_dir, "checkpoints", str(stopped), "dataset"))
-    assert any(f.startswith("process_0-of-2") for f in files)
-    assert any(f.startswith("process_1-of-2") for f in files)
+    assert {f.split(".")[0] for f in files if f.startswith("shard_")} == {
+        f"shard_{r}-of-8" for r in range(8)
+    }
 
 
 def _tiny_run(tmp_path, name, mesh, steps, processes, repo_dir, extra_args=()):
@@ -317,11 +320,15 @@ def _tiny_run(tmp_path, name, mesh, steps, processes, repo_dir, extra_args=()):
 def one_process_resumed(tmp_path_factory, repo_dir):
     """One process with 8 devices: 3 steps, stopped, resumed to 6 (an epoch is about 4
     steps, so the resumed window crosses an epoch boundary). Losses and global batches."""
+    import shutil
+
     tmp = tmp_path_factory.mktemp("reference")
     _tiny_run(tmp, "ref", (2, 1, 4), 3, 1, repo_dir)
+    at_step_3 = tmp / "ref_model_at_step_3"
+    shutil.copytree(tmp / "ref" / "model", at_step_3)
     losses, (batches,) = _tiny_run(tmp, "ref", (2, 1, 4), 6, 1, repo_dir)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6] and len(batches) == 6
-    return losses, batches
+    return losses, batches, at_step_3
 
 
 @pytest.mark.slow
@@ -330,10 +337,19 @@ def test_two_processes_read_their_rows_of_the_one_process_batches(
     tmp_path, repo_dir, one_process_resumed, mesh
 ):
     """Same global batches and losses whatever the process count, and a resumed run sees
-    exactly the batches of a straight one; each process read only its own rows."""
+    exactly the batches of a straight one; each process read only its own rows.
+
+    With (8, 1, 1) the two processes resume from the one-process run's step-3 checkpoint
+    (train state and data-iterator position restored onto another process count)."""
+    import shutil
+
     import numpy as np
 
-    ref_losses, ref_batches = one_process_resumed
+    ref_losses, ref_batches, ref_at_step_3 = one_process_resumed
+    first = 0
+    if mesh == (8, 1, 1):
+        shutil.copytree(ref_at_step_3, tmp_path / "run" / "model")
+        first = 3
     # (1, 1, 8): `tensor` spans both processes, so each holds every row of the one model
     # replica. The tiny model's 4 heads do not split 8 ways, so that run has 8 heads: its
     # losses differ from the reference's, its batches must not.
@@ -347,8 +363,8 @@ def test_two_processes_read_their_rows_of_the_one_process_batches(
     # Each process fed exactly its half of every global batch (data split over the hosts),
     # or, where the replica spans both processes, both read the same whole batch.
     for process, fed in enumerate(rows):
-        assert len(fed) == 6
-        for got, want in zip(fed, ref_batches):
+        assert len(fed) == 6 - first
+        for got, want in zip(fed, ref_batches[first:], strict=True):
             if replica_spans_hosts:
                 np.testing.assert_array_equal(got, want)
             else:
