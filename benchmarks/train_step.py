@@ -60,10 +60,11 @@ RESULTS_HEADER = (
 Batch = Mapping[str, Any]
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def timing_parser(description: str, sides: str) -> argparse.ArgumentParser:
+    """The model, batch and round arguments shared with vs_pytorch.py (`sides`: what
+    alternates in a round)."""
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-layers", type=int, default=4)
@@ -71,8 +72,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256, help="task feature length of targets")
     p.add_argument("--steps", type=int, default=5, help="N: steps per timed block")
-    p.add_argument("--repeats", type=int, default=5, help="R: rounds of (flaxlm, plain) blocks")
+    p.add_argument("--repeats", type=int, default=5, help=f"R: rounds of ({sides}) blocks")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per side (compile)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = timing_parser(__doc__.split("\n\n")[0], "flaxlm, plain")
     p.add_argument(
         "--input-steps", type=int, default=20, help="K: loop steps for input wait; 0 skips"
     )

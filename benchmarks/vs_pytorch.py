@@ -35,7 +35,13 @@ from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
-from train_step import LEARNING_RATE, TorchSide, build_model, random_batch  # noqa: E402
+from train_step import (  # noqa: E402
+    LEARNING_RATE,
+    TorchSide,
+    build_model,
+    random_batch,
+    timing_parser,
+)
 
 from flaxlm import optimizers, trainer  # noqa: E402
 from flaxlm.partitioning import Partitioner  # noqa: E402
@@ -48,18 +54,7 @@ CLIP_NORM = 1.0
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--steps", type=int, default=5, help="N: steps per timed block")
-    p.add_argument("--repeats", type=int, default=5, help="R: rounds of (flaxlm, torch) blocks")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
+    p = timing_parser(__doc__.split("\n\n")[0], "flaxlm, torch")
     p.add_argument("--devices", type=int, default=1, help="devices flaxlm's mesh uses")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON here")
     args = p.parse_args(argv)

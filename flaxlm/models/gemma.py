@@ -145,8 +145,7 @@ class Gemma(nn.Module):
     ) -> Array:
         cfg = self.config
         batch, length = tokens.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        positions = layers.default_positions(tokens, positions)
         mask = layers.causal_mask(segment_ids, batch, length, decoding)
         sin, cos = layers.rotary_sin_cos(positions, cfg.head_dim, cfg.rope_theta)
         embed = layers.Embed(

@@ -203,8 +203,7 @@ class GPT2(nn.Module):
     ) -> Array:
         cfg = self.config
         batch, length = tokens.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        positions = layers.default_positions(tokens, positions)
         mask = layers.causal_mask(segment_ids, batch, length, decoding)
         wte = layers.Embed(
             cfg.vocab_size,

@@ -160,8 +160,7 @@ class GPTJ(nn.Module):
     ) -> Array:
         cfg = self.config
         batch, length = tokens.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        positions = layers.default_positions(tokens, positions)
         mask = layers.causal_mask(segment_ids, batch, length, decoding)
         if cfg.fcm_max_ratio > 0 and not deterministic and decoding is None:
             mask = layers.forgetful_causal_mask(

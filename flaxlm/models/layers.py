@@ -268,6 +268,14 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 # ---------------------------------------------------------------------------- rotary
 
 
+def default_positions(tokens: Array, positions: Array | None) -> Array:
+    """`positions`, or `0 .. length - 1` in every row of `tokens` [batch, length] if None."""
+    if positions is not None:
+        return positions
+    batch, length = tokens.shape
+    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+
 def rotary_sin_cos(positions: Array, dim: int, theta: float = 10000.0) -> tuple[Array, Array]:
     """sin/cos tables `[batch, length, dim // 2]` in float32 for integer positions."""
     inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))

@@ -228,8 +228,7 @@ class Llama(nn.Module):
     ) -> Array:
         cfg = self.config
         batch, length = tokens.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        positions = layers.default_positions(tokens, positions)
         mask = layers.causal_mask(
             segment_ids, batch, length, decoding, sliding_window=cfg.sliding_window
         )

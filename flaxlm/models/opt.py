@@ -195,8 +195,7 @@ class OPT(nn.Module):
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         batch, length = tokens.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        positions = layers.default_positions(tokens, positions)
         mask = layers.causal_mask(segment_ids, batch, length, decoding)
 
         embed = layers.Embed(cfg.vocab_size, cfg.embed_dim, name="embed_tokens", **dense)

@@ -163,8 +163,7 @@ class Roberta(nn.Module):
     ) -> Array:
         cfg = self.config
         batch, length = tokens.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        positions = layers.default_positions(tokens, positions)
         mask = layers.attention_mask(segment_ids, batch, length, causal=False)
         embed = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         word = layers.Embed(cfg.vocab_size, cfg.hidden_size, name="word_embeddings", **embed)
