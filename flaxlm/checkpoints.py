@@ -42,7 +42,7 @@ def check_dataset_state(directory: epath.Path, data_iterator: Any) -> None:
     found = sorted({f.split(".")[0] for f in tf.io.gfile.listdir(str(directory)) if "-of-" in f})
     raise DataIteratorMismatchError(
         f"{directory} holds no data-iterator state for logical input shard(s) {missing} of "
-        f"{data_iterator.num_shards} (it has {found}). The checkpoint was written with another "
+        f"{num_shards} (it has {found}). The checkpoint was written with another "
         "number of logical input shards: set DatasetConfig.num_input_shards (by default the "
         "mesh's data-parallel degree) to the number in its file names to resume the data "
         "exactly, or train from its params with a fresh data order."
@@ -62,8 +62,8 @@ class DatasetCheckpointHandler(ocp.CheckpointHandler):
             tf.train.Checkpoint(iterator=it.shard_iterators[r]).write(path)
 
     def restore(self, directory: epath.Path, args: DatasetArgs) -> Any:
+        # `Checkpointer.restore` has checked that every shard's state is there.
         it = args.iterator
-        check_dataset_state(directory, it)
         for r, tf_iterator in it.shard_iterators.items():
             path = str(directory / _shard_file(r, it.num_shards))
             tf.train.Checkpoint(iterator=tf_iterator).read(path).assert_consumed()
@@ -201,14 +201,12 @@ class Checkpointer:
             return from_params(self.restore_params(step, abstract_state.params))
         items = {"state": ocp.args.StandardRestore(abstract_state)}
         # A checkpoint without an iterator position starts the data from the beginning.
-        if data_iterator is not None and self._has_dataset(step):
-            check_dataset_state(self.directory / str(step) / "dataset", data_iterator)
+        dataset_dir = self.directory / str(step) / "dataset"
+        if data_iterator is not None and dataset_dir.exists():
+            check_dataset_state(dataset_dir, data_iterator)
             items["dataset"] = DatasetArgs(data_iterator)
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         return restored["state"]
-
-    def _has_dataset(self, step: int) -> bool:
-        return (self.directory / str(step) / "dataset").exists()
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """Only the params at `step` (of a train state or a params-only checkpoint)."""
@@ -249,10 +247,10 @@ class Checkpointer:
                 warn(step, e)
                 continue
             self._check_shapes(step, saved, _shapes(abstract_state.params))
-            if data_iterator is not None and self._has_dataset(step):
-                check_dataset_state(self.directory / str(step) / "dataset", data_iterator)
             try:
                 return step, self.restore(step, abstract_state, data_iterator, from_params)
+            except DataIteratorMismatchError:
+                raise  # another input-shard count: an older checkpoint has it too
             except Exception as e:  # noqa: BLE001 - report and try the previous one
                 warn(step, e)
         if self.all_steps():
