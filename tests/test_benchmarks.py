@@ -76,15 +76,18 @@ def test_memory_fsdp_and_zero1_targets(tmp_path):
 
 
 @pytest.mark.slow
-def test_collectives_dp_matches_theory():
+def test_collectives_dp_and_tp_match_theory():
     collectives = load("collectives")
-    argv = ["--partitionings", "dp", "--layers", "1", "--hidden", "64", "--vocab", "128"]
+    argv = ["--partitionings", "dp", "tp", "--layers", "1", "--hidden", "64", "--vocab", "128"]
     results = collectives.main(argv + ["--seq-len", "16"])
-    (row,) = results["rows"]
+    dp, tp = results["rows"]
     # DP: exactly one all-reduce of the gradients (plus scalar metric reductions)
-    assert row["ratio"] == pytest.approx(1.0, abs=0.01) and row["pass"]
-    assert row["measured"]["by_kind"]["all-reduce"]["array_bytes"] >= row["theory"]["array_bytes"]
-    assert "all-gather" not in row["measured"]["by_kind"]
+    assert dp["ratio"] == pytest.approx(1.0, abs=0.01) and dp["pass"]
+    assert dp["measured"]["by_kind"]["all-reduce"]["array_bytes"] >= dp["theory"]["array_bytes"]
+    assert "all-gather" not in dp["measured"]["by_kind"]
+    # TP: Megatron's count, which needs q/k/v's input gradient all-reduced once
+    # (layers.parallel_dense); separate projections measured 1.45x.
+    assert tp["ratio"] <= 1.1 and tp["pass"], tp["ratio"]
 
 
 @pytest.mark.slow
