@@ -40,7 +40,12 @@ EXTRAS_REQUIRE = {
         "wandb",
         "lm_eval==0.4.13",
         "datasets==5.2.0",
+        # libtpu, for test_benchmarks' FSDP collectives compiled for a TPU slice (no TPU).
+        "jax[tpu]==0.10.2",
     ],
+    # libtpu of the pinned jax: TPU training, and ahead-of-time compiles for a TPU slice
+    # on any host (benchmarks' --tpu-topology).
+    "tpu": ["jax[tpu]==0.10.2"],
     "wandb": ["wandb"],
     # tasks/hf_datasets.py: local HuggingFace `datasets` (save_to_disk, json, parquet).
     "hf_datasets": ["datasets==5.2.0"],

@@ -51,14 +51,67 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_description() -> str:
+def machine_description(devices: Sequence[Any] | None = None, topology: str | None = None) -> str:
+    """This host, and the devices compiled for (all of `jax.devices()` unless given)."""
     import jax
 
-    device = jax.devices()[0]
-    return (
-        f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}; "
-        f"{jax.device_count()}x {device.device_kind} ({device.platform})"
+    devices = jax.devices() if devices is None else devices
+    host = f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}"
+    targets = f"{len(devices)}x {devices[0].device_kind} ({devices[0].platform})"
+    if topology:
+        return f"{host}; compiled ahead of time for {targets}, topology {topology}, none attached"
+    return f"{host}; {targets}"
+
+
+LIBTPU_HINT = (
+    "compiling for a TPU topology needs libtpu, the TPU compiler: pip install 'flaxlm[tpu]' "
+    "(jax[tpu] of the pinned jax), or point TPU_LIBRARY_PATH at a libtpu.so"
+)
+
+
+def add_target_args(parser: Any) -> None:
+    """`--tpu-topology` and `--matmul-precision` (see `target_devices`)."""
+    parser.add_argument(
+        "--tpu-topology",
+        metavar="NAME",
+        help="compile for this TPU slice (e.g. v5e:2x4) with libtpu, ahead of time, instead "
+        "of for this host's devices; no TPU needed",
     )
+    parser.add_argument(
+        "--matmul-precision",
+        choices=("default", "high", "highest"),
+        help="jax_default_matmul_precision while compiling; on TPU `default` multiplies "
+        "float32 in bf16 passes (so e.g. FSDP gathers float32 params as bf16), `highest` "
+        "keeps float32",
+    )
+
+
+def target_devices(args: Any) -> list[Any]:
+    """The devices to compile for: the `--tpu-topology` slice's, else `jax.devices()`."""
+    import jax
+
+    if getattr(args, "tpu_topology", None):
+        return topology_devices(args.tpu_topology)
+    return list(jax.devices())
+
+
+def topology_devices(name: str) -> list[Any]:
+    """Compile-only devices of a TPU slice named as `v5e:2x4` or `v4:2x2x2`.
+
+    The TPU compiler (libtpu) compiles for them on this host with no TPU attached, as
+    MaxText's train_compile.py does, so the compiled HLO and memory analysis are the TPU's.
+    """
+    from jax.experimental import topologies
+
+    try:
+        return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+    except RuntimeError as e:
+        if "TPU support not installed" in str(e):
+            raise RuntimeError(f"--tpu-topology {name}: {LIBTPU_HINT}.") from e
+        raise ValueError(
+            f"--tpu-topology {name}: libtpu does not know this topology ({e}); "
+            "name one as <generation>:<chips per dimension>, e.g. v5e:2x4 or v4:2x2x2."
+        ) from e
 
 
 def make_partitioner(name: str, devices: Sequence[Any] | None = None) -> Any:
@@ -88,6 +141,7 @@ class CompiledStep:
         batch_size: int,
         seq_len: int,
         learning_rate: float = 1e-3,
+        matmul_precision: str | None = None,
     ) -> None:
         import jax
         import jax.numpy as jnp
@@ -105,12 +159,13 @@ class CompiledStep:
             k: jax.ShapeDtypeStruct((batch_size, n), jnp.int32, sharding=sharding)
             for k, n in lengths.items()
         }
-        start = time.perf_counter()
-        self.lowered = step.lower(self.setup.abstract_state, self.abstract_batch)
-        self.lower_seconds = time.perf_counter() - start
-        start = time.perf_counter()
-        self.compiled = self.lowered.compile()
-        self.compile_seconds = time.perf_counter() - start
+        with jax.default_matmul_precision(matmul_precision):
+            start = time.perf_counter()
+            self.lowered = step.lower(self.setup.abstract_state, self.abstract_batch)
+            self.lower_seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            self.compiled = self.lowered.compile()
+            self.compile_seconds = time.perf_counter() - start
 
 
 def per_device_bytes(abstract_tree: Any) -> int:
@@ -153,20 +208,28 @@ def unsharded_leaves(abstract_tree: Any, min_bytes: int = 0) -> list[tuple[str, 
     return out
 
 
-def run_record(script: str, args: Any, argv: Sequence[str] | None, **fields: Any) -> dict[str, Any]:
+def run_record(
+    script: str,
+    args: Any,
+    argv: Sequence[str] | None,
+    devices: Sequence[Any] | None = None,
+    **fields: Any,
+) -> dict[str, Any]:
     """What every benchmark's JSON starts with: date, the command that reproduces the run
-    (`script` with `argv`), machine, JAX version and devices, the arguments; then `fields`."""
+    (`script` with `argv`), machine, JAX version and devices (all of `jax.devices()` unless
+    given), the arguments; then `fields`."""
     import datetime
     import shlex
 
     import jax
 
+    devices = jax.devices() if devices is None else devices
     return {
         "date": datetime.date.today().isoformat(),
         "command": shlex.join(["python", f"benchmarks/{script}", *(argv or sys.argv[1:])]),
-        "machine": machine_description(),
+        "machine": machine_description(devices, getattr(args, "tpu_topology", None)),
         "jax_version": jax.__version__,
-        "devices": jax.device_count(),
+        "devices": len(devices),
         "args": {k: v for k, v in vars(args).items() if k != "json"},
         **fields,
     }

@@ -119,6 +119,7 @@ class Op:
     result_bytes: int
     group: int
     phase: str  # forward, backward or other (from the op's metadata)
+    channel: int | None = None  # XLA's channel_id: the pieces of one async op share it
 
     @property
     def array_bytes(self) -> int:
@@ -138,8 +139,55 @@ class Op:
         return (n - 1) / n * r
 
 
+def _operands(rest: str) -> list[str]:
+    """Names of an instruction's operands (`opcode(%a, %b), attrs` -> [a, b])."""
+    inner = rest.split("(", 1)[1].split(")", 1)[0] if "(" in rest else ""
+    return re.findall(r"%([^\s,()]+)", inner)
+
+
+def _trip_count(cond: list[str], init: str, defs: dict[str, tuple[str, str, str]]) -> int | None:
+    """Trip count of a while loop without `known_trip_count` (TPU's compiled HLO): its
+    condition is `ROOT compare(get-tuple-element(param, index=i), constant(N)),
+    direction=LT` and element i of its init tuple is a constant k (through copies), so it
+    runs N - k times (JAX's loops step their counter by one)."""
+    cond_defs = {}
+    root = None
+    for line in cond:
+        m = INSTRUCTION_RE.match(line)
+        if m:
+            cond_defs[m.group(1)] = split_type(m.group(2))
+            if line.lstrip().startswith("ROOT"):
+                root = cond_defs[m.group(1)]
+
+    def constant(name: str, table: dict[str, tuple[str, str, str]]) -> int | None:
+        while name in table and table[name][1] in ("copy", "bitcast", "convert"):
+            name = _operands(table[name][2])[0]
+        if name in table and table[name][1] == "constant":
+            m = re.match(r"constant\((-?\d+)\)", table[name][2])
+            return int(m.group(1)) if m else None
+        return None
+
+    if root is None or root[1] != "compare" or "direction=LT" not in root[2]:
+        return None
+    counter, bound = (_operands(root[2]) + [None, None])[:2]
+    limit = constant(bound, cond_defs) if bound else None
+    gte = cond_defs.get(counter)
+    if limit is None or gte is None or gte[1] != "get-tuple-element":
+        return None
+    index = int(re.search(r"index=(\d+)", gte[2]).group(1))
+    tuple_def = defs.get(init)
+    if tuple_def is None or tuple_def[1] != "tuple":
+        return None
+    start = constant(_operands(tuple_def[2])[index], defs)
+    return None if start is None else limit - start
+
+
 def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
-    """Collectives per train step: each op with the product of its enclosing trip counts."""
+    """Collectives per train step: each op with the product of its enclosing trip counts.
+
+    Besides the plain ops, TPU's compiled reduce-scatter is read: a custom fusion calling
+    `%all-reduce-scatter...` (an all-reduce whose result is cut in the same kernel) counts
+    as one reduce-scatter whose result is the fusion's."""
     computations: dict[str, list[str]] = {}
     entry = None
     current = None
@@ -160,42 +208,73 @@ def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
     unparsed: list[str] = []
     memo: dict[str, list[tuple[Op, int]]] = {}
 
+    def phase_of(rest: str) -> str:
+        op_name = re.search(r'op_name="([^"]*)"', rest)
+        op_name = op_name.group(1) if op_name else ""
+        if "transpose(" in op_name:
+            return "backward"
+        return "forward" if "jvp(" in op_name else "other"
+
+    def channel_of(attrs: str) -> int | None:
+        m = re.search(r"channel_id=(\d+)", attrs)
+        return int(m.group(1)) if m else None
+
+    def one_per_channel(ops: list[tuple[Op, int]]) -> list[tuple[Op, int]]:
+        """TPU splits an async collective into a start, continuation fusions overlapping
+        compute and a done, each holding the op with one channel_id: count it once (as the
+        reduce-scatter where one of them is)."""
+        first: dict[int, int] = {}
+        out: list[tuple[Op, int]] = []
+        for op, count in ops:
+            if op.channel is None:
+                out.append((op, count))
+            elif op.channel not in first:
+                first[op.channel] = len(out)
+                out.append((op, count))
+            elif op.kind == "reduce-scatter":
+                out[first[op.channel]] = (op, count)
+        return out
+
     def ops_of(name: str) -> list[tuple[Op, int]]:
         if name in memo:
             return memo[name]
         memo[name] = []  # guards against cycles
         out: list[tuple[Op, int]] = []
+        defs: dict[str, tuple[str, str, str]] = {}
         for line in computations.get(name, []):
             m = INSTRUCTION_RE.match(line)
             if not m:
                 continue
-            type_str, opcode, rest = split_type(m.group(2))
+            type_str, opcode, rest = defs[m.group(1)] = split_type(m.group(2))
+            callees = re.findall(r"(?:calls|branch_computations)=\{?%([^\s,}]+)", rest)
             if opcode in COLLECTIVES:
-                op_name = re.search(r'op_name="([^"]*)"', rest)
-                op_name = op_name.group(1) if op_name else ""
-                phase = (
-                    "backward"
-                    if "transpose(" in op_name
-                    else "forward"
-                    if "jvp(" in op_name
-                    else "other"
-                )
-                out.append(
-                    (Op(opcode, type_bytes(type_str), group_size(rest, num_devices), phase), 1)
-                )
+                group = group_size(rest, num_devices)
+                op = Op(opcode, type_bytes(type_str), group, phase_of(rest), channel_of(rest))
+                out.append((op, 1))
+            elif opcode == "fusion" and callees and callees[0].startswith("all-reduce-scatter"):
+                inner = " ".join(computations.get(callees[0], []))
+                group = group_size(inner, num_devices)
+                op = Op("reduce-scatter", type_bytes(type_str), group, phase_of(rest))
+                out.append((dataclasses.replace(op, channel=channel_of(inner)), 1))
             elif any(opcode == c + "-start" for c in COLLECTIVES):
                 unparsed.append(m.group(1))
             elif opcode == "while":
                 body = re.search(r"body=%([^\s,]+)", rest).group(1)
                 trip = re.search(r'known_trip_count"?:\{"n":"(\d+)"', rest)
-                if trip is None:
-                    unparsed.append(f"{m.group(1)} (while without known_trip_count: counted once)")
-                count = int(trip.group(1)) if trip else 1
+                count = int(trip.group(1)) if trip else None
+                if count is None:
+                    cond = re.search(r"condition=%([^\s,]+)", rest).group(1)
+                    count = _trip_count(computations.get(cond, []), _operands(rest)[0], defs)
+                if count is None:
+                    unparsed.append(
+                        f"{m.group(1)} (while without a known trip count: counted once)"
+                    )
+                    count = 1
                 out += [(op, c * count) for op, c in ops_of(body)]
             else:
-                for callee in re.findall(r"(?:calls|branch_computations)=\{?%([^\s,}]+)", rest):
+                for callee in callees:
                     out += ops_of(callee)
-        memo[name] = out
+        memo[name] = out = one_per_channel(out)
         return out
 
     ops = ops_of(entry)
@@ -273,16 +352,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
+    bench_common.add_target_args(p)
     p.add_argument("--dump-hlo", metavar="DIR", help="also write each compiled HLO text here")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON here")
     args = p.parse_args(argv)
     for k in ("layers", "hidden", "heads", "vocab", "batch_size", "seq_len"):
         if getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be at least 1.")
-    n = 8
-    if args.heads % n or args.vocab % n or args.hidden % n or args.batch_size % n:
-        p.error(f"--heads, --vocab, --hidden and --batch-size must be multiples of {n} (devices).")
     return args
+
+
+def check_divisible(args: argparse.Namespace, n: int) -> None:
+    if args.heads % n or args.vocab % n or args.hidden % n or args.batch_size % n:
+        raise SystemExit(
+            f"--heads, --vocab, --hidden and --batch-size must be multiples of {n} (devices)."
+        )
 
 
 def mib(x: float) -> str:
@@ -304,20 +388,27 @@ def main(argv: Sequence[str] | None = None) -> dict:
         scan_layers=args.scan_layers,
     )
     model = DecoderOnlyModel(config)
+    devices = bench_common.target_devices(args)
+    n = len(devices)
+    check_divisible(args, n)
     rows = []
     for name in args.partitionings:
         print(f"compiling {name} ...", flush=True)
-        partitioner = bench_common.make_partitioner(name)
-        step = bench_common.CompiledStep(model, partitioner, args.batch_size, args.seq_len)
+        partitioner = bench_common.make_partitioner(name, devices)
+        step = bench_common.CompiledStep(
+            model,
+            partitioner,
+            args.batch_size,
+            args.seq_len,
+            matmul_precision=args.matmul_precision,
+        )
         text = step.compiled.as_text()
         if args.dump_hlo:
             os.makedirs(args.dump_hlo, exist_ok=True)
             with open(os.path.join(args.dump_hlo, f"{name}.hlo.txt"), "w") as f:
                 f.write(text)
-        measured = parse_hlo(text, jax.device_count())
-        expected = theory(
-            name, step.setup, config, args.batch_size, args.seq_len, jax.device_count()
-        )
+        measured = parse_hlo(text, n)
+        expected = theory(name, step.setup, config, args.batch_size, args.seq_len, n)
         ratio = measured["ring_bytes"] / expected["ring_bytes"]
         rows.append(
             {
@@ -334,7 +425,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(
         f"\nGPT-J {args.layers}x{args.hidden} ({args.heads} heads, vocab {args.vocab}), "
         f"B{args.batch_size}xL{args.seq_len}, float32, scan_layers={args.scan_layers}, "
-        f"{jax.device_count()} devices; MiB per device per step\n"
+        f"{bench_common.machine_description(devices, args.tpu_topology)}, matmul precision "
+        f"{args.matmul_precision or 'default'}; MiB per device per step\n"
     )
     header = ["partitioning", "collective", "count", "array MiB", "ring MiB"]
     table = []
@@ -380,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ],
         summary,
     )
-    results = bench_common.run_record("collectives.py", args, argv, rows=rows)
+    results = bench_common.run_record("collectives.py", args, argv, devices, rows=rows)
     bench_common.write_json(results, args.json)
     return results
 

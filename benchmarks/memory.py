@@ -78,6 +78,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=True,
         help="nn.scan the blocks (as the model gins do; one layer body compiled)",
     )
+    bench_common.add_target_args(p)
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON here")
     args = p.parse_args(argv)
     for name in ("batch_size", "seq_len"):
@@ -128,16 +129,26 @@ def build_model(name: str, args: argparse.Namespace, remat: str) -> DecoderOnlyM
 
 
 def measure(
-    model_name: str, partitioning: str, remat: str, args: argparse.Namespace
+    model_name: str,
+    partitioning: str,
+    remat: str,
+    args: argparse.Namespace,
+    devices: Sequence[Any],
 ) -> dict[str, Any]:
     model = build_model(model_name, args, remat)
-    partitioner = bench_common.make_partitioner(partitioning)
+    partitioner = bench_common.make_partitioner(partitioning, devices)
     start = time.perf_counter()
-    step = bench_common.CompiledStep(model, partitioner, args.batch_size, args.seq_len)
+    step = bench_common.CompiledStep(
+        model,
+        partitioner,
+        args.batch_size,
+        args.seq_len,
+        matmul_precision=args.matmul_precision,
+    )
     wall = time.perf_counter() - start
     state = step.setup.abstract_state
     mem = step.compiled.memory_analysis()
-    n = jax.device_count()
+    n = len(devices)
     params_total = bench_common.total_bytes(state.params)
     opt_total = bench_common.total_bytes(state.opt_state)
     row = {
@@ -191,10 +202,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for remat in args.remat_policies:
             if (model_name, args.remat_partitioning, remat) not in configs:
                 configs.append((model_name, args.remat_partitioning, remat))
+    devices = bench_common.target_devices(args)
+    n = len(devices)
     rows = []
     for model_name, partitioning, remat in configs:
         print(f"compiling {model_name} / {partitioning} / {remat} ...", flush=True)
-        rows.append(measure(model_name, partitioning, remat, args))
+        rows.append(measure(model_name, partitioning, remat, args, devices))
         print(f"  {rows[-1]['compile_seconds']:.1f}s", flush=True)
 
     header = [
@@ -204,12 +217,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "params GiB/dev",
         "opt GiB/dev",
         "temp GiB/dev",
-        "params+opt / (total/8)",
+        f"params+opt / (total/{n})",
         "target",
     ]
     table = []
     for r in rows:
-        n = jax.device_count()
         ratio = (r["params_bytes"] + r["opt_bytes"]) / (
             (r["params_total_bytes"] + r["opt_total_bytes"]) / n
         )
@@ -237,14 +249,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
             f"optimizer {gib(first['opt_total_bytes'])} GiB in all"
         )
     print(
-        f"batch {args.batch_size} x length {args.seq_len}, scan_layers={args.scan_layers}, "
-        f"{jax.device_count()} devices\n"
+        f"batch {args.batch_size} x length {args.seq_len}, scan_layers={args.scan_layers}; "
+        f"{bench_common.machine_description(devices, args.tpu_topology)}\n"
     )
     bench_common.print_table(header, table)
     for r in rows:
         for line in r.get("unsharded", []):
             print(f"  FAIL {r['model']}/{r['partitioning']}: whole on every device: {line}")
-    results = bench_common.run_record("memory.py", args, argv, rows=rows)
+    results = bench_common.run_record("memory.py", args, argv, devices, rows=rows)
     bench_common.write_json(results, args.json)
     return results
 
