@@ -142,12 +142,16 @@ class CompiledStep:
         seq_len: int,
         learning_rate: float = 1e-3,
         matmul_precision: str | None = None,
+        out_of_memory_ok: bool = False,
     ) -> None:
+        """`out_of_memory_ok`: a compile that runs out of device memory leaves `compiled`
+        None and the compiler's message in `out_of_memory` instead of raising."""
         import jax
         import jax.numpy as jnp
 
         from flaxlm import optimizers, trainer
 
+        self.out_of_memory: str | None = None
         lengths = feature_lengths(model, seq_len)
         tx = optimizers.create_optimizer(learning_rate=learning_rate)
         self.setup = trainer.Setup(model, partitioner, tx, lengths)
@@ -164,7 +168,14 @@ class CompiledStep:
             self.lowered = step.lower(self.setup.abstract_state, self.abstract_batch)
             self.lower_seconds = time.perf_counter() - start
             start = time.perf_counter()
-            self.compiled = self.lowered.compile()
+            try:
+                self.compiled = self.lowered.compile()
+            except jax.errors.JaxRuntimeError as e:
+                # A TPU compile fails when the step's buffers exceed the chip's HBM.
+                if not (out_of_memory_ok and "RESOURCE_EXHAUSTED" in str(e)):
+                    raise
+                self.compiled = None
+                self.out_of_memory = str(e).split("\n")[0]
             self.compile_seconds = time.perf_counter() - start
 
 

@@ -144,10 +144,11 @@ def measure(
         args.batch_size,
         args.seq_len,
         matmul_precision=args.matmul_precision,
+        out_of_memory_ok=True,
     )
     wall = time.perf_counter() - start
     state = step.setup.abstract_state
-    mem = step.compiled.memory_analysis()
+    mem = step.compiled.memory_analysis() if step.compiled is not None else None
     n = len(devices)
     params_total = bench_common.total_bytes(state.params)
     opt_total = bench_common.total_bytes(state.opt_state)
@@ -161,12 +162,15 @@ def measure(
         "opt_total_bytes": opt_total,
         "params_bytes": bench_common.per_device_bytes(state.params),
         "opt_bytes": bench_common.per_device_bytes(state.opt_state),
-        "temp_bytes": int(mem.temp_size_in_bytes),
-        "argument_bytes": int(mem.argument_size_in_bytes),
-        "output_bytes": int(mem.output_size_in_bytes),
-        "alias_bytes": int(mem.alias_size_in_bytes),
         "compile_seconds": wall,
     }
+    if mem is None:
+        row["out_of_memory"] = step.out_of_memory
+    else:
+        row["temp_bytes"] = int(mem.temp_size_in_bytes)
+        row["argument_bytes"] = int(mem.argument_size_in_bytes)
+        row["output_bytes"] = int(mem.output_size_in_bytes)
+        row["alias_bytes"] = int(mem.alias_size_in_bytes)
     ideal = (params_total + opt_total) / n
     if partitioning == "fsdp":
         value = row["params_bytes"] + row["opt_bytes"]
@@ -235,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 r["remat_policy"],
                 gib(r["params_bytes"]),
                 gib(r["opt_bytes"]),
-                gib(r["temp_bytes"]),
+                gib(r["temp_bytes"]) if "temp_bytes" in r else "does not fit",
                 f"{ratio:.3f}",
                 verdict,
             ]
@@ -254,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     bench_common.print_table(header, table)
     for r in rows:
+        if "out_of_memory" in r:
+            print(f"  {r['model']}/{r['partitioning']}/{r['remat_policy']}: {r['out_of_memory']}")
         for line in r.get("unsharded", []):
             print(f"  FAIL {r['model']}/{r['partitioning']}: whole on every device: {line}")
     results = bench_common.run_record("memory.py", args, argv, devices, rows=rows)
