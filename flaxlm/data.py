@@ -29,7 +29,7 @@ import difflib
 import importlib
 import json
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import gin
@@ -160,22 +160,20 @@ class HostInput:
     offset: int
     rows: int
 
-    def cut(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """This host's rows of the shards' concatenated batch (numpy or tf)."""
+    def combine(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """This host's rows of one global batch from the next batch of each of its shards
+        (in `shards` order)."""
+        if len(parts) == 1:
+            batch = dict(parts[0])
+        else:
+            batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
         if self.offset == 0 and self.rows == next(iter(batch.values())).shape[0]:
-            return dict(batch)
+            return batch
         return {k: v[self.offset : self.offset + self.rows] for k, v in batch.items()}
 
-    def dataset(self) -> tf.data.Dataset:
-        """This host's rows of each global batch as one tf.data pipeline."""
-        parts = tuple(self.shards.values())
-        if len(parts) == 1:
-            ds = parts[0]
-        else:
-            ds = tf.data.Dataset.zip(parts).map(
-                lambda *batches: {k: tf.concat([b[k] for b in batches], 0) for k in batches[0]}
-            )
-        return ds.map(self.cut)
+    def next_batch(self, iterators: Iterable[Iterator[Any]]) -> dict[str, np.ndarray]:
+        """`combine` of the next batch of each shard's iterator (StopIteration at the end)."""
+        return self.combine([jax.tree.map(np.asarray, next(it)) for it in iterators])
 
 
 def host_input(
@@ -200,11 +198,23 @@ def host_input(
     return HostInput(parts, total, offset, layout.per_host_batch_size)
 
 
-def get_dataset(
+def host_batches(
     cfg: DatasetConfig, layout: DataLayout, feature_converter_cls: type[seqio.FeatureConverter]
-) -> tf.data.Dataset:
-    """This host's rows `[per_host_batch, length]` of each global batch, as tf.data."""
-    return host_input(cfg, layout, feature_converter_cls).dataset().prefetch(2)
+) -> Iterator[dict[str, np.ndarray]]:
+    """This host's rows `[per_host_batch, length]` of each global batch, as numpy: what a
+    `DataIterator` puts on the mesh, without a mesh. Bad configurations raise here, not at
+    the first batch."""
+    source = host_input(cfg, layout, feature_converter_cls)
+
+    def batches() -> Iterator[dict[str, np.ndarray]]:
+        iterators = [iter(ds) for ds in source.shards.values()]
+        while True:
+            try:
+                yield source.next_batch(iterators)
+            except StopIteration:
+                return
+
+    return batches()
 
 
 def model_feature_lengths(
@@ -260,12 +270,7 @@ class DataIterator:
 
     def next_numpy(self) -> dict[str, np.ndarray]:
         start = time.perf_counter()
-        parts = [jax.tree.map(np.asarray, next(it)) for it in self._iterators.values()]
-        if len(parts) == 1:
-            batch = parts[0]
-        else:
-            batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        batch = self._source.cut(batch)
+        batch = self._source.next_batch(self._iterators.values())
         self.wait_seconds += time.perf_counter() - start
         return batch
 

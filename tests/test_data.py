@@ -1,6 +1,7 @@
 """SeqIO glue: tasks, this host's shard, and global batches on the mesh."""
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -69,7 +70,7 @@ def test_long_documents_are_cut_into_target_length_chunks():
 
 def test_unregistered_task_is_named_with_suggestions():
     with pytest.raises(ValueError, match="stdlib_pyy.*Did you mean.*stdlib_py"):
-        data.get_dataset(
+        data.host_batches(
             _cfg(mixture_or_task_name="stdlib_pyy"),
             Partitioner(mesh_shape=(8, 1, 1)).data_layout(8),
             seqio.DecoderFeatureConverter,
@@ -101,8 +102,8 @@ def _tiny_lines_task(tmp_path, name, files=4, lines=6):
 
 
 def _batches(cfg, layout, n):
-    ds = data.get_dataset(cfg, layout, seqio.DecoderFeatureConverter)
-    return [b["decoder_target_tokens"] for b in ds.take(n).as_numpy_iterator()]
+    batches = data.host_batches(cfg, layout, seqio.DecoderFeatureConverter)
+    return [b["decoder_target_tokens"] for b in itertools.islice(batches, n)]
 
 
 @pytest.mark.parametrize(
@@ -152,7 +153,7 @@ def test_fewer_input_shards_than_row_blocks_slices_this_hosts_rows(tmp_path):
     for w, h in zip(whole, _batches(cfg, half, 2)):
         np.testing.assert_array_equal(w[4:], h)
     with pytest.raises(ValueError, match="num_input_shards=3 must .* divide the batch size 8"):
-        data.get_dataset(
+        data.host_batches(
             dataclasses.replace(cfg, num_input_shards=3), half, seqio.DecoderFeatureConverter
         )
 

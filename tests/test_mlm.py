@@ -59,8 +59,7 @@ def test_stdlib_mlm_task_through_the_converter():
         pack=True,
     )
     layout = DataLayout(global_batch_size=4, per_host_batch_size=4, shard_index=0, num_shards=1)
-    ds = data.get_dataset(cfg, layout, MaskedLMFeatureConverter)
-    batch = next(ds.as_numpy_iterator())
+    batch = next(data.host_batches(cfg, layout, MaskedLMFeatureConverter))
     assert set(batch) == set(
         MaskedLMFeatureConverter(pack=True).get_model_feature_lengths({"inputs": 64})
     )

@@ -285,7 +285,7 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 }
 
 
-# ---------------------------------------------------------------------------- rotary
+# ---------------------------------------------------------------------------- positions
 
 
 def default_positions(tokens: Array, positions: Array | None) -> Array:
@@ -294,6 +294,9 @@ def default_positions(tokens: Array, positions: Array | None) -> Array:
         return positions
     batch, length = tokens.shape
     return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+
+# ---------------------------------------------------------------------------- rotary
 
 
 def rotary_sin_cos(positions: Array, dim: int, theta: float = 10000.0) -> tuple[Array, Array]:
