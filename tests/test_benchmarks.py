@@ -141,7 +141,7 @@ def test_collectives_fsdp_reduce_scatters_on_tpu(tmp_path):
     # Every sharded gradient is reduce-scattered: the gradient collectives (reduce-scatter
     # and backward all-reduce) move what the theory's reduce-scatter and small all-reduce
     # do. A [3, embed, heads, head_dim] q/k/v gradient stayed an all-reduce of the whole
-    # gradient (1.22x at this shape) until layers.contract flattened it to a matrix.
+    # gradient (1.22x at this shape) until layers.contract flattened its output dims.
     grads = by_kind["reduce-scatter"]["ring_bytes"] + by_kind["all-reduce/backward"]["ring_bytes"]
     theory_grads = sum(
         parts[k]["ring_bytes"]
