@@ -40,7 +40,7 @@ import collections  # noqa: E402
 import dataclasses  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
+from collections.abc import Iterator, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
@@ -139,6 +139,14 @@ class Op:
         return (n - 1) / n * r
 
 
+def _instructions(lines: Sequence[str]) -> Iterator[tuple[str, bool, tuple[str, str, str]]]:
+    """`(name, is_root, (type, opcode, rest))` of each instruction of a computation."""
+    for line in lines:
+        m = INSTRUCTION_RE.match(line)
+        if m:
+            yield m.group(1), line.lstrip().startswith("ROOT"), split_type(m.group(2))
+
+
 def _operands(rest: str) -> list[str]:
     """Names of an instruction's operands (`opcode(%a, %b), attrs` -> [a, b])."""
     inner = rest.split("(", 1)[1].split(")", 1)[0] if "(" in rest else ""
@@ -152,12 +160,10 @@ def _trip_count(cond: list[str], init: str, defs: dict[str, tuple[str, str, str]
     runs N - k times (JAX's loops step their counter by one)."""
     cond_defs = {}
     root = None
-    for line in cond:
-        m = INSTRUCTION_RE.match(line)
-        if m:
-            cond_defs[m.group(1)] = split_type(m.group(2))
-            if line.lstrip().startswith("ROOT"):
-                root = cond_defs[m.group(1)]
+    for name, is_root, parsed in _instructions(cond):
+        cond_defs[name] = parsed
+        if is_root:
+            root = parsed
 
     def constant(name: str, table: dict[str, tuple[str, str, str]]) -> int | None:
         while name in table and table[name][1] in ("copy", "bitcast", "convert"):
@@ -241,11 +247,8 @@ def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
         memo[name] = []  # guards against cycles
         out: list[tuple[Op, int]] = []
         defs: dict[str, tuple[str, str, str]] = {}
-        for line in computations.get(name, []):
-            m = INSTRUCTION_RE.match(line)
-            if not m:
-                continue
-            type_str, opcode, rest = defs[m.group(1)] = split_type(m.group(2))
+        for instruction, _, parsed in _instructions(computations.get(name, [])):
+            type_str, opcode, rest = defs[instruction] = parsed
             callees = re.findall(r"(?:calls|branch_computations)=\{?%([^\s,}]+)", rest)
             if opcode in COLLECTIVES:
                 group = group_size(rest, num_devices)
@@ -257,7 +260,7 @@ def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
                 op = Op("reduce-scatter", type_bytes(type_str), group, phase_of(rest))
                 out.append((dataclasses.replace(op, channel=channel_of(inner)), 1))
             elif any(opcode == c + "-start" for c in COLLECTIVES):
-                unparsed.append(m.group(1))
+                unparsed.append(instruction)
             elif opcode == "while":
                 body = re.search(r"body=%([^\s,]+)", rest).group(1)
                 trip = re.search(r'known_trip_count"?:\{"n":"(\d+)"', rest)
@@ -267,7 +270,7 @@ def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
                     count = _trip_count(computations.get(cond, []), _operands(rest)[0], defs)
                 if count is None:
                     unparsed.append(
-                        f"{m.group(1)} (while without a known trip count: counted once)"
+                        f"{instruction} (while without a known trip count: counted once)"
                     )
                     count = 1
                 out += [(op, c * count) for op, c in ops_of(body)]
