@@ -2,9 +2,12 @@
 
 import setuptools
 
-# Versions that must move together are pinned together: tensorflow, tensorflow-cpu
-# and tensorflow-text share a minor version (seqio needs tensorflow-text); jax and
-# jaxlib are one release; flax/optax/orbax are the releases tested with that jax.
+# Versions that must move together are pinned together: tensorflow and tensorflow-text
+# share a minor version (seqio needs tensorflow-text, which requires the `tensorflow`
+# wheel); jax and jaxlib are one release; flax/optax/orbax are the releases tested with
+# that jax. One TensorFlow only: `tensorflow-cpu` beside `tensorflow` would unpack into the
+# same folder, each overwriting the other's files. TensorFlow is only the input pipeline
+# and never sees an accelerator (data.configure_tensorflow).
 INSTALL_REQUIRES = [
     "jax==0.10.2",
     "jaxlib==0.10.2",
@@ -14,7 +17,6 @@ INSTALL_REQUIRES = [
     "gin-config==0.5.0",
     "seqio==0.0.20",
     "tensorflow==2.21.0",
-    "tensorflow-cpu==2.21.0",
     "tensorflow-text==2.21.1",
     "tensorflow-datasets==4.9.10",
     # tf.summary writes event files only when TensorBoard is installed; TF 2.21 no

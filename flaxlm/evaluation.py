@@ -391,11 +391,11 @@ def infer(
 
 
 def _checkpoint_vocabulary(checkpoint: str) -> seqio.Vocabulary | None:
-    """An HF directory's own tokenizer, if it has one."""
+    """An HF directory's own tokenizer, or the one a MODEL_DIR kept from its HF import."""
     path = epath.Path(checkpoint)
-    if is_hf_dir(path) and any(
-        (path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
-    ):
+    if not is_hf_dir(path):
+        path = path / hf.TOKENIZER_DIR
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         from flaxlm.vocabularies import HuggingFaceVocabulary
 
         return HuggingFaceVocabulary(str(path))

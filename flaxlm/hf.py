@@ -13,10 +13,12 @@ a time on the host and writes safetensors shards (with an index past `max_shard_
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
 import re
+import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -29,13 +31,40 @@ from flax import traverse_util
 from jax.sharding import SingleDeviceSharding
 
 import flaxlm.models  # noqa: F401  (registers every family's HFSpec)
-from flaxlm.models.base import HF_SPECS, BaseModel, HFSpec, HFTensor
+from flaxlm.models.base import (
+    HF_SPECS,
+    BaseModel,
+    EncoderOnlyModel,
+    HFSpec,
+    HFTensor,
+    eos_tuple,
+)
 from flaxlm.partitioning import Partitioner
 
 Params = Any
 VOCAB_MULTIPLE = 128
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+GENERATION_FILE = "generation_config.json"
+# What `tokenizer.save_pretrained` writes (any tokenizer class), chat templates included.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+TOKENIZER_DIR = "tokenizer"  # where a MODEL_DIR keeps the tokenizer of the HF import
+# generation_config.json fields that an export without the source's file derives from the
+# special ids (what transformers' GenerationConfig.from_model_config takes).
+_GENERATION_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 
 
 # ------------------------------------------------------------------------ families
@@ -204,6 +233,7 @@ def _check_tensors(
                     f"{path}: tensor {name!r} has shape {got}, but config.json implies {want}."
                 )
             used.add(name)
+        used.update(t.copies)
     missing = sorted(set(shapes) - set(expanded))
     if missing:
         raise ValueError(f"The HF mapping of {spec.model_types[0]} does not cover {missing}.")
@@ -283,6 +313,11 @@ def load_params(
     expanded = _expand(spec.tensors(model.config), scan)
     reader = SafetensorsReader(path, spec.base_model_prefix)
     real_vocab = model.config.real_vocab_size or model.config.vocab_size
+    if getattr(model.config, "tie_word_embeddings", False) and head_differs(spec, reader):
+        raise ValueError(
+            f"{path}: the checkpoint's LM head {spec.tied_head[0]!r} differs from its token "
+            "embedding, but the model ties them: set tie_word_embeddings=False in its config."
+        )
     _check_tensors(spec, expanded, shapes, reader, real_vocab, path)
 
     flat_params = {}
@@ -296,6 +331,16 @@ def load_params(
     return traverse_util.unflatten_dict(flat_params, sep="/")
 
 
+def head_differs(spec: HFSpec, reader: SafetensorsReader) -> bool:
+    """Whether the checkpoint stores an LM head that is not a copy of its embedding."""
+    if spec.tied_head is None:
+        return False
+    head, embedding = spec.tied_head
+    if head not in reader.file_of or embedding not in reader.file_of:
+        return False
+    return not np.array_equal(reader.read(head), reader.read(embedding))
+
+
 def from_pretrained(
     path: str | epath.Path,
     partitioner: Partitioner | None = None,
@@ -305,25 +350,55 @@ def from_pretrained(
     """`(model, params)` from a local HF directory (config.json + *.safetensors).
 
     The family comes from config.json's `model_type`; `dtype` sets both the compute and the
-    param dtype; `config_overrides` set other config fields (e.g. `scan_layers=True`).
+    param dtype; `config_overrides` set other config fields (e.g. `scan_layers=True`). The
+    model keeps the special token ids and generation_config.json, for `save_pretrained`.
     """
     hf_config = read_hf_config(path)
     spec, config = config_from_hf_dict(hf_config, partitioner, dtype, **config_overrides)
-    model = spec.model_cls(config, eos_id=hf_eos_id(hf_config, path))
+    if getattr(config, "tie_word_embeddings", False) and "tie_word_embeddings" not in (
+        config_overrides
+    ):
+        if head_differs(spec, SafetensorsReader(path, spec.base_model_prefix)):
+            config = dataclasses.replace(config, tie_word_embeddings=False)
+    generation = read_generation_config(path)
+    model = spec.model_cls(
+        config,
+        eos_id=hf_eos_id(hf_config, generation),
+        special_ids=special_ids(hf_config),
+        generation_config=generation,
+    )
     return model, load_params(model, path, partitioner)
 
 
+def read_generation_config(path: str | epath.Path) -> dict[str, Any] | None:
+    file = epath.Path(path) / GENERATION_FILE
+    return json.loads(file.read_text()) if file.exists() else None
+
+
+def special_ids(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's special token ids (`bos_token_id`, `eos_token_id`, ...), nulls kept."""
+    return {k: v for k, v in hf_config.items() if k.endswith("_token_id")}
+
+
 def hf_eos_id(
-    hf_config: Mapping[str, Any], path: str | epath.Path | None = None
+    hf_config: Mapping[str, Any], generation: Mapping[str, Any] | None = None
 ) -> int | list[int] | None:
     """The EOS id(s) generation stops at: generation_config.json's, else config.json's."""
-    if path is not None:
-        file = epath.Path(path) / "generation_config.json"
-        if file.exists():
-            generation = json.loads(file.read_text())
-            if generation.get("eos_token_id") is not None:
-                return generation["eos_token_id"]
+    if generation and generation.get("eos_token_id") is not None:
+        return generation["eos_token_id"]
     return hf_config.get("eos_token_id")
+
+
+def copy_tokenizer(src: str | epath.Path, dst: str | epath.Path) -> list[str]:
+    """Copies the tokenizer files (chat templates included) of HF directory `src` into
+    `dst`; returns their names (none: `dst` is not created)."""
+    src, dst = epath.Path(src), epath.Path(dst)
+    names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    if names and jax.process_index() == 0:
+        dst.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            shutil.copyfile(str(src / name), str(dst / name))
+    return names
 
 
 # ------------------------------------------------------------------------ writing
@@ -349,15 +424,41 @@ def hf_state_dict(model: BaseModel, params: Params) -> Iterator[tuple[str, np.nd
         for name, layer in zip(names, layers, strict=True):
             if t.vocab_axis is not None:
                 layer = np.take(layer, np.arange(real_vocab), axis=t.vocab_axis)
-            yield name, np.ascontiguousarray(_hf_layout(t, layer))
+            tensor = np.ascontiguousarray(_hf_layout(t, layer))
+            yield name, tensor
+            for other in t.copies:
+                yield other, tensor
+
+
+def model_special_ids(model: BaseModel) -> dict[str, Any]:
+    """The special ids an export writes: the imported checkpoint's, else the model's EOS."""
+    ids = dict(model.special_ids)
+    if "eos_token_id" not in ids and model.eos_ids:
+        eos = list(model.eos_ids)
+        ids["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return ids
 
 
 def hf_config_dict(model: BaseModel, dtype: Any = None) -> dict[str, Any]:
     spec = spec_for_config(model.config)
     out = spec.config_to_hf(model.config)
+    out.update(model_special_ids(model))
     out["vocab_size"] = model.config.real_vocab_size or model.config.vocab_size
     out["torch_dtype"] = jnp.dtype(dtype or jnp.float32).name
     return out
+
+
+def generation_config_dict(model: BaseModel) -> dict[str, Any] | None:
+    """generation_config.json of an export: the imported one as it was, else the special
+    ids' (none for an encoder-only model, which does not generate)."""
+    if model.generation_config is not None:
+        return dict(model.generation_config)
+    if isinstance(model, EncoderOnlyModel):
+        return None
+    config = {**spec_for_config(model.config).config_to_hf(model.config)}
+    config.update(model_special_ids(model))
+    ids = {k: config[k] for k in _GENERATION_IDS if config.get(k) is not None}
+    return {**ids, "_from_model_config": True}
 
 
 def save_pretrained(
@@ -367,11 +468,14 @@ def save_pretrained(
     *,
     max_shard_size: int = 5 * 2**30,
     dtype: Any = None,
+    tokenizer_dir: str | epath.Path | None = None,
 ) -> None:
-    """Writes `config.json` and safetensors (sharded with an index past `max_shard_size`).
+    """Writes `config.json` (special token ids included), `generation_config.json` and
+    safetensors (sharded with an index past `max_shard_size`).
 
-    `dtype` casts every tensor (default: as stored). All processes must call this (params
-    spread over hosts are gathered); process 0 writes.
+    `dtype` casts every tensor (default: as stored). `tokenizer_dir`: an HF directory whose
+    tokenizer files (and chat template) are copied beside the weights. All processes must
+    call this (params spread over hosts are gathered); process 0 writes.
     """
     from safetensors.numpy import save_file
 
@@ -404,17 +508,35 @@ def save_pretrained(
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
     config = hf_config_dict(model, dtype or next(iter(shards[0].values())).dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    generation = generation_config_dict(model)
+    if generation is not None:
+        # As transformers writes it (GenerationConfig.to_json_string).
+        (out / GENERATION_FILE).write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+    if tokenizer_dir is not None:
+        copy_tokenizer(tokenizer_dir, out)
 
 
 # ------------------------------------------------------------------------ runs
 
 
-def record_hf_config(model: BaseModel, model_dir: str | epath.Path) -> None:
+def record_hf_config(
+    model: BaseModel, model_dir: str | epath.Path, hf_dir: str | epath.Path | None = None
+) -> None:
     """Writes `model_dir/hf_config.json`, from which `export_checkpoint` rebuilds the model.
 
     Beside HF's fields it keeps flaxlm's own config (`flaxlm_config`: padded vocabulary,
     scan_layers, dtypes) so that the rebuilt model has exactly the checkpoint's params.
+    `hf_dir`, the HF directory the params came from, gives the special ids, EOS and
+    generation config (a Gin-bound model knows none of them), and its tokenizer files are
+    copied to `model_dir/tokenizer/`.
     """
+    if hf_dir is not None:
+        hf_config, generation = read_hf_config(hf_dir), read_generation_config(hf_dir)
+        model = copy.copy(model)
+        model.special_ids = special_ids(hf_config)
+        model.generation_config = generation
+        model.eos_ids = eos_tuple(hf_eos_id(hf_config, generation))
+        copy_tokenizer(hf_dir, epath.Path(model_dir) / TOKENIZER_DIR)
     if jax.process_index() == 0:
         out = epath.Path(model_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -422,9 +544,10 @@ def record_hf_config(model: BaseModel, model_dir: str | epath.Path) -> None:
         try:
             record = hf_config_dict(model)
         except ValueError:  # a variant HF cannot express (e.g. ALiBi GPT-2): flaxlm's own only
-            record = {"model_type": spec.model_types[0]}
+            record = {"model_type": spec.model_types[0], **model_special_ids(model)}
         record["flaxlm_config"] = dataclasses.asdict(model.config)
         record["flaxlm_eos_ids"] = list(model.eos_ids)
+        record["flaxlm_generation_config"] = model.generation_config
         (out / "hf_config.json").write_text(json.dumps(record, indent=2))
 
 
@@ -438,9 +561,10 @@ def import_checkpoint(
 ) -> None:
     """Run function: HF directory -> flaxlm params checkpoint (step 0) in `model_dir`.
 
-    Writes `model_dir/checkpoints/0` (params only) and `model_dir/hf_config.json`; a
+    Writes `model_dir/checkpoints/0` (params only), `model_dir/hf_config.json` (special ids
+    and generation config included) and the tokenizer files to `model_dir/tokenizer/`; a
     training run over that `model_dir` (the same model bound) starts from it with a fresh
-    optimizer state.
+    optimizer state, and an export writes them all back.
     """
     from flaxlm import checkpoints
 
@@ -450,7 +574,7 @@ def import_checkpoint(
     ckpt = checkpoints.Checkpointer(model_dir)
     ckpt.save_params(0, params)
     ckpt.close()
-    record_hf_config(model, out)
+    record_hf_config(model, out, hf_dir)
     print(f"Imported {hf_dir} ({model.config.__class__.__name__}) into {ckpt.directory}.")
 
 
@@ -475,11 +599,13 @@ def export_checkpoint(
     partitioner = partitioner or Partitioner()
     if model is None:
         model = model_from_hf_config(epath.Path(model_dir) / "hf_config.json", partitioner)
+    tokenizer_dir = epath.Path(model_dir) / TOKENIZER_DIR
+    tokenizer_dir = tokenizer_dir if tokenizer_dir.exists() else None
     from flaxlm import lora
 
     if lora.read_record(model_dir) is not None:  # a LoRA run: export base + adapters merged
         params, step = lora.restore_merged(model_dir, model, partitioner, step)
-        save_pretrained(model, params, out_dir, dtype=dtype)
+        save_pretrained(model, params, out_dir, dtype=dtype, tokenizer_dir=tokenizer_dir)
         print(f"Exported step {step} of LoRA run {model_dir} (merged) to {out_dir}.")
         return
     batch_shapes = model.example_batch_shapes()
@@ -494,7 +620,7 @@ def export_checkpoint(
         raise ValueError(f"No checkpoint in {ckpt.directory} to export.")
     params = ckpt.restore_params(step, abstract)
     ckpt.close()
-    save_pretrained(model, params, out_dir, dtype=dtype)
+    save_pretrained(model, params, out_dir, dtype=dtype, tokenizer_dir=tokenizer_dir)
     print(f"Exported step {step} of {ckpt.directory} to {out_dir}.")
 
 
@@ -514,5 +640,10 @@ def model_from_hf_config(
         config = dataclasses.replace(spec.config_cls(**record["flaxlm_config"]), **overrides)
     else:
         spec, config = config_from_hf_dict(record, partitioner, **overrides)
-    eos = record["flaxlm_eos_ids"] if "flaxlm_eos_ids" in record else hf_eos_id(record)
-    return spec.model_cls(config, eos_id=eos)
+    generation = record.get("flaxlm_generation_config")
+    if "flaxlm_config" not in record:  # an HF directory's config.json
+        generation = read_generation_config(file.parent)
+    eos = record["flaxlm_eos_ids"] if "flaxlm_eos_ids" in record else hf_eos_id(record, generation)
+    return spec.model_cls(
+        config, eos_id=eos, special_ids=special_ids(record), generation_config=generation
+    )

@@ -358,7 +358,7 @@ def load_lora_base(
 
         source: dict[str, Any] = {"hf": os.path.abspath(init_from_hf)}
         params = hf.load_params(model, init_from_hf, shardings=setup.base_shardings)
-        hf.record_hf_config(model, model_dir)
+        hf.record_hf_config(model, model_dir, init_from_hf)
     elif base_checkpoint:
         step = checkpoints.Checkpointer(base_checkpoint).latest_step()
         source = {"checkpoint": os.path.abspath(base_checkpoint), "step": step}
@@ -466,7 +466,7 @@ def train(
 
         params = hf.load_params(model, init_from_hf, shardings=setup.state_shardings.params)
         start_step, state = 0, setup.state_from_params(params)
-        hf.record_hf_config(model, model_dir)
+        hf.record_hf_config(model, model_dir, init_from_hf)
         print(f"Initialised {model.__class__.__name__} from {init_from_hf}.", flush=True)
     elif state is None:
         start_step, state = 0, setup.init_state()

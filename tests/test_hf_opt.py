@@ -27,6 +27,8 @@ VARIANTS = {
     "pre_ln": dict(do_layer_norm_before=True),
     # OPT-350m: post-LN blocks, no final norm, 16-wide embeddings projected to 32.
     "post_ln_proj": dict(do_layer_norm_before=False, word_embed_proj_dim=16),
+    # LayerNorms without scale or bias (no tensors in the file).
+    "no_affine": dict(do_layer_norm_before=True, layer_norm_elementwise_affine=False),
 }
 GIN_SIZES = {  # gin file -> (hidden_size, num_layers, approximate parameter count)
     "opt_tiny": (256, 4, None),
@@ -74,12 +76,14 @@ def test_import_matches_transformers(tmp_path, variant, mesh_shape, scan_layers)
     partitioner = Partitioner(mesh_shape=mesh_shape) if mesh_shape else None
     model, params = hf.from_pretrained(path, partitioner, scan_layers=scan_layers)
     assert model.config.vocab_size == 256 and model.config.real_vocab_size == VOCAB
-    assert model.config.final_layer_norm == (variant == "pre_ln")
+    assert model.config.final_layer_norm == (variant != "post_ln_proj")
     ids, mask = padded_batch(VOCAB)
     ours = model.compute_logits(params, decoder_batch(ids, mask))
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
     assert max_abs_diff(ours, theirs, mask) < 1e-4
     assert int(np.asarray(ours).argmax(-1).max()) < VOCAB
+    block = params["layers"]["block"] if scan_layers else params["layers_0"]
+    assert ("self_attn_layer_norm" in block) == (variant != "no_affine")
     if mesh_shape:
         fc1 = params["layers"]["block"]["fc1"]["kernel"]
         assert fc1.shape[0] == 2 and fc1.sharding.spec[-1] == "tensor"
@@ -101,6 +105,7 @@ def test_export_reloads_in_transformers(tmp_path, variant):
     assert max_abs_diff(b, a, mask) < 1e-5
     config = json.loads((out / "config.json").read_text())
     assert config["vocab_size"] == VOCAB and config["tie_word_embeddings"]
+    assert {k: config[k] for k in VARIANTS[variant]} == VARIANTS[variant]
 
 
 def test_untied_head_without_biases_round_trips(tmp_path):
@@ -163,9 +168,7 @@ def test_training_from_import_under_fsdp_lowers_loss_and_exports(tmp_path):
     assert max_abs_diff(ours, theirs, mask) < 1e-4
 
 
-@pytest.mark.parametrize(
-    "key,value", [("layer_norm_elementwise_affine", False), ("activation_function", "tanh")]
-)
+@pytest.mark.parametrize("key,value", [("activation_function", "tanh")])
 def test_unsupported_hf_options_are_refused(tmp_path, key, value):
     _, path = tiny_hf_opt(tmp_path, "pre_ln")
     config = json.loads(open(os.path.join(path, "config.json")).read())

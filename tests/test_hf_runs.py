@@ -10,6 +10,7 @@ import transformers
 from safetensors.numpy import load_file
 
 from tests.hf_helpers import max_abs_diff, padded_batch, save_torch_model, torch_logits
+from tests.test_hf_fidelity import CHAT_TEMPLATE, save_tokenizer
 from tests.test_main import read_metrics, run_main
 
 # The shape of gin/models/gptj_tiny.gin, as a HuggingFace checkpoint.
@@ -41,9 +42,33 @@ FINETUNE = [
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
+    """A tiny GPT-J with two EOS ids, sampling defaults and a tokenizer with a chat template."""
     torch.manual_seed(0)
     model = transformers.GPTJForCausalLM(transformers.GPTJConfig(**TINY)).eval()
-    return model, save_torch_model(model, tmp_path_factory.mktemp("hf") / "gptj")
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=1, eos_token_id=[1, 7], do_sample=True, temperature=0.8, top_p=0.95
+    )
+    path = save_torch_model(model, tmp_path_factory.mktemp("hf") / "gptj")
+    save_tokenizer(path)
+    return model, path
+
+
+def assert_keeps_what_makes_it_usable(source, export):
+    """An export has the source's special ids, generation_config.json and tokenizer."""
+
+    def read(directory, name):
+        with open(os.path.join(directory, name)) as f:
+            return f.read()
+
+    source_config = json.loads(read(source, "config.json"))
+    export_config = json.loads(read(export, "config.json"))
+    for key in ("bos_token_id", "eos_token_id"):
+        assert export_config[key] == source_config[key], key
+    generation = [json.loads(read(d, "generation_config.json")) for d in (source, export)]
+    assert generation[0] == generation[1]
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert read(export, name) == read(source, name), name
+    assert transformers.AutoTokenizer.from_pretrained(export).chat_template == CHAT_TEMPLATE
 
 
 def same_tensors(dir_a, dir_b):
@@ -86,6 +111,7 @@ def test_init_from_hf_starts_from_its_params(tmp_path, repo_dir, hf_dir):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert same_tensors(path, out) == 0.0
+    assert_keeps_what_makes_it_usable(path, out)
 
 
 @pytest.mark.slow
@@ -116,6 +142,7 @@ def test_import_then_train_then_export(tmp_path, repo_dir, hf_dir):
         devices=8,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert_keeps_what_makes_it_usable(path, out0)
     ids, mask = padded_batch(384)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out0).eval()
     assert (

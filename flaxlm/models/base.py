@@ -80,13 +80,24 @@ class BaseModel(abc.ABC):
         *,
         z_loss: float = 0.0,
         eos_id: int | Sequence[int] | None = 1,
+        special_ids: Mapping[str, Any] | None = None,
+        generation_config: Mapping[str, Any] | None = None,
     ):
-        """`eos_id`: the token(s) that end generation (seqio's vocabularies use 1; an HF
-        import takes its config's `eos_token_id`)."""
+        """
+        Args:
+          eos_id: the token(s) that end generation (seqio's vocabularies use 1; an HF import
+            takes its generation config's `eos_token_id`, else its config's).
+          special_ids: an HF checkpoint's `*_token_id` settings (bos, eos as an int or a
+            list, pad, decoder start, ...), kept so that an export writes them back.
+          generation_config: an HF checkpoint's `generation_config.json` (sampling defaults
+            included), kept for the same reason.
+        """
         self.config = config
         self.module = config.make_module()
         self.z_loss = z_loss
         self.eos_ids = eos_tuple(eos_id)
+        self.special_ids = dict(special_ids or {})
+        self.generation_config = dict(generation_config) if generation_config else None
         self._decoders: dict[Any, Callable[..., Any]] = {}
 
     # -------------------------------------------------------------- parameters
@@ -637,6 +648,13 @@ class HFTensor:
     vocab_axis: int | None = None
     to_flax: Callable[[np.ndarray, tuple[int, ...]], np.ndarray] | None = None
     to_hf: Callable[[np.ndarray], np.ndarray] | None = None
+    # Other HF names that hold the same values (a tensor outside the layers): written on
+    # export (HF reports them missing otherwise), accepted and not read on import.
+    copies: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.copies and self.layers:
+            raise ValueError(f"{self.param}: copies of a per-layer tensor are not supported.")
 
 
 def linear(param: str, hf: str, split: int = 1, **kw: Any) -> HFTensor:
@@ -667,6 +685,10 @@ class HFSpec:
     # HF's `base_model_prefix` ('transformer', 'model'): files saved from the bare base
     # model name their tensors without it, and hf.py reads those too.
     base_model_prefix: str = ""
+    # (LM head, token embedding) HF names of a family whose config says
+    # `tie_word_embeddings`. Like transformers, a file whose head differs from the embedding
+    # is loaded untied whatever the config says (T5 as transformers 5 saves it).
+    tied_head: tuple[str, str] | None = None
 
 
 HF_SPECS: dict[str, HFSpec] = {}

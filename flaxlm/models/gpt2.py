@@ -35,6 +35,12 @@ class GPT2Config:
     layer_norm_epsilon: float = 1e-5
     activation: str = "gelu_new"  # HF: activation_function
     scale_attn_weights: bool = True  # scores / sqrt(head_dim); False: unscaled
+    # Layer i (from 0) also divides its scores by i + 1 (a mixed-precision stabiliser).
+    scale_attn_by_inverse_layer_idx: bool = False
+    # HF computes the scores in float32 whatever the dtype (its eager attention only). Kept
+    # so exports say the same; flaxlm's attention already takes them in float32 ('xla',
+    # 'chunked'), so it changes nothing here.
+    reorder_and_upcast_attn: bool = False
     tie_word_embeddings: bool = True  # the head reuses wte
     # 'learned' (GPT-2's wpe table) or 'alibi' (no table: a per-head linear bias on the
     # distance, Press et al. 2022, which extrapolates to longer sequences than trained).
@@ -100,6 +106,7 @@ class GPT2Attention(nn.Module):
     def __call__(
         self,
         x: Array,
+        layer_index: Array,
         mask: Array,
         decoding: layers.Decoding | None = None,
         bias: Array | None = None,
@@ -115,6 +122,10 @@ class GPT2Attention(nn.Module):
             **dense,
         )(x)
         q, k, v = (qkv[:, :, i] for i in range(3))  # each [batch, length, heads, head_dim]
+        if cfg.scale_attn_by_inverse_layer_idx:
+            # Dividing q rather than passing a per-layer `scale` keeps that a Python float
+            # (cuDNN attention needs one) while the index is traced inside nn.scan.
+            q = q / (layer_index + 1).astype(q.dtype)
         q = layers.constrain(q, layers.HEAD_AXES)
         k = layers.constrain(k, layers.HEAD_AXES)
         k, v = layers.KVCache(name="cache")(k, v, decoding)
@@ -169,6 +180,7 @@ class GPT2Block(nn.Module):
     def __call__(
         self,
         x: Array,
+        layer_index: Array,
         mask: Array,
         decoding: layers.Decoding | None = None,
         bias: Array | None = None,
@@ -177,7 +189,7 @@ class GPT2Block(nn.Module):
         norm = dict(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         x = layers.constrain(x, layers.ACTIVATION_AXES)
         attn = GPT2Attention(cfg, name="attn")(
-            layers.LayerNorm(name="ln_1", **norm)(x), mask, decoding, bias
+            layers.LayerNorm(name="ln_1", **norm)(x), layer_index, mask, decoding, bias
         )
         x = x + self._dropout(checkpoint_name(attn, "attn_out"))
         x = layers.constrain(x, layers.ACTIVATION_AXES)
@@ -238,6 +250,7 @@ class GPT2(nn.Module):
             scan_layers=cfg.scan_layers,
             remat_policy=cfg.remat_policy,
             name="h",
+            layer_index=True,  # for scale_attn_by_inverse_layer_idx
             config=cfg,
             deterministic=deterministic,
         )(x, mask, decoding, bias)
@@ -260,11 +273,7 @@ class GPT2(nn.Module):
 # ------------------------------------------------------------------ HuggingFace
 
 # HF options this module does not implement, with the only value it accepts.
-_REQUIRED_HF = {
-    "scale_attn_by_inverse_layer_idx": False,
-    "reorder_and_upcast_attn": False,
-    "add_cross_attention": False,
-}
+_REQUIRED_HF = {"add_cross_attention": False}
 
 
 def config_from_hf(hf: dict, **overrides) -> GPT2Config:
@@ -283,6 +292,8 @@ def config_from_hf(hf: dict, **overrides) -> GPT2Config:
         layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
         activation=hf.get("activation_function", "gelu_new"),
         scale_attn_weights=hf.get("scale_attn_weights", True),
+        scale_attn_by_inverse_layer_idx=hf.get("scale_attn_by_inverse_layer_idx", False),
+        reorder_and_upcast_attn=hf.get("reorder_and_upcast_attn", False),
         tie_word_embeddings=hf.get("tie_word_embeddings", True),
     )
     kwargs.update(overrides)
@@ -307,6 +318,8 @@ def config_to_hf(cfg: GPT2Config) -> dict:
         "layer_norm_epsilon": cfg.layer_norm_epsilon,
         "activation_function": cfg.activation,
         "scale_attn_weights": cfg.scale_attn_weights,
+        "scale_attn_by_inverse_layer_idx": cfg.scale_attn_by_inverse_layer_idx,
+        "reorder_and_upcast_attn": cfg.reorder_and_upcast_attn,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,

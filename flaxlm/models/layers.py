@@ -818,33 +818,42 @@ def stack_blocks(
     scan_layers: bool,
     remat_policy: str,
     name: str = "layers",
+    layer_index: bool = False,
     **block_kwargs: Any,
 ) -> Callable[..., Any]:
     """Applies `num_layers` blocks `(x, *args) -> x`, scanned (params gain a `layers` axis)
-    or unrolled (`layers_0`, `layers_1`, ...). Returns a callable `(x, *args) -> x`."""
+    or unrolled (`layers_0`, `layers_1`, ...). Returns a callable `(x, *args) -> x`.
+
+    layer_index: call the blocks as `(x, index, *args)`, index an int32 scalar counting
+    from 0 (traced when scanned, so blocks must use it arithmetically, not in Python `if`s).
+    """
     block = remat_block(block_cls, remat_policy)
     if scan_layers:
 
         class _ScanBody(nn.Module):
             @nn.compact
-            def __call__(self, x: Array, *args: Any) -> tuple[Array, None]:
-                return block(**block_kwargs, name="block")(x, *args), None
+            def __call__(self, x: Array, index: Array, args: tuple) -> tuple[Array, None]:
+                b = block(**block_kwargs, name="block")
+                return (b(x, index, *args) if layer_index else b(x, *args)), None
 
+        # The index differs per layer, so it is scanned over; the other arguments are shared.
         scanned = nn.scan(
             _ScanBody,
             variable_axes={"params": 0, "cache": 0},
             split_rngs={"params": True, "dropout": True},
-            in_axes=nn.broadcast,
+            in_axes=(0, nn.broadcast),
             length=num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(name=name)
-        return lambda x, *args: scanned(x, *args)[0]
+        indices = jnp.arange(num_layers, dtype=jnp.int32)
+        return lambda x, *args: scanned(x, indices, args)[0]
 
     blocks = [block(**block_kwargs, name=f"{name}_{i}") for i in range(num_layers)]
 
     def apply(x: Array, *args: Any) -> Array:
-        for b in blocks:
-            x = b(x, *args)
+        for i, b in enumerate(blocks):
+            # An array, as when scanned, so a block behaves the same either way.
+            x = b(x, jnp.asarray(i, jnp.int32), *args) if layer_index else b(x, *args)
         return x
 
     return apply

@@ -7,6 +7,7 @@ including OPT-350m's word-embedding projection and its post-LN blocks without a 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import flax.linen as nn
 import gin
@@ -41,6 +42,7 @@ class OPTConfig:
     enable_bias: bool = True  # biases of the attention and MLP projections
     tie_word_embeddings: bool = True  # the head reuses the token embedding
     layer_norm_epsilon: float = 1e-5  # torch nn.LayerNorm's default; HF does not configure it
+    layer_norm_elementwise_affine: bool = True  # False: the norms have no scale or bias
     activation: str = "relu"  # HF: activation_function
     dropout_rate: float = 0.0
     dtype: str = "float32"  # compute dtype; norms and softmax stay float32
@@ -83,10 +85,10 @@ class OPTConfig:
     def num_params(self) -> int:
         """Parameter count (for FLOP estimates)."""
         e, f, n, v = self.hidden_size, self.ffn_dim, self.num_layers, self.vocab_size
-        bias = int(self.enable_bias)
-        block = 4 * e * e + 2 * e * f + bias * (4 * e + f + e) + 4 * e
+        bias, affine = int(self.enable_bias), int(self.layer_norm_elementwise_affine)
+        block = 4 * e * e + 2 * e * f + bias * (4 * e + f + e) + affine * 4 * e
         total = v * self.embed_dim + (self.max_position_embeddings + POSITION_OFFSET) * e
-        total += n * block + 2 * e * int(self.final_layer_norm)
+        total += n * block + affine * 2 * e * int(self.final_layer_norm)
         total += 2 * e * self.embed_dim * int(self.projects)
         return total + (0 if self.tie_word_embeddings else v * self.embed_dim)
 
@@ -102,6 +104,24 @@ class OPTConfig:
         return OPT(self)
 
 
+def layer_norm(cfg: OPTConfig, name: str) -> Callable[[Array], Array]:
+    """OPT's LayerNorm, in float32; without elementwise affine it has no params at all (so
+    the param tree, like HF's state dict, has no entry for it)."""
+    if cfg.layer_norm_elementwise_affine:
+        return layers.LayerNorm(
+            cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name
+        )
+
+    def normalise(x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + cfg.layer_norm_epsilon)
+        return y.astype(layers.as_dtype(cfg.dtype))
+
+    return normalise
+
+
 class OPTBlock(nn.Module):
     config: OPTConfig
     deterministic: bool = True
@@ -115,12 +135,11 @@ class OPTBlock(nn.Module):
     def __call__(self, x: Array, mask: Array, decoding: layers.Decoding | None = None) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-        norm = dict(epsilon=cfg.layer_norm_epsilon, **dense)
         pre = cfg.do_layer_norm_before
         x = layers.constrain(x, layers.ACTIVATION_AXES)
 
         # Attention: [batch, length, heads, head_dim]
-        h = layers.LayerNorm(name="self_attn_layer_norm", **norm)(x) if pre else x
+        h = layer_norm(cfg, "self_attn_layer_norm")(x) if pre else x
         names = ("q_proj", "k_proj", "v_proj")
         projections = [
             layers.DenseGeneral(
@@ -158,11 +177,11 @@ class OPTBlock(nn.Module):
         attn = checkpoint_name(attn, "attn_out")
         x = x + self._dropout(attn)
         if not pre:
-            x = layers.LayerNorm(name="self_attn_layer_norm", **norm)(x)
+            x = layer_norm(cfg, "self_attn_layer_norm")(x)
         x = layers.constrain(x, layers.ACTIVATION_AXES)
 
         # MLP
-        h = layers.LayerNorm(name="final_layer_norm", **norm)(x) if pre else x
+        h = layer_norm(cfg, "final_layer_norm")(x) if pre else x
         m = layers.DenseGeneral(
             cfg.ffn_dim, ("embed", "mlp"), use_bias=cfg.enable_bias, name="fc1", **dense
         )(h)
@@ -173,7 +192,7 @@ class OPTBlock(nn.Module):
         m = checkpoint_name(m, "mlp_out")
         x = x + self._dropout(m)
         if not pre:
-            x = layers.LayerNorm(name="final_layer_norm", **norm)(x)
+            x = layer_norm(cfg, "final_layer_norm")(x)
         return layers.constrain(x, layers.ACTIVATION_AXES)
 
 
@@ -220,7 +239,7 @@ class OPT(nn.Module):
             deterministic=deterministic,
         )(x, mask, decoding)
         if cfg.final_layer_norm:
-            x = layers.LayerNorm(cfg.layer_norm_epsilon, name="final_layer_norm", **dense)(x)
+            x = layer_norm(cfg, "final_layer_norm")(x)
         if cfg.projects:
             x = layers.DenseGeneral(cfg.embed_dim, ("embed", None), name="project_out", **dense)(x)
         if cfg.tie_word_embeddings:
@@ -238,16 +257,8 @@ class OPT(nn.Module):
 
 # ------------------------------------------------------------------ HuggingFace
 
-# HF options whose other values this module does not implement.
-_REQUIRED_HF = {"layer_norm_elementwise_affine": True}
-
 
 def config_from_hf(hf: dict, **overrides) -> OPTConfig:
-    for key, value in _REQUIRED_HF.items():
-        if hf.get(key, value) != value:
-            raise ValueError(
-                f"OPT config.json sets {key}={hf[key]!r}; flaxlm's OPT supports only {value!r}."
-            )
     kwargs = dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -259,6 +270,7 @@ def config_from_hf(hf: dict, **overrides) -> OPTConfig:
         do_layer_norm_before=hf.get("do_layer_norm_before", True),
         remove_final_layer_norm=hf.get("_remove_final_layer_norm", False),
         enable_bias=hf.get("enable_bias", True),
+        layer_norm_elementwise_affine=hf.get("layer_norm_elementwise_affine", True),
         tie_word_embeddings=hf.get("tie_word_embeddings", True),
         activation=hf.get("activation_function", "relu"),
     )
@@ -280,7 +292,7 @@ def config_to_hf(cfg: OPTConfig) -> dict:
         "do_layer_norm_before": cfg.do_layer_norm_before,
         "_remove_final_layer_norm": cfg.remove_final_layer_norm,
         "enable_bias": cfg.enable_bias,
-        "layer_norm_elementwise_affine": True,
+        "layer_norm_elementwise_affine": cfg.layer_norm_elementwise_affine,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "activation_function": cfg.activation,
         "dropout": 0.0,
@@ -304,16 +316,17 @@ def hf_tensors(cfg: OPTConfig) -> list[HFTensor]:
         block.append(linear(f"layers_{{i}}/{p}/kernel", f"{hf}.{p}.weight", layers=n))
         if cfg.enable_bias:
             block.append(HFTensor(f"layers_{{i}}/{p}/bias", f"{hf}.{p}.bias", layers=n))
-    for p in ("self_attn_layer_norm", "final_layer_norm"):
-        block.append(HFTensor(f"layers_{{i}}/{p}/scale", f"{hf}.{p}.weight", layers=n))
-        block.append(HFTensor(f"layers_{{i}}/{p}/bias", f"{hf}.{p}.bias", layers=n))
+    if cfg.layer_norm_elementwise_affine:  # otherwise the norms have no tensors
+        for p in ("self_attn_layer_norm", "final_layer_norm"):
+            block.append(HFTensor(f"layers_{{i}}/{p}/scale", f"{hf}.{p}.weight", layers=n))
+            block.append(HFTensor(f"layers_{{i}}/{p}/bias", f"{hf}.{p}.bias", layers=n))
 
     out = [
         HFTensor("embed_tokens/embedding", "model.decoder.embed_tokens.weight", 1, vocab_axis=0),
         HFTensor("embed_positions", "model.decoder.embed_positions.weight", 1),
         *block,
     ]
-    if cfg.final_layer_norm:
+    if cfg.final_layer_norm and cfg.layer_norm_elementwise_affine:
         out.append(HFTensor("final_layer_norm/scale", "model.decoder.final_layer_norm.weight"))
         out.append(HFTensor("final_layer_norm/bias", "model.decoder.final_layer_norm.bias"))
     if cfg.projects:

@@ -1,4 +1,5 @@
-"""RoBERTa: a post-LN bidirectional encoder with a masked-LM head tied to the embeddings.
+"""RoBERTa: a post-LN bidirectional encoder with a masked-LM head (tied to the embeddings
+unless the config says otherwise).
 
 Follows HuggingFace's `RobertaForMaskedLM`. Positions are learned and offset by the padding
 index: HF numbers real tokens `pad_token_id + 1, pad_token_id + 2, ...`, so our position p
@@ -36,7 +37,8 @@ class RobertaConfig:
     type_vocab_size: int = 1
     pad_token_id: int = 1  # the position offset: real positions start at pad + 1
     layer_norm_epsilon: float = 1e-5  # HF: layer_norm_eps
-    activation: str = "gelu"  # HF: hidden_act
+    activation: str = "gelu"  # HF: hidden_act (the encoder's; the LM head's is always GELU)
+    tie_word_embeddings: bool = True  # the LM head's decoder reuses the word embeddings
     dropout_rate: float = 0.0
     dtype: str = "float32"  # compute dtype; norms, softmax and logits stay float32
     param_dtype: str = "float32"
@@ -70,7 +72,8 @@ class RobertaConfig:
         e, f, n, v = self.hidden_size, self.intermediate_size, self.num_layers, self.vocab_size
         block = 4 * e * e + 4 * e + 2 * e * f + f + e + 4 * e
         embeddings = (v + self.max_position_embeddings + self.type_vocab_size) * e + 2 * e
-        return embeddings + n * block + e * e + e + 2 * e + v
+        head = 0 if self.tie_word_embeddings else v * e
+        return embeddings + n * block + e * e + e + 2 * e + v + head
 
     def flops_per_token(self, seq_len: int) -> float:
         non_embedding = self.num_params() - self.vocab_size * self.hidden_size
@@ -203,7 +206,8 @@ class Roberta(nn.Module):
             deterministic=deterministic,
         )(x, mask)
 
-        # Masked-LM head: dense -> activation -> layer norm -> tied decoder + bias.
+        # Masked-LM head: dense -> exact GELU (HF's RobertaLMHead, whatever hidden_act says)
+        # -> layer norm -> decoder (tied, or its own kernel) + bias.
         h = layers.DenseGeneral(
             cfg.hidden_size,
             ("embed", None),
@@ -212,11 +216,21 @@ class Roberta(nn.Module):
             dtype=jnp.float32,
             param_dtype=cfg.param_dtype,
         )(x)
-        h = layers.ACTIVATIONS[cfg.activation](h)
+        h = layers.ACTIVATIONS["gelu"](h)
         h = layers.LayerNorm(
             cfg.layer_norm_epsilon, param_dtype=cfg.param_dtype, name="lm_head_layer_norm"
         )(h)
-        logits = word.attend(h.astype(dtype)).astype(jnp.float32)
+        if cfg.tie_word_embeddings:
+            logits = word.attend(h.astype(dtype)).astype(jnp.float32)
+        else:
+            logits = layers.DenseGeneral(
+                cfg.vocab_size,
+                ("embed", "vocab"),
+                use_bias=False,
+                name="lm_head_decoder",
+                dtype=cfg.dtype,
+                param_dtype=cfg.param_dtype,
+            )(h.astype(dtype)).astype(jnp.float32)
         bias = self.param(
             "lm_head_bias",
             nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
@@ -249,6 +263,7 @@ def config_from_hf(hf: dict, **overrides) -> RobertaConfig:
         pad_token_id=hf.get("pad_token_id", 1),
         layer_norm_epsilon=hf.get("layer_norm_eps", 1e-12),
         activation=hf.get("hidden_act", "gelu"),
+        tie_word_embeddings=hf.get("tie_word_embeddings", True) is not False,
     )
     kwargs.update(overrides)
     return RobertaConfig(**kwargs)
@@ -271,7 +286,7 @@ def config_to_hf(cfg: RobertaConfig) -> dict:
         "position_embedding_type": "absolute",
         "hidden_dropout_prob": 0.0,
         "attention_probs_dropout_prob": 0.0,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
     }
 
 
@@ -312,8 +327,18 @@ def hf_tensors(cfg: RobertaConfig) -> list[HFTensor]:
         *norm("layer_{i}/output_layer_norm", f"{hf}.output.LayerNorm", layers=n),
         *dense("lm_head_dense", "lm_head.dense"),
         *norm("lm_head_layer_norm", "lm_head.layer_norm"),
-        HFTensor("lm_head_bias", "lm_head.bias", vocab_axis=0),
     ]
+    if cfg.tie_word_embeddings:
+        tensors.append(HFTensor("lm_head_bias", "lm_head.bias", vocab_axis=0))
+    else:
+        # Untied, HF's logits add `lm_head.decoder.bias`; its `lm_head.bias` is unused but
+        # still a parameter, so an export writes the same values there.
+        tensors += [
+            linear("lm_head_decoder/kernel", "lm_head.decoder.weight", vocab_axis=1),
+            HFTensor(
+                "lm_head_bias", "lm_head.decoder.bias", vocab_axis=0, copies=("lm_head.bias",)
+            ),
+        ]
     return tensors
 
 
@@ -325,10 +350,11 @@ HF_SPEC = register_hf(
         config_from_hf=config_from_hf,
         config_to_hf=config_to_hf,
         tensors=hf_tensors,
-        # The decoder is tied to the word embeddings and its bias to lm_head.bias; a file
-        # saved from RobertaModel may carry the pooler, which masked-LM does not use.
+        # Tied, the decoder is the word embeddings and its bias lm_head.bias; a file saved
+        # from RobertaModel may carry the pooler, which masked-LM does not use.
         ignore=(r"^lm_head\.decoder\.(weight|bias)$", r"(^|\.)pooler\.", r"position_ids$"),
         auto_class="AutoModelForMaskedLM",
         base_model_prefix="roberta",
+        tied_head=("lm_head.decoder.weight", "roberta.embeddings.word_embeddings.weight"),
     )
 )

@@ -514,12 +514,16 @@ class T5(nn.Module):
 
 
 def config_from_hf(hf: dict, **overrides) -> T5Config:
-    # Published checkpoints tie the head exactly when they scale the decoder output (v1.0);
-    # v1.1 / FLAN-T5 / mT5 do neither and say `tie_word_embeddings: false`. transformers 5
-    # writes `tie_word_embeddings: true` always and records the scaling on its own.
+    # Two spellings. transformers 4 (the Hub's T5, v1.1, Flan-T5 files): one flag,
+    # `tie_word_embeddings`, true for v1.0 (head tied, decoder output scaled by
+    # d_model**-0.5) and false for v1.1 / Flan-T5 / mT5 (neither). transformers 5 records the
+    # scaling as `scale_decoder_outputs` and always writes `tie_word_embeddings: true`: the
+    # head is untied exactly when the file stores an `lm_head.weight` of its own, which
+    # hf.from_pretrained checks (HFSpec.tied_head).
+    tie = hf.get("tie_word_embeddings", True) is not False
     scale = hf.get("scale_decoder_outputs")
     if scale is None:
-        scale = hf.get("tie_word_embeddings", True) is not False
+        scale = tie
     kwargs = dict(
         vocab_size=hf["vocab_size"],
         d_model=hf["d_model"],
@@ -531,7 +535,7 @@ def config_from_hf(hf: dict, **overrides) -> T5Config:
         relative_attention_num_buckets=hf.get("relative_attention_num_buckets", 32),
         relative_attention_max_distance=hf.get("relative_attention_max_distance", 128),
         feed_forward_proj=hf.get("feed_forward_proj", "relu"),
-        tie_word_embeddings=bool(scale),
+        tie_word_embeddings=tie,
         scale_decoder_outputs=bool(scale),
         layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-6),
         dropout_rate=hf.get("dropout_rate", 0.0),
@@ -627,5 +631,6 @@ HF_SPEC = register_hf(
             r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$",
         ),
         auto_class="AutoModelForSeq2SeqLM",
+        tied_head=("lm_head.weight", "shared.weight"),
     )
 )
