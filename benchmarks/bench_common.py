@@ -100,9 +100,13 @@ def topology_devices(name: str) -> list[Any]:
 
     The TPU compiler (libtpu) compiles for them on this host with no TPU attached, as
     MaxText's train_compile.py does, so the compiled HLO and memory analysis are the TPU's.
+    Other processes holding libtpu's lockfile on this host do not stop it.
     """
     from jax.experimental import topologies
 
+    from flaxlm import platforms
+
+    platforms.prepare_tpu_compile_only()
     try:
         return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
     except RuntimeError as e:
