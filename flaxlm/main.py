@@ -11,12 +11,9 @@ import os
 import sys
 import traceback
 
-# TensorFlow is only the input pipeline here; keep its C++ start-up chatter out of the log.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from absl import app, flags, logging
 
-from absl import app, flags, logging  # noqa: E402
-
-from flaxlm import gin_utils  # noqa: E402
+from flaxlm import gin_utils, logs, platforms
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("gin_file", [], "Gin files to parse, in order (repeatable).")
@@ -81,19 +78,29 @@ def main(argv: list[str]) -> None:
         _fail(f"unexpected arguments {argv[1:]}; use --gin.NAME=VALUE for overrides.")
     if not FLAGS.gin_file:
         _fail("give at least one --gin_file (e.g. --gin_file=gin/gptj_pretrain.gin).")
-    if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
-        logging.set_verbosity(logging.WARNING)
-    _initialize_distributed()
+    # By default the terminal shows flaxlm's own lines only; absl's --verbosity (-v) brings
+    # the libraries' logs back. Both settings precede TensorFlow's and JAX's imports.
+    quiet = not FLAGS["verbosity"].present
+    logs.configure(quiet)
+    platforms.exclude_absent_tpu()  # (also done by `import flaxlm`; a no-op once done)
+    with logs.native_stderr_hidden(quiet):
+        # The libraries write their C++ start-up lines while they load and first touch the
+        # devices: importing TensorFlow, hiding the accelerators from it, starting JAX's
+        # backends. Do all of it here, where that output is hidden.
+        _initialize_distributed()
 
-    import importlib
+        import importlib
 
-    import gin
+        import gin
+        import jax
 
-    import flaxlm.models  # noqa: F401  (registers model configurables)
-    from flaxlm import evaluation, hf, serve, trainer  # noqa: F401  (register run functions)
+        import flaxlm.models  # noqa: F401  (registers model configurables)
+        from flaxlm import data, evaluation, hf, serve, trainer  # noqa: F401  (run functions)
 
-    if FLAGS.tasks_module:
-        importlib.import_module(FLAGS.tasks_module)
+        if FLAGS.tasks_module:
+            importlib.import_module(FLAGS.tasks_module)
+        data.configure_tensorflow()
+        jax.devices()
     try:
         # Gin logs every search-path miss while resolving includes; failures still raise.
         verbosity = logging.get_verbosity()

@@ -150,6 +150,78 @@ def test_collectives_fsdp_reduce_scatters_on_tpu(tmp_path):
     assert grads <= 1.1 * theory_grads, grads / theory_grads
 
 
+LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"
+
+
+def libtpu_lockfile_held() -> bool:
+    """Whether a process holds libtpu's lockfile (libtpu takes a POSIX lock on it)."""
+    import fcntl
+
+    try:
+        fd = os.open(LIBTPU_LOCKFILE, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # releases the lock if this probe got it
+    return False
+
+
+@pytest.mark.slow
+def test_tpu_compile_beside_a_process_holding_libtpu():
+    """The ahead-of-time TPU compile passes while another JAX process on this host holds
+    libtpu's lockfile (here one that starts JAX's backends the default way, not through
+    flaxlm), and without libtpu's TPU start-up errors."""
+    from flaxlm import platforms
+
+    if platforms.tpu_attached():
+        pytest.skip("this host has a TPU: its runtime owns the lockfile")
+    holder_env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import jax; jax.devices(); print('ready', flush=True); input()"],
+        env=holder_env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "ready\n", "the other JAX process failed to start"
+        assert libtpu_lockfile_held(), "the other process should hold libtpu's lockfile"
+        compile_tpu = (
+            "import bench_common; bench_common.force_host_devices(8)\n"
+            "import jax, jax.numpy as jnp, numpy as np\n"
+            "devices = bench_common.topology_devices('v5e:2x4')\n"
+            "mesh = jax.sharding.Mesh(np.array(devices), ('x',))\n"
+            "x = jax.ShapeDtypeStruct((64,), jnp.float32,\n"
+            "    sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x')))\n"
+            "jax.jit(lambda x: (2 * x).sum()).lower(x).compile()\n"
+            "print(len(devices), devices[0].device_kind)\n"
+        )
+        run = subprocess.run(
+            [sys.executable, "-c", compile_tpu],
+            cwd=BENCHMARKS,
+            env=dict(os.environ, PYTHONPATH=REPO),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert run.stdout == "8 TPU v5 lite\n", run.stdout
+        assert "E0000" not in run.stderr and "TPU_" not in run.stderr, run.stderr
+        assert holder.poll() is None and libtpu_lockfile_held()  # held all along
+    finally:
+        holder.stdin.close()  # ends its input(): a normal exit, where libtpu removes its file
+        try:
+            holder.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            holder.kill()
+            holder.wait()
+
+
 @pytest.mark.slow
 def test_memory_fsdp_and_zero1_targets(tmp_path):
     memory = load("memory")

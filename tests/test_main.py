@@ -1,13 +1,17 @@
 """`python -m flaxlm.main` end to end, as users run it (subprocesses)."""
 
+import importlib.util
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 
-from flaxlm import gin_utils
+from flaxlm import gin_utils, logs, platforms
 
 SMALL = [
     # The default run's model and data, shortened for CI.
@@ -16,11 +20,40 @@ SMALL = [
     "--gin.EVAL_STEPS=2",
 ]
 
+# Every line a training run prints (trainer.train and metrics.Progress.line): flaxlm's lines.
+# The terminal of a default run holds these alone; anything else came from a library.
+TRAIN_LINES = [
+    re.compile(shape)
+    for shape in (
+        r"Initialised \w+ on Partitioner\(.*\)\.",
+        r"Resumed from checkpoint step \d+ in \S+\.",
+        r"step \d+/\d+ \| loss [\d.]+ \| .* \| ETA [\d:]+",
+        r"step \d+ \| eval loss [\d.]+ \| eval accuracy [\d.]+ \| eval perplexity .*",
+        r"Done in [\d:]+\. Wrote to \S+:",
+        r"  (checkpoints|config|metrics|tensorboard) +\S+.*",
+    )
+]
 
-def run_main(args, cwd, devices=1, timeout=600):
+
+def not_flaxlm_lines(result):
+    """What a run wrote that flaxlm did not: all of stderr (flaxlm writes there only to
+    fail), and the stdout lines that are none of TRAIN_LINES."""
+    stdout = result.stdout.splitlines()
+    return result.stderr.splitlines() + [
+        line for line in stdout if not any(shape.fullmatch(line) for shape in TRAIN_LINES)
+    ]
+
+
+def run_main(args, cwd, devices=1, timeout=600, user_env=False):
+    """`python -m flaxlm.main` with `devices` simulated CPU devices. `user_env`: with the
+    environment a user has, not the tests' (no JAX_PLATFORMS=cpu, no TF_CPP_MIN_LOG_LEVEL), so
+    that flaxlm's own defaults choose the platforms and the log levels."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["JAX_PLATFORMS"] = "cpu"
+    if user_env:
+        del env["JAX_PLATFORMS"]
+        env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
     return subprocess.run(
         [sys.executable, "-m", "flaxlm.main", *args],
@@ -49,8 +82,11 @@ def test_default_run_trains_with_falling_loss_then_resumes(tmp_path, repo_dir):
         "--gin.CHECKPOINT_PERIOD=30",
         *SMALL,
     ]
-    first = run_main(args, cwd=repo_dir)
+    # As a user runs it: the terminal shows flaxlm's lines only (no TensorFlow, CUDA, libtpu or
+    # seqio start-up lines), on the platforms flaxlm chooses.
+    first = run_main(args, cwd=repo_dir, user_env=True)
     assert first.returncode == 0, first.stderr[-3000:]
+    assert not_flaxlm_lines(first) == [], first.stdout + first.stderr
     assert "step 30/30" in first.stdout and "tok/s" in first.stdout and "ETA" in first.stdout
     records = read_metrics(model_dir)
     train = [r for r in records if "loss" in r]
@@ -68,8 +104,11 @@ def test_default_run_trains_with_falling_loss_then_resumes(tmp_path, repo_dir):
     assert f"Wrote to {model_dir}" in first.stdout
 
     # Same command with more steps: resumes from step 30, does not start over.
-    second = run_main([a.replace("TRAIN_STEPS=30", "TRAIN_STEPS=40") for a in args], repo_dir)
+    second = run_main(
+        [a.replace("TRAIN_STEPS=30", "TRAIN_STEPS=40") for a in args], repo_dir, user_env=True
+    )
     assert second.returncode == 0, second.stderr[-3000:]
+    assert not_flaxlm_lines(second) == [], second.stdout + second.stderr
     assert "Resumed from checkpoint step 30" in second.stdout
     steps = [r["step"] for r in read_metrics(model_dir) if "loss" in r]
     assert steps[-2:] == [35, 40] and steps.count(5) == 1
@@ -106,3 +145,73 @@ def test_gin_dot_flags_become_bindings():
         "--gin_file=x.gin",
         "--gin_bindings=A.b = 'c=d'",
     ]
+
+
+def test_quiet_logs_hide_native_start_up_lines_not_flaxlm_errors(capfd):
+    with logs.native_stderr_hidden():
+        os.write(2, b"I0000 00:00:1.0 port.cc:153] a library's start-up line\n")
+        print("error: flaxlm's own line", file=sys.stderr)
+    assert capfd.readouterr().err == "error: flaxlm's own line\n"
+    # A start-up that fails shows what was hidden: it may say why.
+    with pytest.raises(RuntimeError), logs.native_stderr_hidden():
+        os.write(2, b"F0000 why it failed\n")
+        raise RuntimeError("start-up failed")
+    assert "F0000 why it failed" in capfd.readouterr().err
+    with logs.native_stderr_hidden(enabled=False):  # --verbosity: nothing hidden
+        os.write(2, b"I0000 shown\n")
+    assert capfd.readouterr().err == "I0000 shown\n"
+
+
+def test_verbosity_flag_keeps_library_logs_that_quiet_hides(monkeypatch, caplog):
+    from absl import logging as absl_logging
+
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    verbosity = absl_logging.get_verbosity()
+    try:
+        absl_logging.set_verbosity(absl_logging.INFO)
+        logs.configure(quiet=False)  # main with --verbosity=0: absl's level stands
+        assert absl_logging.get_verbosity() == absl_logging.INFO
+        assert "TF_CPP_MIN_LOG_LEVEL" not in os.environ
+        logs.configure(quiet=True)  # main without --verbosity
+        assert absl_logging.get_verbosity() == absl_logging.ERROR
+        assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "2"
+        # A library's `warnings.warn` becomes a WARNING record, below the level shown.
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("a library's warning", UserWarning, stacklevel=1)
+        (record,) = [r for r in caplog.records if r.name == "py.warnings"]
+        assert record.levelno == logging.WARNING and "a library's warning" in record.message
+    finally:
+        absl_logging.set_verbosity(verbosity)
+        logging.captureWarnings(False)
+
+
+@pytest.mark.skipif(platforms.tpu_attached(), reason="this host has a TPU")
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed")
+def test_library_use_without_a_tpu_does_not_start_libtpu(repo_dir):
+    """Importing flaxlm picks the platforms: without a TPU attached, JAX never loads libtpu
+    (which would log TPU start-up errors and hold /tmp/libtpu_lockfile)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    code = (
+        "import os, flaxlm.partitioning, jax; "
+        "print(os.environ['JAX_PLATFORMS'], jax.devices()[0].platform)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=repo_dir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    platforms_set, platform = result.stdout.split()
+    assert platforms_set.split(",")[-1] == "cpu" and "tpu" not in platforms_set
+    assert platform != "tpu" and "TPU" not in result.stderr, result.stderr
+    # A JAX_PLATFORMS the user set wins, even '' (JAX's own choice).
+    env["JAX_PLATFORMS"] = ""
+    code = "import os, flaxlm; print(repr(os.environ['JAX_PLATFORMS']))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo_dir, env=env, capture_output=True, text=True
+    )
+    assert result.stdout.strip() == "''", result.stderr
