@@ -355,9 +355,8 @@ def from_pretrained(
     """
     hf_config = read_hf_config(path)
     spec, config = config_from_hf_dict(hf_config, partitioner, dtype, **config_overrides)
-    if getattr(config, "tie_word_embeddings", False) and "tie_word_embeddings" not in (
-        config_overrides
-    ):
+    tied = getattr(config, "tie_word_embeddings", False)
+    if tied and "tie_word_embeddings" not in config_overrides:
         if head_differs(spec, SafetensorsReader(path, spec.base_model_prefix)):
             config = dataclasses.replace(config, tie_word_embeddings=False)
     generation = read_generation_config(path)

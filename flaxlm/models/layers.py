@@ -217,22 +217,25 @@ class LayerNorm(nn.Module):
 
     epsilon: float = 1e-5
     use_bias: bool = True
+    use_scale: bool = True  # False with use_bias=False: no params (torch's elementwise_affine)
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         features = x.shape[-1]
-        scale = self.param(
-            "scale",
-            nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-            (features,),
-            as_dtype(self.param_dtype),
-        )
         x32 = x.astype(jnp.float32)
         mean = x32.mean(-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon) * scale.astype(jnp.float32)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
+        if self.use_scale:
+            scale = self.param(
+                "scale",
+                nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                (features,),
+                as_dtype(self.param_dtype),
+            )
+            y = y * scale.astype(jnp.float32)
         if self.use_bias:
             bias = self.param(
                 "bias",

@@ -7,7 +7,6 @@ including OPT-350m's word-embedding projection and its post-LN blocks without a 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import flax.linen as nn
 import gin
@@ -104,22 +103,18 @@ class OPTConfig:
         return OPT(self)
 
 
-def layer_norm(cfg: OPTConfig, name: str) -> Callable[[Array], Array]:
+def layer_norm(cfg: OPTConfig, name: str) -> layers.LayerNorm:
     """OPT's LayerNorm, in float32; without elementwise affine it has no params at all (so
     the param tree, like HF's state dict, has no entry for it)."""
-    if cfg.layer_norm_elementwise_affine:
-        return layers.LayerNorm(
-            cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name
-        )
-
-    def normalise(x: Array) -> Array:
-        x32 = x.astype(jnp.float32)
-        mean = x32.mean(-1, keepdims=True)
-        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + cfg.layer_norm_epsilon)
-        return y.astype(layers.as_dtype(cfg.dtype))
-
-    return normalise
+    affine = cfg.layer_norm_elementwise_affine
+    return layers.LayerNorm(
+        cfg.layer_norm_epsilon,
+        use_bias=affine,
+        use_scale=affine,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        name=name,
+    )
 
 
 class OPTBlock(nn.Module):
