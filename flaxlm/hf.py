@@ -454,8 +454,7 @@ def generation_config_dict(model: BaseModel) -> dict[str, Any] | None:
         return dict(model.generation_config)
     if isinstance(model, EncoderOnlyModel):
         return None
-    config = {**spec_for_config(model.config).config_to_hf(model.config)}
-    config.update(model_special_ids(model))
+    config = hf_config_dict(model)
     ids = {k: config[k] for k in _GENERATION_IDS if config.get(k) is not None}
     return {**ids, "_from_model_config": True}
 

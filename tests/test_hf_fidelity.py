@@ -5,6 +5,7 @@ special ids, generation_config.json and the tokenizer, and stop generating where
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -391,3 +392,32 @@ def test_roberta_v4_config_json_loads_with_hf_logits(tmp_path):
     ours = np.asarray(model.compute_logits(params, flaxlm_batch("roberta", inputs)))
     theirs = torch_logits(reference, **inputs)
     assert max_abs_diff(ours, theirs, inputs["attention_mask"]) < 1e-4
+
+
+# ---------------------------------------------------------------- heads that differ
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_head_that_differs_from_the_embedding_loads_untied_as_in_hf(tmp_path, family):
+    """config.json says tied, but the file has an lm_head.weight of its own: transformers
+    keeps it (untied), and so does flaxlm; a model bound tied refuses the file by name."""
+    config_cls, model_cls, sizes = FAMILIES[family]
+    torch_model = perturbed(
+        model_cls(config_cls(vocab_size=VOCAB, tie_word_embeddings=True, **sizes))
+    )
+    state = {k: v.contiguous().clone() for k, v in torch_model.state_dict().items()}
+    state["lm_head.weight"] = torch.randn(VOCAB, sizes.get("hidden_size", sizes.get("n_embd")))
+    path = tmp_path / "hf"
+    torch_model.config.save_pretrained(str(path))
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    reference = model_cls.from_pretrained(str(path)).eval()
+    inputs = torch_inputs(family)
+    theirs = torch_logits(reference, **inputs)
+    model, params = hf.from_pretrained(str(path))
+    assert not model.config.tie_word_embeddings
+    ours = np.asarray(model.compute_logits(params, flaxlm_batch(family, inputs)))
+    assert max_abs_diff(ours, theirs, inputs["attention_mask"]) < 1e-4
+
+    tied = type(model)(dataclasses.replace(model.config, tie_word_embeddings=True))
+    with pytest.raises(ValueError, match="lm_head.weight.*set tie_word_embeddings=False"):
+        hf.load_params(tied, str(path))

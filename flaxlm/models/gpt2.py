@@ -373,5 +373,6 @@ HF_SPEC = register_hf(
         base_model_prefix="transformer",
         # Old files keep the causal-mask buffers; a tied model's file may hold the head copy.
         ignore=(r"\.attn\.(bias|masked_bias)$", r"^lm_head\.weight$"),
+        tied_head=("lm_head.weight", "transformer.wte.weight"),
     )
 )

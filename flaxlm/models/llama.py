@@ -414,5 +414,6 @@ HF_SPEC = register_hf(
         tensors=hf_tensors,
         # Buffers, and the head that a tied checkpoint may still carry.
         ignore=(r"rotary_emb\.inv_freq$", r"^lm_head\.weight$"),
+        tied_head=("lm_head.weight", "model.embed_tokens.weight"),
     )
 )

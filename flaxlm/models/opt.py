@@ -343,5 +343,6 @@ HF_SPEC = register_hf(
         base_model_prefix="model",
         # A tied model's file may still hold the head (a copy of embed_tokens).
         ignore=(r"^lm_head\.weight$",),
+        tied_head=("lm_head.weight", "model.decoder.embed_tokens.weight"),
     )
 )
