@@ -302,6 +302,21 @@ def load_params(
     (padding rows are zeros).
     """
     spec = spec_for_config(model.config)
+    reader = SafetensorsReader(path, spec.base_model_prefix)
+    if getattr(model.config, "tie_word_embeddings", False) and head_differs(spec, reader):
+        raise tied_head_error(spec, path)
+    return _place_params(model, spec, reader, path, partitioner, shardings)
+
+
+def _place_params(
+    model: BaseModel,
+    spec: HFSpec,
+    reader: SafetensorsReader,
+    path: Any,
+    partitioner: Partitioner | None,
+    shardings: Any,
+) -> Params:
+    """`load_params` once the checkpoint is open and its head checked against the model."""
     batch_shapes = model.example_batch_shapes()
     abstract = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0), batch_shapes))
     if shardings is None:
@@ -311,13 +326,7 @@ def load_params(
     shapes = {k: tuple(v.shape) for k, v in flat_abstract.items()}
     scan = bool(getattr(model.config, "scan_layers", False))
     expanded = _expand(spec.tensors(model.config), scan)
-    reader = SafetensorsReader(path, spec.base_model_prefix)
     real_vocab = model.config.real_vocab_size or model.config.vocab_size
-    if getattr(model.config, "tie_word_embeddings", False) and head_differs(spec, reader):
-        raise ValueError(
-            f"{path}: the checkpoint's LM head {spec.tied_head[0]!r} differs from its token "
-            "embedding, but the model ties them: set tie_word_embeddings=False in its config."
-        )
     _check_tensors(spec, expanded, shapes, reader, real_vocab, path)
 
     flat_params = {}
@@ -341,6 +350,13 @@ def head_differs(spec: HFSpec, reader: SafetensorsReader) -> bool:
     return not np.array_equal(reader.read(head), reader.read(embedding))
 
 
+def tied_head_error(spec: HFSpec, path: Any) -> ValueError:
+    return ValueError(
+        f"{path}: the checkpoint's LM head {spec.tied_head[0]!r} differs from its token "
+        "embedding, but the model ties them: set tie_word_embeddings=False in its config."
+    )
+
+
 def from_pretrained(
     path: str | epath.Path,
     partitioner: Partitioner | None = None,
@@ -355,10 +371,11 @@ def from_pretrained(
     """
     hf_config = read_hf_config(path)
     spec, config = config_from_hf_dict(hf_config, partitioner, dtype, **config_overrides)
-    tied = getattr(config, "tie_word_embeddings", False)
-    if tied and "tie_word_embeddings" not in config_overrides:
-        if head_differs(spec, SafetensorsReader(path, spec.base_model_prefix)):
-            config = dataclasses.replace(config, tie_word_embeddings=False)
+    reader = SafetensorsReader(path, spec.base_model_prefix)
+    if getattr(config, "tie_word_embeddings", False) and head_differs(spec, reader):
+        if "tie_word_embeddings" in config_overrides:  # the caller's tying: as load_params
+            raise tied_head_error(spec, path)
+        config = dataclasses.replace(config, tie_word_embeddings=False)
     generation = read_generation_config(path)
     model = spec.model_cls(
         config,
@@ -366,7 +383,7 @@ def from_pretrained(
         special_ids=special_ids(hf_config),
         generation_config=generation,
     )
-    return model, load_params(model, path, partitioner)
+    return model, _place_params(model, spec, reader, path, partitioner, None)
 
 
 def read_generation_config(path: str | epath.Path) -> dict[str, Any] | None:
