@@ -65,7 +65,7 @@ setuptools.setup(
     # The repository's gin/ tree ships inside the package as flaxlm/gin, so that
     # `--gin_file=gptj_pretrain.gin` resolves from any directory once installed.
     package_dir={"flaxlm.gin": "gin"},
-    package_data={"flaxlm.gin": ["*.gin", "*/*.gin"], "flaxlm": ["serve_page.html"]},
+    package_data={"flaxlm.gin": ["*.gin", "*/*.gin"], "flaxlm.serve": ["page.html"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
 )

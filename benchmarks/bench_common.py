@@ -212,7 +212,7 @@ def unsharded_leaves(abstract_tree: Any, min_bytes: int = 0) -> list[tuple[str, 
     import jax
     import numpy as np
 
-    from flaxlm.partitioning import path_name
+    from flaxlm.pytrees import path_name
 
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_tree)[0]:

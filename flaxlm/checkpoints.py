@@ -17,7 +17,9 @@ import tensorflow as tf
 from absl import logging
 from etils import epath
 
-from flaxlm.partitioning import path_name
+from flaxlm.pytrees import path_name
+
+SUBDIR = "checkpoints"  # of a MODEL_DIR
 
 
 def _shard_file(shard: int, num_shards: int) -> str:
@@ -115,7 +117,7 @@ class Checkpointer:
           keep_period: also keep every checkpoint whose step is a multiple of this.
           async_save: write array data in a background thread.
         """
-        self.directory = epath.Path(model_dir) / "checkpoints"
+        self.directory = epath.Path(model_dir) / SUBDIR
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             keep_period=keep_period,

@@ -81,7 +81,7 @@ def import_task_module(module: str | None) -> None:
         importlib.import_module(module)
 
 
-def _check_registered(name: str) -> None:
+def check_registered(name: str) -> None:
     if name in seqio.TaskRegistry.names() or name in seqio.MixtureRegistry.names():
         return
     known = sorted(set(seqio.TaskRegistry.names()) | set(seqio.MixtureRegistry.names()))
@@ -182,7 +182,7 @@ def host_input(
     """The logical shards covering this host's rows (`layout`) of every global batch."""
     configure_tensorflow()
     import_task_module(cfg.module)
-    _check_registered(cfg.mixture_or_task_name)
+    check_registered(cfg.mixture_or_task_name)
     total = input_shard_count(cfg, layout)
     rows = layout.global_batch_size // total
     shards = host_input_shards(cfg, layout)
@@ -259,6 +259,14 @@ class DataIterator:
         self.saved_shards = _shards_saved_by(
             jax.process_index(), partitioner, layout.global_batch_size, source.num_shards
         )
+
+    @classmethod
+    def create(
+        cls, cfg: DatasetConfig, partitioner: Partitioner, converter: Any = None
+    ) -> DataIterator:
+        """The iterator of `cfg` on `partitioner`'s mesh (rows as its data layout says)."""
+        layout = partitioner.data_layout(cfg.batch_size)
+        return cls(host_input(cfg, layout, converter), partitioner, layout)
 
     @property
     def shard_iterators(self) -> dict[int, Any]:

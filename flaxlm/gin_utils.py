@@ -112,5 +112,5 @@ def run(fn: Callable[[], Any] = gin.REQUIRED) -> Any:
 @gin.configurable
 def run_in_order(fns: Sequence[Callable[[], Any]] = gin.REQUIRED) -> list[Any]:
     """Several run functions, one after another (`run.fn = @run_in_order`, e.g.
-    `run_in_order.fns = [@trainer.train, @evaluation.infer]`: fine-tune, then generate)."""
+    `run_in_order.fns = [@train.train, @infer.infer]`: fine-tune, then generate)."""
     return [fn() for fn in fns]

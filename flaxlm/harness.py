@@ -35,7 +35,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "(lm_eval==0.4.13)."
     ) from e
 
-from flaxlm import evaluation
+from flaxlm import inference, run_dir
 from flaxlm.models.base import BaseModel, EncoderDecoderModel
 from flaxlm.partitioning import Partitioner
 
@@ -44,10 +44,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_LENGTH = 2048  # for models whose positions have no limit (T5's relative ones)
 _GENERATION_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"}
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _split_list(value: str | Sequence[str] | None, separator: str) -> list[str]:
@@ -78,7 +74,7 @@ def _pad_length(batch: dict[str, np.ndarray], bucket: int, limit: int) -> dict[s
     out = {}
     for key, x in batch.items():
         length = x.shape[1]
-        target = max(length, min(_round_up(length, bucket), limit))
+        target = max(length, min(inference.round_up(length, bucket), limit))
         out[key] = np.pad(x, ((0, 0), (0, target - length)))
     return out
 
@@ -131,8 +127,8 @@ class FlaxLM(TemplateLM):
         del device  # the Partitioner's mesh decides placement
         gin_model = _parse_gin(_split_list(gin_file, "+"), _split_list(gin_bindings, ";"))
         self.partitioner = Partitioner()
-        self.model, self.params, self.step = evaluation.load_model_and_params(
-            str(checkpoint), self.partitioner, gin_model, step
+        self.model, self.params, _, self.step = run_dir.load_model_and_params(
+            str(checkpoint), self.partitioner, step, gin_model
         )
         self.vocabulary = _vocabulary(str(checkpoint), tokenizer)
         self.backend = "seq2seq" if isinstance(self.model, EncoderDecoderModel) else "causal"
@@ -148,7 +144,7 @@ class FlaxLM(TemplateLM):
         self.add_bos_token = bool(add_bos_token)
         self._prefix_token_id = prefix_token_id
         self.length_bucket = int(length_bucket)
-        self._scorer = evaluation.Scorer(
+        self._scorer = inference.Scorer(
             self.model,
             self.partitioner,
             fn=lambda params, batch: score_and_greedy(self.model, params, batch),
@@ -166,7 +162,7 @@ class FlaxLM(TemplateLM):
                 ) from None
         if size < 1:
             raise ValueError(f"batch_size must be at least 1, got {size}.")
-        return _round_up(size, self.partitioner.data_parallel_degree())
+        return inference.round_up(size, self.partitioner.data_parallel_degree())
 
     # ------------------------------------------------------------------ tokens
 
@@ -229,7 +225,7 @@ class FlaxLM(TemplateLM):
         for start in _progress(range(0, len(order), self.batch_size), disable_tqdm, "scoring"):
             rows = order[start : start + self.batch_size]
             padded = rows + [rows[0]] * (self.batch_size - len(rows))
-            batch = evaluation.score_batch_features(
+            batch = inference.score_batch_features(
                 self.model, [fitted[i][0] for i in padded], [fitted[i][1] for i in padded]
             )
             batch = _pad_length(batch, self.length_bucket, self.max_length)
@@ -276,7 +272,7 @@ class FlaxLM(TemplateLM):
 
     # ------------------------------------------------------------------ generation
 
-    def _settings(self, gen_kwargs: dict[str, Any]) -> tuple[evaluation.GenerationSettings, list]:
+    def _settings(self, gen_kwargs: dict[str, Any]) -> tuple[inference.GenerationSettings, list]:
         unknown = set(gen_kwargs) - _GENERATION_KEYS
         if unknown:
             logger.warning("flaxlm ignores generation arguments %s.", sorted(unknown))
@@ -286,7 +282,7 @@ class FlaxLM(TemplateLM):
         # do_sample=True without a temperature samples at 1.
         sample = gen_kwargs.get("do_sample")
         temperature = float(gen_kwargs.get("temperature", 1.0 if sample else 0.0))
-        settings = evaluation.GenerationSettings(
+        settings = inference.GenerationSettings(
             max_new_tokens=int(gen_kwargs.get("max_gen_toks", self.max_gen_toks)),
             temperature=0.0 if sample is False else temperature,
             top_k=int(gen_kwargs.get("top_k") or 0),
@@ -321,14 +317,14 @@ class FlaxLM(TemplateLM):
             ):
                 rows = order[start : start + self.batch_size]
                 longest = max(len(prompts[i]) for i in rows)
-                outputs = evaluation.generate_ids(
+                outputs = inference.generate_ids(
                     self.model,
                     self.params,
                     [prompts[i] for i in rows],
                     self.partitioner,
                     settings,
                     batch_size=self.batch_size,
-                    input_length=min(_round_up(longest, self.length_bucket), room),
+                    input_length=min(inference.round_up(longest, self.length_bucket), room),
                 )
                 for index, ids in zip(rows, outputs):
                     text = cut_at_stops(self.tok_decode(ids), until)
@@ -391,7 +387,7 @@ def _vocabulary(checkpoint: str, tokenizer: str | None) -> seqio.Vocabulary:
         from flaxlm.vocabularies import HuggingFaceVocabulary
 
         return HuggingFaceVocabulary(tokenizer)
-    return evaluation._checkpoint_vocabulary(checkpoint) or seqio.ByteVocabulary()
+    return run_dir.checkpoint_vocabulary(checkpoint) or seqio.ByteVocabulary()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -13,7 +13,6 @@ a time on the host and writes safetensors shards (with an index past `max_shard_
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -22,22 +21,20 @@ import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
 from flax import traverse_util
-from jax.sharding import SingleDeviceSharding
 
 import flaxlm.models  # noqa: F401  (registers every family's HFSpec)
+from flaxlm import pytrees
 from flaxlm.models.base import (
     HF_SPECS,
     BaseModel,
     EncoderOnlyModel,
     HFSpec,
     HFTensor,
-    eos_tuple,
 )
 from flaxlm.partitioning import Partitioner
 
@@ -61,7 +58,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-TOKENIZER_DIR = "tokenizer"  # where a MODEL_DIR keeps the tokenizer of the HF import
 # generation_config.json fields that an export without the source's file derives from the
 # special ids (what transformers' GenerationConfig.from_model_config takes).
 _GENERATION_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
@@ -248,15 +244,6 @@ def _check_tensors(
         )
 
 
-def _param_shardings(
-    model: BaseModel, shapes: Any, partitioner: Partitioner | None, batch_shapes: Any
-) -> Any:
-    if partitioner is None:
-        device = SingleDeviceSharding(jax.local_devices()[0])
-        return jax.tree.map(lambda _: device, shapes)
-    return partitioner.sharding(model.params_axes(batch_shapes))
-
-
 def _shard_reader(
     reader: SafetensorsReader,
     t: HFTensor,
@@ -317,12 +304,10 @@ def _place_params(
     shardings: Any,
 ) -> Params:
     """`load_params` once the checkpoint is open and its head checked against the model."""
-    batch_shapes = model.example_batch_shapes()
-    abstract = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0), batch_shapes))
-    if shardings is None:
-        shardings = _param_shardings(model, abstract, partitioner, batch_shapes)
+    abstract = pytrees.abstract_params(model, partitioner)
+    if shardings is not None:
+        abstract = pytrees.with_shardings(abstract, shardings)
     flat_abstract = traverse_util.flatten_dict(abstract, sep="/")
-    flat_shardings = traverse_util.flatten_dict(shardings, sep="/")
     shapes = {k: tuple(v.shape) for k, v in flat_abstract.items()}
     scan = bool(getattr(model.config, "scan_layers", False))
     expanded = _expand(spec.tensors(model.config), scan)
@@ -334,9 +319,7 @@ def _place_params(
         aval = flat_abstract[param]
         stacked = t.layers > 0 and scan
         callback = _shard_reader(reader, t, names, aval, stacked, real_vocab)
-        flat_params[param] = jax.make_array_from_callback(
-            aval.shape, flat_shardings[param], callback
-        )
+        flat_params[param] = jax.make_array_from_callback(aval.shape, aval.sharding, callback)
     return traverse_util.unflatten_dict(flat_params, sep="/")
 
 
@@ -529,136 +512,3 @@ def save_pretrained(
         (out / GENERATION_FILE).write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
     if tokenizer_dir is not None:
         copy_tokenizer(tokenizer_dir, out)
-
-
-# ------------------------------------------------------------------------ runs
-
-
-def record_hf_config(
-    model: BaseModel, model_dir: str | epath.Path, hf_dir: str | epath.Path | None = None
-) -> None:
-    """Writes `model_dir/hf_config.json`, from which `export_checkpoint` rebuilds the model.
-
-    Beside HF's fields it keeps flaxlm's own config (`flaxlm_config`: padded vocabulary,
-    scan_layers, dtypes) so that the rebuilt model has exactly the checkpoint's params.
-    `hf_dir`, the HF directory the params came from, gives the special ids, EOS and
-    generation config (a Gin-bound model knows none of them), and its tokenizer files are
-    copied to `model_dir/tokenizer/`.
-    """
-    if hf_dir is not None:
-        hf_config, generation = read_hf_config(hf_dir), read_generation_config(hf_dir)
-        model = copy.copy(model)
-        model.special_ids = special_ids(hf_config)
-        model.generation_config = generation
-        model.eos_ids = eos_tuple(hf_eos_id(hf_config, generation))
-        copy_tokenizer(hf_dir, epath.Path(model_dir) / TOKENIZER_DIR)
-    if jax.process_index() == 0:
-        out = epath.Path(model_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        spec = spec_for_config(model.config)
-        try:
-            record = hf_config_dict(model)
-        except ValueError:  # a variant HF cannot express (e.g. ALiBi GPT-2): flaxlm's own only
-            record = {"model_type": spec.model_types[0], **model_special_ids(model)}
-        record["flaxlm_config"] = dataclasses.asdict(model.config)
-        record["flaxlm_eos_ids"] = list(model.eos_ids)
-        record["flaxlm_generation_config"] = model.generation_config
-        (out / "hf_config.json").write_text(json.dumps(record, indent=2))
-
-
-@gin.configurable
-def import_checkpoint(
-    *,
-    hf_dir: str = gin.REQUIRED,
-    model_dir: str = gin.REQUIRED,
-    partitioner: Partitioner | None = None,
-    dtype: str = "float32",
-) -> None:
-    """Run function: HF directory -> flaxlm params checkpoint (step 0) in `model_dir`.
-
-    Writes `model_dir/checkpoints/0` (params only), `model_dir/hf_config.json` (special ids
-    and generation config included) and the tokenizer files to `model_dir/tokenizer/`; a
-    training run over that `model_dir` (the same model bound) starts from it with a fresh
-    optimizer state, and an export writes them all back.
-    """
-    from flaxlm import checkpoints
-
-    partitioner = partitioner or Partitioner()
-    model, params = from_pretrained(hf_dir, partitioner, jnp.dtype(dtype))
-    out = epath.Path(model_dir)
-    ckpt = checkpoints.Checkpointer(model_dir)
-    ckpt.save_params(0, params)
-    ckpt.close()
-    record_hf_config(model, out, hf_dir)
-    print(f"Imported {hf_dir} ({model.config.__class__.__name__}) into {ckpt.directory}.")
-
-
-@gin.configurable
-def export_checkpoint(
-    *,
-    model_dir: str = gin.REQUIRED,
-    out_dir: str = gin.REQUIRED,
-    model: BaseModel | None = None,
-    partitioner: Partitioner | None = None,
-    step: int | None = None,
-    dtype: str | None = None,
-) -> None:
-    """Run function: the params of a flaxlm checkpoint -> an HF directory (a LoRA run's
-    adapters merged into its base params).
-
-    The model is the bound one, else the one recorded in `model_dir/hf_config.json`.
-    `step` defaults to the latest checkpoint.
-    """
-    from flaxlm import checkpoints
-
-    partitioner = partitioner or Partitioner()
-    if model is None:
-        model = model_from_hf_config(epath.Path(model_dir) / "hf_config.json", partitioner)
-    tokenizer_dir = epath.Path(model_dir) / TOKENIZER_DIR
-    tokenizer_dir = tokenizer_dir if tokenizer_dir.exists() else None
-    from flaxlm import lora
-
-    if lora.read_record(model_dir) is not None:  # a LoRA run: export base + adapters merged
-        params, step = lora.restore_merged(model_dir, model, partitioner, step)
-        save_pretrained(model, params, out_dir, dtype=dtype, tokenizer_dir=tokenizer_dir)
-        print(f"Exported step {step} of LoRA run {model_dir} (merged) to {out_dir}.")
-        return
-    batch_shapes = model.example_batch_shapes()
-    abstract = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0), batch_shapes))
-    shardings = partitioner.sharding(model.params_axes(batch_shapes))
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
-    ckpt = checkpoints.Checkpointer(model_dir)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise ValueError(f"No checkpoint in {ckpt.directory} to export.")
-    params = ckpt.restore_params(step, abstract)
-    ckpt.close()
-    save_pretrained(model, params, out_dir, dtype=dtype, tokenizer_dir=tokenizer_dir)
-    print(f"Exported step {step} of {ckpt.directory} to {out_dir}.")
-
-
-def model_from_hf_config(
-    file: str | epath.Path, partitioner: Partitioner | None = None, **overrides: Any
-) -> BaseModel:
-    """A model for the HF config.json at `file` (vocabulary padded for `partitioner`)."""
-    file = epath.Path(file)
-    if not file.exists():
-        raise ValueError(
-            f"{file} not found: bind the model (include its gin/models/ file) to export a "
-            "checkpoint that was not imported from HuggingFace."
-        )
-    record = json.loads(file.read_text())
-    if "flaxlm_config" in record:
-        spec = spec_for_model_type(record.get("model_type", "<missing>"))
-        config = dataclasses.replace(spec.config_cls(**record["flaxlm_config"]), **overrides)
-    else:
-        spec, config = config_from_hf_dict(record, partitioner, **overrides)
-    generation = record.get("flaxlm_generation_config")
-    if "flaxlm_config" not in record:  # an HF directory's config.json
-        generation = read_generation_config(file.parent)
-    eos = record["flaxlm_eos_ids"] if "flaxlm_eos_ids" in record else hf_eos_id(record, generation)
-    return spec.model_cls(
-        config, eos_id=eos, special_ids=special_ids(record), generation_config=generation
-    )

@@ -18,7 +18,6 @@ mesh as their kernels do.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 import string
@@ -29,14 +28,12 @@ import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
-from etils import epath
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
 from flaxlm.models import layers
 
 Params = Any
-LORA_FILE = "lora.json"  # in a LoRA run's MODEL_DIR: the config and where the base params live
 
 
 @gin.configurable
@@ -278,79 +275,3 @@ class LoraModel:
         rate = self.cfg.dropout if rng is not None else 0.0
         with layers.lora_dropout(rate):
             return self.model.loss_fn(params, batch, rng, normalizer)
-
-
-# ---------------------------------------------------------------- a LoRA run's MODEL_DIR
-
-
-def write_record(model_dir: str | epath.Path, cfg: LoraConfig, base: Mapping[str, Any]) -> None:
-    """`MODEL_DIR/lora.json`: the config and the base params' source (`{"hf": dir}` or
-    `{"checkpoint": model_dir, "step": n}`), so that infer/eval/export can merge."""
-    if jax.process_index() == 0:
-        record = {"config": cfg.to_json(), "base": dict(base)}
-        (epath.Path(model_dir) / LORA_FILE).write_text(json.dumps(record, indent=2))
-
-
-def read_record(model_dir: str | epath.Path) -> tuple[LoraConfig, dict[str, Any]] | None:
-    """`(cfg, base source)` of a LoRA run's MODEL_DIR; None for any other directory."""
-    file = epath.Path(model_dir) / LORA_FILE
-    if not file.exists():
-        return None
-    record = json.loads(file.read_text())
-    return LoraConfig.from_json(record["config"]), record["base"]
-
-
-def _abstract(model: Any, partitioner: Any) -> tuple[Any, Any]:
-    """The model's abstract params and their shardings under `partitioner`."""
-    shapes = model.example_batch_shapes()
-    abstract = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0), shapes))
-    return abstract, partitioner.sharding(model.params_axes(shapes))
-
-
-def restore_base(base: Mapping[str, Any], model: Any, partitioner: Any) -> Params:
-    """The frozen base params from their recorded source, placed on the model's shardings."""
-    from flaxlm import checkpoints, hf
-
-    abstract, shardings = _abstract(model, partitioner)
-    if "hf" in base:
-        return hf.load_params(model, base["hf"], shardings=shardings)
-    ckpt = checkpoints.Checkpointer(base["checkpoint"])
-    step = base.get("step")
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise ValueError(f"LoRA base: no checkpoint in {ckpt.directory}.")
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
-    params = ckpt.restore_params(step, abstract)
-    ckpt.close()
-    return params
-
-
-def restore_merged(
-    model_dir: str | epath.Path, model: Any, partitioner: Any, step: int | None = None
-) -> tuple[Params, int]:
-    """`(merged params, step)` of a LoRA run's MODEL_DIR: its adapters at `step` (the
-    latest if None) folded into the recorded base params."""
-    from flaxlm import checkpoints
-
-    record = read_record(model_dir)
-    if record is None:
-        raise ValueError(f"{model_dir} has no {LORA_FILE}: not a LoRA run.")
-    cfg, base_source = record
-    kernels = plan(cfg, model, model.example_batch_shapes())
-    shardings = partitioner.sharding(adapter_axes(kernels))
-    abstract = jax.eval_shape(lambda: init_adapters(jax.random.PRNGKey(0), kernels))
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
-    ckpt = checkpoints.Checkpointer(str(model_dir))
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise ValueError(f"No checkpoint in {ckpt.directory}.")
-    adapters = ckpt.restore_params(step, abstract)
-    ckpt.close()
-    base = restore_base(base_source, model, partitioner)
-    base_shardings = jax.tree.map(lambda x: x.sharding, base)
-    merged = jax.jit(lambda b, a: merge(b, a, cfg), out_shardings=base_shardings)(base, adapters)
-    return merged, step

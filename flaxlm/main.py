@@ -95,7 +95,7 @@ def main(argv: list[str]) -> None:
         import jax
 
         import flaxlm.models  # noqa: F401  (registers model configurables)
-        from flaxlm import data, evaluation, hf, serve, trainer  # noqa: F401  (run functions)
+        from flaxlm import convert, data, evaluation, infer, serve, train  # noqa: F401
 
         if FLAGS.tasks_module:
             importlib.import_module(FLAGS.tasks_module)

@@ -43,8 +43,6 @@ def peak_flops_per_device() -> float | None:
 class MetricWriter(Protocol):
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None: ...
 
-    def write_texts(self, step: int, texts: Mapping[str, str]) -> None: ...
-
     def flush(self) -> None: ...
 
 
@@ -58,9 +56,6 @@ class JsonlWriter:
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         record = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
         self._pending.append(json.dumps(record))
-
-    def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
-        self._pending.append(json.dumps({"step": int(step), **dict(texts)}))
 
     def flush(self) -> None:
         if not self._pending:
@@ -88,11 +83,6 @@ class TensorBoardWriter:
             for k, v in scalars.items():
                 self._tf.summary.scalar(k, float(v), step=int(step))
 
-    def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
-        with self._writer.as_default():
-            for k, v in texts.items():
-                self._tf.summary.text(k, v, step=int(step))
-
     def flush(self) -> None:
         self._writer.flush()
 
@@ -119,9 +109,6 @@ class WandbWriter:
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         self.run.log({k: float(v) for k, v in scalars.items()}, step=int(step))
 
-    def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
-        self.run.log(dict(texts), step=int(step))
-
     def flush(self) -> None:
         pass
 
@@ -136,10 +123,6 @@ class MultiWriter:
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         for w in self.writers:
             w.write_scalars(step, scalars)
-
-    def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
-        for w in self.writers:
-            w.write_texts(step, texts)
 
     def flush(self) -> None:
         for w in self.writers:
@@ -211,3 +194,28 @@ class Progress:
                 parts.append(fmt.format(scalars[key]))
         parts.append(f"ETA {format_duration(eta)}")
         return " | ".join(parts)
+
+
+# ---------------------------------------------------------------- what runs write
+
+
+def print0(message: str) -> None:
+    """Prints on process 0 only."""
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
+def write_jsonl(path: epath.Path, records: Sequence[Mapping[str, Any]]) -> None:
+    """One JSON line per record (process 0; written whole, then renamed into place)."""
+    if jax.process_index() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / (path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        tmp.rename(path)
+
+
+def write_config(output_dir: epath.Path) -> None:
+    """`output_dir/config.gin`: the run's operative Gin config (process 0)."""
+    if jax.process_index() == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.gin").write_text(gin.operative_config_str())

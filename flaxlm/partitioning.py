@@ -17,7 +17,7 @@ import flax.linen as nn
 import gin
 import jax
 import numpy as np
-from jax.experimental import mesh_utils
+from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -170,18 +170,6 @@ class DataLayout:
         return self.row_start + self.per_host_batch_size
 
 
-def _path_name(path: tuple[Any, ...]) -> str:
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P) or x is None
 
@@ -285,6 +273,23 @@ class Partitioner:
     def constrain(self, x: Any, logical_axes: Any) -> Any:
         """with_sharding_constraint by logical names (inside a partitioned function)."""
         return jax.lax.with_sharding_constraint(x, self.sharding(logical_axes))
+
+    def replicated(self) -> NamedSharding:
+        """Every device holds the whole array."""
+        return NamedSharding(self.mesh, P())
+
+    def global_array(self, x: np.ndarray) -> jax.Array:
+        """The same host array on every process -> one global array, its rows split over the
+        batch axes when they divide them (replicated otherwise). The one place that puts
+        host data other than training batches on the mesh (those: `data.DataIterator`)."""
+        split = x.shape[0] % self.data_parallel_degree() == 0
+        axes = ("batch" if split else None,) + (None,) * (x.ndim - 1)
+        sharding = NamedSharding(self.mesh, self.mesh_axes(axes))
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    def host_array(self, x: jax.Array) -> np.ndarray:
+        """A global array (any sharding) as one numpy array on every process."""
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     # ------------------------------------------------------------------ data
 
@@ -415,7 +420,3 @@ class PartitionedFunction:
         with self._partitioner.context():
             return self._jitted.lower(*args)
 
-
-def path_name(path: tuple[Any, ...]) -> str:
-    """'a/b/c' for a jax key path."""
-    return _path_name(path)

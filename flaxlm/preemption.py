@@ -25,7 +25,7 @@ class PreemptionHandler:
     """Context manager that turns the first SIGTERM/SIGINT into a stop request.
 
     Only the main thread may install signal handlers; elsewhere (a run started from a worker
-    thread) the handler installs nothing and `should_stop` reads False until `request_stop`.
+    thread) the handler installs nothing and `should_stop` reads False.
     """
 
     def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS):
@@ -70,10 +70,6 @@ class PreemptionHandler:
             file=sys.stderr,
             flush=True,
         )
-
-    def request_stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
-        """Asks the loop to save and stop, as the first signal does."""
-        self.received = self.received or sig
 
     def should_stop(self) -> bool:
         """True once any process got a signal; all processes agree on the step they stop at."""

@@ -9,7 +9,7 @@ import jax
 import optax
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.partitioning import path_name
+from flaxlm.pytrees import path_name
 
 
 class TrainState(flax.struct.PyTreeNode):

@@ -21,7 +21,7 @@ MASK_ID = 259  # ByteVocabulary's ids are 0..258
 _vocab = seqio.ByteVocabulary()
 seqio.TaskRegistry.add(
     TASK_NAME,
-    source=seqio.FunctionDataSource(stdlib._dataset_fn, splits=("train", "validation")),
+    source=seqio.FunctionDataSource(stdlib.dataset_fn, splits=("train", "validation")),
     preprocessors=[
         functools.partial(seqio.preprocessors.rekey, key_map={"targets": "text"}),
         seqio.preprocessors.tokenize,

@@ -46,7 +46,7 @@ def stdlib_files(split: str) -> tuple[str, ...]:
     raise ValueError(f"split {split!r}: the stdlib corpus has 'train' and 'validation'.")
 
 
-def _dataset_fn(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
+def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
     files = tf.data.Dataset.from_tensor_slices(list(stdlib_files(split)))
     if shuffle_files:
         files = files.shuffle(len(stdlib_files(split)), seed=seed)
@@ -55,7 +55,7 @@ def _dataset_fn(split: str, shuffle_files: bool, seed: int | None = None) -> tf.
 
 seqio.TaskRegistry.add(
     TASK_NAME,
-    source=seqio.FunctionDataSource(_dataset_fn, splits=("train", "validation")),
+    source=seqio.FunctionDataSource(dataset_fn, splits=("train", "validation")),
     preprocessors=[
         functools.partial(seqio.preprocessors.rekey, key_map={"targets": "text"}),
         seqio.preprocessors.tokenize,

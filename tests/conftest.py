@@ -48,5 +48,5 @@ def trained_gptj(tmp_path_factory, repo_dir) -> str:
         devices=8,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert os.path.exists(os.path.join(model_dir, "hf_config.json"))
+    assert os.path.exists(os.path.join(model_dir, "model_record.json"))
     return model_dir

@@ -7,8 +7,9 @@ import os
 import jax
 import numpy as np
 import pytest
+import seqio
 
-from flaxlm import data, evaluation
+from flaxlm import data, evaluation, hf, infer, inference, run_dir
 from flaxlm.models import base, t5
 from flaxlm.partitioning import Partitioner
 from tasks import metrics as task_metrics
@@ -26,16 +27,16 @@ def read_jsonl(path):
 
 def in_process_outputs(model_dir, prompts, max_new_tokens):
     partitioner = Partitioner(mesh_shape=(1, 2, 4))
-    model, params, step = evaluation.load_model_and_params(model_dir, partitioner)
+    model, params, _, step = run_dir.load_model_and_params(model_dir, partitioner)
     assert step == 8
-    examples, vocab, _ = evaluation.read_examples_from_texts(prompts, model)
-    return evaluation.generate_texts(
+    examples, vocab, _ = infer.read_examples_from_texts(prompts, model)
+    return infer.generate_texts(
         model,
         params,
         examples,
         vocab,
         partitioner,
-        evaluation.GenerationSettings(max_new_tokens=max_new_tokens),
+        inference.GenerationSettings(max_new_tokens=max_new_tokens),
         batch_size=4,
     )
 
@@ -85,8 +86,8 @@ def test_infer_score_and_eval_runs_from_a_training_run(trained_gptj, tmp_path, r
     assert [r["num_tokens"] for r in scores] == [len(o.encode()) for _, o in PAIRS]
     # Each score is the target's log-likelihood from the model's logits.
     partitioner = Partitioner(mesh_shape=(1, 8, 1))
-    model, params, _ = evaluation.load_model_and_params(trained_gptj, partitioner)
-    vocab = evaluation.seqio.ByteVocabulary()
+    model, params, _, _ = run_dir.load_model_and_params(trained_gptj, partitioner)
+    vocab = seqio.ByteVocabulary()
     for record, (i, o) in zip(scores, PAIRS):
         seq = vocab.encode(i) + vocab.encode(o)
         logits = np.asarray(
@@ -223,7 +224,7 @@ def test_task_evaluator_runs_the_tasks_metrics_on_generated_text():
         module="tasks",
     )
     evaluator = evaluation.TaskEvaluator(
-        cfg, model, partitioner, evaluation.GenerationSettings(max_new_tokens=8), num_examples=6
+        cfg, model, partitioner, inference.GenerationSettings(max_new_tokens=8), num_examples=6
     )
     assert evaluator.active
     scalars = evaluator.evaluate(params, step=3)
@@ -240,27 +241,27 @@ def test_infer_from_an_hf_directory_equals_generate(tmp_path):
     _, path = tiny_hf_gpt2(tmp_path, "standard", vocab_size=300)
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text("".join(json.dumps({"in_text": p}) + "\n" for p in PROMPTS[:3]))
-    vocab = evaluation.seqio.ByteVocabulary()
-    out = evaluation.infer(
+    vocab = seqio.ByteVocabulary()
+    out = infer.infer(
         checkpoint=path,
         source=str(jsonl),
         output_dir=str(tmp_path / "out"),
         vocabulary=vocab,
-        settings=evaluation.GenerationSettings(max_new_tokens=6),
+        settings=inference.GenerationSettings(max_new_tokens=6),
         batch_size=2,
     )
     records = read_jsonl(out)
-    model, params = evaluation.hf.from_pretrained(path)
+    model, params = hf.from_pretrained(path)
     for record in records:
         ids = np.asarray([vocab.encode(record["input"])])
         tokens = model.generate(params, {"inputs": ids}, 6)[0]
-        assert record["output"] == vocab.decode(evaluation._until_eos(tokens, model.eos_ids))
+        assert record["output"] == vocab.decode(inference.until_eos(tokens, model.eos_ids))
 
 
 def test_prompts_from_a_seqio_task_keep_the_tasks_tokens():
     config = t5.T5Config(vocab_size=384, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
     model = base.EncoderDecoderModel(config)
-    examples, vocab, name = evaluation.read_examples(
+    examples, vocab, name = infer.read_examples(
         "stdlib_py_continuation", model, None, task_module="tasks", max_examples=3
     )
     assert name == "stdlib_py_continuation" and len(examples) == 3

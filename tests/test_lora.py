@@ -13,10 +13,11 @@ import transformers
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
-from flaxlm import checkpoints, data, evaluation, hf, lora, trainer
+from flaxlm import checkpoints, convert, data, hf, lora, run_dir, train, trainer
 from flaxlm.models import layers, llama
 from flaxlm.models.base import DecoderOnlyModel
-from flaxlm.partitioning import Partitioner, path_name
+from flaxlm.partitioning import Partitioner
+from flaxlm.pytrees import path_name
 from tests.helpers import adamw, feature_lengths, random_batch, tiny_gptj
 from tests.hf_helpers import decoder_batch, max_abs_diff, padded_batch, torch_logits
 from tests.test_hf_llama import tiny_hf_llama
@@ -225,13 +226,13 @@ def test_lora_run_checkpoints_adapters_and_exports_merged_to_hf(tmp_path):
 
     torch_model, hf_path = tiny_hf_llama(tmp_path, vocab_size=384)
     partitioner = Partitioner(mesh_shape=(1, 4, 2))
-    model = hf.model_from_hf_config(os.path.join(hf_path, "config.json"), partitioner)
+    model = run_dir.model_from_record(os.path.join(hf_path, "config.json"), partitioner)
     cfg = lora.LoraConfig(rules=RULES, alpha=8.0)
     model_dir = str(tmp_path / "run")
     dataset = data.DatasetConfig(
         mixture_or_task_name="stdlib_py", task_feature_lengths={"targets": 32}, batch_size=8
     )
-    trainer.train(
+    train.train(
         model=model,
         partitioner=partitioner,
         train_dataset_cfg=dataset,
@@ -252,7 +253,7 @@ def test_lora_run_checkpoints_adapters_and_exports_merged_to_hf(tmp_path):
     assert saved["layers_0/q_proj/lora_b"] == (4, 4, 8)
 
     out = tmp_path / "exported"
-    hf.export_checkpoint(model_dir=model_dir, out_dir=str(out), partitioner=partitioner)
+    convert.export_hf(model_dir=model_dir, out_dir=str(out), partitioner=partitioner)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     ids, mask = padded_batch(250, (12, 7, 12, 3))
     theirs = torch_logits(reloaded, input_ids=ids, attention_mask=mask)
@@ -271,7 +272,7 @@ def test_lora_run_checkpoints_adapters_and_exports_merged_to_hf(tmp_path):
     assert max_abs_diff(adapted, theirs, mask) < 1e-4
 
     # infer/eval's loader sees the merged model too.
-    _, merged, step = evaluation.load_model_and_params(model_dir, partitioner)
+    _, merged, _, step = run_dir.load_model_and_params(model_dir, partitioner)
     assert step == 3
     ours = np.asarray(model.compute_logits(merged, decoder_batch(ids, mask)))
     assert max_abs_diff(ours, theirs, mask) < 1e-4
@@ -312,7 +313,7 @@ def test_llama_lora_gin_trains_adapters_then_generates_and_resumes(tmp_path, rep
 
     # The same command with more steps resumes the adapters (the base is not re-created).
     result = run_main(
-        [*args, "--gin.TRAIN_STEPS=5", "--gin.run_in_order.fns=[@trainer.train]"],
+        [*args, "--gin.TRAIN_STEPS=5", "--gin.run_in_order.fns=[@train.train]"],
         cwd=repo_dir,
         devices=8,
     )

@@ -20,7 +20,7 @@ SMALL = [
     "--gin.EVAL_STEPS=2",
 ]
 
-# Every line a training run prints (trainer.train and metrics.Progress.line): flaxlm's lines.
+# Every line a training run prints (train.train and metrics.Progress.line): flaxlm's lines.
 # The terminal of a default run holds these alone; anything else came from a library.
 TRAIN_LINES = [
     re.compile(shape)

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import seqio
 
-from flaxlm import evaluation, serve
+from flaxlm import run_dir
 from flaxlm.partitioning import Partitioner
+from flaxlm.serve import api
 from tests import cdp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -92,7 +93,7 @@ def server(tmp_path_factory, repo_dir, trained_gptj):
             proc.kill()
             pytest.fail(f"The server did not start:\n{log.read()[-3000:]}")
         time.sleep(0.5)
-    model, params, _ = evaluation.load_model_and_params(trained_gptj, Partitioner((1, 8, 1)))
+    model, params, _, _ = run_dir.load_model_and_params(trained_gptj, Partitioner((1, 8, 1)))
     yield url, model, params
     proc.terminate()
     try:
@@ -236,9 +237,9 @@ def test_the_page_streams_a_completion_in_headless_chromium(server):
 
 
 def test_request_validation_names_the_field():
-    with pytest.raises(serve.BadRequest, match="'max_tokens' must be an integer"):
-        serve.parse_request(b'{"prompt": "a", "max_tokens": true}', None, 16)
-    with pytest.raises(serve.BadRequest, match="between 1 and 16"):
-        serve.parse_request(b'{"prompt": "a", "max_tokens": 17}', None, 16)
-    parsed = serve.parse_request(b'{"prompt": ["a", "b"], "stop": "\\n"}', None, 16)
+    with pytest.raises(api.BadRequest, match="'max_tokens' must be an integer"):
+        api.parse_request(b'{"prompt": "a", "max_tokens": true}', None, 16)
+    with pytest.raises(api.BadRequest, match="between 1 and 16"):
+        api.parse_request(b'{"prompt": "a", "max_tokens": 17}', None, 16)
+    parsed = api.parse_request(b'{"prompt": ["a", "b"], "stop": "\\n"}', None, 16)
     assert parsed["prompts"] == ["a", "b"] and parsed["stop"] == ["\n"]

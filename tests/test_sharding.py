@@ -4,7 +4,8 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.partitioning import Partitioner, path_name
+from flaxlm.partitioning import Partitioner
+from flaxlm.pytrees import path_name
 from flaxlm.trainer import Setup
 from tests.helpers import adamw, feature_lengths, tiny_gptj
 

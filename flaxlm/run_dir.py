@@ -1,0 +1,262 @@
+"""The MODEL_DIR contract: what a run directory holds and how a model comes back out of it.
+
+    MODEL_DIR/
+      checkpoints/<step>/   orbax checkpoints (train state, data iterators, config)
+      config.gin            the operative Gin config of the last run
+      model_record.json     the model: its family's HF config fields plus flaxlm's own config
+                            (`flaxlm_config`), EOS ids and generation config; written by every
+                            training run and import (older directories: `hf_config.json`)
+      lora.json             a LoRA run: the adapter config and where the frozen base lives
+      tokenizer/            the tokenizer of the HF checkpoint the run started from
+      metrics.jsonl, tensorboard/
+
+`load_model_and_params` is the one way in for every run that reads a checkpoint: a flaxlm
+MODEL_DIR (its latest or a given step; a LoRA run's adapters merged into its base) or a
+HuggingFace directory, placed on a Partitioner's shardings.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import seqio
+from etils import epath
+
+from flaxlm import checkpoints, hf, lora, pytrees
+from flaxlm.models.base import BaseModel, eos_tuple
+from flaxlm.partitioning import Partitioner
+
+Params = Any
+MODEL_RECORD = "model_record.json"
+LEGACY_MODEL_RECORD = "hf_config.json"  # the model record's name before it said what it is
+LORA_RECORD = "lora.json"
+TOKENIZER_DIR = "tokenizer"
+CONFIG_FILE = "config.gin"
+
+
+def is_hf_dir(path: str | epath.Path) -> bool:
+    """An HF checkpoint directory (config.json, no flaxlm checkpoints)."""
+    path = epath.Path(path)
+    return (path / "config.json").exists() and not (path / checkpoints.SUBDIR).exists()
+
+
+# ---------------------------------------------------------------- the model record
+
+
+def model_record_file(model_dir: str | epath.Path) -> epath.Path | None:
+    """The model record of `model_dir` (either name), or None."""
+    for name in (MODEL_RECORD, LEGACY_MODEL_RECORD):
+        file = epath.Path(model_dir) / name
+        if file.exists():
+            return file
+    return None
+
+
+def write_model_record(
+    model: BaseModel, model_dir: str | epath.Path, hf_dir: str | epath.Path | None = None
+) -> None:
+    """Writes `model_dir/model_record.json`, from which every later run rebuilds the model.
+
+    Beside HF's config fields it keeps flaxlm's own config (`flaxlm_config`: padded
+    vocabulary, scan_layers, dtypes), so the rebuilt model has exactly the checkpoint's
+    params. `hf_dir`, the HF directory the params came from, gives the special ids, EOS and
+    generation config (a Gin-bound model knows none of them), and its tokenizer files are
+    copied to `model_dir/tokenizer/`.
+    """
+    if hf_dir is not None:
+        hf_config, generation = hf.read_hf_config(hf_dir), hf.read_generation_config(hf_dir)
+        model = copy.copy(model)
+        model.special_ids = hf.special_ids(hf_config)
+        model.generation_config = generation
+        model.eos_ids = eos_tuple(hf.hf_eos_id(hf_config, generation))
+        hf.copy_tokenizer(hf_dir, epath.Path(model_dir) / TOKENIZER_DIR)
+    if jax.process_index() == 0:
+        out = epath.Path(model_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        spec = hf.spec_for_config(model.config)
+        try:
+            record = hf.hf_config_dict(model)
+        except ValueError:  # a variant HF cannot express (e.g. ALiBi GPT-2): flaxlm's own only
+            record = {"model_type": spec.model_types[0], **hf.model_special_ids(model)}
+        record["flaxlm_config"] = dataclasses.asdict(model.config)
+        record["flaxlm_eos_ids"] = list(model.eos_ids)
+        record["flaxlm_generation_config"] = model.generation_config
+        tmp = out / (MODEL_RECORD + ".tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        tmp.rename(out / MODEL_RECORD)
+
+
+def record_if_known(model: BaseModel, model_dir: str | epath.Path) -> None:
+    """Writes the model record of a training run (once), for families HF knows."""
+    if model_record_file(model_dir) is not None:
+        return
+    try:
+        hf.spec_for_config(model.config)
+    except ValueError:  # a model defined outside flaxlm's families: the Gin binding it is
+        return
+    write_model_record(model, model_dir)
+
+
+def model_from_record(
+    file: str | epath.Path, partitioner: Partitioner | None = None, **overrides: Any
+) -> BaseModel:
+    """The model of a model record, or of an HF config.json (vocabulary padded for
+    `partitioner`)."""
+    file = epath.Path(file)
+    record = json.loads(file.read_text())
+    if "flaxlm_config" in record:
+        spec = hf.spec_for_model_type(record.get("model_type", "<missing>"))
+        config = dataclasses.replace(spec.config_cls(**record["flaxlm_config"]), **overrides)
+        generation = record.get("flaxlm_generation_config")
+    else:  # an HF directory's config.json
+        spec, config = hf.config_from_hf_dict(record, partitioner, **overrides)
+        generation = hf.read_generation_config(file.parent)
+    eos = record.get("flaxlm_eos_ids", None)
+    if "flaxlm_eos_ids" not in record:
+        eos = hf.hf_eos_id(record, generation)
+    return spec.model_cls(
+        config, eos_id=eos, special_ids=hf.special_ids(record), generation_config=generation
+    )
+
+
+def read_model(model_dir: str | epath.Path, partitioner: Partitioner | None = None) -> BaseModel:
+    """The model recorded in a MODEL_DIR."""
+    file = model_record_file(model_dir)
+    if file is None:
+        raise ValueError(
+            f"{epath.Path(model_dir) / MODEL_RECORD} not found: bind the model (include its "
+            "gin/models/ file) to read a checkpoint whose run did not record it."
+        )
+    return model_from_record(file, partitioner)
+
+
+# ---------------------------------------------------------------- the LoRA record
+
+
+def write_lora_record(
+    model_dir: str | epath.Path, cfg: lora.LoraConfig, base: Mapping[str, Any]
+) -> None:
+    """`MODEL_DIR/lora.json`: the config and the base params' source (`{"hf": dir}` or
+    `{"checkpoint": model_dir, "step": n}`), so that infer/eval/export can merge."""
+    if jax.process_index() == 0:
+        record = {"config": cfg.to_json(), "base": dict(base)}
+        (epath.Path(model_dir) / LORA_RECORD).write_text(json.dumps(record, indent=2))
+
+
+def read_lora_record(
+    model_dir: str | epath.Path,
+) -> tuple[lora.LoraConfig, dict[str, Any]] | None:
+    """`(cfg, base source)` of a LoRA run's MODEL_DIR; None for any other directory."""
+    file = epath.Path(model_dir) / LORA_RECORD
+    if not file.exists():
+        return None
+    record = json.loads(file.read_text())
+    return lora.LoraConfig.from_json(record["config"]), record["base"]
+
+
+# ---------------------------------------------------------------- params
+
+
+def restore_params(
+    model_dir: str | epath.Path, abstract: Any, step: int | None = None
+) -> tuple[Params, int]:
+    """`(params, step)`: the params of `model_dir`'s checkpoint at `step` (the latest if
+    None), placed on the shardings `abstract` carries (see `pytrees.abstract_params`)."""
+    ckpt = checkpoints.Checkpointer(str(model_dir))
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise ValueError(
+                f"No checkpoint in {ckpt.directory}: expected a flaxlm MODEL_DIR with "
+                "checkpoints or a HuggingFace directory (config.json + *.safetensors)."
+            )
+        return ckpt.restore_params(step, abstract), step
+    finally:
+        ckpt.close()
+
+
+def restore_lora_base(base: Mapping[str, Any], model: BaseModel, partitioner: Partitioner) -> Any:
+    """The frozen base params of a LoRA run from their recorded source, on the model's
+    shardings."""
+    abstract = pytrees.abstract_params(model, partitioner)
+    if "hf" in base:
+        return hf.load_params(model, base["hf"], shardings=pytrees.shardings_of(abstract))
+    return restore_params(base["checkpoint"], abstract, base.get("step"))[0]
+
+
+def restore_merged(
+    model_dir: str | epath.Path, model: BaseModel, partitioner: Partitioner, step: int | None = None
+) -> tuple[Params, int]:
+    """`(merged params, step)` of a LoRA run's MODEL_DIR: its adapters at `step` (the
+    latest if None) folded into the recorded base params."""
+    record = read_lora_record(model_dir)
+    if record is None:
+        raise ValueError(f"{model_dir} has no {LORA_RECORD}: not a LoRA run.")
+    cfg, base_source = record
+    kernels = lora.plan(cfg, model, model.example_batch_shapes())
+    abstract = jax.eval_shape(lambda: lora.init_adapters(jax.random.PRNGKey(0), kernels))
+    abstract = pytrees.with_shardings(abstract, partitioner.sharding(lora.adapter_axes(kernels)))
+    adapters, step = restore_params(model_dir, abstract, step)
+    base = restore_lora_base(base_source, model, partitioner)
+    merge = jax.jit(lambda b, a: lora.merge(b, a, cfg), out_shardings=pytrees.shardings_of(base))
+    return merge(base, adapters), step
+
+
+def checkpoint_vocabulary(path: str | epath.Path) -> seqio.Vocabulary | None:
+    """An HF directory's own tokenizer, or the one a MODEL_DIR kept from its HF import."""
+    path = epath.Path(path)
+    if not is_hf_dir(path):
+        path = path / TOKENIZER_DIR
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from flaxlm.vocabularies import HuggingFaceVocabulary  # imports transformers
+
+        return HuggingFaceVocabulary(str(path))
+    return None
+
+
+def tokenizer_dir(model_dir: str | epath.Path) -> epath.Path | None:
+    """Where a MODEL_DIR keeps its HF tokenizer files, if it does."""
+    path = epath.Path(model_dir) / TOKENIZER_DIR
+    return path if path.exists() else None
+
+
+class Loaded(NamedTuple):
+    """What `load_model_and_params` returns."""
+
+    model: BaseModel
+    params: Params
+    vocabulary: seqio.Vocabulary | None  # the checkpoint's tokenizer, if it has one
+    step: int  # 0 for an HF directory
+
+
+def load_model_and_params(
+    checkpoint: str | epath.Path,
+    partitioner: Partitioner,
+    step: int | None = None,
+    model: BaseModel | None = None,
+) -> Loaded:
+    """The model and params of a flaxlm MODEL_DIR (a LoRA run's merged) or an HF directory,
+    placed on the partitioner's shardings one shard at a time. `model` (a Gin-bound one)
+    wins over the recorded one; `step` defaults to the latest."""
+    path = epath.Path(checkpoint)
+    if not path.exists():
+        raise FileNotFoundError(f"CHECKPOINT {str(checkpoint)!r} does not exist.")
+    vocabulary = checkpoint_vocabulary(path)
+    if is_hf_dir(path):
+        if model is None:
+            model, params = hf.from_pretrained(path, partitioner)
+        else:
+            params = hf.load_params(model, path, partitioner)
+        return Loaded(model, params, vocabulary, 0)
+    if model is None:
+        model = read_model(path, partitioner)
+    if read_lora_record(path) is not None:
+        params, step = restore_merged(path, model, partitioner, step)
+    else:
+        params, step = restore_params(path, pytrees.abstract_params(model, partitioner), step)
+    return Loaded(model, params, vocabulary, step)

@@ -1,0 +1,417 @@
+"""The `train` run function: build, restore, then the loop with its hooks.
+
+The loop runs one partitioned train step after another; between steps it runs the hooks
+whose period has come (logging, evaluation, checkpointing; every hook also on the last step,
+the checkpoint also on a preemption signal). The non-finite check of step N runs after step
+N+1 is dispatched (so the host never idles the device) and before any hook reads step N.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import gin
+import jax
+import jax.numpy as jnp
+import optax
+
+from flaxlm import checkpoints, data, evaluation, hf, metrics, optimizers, preemption, run_dir
+from flaxlm import lora as lora_lib
+from flaxlm.models.base import BaseModel
+from flaxlm.partitioning import Partitioner
+from flaxlm.train_state import TrainState
+from flaxlm.trainer import (
+    Batch,
+    Setup,
+    check_batch_size,
+    check_model_dir,
+    evaluate_batches,
+    make_eval_step,
+    make_train_step,
+    next_batch,
+)
+
+StepMetrics = dict[str, jax.Array]
+
+
+@dataclasses.dataclass
+class Hook:
+    """`run(step, state, step_metrics)` every `period` steps (0: never), on the last step
+    (`at_end`) and, for checkpoints, when the run is told to stop (`on_stop`)."""
+
+    period: int
+    run: Callable[[int, TrainState, StepMetrics], None]
+    at_end: bool = True
+    on_stop: bool = False
+
+    def due(self, step: int, total_steps: int, stop: bool) -> bool:
+        return bool(
+            (self.period and step % self.period == 0)
+            or (self.at_end and step == total_steps)
+            or (self.on_stop and stop)
+        )
+
+
+class NonFiniteCheck:
+    """Stops the run on a NaN/Inf loss or gradient, naming the step and the last good
+    checkpoint; with `skip`, counts the skipped updates instead."""
+
+    def __init__(self, ckpt: checkpoints.Checkpointer, skip: bool):
+        self.ckpt, self.skip = ckpt, skip
+        self.pending: tuple[int, StepMetrics] | None = None
+        self.skipped = jnp.zeros((), jnp.int32)
+
+    def defer(self, step: int, step_metrics: StepMetrics) -> None:
+        """Checks the step before, then holds this one until `check`."""
+        self.check()
+        self.pending = (step, step_metrics)
+        if self.skip:
+            self.skipped = self.skipped + step_metrics["nonfinite"]
+
+    def check(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is None or self.skip or not int(pending[1]["nonfinite"]):
+            return
+        bad_step, bad = pending
+        self.ckpt.wait()
+        last = self.ckpt.latest_step()
+        where = f"step {last} in {self.ckpt.directory}" if last is not None else "none yet"
+        raise FloatingPointError(
+            f"Non-finite values at step {bad_step} (loss {float(bad['loss'])}, gradient "
+            f"norm {float(bad['grad_norm'])}); stopping. Last good checkpoint: {where}. "
+            "Lower the learning rate or resume with "
+            "--gin.train.skip_nonfinite_updates=True to skip such updates."
+        )
+
+
+def log_hook(
+    period: int,
+    writer: metrics.MultiWriter,
+    progress: metrics.Progress,
+    tokens_per_step: int,
+    train_iter: data.DataIterator,
+    nonfinite: NonFiniteCheck,
+) -> Hook:
+    """Step metrics, rates and the progress line, every `period` steps."""
+    last = {"time": time.perf_counter(), "wait": train_iter.wait_seconds, "step": None}
+
+    def run(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
+        scalars = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+        if nonfinite.skip:
+            scalars["nonfinite_updates_skipped"] = float(nonfinite.skipped)
+        elapsed = time.perf_counter() - last["time"]
+        steps = step - (last["step"] if last["step"] is not None else progress.start_step)
+        scalars.update(progress.rates(tokens_per_step * steps, elapsed))
+        scalars["input_wait_fraction"] = (train_iter.wait_seconds - last["wait"]) / max(
+            elapsed, 1e-9
+        )
+        writer.write_scalars(step, scalars)
+        writer.flush()
+        metrics.print0(progress.line(step, scalars))
+        last.update(time=time.perf_counter(), wait=train_iter.wait_seconds, step=step)
+
+    return Hook(period, run)
+
+
+def eval_hook(
+    period: int,
+    writer: metrics.MultiWriter,
+    eval_step: Callable[..., Any],
+    eval_iter: data.DataIterator,
+    eval_steps: int,
+    task_evaluator: evaluation.TaskEvaluator | None,
+    eval_params: Callable[[Any], Any],
+) -> Hook:
+    """Loss, accuracy, perplexity (and the task's own metrics) every `period` steps."""
+
+    def run(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
+        scalars = evaluate_batches(eval_step, state.params, eval_iter, eval_steps)
+        if task_evaluator is not None:
+            scalars.update(task_evaluator.evaluate(eval_params(state.params), step))
+        writer.write_scalars(step, scalars)
+        writer.flush()
+        task = "".join(
+            f" | {k[len('eval/') :]} {v:.4g}" for k, v in scalars.items() if k.count("/") > 1
+        )
+        metrics.print0(
+            f"step {step} | eval loss {scalars['eval/loss']:.4f} | "
+            f"eval accuracy {scalars['eval/accuracy']:.4f} | "
+            f"eval perplexity {scalars['eval/perplexity']:.4g}{task}"
+        )
+
+    return Hook(period, run)
+
+
+def load_lora_base(
+    setup: Setup, model_dir: str, init_from_hf: str | None, base_checkpoint: str | None
+) -> Any:
+    """The frozen base params of a LoRA run (see `train`), and `model_dir/lora.json`."""
+    model, partitioner = setup.model, setup.partitioner
+    if init_from_hf:
+        source: dict[str, Any] = {"hf": os.path.abspath(init_from_hf)}
+        params = hf.load_params(model, init_from_hf, shardings=setup.base_shardings)
+        run_dir.write_model_record(model, model_dir, init_from_hf)
+    elif base_checkpoint:
+        step = checkpoints.Checkpointer(base_checkpoint).latest_step()
+        source = {"checkpoint": os.path.abspath(base_checkpoint), "step": step}
+        params = run_dir.restore_lora_base(source, model, partitioner)
+    else:
+        base_dir = os.path.join(os.path.abspath(model_dir), "base")
+        source = {"checkpoint": base_dir, "step": 0}
+        base_ckpt = checkpoints.Checkpointer(base_dir)
+        if base_ckpt.latest_step() is None:
+            params = setup.init_base()
+            base_ckpt.save_params(0, params)
+            base_ckpt.close()
+        else:
+            base_ckpt.close()
+            params = run_dir.restore_lora_base(source, model, partitioner)
+    run_dir.write_lora_record(model_dir, setup.lora, source)
+    print(f"LoRA on {len(setup.lora_kernels)} kernels; frozen base params from {source}.")
+    return params
+
+
+def initial_state(
+    setup: Setup,
+    ckpt: checkpoints.Checkpointer,
+    train_iter: data.DataIterator,
+    model_dir: str,
+    init_from_hf: str | None,
+) -> tuple[int, TrainState]:
+    """The latest checkpoint's step and state, else step 0 from `init_from_hf` or a fresh
+    init."""
+    model = setup.model
+    start_step, state = ckpt.restore_latest(
+        setup.abstract_state, train_iter, setup.state_from_params
+    )
+    if state is not None:
+        print(f"Resumed from checkpoint step {start_step} in {ckpt.directory}.", flush=True)
+    elif init_from_hf and setup.lora is None:
+        params = hf.load_params(model, init_from_hf, shardings=setup.state_shardings.params)
+        start_step, state = 0, setup.state_from_params(params)
+        run_dir.write_model_record(model, model_dir, init_from_hf)
+        print(f"Initialised {model.__class__.__name__} from {init_from_hf}.", flush=True)
+    else:
+        start_step, state = 0, setup.init_state()
+        print(f"Initialised {model.__class__.__name__} on {setup.partitioner}.", flush=True)
+    return start_step, state
+
+
+def steps_with_base(
+    setup: Setup, train_step: Callable[..., Any], eval_step: Callable[..., Any] | None, base: Any
+) -> tuple[Callable[..., Any], Callable[..., Any] | None, Callable[[Any], Any]]:
+    """The train and eval steps and `eval_params` (state params -> the model's params): a
+    LoRA run's steps take the frozen base as their last argument, and its model's params are
+    the base with the adapters merged."""
+    if setup.lora is None:
+        return train_step, eval_step, lambda params: params
+    merge = setup.partition_merge()
+
+    def lora_eval_step(adapters: Any, batch: Batch) -> Any:
+        return eval_step(adapters, batch, base)
+
+    return (
+        lambda state, batch: train_step(state, batch, base),
+        lora_eval_step if eval_step is not None else None,
+        lambda adapters: merge(base, adapters),
+    )
+
+
+@gin.configurable
+def train(
+    *,
+    model: BaseModel = gin.REQUIRED,
+    partitioner: Partitioner = gin.REQUIRED,
+    train_dataset_cfg: data.DatasetConfig = gin.REQUIRED,
+    eval_dataset_cfg: data.DatasetConfig | None = None,
+    learning_rate: optax.ScalarOrSchedule = gin.REQUIRED,
+    optimizer_factory: Callable[..., optax.GradientTransformation] = optimizers.create_optimizer,
+    model_dir: str = gin.REQUIRED,
+    total_steps: int = gin.REQUIRED,
+    num_microbatches: int = 1,
+    log_period: int = 10,
+    eval_period: int = 0,
+    eval_steps: int = 10,
+    checkpoint_period: int = 100,
+    keep_checkpoints: int | None = 3,
+    keep_period: int | None = None,
+    seed: int = 0,
+    init_from_hf: str | None = None,
+    eval_task_metrics: bool = True,
+    skip_nonfinite_updates: bool = False,
+    inject_nonfinite_loss_at_step: int | None = None,
+    lora: lora_lib.LoraConfig | None = None,
+    lora_base_checkpoint: str | None = None,
+) -> TrainState:
+    """Trains `model` on `train_dataset_cfg` for `total_steps`, resuming from `model_dir`.
+
+    Args:
+      learning_rate: a float or an optax schedule (e.g. `@create_schedule()`).
+      optimizer_factory: called with `learning_rate=` to build the optax optimizer.
+      eval_period: evaluate every this many steps (and at the end); 0 disables.
+      checkpoint_period: save every this many steps (and at the end).
+      keep_checkpoints / keep_period: keep the newest K, and every Mth permanently.
+      init_from_hf: a HuggingFace directory whose params start the run (fine-tuning) when
+        `model_dir` has no checkpoint yet; `model` must have the checkpoint's shape.
+      eval_task_metrics: at each evaluation also run the eval task's own metric functions
+        (seqio evaluation over generated text and scores), if it has any.
+      skip_nonfinite_updates: on a NaN/Inf loss or gradient, skip that update and count it
+        (`nonfinite_updates_skipped`) instead of stopping with the step and last good
+        checkpoint named.
+      inject_nonfinite_loss_at_step: testing only: make step k's loss and gradients Inf.
+      lora: train low-rank adapters (`@lora.LoraConfig()`) instead of the params. The base
+        params are frozen: from `init_from_hf`, else the latest checkpoint of
+        `lora_base_checkpoint` (a flaxlm MODEL_DIR), else a random init saved once to
+        `model_dir/base`. Only the adapters have optimizer state and are checkpointed;
+        `model_dir/lora.json` records the config and the base, so infer, eval and
+        export_hf merge them.
+
+    SIGTERM or SIGINT saves a checkpoint at the current step and returns (see
+    `preemption.py`).
+    """
+    start_time = time.perf_counter()
+    if lora_base_checkpoint and lora is None:
+        raise ValueError("lora_base_checkpoint is set but lora is not: bind train.lora too.")
+    path = check_model_dir(model_dir)
+    check_batch_size(partitioner, train_dataset_cfg.batch_size, num_microbatches)
+    model.check_lengths(train_dataset_cfg.task_feature_lengths)
+    converter = model.FEATURE_CONVERTER_CLS
+    feature_lengths = data.model_feature_lengths(train_dataset_cfg, converter)
+    train_iter = data.DataIterator.create(train_dataset_cfg, partitioner, converter)
+    eval_iter = None
+    if eval_dataset_cfg is not None and eval_period:
+        check_batch_size(partitioner, eval_dataset_cfg.batch_size, 1)
+        eval_iter = data.DataIterator.create(eval_dataset_cfg, partitioner, converter)
+
+    setup = Setup(
+        model,
+        partitioner,
+        optimizer_factory(learning_rate=learning_rate),
+        feature_lengths,
+        seed=seed,
+        lora=lora,
+    )
+    ckpt = checkpoints.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
+    start_step, state = initial_state(setup, ckpt, train_iter, model_dir, init_from_hf)
+    base = (
+        None
+        if lora is None
+        else load_lora_base(setup, model_dir, init_from_hf, lora_base_checkpoint)
+    )
+    train_step, eval_step, eval_params = steps_with_base(
+        setup,
+        setup.partition_train_step(
+            make_train_step(
+                model,
+                partitioner,
+                learning_rate,
+                num_microbatches=num_microbatches,
+                seed=seed,
+                skip_nonfinite_updates=skip_nonfinite_updates,
+                inject_nonfinite_loss_at_step=inject_nonfinite_loss_at_step,
+                lora=lora,
+            )
+        ),
+        setup.partition_eval_step(make_eval_step(model, lora)) if eval_iter else None,
+        base,
+    )
+    task_evaluator = None
+    if eval_iter is not None and eval_task_metrics:
+        task_evaluator = evaluation.TaskEvaluator(
+            eval_dataset_cfg,
+            model,
+            partitioner,
+            num_examples=eval_steps * eval_dataset_cfg.batch_size,
+        )
+        task_evaluator = task_evaluator if task_evaluator.active else None
+    run_dir.record_if_known(model, model_dir)
+    config_str = gin.operative_config_str()
+    if jax.process_index() == 0:
+        (path / run_dir.CONFIG_FILE).write_text(config_str)
+
+    writer = metrics.create_writer(model_dir)
+    longest = max(feature_lengths.values())
+    progress = metrics.Progress(total_steps, start_step, model.flops_per_token(longest))
+    nonfinite = NonFiniteCheck(ckpt, skip_nonfinite_updates)
+    saved = {"step": start_step}
+
+    def save(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
+        ckpt.save(step, state, train_iter, config_str)
+        saved["step"] = step
+
+    hooks = [
+        log_hook(
+            log_period,
+            writer,
+            progress,
+            train_dataset_cfg.batch_size * longest,
+            train_iter,
+            nonfinite,
+        ),
+        Hook(checkpoint_period, save, on_stop=True),
+    ]
+    if eval_step is not None:
+        hook = eval_hook(
+            eval_period, writer, eval_step, eval_iter, eval_steps, task_evaluator, eval_params
+        )
+        hooks.insert(1, hook)
+
+    step, stop = start_step, False
+    signals = preemption.PreemptionHandler().install()
+    try:
+        while step < total_steps and not stop:
+            state, step_metrics = train_step(state, next_batch(train_iter, train_dataset_cfg, step))
+            step += 1
+            nonfinite.defer(step, step_metrics)
+            stop = signals.should_stop()
+            due = [hook for hook in hooks if hook.due(step, total_steps, stop)]
+            if due:
+                nonfinite.check()
+            for hook in due:
+                hook.run(step, state, step_metrics)
+        nonfinite.check()
+    finally:
+        ckpt.close()  # waits for an async save in flight (a second signal exits at once)
+        writer.close()
+        signals.uninstall()
+    if jax.process_index() == 0:
+        report_end(
+            signals, stop, step, start_step, total_steps, ckpt, saved["step"], path, start_time
+        )
+    return state
+
+
+def report_end(
+    signals: preemption.PreemptionHandler,
+    preempted: bool,
+    step: int,
+    start_step: int,
+    total_steps: int,
+    ckpt: checkpoints.Checkpointer,
+    last_saved: int,
+    path: Any,
+    start_time: float,
+) -> None:
+    """The run's closing lines: why it stopped and what it wrote where."""
+    if preempted:
+        cause = signals.received.name if signals.received else "a signal to another process"
+        print(
+            f"Preempted by {cause} at step {step}: saved checkpoint "
+            f"{ckpt.directory / str(step)}. Run the same command again to resume from it.",
+            flush=True,
+        )
+    elif start_step >= total_steps:
+        print(f"Already trained to step {start_step} (TRAIN_STEPS={total_steps}).")
+    print(
+        f"Done in {metrics.format_duration(time.perf_counter() - start_time)}. "
+        f"Wrote to {path}:\n"
+        f"  checkpoints  {ckpt.directory} (latest step {last_saved})\n"
+        f"  config       {path / run_dir.CONFIG_FILE}\n"
+        f"  metrics      {path / 'metrics.jsonl'}\n"
+        f"  tensorboard  {path / 'tensorboard'}",
+        flush=True,
+    )
