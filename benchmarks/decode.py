@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from flaxlm import hf  # noqa: E402
+from flaxlm import hf, inference  # noqa: E402
 
 
 def build(tmp: str, args: argparse.Namespace):
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> None:
     no_cache = no_cache_decoder(model, params, args.prompt, args.new)
 
     def run_cache():
-        return model.generate(params, batch, args.new, eos_id=None)
+        return inference.generate(model, params, batch, max_new_tokens=args.new, eos_id=None)
 
     def run_no_cache():
         return np.asarray(no_cache(jnp.asarray(prompts)))

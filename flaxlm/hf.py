@@ -403,14 +403,6 @@ def copy_tokenizer(src: str | epath.Path, dst: str | epath.Path) -> list[str]:
 # ------------------------------------------------------------------------ writing
 
 
-def _host_array(x: jax.Array) -> np.ndarray:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
-
-
 def hf_state_dict(model: BaseModel, params: Params) -> Iterator[tuple[str, np.ndarray]]:
     """`(HF name, numpy tensor)` for every param, vocabulary padding removed."""
     spec = spec_for_config(model.config)
@@ -418,7 +410,7 @@ def hf_state_dict(model: BaseModel, params: Params) -> Iterator[tuple[str, np.nd
     flat = traverse_util.flatten_dict(params, sep="/")
     real_vocab = model.config.real_vocab_size or model.config.vocab_size
     for param, (t, names) in _expand(spec.tensors(model.config), scan).items():
-        array = _host_array(flat[param])
+        array = pytrees.host_array(flat[param])
         layers = list(array) if t.layers and scan else [array]
         for name, layer in zip(names, layers, strict=True):
             if t.vocab_axis is not None:

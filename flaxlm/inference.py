@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import seqio
 
-from flaxlm import decoding, metrics
+from flaxlm import decoding, metrics, pytrees
 from flaxlm.models.base import (
     MODEL_EOS,
     BaseModel,
@@ -111,7 +111,7 @@ def compile_decoder(
         placed = [partitioner.global_array(x) for x in (inputs, lengths)]
         with partitioner.context():
             out = jitted_sharded(params, *placed, rng)
-        return partitioner.host_array(out)
+        return pytrees.host_array(out)
 
     return run_sharded
 
@@ -345,7 +345,7 @@ class Scorer:
         placed = {k: self._partitioner.global_array(v) for k, v in batch.items()}
         with self._partitioner.context():
             out = self._fn(params, placed)
-        return jax.tree.map(self._partitioner.host_array, out)
+        return jax.tree.map(pytrees.host_array, out)
 
 
 def score_examples(

@@ -17,7 +17,7 @@ import flax.linen as nn
 import gin
 import jax
 import numpy as np
-from jax.experimental import mesh_utils, multihost_utils
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -287,10 +287,6 @@ class Partitioner:
         sharding = NamedSharding(self.mesh, self.mesh_axes(axes))
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
-    def host_array(self, x: jax.Array) -> np.ndarray:
-        """A global array (any sharding) as one numpy array on every process."""
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
     # ------------------------------------------------------------------ data
 
     def data_layout(self, global_batch_size: int, process_index: int | None = None) -> DataLayout:
@@ -419,4 +415,3 @@ class PartitionedFunction:
     def lower(self, *args: Any) -> Any:
         with self._partitioner.context():
             return self._jitted.lower(*args)
-

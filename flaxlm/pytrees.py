@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 
 def path_name(path: tuple[Any, ...]) -> str:
@@ -45,6 +47,14 @@ def abstract_params(
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         return with_shardings(abstract, jax.tree.map(lambda _: device, abstract))
     return with_shardings(abstract, partitioner.sharding(model.params_axes(shapes)))
+
+
+def host_array(x: jax.Array) -> np.ndarray:
+    """A global array (any sharding, spread over any processes) as one numpy array on every
+    process."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
 
 
 def shardings_of(abstract: Any) -> Any:

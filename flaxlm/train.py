@@ -19,21 +19,21 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from flaxlm import checkpoints, data, evaluation, hf, metrics, optimizers, preemption, run_dir
+from flaxlm import (
+    checkpoints,
+    data,
+    evaluation,
+    hf,
+    metrics,
+    optimizers,
+    preemption,
+    run_dir,
+    trainer,
+)
 from flaxlm import lora as lora_lib
 from flaxlm.models.base import BaseModel
 from flaxlm.partitioning import Partitioner
 from flaxlm.train_state import TrainState
-from flaxlm.trainer import (
-    Batch,
-    Setup,
-    check_batch_size,
-    check_model_dir,
-    evaluate_batches,
-    make_eval_step,
-    make_train_step,
-    next_batch,
-)
 
 StepMetrics = dict[str, jax.Array]
 
@@ -129,7 +129,7 @@ def eval_hook(
     """Loss, accuracy, perplexity (and the task's own metrics) every `period` steps."""
 
     def run(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
-        scalars = evaluate_batches(eval_step, state.params, eval_iter, eval_steps)
+        scalars = trainer.evaluate_batches(eval_step, state.params, eval_iter, eval_steps)
         if task_evaluator is not None:
             scalars.update(task_evaluator.evaluate(eval_params(state.params), step))
         writer.write_scalars(step, scalars)
@@ -147,7 +147,7 @@ def eval_hook(
 
 
 def load_lora_base(
-    setup: Setup, model_dir: str, init_from_hf: str | None, base_checkpoint: str | None
+    setup: trainer.Setup, model_dir: str, init_from_hf: str | None, base_checkpoint: str | None
 ) -> Any:
     """The frozen base params of a LoRA run (see `train`), and `model_dir/lora.json`."""
     model, partitioner = setup.model, setup.partitioner
@@ -176,7 +176,7 @@ def load_lora_base(
 
 
 def initial_state(
-    setup: Setup,
+    setup: trainer.Setup,
     ckpt: checkpoints.Checkpointer,
     train_iter: data.DataIterator,
     model_dir: str,
@@ -202,7 +202,10 @@ def initial_state(
 
 
 def steps_with_base(
-    setup: Setup, train_step: Callable[..., Any], eval_step: Callable[..., Any] | None, base: Any
+    setup: trainer.Setup,
+    train_step: Callable[..., Any],
+    eval_step: Callable[..., Any] | None,
+    base: Any,
 ) -> tuple[Callable[..., Any], Callable[..., Any] | None, Callable[[Any], Any]]:
     """The train and eval steps and `eval_params` (state params -> the model's params): a
     LoRA run's steps take the frozen base as their last argument, and its model's params are
@@ -211,7 +214,7 @@ def steps_with_base(
         return train_step, eval_step, lambda params: params
     merge = setup.partition_merge()
 
-    def lora_eval_step(adapters: Any, batch: Batch) -> Any:
+    def lora_eval_step(adapters: Any, batch: trainer.Batch) -> Any:
         return eval_step(adapters, batch, base)
 
     return (
@@ -276,18 +279,18 @@ def train(
     start_time = time.perf_counter()
     if lora_base_checkpoint and lora is None:
         raise ValueError("lora_base_checkpoint is set but lora is not: bind train.lora too.")
-    path = check_model_dir(model_dir)
-    check_batch_size(partitioner, train_dataset_cfg.batch_size, num_microbatches)
+    path = trainer.check_model_dir(model_dir)
+    trainer.check_batch_size(partitioner, train_dataset_cfg.batch_size, num_microbatches)
     model.check_lengths(train_dataset_cfg.task_feature_lengths)
     converter = model.FEATURE_CONVERTER_CLS
     feature_lengths = data.model_feature_lengths(train_dataset_cfg, converter)
     train_iter = data.DataIterator.create(train_dataset_cfg, partitioner, converter)
     eval_iter = None
     if eval_dataset_cfg is not None and eval_period:
-        check_batch_size(partitioner, eval_dataset_cfg.batch_size, 1)
+        trainer.check_batch_size(partitioner, eval_dataset_cfg.batch_size, 1)
         eval_iter = data.DataIterator.create(eval_dataset_cfg, partitioner, converter)
 
-    setup = Setup(
+    setup = trainer.Setup(
         model,
         partitioner,
         optimizer_factory(learning_rate=learning_rate),
@@ -305,7 +308,7 @@ def train(
     train_step, eval_step, eval_params = steps_with_base(
         setup,
         setup.partition_train_step(
-            make_train_step(
+            trainer.make_train_step(
                 model,
                 partitioner,
                 learning_rate,
@@ -316,7 +319,7 @@ def train(
                 lora=lora,
             )
         ),
-        setup.partition_eval_step(make_eval_step(model, lora)) if eval_iter else None,
+        setup.partition_eval_step(trainer.make_eval_step(model, lora)) if eval_iter else None,
         base,
     )
     task_evaluator = None
@@ -364,7 +367,9 @@ def train(
     signals = preemption.PreemptionHandler().install()
     try:
         while step < total_steps and not stop:
-            state, step_metrics = train_step(state, next_batch(train_iter, train_dataset_cfg, step))
+            state, step_metrics = train_step(
+                state, trainer.next_batch(train_iter, train_dataset_cfg, step)
+            )
             step += 1
             nonfinite.defer(step, step_metrics)
             stop = signals.should_stop()

@@ -183,10 +183,11 @@ def test_generate_until_equals_model_generate_cut_at_stops(lm, results):
     lengths = np.ones((8,), np.int32)
     for i, p in enumerate(prompts):
         inputs[i, : len(p)], lengths[i] = p, len(p)
-    tokens = lm.model.generate(
+    tokens = inference.generate(
+        lm.model,
         lm.params,
         {"inputs": inputs, "inputs_lengths": lengths},
-        MAX_GEN_TOKS,
+        max_new_tokens=MAX_GEN_TOKS,
         partitioner=lm.partitioner,
     )
     texts = [VOCAB.decode(inference.until_eos(tokens[i], lm.model.eos_ids)) for i in range(3)]

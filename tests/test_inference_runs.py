@@ -254,7 +254,7 @@ def test_infer_from_an_hf_directory_equals_generate(tmp_path):
     model, params = hf.from_pretrained(path)
     for record in records:
         ids = np.asarray([vocab.encode(record["input"])])
-        tokens = model.generate(params, {"inputs": ids}, 6)[0]
+        tokens = inference.generate(model, params, {"inputs": ids}, max_new_tokens=6)[0]
         assert record["output"] == vocab.decode(inference.until_eos(tokens, model.eos_ids))
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import seqio
 
-from flaxlm import run_dir
+from flaxlm import inference, run_dir
 from flaxlm.partitioning import Partitioner
 from flaxlm.serve import api
 from tests import cdp
@@ -105,7 +105,9 @@ def server(tmp_path_factory, repo_dir, trained_gptj):
 
 def expected_text(model, params, prompt, max_tokens):
     ids = np.asarray([VOCAB.encode(prompt)])
-    tokens = model.generate(params, {"inputs": ids}, max_tokens)[0].tolist()
+    tokens = inference.generate(model, params, {"inputs": ids}, max_new_tokens=max_tokens)[
+        0
+    ].tolist()
     out = []
     for t in tokens:
         if t in model.eos_ids:

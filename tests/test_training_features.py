@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from flaxlm import optimizers, trainer
+from flaxlm import inference, optimizers, trainer
 from flaxlm.models import base, gpt2, layers
 from flaxlm.partitioning import Partitioner
 from flaxlm.trainer import Setup
@@ -131,7 +131,7 @@ def test_alibi_model_has_no_position_table_and_extrapolates():
     np.testing.assert_allclose(logits[:, :16], short, atol=1e-5)
     # Decoding with the cache follows the same bias.
     prompts = {"inputs": np.asarray(tokens[:, :5])}
-    out = model.generate(params, prompts, 6, eos_id=None)
+    out = inference.generate(model, params, prompts, max_new_tokens=6, eos_id=None)
     seq = np.asarray(tokens[:, :5])
     for _ in range(6):
         nxt = np.asarray(model.compute_logits(params, {"decoder_input_tokens": seq}))[:, -1]
