@@ -1,6 +1,6 @@
 """HuggingFace checkpoints in and out: config.json + safetensors <-> sharded params.
 
-Each family file registers an `HFSpec` (models/base.py) saying how its config and params
+Each family file registers an `HFSpec` (models/hf_spec.py) saying how its config and params
 correspond to HF's. Reading places every tensor straight onto its sharding, one tensor and
 one device shard at a time (`jax.make_array_from_callback` over a memory-mapped safetensors
 read), so a checkpoint larger than one device's memory loads. Writing gathers one param at
@@ -31,14 +31,8 @@ from flax import traverse_util
 from jax.sharding import SingleDeviceSharding
 
 import flaxlm.models  # noqa: F401  (registers every family's HFSpec)
-from flaxlm.models.base import (
-    HF_SPECS,
-    BaseModel,
-    EncoderOnlyModel,
-    HFSpec,
-    HFTensor,
-    eos_tuple,
-)
+from flaxlm.models.base import BaseModel, EncoderOnlyModel, eos_tuple
+from flaxlm.models.hf_spec import HF_SPECS, HFSpec, HFTensor
 from flaxlm.partitioning import Partitioner
 
 Params = Any

@@ -13,15 +13,16 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from flaxlm.models import layers
-from flaxlm.models.base import DecoderOnlyModel, HFSpec, HFTensor, linear, register_hf
+from flaxlm.models import attention, layers
+from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
 Array = jax.Array
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class GemmaConfig:
+class GemmaConfig(ComputeOptions):
     """Gemma hyper-parameters (HF names where they exist) and compute options."""
 
     vocab_size: int = 256000
@@ -38,16 +39,9 @@ class GemmaConfig:
     attention_bias: bool = False
     tie_word_embeddings: bool = True  # the head reuses the token embedding
     activation: str = "gelu_pytorch_tanh"  # HF: hidden_act (older configs: hidden_activation)
-    dropout_rate: float = 0.0
-    dtype: str = "float32"  # compute dtype; norms, softmax, rotary and logits stay float32
-    param_dtype: str = "float32"
-    remat_policy: str = "none"  # see layers.REMAT_POLICIES
-    scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
-    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see layers.dot_product_attention)
-    attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
-    def __post_init__(self):
-        layers.check_options(self)
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads {self.num_heads} must be a multiple of num_kv_heads "
@@ -86,7 +80,7 @@ class GemmaBlock(nn.Module):
         sin: Array,
         cos: Array,
         mask: Array,
-        decoding: layers.Decoding | None = None,
+        decoding: attention.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
@@ -94,7 +88,7 @@ class GemmaBlock(nn.Module):
         x = layers.constrain(x, layers.ACTIVATION_AXES)
         h = layers.RMSNorm(name="input_layernorm", **norm)(x)
 
-        attn = layers.rotary_self_attention(
+        attn = attention.rotary_self_attention(
             h,
             sin,
             cos,
@@ -141,13 +135,15 @@ class Gemma(nn.Module):
         segment_ids: Array | None = None,
         *,
         deterministic: bool = True,
-        decoding: layers.Decoding | None = None,
+        decoding: attention.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         batch, length = tokens.shape
-        positions = layers.default_positions(tokens, positions)
-        mask = layers.causal_mask(segment_ids, batch, length, decoding)
-        sin, cos = layers.rotary_sin_cos(positions, cfg.head_dim, cfg.rope_theta)
+        positions = attention.default_positions(tokens, positions)
+        mask = attention.causal_mask(segment_ids, batch, length, decoding)
+        sin, cos = attention.rotary_sin_cos(
+            positions, attention.rotary_inv_freq(cfg.head_dim, cfg.rope_theta)
+        )
         embed = layers.Embed(
             cfg.vocab_size,
             cfg.hidden_size,

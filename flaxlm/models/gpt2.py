@@ -14,15 +14,16 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import layers
-from flaxlm.models.base import DecoderOnlyModel, HFSpec, HFTensor, linear, register_hf
+from flaxlm.models import attention, layers
+from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
 Array = jax.Array
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class GPT2Config:
+class GPT2Config(ComputeOptions):
     """GPT-2 hyper-parameters (HF names where they exist) and compute options."""
 
     vocab_size: int = 50257
@@ -45,16 +46,9 @@ class GPT2Config:
     # 'learned' (GPT-2's wpe table) or 'alibi' (no table: a per-head linear bias on the
     # distance, Press et al. 2022, which extrapolates to longer sequences than trained).
     position_embedding: str = "learned"
-    dropout_rate: float = 0.0
-    dtype: str = "float32"  # compute dtype; norms and softmax stay float32
-    param_dtype: str = "float32"
-    remat_policy: str = "none"  # see layers.REMAT_POLICIES
-    scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
-    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see layers.dot_product_attention)
-    attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
-    def __post_init__(self):
-        layers.check_options(self)
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.position_embedding not in ("learned", "alibi"):
             raise ValueError(
                 f"position_embedding {self.position_embedding!r}: expected 'learned' or 'alibi'."
@@ -108,7 +102,7 @@ class GPT2Attention(nn.Module):
         x: Array,
         layer_index: Array,
         mask: Array,
-        decoding: layers.Decoding | None = None,
+        decoding: attention.Decoding | None = None,
         bias: Array | None = None,
     ) -> Array:
         cfg = self.config
@@ -128,9 +122,9 @@ class GPT2Attention(nn.Module):
             q = q / (layer_index + 1).astype(q.dtype)
         q = layers.constrain(q, layers.HEAD_AXES)
         k = layers.constrain(k, layers.HEAD_AXES)
-        k, v = layers.KVCache(name="cache")(k, v, decoding)
+        k, v = attention.KVCache(name="cache")(k, v, decoding)
         scale = cfg.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
-        out = layers.dot_product_attention(
+        out = attention.dot_product_attention(
             q,
             k,
             v,
@@ -182,7 +176,7 @@ class GPT2Block(nn.Module):
         x: Array,
         layer_index: Array,
         mask: Array,
-        decoding: layers.Decoding | None = None,
+        decoding: attention.Decoding | None = None,
         bias: Array | None = None,
     ) -> Array:
         cfg = self.config
@@ -211,12 +205,12 @@ class GPT2(nn.Module):
         segment_ids: Array | None = None,
         *,
         deterministic: bool = True,
-        decoding: layers.Decoding | None = None,
+        decoding: attention.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         batch, length = tokens.shape
-        positions = layers.default_positions(tokens, positions)
-        mask = layers.causal_mask(segment_ids, batch, length, decoding)
+        positions = attention.default_positions(tokens, positions)
+        mask = attention.causal_mask(segment_ids, batch, length, decoding)
         wte = layers.Embed(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -231,7 +225,7 @@ class GPT2(nn.Module):
             if decoding is not None:  # keys are the cache's slots, counted from each row's start
                 slots = jnp.arange(decoding.length, dtype=jnp.int32)[None]
                 key_positions = jnp.maximum(slots - decoding.start[:, None], 0)
-            bias = layers.alibi_bias(positions, key_positions, cfg.num_heads)
+            bias = attention.alibi_bias(positions, key_positions, cfg.num_heads)
         else:
             # The position table is small and never split over its rows.
             wpe = self.param(

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlm.models import layers
-from flaxlm.models.base import DecoderOnlyModel, HFSpec, HFTensor, linear, register_hf
+from flaxlm.models import attention, layers
+from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
 Array = jax.Array
 
@@ -27,7 +28,7 @@ ROPE_SCALING_TYPES = ("linear", "llama3")
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(ComputeOptions):
     """Llama / Mistral hyper-parameters (HF names where they exist) and compute options."""
 
     vocab_size: int = 32000
@@ -52,16 +53,9 @@ class LlamaConfig:
     tie_word_embeddings: bool = False  # the head reuses the token embedding
     activation: str = "silu"  # HF: hidden_act
     model_type: str = "llama"  # the HF model_type written on export: 'llama' or 'mistral'
-    dropout_rate: float = 0.0
-    dtype: str = "float32"  # compute dtype; norms, softmax, rotary and logits stay float32
-    param_dtype: str = "float32"
-    remat_policy: str = "none"  # see layers.REMAT_POLICIES
-    scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
-    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see layers.dot_product_attention)
-    attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
-    def __post_init__(self):
-        layers.check_options(self)
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads} "
@@ -133,9 +127,7 @@ class LlamaConfig:
 
 def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
     """float32 inverse frequencies `[head_dim // 2]`, scaled as `rope_scaling_type` says."""
-    dim = cfg.dim_per_head
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
-    inv_freq = inv_freq.astype(np.float32)
+    inv_freq = attention.rotary_inv_freq(cfg.dim_per_head, cfg.rope_theta)
     factor = cfg.rope_scaling_factor
     if cfg.rope_scaling_type == "linear":
         # Dividing the frequencies is dividing the positions by `factor`.
@@ -153,12 +145,6 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
     return inv_freq
 
 
-def rope_sin_cos(positions: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
-    """sin/cos `[batch, length, head_dim // 2]` in float32."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    return jnp.sin(angles), jnp.cos(angles)
-
-
 class LlamaBlock(nn.Module):
     config: LlamaConfig
     deterministic: bool = True
@@ -170,14 +156,14 @@ class LlamaBlock(nn.Module):
         sin: Array,
         cos: Array,
         mask: Array,
-        decoding: layers.Decoding | None = None,
+        decoding: attention.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         x = layers.constrain(x, layers.ACTIVATION_AXES)
         h = layers.RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **dense)(x)
 
-        attn = layers.rotary_self_attention(
+        attn = attention.rotary_self_attention(
             h,
             sin,
             cos,
@@ -224,15 +210,15 @@ class Llama(nn.Module):
         segment_ids: Array | None = None,
         *,
         deterministic: bool = True,
-        decoding: layers.Decoding | None = None,
+        decoding: attention.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         batch, length = tokens.shape
-        positions = layers.default_positions(tokens, positions)
-        mask = layers.causal_mask(
+        positions = attention.default_positions(tokens, positions)
+        mask = attention.causal_mask(
             segment_ids, batch, length, decoding, sliding_window=cfg.sliding_window
         )
-        sin, cos = rope_sin_cos(positions, rope_inv_freq(cfg))
+        sin, cos = attention.rotary_sin_cos(positions, rope_inv_freq(cfg))
         embed = layers.Embed(
             cfg.vocab_size,
             cfg.hidden_size,
