@@ -451,18 +451,20 @@ def rotary_self_attention(
     num_kv_heads: int,
     head_dim: int,
     hidden_size: int,
-    use_bias: bool,
+    qkv_bias: bool,
+    out_bias: bool,
     attention: str,
     chunk_size: int,
     dtype: Dtype,
     param_dtype: Dtype,
 ) -> Array:
     """Llama-style attention, built inside the calling block's scope (`q_proj`, `k_proj`,
-    `v_proj`, `o_proj`, `cache`): rotary (half-split) queries and keys, grouped-query heads.
+    `v_proj`, `o_proj`, `cache`): rotary (half-split) queries and keys, grouped-query heads;
+    `qkv_bias` / `out_bias`: biases on the q, k, v / o projections.
 
     h: [batch, length, embed] -> [batch, length, embed], tagged `attn_out` for remat.
     """
-    dense = dict(dtype=dtype, param_dtype=param_dtype, use_bias=use_bias)
+    dense = dict(dtype=dtype, param_dtype=param_dtype, use_bias=qkv_bias)
     kv_axis = kv_heads_axis(num_kv_heads)
     q, k, v = parallel_dense(
         h,
@@ -486,6 +488,12 @@ def rotary_self_attention(
         q, k, v, mask, dtype=dtype, implementation=attention, chunk_size=chunk_size
     )
     attn = DenseGeneral(
-        hidden_size, ("heads", "head_dim", "embed"), axis=(-2, -1), name="o_proj", **dense
+        hidden_size,
+        ("heads", "head_dim", "embed"),
+        axis=(-2, -1),
+        use_bias=out_bias,
+        name="o_proj",
+        dtype=dtype,
+        param_dtype=param_dtype,
     )(attn)
     return checkpoint_name(attn, "attn_out")

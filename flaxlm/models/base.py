@@ -80,6 +80,12 @@ class ModuleConfig(Protocol):
     def flops_per_token(self, seq_len: int) -> float: ...
 
 
+def select_tokens(values: Array, ids: Array) -> Array:
+    """Each position's entry for its token: `[batch, length, vocab]` values and int
+    `[batch, length]` ids -> `[batch, length]`."""
+    return jnp.take_along_axis(values, ids[..., None], axis=-1)[..., 0]
+
+
 def cross_entropy(
     logits: Array, targets: Array, weights: Array, z_loss: float = 0.0
 ) -> tuple[Array, Array, Array]:
@@ -89,7 +95,7 @@ def cross_entropy(
     """
     logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    target_logit = select_tokens(logits, targets)
     xent = log_z - target_logit
     z = z_loss * jnp.square(log_z) if z_loss else jnp.zeros_like(log_z)
     weights = weights.astype(jnp.float32)
@@ -221,7 +227,7 @@ class BaseModel(abc.ABC):
         logits = self.compute_logits(params, batch)
         targets, weights = self.targets_and_weights(batch)
         log_probs = jax.nn.log_softmax(logits, axis=-1)
-        target = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+        target = select_tokens(log_probs, targets)
         return jnp.sum(target * weights.astype(jnp.float32), axis=-1)
 
     # -------------------------------------------------------------- decoding

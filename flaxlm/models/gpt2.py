@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from flaxlm.models import attention, layers
 from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
 Array = jax.Array
@@ -192,76 +193,38 @@ class GPT2Block(nn.Module):
         return layers.constrain(x, layers.ACTIVATION_AXES)
 
 
-class GPT2(nn.Module):
-    """`(tokens, positions, segment_ids) -> logits [batch, length, vocab]`."""
+class GPT2(CausalLM):
+    """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
 
-    config: GPT2Config
+    block_cls = GPT2Block
+    embed_name = "wte"
+    layers_name = "h"
+    layer_index = True  # for scale_attn_by_inverse_layer_idx
 
-    @nn.compact
-    def __call__(
-        self,
-        tokens: Array,
-        positions: Array | None = None,
-        segment_ids: Array | None = None,
-        *,
-        deterministic: bool = True,
-        decoding: attention.Decoding | None = None,
-    ) -> Array:
+    def block_inputs(
+        self, x: Array, positions: Array, decoding: attention.Decoding | None
+    ) -> tuple[Array, tuple[Array | None]]:
         cfg = self.config
-        batch, length = tokens.shape
-        positions = attention.default_positions(tokens, positions)
-        mask = attention.causal_mask(segment_ids, batch, length, decoding)
-        wte = layers.Embed(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
-            name="wte",
-        )
-        bias = None
         if cfg.position_embedding == "alibi":
-            x = wte(tokens)
             key_positions = positions
             if decoding is not None:  # keys are the cache's slots, counted from each row's start
                 slots = jnp.arange(decoding.length, dtype=jnp.int32)[None]
                 key_positions = jnp.maximum(slots - decoding.start[:, None], 0)
-            bias = attention.alibi_bias(positions, key_positions, cfg.num_heads)
-        else:
-            # The position table is small and never split over its rows.
-            wpe = self.param(
-                "wpe",
-                nn.with_logical_partitioning(nn.initializers.normal(0.01), (None, "embed")),
-                (cfg.max_position_embeddings, cfg.hidden_size),
-                layers.as_dtype(cfg.param_dtype),
-            )
-            positions_embedded = jnp.take(wpe, positions, axis=0)
-            x = wte(tokens) + positions_embedded.astype(layers.as_dtype(cfg.dtype))
-        if cfg.dropout_rate:
-            x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        x = layers.stack_blocks(
-            GPT2Block,
-            cfg.num_layers,
-            scan_layers=cfg.scan_layers,
-            remat_policy=cfg.remat_policy,
-            name="h",
-            layer_index=True,  # for scale_attn_by_inverse_layer_idx
-            config=cfg,
-            deterministic=deterministic,
-        )(x, mask, decoding, bias)
-        x = layers.LayerNorm(
+            return x, (attention.alibi_bias(positions, key_positions, cfg.num_heads),)
+        # The position table is small and never split over its rows.
+        wpe = self.param(
+            "wpe",
+            nn.with_logical_partitioning(nn.initializers.normal(0.01), (None, "embed")),
+            (cfg.max_position_embeddings, cfg.hidden_size),
+            layers.as_dtype(cfg.param_dtype),
+        )
+        return x + jnp.take(wpe, positions, axis=0).astype(x.dtype), (None,)
+
+    def final_norm(self, x: Array) -> Array:
+        cfg = self.config
+        return layers.LayerNorm(
             cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="ln_f"
         )(x)
-        if cfg.tie_word_embeddings:
-            logits = wte.attend(x)
-        else:
-            logits = layers.DenseGeneral(
-                cfg.vocab_size,
-                ("embed", "vocab"),
-                dtype=jnp.float32,
-                param_dtype=cfg.param_dtype,
-                name="lm_head",
-            )(x)
-        return layers.constrain(logits, ("batch", "length", "vocab"))
 
 
 # ------------------------------------------------------------------ HuggingFace

@@ -15,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from flaxlm.models import attention, layers
 from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
 Array = jax.Array
@@ -85,7 +86,7 @@ class GPTJBlock(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: Array, positions: Array, mask: Array, decoding: attention.Decoding | None = None
+        self, x: Array, mask: attention.Mask, decoding: attention.Decoding | None, positions: Array
     ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
@@ -137,59 +138,39 @@ class GPTJBlock(nn.Module):
         return layers.constrain(x + out, layers.ACTIVATION_AXES)
 
 
-class GPTJ(nn.Module):
+class GPTJ(CausalLM):
     """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
 
-    config: GPTJConfig
+    block_cls = GPTJBlock
+    embed_name = "wte"
+    layers_name = "h"
+    head_bias = True
 
-    @nn.compact
-    def __call__(
+    def mask(
         self,
-        tokens: Array,
-        positions: Array | None = None,
-        segment_ids: Array | None = None,
-        *,
-        deterministic: bool = True,
-        decoding: attention.Decoding | None = None,
-    ) -> Array:
+        segment_ids: Array | None,
+        positions: Array,
+        decoding: attention.Decoding | None,
+        deterministic: bool,
+    ) -> attention.Mask:
         cfg = self.config
-        batch, length = tokens.shape
-        positions = attention.default_positions(tokens, positions)
-        mask = attention.causal_mask(segment_ids, batch, length, decoding)
+        mask = super().mask(segment_ids, positions, decoding, deterministic)
         if cfg.fcm_max_ratio > 0 and not deterministic and decoding is None:
             mask = attention.forgetful_causal_mask(
                 mask, self.make_rng("dropout"), positions, cfg.fcm_min_ratio, cfg.fcm_max_ratio
             )
-        x = layers.Embed(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
-            name="wte",
-        )(tokens)
-        if cfg.dropout_rate:
-            x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        x = layers.stack_blocks(
-            GPTJBlock,
-            cfg.num_layers,
-            scan_layers=cfg.scan_layers,
-            remat_policy=cfg.remat_policy,
-            name="h",
-            config=cfg,
-            deterministic=deterministic,
-        )(x, positions, mask, decoding)
-        x = layers.LayerNorm(
+        return mask
+
+    def block_inputs(
+        self, x: Array, positions: Array, decoding: attention.Decoding | None
+    ) -> tuple[Array, tuple[Array]]:
+        return x, (positions,)  # each block rotates its own queries and keys
+
+    def final_norm(self, x: Array) -> Array:
+        cfg = self.config
+        return layers.LayerNorm(
             cfg.layer_norm_epsilon, dtype=jnp.float32, param_dtype=cfg.param_dtype, name="ln_f"
         )(x)
-        logits = layers.DenseGeneral(
-            cfg.vocab_size,
-            ("embed", "vocab"),
-            use_bias=True,
-            dtype=jnp.float32,
-            param_dtype=cfg.param_dtype,
-            name="lm_head",
-        )(x)
-        return layers.constrain(logits, ("batch", "length", "vocab"))
 
 
 # ------------------------------------------------------------------ HuggingFace

@@ -205,9 +205,12 @@ class Embed(nn.Module):
         # [batch, length] -> [batch, length, embed]
         return jnp.take(self.embedding, ids, axis=0).astype(as_dtype(self.dtype))
 
-    def attend(self, x: Array) -> Array:
-        # [batch, length, embed] x [vocab, embed] -> [batch, length, vocab]
-        dtype = as_dtype(self.dtype)
+    def attend(self, x: Array, dtype: Dtype | None = None) -> Array:
+        """Tied-head logits in `dtype` (default: the module's compute dtype).
+
+        [batch, length, embed] x [vocab, embed] -> [batch, length, vocab]
+        """
+        dtype = as_dtype(self.dtype if dtype is None else dtype)
         return jnp.einsum("ble,ve->blv", x.astype(dtype), self.embedding.astype(dtype))
 
 

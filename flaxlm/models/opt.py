@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from flaxlm.models import attention, layers
 from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
 Array = jax.Array
@@ -121,7 +122,9 @@ class OPTBlock(nn.Module):
         return x
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, decoding: attention.Decoding | None = None) -> Array:
+    def __call__(
+        self, x: Array, mask: attention.Mask, decoding: attention.Decoding | None
+    ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         pre = cfg.do_layer_norm_before
@@ -185,31 +188,27 @@ class OPTBlock(nn.Module):
         return layers.constrain(x, layers.ACTIVATION_AXES)
 
 
-class OPT(nn.Module):
-    """`(tokens, positions, segment_ids) -> logits [batch, length, vocab]`."""
+class OPT(CausalLM):
+    """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
 
-    config: OPTConfig
+    block_cls = OPTBlock
 
-    @nn.compact
-    def __call__(
-        self,
-        tokens: Array,
-        positions: Array | None = None,
-        segment_ids: Array | None = None,
-        *,
-        deterministic: bool = True,
-        decoding: attention.Decoding | None = None,
-    ) -> Array:
+    @property
+    def embed_width(self) -> int:
+        return self.config.embed_dim
+
+    def block_inputs(
+        self, x: Array, positions: Array, decoding: attention.Decoding | None
+    ) -> tuple[Array, tuple[()]]:
         cfg = self.config
-        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-        batch, length = tokens.shape
-        positions = attention.default_positions(tokens, positions)
-        mask = attention.causal_mask(segment_ids, batch, length, decoding)
-
-        embed = layers.Embed(cfg.vocab_size, cfg.embed_dim, name="embed_tokens", **dense)
-        x = embed(tokens)
         if cfg.projects:
-            x = layers.DenseGeneral(cfg.hidden_size, (None, "embed"), name="project_in", **dense)(x)
+            x = layers.DenseGeneral(
+                cfg.hidden_size,
+                (None, "embed"),
+                dtype=cfg.dtype,
+                param_dtype=cfg.param_dtype,
+                name="project_in",
+            )(x)
         # The position table is small and never split over its rows.
         table = self.param(
             "embed_positions",
@@ -217,31 +216,21 @@ class OPT(nn.Module):
             (cfg.max_position_embeddings + POSITION_OFFSET, cfg.hidden_size),
             layers.as_dtype(cfg.param_dtype),
         )
-        x = x + jnp.take(table, positions + POSITION_OFFSET, axis=0).astype(x.dtype)
-        x = layers.stack_blocks(
-            OPTBlock,
-            cfg.num_layers,
-            scan_layers=cfg.scan_layers,
-            remat_policy=cfg.remat_policy,
-            name="layers",
-            config=cfg,
-            deterministic=deterministic,
-        )(x, mask, decoding)
+        return x + jnp.take(table, positions + POSITION_OFFSET, axis=0).astype(x.dtype), ()
+
+    def final_norm(self, x: Array) -> Array:
+        cfg = self.config
         if cfg.final_layer_norm:
             x = layer_norm(cfg, "final_layer_norm")(x)
         if cfg.projects:
-            x = layers.DenseGeneral(cfg.embed_dim, ("embed", None), name="project_out", **dense)(x)
-        if cfg.tie_word_embeddings:
-            logits = embed.attend(x)
-        else:
-            logits = layers.DenseGeneral(
-                cfg.vocab_size,
-                ("embed", "vocab"),
-                dtype=jnp.float32,
+            x = layers.DenseGeneral(
+                cfg.embed_dim,
+                ("embed", None),
+                dtype=cfg.dtype,
                 param_dtype=cfg.param_dtype,
-                name="lm_head",
+                name="project_out",
             )(x)
-        return layers.constrain(logits, ("batch", "length", "vocab"))
+        return x
 
 
 # ------------------------------------------------------------------ HuggingFace
