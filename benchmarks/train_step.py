@@ -43,7 +43,8 @@ from bench_common import machine_description  # noqa: E402  (a sibling script)
 
 import tasks  # noqa: E402, F401  (registers stdlib_py)
 from flaxlm import data, optimizers, trainer  # noqa: E402
-from flaxlm.models.base import DecoderOnlyModel, batch_shapes_from  # noqa: E402
+from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
+from flaxlm.models.features import batch_shapes_from  # noqa: E402
 from flaxlm.models.gptj import GPTJConfig  # noqa: E402
 from flaxlm.partitioning import Partitioner  # noqa: E402
 

@@ -1,6 +1,6 @@
 """HuggingFace checkpoints in and out: config.json + safetensors <-> sharded params.
 
-Each family file registers an `HFSpec` (models/base.py) saying how its config and params
+Each family file registers an `HFSpec` (models/hf_spec.py) saying how its config and params
 correspond to HF's. Reading places every tensor straight onto its sharding, one tensor and
 one device shard at a time (`jax.make_array_from_callback` over a memory-mapped safetensors
 read), so a checkpoint larger than one device's memory loads. Writing gathers one param at
@@ -29,13 +29,8 @@ from flax import traverse_util
 
 import flaxlm.models  # noqa: F401  (registers every family's HFSpec)
 from flaxlm import pytrees
-from flaxlm.models.base import (
-    HF_SPECS,
-    BaseModel,
-    EncoderOnlyModel,
-    HFSpec,
-    HFTensor,
-)
+from flaxlm.models.base import BaseModel, EncoderOnlyModel
+from flaxlm.models.hf_spec import HF_SPECS, HFSpec, HFTensor
 from flaxlm.partitioning import Partitioner
 
 Params = Any

@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from flaxlm import data, pytrees
 from flaxlm import lora as lora_lib
-from flaxlm.models.base import BaseModel, batch_shapes_from
+from flaxlm.models.base import BaseModel
+from flaxlm.models.features import batch_shapes_from
 from flaxlm.partitioning import Partitioner
 from flaxlm.train_state import TrainState
 

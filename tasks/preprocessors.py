@@ -45,7 +45,7 @@ def mask_tokens(
     never_mask: tuple[int, ...] = (0, 1),
     key: str = "targets",
 ) -> tf.data.Dataset:
-    """BERT-style masking of the tokenized `key`, for `models.base.MaskedLMFeatureConverter`.
+    """BERT-style masking of the tokenized `key`, for `models.features.MaskedLMFeatureConverter`.
 
     Each token (except ids in `never_mask`) is chosen with probability `mask_rate`; a chosen
     token becomes `mask_id` 80% of the time, a random id in `[random_ids[0], random_ids[1])`

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxlm.models import layers
+from flaxlm.models import attention
 from tests.helpers import random_batch, tiny_gptj
 
 IMPLEMENTATIONS = ("jax", "chunked")
@@ -32,12 +32,12 @@ def masks():
     seg = segments(2, 13, [4, 9], pad=2)
     kv_seg = segments(2, 11, [5], pad=3)
     return {
-        "causal": (layers.attention_mask(None, 2, 13), 13, None),
-        "causal_packed": (layers.attention_mask(seg, 2, 13), 13, None),
-        "bidirectional_packed": (layers.attention_mask(seg, 2, 13, causal=False), 13, None),
-        "sliding_window": (layers.attention_mask(seg, 2, 13, sliding_window=3), 13, None),
+        "causal": (attention.attention_mask(None, 2, 13), 13, None),
+        "causal_packed": (attention.attention_mask(seg, 2, 13), 13, None),
+        "bidirectional_packed": (attention.attention_mask(seg, 2, 13, causal=False), 13, None),
+        "sliding_window": (attention.attention_mask(seg, 2, 13, sliding_window=3), 13, None),
         "cross_padded": (
-            layers.attention_mask(
+            attention.attention_mask(
                 segments(2, 13, [6], pad=0),
                 2,
                 13,
@@ -49,14 +49,18 @@ def masks():
             None,
         ),
         "decoding_left_padded": (
-            layers.causal_mask(
-                None, 2, 3, layers.Decoding(jnp.int32(5), jnp.asarray([0, 4]), 13), sliding_window=4
+            attention.causal_mask(
+                None,
+                2,
+                3,
+                attention.Decoding(jnp.int32(5), jnp.asarray([0, 4]), 13),
+                sliding_window=4,
             ),
             13,
             None,
         ),
         "relative_bias": (
-            layers.attention_mask(None, 2, 13, causal=False),
+            attention.attention_mask(None, 2, 13, causal=False),
             13,
             jax.random.normal(jax.random.PRNGKey(9), (1, 4, 13, 13)),
         ),
@@ -70,8 +74,8 @@ def test_implementations_agree_under_every_mask(implementation, name):
     mask, kv_len, bias = masks()[name]
     q_len = mask.q_len if mask is not None else 13
     q, k, v = qkv(q_len=q_len, kv_len=kv_len)
-    expected = layers.dot_product_attention(q, k, v, mask, bias=bias, implementation="xla")
-    got = layers.dot_product_attention(
+    expected = attention.dot_product_attention(q, k, v, mask, bias=bias, implementation="xla")
+    got = attention.dot_product_attention(
         q, k, v, mask, bias=bias, implementation=implementation, chunk_size=4
     )
     # Rows with no visible key (padding queries of a cross mask) are undefined anyway.
@@ -84,10 +88,10 @@ def test_implementations_agree_under_every_mask(implementation, name):
 
 def test_a_dense_bool_mask_works_in_every_implementation():
     q, k, v = qkv()
-    dense = layers.attention_mask(segments(2, 13, [5], pad=1), 2, 13).dense()
-    expected = layers.dot_product_attention(q, k, v, dense)
+    dense = attention.attention_mask(segments(2, 13, [5], pad=1), 2, 13).dense()
+    expected = attention.dot_product_attention(q, k, v, dense)
     for implementation in IMPLEMENTATIONS:
-        got = layers.dot_product_attention(
+        got = attention.dot_product_attention(
             q, k, v, dense, implementation=implementation, chunk_size=5
         )
         np.testing.assert_allclose(got[:, :12], expected[:, :12], atol=2e-5)
@@ -112,9 +116,9 @@ def test_model_logits_and_gradients_agree_across_implementations(implementation)
 def test_chunked_attention_memory_grows_linearly_with_length():
     def temp_bytes(implementation, length):
         q, k, v = qkv(batch=1, q_len=length, kv_len=length, heads=4, kv_heads=4, head_dim=16)
-        mask = layers.attention_mask(None, 1, length)
+        mask = attention.attention_mask(None, 1, length)
         fn = jax.jit(
-            lambda q, k, v: layers.dot_product_attention(
+            lambda q, k, v: attention.dot_product_attention(
                 q, k, v, mask, implementation=implementation, chunk_size=256
             )
         )

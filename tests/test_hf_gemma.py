@@ -12,7 +12,7 @@ import transformers
 from jax.sharding import PartitionSpec as P
 
 from flaxlm import hf
-from flaxlm.models import gemma
+from flaxlm.models import llama
 from flaxlm.partitioning import Partitioner
 from tests.hf_helpers import (
     decoder_batch,
@@ -123,10 +123,21 @@ def test_fsdp_training_lowers_the_loss_and_exports(tmp_path):
 
 def test_bad_config_names_the_field():
     with pytest.raises(ValueError, match="num_kv_heads"):
-        gemma.GemmaConfig(num_heads=8, num_kv_heads=3)
+        llama.LlamaConfig(**GEMMA, num_heads=8, num_kv_heads=3)
     with pytest.raises(ValueError, match="activation"):
-        gemma.GemmaConfig(activation="gelu_fast")
+        llama.LlamaConfig(**{**GEMMA, "activation": "gelu_fast"})
+    with pytest.raises(ValueError, match="norm_scale_plus_one"):
+        llama.LlamaConfig(**{**GEMMA, "norm_scale_plus_one": False})
 
+
+# What makes a LlamaConfig a Gemma.
+GEMMA = dict(
+    model_type="gemma",
+    scale_embedding=True,
+    norm_scale_plus_one=True,
+    activation="gelu_pytorch_tanh",
+    tie_word_embeddings=True,
+)
 
 GIN_FILES = {
     "gemma_tiny": dict(vocab_size=384, hidden_size=256, num_kv_heads=1, head_dim=96),
@@ -140,9 +151,9 @@ def test_gin_model_file_builds_its_config(repo_dir, name):
     gin.clear_config()
     try:
         gin.parse_config_files_and_bindings([f"{repo_dir}/gin/models/{name}.gin"], [])
-        config = gemma.GemmaConfig()
+        config = llama.LlamaConfig()
     finally:
         gin.clear_config()
-    for field, value in GIN_FILES[name].items():
+    for field, value in {**GEMMA, **GIN_FILES[name]}.items():
         assert getattr(config, field) == value, field
     assert config.vocab_size % 128 == 0 and config.tie_word_embeddings

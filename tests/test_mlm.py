@@ -9,7 +9,8 @@ import seqio
 import tensorflow as tf
 
 from flaxlm import data
-from flaxlm.models.base import EncoderOnlyModel, MaskedLMFeatureConverter
+from flaxlm.models.base import EncoderOnlyModel
+from flaxlm.models.features import MaskedLMFeatureConverter
 from flaxlm.models.roberta import RobertaConfig
 from flaxlm.partitioning import DataLayout
 from tasks.mlm import MASK_ID

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from flaxlm import inference, optimizers, trainer
-from flaxlm.models import base, gpt2, layers
+from flaxlm.models import attention, base, gpt2
 from flaxlm.partitioning import Partitioner
 from flaxlm.trainer import Setup
 from tests.helpers import feature_lengths, random_batch, tiny_gptj
@@ -81,8 +81,8 @@ def test_forgetful_causal_masking_changes_training_but_not_eval():
 
 def test_forgetful_mask_hides_a_fraction_of_keys_but_never_a_segment_start():
     positions = jnp.tile(jnp.concatenate([jnp.arange(50), jnp.arange(50)])[None], (64, 1))
-    mask = layers.attention_mask(None, 64, 100)
-    fcm = layers.forgetful_causal_mask(mask, jax.random.PRNGKey(0), positions, 0.3, 0.3)
+    mask = attention.attention_mask(None, 64, 100)
+    fcm = attention.forgetful_causal_mask(mask, jax.random.PRNGKey(0), positions, 0.3, 0.3)
     keep = np.asarray(fcm.kv_keep)
     assert keep[:, 0].all() and keep[:, 50].all()
     assert abs(1 - keep.mean() - 0.3) < 0.03
@@ -105,11 +105,13 @@ def alibi_gpt2(**overrides):
 
 def test_alibi_slopes_and_bias_match_a_direct_computation():
     # Press et al.: 8 heads -> 1/2, 1/4, ..., 1/256; 6 heads -> those of 4, then odd ones of 8.
-    np.testing.assert_allclose(layers.alibi_slopes(8), [2.0 ** -(i + 1) for i in range(8)])
-    np.testing.assert_allclose(layers.alibi_slopes(6), [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3])
+    np.testing.assert_allclose(attention.alibi_slopes(8), [2.0 ** -(i + 1) for i in range(8)])
+    np.testing.assert_allclose(
+        attention.alibi_slopes(6), [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3]
+    )
     positions = jnp.asarray([[0, 1, 2, 0, 1]])
-    bias = np.asarray(layers.alibi_bias(positions, positions, 6))
-    slopes = layers.alibi_slopes(6)
+    bias = np.asarray(attention.alibi_bias(positions, positions, 6))
+    slopes = attention.alibi_slopes(6)
     for h in range(6):
         for i in range(5):
             for j in range(5):

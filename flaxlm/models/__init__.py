@@ -1,20 +1,25 @@
-"""Model families; importing this package registers them with Gin."""
+"""Model families; importing this package registers them with Gin and with `hf_spec`."""
 
 from flaxlm.models import (  # noqa: F401
+    attention,
     base,
-    gemma,  # noqa: F401
-    gpt2,  # noqa: F401
+    causal_lm,
+    features,
+    gpt2,
     gptj,
+    hf_spec,
     layers,
-    llama,  # noqa: F401
-    opt,  # noqa: F401
-    roberta,  # noqa: F401
-    t5,  # noqa: F401
+    llama,
+    opt,
+    roberta,
+    t5,
 )
 from flaxlm.models.base import (  # noqa: F401
     BaseModel,
+    ComputeOptions,
     DecoderOnlyModel,
     EncoderDecoderModel,
     EncoderOnlyModel,
 )
+from flaxlm.models.causal_lm import CausalLM  # noqa: F401
 from flaxlm.models.gptj import GPTJ, GPTJConfig  # noqa: F401

@@ -18,14 +18,54 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import seqio
-import tensorflow as tf
 
 from flaxlm import decoding
-from flaxlm.models import layers
+from flaxlm.models import attention, layers
+from flaxlm.models.features import MaskedLMFeatureConverter
 
 Array = jax.Array
 Batch = Mapping[str, Array]
 Params = Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ComputeOptions:
+    """How a module computes, whatever its family: every family config inherits these
+    (keyword-only) fields, so Gin binds them by the family's name (`LlamaConfig.dtype`).
+
+    A family config that overrides `__post_init__` calls `super().__post_init__()`: a bad
+    value then fails before any device work.
+    """
+
+    dtype: str = "float32"  # compute dtype; norms, softmax, rotary and logits stay float32
+    param_dtype: str = "float32"
+    dropout_rate: float = 0.0
+    remat_policy: str = "none"  # see layers.REMAT_POLICIES
+    scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
+    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see attention.dot_product_attention)
+    attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
+
+    def __post_init__(self) -> None:
+        choices = attention.ATTENTION_IMPLEMENTATIONS
+        if self.attention not in choices:
+            raise ValueError(f"attention {self.attention!r}: expected one of {choices}.")
+        if self.attention_chunk_size < 1:
+            raise ValueError(
+                f"attention_chunk_size must be positive, got {self.attention_chunk_size}."
+            )
+        if self.remat_policy not in layers.REMAT_POLICIES:
+            raise ValueError(
+                f"remat_policy {self.remat_policy!r}: expected one of "
+                f"{sorted(layers.REMAT_POLICIES)}."
+            )
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}.")
+        # A family's activation: a field, or a property derived from one (T5).
+        activation = getattr(self, "activation", None)
+        if activation is not None and activation not in layers.ACTIVATIONS:
+            raise ValueError(
+                f"activation {activation!r}: expected one of {sorted(layers.ACTIVATIONS)}."
+            )
 
 
 class ModuleConfig(Protocol):
@@ -40,6 +80,12 @@ class ModuleConfig(Protocol):
     def flops_per_token(self, seq_len: int) -> float: ...
 
 
+def select_tokens(values: Array, ids: Array) -> Array:
+    """Each position's entry for its token: `[batch, length, vocab]` values and int
+    `[batch, length]` ids -> `[batch, length]`."""
+    return jnp.take_along_axis(values, ids[..., None], axis=-1)[..., 0]
+
+
 def cross_entropy(
     logits: Array, targets: Array, weights: Array, z_loss: float = 0.0
 ) -> tuple[Array, Array, Array]:
@@ -49,7 +95,7 @@ def cross_entropy(
     """
     logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    target_logit = select_tokens(logits, targets)
     xent = log_z - target_logit
     z = z_loss * jnp.square(log_z) if z_loss else jnp.zeros_like(log_z)
     weights = weights.astype(jnp.float32)
@@ -181,7 +227,7 @@ class BaseModel(abc.ABC):
         logits = self.compute_logits(params, batch)
         targets, weights = self.targets_and_weights(batch)
         log_probs = jax.nn.log_softmax(logits, axis=-1)
-        target = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+        target = select_tokens(log_probs, targets)
         return jnp.sum(target * weights.astype(jnp.float32), axis=-1)
 
     # -------------------------------------------------------------- decoding
@@ -385,8 +431,8 @@ class DecoderOnlyModel(_SingleStackModel):
     def _run_decoder(
         self, params: Params, tokens: Array, index: Array, state: dict[str, Any], cache_len: int
     ) -> tuple[Array, dict[str, Any]]:
-        where = layers.Decoding(jnp.asarray(index, jnp.int32), state["start"], cache_len)
-        positions = layers.decoding_positions(where, tokens.shape[0], tokens.shape[1])
+        where = attention.Decoding(jnp.asarray(index, jnp.int32), state["start"], cache_len)
+        positions = attention.decoding_positions(where, tokens.shape[0], tokens.shape[1])
         logits, variables = self._decode_module().apply(
             {"params": params, "cache": state["cache"]},
             tokens,
@@ -412,7 +458,7 @@ class DecoderOnlyModel(_SingleStackModel):
         cache_len = prompt_len + config.max_new_tokens
 
         def init_cache() -> Any:
-            where = layers.Decoding(jnp.int32(0), start, cache_len)
+            where = attention.Decoding(jnp.int32(0), start, cache_len)
             dummy = jnp.zeros((rows, cache_len), jnp.int32)
             module = self._decode_module()
             return module.init(jax.random.PRNGKey(0), dummy, None, None, decoding=where)["cache"]
@@ -499,7 +545,7 @@ class EncoderDecoderModel(BaseModel):
         self, params: Params, tokens: Array, index: Array, state: dict[str, Any]
     ) -> tuple[Array, dict[str, Any]]:
         cache_len = _cache_length(state["cache"])
-        where = layers.Decoding(jnp.asarray(index, jnp.int32), state["start"], cache_len)
+        where = attention.Decoding(jnp.asarray(index, jnp.int32), state["start"], cache_len)
         logits, variables = self._decode_module().apply(
             {"params": params, "cache": state["cache"]},
             state["encoded"],
@@ -526,7 +572,7 @@ class EncoderDecoderModel(BaseModel):
         cache_len = config.max_new_tokens  # the start token and all but the last new token
 
         def init_cache() -> Any:
-            where = layers.Decoding(jnp.int32(0), start, cache_len)
+            where = attention.Decoding(jnp.int32(0), start, cache_len)
             dummy = jnp.zeros((rows, cache_len), jnp.int32)
             variables = module.init(
                 jax.random.PRNGKey(0), encoded, dummy, segment_ids, decoding=where, method="decode"
@@ -553,53 +599,6 @@ class EncoderDecoderModel(BaseModel):
         return self._run_decoder(params, token, t + 1, state)
 
 
-class MaskedLMFeatureConverter(seqio.FeatureConverter):
-    """Encoder-only masked-LM features from aligned `inputs` and `targets`.
-
-    `inputs` are the (masked) token ids the encoder reads; `targets` are the original ids,
-    negated at the positions chosen for the loss (see `tasks.preprocessors.mask_tokens`;
-    seqio's packing drops zeros, so "no loss" cannot be a 0). Unlike
-    `seqio.EncoderFeatureConverter`, whose loss covers only positions that show the mask
-    id, the loss here covers every chosen position, including those BERT-style masking left
-    unchanged or replaced by a random token.
-    """
-
-    TASK_FEATURES = {
-        "inputs": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
-        "targets": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
-    }
-    MODEL_FEATURES = {
-        "encoder_input_tokens": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
-        "encoder_target_tokens": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
-        "encoder_loss_weights": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
-    }
-    PACKING_FEATURE_DTYPES = {"encoder_segment_ids": tf.int32, "encoder_positions": tf.int32}
-
-    def _convert_features(
-        self, ds: tf.data.Dataset, task_feature_lengths: Mapping[str, int]
-    ) -> tf.data.Dataset:
-        def convert(features: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
-            out = {
-                "encoder_input_tokens": features["inputs"],
-                "encoder_target_tokens": tf.abs(features["targets"]),
-                "encoder_loss_weights": tf.cast(features["targets"] < 0, tf.int32),
-            }
-            if self.pack:
-                out["encoder_segment_ids"] = features["inputs_segment_ids"]
-                out["encoder_positions"] = features["inputs_positions"]
-            return out
-
-        ds = self._pack_or_pad(ds, task_feature_lengths)
-        return ds.map(convert, num_parallel_calls=tf.data.AUTOTUNE)
-
-    def get_model_feature_lengths(self, task_feature_lengths: Mapping[str, int]) -> dict:
-        length = task_feature_lengths["inputs"]
-        names = ["encoder_input_tokens", "encoder_target_tokens", "encoder_loss_weights"]
-        if self.pack:
-            names += ["encoder_segment_ids", "encoder_positions"]
-        return {name: length for name in names}
-
-
 @gin.configurable
 class EncoderOnlyModel(_SingleStackModel):
     """A bidirectional encoder trained as a masked language model (RoBERTa).
@@ -612,89 +611,3 @@ class EncoderOnlyModel(_SingleStackModel):
     FEATURE_CONVERTER_CLS = MaskedLMFeatureConverter
     TASK_FEATURES = ("inputs", "targets")
     STACK = "encoder"
-
-
-def batch_shapes_from(feature_lengths: Mapping[str, int], batch_size: int) -> dict[str, Any]:
-    """`{feature: (batch, length)}` for the model features a converter produces."""
-    return {k: (batch_size, v) for k, v in feature_lengths.items()}
-
-
-def dummy_numpy_batch(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    return {k: np.zeros(v, np.int32) for k, v in shapes.items()}
-
-
-# ------------------------------------------------------------------ HuggingFace name mapping
-# Each family file describes how its params correspond to a HuggingFace checkpoint's
-# tensors with these plain records; `flaxlm/hf.py` does the reading, placing and writing.
-
-
-@dataclasses.dataclass(frozen=True)
-class HFTensor:
-    """One param <-> one HF tensor.
-
-    `param` is the param's path joined by '/', `hf` the HF tensor name; a `{i}` in both is
-    repeated for i in range(layers) (hf.py stacks them when the model scans its layers).
-    The HF tensor is the param reshaped to 2-D after its first `split` axes (to 1-D when
-    `split` is None), transposed when `transpose` (torch `Linear` stores [out, in]).
-    `vocab_axis` is the param axis that hf.py pads to the model's `vocab_size`.
-    `to_flax` / `to_hf` (numpy -> numpy) replace the reshape rule where it is not enough.
-    """
-
-    param: str
-    hf: str
-    split: int | None = None
-    transpose: bool = False
-    layers: int = 0
-    vocab_axis: int | None = None
-    to_flax: Callable[[np.ndarray, tuple[int, ...]], np.ndarray] | None = None
-    to_hf: Callable[[np.ndarray], np.ndarray] | None = None
-    # Other HF names that hold the same values (a tensor outside the layers): written on
-    # export (HF reports them missing otherwise), accepted and not read on import.
-    copies: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        if self.copies and self.layers:
-            raise ValueError(f"{self.param}: copies of a per-layer tensor are not supported.")
-
-
-def linear(param: str, hf: str, split: int = 1, **kw: Any) -> HFTensor:
-    """A torch `nn.Linear` weight ([out, in]) for a kernel whose first `split` axes are in."""
-    return HFTensor(param, hf, split=split, transpose=True, **kw)
-
-
-@dataclasses.dataclass(frozen=True)
-class HFSpec:
-    """How one family reads and writes HuggingFace checkpoints.
-
-    config_from_hf: HF config.json dict (+ keyword overrides) -> the family's config, with
-      the real vocabulary size (hf.py pads it).
-    config_to_hf: the family's config -> HF config.json dict (with `model_type` and
-      `architectures`), for the real vocabulary size.
-    tensors: config -> the HFTensor records covering every param exactly once.
-    ignore: regular expressions of HF tensor names that have no param (buffers, tied copies).
-    """
-
-    model_types: tuple[str, ...]
-    config_cls: type
-    model_cls: Callable[[Any], BaseModel]
-    config_from_hf: Callable[..., Any]
-    config_to_hf: Callable[[Any], dict[str, Any]]
-    tensors: Callable[[Any], list[HFTensor]]
-    ignore: tuple[str, ...] = ()
-    auto_class: str = "AutoModelForCausalLM"  # the transformers class that loads an export
-    # HF's `base_model_prefix` ('transformer', 'model'): files saved from the bare base
-    # model name their tensors without it, and hf.py reads those too.
-    base_model_prefix: str = ""
-    # (LM head, token embedding) HF names of a family whose config says
-    # `tie_word_embeddings`. Like transformers, a file whose head differs from the embedding
-    # is loaded untied whatever the config says (T5 as transformers 5 saves it).
-    tied_head: tuple[str, str] | None = None
-
-
-HF_SPECS: dict[str, HFSpec] = {}
-
-
-def register_hf(spec: HFSpec) -> HFSpec:
-    for model_type in spec.model_types:
-        HF_SPECS[model_type] = spec
-    return spec

@@ -14,15 +14,17 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import layers
-from flaxlm.models.base import DecoderOnlyModel, HFSpec, HFTensor, linear, register_hf
+from flaxlm.models import attention, layers
+from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models.causal_lm import CausalLM
+from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
 Array = jax.Array
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class GPT2Config:
+class GPT2Config(ComputeOptions):
     """GPT-2 hyper-parameters (HF names where they exist) and compute options."""
 
     vocab_size: int = 50257
@@ -45,16 +47,9 @@ class GPT2Config:
     # 'learned' (GPT-2's wpe table) or 'alibi' (no table: a per-head linear bias on the
     # distance, Press et al. 2022, which extrapolates to longer sequences than trained).
     position_embedding: str = "learned"
-    dropout_rate: float = 0.0
-    dtype: str = "float32"  # compute dtype; norms and softmax stay float32
-    param_dtype: str = "float32"
-    remat_policy: str = "none"  # see layers.REMAT_POLICIES
-    scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
-    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see layers.dot_product_attention)
-    attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
-    def __post_init__(self):
-        layers.check_options(self)
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.position_embedding not in ("learned", "alibi"):
             raise ValueError(
                 f"position_embedding {self.position_embedding!r}: expected 'learned' or 'alibi'."
@@ -108,7 +103,7 @@ class GPT2Attention(nn.Module):
         x: Array,
         layer_index: Array,
         mask: Array,
-        decoding: layers.Decoding | None = None,
+        decoding: attention.Decoding | None = None,
         bias: Array | None = None,
     ) -> Array:
         cfg = self.config
@@ -128,9 +123,9 @@ class GPT2Attention(nn.Module):
             q = q / (layer_index + 1).astype(q.dtype)
         q = layers.constrain(q, layers.HEAD_AXES)
         k = layers.constrain(k, layers.HEAD_AXES)
-        k, v = layers.KVCache(name="cache")(k, v, decoding)
+        k, v = attention.KVCache(name="cache")(k, v, decoding)
         scale = cfg.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
-        out = layers.dot_product_attention(
+        out = attention.dot_product_attention(
             q,
             k,
             v,
@@ -182,7 +177,7 @@ class GPT2Block(nn.Module):
         x: Array,
         layer_index: Array,
         mask: Array,
-        decoding: layers.Decoding | None = None,
+        decoding: attention.Decoding | None = None,
         bias: Array | None = None,
     ) -> Array:
         cfg = self.config
@@ -198,76 +193,38 @@ class GPT2Block(nn.Module):
         return layers.constrain(x, layers.ACTIVATION_AXES)
 
 
-class GPT2(nn.Module):
-    """`(tokens, positions, segment_ids) -> logits [batch, length, vocab]`."""
+class GPT2(CausalLM):
+    """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
 
-    config: GPT2Config
+    block_cls = GPT2Block
+    embed_name = "wte"
+    layers_name = "h"
+    layer_index = True  # for scale_attn_by_inverse_layer_idx
 
-    @nn.compact
-    def __call__(
-        self,
-        tokens: Array,
-        positions: Array | None = None,
-        segment_ids: Array | None = None,
-        *,
-        deterministic: bool = True,
-        decoding: layers.Decoding | None = None,
-    ) -> Array:
+    def block_inputs(
+        self, x: Array, positions: Array, decoding: attention.Decoding | None
+    ) -> tuple[Array, tuple[Array | None]]:
         cfg = self.config
-        batch, length = tokens.shape
-        positions = layers.default_positions(tokens, positions)
-        mask = layers.causal_mask(segment_ids, batch, length, decoding)
-        wte = layers.Embed(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
-            name="wte",
-        )
-        bias = None
         if cfg.position_embedding == "alibi":
-            x = wte(tokens)
             key_positions = positions
             if decoding is not None:  # keys are the cache's slots, counted from each row's start
                 slots = jnp.arange(decoding.length, dtype=jnp.int32)[None]
                 key_positions = jnp.maximum(slots - decoding.start[:, None], 0)
-            bias = layers.alibi_bias(positions, key_positions, cfg.num_heads)
-        else:
-            # The position table is small and never split over its rows.
-            wpe = self.param(
-                "wpe",
-                nn.with_logical_partitioning(nn.initializers.normal(0.01), (None, "embed")),
-                (cfg.max_position_embeddings, cfg.hidden_size),
-                layers.as_dtype(cfg.param_dtype),
-            )
-            positions_embedded = jnp.take(wpe, positions, axis=0)
-            x = wte(tokens) + positions_embedded.astype(layers.as_dtype(cfg.dtype))
-        if cfg.dropout_rate:
-            x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        x = layers.stack_blocks(
-            GPT2Block,
-            cfg.num_layers,
-            scan_layers=cfg.scan_layers,
-            remat_policy=cfg.remat_policy,
-            name="h",
-            layer_index=True,  # for scale_attn_by_inverse_layer_idx
-            config=cfg,
-            deterministic=deterministic,
-        )(x, mask, decoding, bias)
-        x = layers.LayerNorm(
+            return x, (attention.alibi_bias(positions, key_positions, cfg.num_heads),)
+        # The position table is small and never split over its rows.
+        wpe = self.param(
+            "wpe",
+            nn.with_logical_partitioning(nn.initializers.normal(0.01), (None, "embed")),
+            (cfg.max_position_embeddings, cfg.hidden_size),
+            layers.as_dtype(cfg.param_dtype),
+        )
+        return x + jnp.take(wpe, positions, axis=0).astype(x.dtype), (None,)
+
+    def final_norm(self, x: Array) -> Array:
+        cfg = self.config
+        return layers.LayerNorm(
             cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="ln_f"
         )(x)
-        if cfg.tie_word_embeddings:
-            logits = wte.attend(x)
-        else:
-            logits = layers.DenseGeneral(
-                cfg.vocab_size,
-                ("embed", "vocab"),
-                dtype=jnp.float32,
-                param_dtype=cfg.param_dtype,
-                name="lm_head",
-            )(x)
-        return layers.constrain(logits, ("batch", "length", "vocab"))
 
 
 # ------------------------------------------------------------------ HuggingFace

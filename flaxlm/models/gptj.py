@@ -13,15 +13,17 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import layers
-from flaxlm.models.base import DecoderOnlyModel, HFSpec, HFTensor, linear, register_hf
+from flaxlm.models import attention, layers
+from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models.causal_lm import CausalLM
+from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
 Array = jax.Array
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class GPTJConfig:
+class GPTJConfig(ComputeOptions):
     """GPT-J hyper-parameters (HF names where they exist) and compute options."""
 
     vocab_size: int = 50400  # HF pads GPT-J's 50257 tokens to 50400
@@ -34,20 +36,13 @@ class GPTJConfig:
     max_position_embeddings: int = 2048  # HF: n_positions
     layer_norm_epsilon: float = 1e-5
     activation: str = "gelu_new"
-    dropout_rate: float = 0.0
-    dtype: str = "float32"  # compute dtype; norms, softmax and logits stay float32
-    param_dtype: str = "float32"
-    remat_policy: str = "none"  # see layers.REMAT_POLICIES
-    scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
     # Forgetful Causal Masking during training (EasyLM): hide a fraction drawn from
     # [fcm_min_ratio, fcm_max_ratio] of each row's past tokens; 0 disables it.
     fcm_min_ratio: float = 0.0
     fcm_max_ratio: float = 0.0
-    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see layers.dot_product_attention)
-    attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
-    def __post_init__(self):
-        layers.check_options(self)
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0.0 <= self.fcm_min_ratio <= self.fcm_max_ratio < 1.0:
             raise ValueError(
                 f"FCM ratios must satisfy 0 <= fcm_min_ratio ({self.fcm_min_ratio}) <= "
@@ -91,7 +86,7 @@ class GPTJBlock(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: Array, positions: Array, mask: Array, decoding: layers.Decoding | None = None
+        self, x: Array, mask: attention.Mask, decoding: attention.Decoding | None, positions: Array
     ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
@@ -107,13 +102,13 @@ class GPTJBlock(nn.Module):
             for n in names
         ]
         qkv = dict(zip(names, layers.parallel_dense(h, projections)))
-        sin, cos = layers.rotary_sin_cos(positions, cfg.rotary_dim)
-        q = layers.apply_rotary(qkv["q_proj"], sin, cos, interleaved=True)
-        k = layers.apply_rotary(qkv["k_proj"], sin, cos, interleaved=True)
+        sin, cos = attention.rotary_sin_cos(positions, attention.rotary_inv_freq(cfg.rotary_dim))
+        q = attention.apply_rotary(qkv["q_proj"], sin, cos, interleaved=True)
+        k = attention.apply_rotary(qkv["k_proj"], sin, cos, interleaved=True)
         q = layers.constrain(q, layers.HEAD_AXES)
         k = layers.constrain(k, layers.HEAD_AXES)
-        k, v = layers.KVCache(name="cache")(k, qkv["v_proj"], decoding)
-        attn = layers.dot_product_attention(
+        k, v = attention.KVCache(name="cache")(k, qkv["v_proj"], decoding)
+        attn = attention.dot_product_attention(
             q,
             k,
             v,
@@ -143,59 +138,39 @@ class GPTJBlock(nn.Module):
         return layers.constrain(x + out, layers.ACTIVATION_AXES)
 
 
-class GPTJ(nn.Module):
+class GPTJ(CausalLM):
     """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
 
-    config: GPTJConfig
+    block_cls = GPTJBlock
+    embed_name = "wte"
+    layers_name = "h"
+    head_bias = True
 
-    @nn.compact
-    def __call__(
+    def mask(
         self,
-        tokens: Array,
-        positions: Array | None = None,
-        segment_ids: Array | None = None,
-        *,
-        deterministic: bool = True,
-        decoding: layers.Decoding | None = None,
-    ) -> Array:
+        segment_ids: Array | None,
+        positions: Array,
+        decoding: attention.Decoding | None,
+        deterministic: bool,
+    ) -> attention.Mask:
         cfg = self.config
-        batch, length = tokens.shape
-        positions = layers.default_positions(tokens, positions)
-        mask = layers.causal_mask(segment_ids, batch, length, decoding)
+        mask = super().mask(segment_ids, positions, decoding, deterministic)
         if cfg.fcm_max_ratio > 0 and not deterministic and decoding is None:
-            mask = layers.forgetful_causal_mask(
+            mask = attention.forgetful_causal_mask(
                 mask, self.make_rng("dropout"), positions, cfg.fcm_min_ratio, cfg.fcm_max_ratio
             )
-        x = layers.Embed(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
-            name="wte",
-        )(tokens)
-        if cfg.dropout_rate:
-            x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        x = layers.stack_blocks(
-            GPTJBlock,
-            cfg.num_layers,
-            scan_layers=cfg.scan_layers,
-            remat_policy=cfg.remat_policy,
-            name="h",
-            config=cfg,
-            deterministic=deterministic,
-        )(x, positions, mask, decoding)
-        x = layers.LayerNorm(
+        return mask
+
+    def block_inputs(
+        self, x: Array, positions: Array, decoding: attention.Decoding | None
+    ) -> tuple[Array, tuple[Array]]:
+        return x, (positions,)  # each block rotates its own queries and keys
+
+    def final_norm(self, x: Array) -> Array:
+        cfg = self.config
+        return layers.LayerNorm(
             cfg.layer_norm_epsilon, dtype=jnp.float32, param_dtype=cfg.param_dtype, name="ln_f"
         )(x)
-        logits = layers.DenseGeneral(
-            cfg.vocab_size,
-            ("embed", "vocab"),
-            use_bias=True,
-            dtype=jnp.float32,
-            param_dtype=cfg.param_dtype,
-            name="lm_head",
-        )(x)
-        return layers.constrain(logits, ("batch", "length", "vocab"))
 
 
 # ------------------------------------------------------------------ HuggingFace

@@ -1,7 +1,10 @@
-"""Llama 1/2/3 and Mistral: pre-RMSNorm blocks, rotary (half layout), SwiGLU, grouped-query.
+"""Llama 1/2/3, Mistral and Gemma: pre-RMSNorm blocks, rotary (half layout), gated MLP,
+grouped-query attention.
 
-Mistral is Llama with sliding-window attention. Follows HuggingFace's `LlamaForCausalLM` and
-`MistralForCausalLM` (the PyTorch references our logits must match).
+Mistral is Llama with sliding-window attention. Gemma is Llama with its embedding scaled by
+sqrt(hidden_size), (1 + w) RMSNorms, GeGLU (`gelu_pytorch_tanh`), a `head_dim` independent of
+the width and a tied head. Follows HuggingFace's `LlamaForCausalLM`, `MistralForCausalLM` and
+`GemmaForCausalLM` (the PyTorch references our logits must match).
 """
 
 from __future__ import annotations
@@ -16,19 +19,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlm.models import layers
-from flaxlm.models.base import DecoderOnlyModel, HFSpec, HFTensor, linear, register_hf
+from flaxlm.models import attention, layers
+from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models.causal_lm import CausalLM
+from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
 Array = jax.Array
 
-MODEL_TYPES = ("llama", "mistral")
+MODEL_TYPES = ("llama", "mistral", "gemma")
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma": "GemmaForCausalLM",
+}
 ROPE_SCALING_TYPES = ("linear", "llama3")
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    """Llama / Mistral hyper-parameters (HF names where they exist) and compute options."""
+class LlamaConfig(ComputeOptions):
+    """Llama / Mistral / Gemma hyper-parameters (HF names where they exist)."""
 
     vocab_size: int = 32000
     real_vocab_size: int | None = None  # ids from here up are padding (None: all real)
@@ -50,18 +60,15 @@ class LlamaConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     tie_word_embeddings: bool = False  # the head reuses the token embedding
-    activation: str = "silu"  # HF: hidden_act
-    model_type: str = "llama"  # the HF model_type written on export: 'llama' or 'mistral'
-    dropout_rate: float = 0.0
-    dtype: str = "float32"  # compute dtype; norms, softmax, rotary and logits stay float32
-    param_dtype: str = "float32"
-    remat_policy: str = "none"  # see layers.REMAT_POLICIES
-    scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
-    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see layers.dot_product_attention)
-    attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
+    activation: str = "silu"  # HF: hidden_act (Gemma: gelu_pytorch_tanh)
+    # Gemma: the token embedding is multiplied by sqrt(hidden_size), rounded to the dtype.
+    scale_embedding: bool = False
+    # Gemma: RMSNorms multiply by (1 + w), their params initialised at zero.
+    norm_scale_plus_one: bool = False
+    model_type: str = "llama"  # the HF model_type written on export: one of MODEL_TYPES
 
-    def __post_init__(self):
-        layers.check_options(self)
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads} "
@@ -101,6 +108,15 @@ class LlamaConfig:
                 "HF Mistral has no attention_bias or mlp_bias: set both False or "
                 "model_type='llama'."
             )
+        gemma = self.model_type == "gemma"
+        for flag in ("scale_embedding", "norm_scale_plus_one"):
+            if getattr(self, flag) != gemma:
+                raise ValueError(
+                    f"{flag}={getattr(self, flag)} with model_type={self.model_type!r}: "
+                    f"HF's {ARCHITECTURES[self.model_type]} has it {gemma}."
+                )
+        if gemma and (self.sliding_window is not None or self.mlp_bias):
+            raise ValueError("HF Gemma has no sliding_window or mlp_bias: set None and False.")
 
     @property
     def kv_heads(self) -> int:
@@ -114,7 +130,7 @@ class LlamaConfig:
         """Parameter count (for FLOP estimates)."""
         e, v, d, f = self.hidden_size, self.vocab_size, self.dim_per_head, self.intermediate_size
         q, kv = self.num_heads * d, self.kv_heads * d
-        attn = e * (q + 2 * kv) + q * e + (q + 2 * kv if self.attention_bias else 0)
+        attn = e * (q + 2 * kv) + q * e + (q + 2 * kv + e if self.attention_bias else 0)
         mlp = 3 * e * f + (2 * f + e if self.mlp_bias else 0)
         block = attn + mlp + 2 * e
         head = 0 if self.tie_word_embeddings else v * e
@@ -133,9 +149,7 @@ class LlamaConfig:
 
 def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
     """float32 inverse frequencies `[head_dim // 2]`, scaled as `rope_scaling_type` says."""
-    dim = cfg.dim_per_head
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
-    inv_freq = inv_freq.astype(np.float32)
+    inv_freq = attention.rotary_inv_freq(cfg.dim_per_head, cfg.rope_theta)
     factor = cfg.rope_scaling_factor
     if cfg.rope_scaling_type == "linear":
         # Dividing the frequencies is dividing the positions by `factor`.
@@ -153,12 +167,6 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
     return inv_freq
 
 
-def rope_sin_cos(positions: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
-    """sin/cos `[batch, length, head_dim // 2]` in float32."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    return jnp.sin(angles), jnp.cos(angles)
-
-
 class LlamaBlock(nn.Module):
     config: LlamaConfig
     deterministic: bool = True
@@ -167,17 +175,18 @@ class LlamaBlock(nn.Module):
     def __call__(
         self,
         x: Array,
+        mask: attention.Mask,
+        decoding: attention.Decoding | None,
         sin: Array,
         cos: Array,
-        mask: Array,
-        decoding: layers.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        norm = dict(epsilon=cfg.rms_norm_eps, scale_plus_one=cfg.norm_scale_plus_one, **dense)
         x = layers.constrain(x, layers.ACTIVATION_AXES)
-        h = layers.RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **dense)(x)
+        h = layers.RMSNorm(name="input_layernorm", **norm)(x)
 
-        attn = layers.rotary_self_attention(
+        attn = attention.rotary_self_attention(
             h,
             sin,
             cos,
@@ -187,7 +196,8 @@ class LlamaBlock(nn.Module):
             num_kv_heads=cfg.kv_heads,
             head_dim=cfg.dim_per_head,
             hidden_size=cfg.hidden_size,
-            use_bias=cfg.attention_bias,
+            qkv_bias=cfg.attention_bias,
+            out_bias=cfg.attention_bias,
             attention=cfg.attention,
             chunk_size=cfg.attention_chunk_size,
             **dense,
@@ -196,8 +206,8 @@ class LlamaBlock(nn.Module):
             attn = nn.Dropout(cfg.dropout_rate)(attn, deterministic=self.deterministic)
         x = layers.constrain(x + attn, layers.ACTIVATION_AXES)
 
-        # SwiGLU MLP: down(act(gate(h)) * up(h))
-        h = layers.RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **dense)(x)
+        # Gated MLP: down(act(gate(h)) * up(h)) (SwiGLU, Gemma's GeGLU)
+        h = layers.RMSNorm(name="post_attention_layernorm", **norm)(x)
         m = layers.gated_mlp(
             h,
             intermediate_size=cfg.intermediate_size,
@@ -211,61 +221,41 @@ class LlamaBlock(nn.Module):
         return layers.constrain(x + m, layers.ACTIVATION_AXES)
 
 
-class Llama(nn.Module):
+class Llama(CausalLM):
     """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
 
-    config: LlamaConfig
+    block_cls = LlamaBlock
 
-    @nn.compact
-    def __call__(
+    def mask(
         self,
-        tokens: Array,
-        positions: Array | None = None,
-        segment_ids: Array | None = None,
-        *,
-        deterministic: bool = True,
-        decoding: layers.Decoding | None = None,
-    ) -> Array:
+        segment_ids: Array | None,
+        positions: Array,
+        decoding: attention.Decoding | None,
+        deterministic: bool,
+    ) -> attention.Mask:
+        batch, length = positions.shape
+        return attention.causal_mask(
+            segment_ids, batch, length, decoding, sliding_window=self.config.sliding_window
+        )
+
+    def block_inputs(
+        self, x: Array, positions: Array, decoding: attention.Decoding | None
+    ) -> tuple[Array, tuple[Array, Array]]:
         cfg = self.config
-        batch, length = tokens.shape
-        positions = layers.default_positions(tokens, positions)
-        mask = layers.causal_mask(
-            segment_ids, batch, length, decoding, sliding_window=cfg.sliding_window
-        )
-        sin, cos = rope_sin_cos(positions, rope_inv_freq(cfg))
-        embed = layers.Embed(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            dtype=cfg.dtype,
+        if cfg.scale_embedding:
+            # HF rounds the sqrt(width) normaliser to the compute dtype before multiplying.
+            x = x * jnp.asarray(cfg.hidden_size**0.5, layers.as_dtype(cfg.dtype))
+        return x, attention.rotary_sin_cos(positions, rope_inv_freq(cfg))
+
+    def final_norm(self, x: Array) -> Array:
+        cfg = self.config
+        return layers.RMSNorm(
+            cfg.rms_norm_eps,
+            scale_plus_one=cfg.norm_scale_plus_one,
+            dtype=jnp.float32,
             param_dtype=cfg.param_dtype,
-            name="embed_tokens",
-        )
-        x = embed(tokens)
-        if cfg.dropout_rate:
-            x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        x = layers.stack_blocks(
-            LlamaBlock,
-            cfg.num_layers,
-            scan_layers=cfg.scan_layers,
-            remat_policy=cfg.remat_policy,
-            name="layers",
-            config=cfg,
-            deterministic=deterministic,
-        )(x, sin, cos, mask, decoding)
-        x = layers.RMSNorm(
-            cfg.rms_norm_eps, dtype=jnp.float32, param_dtype=cfg.param_dtype, name="norm"
+            name="norm",
         )(x)
-        if cfg.tie_word_embeddings:
-            logits = jnp.einsum("ble,ve->blv", x, embed.embedding.astype(jnp.float32))
-        else:
-            logits = layers.DenseGeneral(
-                cfg.vocab_size,
-                ("embed", "vocab"),
-                dtype=jnp.float32,
-                param_dtype=cfg.param_dtype,
-                name="lm_head",
-            )(x)
-        return layers.constrain(logits, ("batch", "length", "vocab"))
 
 
 # ------------------------------------------------------------------ HuggingFace
@@ -310,6 +300,10 @@ def rope_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
 
 
 def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
+    gemma = hf["model_type"] == "gemma"
+    if gemma and hf.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=True is not supported: Gemma is causal here.")
+    default_activation = "gelu_pytorch_tanh" if gemma else "silu"
     kwargs = dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -323,8 +317,11 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
         sliding_window=hf.get("sliding_window") if hf["model_type"] == "mistral" else None,
         attention_bias=hf.get("attention_bias", False),
         mlp_bias=hf.get("mlp_bias", False),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        activation=hf.get("hidden_act", "silu"),
+        tie_word_embeddings=hf.get("tie_word_embeddings", gemma),
+        # Older Gemma configs name it hidden_activation.
+        activation=hf.get("hidden_activation") or hf.get("hidden_act") or default_activation,
+        scale_embedding=gemma,
+        norm_scale_plus_one=gemma,
         model_type=hf["model_type"],
         **rope_from_hf(hf),
     )
@@ -335,9 +332,7 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
 def config_to_hf(cfg: LlamaConfig) -> dict:
     out = {
         "model_type": cfg.model_type,
-        "architectures": [
-            "MistralForCausalLM" if cfg.model_type == "mistral" else "LlamaForCausalLM"
-        ],
+        "architectures": [ARCHITECTURES[cfg.model_type]],
         "vocab_size": cfg.real_vocab_size or cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers,
@@ -354,6 +349,8 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
     }
     if cfg.model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window
+    elif cfg.model_type == "gemma":
+        out["attention_bias"] = cfg.attention_bias
     else:
         out.update(attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias)
     return out
@@ -413,7 +410,7 @@ HF_SPEC = register_hf(
         config_to_hf=config_to_hf,
         tensors=hf_tensors,
         # Buffers, and the head that a tied checkpoint may still carry.
-        ignore=(r"rotary_emb\.inv_freq$", r"^lm_head\.weight$"),
+        ignore=(r"rotary_emb\.inv_freq$", r"embed_scale$", r"^lm_head\.weight$"),
         tied_head=("lm_head.weight", "model.embed_tokens.weight"),
     )
 )

@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import layers
-from flaxlm.models.base import DecoderOnlyModel, HFSpec, HFTensor, linear, register_hf
+from flaxlm.models import attention, layers
+from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models.causal_lm import CausalLM
+from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
 Array = jax.Array
 
@@ -25,7 +27,7 @@ POSITION_OFFSET = 2
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class OPTConfig:
+class OPTConfig(ComputeOptions):
     """OPT hyper-parameters (HF names where they exist) and compute options."""
 
     vocab_size: int = 50272
@@ -43,16 +45,9 @@ class OPTConfig:
     layer_norm_epsilon: float = 1e-5  # torch nn.LayerNorm's default; HF does not configure it
     layer_norm_elementwise_affine: bool = True  # False: the norms have no scale or bias
     activation: str = "relu"  # HF: activation_function
-    dropout_rate: float = 0.0
-    dtype: str = "float32"  # compute dtype; norms and softmax stay float32
-    param_dtype: str = "float32"
-    remat_policy: str = "none"  # see layers.REMAT_POLICIES
-    scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
-    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see layers.dot_product_attention)
-    attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
-    def __post_init__(self):
-        layers.check_options(self)
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}."
@@ -127,7 +122,9 @@ class OPTBlock(nn.Module):
         return x
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, decoding: layers.Decoding | None = None) -> Array:
+    def __call__(
+        self, x: Array, mask: attention.Mask, decoding: attention.Decoding | None
+    ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         pre = cfg.do_layer_norm_before
@@ -150,8 +147,8 @@ class OPTBlock(nn.Module):
         # HF scales the query before the product; doing the same keeps rounding identical.
         q = layers.constrain(qkv["q_proj"] * cfg.head_dim**-0.5, layers.HEAD_AXES)
         k = layers.constrain(qkv["k_proj"], layers.HEAD_AXES)
-        k, v = layers.KVCache(name="cache")(k, qkv["v_proj"], decoding)
-        attn = layers.dot_product_attention(
+        k, v = attention.KVCache(name="cache")(k, qkv["v_proj"], decoding)
+        attn = attention.dot_product_attention(
             q,
             k,
             v,
@@ -191,31 +188,27 @@ class OPTBlock(nn.Module):
         return layers.constrain(x, layers.ACTIVATION_AXES)
 
 
-class OPT(nn.Module):
-    """`(tokens, positions, segment_ids) -> logits [batch, length, vocab]`."""
+class OPT(CausalLM):
+    """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
 
-    config: OPTConfig
+    block_cls = OPTBlock
 
-    @nn.compact
-    def __call__(
-        self,
-        tokens: Array,
-        positions: Array | None = None,
-        segment_ids: Array | None = None,
-        *,
-        deterministic: bool = True,
-        decoding: layers.Decoding | None = None,
-    ) -> Array:
+    @property
+    def embed_width(self) -> int:
+        return self.config.embed_dim
+
+    def block_inputs(
+        self, x: Array, positions: Array, decoding: attention.Decoding | None
+    ) -> tuple[Array, tuple[()]]:
         cfg = self.config
-        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-        batch, length = tokens.shape
-        positions = layers.default_positions(tokens, positions)
-        mask = layers.causal_mask(segment_ids, batch, length, decoding)
-
-        embed = layers.Embed(cfg.vocab_size, cfg.embed_dim, name="embed_tokens", **dense)
-        x = embed(tokens)
         if cfg.projects:
-            x = layers.DenseGeneral(cfg.hidden_size, (None, "embed"), name="project_in", **dense)(x)
+            x = layers.DenseGeneral(
+                cfg.hidden_size,
+                (None, "embed"),
+                dtype=cfg.dtype,
+                param_dtype=cfg.param_dtype,
+                name="project_in",
+            )(x)
         # The position table is small and never split over its rows.
         table = self.param(
             "embed_positions",
@@ -223,31 +216,21 @@ class OPT(nn.Module):
             (cfg.max_position_embeddings + POSITION_OFFSET, cfg.hidden_size),
             layers.as_dtype(cfg.param_dtype),
         )
-        x = x + jnp.take(table, positions + POSITION_OFFSET, axis=0).astype(x.dtype)
-        x = layers.stack_blocks(
-            OPTBlock,
-            cfg.num_layers,
-            scan_layers=cfg.scan_layers,
-            remat_policy=cfg.remat_policy,
-            name="layers",
-            config=cfg,
-            deterministic=deterministic,
-        )(x, mask, decoding)
+        return x + jnp.take(table, positions + POSITION_OFFSET, axis=0).astype(x.dtype), ()
+
+    def final_norm(self, x: Array) -> Array:
+        cfg = self.config
         if cfg.final_layer_norm:
             x = layer_norm(cfg, "final_layer_norm")(x)
         if cfg.projects:
-            x = layers.DenseGeneral(cfg.embed_dim, ("embed", None), name="project_out", **dense)(x)
-        if cfg.tie_word_embeddings:
-            logits = embed.attend(x)
-        else:
-            logits = layers.DenseGeneral(
-                cfg.vocab_size,
-                ("embed", "vocab"),
-                dtype=jnp.float32,
+            x = layers.DenseGeneral(
+                cfg.embed_dim,
+                ("embed", None),
+                dtype=cfg.dtype,
                 param_dtype=cfg.param_dtype,
-                name="lm_head",
+                name="project_out",
             )(x)
-        return layers.constrain(logits, ("batch", "length", "vocab"))
+        return x
 
 
 # ------------------------------------------------------------------ HuggingFace

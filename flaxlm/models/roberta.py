@@ -16,15 +16,16 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import layers
-from flaxlm.models.base import EncoderOnlyModel, HFSpec, HFTensor, linear, register_hf
+from flaxlm.models import attention, layers
+from flaxlm.models.base import ComputeOptions, EncoderOnlyModel
+from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
 Array = jax.Array
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class RobertaConfig:
+class RobertaConfig(ComputeOptions):
     """RoBERTa hyper-parameters (HF names in comments) and compute options."""
 
     vocab_size: int = 50265
@@ -39,16 +40,9 @@ class RobertaConfig:
     layer_norm_epsilon: float = 1e-5  # HF: layer_norm_eps
     activation: str = "gelu"  # HF: hidden_act (the encoder's; the LM head's is always GELU)
     tie_word_embeddings: bool = True  # the LM head's decoder reuses the word embeddings
-    dropout_rate: float = 0.0
-    dtype: str = "float32"  # compute dtype; norms, softmax and logits stay float32
-    param_dtype: str = "float32"
-    remat_policy: str = "none"  # see layers.REMAT_POLICIES
-    scan_layers: bool = False
-    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see layers.dot_product_attention)
-    attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
-    def __post_init__(self):
-        layers.check_options(self)
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}."
@@ -110,7 +104,7 @@ class RobertaLayer(nn.Module):
         qkv = dict(zip(names, layers.parallel_dense(x, projections)))
         q = layers.constrain(qkv["query"], layers.HEAD_AXES)
         k = layers.constrain(qkv["key"], layers.HEAD_AXES)
-        attn = layers.dot_product_attention(
+        attn = attention.dot_product_attention(
             q,
             k,
             qkv["value"],
@@ -166,8 +160,8 @@ class Roberta(nn.Module):
     ) -> Array:
         cfg = self.config
         batch, length = tokens.shape
-        positions = layers.default_positions(tokens, positions)
-        mask = layers.attention_mask(segment_ids, batch, length, causal=False)
+        positions = attention.default_positions(tokens, positions)
+        mask = attention.attention_mask(segment_ids, batch, length, causal=False)
         embed = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         word = layers.Embed(cfg.vocab_size, cfg.hidden_size, name="word_embeddings", **embed)
         position_table = self.param(

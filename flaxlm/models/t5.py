@@ -19,15 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import layers
-from flaxlm.models.base import EncoderDecoderModel, HFSpec, HFTensor, linear, register_hf
+from flaxlm.models import attention, layers
+from flaxlm.models.base import ComputeOptions, EncoderDecoderModel
+from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
 Array = jax.Array
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class T5Config:
+class T5Config(ComputeOptions):
     """T5 hyper-parameters (HF names) and compute options."""
 
     vocab_size: int = 32128
@@ -44,15 +45,8 @@ class T5Config:
     tie_word_embeddings: bool = True  # the head reuses `shared` (v1.0)
     scale_decoder_outputs: bool = True  # multiply by d_model**-0.5 before the head (v1.0)
     layer_norm_epsilon: float = 1e-6
-    dropout_rate: float = 0.0  # embeddings, sublayer outputs, MLP hidden (not attention probs)
-    dtype: str = "float32"  # compute dtype; norms, softmax and logits stay float32
-    param_dtype: str = "float32"
-    remat_policy: str = "none"  # see layers.REMAT_POLICIES
-    scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
-    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see layers.dot_product_attention)
-    attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("d_model", "d_kv", "d_ff", "num_layers", "num_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
@@ -82,7 +76,7 @@ class T5Config:
                 f"relative_attention_max_distance {self.relative_attention_max_distance} must "
                 f"exceed relative_attention_num_buckets // 2 = {buckets // 2}."
             )
-        layers.check_options(self)
+        super().__post_init__()
 
     @property
     def decoder_layers(self) -> int:
@@ -195,7 +189,7 @@ class T5Attention(nn.Module):
         kv: Array | None,
         mask: Array | None,
         bias: Array | None,
-        decoding: layers.Decoding | None = None,
+        decoding: attention.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
@@ -219,8 +213,8 @@ class T5Attention(nn.Module):
             q = q_proj(x)
             k, v = layers.parallel_dense(kv, kv_proj)
         q, k, v = (layers.constrain(y, layers.HEAD_AXES) for y in (q, k, v))
-        k, v = layers.KVCache(name="cache")(k, v, decoding)
-        out = layers.dot_product_attention(
+        k, v = attention.KVCache(name="cache")(k, v, decoding)
+        out = attention.dot_product_attention(
             q,
             k,
             v,
@@ -291,7 +285,7 @@ class T5Block(nn.Module):
         mask: Array | None,
         encoded: Array | None = None,
         cross_mask: Array | None = None,
-        decoding: layers.Decoding | None = None,
+        decoding: attention.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         norm = dict(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
@@ -335,7 +329,7 @@ class T5Stack(nn.Module):
         encoder_segment_ids: Array | None = None,
         *,
         deterministic: bool = True,
-        decoding: layers.Decoding | None = None,
+        decoding: attention.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         batch, length = x.shape[:2]
@@ -365,10 +359,10 @@ class T5Stack(nn.Module):
 
         args: tuple[Array | None, ...]
         if self.is_decoder:
-            mask = layers.causal_mask(segment_ids, batch, length, decoding)
+            mask = attention.causal_mask(segment_ids, batch, length, decoding)
             cross_mask = None
             if encoder_segment_ids is not None:
-                cross_mask = layers.attention_mask(
+                cross_mask = attention.attention_mask(
                     segment_ids,
                     batch,
                     length,
@@ -380,7 +374,7 @@ class T5Stack(nn.Module):
         else:
             mask = None
             if segment_ids is not None:
-                mask = layers.attention_mask(segment_ids, batch, length, causal=False)
+                mask = attention.attention_mask(segment_ids, batch, length, causal=False)
             args = (bias, mask)
 
         if cfg.dropout_rate:
@@ -459,7 +453,7 @@ class T5(nn.Module):
         positions: Array | None = None,
         *,
         deterministic: bool = True,
-        decoding: layers.Decoding | None = None,
+        decoding: attention.Decoding | None = None,
     ) -> Array:
         """Shifted targets `[batch, target_len]` over an encoder output -> float32 logits.
 
@@ -577,14 +571,14 @@ def _stack_tensors(cfg: T5Config, stack: str) -> list[HFTensor]:
     if decoder:
         sublayers.append((1, "EncDecAttention", "cross_attention_norm"))
     out = []
-    for index, attention, norm in sublayers:
+    for index, sublayer, norm in sublayers:
         out.append(HFTensor(f"{p}/{norm}/scale", f"{h}.{index}.layer_norm.weight", layers=n))
         out += [
-            linear(f"{p}/{attention}/{w}/kernel", f"{h}.{index}.{attention}.{w}.weight", layers=n)
+            linear(f"{p}/{sublayer}/{w}/kernel", f"{h}.{index}.{sublayer}.{w}.weight", layers=n)
             for w in ("q", "k", "v")
         ]
         out.append(
-            linear(f"{p}/{attention}/o/kernel", f"{h}.{index}.{attention}.o.weight", 2, layers=n)
+            linear(f"{p}/{sublayer}/o/kernel", f"{h}.{index}.{sublayer}.o.weight", 2, layers=n)
         )
     mlp = len(sublayers)
     out.append(HFTensor(f"{p}/mlp_norm/scale", f"{h}.{mlp}.layer_norm.weight", layers=n))

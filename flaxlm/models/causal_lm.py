@@ -1,0 +1,138 @@
+"""The decoder-only skeleton every causal family plugs its block into.
+
+`CausalLM` is embed -> blocks (scanned or unrolled, rematerialised as the config says) ->
+final norm -> tied or untied head, with the mask and the KV cache's decoding state handed to
+every block. A family subclasses it: it names its block and the scopes of its params (so
+they match its HF table), and overrides the hooks where it differs (positions, mask, final
+norm). Its blocks are called `block(x, [layer_index,] mask, decoding, *extra)` with the
+`extra` arguments its `block_inputs` returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flaxlm.models import attention, layers
+
+Array = jax.Array
+
+
+class CausalLMConfig(Protocol):
+    """What the skeleton reads of a family config (a `base.ComputeOptions` subclass)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    dtype: str
+    param_dtype: str
+    dropout_rate: float
+    remat_policy: str
+    scan_layers: bool
+
+
+class CausalLM(nn.Module):
+    """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`.
+
+    Class attributes a family sets:
+      block_cls: its block, a module with fields `config` and `deterministic`.
+      embed_name: the token embedding's scope ('embed_tokens', GPT-2's 'wte').
+      layers_name: the blocks' scope prefix ('layers': `layers_0`, ... or scanned `layers`).
+      layer_index: the blocks take their index (an int32 scalar) after `x`.
+      head_bias: the untied head has a bias (GPT-J).
+    """
+
+    config: Any  # a CausalLMConfig
+
+    block_cls: ClassVar[type[nn.Module]]
+    embed_name: ClassVar[str] = "embed_tokens"
+    layers_name: ClassVar[str] = "layers"
+    layer_index: ClassVar[bool] = False
+    head_bias: ClassVar[bool] = False
+
+    # ------------------------------------------------------------ hooks
+
+    @property
+    def tied_head(self) -> bool:
+        """Whether the head reuses the token embedding (the config's tie_word_embeddings)."""
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    @property
+    def embed_width(self) -> int:
+        """Width of the token embedding (and of a tied head's input)."""
+        return self.config.hidden_size
+
+    def mask(
+        self,
+        segment_ids: Array | None,
+        positions: Array,
+        decoding: attention.Decoding | None,
+        deterministic: bool,
+    ) -> attention.Mask:
+        """The blocks' self-attention mask: causal, within segments, over the cache while
+        decoding."""
+        batch, length = positions.shape
+        return attention.causal_mask(segment_ids, batch, length, decoding)
+
+    def block_inputs(
+        self, x: Array, positions: Array, decoding: attention.Decoding | None
+    ) -> tuple[Array, tuple[Any, ...]]:
+        """The family's touches on the embedded tokens `x` [batch, length, embed_width]
+        (position embeddings, scaling, a projection): `(x, extra block arguments)`."""
+        return x, ()
+
+    def final_norm(self, x: Array) -> Array:
+        """The norm after the last block (and anything between it and the head)."""
+        raise NotImplementedError(f"{type(self).__name__} must define final_norm.")
+
+    # ------------------------------------------------------------ the skeleton
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Array,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        *,
+        deterministic: bool = True,
+        decoding: attention.Decoding | None = None,
+    ) -> Array:
+        cfg = self.config
+        positions = attention.default_positions(tokens, positions)
+        mask = self.mask(segment_ids, positions, decoding, deterministic)
+        embed = layers.Embed(
+            cfg.vocab_size,
+            self.embed_width,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            name=self.embed_name,
+        )
+        x, extra = self.block_inputs(embed(tokens), positions, decoding)
+        if cfg.dropout_rate:
+            x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        x = layers.stack_blocks(
+            self.block_cls,
+            cfg.num_layers,
+            scan_layers=cfg.scan_layers,
+            remat_policy=cfg.remat_policy,
+            name=self.layers_name,
+            layer_index=self.layer_index,
+            config=cfg,
+            deterministic=deterministic,
+        )(x, mask, decoding, *extra)
+        x = self.final_norm(x)
+        if self.tied_head:
+            logits = embed.attend(x, dtype=jnp.float32)
+        else:
+            logits = layers.DenseGeneral(
+                cfg.vocab_size,
+                ("embed", "vocab"),
+                use_bias=self.head_bias,
+                dtype=jnp.float32,
+                param_dtype=cfg.param_dtype,
+                name="lm_head",
+            )(x)
+        return layers.constrain(logits, ("batch", "length", "vocab"))

@@ -1,0 +1,89 @@
+"""The records a family fills in to map its params to HuggingFace tensor names.
+
+Each family file describes how its params correspond to a HuggingFace checkpoint's tensors
+with these plain records and registers them (`register_hf`); `flaxlm/hf.py` does the
+reading, placing and writing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from flaxlm.models.base import BaseModel
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One param <-> one HF tensor.
+
+    `param` is the param's path joined by '/', `hf` the HF tensor name; a `{i}` in both is
+    repeated for i in range(layers) (hf.py stacks them when the model scans its layers).
+    The HF tensor is the param reshaped to 2-D after its first `split` axes (to 1-D when
+    `split` is None), transposed when `transpose` (torch `Linear` stores [out, in]).
+    `vocab_axis` is the param axis that hf.py pads to the model's `vocab_size`.
+    `to_flax` / `to_hf` (numpy -> numpy) replace the reshape rule where it is not enough.
+    """
+
+    param: str
+    hf: str
+    split: int | None = None
+    transpose: bool = False
+    layers: int = 0
+    vocab_axis: int | None = None
+    to_flax: Callable[[np.ndarray, tuple[int, ...]], np.ndarray] | None = None
+    to_hf: Callable[[np.ndarray], np.ndarray] | None = None
+    # Other HF names that hold the same values (a tensor outside the layers): written on
+    # export (HF reports them missing otherwise), accepted and not read on import.
+    copies: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.copies and self.layers:
+            raise ValueError(f"{self.param}: copies of a per-layer tensor are not supported.")
+
+
+def linear(param: str, hf: str, split: int = 1, **kw: Any) -> HFTensor:
+    """A torch `nn.Linear` weight ([out, in]) for a kernel whose first `split` axes are in."""
+    return HFTensor(param, hf, split=split, transpose=True, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class HFSpec:
+    """How one family reads and writes HuggingFace checkpoints.
+
+    config_from_hf: HF config.json dict (+ keyword overrides) -> the family's config, with
+      the real vocabulary size (hf.py pads it).
+    config_to_hf: the family's config -> HF config.json dict (with `model_type` and
+      `architectures`), for the real vocabulary size.
+    tensors: config -> the HFTensor records covering every param exactly once.
+    ignore: regular expressions of HF tensor names that have no param (buffers, tied copies).
+    """
+
+    model_types: tuple[str, ...]
+    config_cls: type
+    model_cls: Callable[[Any], BaseModel]
+    config_from_hf: Callable[..., Any]
+    config_to_hf: Callable[[Any], dict[str, Any]]
+    tensors: Callable[[Any], list[HFTensor]]
+    ignore: tuple[str, ...] = ()
+    auto_class: str = "AutoModelForCausalLM"  # the transformers class that loads an export
+    # HF's `base_model_prefix` ('transformer', 'model'): files saved from the bare base
+    # model name their tensors without it, and hf.py reads those too.
+    base_model_prefix: str = ""
+    # (LM head, token embedding) HF names of a family whose config says
+    # `tie_word_embeddings`. Like transformers, a file whose head differs from the embedding
+    # is loaded untied whatever the config says (T5 as transformers 5 saves it).
+    tied_head: tuple[str, str] | None = None
+
+
+HF_SPECS: dict[str, HFSpec] = {}
+
+
+def register_hf(spec: HFSpec) -> HFSpec:
+    """Makes `spec` the reader and writer of its model types (in `HF_SPECS`); returns it."""
+    for model_type in spec.model_types:
+        HF_SPECS[model_type] = spec
+    return spec
