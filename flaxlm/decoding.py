@@ -18,10 +18,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 Array = jax.Array
 Cache = Any
@@ -270,45 +266,3 @@ def decode(
         return beam_search(first_logits, cache, step, config)[0]
     rng = jax.random.PRNGKey(0) if rng is None else rng
     return sample(first_logits, cache, step, config, rng)[0]
-
-
-# ---------------------------------------------------------------------------- running
-
-
-def _global_array(x: np.ndarray, partitioner: Any) -> Array:
-    """The same host array on every process -> one global array, split over the batch axes
-    when they divide its rows (replicated otherwise)."""
-    split = x.shape[0] % partitioner.data_parallel_degree() == 0
-    axes = ("batch" if split else None,) + (None,) * (x.ndim - 1)
-    sharding = NamedSharding(partitioner.mesh, partitioner.mesh_axes(axes))
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-
-def compile_decoder(
-    fn: Callable[[Any, Array, Array, Array], Array], partitioner: Any = None
-) -> Callable[[Any, np.ndarray, np.ndarray, Array], np.ndarray]:
-    """`fn(params, inputs, lengths, rng) -> tokens`, jitted; numpy in and out.
-
-    With a Partitioner, it traces under the partitioner's mesh and logical rules (so the
-    model's logical constraints shard the cache and activations), takes the params as they
-    are sharded, splits the prompts over the batch axes, and hands every process the whole
-    result. Every process must pass the same prompts.
-    """
-    if partitioner is None:
-        jitted = jax.jit(fn)
-
-        def run(params: Any, inputs: np.ndarray, lengths: np.ndarray, rng: Array) -> np.ndarray:
-            return np.asarray(jitted(params, jnp.asarray(inputs), jnp.asarray(lengths), rng))
-
-        return run
-
-    replicated = NamedSharding(partitioner.mesh, P())
-    jitted = jax.jit(fn, out_shardings=replicated)
-
-    def run_sharded(params: Any, inputs: np.ndarray, lengths: np.ndarray, rng: Array) -> np.ndarray:
-        inputs_global, lengths_global = (_global_array(x, partitioner) for x in (inputs, lengths))
-        with partitioner.context():
-            out = jitted(params, inputs_global, lengths_global, rng)
-        return np.asarray(multihost_utils.process_allgather(out, tiled=True))
-
-    return run_sharded

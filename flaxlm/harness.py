@@ -36,6 +36,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from flaxlm import inference, run_dir
+from flaxlm.models import layers
 from flaxlm.models.base import BaseModel, EncoderDecoderModel
 from flaxlm.partitioning import Partitioner
 
@@ -62,7 +63,7 @@ def score_and_greedy(
     logits = model.compute_logits(params, batch)
     targets, weights = model.targets_and_weights(batch)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
-    target = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    target = layers.select_tokens(log_probs, targets)
     scores = jnp.sum(target * weights.astype(jnp.float32), axis=-1)
     greedy = jnp.all((jnp.argmax(logits, axis=-1) == targets) | (weights == 0), axis=-1)
     return scores, greedy

@@ -29,6 +29,7 @@ from flax import traverse_util
 
 import flaxlm.models  # noqa: F401  (registers every family's HFSpec)
 from flaxlm import pytrees
+from flaxlm.models import hf_spec
 from flaxlm.models.base import BaseModel, EncoderOnlyModel
 from flaxlm.models.hf_spec import HF_SPECS, HFSpec, HFTensor
 from flaxlm.partitioning import Partitioner
@@ -115,49 +116,6 @@ def config_from_hf_dict(
 # ------------------------------------------------------------------------ tensors
 
 
-def _expand(tensors: Sequence[HFTensor], scan: bool) -> dict[str, tuple[HFTensor, list[str]]]:
-    """Param path -> (record, HF names), one name per layer for stacked (scanned) params."""
-    out: dict[str, tuple[HFTensor, list[str]]] = {}
-    for t in tensors:
-        if t.layers == 0:
-            out[t.param] = (t, [t.hf])
-        elif scan:
-            # `name_{i}/rest` unrolled is `name/block/rest` scanned, layers on axis 0.
-            out[re.sub(r"_\{i\}", "/block", t.param, count=1)] = (
-                t,
-                [t.hf.format(i=i) for i in range(t.layers)],
-            )
-        else:
-            for i in range(t.layers):
-                out[t.param.format(i=i)] = (t, [t.hf.format(i=i)])
-    return out
-
-
-def _hf_layout(t: HFTensor, array: np.ndarray) -> np.ndarray:
-    """A param (one layer, vocabulary unpadded) in HF's layout."""
-    if t.to_hf is not None:
-        return t.to_hf(array)
-    shape = array.shape
-    if t.split is None:
-        out = array.reshape(-1)
-    else:
-        out = array.reshape(math.prod(shape[: t.split]), math.prod(shape[t.split :]))
-    return out.T if t.transpose else out
-
-
-def _flax_layout(t: HFTensor, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """An HF tensor in the param's layout (one layer, vocabulary unpadded)."""
-    if t.to_flax is not None:
-        return t.to_flax(array, shape)
-    if t.transpose:
-        array = array.T
-    return array.reshape(shape)
-
-
-def _hf_shape(t: HFTensor, shape: tuple[int, ...]) -> tuple[int, ...]:
-    return _hf_layout(t, np.broadcast_to(np.zeros((), np.float32), shape)).shape
-
-
 class SafetensorsReader:
     """Memory-mapped access to the tensors of a (possibly sharded) safetensors checkpoint."""
 
@@ -211,7 +169,7 @@ def _check_tensors(
         layer_shape = list(shapes[param][1:] if stacked else shapes[param])
         if t.vocab_axis is not None:
             layer_shape[t.vocab_axis] = real_vocab
-        want = _hf_shape(t, tuple(layer_shape))
+        want = t.hf_shape(tuple(layer_shape))
         for name in names:
             if name not in reader.file_of:
                 raise ValueError(
@@ -254,7 +212,7 @@ def _shard_reader(
         unpadded[t.vocab_axis] = real_vocab
 
     def layer(i: int) -> np.ndarray:
-        array = _flax_layout(t, reader.read(names[i]), tuple(unpadded))
+        array = t.to_flax_layout(reader.read(names[i]), tuple(unpadded))
         if t.vocab_axis is not None and layer_shape[t.vocab_axis] > real_vocab:
             pad = [(0, 0)] * array.ndim
             pad[t.vocab_axis] = (0, layer_shape[t.vocab_axis] - real_vocab)
@@ -305,7 +263,7 @@ def _place_params(
     flat_abstract = traverse_util.flatten_dict(abstract, sep="/")
     shapes = {k: tuple(v.shape) for k, v in flat_abstract.items()}
     scan = bool(getattr(model.config, "scan_layers", False))
-    expanded = _expand(spec.tensors(model.config), scan)
+    expanded = hf_spec.expand(spec.tensors(model.config), scan)
     real_vocab = model.config.real_vocab_size or model.config.vocab_size
     _check_tensors(spec, expanded, shapes, reader, real_vocab, path)
 
@@ -404,13 +362,13 @@ def hf_state_dict(model: BaseModel, params: Params) -> Iterator[tuple[str, np.nd
     scan = bool(getattr(model.config, "scan_layers", False))
     flat = traverse_util.flatten_dict(params, sep="/")
     real_vocab = model.config.real_vocab_size or model.config.vocab_size
-    for param, (t, names) in _expand(spec.tensors(model.config), scan).items():
+    for param, (t, names) in hf_spec.expand(spec.tensors(model.config), scan).items():
         array = pytrees.host_array(flat[param])
         layers = list(array) if t.layers and scan else [array]
         for name, layer in zip(names, layers, strict=True):
             if t.vocab_axis is not None:
                 layer = np.take(layer, np.arange(real_vocab), axis=t.vocab_axis)
-            tensor = np.ascontiguousarray(_hf_layout(t, layer))
+            tensor = np.ascontiguousarray(t.to_hf_layout(layer))
             yield name, tensor
             for other in t.copies:
                 yield other, tensor

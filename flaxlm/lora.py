@@ -127,7 +127,7 @@ def dense_kernels(model: Any, batch_shapes: Mapping[str, tuple[int, ...]]) -> di
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(record):
-        boxed = jax.eval_shape(lambda: model._boxed_init(jax.random.PRNGKey(0), batch_shapes))
+        boxed = jax.eval_shape(lambda: model.init_boxed(jax.random.PRNGKey(0), batch_shapes))
     axes_tree = nn.get_partition_spec(boxed)
     shapes = nn.unbox(boxed)
     flat_shapes = traverse_util.flatten_dict(shapes)

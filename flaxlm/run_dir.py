@@ -7,6 +7,7 @@
                             (`flaxlm_config`), EOS ids and generation config; written by every
                             training run and import (older directories: `hf_config.json`)
       lora.json             a LoRA run: the adapter config and where the frozen base lives
+      base/checkpoints/0/   a LoRA run's random base params (when it starts from no checkpoint)
       tokenizer/            the tokenizer of the HF checkpoint the run started from
       metrics.jsonl, tensorboard/
 
@@ -35,6 +36,7 @@ Params = Any
 MODEL_RECORD = "model_record.json"
 LEGACY_MODEL_RECORD = "hf_config.json"  # the model record's name before it said what it is
 LORA_RECORD = "lora.json"
+LORA_BASE_DIR = "base"  # a LoRA run's random base params, saved once
 TOKENIZER_DIR = "tokenizer"
 CONFIG_FILE = "config.gin"
 

@@ -160,7 +160,7 @@ def load_lora_base(
         source = {"checkpoint": os.path.abspath(base_checkpoint), "step": step}
         params = run_dir.restore_lora_base(source, model, partitioner)
     else:
-        base_dir = os.path.join(os.path.abspath(model_dir), "base")
+        base_dir = os.path.join(os.path.abspath(model_dir), run_dir.LORA_BASE_DIR)
         source = {"checkpoint": base_dir, "step": 0}
         base_ckpt = checkpoints.Checkpointer(base_dir)
         if base_ckpt.latest_step() is None:

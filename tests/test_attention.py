@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flaxlm import inference
 from flaxlm.models import attention
 from tests.helpers import random_batch, tiny_gptj
 
@@ -143,6 +144,6 @@ def test_decoding_gives_the_same_tokens_with_every_implementation(implementation
     params = xla.init_params(jax.random.PRNGKey(1), {"decoder_input_tokens": (1, 16)})
     prompts = {"inputs": np.asarray([[5, 9, 33, 2, 7, 0, 0], [8, 1, 4, 4, 4, 4, 9]], np.int32)}
     np.testing.assert_array_equal(
-        other.generate(params, prompts, 10, eos_id=None),
-        xla.generate(params, prompts, 10, eos_id=None),
+        inference.generate(other, params, prompts, max_new_tokens=10, eos_id=None),
+        inference.generate(xla, params, prompts, max_new_tokens=10, eos_id=None),
     )

@@ -15,11 +15,11 @@ import pytest
 import torch
 import transformers
 
-from flaxlm import decoding, hf, trainer
+from flaxlm import hf, inference, trainer
 from flaxlm.models import attention, layers
 from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
-from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.hf_spec import HF_SPECS, HFSpec, HFTensor, linear, register_hf
 from flaxlm.partitioning import Partitioner
 from tests.helpers import adamw, feature_lengths, random_batch
 from tests.hf_helpers import decoder_batch, max_abs_diff, padded_batch, torch_logits
@@ -166,19 +166,29 @@ def hf_tensors(cfg: Qwen2Config) -> list[HFTensor]:
     return out
 
 
-register_hf(
-    HFSpec(
-        model_types=("qwen2",),
-        config_cls=Qwen2Config,
-        model_cls=DecoderOnlyModel,
-        config_from_hf=config_from_hf,
-        config_to_hf=config_to_hf,
-        tensors=hf_tensors,
-        ignore=(r"rotary_emb\.inv_freq$", r"^lm_head\.weight$"),
-        base_model_prefix="model",
-        tied_head=("lm_head.weight", "model.embed_tokens.weight"),
-    )
+SPEC = HFSpec(
+    model_types=("qwen2",),
+    config_cls=Qwen2Config,
+    model_cls=DecoderOnlyModel,
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    tensors=hf_tensors,
+    ignore=(r"rotary_emb\.inv_freq$", r"^lm_head\.weight$"),
+    base_model_prefix="model",
+    tied_head=("lm_head.weight", "model.embed_tokens.weight"),
 )
+
+
+@pytest.fixture
+def registered():
+    """The family registered (`register_hf`, as its module would on import) for one test;
+    the registry is restored after it, so flaxlm's own families are untouched."""
+    saved = dict(HF_SPECS)
+    register_hf(SPEC)
+    yield SPEC
+    HF_SPECS.clear()
+    HF_SPECS.update(saved)
+
 
 # ------------------------------------------------------------------ the tests
 
@@ -212,18 +222,8 @@ def test_greedy_decoding_with_the_cache_follows_the_full_forward_argmax():
     params = model.init_params(jax.random.PRNGKey(0), model.example_batch_shapes(16, 2))
     prompts = np.random.default_rng(0).integers(1, 128, (2, 6)).astype(np.int32)
     lengths = np.array([6, 4], np.int32)
-    config = decoding.DecodingConfig(max_new_tokens=8)
-
-    @jax.jit
-    def greedy(params, inputs, lengths):
-        first_logits, state = model.prefill(params, inputs, lengths, config)
-
-        def step(token, t, state):
-            return model.decode_step(params, token, t, state, config)
-
-        return decoding.decode(first_logits, state, step, config)
-
-    new = np.asarray(greedy(params, prompts, lengths))
+    batch = {"inputs": prompts, "inputs_lengths": lengths}
+    new = inference.generate(model, params, batch, max_new_tokens=8, eos_id=None)
     for row, n in enumerate(lengths):
         tokens = np.concatenate([prompts[row, :n], new[row]])[None]
         logits = model.compute_logits(params, {"decoder_input_tokens": tokens})
@@ -257,7 +257,7 @@ def tiny_hf_qwen2(tmp_path, **overrides):
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_hf_import_matches_transformers_and_export_reloads(tmp_path, tied):
+def test_hf_import_matches_transformers_and_export_reloads(tmp_path, tied, registered):
     torch_model, path = tiny_hf_qwen2(tmp_path, tie_word_embeddings=tied)
     ids, mask = padded_batch(250, (12, 7, 12, 3))
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)

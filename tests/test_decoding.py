@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from flaxlm import decoding, hf
+from flaxlm import decoding, hf, inference
 from flaxlm.partitioning import Partitioner
 from tests.hf_helpers import decoder_batch, padded_batch
 from tests.test_hf_gemma import tiny_hf_gemma
@@ -91,11 +91,11 @@ def test_greedy_matches_transformers_for_prompts_of_different_lengths(tmp_path, 
     model, params = hf.from_pretrained(path)
     vocab = torch_model.config.vocab_size
     ids, _ = padded_batch(vocab, PROMPT_LENGTHS, seed=1)
-    ours = model.generate(params, {"inputs": ids}, NEW_TOKENS)
+    ours = inference.generate(model, params, {"inputs": ids}, max_new_tokens=NEW_TOKENS)
     theirs = hf_greedy(torch_model, ids, PROMPT_LENGTHS)
     np.testing.assert_array_equal(ours, theirs)
     # The padded prompts decoded as a batch, and each alone, agree.
-    alone = model.generate(params, {"inputs": ids[1:2, :12]}, NEW_TOKENS)
+    alone = inference.generate(model, params, {"inputs": ids[1:2, :12]}, max_new_tokens=NEW_TOKENS)
     np.testing.assert_array_equal(alone[0], ours[1])
 
 
@@ -103,10 +103,14 @@ def test_eos_stops_a_row_and_pads_after_it(tmp_path):
     torch_model, path = tiny_hf_gpt2(tmp_path, "standard")
     model, params = hf.from_pretrained(path)
     ids, _ = padded_batch(torch_model.config.vocab_size, PROMPT_LENGTHS, seed=1)
-    free = model.generate(params, {"inputs": ids}, NEW_TOKENS, eos_id=None)
+    free = inference.generate(
+        model, params, {"inputs": ids}, max_new_tokens=NEW_TOKENS, eos_id=None
+    )
     # Make the third token of row 0 the EOS: the row stops there, the others go on.
     eos = int(free[0, 2])
-    stopped = model.generate(params, {"inputs": ids}, NEW_TOKENS, eos_id=eos)
+    stopped = inference.generate(
+        model, params, {"inputs": ids}, max_new_tokens=NEW_TOKENS, eos_id=eos
+    )
     np.testing.assert_array_equal(stopped[0, :3], free[0, :3])
     assert (stopped[0, 3:] == 0).all()
     theirs = hf_greedy(torch_model, ids, PROMPT_LENGTHS, eos_token_id=eos)
@@ -119,7 +123,7 @@ def test_cached_decoding_equals_rerunning_the_sequence(tmp_path, family):
     # Scanned layers and a remat policy change neither the params nor the tokens.
     model, params = hf.from_pretrained(path, scan_layers=True, remat_policy="full")
     ids, _ = padded_batch(model.config.real_vocab_size, (6, 2, 10), seed=2)
-    ours = model.generate(params, {"inputs": ids}, 12)
+    ours = inference.generate(model, params, {"inputs": ids}, max_new_tokens=12)
     np.testing.assert_array_equal(ours, naive_greedy(model, params, ids, (6, 2, 10), 12))
 
 
@@ -128,17 +132,24 @@ def test_sharded_decoding_equals_unsharded(tmp_path, family):
     _, path = SHARDED[family](tmp_path)
     model, params = hf.from_pretrained(path)
     ids, _ = padded_batch(model.config.real_vocab_size, PROMPT_LENGTHS, seed=3)
-    single = model.generate(params, {"inputs": ids}, 16)
+    single = inference.generate(model, params, {"inputs": ids}, max_new_tokens=16)
     partitioner = Partitioner(mesh_shape=(1, 2, 4))
     sharded_model, sharded_params = hf.from_pretrained(path, partitioner)
     kernel = jax.tree.leaves(sharded_params)[0]
     assert len(kernel.sharding.device_set) == 8
-    sharded = sharded_model.generate(sharded_params, {"inputs": ids}, 16, partitioner=partitioner)
+    sharded = inference.generate(
+        sharded_model, sharded_params, {"inputs": ids}, max_new_tokens=16, partitioner=partitioner
+    )
     np.testing.assert_array_equal(sharded, single)
     # Beam search too, under the mesh.
-    beams = model.generate(params, {"inputs": ids}, 8, num_beams=3)
-    sharded_beams = sharded_model.generate(
-        sharded_params, {"inputs": ids}, 8, num_beams=3, partitioner=partitioner
+    beams = inference.generate(model, params, {"inputs": ids}, max_new_tokens=8, num_beams=3)
+    sharded_beams = inference.generate(
+        sharded_model,
+        sharded_params,
+        {"inputs": ids},
+        max_new_tokens=8,
+        num_beams=3,
+        partitioner=partitioner,
     )
     np.testing.assert_array_equal(sharded_beams, beams)
 
@@ -151,7 +162,9 @@ def test_t5_greedy_and_beam_search_match_transformers(tmp_path, version):
     ids, mask = padded_batch(torch_model.config.vocab_size, lengths, seed=4)
     batch = {"inputs": ids}
     for num_beams in (1, 4):
-        ours = model.generate(params, batch, NEW_TOKENS, num_beams=num_beams)
+        ours = inference.generate(
+            model, params, batch, max_new_tokens=NEW_TOKENS, num_beams=num_beams
+        )
         with torch.no_grad():
             theirs = torch_model.generate(
                 torch.from_numpy(ids),
@@ -175,11 +188,17 @@ def test_beam_search_with_length_penalty_matches_transformers_decoder_only(tmp_p
     model, params = hf.from_pretrained(path)
     ids, _ = padded_batch(torch_model.config.vocab_size, (7,), seed=5)
     # An EOS that the beams meet early, so finished hypotheses compete under the penalty.
-    free = model.generate(params, {"inputs": ids}, 10, eos_id=None)
+    free = inference.generate(model, params, {"inputs": ids}, max_new_tokens=10, eos_id=None)
     eos = int(free[0, 3])
     for penalty in (0.5, 2.0):
-        ours = model.generate(
-            params, {"inputs": ids}, 10, num_beams=4, length_penalty=penalty, eos_id=eos
+        ours = inference.generate(
+            model,
+            params,
+            {"inputs": ids},
+            max_new_tokens=10,
+            num_beams=4,
+            length_penalty=penalty,
+            eos_id=eos,
         )
         theirs = hf_greedy(
             torch_model, ids, (7,), 10, num_beams=4, length_penalty=penalty, eos_token_id=eos
@@ -193,15 +212,21 @@ def test_sampling_is_seeded_and_respects_top_k(tmp_path):
     ids, _ = padded_batch(model.config.real_vocab_size, PROMPT_LENGTHS, seed=6)
     batch = {"inputs": ids}
     key = jax.random.PRNGKey(7)
-    a = model.generate(params, batch, 12, temperature=1.0, rng=key)
-    b = model.generate(params, batch, 12, temperature=1.0, rng=key)
-    c = model.generate(params, batch, 12, temperature=1.0, rng=jax.random.PRNGKey(8))
+    a = inference.generate(model, params, batch, max_new_tokens=12, temperature=1.0, rng=key)
+    b = inference.generate(model, params, batch, max_new_tokens=12, temperature=1.0, rng=key)
+    c = inference.generate(
+        model, params, batch, max_new_tokens=12, temperature=1.0, rng=jax.random.PRNGKey(8)
+    )
     np.testing.assert_array_equal(a, b)
     assert (a != c).any()
-    greedy = model.generate(params, batch, 12)
-    top1 = model.generate(params, batch, 12, temperature=0.7, top_k=1, rng=key)
+    greedy = inference.generate(model, params, batch, max_new_tokens=12)
+    top1 = inference.generate(
+        model, params, batch, max_new_tokens=12, temperature=0.7, top_k=1, rng=key
+    )
     np.testing.assert_array_equal(top1, greedy)
-    tiny_p = model.generate(params, batch, 12, temperature=1.3, top_p=1e-6, rng=key)
+    tiny_p = inference.generate(
+        model, params, batch, max_new_tokens=12, temperature=1.3, top_p=1e-6, rng=key
+    )
     np.testing.assert_array_equal(tiny_p, greedy)
 
 
@@ -249,12 +274,16 @@ def test_bad_generate_requests_fail_before_device_work(tmp_path):
     model, params = hf.from_pretrained(path)
     ids, _ = padded_batch(model.config.real_vocab_size, (5, 3), seed=8)
     with pytest.raises(ValueError, match="max_position_embeddings=64"):
-        model.generate(params, {"inputs": ids}, 60)
+        inference.generate(model, params, {"inputs": ids}, max_new_tokens=60)
     with pytest.raises(ValueError, match="empty"):
-        model.generate(params, {"inputs": np.zeros((1, 4), np.int32)}, 4)
+        inference.generate(model, params, {"inputs": np.zeros((1, 4), np.int32)}, max_new_tokens=4)
     with pytest.raises(ValueError, match="batch\\['inputs'\\]"):
-        model.generate(params, {"decoder_input_tokens": ids}, 4)
+        inference.generate(model, params, {"decoder_input_tokens": ids}, max_new_tokens=4)
     with pytest.raises(ValueError, match="temperature"):
-        model.generate(params, {"inputs": ids}, 4, num_beams=2, temperature=0.5)
+        inference.generate(
+            model, params, {"inputs": ids}, max_new_tokens=4, num_beams=2, temperature=0.5
+        )
     with pytest.raises(ValueError, match="top_p"):
-        model.generate(params, {"inputs": ids}, 4, temperature=1.0, top_p=0.0)
+        inference.generate(
+            model, params, {"inputs": ids}, max_new_tokens=4, temperature=1.0, top_p=0.0
+        )

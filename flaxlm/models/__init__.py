@@ -1,19 +1,12 @@
-"""Model families; importing this package registers them with Gin and with `hf_spec`."""
+"""Model families; importing this package registers them with Gin and with `hf_spec`.
 
-from flaxlm.models import (  # noqa: F401
-    attention,
-    base,
-    causal_lm,
-    features,
-    gpt2,
-    gptj,
-    hf_spec,
-    layers,
-    llama,
-    opt,
-    roberta,
-    t5,
-)
+Every module of this package is imported here, so a new family is its file alone (and a
+gin/models/ file): nothing lists the families.
+"""
+
+import importlib
+import pkgutil
+
 from flaxlm.models.base import (  # noqa: F401
     BaseModel,
     ComputeOptions,
@@ -22,4 +15,6 @@ from flaxlm.models.base import (  # noqa: F401
     EncoderOnlyModel,
 )
 from flaxlm.models.causal_lm import CausalLM  # noqa: F401
-from flaxlm.models.gptj import GPTJ, GPTJConfig  # noqa: F401
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import flax.linen as nn
@@ -80,30 +79,7 @@ class ModuleConfig(Protocol):
     def flops_per_token(self, seq_len: int) -> float: ...
 
 
-def select_tokens(values: Array, ids: Array) -> Array:
-    """Each position's entry for its token: `[batch, length, vocab]` values and int
-    `[batch, length]` ids -> `[batch, length]`."""
-    return jnp.take_along_axis(values, ids[..., None], axis=-1)[..., 0]
-
-
-def cross_entropy(
-    logits: Array, targets: Array, weights: Array, z_loss: float = 0.0
-) -> tuple[Array, Array, Array]:
-    """Summed token cross-entropy (+ z-loss) in float32.
-
-    Returns (loss_sum, z_loss_sum, correct_sum), each weighted by `weights`.
-    """
-    logits = logits.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = select_tokens(logits, targets)
-    xent = log_z - target_logit
-    z = z_loss * jnp.square(log_z) if z_loss else jnp.zeros_like(log_z)
-    weights = weights.astype(jnp.float32)
-    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-    return jnp.sum((xent + z) * weights), jnp.sum(z * weights), jnp.sum(correct * weights)
-
-
-MODEL_EOS = -1  # generate(eos_id=MODEL_EOS): the model's own EOS ids
+MODEL_EOS = -1  # inference.generate(eos_id=MODEL_EOS): the model's own EOS ids
 
 
 def eos_tuple(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
@@ -144,7 +120,6 @@ class BaseModel(abc.ABC):
         self.eos_ids = eos_tuple(eos_id)
         self.special_ids = dict(special_ids or {})
         self.generation_config = dict(generation_config) if generation_config else None
-        self._decoders: dict[Any, Callable[..., Any]] = {}
 
     # -------------------------------------------------------------- parameters
 
@@ -154,7 +129,8 @@ class BaseModel(abc.ABC):
     @abc.abstractmethod
     def _apply(self, params: Params, batch: Batch, *, rng: Array | None = None) -> Array: ...
 
-    def _boxed_init(self, rng: Array, batch_shapes: Mapping[str, tuple[int, ...]]) -> Any:
+    def init_boxed(self, rng: Array, batch_shapes: Mapping[str, tuple[int, ...]]) -> Any:
+        """Fresh params boxed with their logical axes (`nn.Partitioned` leaves)."""
         batch = self._dummy_batch(batch_shapes)
         return self._init_variables(rng, batch)["params"]
 
@@ -163,7 +139,7 @@ class BaseModel(abc.ABC):
 
     def init_params(self, rng: Array, batch_shapes: Mapping[str, tuple[int, ...]]) -> Params:
         """Fresh params (plain arrays). Works under `jax.eval_shape` and `jax.jit`."""
-        return nn.unbox(self._boxed_init(rng, batch_shapes))
+        return nn.unbox(self.init_boxed(rng, batch_shapes))
 
     def example_batch_shapes(self, length: int = 8, batch: int = 1) -> dict[str, tuple[int, int]]:
         """Model-feature shapes for `length`-long task features (enough to build params)."""
@@ -173,7 +149,7 @@ class BaseModel(abc.ABC):
 
     def params_axes(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> Any:
         """Tree of PartitionSpecs of logical axis names, one per param."""
-        boxed = jax.eval_shape(lambda: self._boxed_init(jax.random.PRNGKey(0), batch_shapes))
+        boxed = jax.eval_shape(lambda: self.init_boxed(jax.random.PRNGKey(0), batch_shapes))
         return nn.get_partition_spec(boxed)
 
     # -------------------------------------------------------------- training
@@ -192,7 +168,7 @@ class BaseModel(abc.ABC):
         """
         logits = self._logits(params, batch, rng)
         targets, weights = self.targets_and_weights(batch)
-        loss_sum, z_sum, correct_sum = cross_entropy(logits, targets, weights, self.z_loss)
+        loss_sum, z_sum, correct_sum = layers.cross_entropy(logits, targets, weights, self.z_loss)
         weight_sum = jnp.sum(weights.astype(jnp.float32))
         if normalizer is None:
             normalizer = jnp.maximum(weight_sum, 1.0)
@@ -227,78 +203,10 @@ class BaseModel(abc.ABC):
         logits = self.compute_logits(params, batch)
         targets, weights = self.targets_and_weights(batch)
         log_probs = jax.nn.log_softmax(logits, axis=-1)
-        target = select_tokens(log_probs, targets)
+        target = layers.select_tokens(log_probs, targets)
         return jnp.sum(target * weights.astype(jnp.float32), axis=-1)
 
     # -------------------------------------------------------------- decoding
-
-    def generate(
-        self,
-        params: Params,
-        batch: Mapping[str, Any],
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        num_beams: int = 1,
-        rng: Array | None = None,
-        *,
-        length_penalty: float = 1.0,
-        eos_id: int | Sequence[int] | None = MODEL_EOS,
-        partitioner: Any = None,
-    ) -> np.ndarray:
-        """int32 numpy `[batch, max_new_tokens]`: the tokens generated after each prompt, 0
-        after its EOS (which is kept).
-
-        `batch["inputs"]`: int `[batch, prompt_len]` prompts (for an encoder-decoder model,
-        the encoder's inputs), right-padded with 0; `batch["inputs_lengths"]` (optional)
-        their lengths, else each row ends at its last non-zero token. Rows of different
-        lengths decode as if alone. Greedy when `temperature` is 0, else sampled (seeded by
-        `rng`) from the `top_k` / `top_p` set; `num_beams > 1` is beam search. `eos_id`
-        overrides the model's EOS ids (None: never stop early). With a `partitioner`, the
-        prompts are split over its batch axes (when the batch divides) and the whole
-        decoding loop runs as one program on its mesh, on every process.
-        """
-        inputs, lengths = self._prompts(batch)
-        eos_ids = self.eos_ids if eos_id == MODEL_EOS else eos_tuple(eos_id)
-        config = decoding.DecodingConfig(
-            max_new_tokens=max_new_tokens,
-            temperature=float(temperature),
-            top_k=int(top_k),
-            top_p=float(top_p),
-            num_beams=int(num_beams),
-            length_penalty=float(length_penalty),
-            eos_ids=eos_ids,
-        )
-        self.check_decoding(inputs, lengths, config)
-        rng = jax.random.PRNGKey(0) if rng is None else rng
-        key = (config, id(partitioner))
-        if key not in self._decoders:
-            fn = functools.partial(self._generate_tokens, config=config)
-            self._decoders[key] = decoding.compile_decoder(fn, partitioner)
-        return self._decoders[key](params, inputs, lengths, rng)
-
-    def _prompts(self, batch: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-        if "inputs" not in batch:
-            raise ValueError(
-                f"generate needs batch['inputs'] (int [batch, prompt_len], right-padded with "
-                f"0); got keys {sorted(batch)}."
-            )
-        inputs = np.asarray(batch["inputs"]).astype(np.int32)
-        if inputs.ndim != 2:
-            raise ValueError(f"batch['inputs'] must be [batch, prompt_len], got {inputs.shape}.")
-        lengths = batch.get("inputs_lengths")
-        if lengths is None:
-            nonzero = inputs != 0
-            lengths = np.where(
-                nonzero.any(1), inputs.shape[1] - np.argmax(nonzero[:, ::-1], axis=1), 0
-            )
-        lengths = np.asarray(lengths).astype(np.int32).reshape(-1)
-        if lengths.shape[0] != inputs.shape[0] or (lengths > inputs.shape[1]).any():
-            raise ValueError(
-                f"inputs_lengths {lengths.tolist()} do not fit inputs of shape {inputs.shape}."
-            )
-        return inputs, lengths
 
     def check_decoding(
         self, inputs: np.ndarray, lengths: np.ndarray, config: decoding.DecodingConfig
@@ -311,22 +219,6 @@ class BaseModel(abc.ABC):
         if getattr(self.config, "remat_policy", "none") == "none":
             return self.module
         return dataclasses.replace(self.config, remat_policy="none").make_module()
-
-    def _generate_tokens(
-        self,
-        params: Params,
-        inputs: Array,
-        lengths: Array,
-        rng: Array,
-        *,
-        config: decoding.DecodingConfig,
-    ) -> Array:
-        first_logits, state = self.prefill(params, inputs, lengths, config)
-
-        def step(token: Array, t: Array, state: Any) -> tuple[Array, Any]:
-            return self.decode_step(params, token, t, state, config)
-
-        return decoding.decode(first_logits, state, step, config, rng)
 
     def prefill(
         self, params: Params, inputs: Array, lengths: Array, config: decoding.DecodingConfig
@@ -463,11 +355,8 @@ class DecoderOnlyModel(_SingleStackModel):
             module = self._decode_module()
             return module.init(jax.random.PRNGKey(0), dummy, None, None, decoding=where)["cache"]
 
-        state = {
-            "cache": _zeros_like_shapes(jax.eval_shape(init_cache)),
-            "start": start,
-            "prompt_len": jnp.int32(prompt_len),
-        }
+        state = {"cache": empty_cache(init_cache), "start": start}
+        state["prompt_len"] = jnp.int32(prompt_len)
         return self._run_decoder(params, tokens, jnp.int32(0), state, cache_len)
 
     def decode_step(
@@ -488,8 +377,9 @@ def _cache_length(cache: Any) -> int:
     return leaf.shape[leaf.ndim - 3]
 
 
-def _zeros_like_shapes(shapes: Any) -> Any:
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+def empty_cache(init_cache: Any) -> Any:
+    """Zeros shaped as the cache `init_cache()` creates (nothing else is computed)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(init_cache))
 
 
 @gin.configurable
@@ -579,12 +469,8 @@ class EncoderDecoderModel(BaseModel):
             )
             return variables["cache"]
 
-        state = {
-            "cache": _zeros_like_shapes(jax.eval_shape(init_cache)),
-            "start": start,
-            "encoded": encoded,
-            "encoder_segment_ids": segment_ids,
-        }
+        state = {"cache": empty_cache(init_cache), "start": start, "encoded": encoded}
+        state["encoder_segment_ids"] = segment_ids
         # Decoding starts from the decoder start token (0, T5's pad id, as seqio shifts).
         return self._run_decoder(params, jnp.zeros((rows,), jnp.int32), jnp.int32(0), state)
 

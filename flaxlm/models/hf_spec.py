@@ -8,7 +8,9 @@ reading, placing and writing.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import math
+import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,6 +45,43 @@ class HFTensor:
     def __post_init__(self):
         if self.copies and self.layers:
             raise ValueError(f"{self.param}: copies of a per-layer tensor are not supported.")
+
+    def to_hf_layout(self, array: np.ndarray) -> np.ndarray:
+        """A param (one layer, vocabulary unpadded) in HF's layout."""
+        if self.to_hf is not None:
+            return self.to_hf(array)
+        shape = array.shape
+        if self.split is None:
+            out = array.reshape(-1)
+        else:
+            out = array.reshape(math.prod(shape[: self.split]), math.prod(shape[self.split :]))
+        return out.T if self.transpose else out
+
+    def to_flax_layout(self, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """An HF tensor in the param's layout (one layer, vocabulary unpadded)."""
+        if self.to_flax is not None:
+            return self.to_flax(array, shape)
+        return (array.T if self.transpose else array).reshape(shape)
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The HF tensor's shape for a param (one layer) of `shape`."""
+        return self.to_hf_layout(np.broadcast_to(np.zeros((), np.float32), shape)).shape
+
+
+def expand(tensors: Sequence[HFTensor], scan: bool) -> dict[str, tuple[HFTensor, list[str]]]:
+    """Param path -> (record, HF names), one name per layer for stacked (scanned) params."""
+    out: dict[str, tuple[HFTensor, list[str]]] = {}
+    for t in tensors:
+        if t.layers == 0:
+            out[t.param] = (t, [t.hf])
+        elif scan:
+            # `name_{i}/rest` unrolled is `name/block/rest` scanned, layers on axis 0.
+            names = [t.hf.format(i=i) for i in range(t.layers)]
+            out[re.sub(r"_\{i\}", "/block", t.param, count=1)] = (t, names)
+        else:
+            for i in range(t.layers):
+                out[t.param.format(i=i)] = (t, [t.hf.format(i=i)])
+    return out
 
 
 def linear(param: str, hf: str, split: int = 1, **kw: Any) -> HFTensor:

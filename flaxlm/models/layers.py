@@ -382,3 +382,29 @@ def stack_blocks(
         return x
 
     return apply
+
+
+# ---------------------------------------------------------------------------- losses
+
+
+def select_tokens(values: Array, ids: Array) -> Array:
+    """Each position's entry for its token: `[..., vocab]` values (e.g. `[batch, length,
+    vocab]`) and int `[...]` ids -> `[...]`."""
+    return jnp.take_along_axis(values, ids[..., None], axis=-1)[..., 0]
+
+
+def cross_entropy(
+    logits: Array, targets: Array, weights: Array, z_loss: float = 0.0
+) -> tuple[Array, Array, Array]:
+    """Summed token cross-entropy (+ z-loss) in float32.
+
+    Returns (loss_sum, z_loss_sum, correct_sum), each weighted by `weights`.
+    """
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = select_tokens(logits, targets)
+    xent = log_z - target_logit
+    z = z_loss * jnp.square(log_z) if z_loss else jnp.zeros_like(log_z)
+    weights = weights.astype(jnp.float32)
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    return jnp.sum((xent + z) * weights), jnp.sum(z * weights), jnp.sum(correct * weights)
