@@ -20,6 +20,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +36,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "(lm_eval==0.4.13)."
     ) from e
 
-from flaxlm import inference, run_dir
+from flaxlm import gin_utils, inference, run_dir, vocabularies
 from flaxlm.models import layers
 from flaxlm.models.base import BaseModel, EncoderDecoderModel
 from flaxlm.partitioning import Partitioner
@@ -365,11 +366,6 @@ def _parse_gin(files: list[str], bindings: list[str]) -> BaseModel | None:
     """Parses the Gin files and bindings; the `MODEL` they bind, if any."""
     if not files and not bindings:
         return None
-    import gin
-
-    import flaxlm.models  # noqa: F401  (registers model configurables)
-    from flaxlm import gin_utils
-
     try:
         gin_utils.parse_gin(files, bindings, finalize=False)
     except FileNotFoundError:
@@ -385,9 +381,7 @@ def _parse_gin(files: list[str], bindings: list[str]) -> BaseModel | None:
 
 def _vocabulary(checkpoint: str, tokenizer: str | None) -> seqio.Vocabulary:
     if tokenizer:
-        from flaxlm.vocabularies import HuggingFaceVocabulary
-
-        return HuggingFaceVocabulary(tokenizer)
+        return vocabularies.HuggingFaceVocabulary(tokenizer)
     return run_dir.checkpoint_vocabulary(checkpoint) or seqio.ByteVocabulary()
 
 

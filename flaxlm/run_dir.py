@@ -28,7 +28,7 @@ import jax
 import seqio
 from etils import epath
 
-from flaxlm import checkpoints, hf, lora, pytrees
+from flaxlm import checkpoints, hf, lora, pytrees, vocabularies
 from flaxlm.models.base import BaseModel, eos_tuple
 from flaxlm.partitioning import Partitioner
 
@@ -215,9 +215,7 @@ def checkpoint_vocabulary(path: str | epath.Path) -> seqio.Vocabulary | None:
     if not is_hf_dir(path):
         path = path / TOKENIZER_DIR
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-        from flaxlm.vocabularies import HuggingFaceVocabulary  # imports transformers
-
-        return HuggingFaceVocabulary(str(path))
+        return vocabularies.HuggingFaceVocabulary(str(path))
     return None
 
 

@@ -123,10 +123,19 @@ def eval_hook(
     eval_step: Callable[..., Any],
     eval_iter: data.DataIterator,
     eval_steps: int,
-    task_evaluator: evaluation.TaskEvaluator | None,
     eval_params: Callable[[Any], Any],
+    task_metrics_of: tuple[data.DatasetConfig, BaseModel, Partitioner] | None,
 ) -> Hook:
-    """Loss, accuracy, perplexity (and the task's own metrics) every `period` steps."""
+    """Loss, accuracy, perplexity every `period` steps; with `task_metrics_of` (the eval
+    dataset, model and partitioner) also the task's own metric functions, if it has any."""
+    task_evaluator = None
+    if task_metrics_of is not None:
+        cfg, model, partitioner = task_metrics_of
+        num_examples = eval_steps * cfg.batch_size
+        task_evaluator = evaluation.TaskEvaluator(
+            cfg, model, partitioner, num_examples=num_examples
+        )
+        task_evaluator = task_evaluator if task_evaluator.active else None
 
     def run(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
         scalars = trainer.evaluate_batches(eval_step, state.params, eval_iter, eval_steps)
@@ -322,15 +331,6 @@ def train(
         setup.partition_eval_step(trainer.make_eval_step(model, lora)) if eval_iter else None,
         base,
     )
-    task_evaluator = None
-    if eval_iter is not None and eval_task_metrics:
-        task_evaluator = evaluation.TaskEvaluator(
-            eval_dataset_cfg,
-            model,
-            partitioner,
-            num_examples=eval_steps * eval_dataset_cfg.batch_size,
-        )
-        task_evaluator = task_evaluator if task_evaluator.active else None
     run_dir.record_if_known(model, model_dir)
     config_str = gin.operative_config_str()
     if jax.process_index() == 0:
@@ -358,27 +358,19 @@ def train(
         Hook(checkpoint_period, save, on_stop=True),
     ]
     if eval_step is not None:
-        hook = eval_hook(
-            eval_period, writer, eval_step, eval_iter, eval_steps, task_evaluator, eval_params
+        task = (eval_dataset_cfg, model, partitioner) if eval_task_metrics else None
+        hooks.insert(
+            1, eval_hook(eval_period, writer, eval_step, eval_iter, eval_steps, eval_params, task)
         )
-        hooks.insert(1, hook)
 
-    step, stop = start_step, False
+    def next_batch(step: int) -> trainer.Batch:
+        return trainer.next_batch(train_iter, train_dataset_cfg, step)
+
     signals = preemption.PreemptionHandler().install()
     try:
-        while step < total_steps and not stop:
-            state, step_metrics = train_step(
-                state, trainer.next_batch(train_iter, train_dataset_cfg, step)
-            )
-            step += 1
-            nonfinite.defer(step, step_metrics)
-            stop = signals.should_stop()
-            due = [hook for hook in hooks if hook.due(step, total_steps, stop)]
-            if due:
-                nonfinite.check()
-            for hook in due:
-                hook.run(step, state, step_metrics)
-        nonfinite.check()
+        state, step, stop = run_steps(
+            state, start_step, total_steps, train_step, next_batch, hooks, nonfinite, signals
+        )
     finally:
         ckpt.close()  # waits for an async save in flight (a second signal exits at once)
         writer.close()
@@ -388,6 +380,33 @@ def train(
             signals, stop, step, start_step, total_steps, ckpt, saved["step"], path, start_time
         )
     return state
+
+
+def run_steps(
+    state: TrainState,
+    step: int,
+    total_steps: int,
+    train_step: Callable[[TrainState, trainer.Batch], tuple[TrainState, StepMetrics]],
+    next_batch: Callable[[int], trainer.Batch],
+    hooks: list[Hook],
+    nonfinite: NonFiniteCheck,
+    signals: preemption.PreemptionHandler,
+) -> tuple[TrainState, int, bool]:
+    """The loop: a step, then the hooks that are due (after the non-finite check of the
+    steps they read). Returns the state, its step and whether a signal stopped it."""
+    stop = False
+    while step < total_steps and not stop:
+        state, step_metrics = train_step(state, next_batch(step))
+        step += 1
+        nonfinite.defer(step, step_metrics)
+        stop = signals.should_stop()
+        due = [hook for hook in hooks if hook.due(step, total_steps, stop)]
+        if due:
+            nonfinite.check()
+        for hook in due:
+            hook.run(step, state, step_metrics)
+    nonfinite.check()
+    return state, step, stop
 
 
 def report_end(

@@ -53,3 +53,34 @@ def max_abs_diff(ours, theirs, mask: np.ndarray) -> float:
     ours = np.asarray(ours)[..., : theirs.shape[-1]]
     keep = mask.astype(bool)
     return float(np.max(np.abs(ours[keep] - theirs[keep])))
+
+
+def train_on_batch(model, params, partitioner, batch, steps: int, learning_rate: float = 3e-3):
+    """`steps` partitioned train steps from imported `params`, all on `batch`: the final
+    state and each step's metrics (floats)."""
+    from flaxlm import optimizers, trainer
+
+    tx = optimizers.create_optimizer(learning_rate=learning_rate)
+    setup = trainer.Setup(model, partitioner, tx, {k: v.shape[1] for k, v in batch.items()})
+    step = setup.partition_train_step(trainer.make_train_step(model, partitioner, learning_rate))
+    state, history = setup.state_from_params(params), []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        history.append({k: float(v) for k, v in metrics.items()})
+    return state, history
+
+
+def bare_base_model_logits(torch_model, base_module, path, prefixes, ids, mask) -> float:
+    """Saves the bare base model (hub GPT2Model / OPTModel files: tensor names without the
+    `transformer.` / `model.` prefix), checks its names start with `prefixes`, loads it with
+    flaxlm: the largest logit difference from the full torch model."""
+    from safetensors import safe_open
+
+    from flaxlm import hf
+
+    bare = save_torch_model(base_module, path)
+    with safe_open(os.path.join(bare, "model.safetensors"), "np") as f:
+        assert all(name.startswith(prefixes) for name in f.keys())
+    model, params = hf.from_pretrained(bare)
+    ours = model.compute_logits(params, decoder_batch(ids, mask))
+    return max_abs_diff(ours, torch_logits(torch_model, input_ids=ids, attention_mask=mask), mask)

@@ -8,17 +8,18 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
 
-from flaxlm import hf, optimizers, trainer
+from flaxlm import hf
 from flaxlm.models import base, gpt2
 from flaxlm.partitioning import Partitioner
 from tests.hf_helpers import (
+    bare_base_model_logits,
     decoder_batch,
     max_abs_diff,
     padded_batch,
     save_torch_model,
     torch_logits,
+    train_on_batch,
 )
 
 VOCAB = 250
@@ -129,14 +130,13 @@ def test_untied_head_round_trips(tmp_path):
 def test_checkpoint_of_the_bare_base_model_loads(tmp_path):
     # Hub files saved from GPT2Model name tensors without the 'transformer.' prefix.
     torch_model, _ = tiny_hf_gpt2(tmp_path, "standard")
-    bare = save_torch_model(torch_model.transformer, tmp_path / "bare")
-    with safe_open(os.path.join(bare, "model.safetensors"), "np") as f:
-        assert all(name.startswith(("h.", "wte.", "wpe.", "ln_f.")) for name in f.keys())
-    model, params = hf.from_pretrained(bare)
+    prefixes = ("h.", "wte.", "wpe.", "ln_f.")
     ids, mask = padded_batch(VOCAB)
-    ours = model.compute_logits(params, decoder_batch(ids, mask))
-    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
-    assert max_abs_diff(ours, theirs, mask) < 1e-4
+    bare = tmp_path / "bare"
+    assert (
+        bare_base_model_logits(torch_model, torch_model.transformer, bare, prefixes, ids, mask)
+        < 1e-4
+    )
 
 
 def test_training_from_import_under_fsdp_lowers_loss_and_exports(tmp_path):
@@ -145,19 +145,8 @@ def test_training_from_import_under_fsdp_lowers_loss_and_exports(tmp_path):
     model, params = hf.from_pretrained(path, partitioner)
     ids, mask = padded_batch(VOCAB, lengths=(12, 7, 12, 3, 9, 12, 5, 10))
     batch = decoder_batch(ids, mask)
-    learning_rate = 3e-3
-    setup = trainer.Setup(
-        model,
-        partitioner,
-        optimizers.create_optimizer(learning_rate=learning_rate),
-        {k: v.shape[1] for k, v in batch.items()},
-    )
-    step = setup.partition_train_step(trainer.make_train_step(model, partitioner, learning_rate))
-    state = setup.state_from_params(params)
-    losses = []
-    for _ in range(6):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    state, history = train_on_batch(model, params, partitioner, batch, steps=6)
+    losses = [m["loss"] for m in history]
     assert losses[-1] < losses[0] - 0.1, losses
     assert state.params["wte"]["embedding"].sharding.spec[1] == "fsdp"
 

@@ -4,13 +4,10 @@ import dataclasses
 import json
 
 import gin
-import jax
 import numpy as np
-import optax
 import pytest
 import torch
 import transformers
-from jax.sharding import PartitionSpec as P
 
 from flaxlm import gin_utils, hf
 from flaxlm.models import llama
@@ -22,6 +19,7 @@ from tests.hf_helpers import (
     padded_batch,
     save_torch_model,
     torch_logits,
+    train_on_batch,
 )
 from tests.test_main import read_metrics, run_main
 
@@ -163,21 +161,10 @@ def test_fsdp_training_lowers_the_loss_and_exports(tmp_path):
     partitioner = Partitioner(mesh_shape=(1, 8, 1))
     model, params = hf.from_pretrained(path, partitioner)
     ids, mask = padded_batch(VOCAB, (24, 24, 17, 24, 24, 9, 24, 24), seed=1)
-    batch = jax.device_put(decoder_batch(ids, mask), partitioner.sharding(P("batch", "length")))
-    optimizer = optax.adam(1e-2)
-    opt_state = optimizer.init(params)
-
-    @jax.jit
-    def step(params, opt_state):
-        (loss, _), grads = jax.value_and_grad(model.loss_fn, has_aux=True)(params, batch, None)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    losses = []
-    for _ in range(8):
-        params, opt_state, loss = step(params, opt_state)
-        losses.append(float(loss))
-    assert losses[-1] < losses[0] - 0.5
+    batch = decoder_batch(ids, mask)
+    state, history = train_on_batch(model, params, partitioner, batch, 8, learning_rate=1e-2)
+    params, losses = state.params, [m["loss"] for m in history]
+    assert losses[-1] < losses[0] - 0.5, losses
     assert params["layers_0"]["q_proj"]["kernel"].sharding.spec[0] == "fsdp"
 
     out = tmp_path / "trained"

@@ -5,9 +5,15 @@ import pytest
 import torch
 import transformers
 
-from flaxlm import hf, optimizers, trainer
+from flaxlm import hf
 from flaxlm.partitioning import Partitioner
-from tests.hf_helpers import max_abs_diff, padded_batch, save_torch_model, torch_logits
+from tests.hf_helpers import (
+    max_abs_diff,
+    padded_batch,
+    save_torch_model,
+    torch_logits,
+    train_on_batch,
+)
 
 VOCAB = 250
 VARIANTS = {
@@ -98,20 +104,10 @@ def test_masked_lm_training_under_fsdp_then_export(tmp_path):
     batch = encoder_batch(np.where(chosen, 4, ids), mask)  # id 4 plays <mask>
     batch["encoder_target_tokens"] = np.where(chosen, ids, 0).astype(np.int32)
     batch["encoder_loss_weights"] = chosen.astype(np.int32)
-    learning_rate = 3e-3
-    setup = trainer.Setup(
-        model,
-        partitioner,
-        optimizers.create_optimizer(learning_rate=learning_rate),
-        {k: v.shape[1] for k, v in batch.items()},
-    )
-    step = setup.partition_train_step(trainer.make_train_step(model, partitioner, learning_rate))
-    state = setup.state_from_params(params)
-    losses = []
-    for _ in range(6):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-        assert float(metrics["num_tokens"]) == chosen.sum()  # the loss counts masked ids only
+    state, history = train_on_batch(model, params, partitioner, batch, steps=6)
+    losses = [m["loss"] for m in history]
+    # The loss counts the masked ids only.
+    assert all(m["num_tokens"] == chosen.sum() for m in history)
     assert losses[-1] < losses[0] - 0.1, losses
     hf.save_pretrained(model, state.params, tmp_path / "trained")
     reloaded = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "trained"))

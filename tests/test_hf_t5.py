@@ -12,10 +12,16 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from flaxlm import hf, optimizers, trainer
+from flaxlm import hf
 from flaxlm.models import base, t5
 from flaxlm.partitioning import Partitioner
-from tests.hf_helpers import max_abs_diff, padded_batch, save_torch_model, torch_logits
+from tests.hf_helpers import (
+    max_abs_diff,
+    padded_batch,
+    save_torch_model,
+    torch_logits,
+    train_on_batch,
+)
 
 VOCAB = 250
 VERSIONS = {
@@ -157,16 +163,9 @@ def test_fsdp_training_lowers_loss_then_reloads_in_transformers(tmp_path):
     partitioner = Partitioner(mesh_shape=(1, 8, 1))
     model, params = hf.from_pretrained(path, partitioner, scan_layers=True, remat_policy="minimal")
     batch, _, _ = seq2seq_batch(input_lengths=(10, 4, 12, 2) * 2, target_lengths=(6, 9, 3, 9) * 2)
-    lengths = {k: v.shape[1] for k, v in batch.items()}
-    tx = optimizers.create_optimizer(learning_rate=1e-2)
-    setup = trainer.Setup(model, partitioner, tx, lengths)
-    step = setup.partition_train_step(trainer.make_train_step(model, partitioner, 1e-2))
-    state = setup.state_from_params(params)
+    state, history = train_on_batch(model, params, partitioner, batch, 5, learning_rate=1e-2)
     assert state.params["shared"]["embedding"].sharding.spec[1] == "fsdp"
-    losses = []
-    for _ in range(5):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    losses = [m["loss"] for m in history]
     assert losses[-1] < losses[0] - 0.5, losses
 
     out = tmp_path / "trained"
