@@ -141,7 +141,7 @@ def evaluate(
     `output_dir/metrics.jsonl` and TensorBoard at the checkpoint's step. `num_examples`
     limits the task metrics, `max_batches` the loss/accuracy pass (None: the whole split)."""
     partitioner = partitioner or Partitioner()
-    model, params, _, step = run_dir.load_model_and_params(checkpoint, partitioner, step, model)
+    model, params, step = run_dir.load_model_and_params(checkpoint, partitioner, step, model)
     out_dir = epath.Path(output_dir)
     metrics.write_config(out_dir)
     scalars = trainer.evaluate_split(model, params, partitioner, dataset_cfg, max_batches)

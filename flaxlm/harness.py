@@ -129,7 +129,7 @@ class FlaxLM(TemplateLM):
         del device  # the Partitioner's mesh decides placement
         gin_model = _parse_gin(_split_list(gin_file, "+"), _split_list(gin_bindings, ";"))
         self.partitioner = Partitioner()
-        self.model, self.params, _, self.step = run_dir.load_model_and_params(
+        self.model, self.params, self.step = run_dir.load_model_and_params(
             str(checkpoint), self.partitioner, step, gin_model
         )
         self.vocabulary = _vocabulary(str(checkpoint), tokenizer)

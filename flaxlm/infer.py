@@ -178,10 +178,8 @@ def infer(
       input_length: prompts are padded (and cut) to this many tokens; the longest if None.
     """
     partitioner = partitioner or Partitioner()
-    model, params, checkpoint_vocabulary, step = run_dir.load_model_and_params(
-        checkpoint, partitioner, step, model
-    )
-    vocabulary = vocabulary or checkpoint_vocabulary
+    model, params, step = run_dir.load_model_and_params(checkpoint, partitioner, step, model)
+    vocabulary = vocabulary or run_dir.checkpoint_vocabulary(checkpoint)
     examples, vocabulary, name = read_examples(
         source, model, vocabulary, split=split, task_module=task_module, max_examples=max_examples
     )
@@ -229,10 +227,8 @@ def score(
     order) and `output_dir/config.gin`. `source`: a JSONL file with `in_text` and
     `out_text`, or a seqio task with inputs and targets."""
     partitioner = partitioner or Partitioner()
-    model, params, checkpoint_vocabulary, step = run_dir.load_model_and_params(
-        checkpoint, partitioner, step, model
-    )
-    vocabulary = vocabulary or checkpoint_vocabulary
+    model, params, step = run_dir.load_model_and_params(checkpoint, partitioner, step, model)
+    vocabulary = vocabulary or run_dir.checkpoint_vocabulary(checkpoint)
     examples, vocabulary, name = read_examples(
         source,
         model,

@@ -185,9 +185,9 @@ def restore_params(
 def restore_lora_base(base: Mapping[str, Any], model: BaseModel, partitioner: Partitioner) -> Any:
     """The frozen base params of a LoRA run from their recorded source, on the model's
     shardings."""
-    abstract = pytrees.abstract_params(model, partitioner)
     if "hf" in base:
-        return hf.load_params(model, base["hf"], shardings=pytrees.shardings_of(abstract))
+        return hf.load_params(model, base["hf"], partitioner)
+    abstract = pytrees.abstract_params(model, partitioner)
     return restore_params(base["checkpoint"], abstract, base.get("step"))[0]
 
 
@@ -230,7 +230,6 @@ class Loaded(NamedTuple):
 
     model: BaseModel
     params: Params
-    vocabulary: seqio.Vocabulary | None  # the checkpoint's tokenizer, if it has one
     step: int  # 0 for an HF directory
 
 
@@ -242,21 +241,21 @@ def load_model_and_params(
 ) -> Loaded:
     """The model and params of a flaxlm MODEL_DIR (a LoRA run's merged) or an HF directory,
     placed on the partitioner's shardings one shard at a time. `model` (a Gin-bound one)
-    wins over the recorded one; `step` defaults to the latest."""
+    wins over the recorded one; `step` defaults to the latest. The checkpoint's tokenizer, for
+    a run that binds no vocabulary, is `checkpoint_vocabulary`'s."""
     path = epath.Path(checkpoint)
     if not path.exists():
         raise FileNotFoundError(f"CHECKPOINT {str(checkpoint)!r} does not exist.")
-    vocabulary = checkpoint_vocabulary(path)
     if is_hf_dir(path):
         if model is None:
             model, params = hf.from_pretrained(path, partitioner)
         else:
             params = hf.load_params(model, path, partitioner)
-        return Loaded(model, params, vocabulary, 0)
+        return Loaded(model, params, 0)
     if model is None:
         model = read_model(path, partitioner)
     if read_lora_record(path) is not None:
         params, step = restore_merged(path, model, partitioner, step)
     else:
         params, step = restore_params(path, pytrees.abstract_params(model, partitioner), step)
-    return Loaded(model, params, vocabulary, step)
+    return Loaded(model, params, step)

@@ -97,15 +97,18 @@ def log_hook(
     nonfinite: NonFiniteCheck,
 ) -> Hook:
     """Step metrics, rates and the progress line, every `period` steps."""
-    last = {"time": time.perf_counter(), "wait": train_iter.wait_seconds, "step": None}
+    last = {
+        "time": time.perf_counter(),
+        "wait": train_iter.wait_seconds,
+        "step": progress.start_step,
+    }
 
     def run(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
         scalars = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
         if nonfinite.skip:
             scalars["nonfinite_updates_skipped"] = float(nonfinite.skipped)
         elapsed = time.perf_counter() - last["time"]
-        steps = step - (last["step"] if last["step"] is not None else progress.start_step)
-        scalars.update(progress.rates(tokens_per_step * steps, elapsed))
+        scalars.update(progress.rates(tokens_per_step * (step - last["step"]), elapsed))
         scalars["input_wait_fraction"] = (train_iter.wait_seconds - last["wait"]) / max(
             elapsed, 1e-9
         )

@@ -27,7 +27,7 @@ def read_jsonl(path):
 
 def in_process_outputs(model_dir, prompts, max_new_tokens):
     partitioner = Partitioner(mesh_shape=(1, 2, 4))
-    model, params, _, step = run_dir.load_model_and_params(model_dir, partitioner)
+    model, params, step = run_dir.load_model_and_params(model_dir, partitioner)
     assert step == 8
     examples, vocab, _ = infer.read_examples_from_texts(prompts, model)
     return infer.generate_texts(
@@ -86,7 +86,7 @@ def test_infer_score_and_eval_runs_from_a_training_run(trained_gptj, tmp_path, r
     assert [r["num_tokens"] for r in scores] == [len(o.encode()) for _, o in PAIRS]
     # Each score is the target's log-likelihood from the model's logits.
     partitioner = Partitioner(mesh_shape=(1, 8, 1))
-    model, params, _, _ = run_dir.load_model_and_params(trained_gptj, partitioner)
+    model, params, _ = run_dir.load_model_and_params(trained_gptj, partitioner)
     vocab = seqio.ByteVocabulary()
     for record, (i, o) in zip(scores, PAIRS):
         seq = vocab.encode(i) + vocab.encode(o)

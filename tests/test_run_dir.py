@@ -38,7 +38,7 @@ def test_load_model_and_params_reads_a_model_dir_and_an_hf_dir(tmp_path):
     run_dir.write_model_record(model, tmp_path / "run")
 
     loaded = run_dir.load_model_and_params(tmp_path / "run", partitioner)
-    assert loaded.step == 7 and loaded.vocabulary is None
+    assert loaded.step == 7 and run_dir.checkpoint_vocabulary(tmp_path / "run") is None
     abstract = pytrees.abstract_params(model, partitioner)
     for got, want, aval in zip(
         jax.tree.leaves(loaded.params), jax.tree.leaves(params), jax.tree.leaves(abstract)

@@ -93,7 +93,7 @@ def server(tmp_path_factory, repo_dir, trained_gptj):
             proc.kill()
             pytest.fail(f"The server did not start:\n{log.read()[-3000:]}")
         time.sleep(0.5)
-    model, params, _, _ = run_dir.load_model_and_params(trained_gptj, Partitioner((1, 8, 1)))
+    model, params, _ = run_dir.load_model_and_params(trained_gptj, Partitioner((1, 8, 1)))
     yield url, model, params
     proc.terminate()
     try:

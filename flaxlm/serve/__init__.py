@@ -57,10 +57,8 @@ def serve(
     Requests that arrive within `batch_wait_ms` of each other decode together (up to
     `max_batch_size` prompts per batch)."""
     partitioner = partitioner or Partitioner()
-    model, params, checkpoint_vocabulary, step = run_dir.load_model_and_params(
-        checkpoint, partitioner, step, model
-    )
-    vocabulary = vocabulary or checkpoint_vocabulary or seqio.ByteVocabulary()
+    model, params, step = run_dir.load_model_and_params(checkpoint, partitioner, step, model)
+    vocabulary = vocabulary or run_dir.checkpoint_vocabulary(checkpoint) or seqio.ByteVocabulary()
     engine = Engine(
         model,
         params,
