@@ -311,73 +311,77 @@ def train(
         lora=lora,
     )
     ckpt = checkpoints.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
-    start_step, state = initial_state(setup, ckpt, train_iter, model_dir, init_from_hf)
-    base = (
-        None
-        if lora is None
-        else load_lora_base(setup, model_dir, init_from_hf, lora_base_checkpoint)
-    )
-    train_step, eval_step, eval_params = steps_with_base(
-        setup,
-        setup.partition_train_step(
-            trainer.make_train_step(
-                model,
-                partitioner,
-                learning_rate,
-                num_microbatches=num_microbatches,
-                seed=seed,
-                skip_nonfinite_updates=skip_nonfinite_updates,
-                inject_nonfinite_loss_at_step=inject_nonfinite_loss_at_step,
-                lora=lora,
-            )
-        ),
-        setup.partition_eval_step(trainer.make_eval_step(model, lora)) if eval_iter else None,
-        base,
-    )
-    run_dir.record_if_known(model, model_dir)
-    config_str = gin.operative_config_str()
-    if jax.process_index() == 0:
-        (path / run_dir.CONFIG_FILE).write_text(config_str)
-
-    writer = metrics.create_writer(model_dir)
-    longest = max(feature_lengths.values())
-    progress = metrics.Progress(total_steps, start_step, model.flops_per_token(longest))
-    nonfinite = NonFiniteCheck(ckpt, skip_nonfinite_updates)
-    saved = {"step": start_step}
-
-    def save(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
-        ckpt.save(step, state, train_iter, config_str)
-        saved["step"] = step
-
-    hooks = [
-        log_hook(
-            log_period,
-            writer,
-            progress,
-            train_dataset_cfg.batch_size * longest,
-            train_iter,
-            nonfinite,
-        ),
-        Hook(checkpoint_period, save, on_stop=True),
-    ]
-    if eval_step is not None:
-        task = (eval_dataset_cfg, model, partitioner) if eval_task_metrics else None
-        hooks.insert(
-            1, eval_hook(eval_period, writer, eval_step, eval_iter, eval_steps, eval_params, task)
+    writer = signals = None
+    try:  # whatever fails from here on, the checkpointer (and its threads) is closed
+        start_step, state = initial_state(setup, ckpt, train_iter, model_dir, init_from_hf)
+        base = (
+            None
+            if lora is None
+            else load_lora_base(setup, model_dir, init_from_hf, lora_base_checkpoint)
         )
+        train_step, eval_step, eval_params = steps_with_base(
+            setup,
+            setup.partition_train_step(
+                trainer.make_train_step(
+                    model,
+                    partitioner,
+                    learning_rate,
+                    num_microbatches=num_microbatches,
+                    seed=seed,
+                    skip_nonfinite_updates=skip_nonfinite_updates,
+                    inject_nonfinite_loss_at_step=inject_nonfinite_loss_at_step,
+                    lora=lora,
+                )
+            ),
+            setup.partition_eval_step(trainer.make_eval_step(model, lora)) if eval_iter else None,
+            base,
+        )
+        run_dir.record_if_known(model, model_dir)
+        config_str = gin.operative_config_str()
+        if jax.process_index() == 0:
+            (path / run_dir.CONFIG_FILE).write_text(config_str)
 
-    def next_batch(step: int) -> trainer.Batch:
-        return trainer.next_batch(train_iter, train_dataset_cfg, step)
+        writer = metrics.create_writer(model_dir)
+        longest = max(feature_lengths.values())
+        progress = metrics.Progress(total_steps, start_step, model.flops_per_token(longest))
+        nonfinite = NonFiniteCheck(ckpt, skip_nonfinite_updates)
+        saved = {"step": start_step}
 
-    signals = preemption.PreemptionHandler().install()
-    try:
+        def save(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
+            ckpt.save(step, state, train_iter, config_str)
+            saved["step"] = step
+
+        hooks = [
+            log_hook(
+                log_period,
+                writer,
+                progress,
+                train_dataset_cfg.batch_size * longest,
+                train_iter,
+                nonfinite,
+            ),
+            Hook(checkpoint_period, save, on_stop=True),
+        ]
+        if eval_step is not None:
+            task = (eval_dataset_cfg, model, partitioner) if eval_task_metrics else None
+            hooks.insert(
+                1,
+                eval_hook(eval_period, writer, eval_step, eval_iter, eval_steps, eval_params, task),
+            )
+
+        def next_batch(step: int) -> trainer.Batch:
+            return trainer.next_batch(train_iter, train_dataset_cfg, step)
+
+        signals = preemption.PreemptionHandler().install()
         state, step, stop = run_steps(
             state, start_step, total_steps, train_step, next_batch, hooks, nonfinite, signals
         )
     finally:
         ckpt.close()  # waits for an async save in flight (a second signal exits at once)
-        writer.close()
-        signals.uninstall()
+        if writer is not None:
+            writer.close()
+        if signals is not None:
+            signals.uninstall()
     if jax.process_index() == 0:
         report_end(
             signals, stop, step, start_step, total_steps, ckpt, saved["step"], path, start_time
