@@ -13,6 +13,7 @@ a time on the host and writes safetensors shards (with an index past `max_shard_
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -148,8 +149,12 @@ class SafetensorsReader:
         handle = self._handles[self.file_of[name]]
         return tuple(handle.get_slice(self._stored[name]).get_shape())
 
-    def read(self, name: str) -> np.ndarray:
-        return self._handles[self.file_of[name]].get_tensor(self._stored[name])
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor, or only its rows [start, stop) (a part of a fused tensor)."""
+        handle = self._handles[self.file_of[name]]
+        if rows is None:
+            return handle.get_tensor(self._stored[name])
+        return handle.get_slice(self._stored[name])[rows[0] : rows[1]]
 
 
 def _check_tensors(
@@ -162,6 +167,11 @@ def _check_tensors(
 ) -> None:
     """Every mapped tensor present with the shape the config implies; nothing left over."""
     used = set()
+    # A fused HF tensor holds the rows of all its parts.
+    fused_rows: dict[str, int] = {}
+    for t, _ in expanded.values():
+        if t.rows is not None:
+            fused_rows[t.hf] = max(fused_rows.get(t.hf, 0), t.rows[1])
     for param, (t, names) in expanded.items():
         if param not in shapes:
             raise ValueError(f"{type(spec).__name__} maps {param!r}, which the model lacks.")
@@ -170,6 +180,10 @@ def _check_tensors(
         if t.vocab_axis is not None:
             layer_shape[t.vocab_axis] = real_vocab
         want = t.hf_shape(tuple(layer_shape))
+        if t.rows is not None:
+            if want[0] != t.rows[1] - t.rows[0]:
+                raise ValueError(f"{param}: rows {t.rows} do not fit its shape {want}.")
+            want = (fused_rows[t.hf], *want[1:])
         for name in names:
             if name not in reader.file_of:
                 raise ValueError(
@@ -212,7 +226,7 @@ def _shard_reader(
         unpadded[t.vocab_axis] = real_vocab
 
     def layer(i: int) -> np.ndarray:
-        array = t.to_flax_layout(reader.read(names[i]), tuple(unpadded))
+        array = t.to_flax_layout(reader.read(names[i], t.rows), tuple(unpadded))
         if t.vocab_axis is not None and layer_shape[t.vocab_axis] > real_vocab:
             pad = [(0, 0)] * array.ndim
             pad[t.vocab_axis] = (0, layer_shape[t.vocab_axis] - real_vocab)
@@ -362,16 +376,30 @@ def hf_state_dict(model: BaseModel, params: Params) -> Iterator[tuple[str, np.nd
     scan = bool(getattr(model.config, "scan_layers", False))
     flat = traverse_util.flatten_dict(params, sep="/")
     real_vocab = model.config.real_vocab_size or model.config.vocab_size
-    for param, (t, names) in hf_spec.expand(spec.tensors(model.config), scan).items():
+    records = hf_spec.expand(spec.tensors(model.config), scan)
+    # A fused tensor is written once all its parts are in, rows in order.
+    parts_left = collections.Counter(n for t, names in records.values() if t.rows for n in names)
+    parts: dict[str, list[tuple[int, np.ndarray]]] = collections.defaultdict(list)
+    for param, (t, names) in records.items():
         array = pytrees.host_array(flat[param])
         layers = list(array) if t.layers and scan else [array]
         for name, layer in zip(names, layers, strict=True):
             if t.vocab_axis is not None:
                 layer = np.take(layer, np.arange(real_vocab), axis=t.vocab_axis)
             tensor = np.ascontiguousarray(t.to_hf_layout(layer))
+            if t.rows is not None:
+                parts[name].append((t.rows[0], tensor))
+                parts_left[name] -= 1
+                if parts_left[name]:
+                    continue
+                tensor = np.concatenate([p for _, p in sorted(parts.pop(name), key=_first)])
             yield name, tensor
             for other in t.copies:
                 yield other, tensor
+
+
+def _first(pair: tuple[int, Any]) -> int:
+    return pair[0]
 
 
 def model_special_ids(model: BaseModel) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from flaxlm.models import llama
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.partitioning import Partitioner
 from tests.hf_helpers import (
+    check_family,
     decoder_batch,
     max_abs_diff,
     padded_batch,
@@ -112,6 +113,20 @@ def test_import_matches_transformers_and_export_reloads(tmp_path, variant):
     exported = json.loads((out / "config.json").read_text())
     assert exported["vocab_size"] == VOCAB
     assert exported["rope_parameters"] == torch_model.config.rope_parameters
+
+
+def test_llama3_2_shaped_checkpoint_keeps_every_promise(tmp_path):
+    """Llama 3.2 1B/3B's shape: tied head, llama3 rope scaling, GQA, and the EOS list
+    (`<|end_of_text|>`, `<|eot_id|>`) in generation_config.json."""
+    torch_model, _ = tiny_hf_llama(tmp_path, tie_word_embeddings=True, **VARIANTS["llama3_rope"])
+    torch_model.config.bos_token_id, torch_model.config.eos_token_id = 240, 241
+    torch_model.generation_config = transformers.GenerationConfig(
+        bos_token_id=240, eos_token_id=[241, 249], do_sample=True, temperature=0.6, top_p=0.9
+    )
+    path = save_torch_model(torch_model, tmp_path / "llama3_2")
+    check_family(torch_model, path, VOCAB, tmp_path=tmp_path)
+    model, _ = hf.from_pretrained(path)
+    assert model.eos_ids == (241, 249) and model.config.tie_word_embeddings
 
 
 def test_sliding_window_changes_the_logits(tmp_path):

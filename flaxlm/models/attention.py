@@ -17,6 +17,7 @@ from flaxlm.models.layers import (
     HEAD_AXES,
     DenseGeneral,
     Dtype,
+    RMSNorm,
     as_dtype,
     constrain,
     parallel_dense,
@@ -118,6 +119,9 @@ class Mask:
     kv_start: Array | None
     q_offset: Array | int
     kv_keep: Array | None = None  # bool [batch, kv_len]: False hides a key from every query
+    # A layer's own sliding window (int32 scalar, may be traced: `layer_window`), on top of
+    # `sliding_window`; NO_WINDOW sees everything.
+    window: Array | None = None
     batch: int = flax.struct.field(pytree_node=False, default=1)
     q_len: int = flax.struct.field(pytree_node=False, default=1)
     kv_len: int = flax.struct.field(pytree_node=False, default=1)
@@ -137,6 +141,8 @@ class Mask:
             mask = mask & (k_slot <= q_slot)
         if self.sliding_window is not None:
             mask = mask & (q_slot - k_slot < self.sliding_window)
+        if self.window is not None:
+            mask = mask & (q_slot - k_slot < self.window)
         mask = jnp.broadcast_to(mask[None], (self.batch, q_size, k_size))
         if self.kv_start is not None:
             mask = mask & (k_slot[None] >= self.kv_start[:, None, None])
@@ -164,6 +170,22 @@ class Mask:
 
     def dense(self) -> Array:
         return self.block(0, self.q_len, 0, self.kv_len)
+
+    def within(self, window: Array | None) -> Mask:
+        """This mask narrowed to a layer's sliding `window` (None: unchanged)."""
+        return self if window is None else self.replace(window=window)
+
+
+NO_WINDOW = 2**30  # a window longer than any sequence
+
+
+def layer_window(windows: tuple[int | None, ...], index: Array) -> Array | None:
+    """The sliding window of layer `index` (traced when layers are scanned) given every
+    layer's (None: global attention), or None when no layer has one."""
+    if all(w is None for w in windows):
+        return None
+    table = jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
+    return table[index]
 
 
 def attention_mask(
@@ -297,6 +319,7 @@ def dot_product_attention(
     *,
     bias: Array | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
     dtype: Dtype = jnp.float32,
     implementation: str = "xla",
     chunk_size: int = 512,
@@ -306,24 +329,21 @@ def dot_product_attention(
     query: [batch, q_len, heads, head_dim]; key, value: [batch, kv_len, kv_heads, head_dim];
     mask: a `Mask` or bool broadcastable to [batch, heads, q_len, kv_len]; bias: added to
     the scaled scores, broadcastable to [batch, heads, q_len, kv_len] (T5's relative
-    positions); scale: default head_dim**-0.5 (T5 uses 1.0). Returns [batch, q_len, heads,
-    head_dim] in `dtype`.
+    positions); scale: default head_dim**-0.5 (T5 uses 1.0); softcap: scaled scores become
+    `softcap * tanh(scores / softcap)` (Gemma 2). Returns [batch, q_len, heads, head_dim] in
+    `dtype`.
 
     implementation: 'xla' (einsums, the default), 'jax' (`jax.nn.dot_product_attention`:
     cuDNN flash attention on GPU where it applies, XLA elsewhere) or 'chunked' (blocks of
     `chunk_size` queries and keys with an online softmax: memory linear in the length).
     """
+    check_implementation(implementation, softcap)
     if implementation == "chunked":
-        return _chunked_attention(query, key, value, mask, bias, scale, dtype, chunk_size)
+        return _chunked_attention(query, key, value, mask, bias, scale, softcap, dtype, chunk_size)
     if isinstance(mask, Mask):
         mask = mask.dense()
     if implementation == "jax":
         return _jax_attention(query, key, value, mask, bias, scale, dtype)
-    if implementation != "xla":
-        raise ValueError(
-            f"attention implementation {implementation!r}: expected one of "
-            f"{ATTENTION_IMPLEMENTATIONS}."
-        )
     b, q_len, heads, head_dim = query.shape
     kv_heads = key.shape[2]
     groups = heads // kv_heads
@@ -331,7 +351,7 @@ def dot_product_attention(
     q = query.reshape(b, q_len, kv_heads, groups, head_dim)
     # [batch, kv_heads, groups, q_len, kv_len]
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, key, preferred_element_type=jnp.float32)
-    scores = scores.astype(jnp.float32) * scale
+    scores = capped(scores.astype(jnp.float32) * scale, softcap)
     if bias is not None:
         bias = jnp.broadcast_to(bias.astype(jnp.float32), (b, heads, q_len, key.shape[1]))
         scores = scores + bias.reshape(b, kv_heads, groups, q_len, key.shape[1])
@@ -342,6 +362,28 @@ def dot_product_attention(
     probs = jax.nn.softmax(scores, axis=-1).astype(as_dtype(dtype))
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, value.astype(as_dtype(dtype)))
     return out.reshape(b, q_len, heads, head_dim)
+
+
+def check_implementation(implementation: str, softcap: float | None = None) -> None:
+    """A ValueError naming what to change when `implementation` cannot compute the
+    attention asked for (a config calls this when it is built)."""
+    if implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention implementation {implementation!r}: expected one of "
+            f"{ATTENTION_IMPLEMENTATIONS}."
+        )
+    if softcap is not None and implementation == "jax":
+        raise ValueError(
+            "attention='jax' (jax.nn.dot_product_attention, cuDNN) cannot soft-cap the "
+            "attention scores this model needs: choose attention='xla' or 'chunked'."
+        )
+
+
+def capped(scores: Array, softcap: float | None) -> Array:
+    """`softcap * tanh(scores / softcap)` (Gemma 2's logit soft-capping), or `scores`."""
+    if softcap is None:
+        return scores
+    return jnp.tanh(scores / softcap) * softcap
 
 
 def _jax_attention(query, key, value, mask, bias, scale, dtype) -> Array:
@@ -362,7 +404,7 @@ def _jax_attention(query, key, value, mask, bias, scale, dtype) -> Array:
     )
 
 
-def _chunked_attention(query, key, value, mask, bias, scale, dtype, chunk_size) -> Array:
+def _chunked_attention(query, key, value, mask, bias, scale, softcap, dtype, chunk_size) -> Array:
     """Flash-attention-style blocks: for each block of queries, scan over blocks of keys
     keeping the running max, normaliser and weighted sum in float32."""
     dtype = as_dtype(dtype)
@@ -398,7 +440,7 @@ def _chunked_attention(query, key, value, mask, bias, scale, dtype, chunk_size) 
             k_blk = jax.lax.dynamic_slice_in_dim(k, ki * kc, kc, axis=1)
             v_blk = jax.lax.dynamic_slice_in_dim(v, ki * kc, kc, axis=1)
             s = jnp.einsum("bqhgd,bkhd->bhgqk", q_blk, k_blk, preferred_element_type=jnp.float32)
-            s = s.astype(jnp.float32) * scale
+            s = capped(s.astype(jnp.float32) * scale, softcap)
             if bias is not None:
                 blk = jax.lax.dynamic_slice(bias, (0, 0, qi * qc, ki * kc), (b, heads, qc, kc))
                 s = s + blk.reshape(b, kv_heads, groups, qc, kc)
@@ -440,6 +482,9 @@ def kv_heads_axis(num_kv_heads: int) -> str | None:
     return "kv_heads" if num_kv_heads > 1 else None
 
 
+QK_NORMS = ("rms", "rms_plus_one")
+
+
 def rotary_self_attention(
     h: Array,
     sin: Array,
@@ -457,10 +502,21 @@ def rotary_self_attention(
     chunk_size: int,
     dtype: Dtype,
     param_dtype: Dtype,
+    qk_norm: str | None = None,
+    norm_eps: float = 1e-6,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: Array | None = None,
 ) -> Array:
     """Llama-style attention, built inside the calling block's scope (`q_proj`, `k_proj`,
     `v_proj`, `o_proj`, `cache`): rotary (half-split) queries and keys, grouped-query heads;
-    `qkv_bias` / `out_bias`: biases on the q, k, v / o projections.
+    `qkv_bias` / `out_bias`: biases on the q, k, v / o projections. A `sin`/`cos` narrower
+    than `head_dim / 2` rotates the first features of each head only (partial rotary).
+
+    qk_norm: 'rms' (Qwen3) or 'rms_plus_one' (Gemma 3) normalises each query and key head
+    (`q_norm`, `k_norm`, eps `norm_eps`) before rotary. scale: of the scores (default
+    head_dim**-0.5); softcap: of the scaled scores (Gemma 2); window: this layer's sliding
+    window (`layer_window`).
 
     h: [batch, length, embed] -> [batch, length, embed], tagged `attn_out` for remat.
     """
@@ -481,11 +537,33 @@ def rotary_self_attention(
         ],
     )
     kv_axes = ("batch", "length", kv_axis, "head_dim")
+    if qk_norm is not None:
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm {qk_norm!r}: expected None or one of {QK_NORMS}.")
+        norm = dict(
+            epsilon=norm_eps,
+            scale_plus_one=qk_norm == "rms_plus_one",
+            axes=("head_dim",),
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
+        q = RMSNorm(name="q_norm", **norm)(q)
+        k = RMSNorm(name="k_norm", **norm)(k)
     q = constrain(apply_rotary(q, sin, cos, interleaved=False), HEAD_AXES)
     k = constrain(apply_rotary(k, sin, cos, interleaved=False), kv_axes)
     k, v = KVCache(kv_axes, name="cache")(k, v, decoding)
+    if isinstance(mask, Mask):
+        mask = mask.within(window)
     attn = dot_product_attention(
-        q, k, v, mask, dtype=dtype, implementation=attention, chunk_size=chunk_size
+        q,
+        k,
+        v,
+        mask,
+        scale=scale,
+        softcap=softcap,
+        dtype=dtype,
+        implementation=attention,
+        chunk_size=chunk_size,
     )
     attn = DenseGeneral(
         hidden_size,

@@ -32,6 +32,8 @@ class CausalLMConfig(Protocol):
     dropout_rate: float
     remat_policy: str
     scan_layers: bool
+    # Optional: tie_word_embeddings (the head is the embedding), final_logit_softcapping
+    # (logits become cap * tanh(logits / cap)).
 
 
 class CausalLM(nn.Module):
@@ -135,4 +137,6 @@ class CausalLM(nn.Module):
                 param_dtype=cfg.param_dtype,
                 name="lm_head",
             )(x)
+        # Gemma 2/3: logits squashed into (-cap, cap).
+        logits = attention.capped(logits, getattr(cfg, "final_logit_softcapping", None))
         return layers.constrain(logits, ("batch", "length", "vocab"))

@@ -41,10 +41,15 @@ class HFTensor:
     # Other HF names that hold the same values (a tensor outside the layers): written on
     # export (HF reports them missing otherwise), accepted and not read on import.
     copies: tuple[str, ...] = ()
+    # The param is rows [start, stop) (HF layout, axis 0) of a fused HF tensor that other
+    # records fill too (Phi-3's qkv_proj, gate_up_proj): split on import, joined on export.
+    rows: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.copies and self.layers:
             raise ValueError(f"{self.param}: copies of a per-layer tensor are not supported.")
+        if self.rows is not None and (self.copies or self.vocab_axis is not None):
+            raise ValueError(f"{self.param}: a fused tensor's rows have no copies or vocab.")
 
     def to_hf_layout(self, array: np.ndarray) -> np.ndarray:
         """A param (one layer, vocabulary unpadded) in HF's layout."""

@@ -259,13 +259,14 @@ class RMSNorm(nn.Module):
     scale_plus_one: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    axes: tuple[str, ...] = ("embed",)  # the scale's logical axis (per-head norms: head_dim)
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         init = nn.initializers.zeros if self.scale_plus_one else nn.initializers.ones
         scale = self.param(
             "scale",
-            nn.with_logical_partitioning(init, ("embed",)),
+            nn.with_logical_partitioning(init, self.axes),
             (x.shape[-1],),
             as_dtype(self.param_dtype),
         )
