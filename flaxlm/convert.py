@@ -1,10 +1,15 @@
-"""The `import_hf` and `export_hf` run functions: HuggingFace directory <-> MODEL_DIR.
+"""The `import_hf` and `export_hf` run functions: HuggingFace directory <-> MODEL_DIR, and
+`model_from_hf`, the model of any HF directory for a Gin file's `MODEL`.
 
 python -m flaxlm.main --gin_file=gin/runs/import_hf.gin --gin.HF_DIR=... --gin.MODEL_DIR=...
 python -m flaxlm.main --gin_file=gin/runs/export_hf.gin --gin.MODEL_DIR=... --gin.OUT_DIR=...
+python -m flaxlm.main --gin_file=gin/finetune_hf.gin --gin.INIT_FROM_HF=...
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import gin
 import jax.numpy as jnp
@@ -13,6 +18,34 @@ from etils import epath
 from flaxlm import checkpoints, hf, run_dir
 from flaxlm.models.base import BaseModel
 from flaxlm.partitioning import Partitioner
+
+
+@gin.configurable
+def model_from_hf(
+    path: str = gin.REQUIRED,
+    *,
+    partitioner: Partitioner | None = None,
+    param_dtype: str = "float32",
+    dtype: str | None = None,
+    scan_layers: bool | None = None,
+    remat_policy: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> BaseModel:
+    """The model (family, shape, special ids) an HF directory's config.json describes, for
+    `MODEL = @convert.model_from_hf()` (`gin/finetune_hf.gin`): no model file to choose.
+
+    `param_dtype` stores the params, `dtype` computes (default: param_dtype);
+    `scan_layers` / `remat_policy` / `overrides` (any other config field) as in a model's
+    gin file; None keeps the family's default. `partitioner` pads the vocabulary for its
+    tensor axis.
+    """
+    options: dict[str, Any] = {"dtype": dtype or param_dtype}
+    if scan_layers is not None:
+        options["scan_layers"] = scan_layers
+    if remat_policy is not None:
+        options["remat_policy"] = remat_policy
+    options.update(overrides or {})
+    return hf.model_from_hf_dir(path, partitioner, jnp.dtype(param_dtype), options)
 
 
 @gin.configurable

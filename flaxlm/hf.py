@@ -99,9 +99,10 @@ def config_from_hf_dict(
     hf_config: Mapping[str, Any],
     partitioner: Partitioner | None = None,
     dtype: Any = None,
-    **overrides: Any,
+    overrides: Mapping[str, Any] | None = None,
 ) -> tuple[HFSpec, Any]:
-    """The family spec and its config for an HF config.json dict, vocabulary padded."""
+    """The family spec and its config for an HF config.json dict, vocabulary padded;
+    `dtype` sets the compute and param dtypes, `overrides` any config field after it."""
     spec = spec_for_model_type(hf_config.get("model_type", "<missing>"))
     config = spec.config_from_hf(dict(hf_config))
     real = config.vocab_size
@@ -110,7 +111,7 @@ def config_from_hf_dict(
         names = {f.name for f in dataclasses.fields(config)}
         options = {k: jnp.dtype(dtype).name for k in ("dtype", "param_dtype") if k in names}
     options.update(vocab_size=padded_vocab_size(real, partitioner), real_vocab_size=real)
-    options.update(overrides)
+    options.update(overrides or {})
     return spec, dataclasses.replace(config, **options)
 
 
@@ -307,6 +308,36 @@ def tied_head_error(spec: HFSpec, path: Any) -> ValueError:
     )
 
 
+def model_from_hf_dir(
+    path: str | epath.Path,
+    partitioner: Partitioner | None = None,
+    dtype: Any = jnp.float32,
+    config_overrides: Mapping[str, Any] | None = None,
+) -> BaseModel:
+    """The model a local HF directory describes, without its params: the family from
+    config.json's `model_type` (an unknown one is an error listing the known), its settings,
+    the vocabulary padded for `partitioner`, the special ids and generation_config.json.
+
+    `dtype` sets both the compute and the param dtype; `config_overrides` set config fields
+    after it (e.g. `scan_layers=True`, `dtype='bfloat16'` to compute in bf16 on f32 params).
+    """
+    config_overrides = dict(config_overrides or {})
+    hf_config = read_hf_config(path)
+    spec, config = config_from_hf_dict(hf_config, partitioner, dtype, config_overrides)
+    reader = SafetensorsReader(path, spec.base_model_prefix)
+    if getattr(config, "tie_word_embeddings", False) and head_differs(spec, reader):
+        if "tie_word_embeddings" in config_overrides:  # the caller's tying: as load_params
+            raise tied_head_error(spec, path)
+        config = dataclasses.replace(config, tie_word_embeddings=False)
+    generation = read_generation_config(path)
+    return spec.model_cls(
+        config,
+        eos_id=hf_eos_id(hf_config, generation),
+        special_ids=special_ids(hf_config),
+        generation_config=generation,
+    )
+
+
 def from_pretrained(
     path: str | epath.Path,
     partitioner: Partitioner | None = None,
@@ -315,24 +346,12 @@ def from_pretrained(
 ) -> tuple[BaseModel, Params]:
     """`(model, params)` from a local HF directory (config.json + *.safetensors).
 
-    The family comes from config.json's `model_type`; `dtype` sets both the compute and the
-    param dtype; `config_overrides` set other config fields (e.g. `scan_layers=True`). The
-    model keeps the special token ids and generation_config.json, for `save_pretrained`.
+    The model is `model_from_hf_dir`'s (same arguments); it keeps the special token ids and
+    generation_config.json, for `save_pretrained`.
     """
-    hf_config = read_hf_config(path)
-    spec, config = config_from_hf_dict(hf_config, partitioner, dtype, **config_overrides)
+    model = model_from_hf_dir(path, partitioner, dtype, config_overrides)
+    spec = spec_for_config(model.config)
     reader = SafetensorsReader(path, spec.base_model_prefix)
-    if getattr(config, "tie_word_embeddings", False) and head_differs(spec, reader):
-        if "tie_word_embeddings" in config_overrides:  # the caller's tying: as load_params
-            raise tied_head_error(spec, path)
-        config = dataclasses.replace(config, tie_word_embeddings=False)
-    generation = read_generation_config(path)
-    model = spec.model_cls(
-        config,
-        eos_id=hf_eos_id(hf_config, generation),
-        special_ids=special_ids(hf_config),
-        generation_config=generation,
-    )
     return model, _place_params(model, spec, reader, path, partitioner, None)
 
 

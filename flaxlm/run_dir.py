@@ -116,7 +116,7 @@ def model_from_record(
         config = dataclasses.replace(spec.config_cls(**record["flaxlm_config"]), **overrides)
         generation = record.get("flaxlm_generation_config")
     else:  # an HF directory's config.json
-        spec, config = hf.config_from_hf_dict(record, partitioner, **overrides)
+        spec, config = hf.config_from_hf_dict(record, partitioner, overrides=overrides)
         generation = hf.read_generation_config(file.parent)
     eos = record.get("flaxlm_eos_ids", None)
     if "flaxlm_eos_ids" not in record:

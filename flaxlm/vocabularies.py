@@ -14,6 +14,7 @@ weight. `pad_id` is therefore seqio's 0, whatever the tokenizer's own pad token 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -28,6 +29,9 @@ from etils import epath
 # `@seqio.ByteVocabulary()`.
 gin.external_configurable(seqio.SentencePieceVocabulary, module="seqio")
 gin.external_configurable(seqio.ByteVocabulary, module="seqio")
+
+
+_LOAD_LOCK = threading.Lock()
 
 
 @gin.configurable
@@ -50,12 +54,13 @@ class HuggingFaceVocabulary(seqio.Vocabulary):
 
     @property
     def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            import transformers
+        # tf.data calls this from several threads at once: one loads, and transformers' lazy
+        # imports are not thread-safe, so the tf ops load it first in the tracing thread.
+        with _LOAD_LOCK:
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
 
-            self._tokenizer = transformers.AutoTokenizer.from_pretrained(
-                self._path, local_files_only=True
-            )
+                self._tokenizer = AutoTokenizer.from_pretrained(self._path, local_files_only=True)
         return self._tokenizer
 
     def __getstate__(self) -> dict[str, Any]:
@@ -98,6 +103,7 @@ class HuggingFaceVocabulary(seqio.Vocabulary):
     # ------------------------------------------------------------------ tf.data
 
     def _encode_tf(self, s: tf.Tensor) -> tf.Tensor:
+        self.tokenizer  # noqa: B018  (loaded here, not in a tf.data thread)
         def encode(x: np.ndarray) -> np.ndarray:
             texts = np.asarray(x)
             if texts.ndim:
@@ -109,6 +115,7 @@ class HuggingFaceVocabulary(seqio.Vocabulary):
         return ids
 
     def _decode_tf(self, ids: tf.Tensor) -> tf.Tensor:
+        self.tokenizer  # noqa: B018  (loaded here, not in a tf.data thread)
         def decode(x: np.ndarray) -> np.ndarray:
             x = np.asarray(x)
             if x.ndim == 1:

@@ -12,10 +12,11 @@ import os
 import sysconfig
 import zlib
 
+import gin
 import seqio
 import tensorflow as tf
 
-from tasks.preprocessors import split_targets
+from tasks.preprocessors import add_lm_task, split_targets
 
 TASK_NAME = "stdlib_py"
 VALIDATION_EVERY = 20
@@ -66,3 +67,15 @@ seqio.TaskRegistry.add(
     },
     metric_fns=[],
 )
+
+
+@gin.configurable
+def register_stdlib_task(vocabulary: seqio.Vocabulary = gin.REQUIRED) -> str:
+    """The same corpus tokenized by `vocabulary` (a checkpoint's own tokenizer, e.g.
+    `@HuggingFaceVocabulary()`), registered once; returns the task's name, the same in every
+    process for the same vocabulary."""
+    name = f"{TASK_NAME}_{zlib.crc32(repr(vocabulary).encode()):08x}"
+    if name in seqio.TaskRegistry.names():
+        return name
+    source = seqio.FunctionDataSource(dataset_fn, splits=("train", "validation"))
+    return add_lm_task(name, source, vocabulary=vocabulary, add_eos=False)

@@ -202,3 +202,51 @@ def check_family(
     if os.path.exists(source):
         with open(source) as a, open(out / "generation_config.json") as b:
             assert json.load(a) == json.load(b)
+
+
+# ---------------------------------------------------------------- tokenizers as the hub ships them
+
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TRAINING_TEXT = [
+    "def main():\n    return 0\n",
+    "import os\nprint(os.getcwd())\n",
+    "The quick brown fox jumps over the lazy dog. \u00e9t\u00e9 \u4e2d\u6587",
+]
+
+
+def save_byte_bpe_tokenizer(path, vocab_size: int = 320, style: str = "qwen") -> int:
+    """A byte-level BPE tokenizer trained here on a few lines (no download), shaped like
+    Qwen2.5's ('qwen': <|endoftext|> EOS, no BOS, ChatML template) or Llama 3's ('llama3':
+    <|begin_of_text|> BOS, <|end_of_text|> EOS, <|eot_id|>), saved with `save_pretrained`
+    into `path`; returns its length."""
+    import tokenizers
+    import transformers
+
+    specials = {
+        "qwen": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "llama3": ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"],
+    }[style]
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size - len(specials),
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TRAINING_TEXT * 4, trainer)
+    tok.add_special_tokens(specials)
+    if style == "qwen":
+        fast = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token=specials[0], pad_token=specials[0]
+        )
+        fast.chat_template = QWEN_CHAT_TEMPLATE
+    else:
+        fast = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1]
+        )
+    fast.save_pretrained(str(path))
+    return len(fast)

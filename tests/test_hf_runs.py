@@ -9,7 +9,14 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 
-from tests.hf_helpers import max_abs_diff, padded_batch, save_torch_model, torch_logits
+from tests.hf_helpers import (
+    QWEN_CHAT_TEMPLATE,
+    max_abs_diff,
+    padded_batch,
+    save_byte_bpe_tokenizer,
+    save_torch_model,
+    torch_logits,
+)
 from tests.test_hf_fidelity import CHAT_TEMPLATE, save_tokenizer
 from tests.test_main import read_metrics, run_main
 
@@ -182,3 +189,46 @@ def test_import_then_train_then_export(tmp_path, repo_dir, hf_dir):
     assert "Exported step 4" in result.stdout
     assert 0.0 < same_tensors(path, out) < 1.0
     assert json.loads(open(os.path.join(out, "config.json")).read())["model_type"] == "gptj"
+
+
+@pytest.mark.slow
+def test_finetune_hf_gin_trains_any_hf_directory(tmp_path, repo_dir):
+    """gin/finetune_hf.gin with nothing but INIT_FROM_HF (and a small run's sizes): the family
+    from config.json, the directory's own BPE tokenizer on the stdlib corpus."""
+    length = save_byte_bpe_tokenizer(tmp_path / "hf", style="qwen")
+    config = transformers.Qwen2Config(
+        vocab_size=length,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    transformers.Qwen2ForCausalLM(config).save_pretrained(str(tmp_path / "hf"))
+    model_dir = str(tmp_path / "run")
+    result = run_main(
+        [
+            "--gin_file=gin/finetune_hf.gin",
+            f"--gin.INIT_FROM_HF='{tmp_path / 'hf'}'",
+            f"--gin.MODEL_DIR='{model_dir}'",
+            "--gin.COMPUTE_DTYPE='float32'",
+            "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+            "--gin.BATCH_SIZE=8",
+            "--gin.TRAIN_STEPS=2",
+            "--gin.EVAL_PERIOD=0",
+            "--gin.LOG_PERIOD=1",
+        ],
+        cwd=repo_dir,
+        devices=8,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        "Initialised" in result.stdout
+        and "QwenConfig" in open(os.path.join(model_dir, "model_record.json")).read()
+    )
+    assert len(read_metrics(model_dir)) >= 1
+    # The run kept the directory's tokenizer (chat template included) for infer and export.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.join(model_dir, "tokenizer"))
+    assert tokenizer.chat_template == QWEN_CHAT_TEMPLATE
