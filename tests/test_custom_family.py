@@ -1,6 +1,8 @@
-"""A causal family defined outside flaxlm, on `causal_lm.CausalLM`: Qwen2 (Llama with biases
-on the q, k and v projections). It trains, decodes with the KV cache, and round-trips through
-transformers' `Qwen2ForCausalLM` without a line of flaxlm changed.
+"""A causal family defined outside flaxlm, on `causal_lm.CausalLM`: IBM's Granite (Llama
+with four multipliers: on the token embedding, on the attention scores instead of
+head_dim**-0.5, on each residual branch, and a divisor of the logits). It trains, decodes
+with the KV cache, and round-trips through transformers' `GraniteForCausalLM` without a
+line of flaxlm changed; its HF tensor table is Llama's, imported like any public seam.
 """
 
 from __future__ import annotations
@@ -16,33 +18,39 @@ import torch
 import transformers
 
 from flaxlm import hf, inference, trainer
-from flaxlm.models import attention, layers
+from flaxlm.models import attention, layers, llama
 from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
-from flaxlm.models.hf_spec import HF_SPECS, HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.hf_spec import HF_SPECS, HFSpec, HFTensor, register_hf
 from flaxlm.partitioning import Partitioner
 from tests.helpers import adamw, feature_lengths, random_batch
 from tests.hf_helpers import decoder_batch, max_abs_diff, padded_batch, torch_logits
 
 # ------------------------------------------------------------------ the family
 
+MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier")
+
 
 @dataclasses.dataclass(frozen=True)
-class Qwen2Config(ComputeOptions):
-    """Qwen2 hyper-parameters (HF names where they exist); compute options inherited."""
+class GraniteConfig(ComputeOptions):
+    """Granite hyper-parameters (HF names where they exist); compute options inherited."""
 
-    vocab_size: int = 151936
+    vocab_size: int = 49152
     real_vocab_size: int | None = None
-    hidden_size: int = 896
-    num_layers: int = 24
-    num_heads: int = 14
-    num_kv_heads: int = 2
-    intermediate_size: int = 4864
-    max_position_embeddings: int = 32768
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1e6
+    hidden_size: int = 2048
+    num_layers: int = 40
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    intermediate_size: int = 8192
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 1e4
     tie_word_embeddings: bool = True
     activation: str = "silu"
+    embedding_multiplier: float = 12.0  # scales the token embedding
+    attention_multiplier: float = 0.015625  # the attention scores' scale
+    residual_multiplier: float = 0.22  # scales each block's attention and MLP outputs
+    logits_scaling: float = 8.0  # the logits are divided by it
 
     @property
     def head_dim(self) -> int:
@@ -53,12 +61,12 @@ class Qwen2Config(ComputeOptions):
         block = 2 * e * e + 2 * e * self.num_kv_heads * self.head_dim + 3 * e * f
         return 6.0 * n * block + 12.0 * n * e * seq_len
 
-    def make_module(self) -> Qwen2:
-        return Qwen2(self)
+    def make_module(self) -> Granite:
+        return Granite(self)
 
 
-class Qwen2Block(nn.Module):
-    config: Qwen2Config
+class GraniteBlock(nn.Module):
+    config: GraniteConfig
     deterministic: bool = True
 
     @nn.compact
@@ -66,7 +74,7 @@ class Qwen2Block(nn.Module):
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         h = layers.RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **dense)(x)
-        x = x + attention.rotary_self_attention(
+        a = attention.rotary_self_attention(
             h,
             sin,
             cos,
@@ -76,14 +84,16 @@ class Qwen2Block(nn.Module):
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             hidden_size=cfg.hidden_size,
-            qkv_bias=True,  # what makes it Qwen2
+            qkv_bias=False,
             out_bias=False,
             attention=cfg.attention,
             chunk_size=cfg.attention_chunk_size,
+            scale=cfg.attention_multiplier,  # what makes it Granite, with the three others
             **dense,
         )
+        x = x + a * cfg.residual_multiplier
         h = layers.RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **dense)(x)
-        return x + layers.gated_mlp(
+        m = layers.gated_mlp(
             h,
             intermediate_size=cfg.intermediate_size,
             hidden_size=cfg.hidden_size,
@@ -91,26 +101,31 @@ class Qwen2Block(nn.Module):
             use_bias=False,
             **dense,
         )
+        return x + m * cfg.residual_multiplier
 
 
-class Qwen2(CausalLM):
-    block_cls = Qwen2Block
+class Granite(CausalLM):
+    block_cls = GraniteBlock
 
     def block_inputs(self, x, positions, decoding):
         inv_freq = attention.rotary_inv_freq(self.config.head_dim, self.config.rope_theta)
-        return x, attention.rotary_sin_cos(positions, inv_freq)
+        return x * self.config.embedding_multiplier, attention.rotary_sin_cos(positions, inv_freq)
 
     def final_norm(self, x):
         cfg = self.config
-        return layers.RMSNorm(
+        x = layers.RMSNorm(
             cfg.rms_norm_eps, dtype=jnp.float32, param_dtype=cfg.param_dtype, name="norm"
         )(x)
+        # The head is linear without a bias: dividing its input divides the logits.
+        return x / cfg.logits_scaling
 
 
-def config_from_hf(hf_config: dict, **overrides) -> Qwen2Config:
+def config_from_hf(hf_config: dict, **overrides) -> GraniteConfig:
     rope = hf_config.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default" or hf_config.get("use_sliding_window"):
-        raise ValueError("This Qwen2 has plain rotary and full attention only.")
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError("This Granite has plain rotary only.")
+    if hf_config.get("attention_bias") or hf_config.get("mlp_bias"):
+        raise ValueError("This Granite has no attention or MLP biases.")
     kwargs = dict(
         vocab_size=hf_config["vocab_size"],
         hidden_size=hf_config["hidden_size"],
@@ -123,14 +138,16 @@ def config_from_hf(hf_config: dict, **overrides) -> Qwen2Config:
         rope_theta=float(rope.get("rope_theta", hf_config.get("rope_theta", 1e4))),
         tie_word_embeddings=hf_config.get("tie_word_embeddings", False),
         activation=hf_config.get("hidden_act", "silu"),
+        logits_scaling=float(hf_config.get("logits_scaling", 1.0)),
+        **{name: float(hf_config.get(name, 1.0)) for name in MULTIPLIERS},
     )
-    return Qwen2Config(**{**kwargs, **overrides})
+    return GraniteConfig(**{**kwargs, **overrides})
 
 
-def config_to_hf(cfg: Qwen2Config) -> dict:
+def config_to_hf(cfg: GraniteConfig) -> dict:
     return {
-        "model_type": "qwen2",
-        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "granite",
+        "architectures": ["GraniteForCausalLM"],
         "vocab_size": cfg.real_vocab_size or cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers,
@@ -142,33 +159,24 @@ def config_to_hf(cfg: Qwen2Config) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "hidden_act": cfg.activation,
-        "use_sliding_window": False,
+        "attention_bias": False,
+        "mlp_bias": False,
         "attention_dropout": 0.0,
+        "logits_scaling": cfg.logits_scaling,
+        **{name: getattr(cfg, name) for name in MULTIPLIERS},
     }
 
 
-def hf_tensors(cfg: Qwen2Config) -> list[HFTensor]:
-    n, hf_layer = cfg.num_layers, "model.layers.{i}"
-    out = [HFTensor("embed_tokens/embedding", "model.embed_tokens.weight", 1, vocab_axis=0)]
-    for norm in ("input_layernorm", "post_attention_layernorm"):
-        out.append(HFTensor(f"layers_{{i}}/{norm}/scale", f"{hf_layer}.{norm}.weight", layers=n))
-    for p in ("q_proj", "k_proj", "v_proj"):
-        out.append(linear(f"layers_{{i}}/{p}/kernel", f"{hf_layer}.self_attn.{p}.weight", layers=n))
-        out.append(HFTensor(f"layers_{{i}}/{p}/bias", f"{hf_layer}.self_attn.{p}.bias", layers=n))
-    out.append(
-        linear("layers_{i}/o_proj/kernel", f"{hf_layer}.self_attn.o_proj.weight", 2, layers=n)
+def hf_tensors(cfg: GraniteConfig) -> list[HFTensor]:
+    # Granite kept Llama's tensor names: Llama's table for the same layers and tying.
+    return llama.hf_tensors(
+        llama.LlamaConfig(num_layers=cfg.num_layers, tie_word_embeddings=cfg.tie_word_embeddings)
     )
-    for p in ("gate_proj", "up_proj", "down_proj"):
-        out.append(linear(f"layers_{{i}}/{p}/kernel", f"{hf_layer}.mlp.{p}.weight", layers=n))
-    out.append(HFTensor("norm/scale", "model.norm.weight"))
-    if not cfg.tie_word_embeddings:
-        out.append(linear("lm_head/kernel", "lm_head.weight", vocab_axis=1))
-    return out
 
 
 SPEC = HFSpec(
-    model_types=("qwen2",),
-    config_cls=Qwen2Config,
+    model_types=("granite",),
+    config_cls=GraniteConfig,
     model_cls=DecoderOnlyModel,
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
@@ -200,12 +208,15 @@ TINY = dict(
     num_kv_heads=2,
     intermediate_size=64,
     max_position_embeddings=64,
-    rope_theta=1e4,
+    embedding_multiplier=2.0,
+    attention_multiplier=0.25,
+    residual_multiplier=0.5,
+    logits_scaling=2.0,
 )
 
 
 def test_training_steps_lower_the_loss():
-    model = DecoderOnlyModel(Qwen2Config(**TINY))
+    model = DecoderOnlyModel(GraniteConfig(**TINY))
     partitioner = Partitioner(mesh_shape=(1, 1, 1), devices=jax.devices()[:1])
     setup = trainer.Setup(model, partitioner, adamw(), feature_lengths())
     step = setup.partition_train_step(trainer.make_train_step(model, partitioner, 1e-2))
@@ -218,7 +229,7 @@ def test_training_steps_lower_the_loss():
 
 
 def test_greedy_decoding_with_the_cache_follows_the_full_forward_argmax():
-    model = DecoderOnlyModel(Qwen2Config(**TINY, scan_layers=True))
+    model = DecoderOnlyModel(GraniteConfig(**TINY, scan_layers=True))
     params = model.init_params(jax.random.PRNGKey(0), model.example_batch_shapes(16, 2))
     prompts = np.random.default_rng(0).integers(1, 128, (2, 6)).astype(np.int32)
     lengths = np.array([6, 4], np.int32)
@@ -231,8 +242,9 @@ def test_greedy_decoding_with_the_cache_follows_the_full_forward_argmax():
         np.testing.assert_array_equal(new[row], expected)
 
 
-def tiny_hf_qwen2(tmp_path, **overrides):
-    """A random tiny torch Qwen2 (norms and q/k/v biases perturbed), saved to tmp_path/hf."""
+def tiny_hf_granite(tmp_path, **overrides):
+    """A random tiny torch Granite (norms perturbed, every multiplier far from 1), saved to
+    tmp_path/hf."""
     kwargs = dict(
         vocab_size=250,
         hidden_size=32,
@@ -243,14 +255,18 @@ def tiny_hf_qwen2(tmp_path, **overrides):
         max_position_embeddings=64,
         rope_parameters={"rope_type": "default", "rope_theta": 5e4},
         initializer_range=0.1,
+        embedding_multiplier=3.0,
+        attention_multiplier=0.3,
+        residual_multiplier=0.6,
+        logits_scaling=4.0,
     )
     kwargs.update(overrides)
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(**kwargs, attn_implementation="eager")
-    model = transformers.Qwen2ForCausalLM(config).eval()
+    config = transformers.GraniteConfig(**kwargs, attn_implementation="eager")
+    model = transformers.GraniteForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "proj.bias")):
+            if name.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
     return model, str(tmp_path / "hf")
@@ -258,12 +274,13 @@ def tiny_hf_qwen2(tmp_path, **overrides):
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_hf_import_matches_transformers_and_export_reloads(tmp_path, tied, registered):
-    torch_model, path = tiny_hf_qwen2(tmp_path, tie_word_embeddings=tied)
+    torch_model, path = tiny_hf_granite(tmp_path, tie_word_embeddings=tied)
     ids, mask = padded_batch(250, (12, 7, 12, 3))
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
 
     model, params = hf.from_pretrained(path, scan_layers=tied)
-    assert isinstance(model.config, Qwen2Config) and model.config.tie_word_embeddings == tied
+    assert isinstance(model.config, GraniteConfig) and model.config.tie_word_embeddings == tied
+    assert model.config.logits_scaling == 4.0
     ours = model.compute_logits(params, decoder_batch(ids, mask))
     assert max_abs_diff(ours, theirs, mask) < 1e-4
 
@@ -273,6 +290,7 @@ def test_hf_import_matches_transformers_and_export_reloads(tmp_path, tied, regis
         str(out), output_loading_info=True
     )
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
-    assert isinstance(reloaded, transformers.Qwen2ForCausalLM)
+    assert isinstance(reloaded, transformers.GraniteForCausalLM)
+    assert reloaded.config.residual_multiplier == pytest.approx(0.6)
     again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
     assert max_abs_diff(again, theirs, mask) < 1e-5

@@ -1,0 +1,359 @@
+"""Qwen2 / Qwen2.5 and Qwen3 (dense): Llama's blocks with Qwen's attention.
+
+Qwen2 is Llama with biases on the q, k and v projections (none on o), rope_theta 1e6 and
+a sliding window on the layers its config names (`use_sliding_window`, `max_window_layers`
+or `layer_types`). Qwen3 drops the biases (unless `attention_bias`, which adds them to o
+too), RMS-normalises each query and key head (`q_norm`, `k_norm`) before rotary and has a
+`head_dim` independent of the width. Follows HuggingFace's `Qwen2ForCausalLM` and
+`Qwen3ForCausalLM` (the PyTorch references our logits must match).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+
+from flaxlm.models import attention, layers, llama
+from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models.causal_lm import CausalLM
+from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
+
+Array = jax.Array
+
+MODEL_TYPES = ("qwen2", "qwen3")
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FULL, SLIDING = "full_attention", "sliding_attention"  # HF's layer_types entries
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class QwenConfig(ComputeOptions):
+    """Qwen2 / Qwen2.5 / Qwen3 hyper-parameters (HF names where they exist); the defaults
+    are Qwen2.5-7B's."""
+
+    vocab_size: int = 152064
+    real_vocab_size: int | None = None  # ids from here up are padding (None: all real)
+    hidden_size: int = 3584
+    num_layers: int = 28  # HF: num_hidden_layers
+    num_heads: int = 28  # HF: num_attention_heads
+    num_kv_heads: int | None = 4  # HF: num_key_value_heads; None: num_heads
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    intermediate_size: int = 18944
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    # Rope scaling as LlamaConfig reads it (HF's rope_parameters): None, 'linear' or 'llama3'.
+    rope_scaling_type: str | None = None
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3 scaling only
+    rope_high_freq_factor: float = 4.0  # llama3 scaling only
+    rope_original_max_position_embeddings: int = 8192  # llama3 scaling only
+    # Qwen3: biases on q, k, v and o. Qwen2 always has them on q, k and v, never on o.
+    attention_bias: bool = False
+    # The windowed layers see only the `sliding_window` latest positions; without
+    # `use_sliding_window` no layer is windowed (`sliding_window` is then ignored, as by HF).
+    use_sliding_window: bool = False
+    sliding_window: int | None = None
+    max_window_layers: int = 28  # layers from this index up are windowed (no layer_types)
+    layer_types: tuple[str, ...] | None = None  # per layer 'full_attention'/'sliding_attention'
+    tie_word_embeddings: bool = False  # the head reuses the token embedding
+    activation: str = "silu"  # HF: hidden_act
+    model_type: str = "qwen2"  # the HF model_type written on export: one of MODEL_TYPES
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer_types is not None:
+            # Gin and JSON give lists; the config stays hashable.
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type {self.model_type!r}: expected one of {MODEL_TYPES}.")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads} "
+                "(or set head_dim)."
+            )
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.kv_heads}."
+            )
+        if self.dim_per_head % 2:
+            raise ValueError(f"head_dim {self.dim_per_head} must be even for rotary embeddings.")
+        self._check_rope()
+        if self.attention_bias and self.model_type == "qwen2":
+            raise ValueError(
+                "attention_bias=True is Qwen3's (biases on q, k, v and o): HF Qwen2 always has "
+                "q, k and v biases and no o bias; set attention_bias=False or "
+                "model_type='qwen3'."
+            )
+        self._check_windows()
+
+    def _check_rope(self) -> None:
+        """ValueErrors naming the rope scaling field that HF would not accept."""
+        kind, factor = self.rope_scaling_type, self.rope_scaling_factor
+        if kind not in (None, *llama.ROPE_SCALING_TYPES):
+            raise ValueError(
+                f"rope_scaling_type {kind!r}: expected None or one of {llama.ROPE_SCALING_TYPES}."
+            )
+        if kind is not None and not factor > 0:
+            raise ValueError(f"rope_scaling_factor {factor} must be positive.")
+        low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+        if kind == "llama3" and not high > low > 0:
+            raise ValueError(
+                f"rope_high_freq_factor {high} must exceed rope_low_freq_factor {low} > 0 for "
+                "llama3 rope scaling."
+            )
+
+    def _check_windows(self) -> None:
+        """ValueErrors naming the sliding-window field that does not fit the others."""
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window {self.sliding_window} must be None or positive.")
+        if self.use_sliding_window and self.sliding_window is None:
+            raise ValueError("use_sliding_window=True needs a sliding_window size.")
+        if self.max_window_layers < 0:
+            raise ValueError(f"max_window_layers {self.max_window_layers} must be >= 0.")
+        if self.layer_types is None:
+            return
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for num_layers {self.num_layers}."
+            )
+        unknown = sorted(set(self.layer_types) - {FULL, SLIDING})
+        if unknown:
+            raise ValueError(f"layer_types {unknown}: expected {FULL!r} or {SLIDING!r}.")
+        if SLIDING in self.layer_types and not self.use_sliding_window:
+            raise ValueError(
+                f"layer_types names {SLIDING!r} layers but use_sliding_window is False "
+                "(HF then has no window to give them): set it True with a sliding_window."
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.model_type == "qwen2" or self.attention_bias
+
+    @property
+    def attention_layer_types(self) -> tuple[str, ...]:
+        """Every layer's HF layer type: `layer_types`, or as HF derives it from
+        `use_sliding_window` and `max_window_layers`."""
+        if self.layer_types is not None:
+            return self.layer_types
+        return tuple(
+            SLIDING if self.use_sliding_window and i >= self.max_window_layers else FULL
+            for i in range(self.num_layers)
+        )
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Every layer's sliding window (None: global attention), for `layer_window`."""
+        return tuple(
+            self.sliding_window if kind == SLIDING else None for kind in self.attention_layer_types
+        )
+
+    def num_params(self) -> int:
+        """Parameter count (for FLOP estimates)."""
+        e, v, d, f = self.hidden_size, self.vocab_size, self.dim_per_head, self.intermediate_size
+        q, kv = self.num_heads * d, self.kv_heads * d
+        attn = e * (q + 2 * kv) + q * e
+        attn += (q + 2 * kv if self.qkv_bias else 0) + (e if self.attention_bias else 0)
+        attn += 2 * d if self.model_type == "qwen3" else 0  # q_norm, k_norm
+        block = attn + 3 * e * f + 2 * e
+        head = 0 if self.tie_word_embeddings else v * e
+        return v * e + self.num_layers * block + e + head
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls plus the attention scores (a windowed
+        layer scores at most its window)."""
+        non_embedding = self.num_params() - self.vocab_size * self.hidden_size
+        contexts = sum(min(seq_len, w or seq_len) for w in self.layer_windows)
+        return 6.0 * non_embedding + 12.0 * self.num_heads * self.dim_per_head * contexts
+
+    def make_module(self) -> Qwen:
+        return Qwen(self)
+
+
+class QwenBlock(nn.Module):
+    """Pre-RMSNorm block: Qwen attention (biases, q/k norms, this layer's window), SwiGLU."""
+
+    config: QwenConfig
+    deterministic: bool = True
+
+    def dropped(self, y: Array) -> Array:
+        if not self.config.dropout_rate:
+            return y
+        return nn.Dropout(self.config.dropout_rate)(y, deterministic=self.deterministic)
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Array,
+        index: Array,
+        mask: attention.Mask,
+        decoding: attention.Decoding | None,
+        sin: Array,
+        cos: Array,
+    ) -> Array:
+        cfg = self.config
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        x = layers.constrain(x, layers.ACTIVATION_AXES)
+        h = layers.RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **dense)(x)
+        attn = attention.rotary_self_attention(
+            h,
+            sin,
+            cos,
+            mask,
+            decoding,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.kv_heads,
+            head_dim=cfg.dim_per_head,
+            hidden_size=cfg.hidden_size,
+            qkv_bias=cfg.qkv_bias,
+            out_bias=cfg.attention_bias,
+            attention=cfg.attention,
+            chunk_size=cfg.attention_chunk_size,
+            qk_norm="rms" if cfg.model_type == "qwen3" else None,
+            norm_eps=cfg.rms_norm_eps,
+            window=attention.layer_window(cfg.layer_windows, index),
+            **dense,
+        )
+        x = layers.constrain(x + self.dropped(attn), layers.ACTIVATION_AXES)
+        h = layers.RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **dense)(x)
+        m = layers.gated_mlp(
+            h,
+            intermediate_size=cfg.intermediate_size,
+            hidden_size=cfg.hidden_size,
+            activation=cfg.activation,
+            use_bias=False,
+            **dense,
+        )
+        return layers.constrain(x + self.dropped(m), layers.ACTIVATION_AXES)
+
+
+class Qwen(CausalLM):
+    """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
+
+    block_cls = QwenBlock
+    layer_index = True  # each block looks up its own sliding window
+
+    def block_inputs(
+        self, x: Array, positions: Array, decoding: attention.Decoding | None
+    ) -> tuple[Array, tuple[Array, Array]]:
+        return x, attention.rotary_sin_cos(positions, llama.rope_inv_freq(self.config))
+
+    def final_norm(self, x: Array) -> Array:
+        cfg = self.config
+        norm = layers.RMSNorm(
+            cfg.rms_norm_eps, dtype=jnp.float32, param_dtype=cfg.param_dtype, name="norm"
+        )
+        return norm(x)
+
+
+# ------------------------------------------------------------------ HuggingFace
+
+
+def config_from_hf(hf: dict, **overrides: Any) -> QwenConfig:
+    """A QwenConfig from a Qwen2 or Qwen3 config.json dict (+ field overrides)."""
+    layer_types = hf.get("layer_types")
+    window = hf.get("sliding_window")
+    kwargs = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads"),
+        head_dim=hf.get("head_dim"),
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf["max_position_embeddings"],
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        attention_bias=hf.get("attention_bias", False) if hf["model_type"] == "qwen3" else False,
+        # HF windows no layer when the size is missing, whatever use_sliding_window says.
+        use_sliding_window=bool(hf.get("use_sliding_window")) and window is not None,
+        sliding_window=window,
+        max_window_layers=hf.get("max_window_layers", 28),
+        layer_types=tuple(layer_types) if layer_types is not None else None,
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        activation=hf.get("hidden_act", "silu"),
+        model_type=hf["model_type"],
+        **llama.rope_from_hf(hf),
+    )
+    kwargs.update(overrides)
+    return QwenConfig(**kwargs)
+
+
+def config_to_hf(cfg: QwenConfig) -> dict:
+    """The config.json dict; the window fields written out with every layer's type, so
+    transformers windows the same layers."""
+    out = {
+        "model_type": cfg.model_type,
+        "architectures": [ARCHITECTURES[cfg.model_type]],
+        "vocab_size": cfg.real_vocab_size or cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.dim_per_head,
+        "intermediate_size": cfg.intermediate_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": llama.rope_to_hf(cfg),
+        "use_sliding_window": cfg.use_sliding_window,
+        "sliding_window": cfg.sliding_window,
+        "max_window_layers": cfg.max_window_layers,
+        "layer_types": list(cfg.attention_layer_types),
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": cfg.activation,
+        "attention_dropout": 0.0,
+    }
+    if cfg.model_type == "qwen3":
+        out["attention_bias"] = cfg.attention_bias
+    return out
+
+
+def hf_tensors(cfg: QwenConfig) -> list[HFTensor]:
+    """Llama's tensor names (Qwen kept them) for the same layers, biases and tying, plus
+    Qwen2's q/k/v biases and Qwen3's per-head q/k norms."""
+    table = llama.hf_tensors(
+        llama.LlamaConfig(
+            num_layers=cfg.num_layers,
+            attention_bias=cfg.attention_bias,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+        )
+    )
+    n, attn = cfg.num_layers, "model.layers.{i}.self_attn"
+    if cfg.qkv_bias and not cfg.attention_bias:
+        table += [
+            HFTensor(f"layers_{{i}}/{p}/bias", f"{attn}.{p}.bias", layers=n)
+            for p in ("q_proj", "k_proj", "v_proj")
+        ]
+    if cfg.model_type == "qwen3":
+        table += [
+            HFTensor(f"layers_{{i}}/{p}/scale", f"{attn}.{p}.weight", layers=n)
+            for p in ("q_norm", "k_norm")
+        ]
+    return table
+
+
+HF_SPEC = register_hf(
+    HFSpec(
+        model_types=MODEL_TYPES,
+        config_cls=QwenConfig,
+        model_cls=DecoderOnlyModel,
+        config_from_hf=config_from_hf,
+        config_to_hf=config_to_hf,
+        tensors=hf_tensors,
+        ignore=llama.HF_SPEC.ignore,
+        base_model_prefix="model",
+        tied_head=llama.HF_SPEC.tied_head,
+    )
+)
