@@ -1,5 +1,6 @@
-"""Attention: positions (rotary, ALiBi), masks (causal, window, segments, FCM), the KV
-cache, `dot_product_attention` (xla / jax / chunked) and the rotary self-attention block.
+"""Attention: positions (rotary, ALiBi), the KV cache, `dot_product_attention` (xla / jax /
+chunked, soft-capping) and the rotary self-attention block; the masks live in `masks.py`
+and are re-exported here.
 
 Nothing here knows a mesh: activations carry logical axis names only.
 """
@@ -7,7 +8,6 @@ Nothing here knows a mesh: activations carry logical axis names only.
 from __future__ import annotations
 
 import flax.linen as nn
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +21,16 @@ from flaxlm.models.layers import (
     as_dtype,
     constrain,
     parallel_dense,
+)
+from flaxlm.models.masks import (  # noqa: F401  (re-exported: attention.Mask, ...)
+    NO_WINDOW,
+    Decoding,
+    Mask,
+    attention_mask,
+    causal_mask,
+    decoding_positions,
+    forgetful_causal_mask,
+    layer_window,
 )
 
 Array = jax.Array
@@ -98,184 +108,6 @@ def alibi_bias(q_positions: Array, k_positions: Array, num_heads: int) -> Array:
 
 
 # ---------------------------------------------------------------------------- attention
-
-
-@flax.struct.dataclass
-class Mask:
-    """Which keys each query may attend to, computed on demand for any block of queries and
-    keys (`block`) or whole (`dense`, bool `[batch, 1, q_len, kv_len]`); the blockwise
-    attention never holds the whole mask.
-
-    Queries sit at slots `q_offset + i`, keys at slots `j`. `causal`: a key at a later slot
-    is hidden; `sliding_window` W: only the W latest slots (the query's own included) are
-    seen; `kv_start` (per row): keys before it are padding (left-padded decoding). Segment
-    ids keep packed examples apart: with `cross` (keys are another sequence) a query sees
-    keys of its own segment and never segment 0 (padding); otherwise queries and keys share
-    `q_segment_ids`.
-    """
-
-    q_segment_ids: Array | None
-    kv_segment_ids: Array | None
-    kv_start: Array | None
-    q_offset: Array | int
-    kv_keep: Array | None = None  # bool [batch, kv_len]: False hides a key from every query
-    # A layer's own sliding window (int32 scalar, may be traced: `layer_window`), on top of
-    # `sliding_window`; NO_WINDOW sees everything.
-    window: Array | None = None
-    batch: int = flax.struct.field(pytree_node=False, default=1)
-    q_len: int = flax.struct.field(pytree_node=False, default=1)
-    kv_len: int = flax.struct.field(pytree_node=False, default=1)
-    causal: bool = flax.struct.field(pytree_node=False, default=True)
-    sliding_window: int | None = flax.struct.field(pytree_node=False, default=None)
-    cross: bool = flax.struct.field(pytree_node=False, default=False)
-
-    def block(self, q_start: Array | int, q_size: int, k_start: Array | int, k_size: int) -> Array:
-        """bool `[batch, 1, q_size, k_size]` for queries q_start.. and keys k_start.. (either
-        start may be traced; rows and columns past the ends are False)."""
-        q_idx = q_start + jnp.arange(q_size)
-        k_idx = k_start + jnp.arange(k_size)
-        q_slot = (self.q_offset + q_idx)[:, None]
-        k_slot = k_idx[None, :]
-        mask = (q_idx < self.q_len)[:, None] & (k_idx < self.kv_len)[None, :]
-        if self.causal:
-            mask = mask & (k_slot <= q_slot)
-        if self.sliding_window is not None:
-            mask = mask & (q_slot - k_slot < self.sliding_window)
-        if self.window is not None:
-            mask = mask & (q_slot - k_slot < self.window)
-        mask = jnp.broadcast_to(mask[None], (self.batch, q_size, k_size))
-        if self.kv_start is not None:
-            mask = mask & (k_slot[None] >= self.kv_start[:, None, None])
-        if self.kv_keep is not None:
-            keep = jnp.pad(self.kv_keep, ((0, 0), (0, k_size)))
-            keep = jax.lax.dynamic_slice_in_dim(keep, k_start, k_size, axis=1)
-            mask = mask & keep[:, None, :]
-
-        def take(ids: Array, start: Array | int, size: int, length: int) -> Array:
-            padded = jnp.pad(ids, ((0, 0), (0, size)))  # reads past the end see segment 0
-            return jax.lax.dynamic_slice_in_dim(padded, start, size, axis=1)
-
-        if self.cross:
-            if self.q_segment_ids is None:
-                q_seg = jnp.ones((self.batch, q_size), jnp.int32)
-            else:
-                q_seg = take(self.q_segment_ids, q_start, q_size, self.q_len)
-            k_seg = take(self.kv_segment_ids, k_start, k_size, self.kv_len)
-            mask = mask & (q_seg[:, :, None] == k_seg[:, None, :]) & (k_seg > 0)[:, None, :]
-        elif self.q_segment_ids is not None:
-            q_seg = take(self.q_segment_ids, q_start, q_size, self.q_len)
-            k_seg = take(self.q_segment_ids, k_start, k_size, self.q_len)
-            mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])
-        return mask[:, None]
-
-    def dense(self) -> Array:
-        return self.block(0, self.q_len, 0, self.kv_len)
-
-    def within(self, window: Array | None) -> Mask:
-        """This mask narrowed to a layer's sliding `window` (None: unchanged)."""
-        return self if window is None else self.replace(window=window)
-
-
-NO_WINDOW = 2**30  # a window longer than any sequence
-
-
-def layer_window(windows: tuple[int | None, ...], index: Array) -> Array | None:
-    """The sliding window of layer `index` (traced when layers are scanned) given every
-    layer's (None: global attention), or None when no layer has one."""
-    if all(w is None for w in windows):
-        return None
-    table = jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
-    return table[index]
-
-
-def attention_mask(
-    segment_ids: Array | None,
-    batch: int,
-    length: int,
-    *,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    kv_segment_ids: Array | None = None,
-    kv_length: int | None = None,
-) -> Mask:
-    """Causal (optionally), and never across packed segments.
-
-    `sliding_window` W lets a query see only the W most recent positions (itself included,
-    Mistral). `kv_segment_ids` / `kv_length` describe keys that are not the queries
-    (cross-attention); then segment ids pair queries with keys of the same segment, and
-    padding (segment 0) is never attended.
-    """
-    return Mask(
-        q_segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        kv_start=None,
-        q_offset=0,
-        batch=batch,
-        q_len=length,
-        kv_len=length if kv_length is None else kv_length,
-        causal=causal,
-        sliding_window=sliding_window,
-        cross=kv_segment_ids is not None,
-    )
-
-
-@flax.struct.dataclass
-class Decoding:
-    """Where incremental decoding is: the cache slot of the first query token (`index`), the
-    first slot of each row that holds a real token (`start`; prompts are left-padded so
-    every row writes the same slot), and the cache size (`length`, static)."""
-
-    index: Array  # int32 scalar
-    start: Array  # int32 [batch]
-    length: int = flax.struct.field(pytree_node=False, default=0)
-
-
-def forgetful_causal_mask(
-    mask: Mask, rng: Array, positions: Array, min_ratio: float, max_ratio: float
-) -> Mask:
-    """Forgetful Causal Masking (Liu et al. 2022, as EasyLM trains GPT-J): each row draws a
-    ratio in [min_ratio, max_ratio] and hides that fraction of its keys from every query;
-    the first token of each sequence (position 0) always stays visible."""
-    ratio_rng, keep_rng = jax.random.split(rng)
-    batch, length = positions.shape
-    ratio = jax.random.uniform(ratio_rng, (batch, 1), minval=min_ratio, maxval=max_ratio)
-    keep = (jax.random.uniform(keep_rng, (batch, length)) >= ratio) | (positions == 0)
-    return mask.replace(kv_keep=keep)
-
-
-def causal_mask(
-    segment_ids: Array | None,
-    batch: int,
-    length: int,
-    decoding: Decoding | None = None,
-    *,
-    sliding_window: int | None = None,
-) -> Mask:
-    """A decoder's self-attention mask: `attention_mask` over the sequence itself, or while
-    decoding over the cache: slots written so far, at or after the row's `start`, within
-    the sliding window."""
-    if decoding is None:
-        return attention_mask(
-            segment_ids, batch, length, causal=True, sliding_window=sliding_window
-        )
-    return Mask(
-        q_segment_ids=None,
-        kv_segment_ids=None,
-        kv_start=decoding.start,
-        q_offset=decoding.index,
-        batch=batch,
-        q_len=length,
-        kv_len=decoding.length,
-        causal=True,
-        sliding_window=sliding_window,
-    )
-
-
-def decoding_positions(decoding: Decoding, batch: int, length: int) -> Array:
-    """int32 `[batch, length]` positions of the query tokens while decoding (a left-padded
-    row counts from its first real token)."""
-    slots = decoding.index + jnp.arange(length, dtype=jnp.int32)[None, :]
-    return jnp.broadcast_to(jnp.maximum(slots - decoding.start[:, None], 0), (batch, length))
 
 
 class KVCache(nn.Module):
