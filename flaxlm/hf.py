@@ -19,7 +19,7 @@ import json
 import math
 import re
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -121,7 +121,15 @@ def config_from_hf_dict(
 class SafetensorsReader:
     """Memory-mapped access to the tensors of a (possibly sharded) safetensors checkpoint."""
 
-    def __init__(self, path: str | epath.Path, base_model_prefix: str = ""):
+    def __init__(
+        self,
+        path: str | epath.Path,
+        base_model_prefix: str = "",
+        own_names: Callable | None = None,
+        quiet: bool = False,
+    ):
+        """`own_names`: an `HFSpec.own_names`, for a checkpoint that holds the model in a larger
+        one (its other tensors skipped, with a note unless `quiet`)."""
         from safetensors import safe_open
 
         root = epath.Path(path)
@@ -138,12 +146,17 @@ class SafetensorsReader:
                 )
         self._handles = {f: safe_open(str(root / f), framework="numpy") for f in files}
         stored = {name: f for f, handle in self._handles.items() for name in handle.keys()}
+        names, skipped = own_names(stored) if own_names else ({n: n for n in stored}, [])
+        if skipped and not quiet and jax.process_index() == 0:
+            print(
+                f"{root}: skipped {len(skipped)} tensors the model does not use: {skipped[0]}, ..."
+            )
         # Our name -> the file's. A checkpoint saved from the bare base model (GPT2Model,
         # OPTModel: most hub GPT-2 and OPT files) names its tensors without the prefix.
-        self._stored = {name: name for name in stored}
+        self._stored = names
         prefix = f"{base_model_prefix}." if base_model_prefix else ""
-        if prefix and not any(name.startswith(prefix) for name in stored):
-            self._stored = {prefix + name: name for name in stored}
+        if prefix and not any(name.startswith(prefix) for name in names):
+            self._stored = {prefix + ours: name for ours, name in names.items()}
         self.file_of: dict[str, str] = {n: stored[s] for n, s in self._stored.items()}
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -257,7 +270,7 @@ def load_params(
     (padding rows are zeros).
     """
     spec = spec_for_config(model.config)
-    reader = SafetensorsReader(path, spec.base_model_prefix)
+    reader = SafetensorsReader(path, spec.base_model_prefix, spec.own_names)
     if getattr(model.config, "tie_word_embeddings", False) and head_differs(spec, reader):
         raise tied_head_error(spec, path)
     return _place_params(model, spec, reader, path, partitioner, shardings)
@@ -324,7 +337,7 @@ def model_from_hf_dir(
     config_overrides = dict(config_overrides or {})
     hf_config = read_hf_config(path)
     spec, config = config_from_hf_dict(hf_config, partitioner, dtype, config_overrides)
-    reader = SafetensorsReader(path, spec.base_model_prefix)
+    reader = SafetensorsReader(path, spec.base_model_prefix, spec.own_names, quiet=True)
     if getattr(config, "tie_word_embeddings", False) and head_differs(spec, reader):
         if "tie_word_embeddings" in config_overrides:  # the caller's tying: as load_params
             raise tied_head_error(spec, path)
@@ -351,7 +364,7 @@ def from_pretrained(
     """
     model = model_from_hf_dir(path, partitioner, dtype, config_overrides)
     spec = spec_for_config(model.config)
-    reader = SafetensorsReader(path, spec.base_model_prefix)
+    reader = SafetensorsReader(path, spec.base_model_prefix, spec.own_names)
     return model, _place_params(model, spec, reader, path, partitioner, None)
 
 

@@ -104,6 +104,7 @@ class HuggingFaceVocabulary(seqio.Vocabulary):
 
     def _encode_tf(self, s: tf.Tensor) -> tf.Tensor:
         self.tokenizer  # noqa: B018  (loaded here, not in a tf.data thread)
+
         def encode(x: np.ndarray) -> np.ndarray:
             texts = np.asarray(x)
             if texts.ndim:
@@ -116,6 +117,7 @@ class HuggingFaceVocabulary(seqio.Vocabulary):
 
     def _decode_tf(self, ids: tf.Tensor) -> tf.Tensor:
         self.tokenizer  # noqa: B018  (loaded here, not in a tf.data thread)
+
         def decode(x: np.ndarray) -> np.ndarray:
             x = np.asarray(x)
             if x.ndim == 1:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -121,6 +121,27 @@ class HFSpec:
     # `tie_word_embeddings`. Like transformers, a file whose head differs from the embedding
     # is loaded untied whatever the config says (T5 as transformers 5 saves it).
     tied_head: tuple[str, str] | None = None
+    # Checkpoints of a larger model that holds this one (Gemma 3's multimodal files keep the
+    # text tower under `model.language_model.`, a vision tower beside it): (pattern,
+    # replacement) regular expressions renaming a stored tensor to our HF name (the first
+    # that matches applies), and patterns of stored tensors skipped (with one note on load).
+    renames: tuple[tuple[str, str], ...] = ()
+    skip: tuple[str, ...] = ()
+
+    def own_names(self, stored: Iterable[str]) -> tuple[dict[str, str], list[str]]:
+        """Our HF name -> the stored name of each tensor of a checkpoint (after `renames`),
+        and the stored names that `skip` leaves out."""
+        names: dict[str, str] = {}
+        skipped: list[str] = []
+        for name in stored:
+            if any(re.search(p, name) for p in self.skip):
+                skipped.append(name)
+                continue
+            ours = next(
+                (re.sub(p, r, name, count=1) for p, r in self.renames if re.search(p, name)), name
+            )
+            names[ours] = name
+        return names, skipped
 
 
 HF_SPECS: dict[str, HFSpec] = {}
