@@ -18,8 +18,7 @@ import dataclasses
 import json
 import math
 import re
-import shutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -30,6 +29,16 @@ from flax import traverse_util
 
 import flaxlm.models  # noqa: F401  (registers every family's HFSpec)
 from flaxlm import pytrees
+from flaxlm.hf_files import (  # noqa: F401  (re-exported: hf.read_hf_config, ...)
+    GENERATION_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    TOKENIZER_FILES,
+    SafetensorsReader,
+    copy_tokenizer,
+    read_generation_config,
+    read_hf_config,
+)
 from flaxlm.models import hf_spec
 from flaxlm.models.base import BaseModel, EncoderOnlyModel
 from flaxlm.models.hf_spec import HF_SPECS, HFSpec, HFTensor
@@ -37,24 +46,6 @@ from flaxlm.partitioning import Partitioner
 
 Params = Any
 VOCAB_MULTIPLE = 128
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-GENERATION_FILE = "generation_config.json"
-# What `tokenizer.save_pretrained` writes (any tokenizer class), chat templates included.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 # generation_config.json fields that an export without the source's file derives from the
 # special ids (what transformers' GenerationConfig.from_model_config takes).
 _GENERATION_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
@@ -77,13 +68,6 @@ def spec_for_config(config: Any) -> HFSpec:
         if isinstance(config, spec.config_cls):
             return spec
     raise ValueError(f"No HuggingFace mapping for {type(config).__name__}.")
-
-
-def read_hf_config(path: str | epath.Path) -> dict[str, Any]:
-    file = epath.Path(path) / "config.json"
-    if not file.exists():
-        raise FileNotFoundError(f"{file} not found: a HuggingFace checkpoint directory needs one.")
-    return json.loads(file.read_text())
 
 
 def padded_vocab_size(vocab_size: int, partitioner: Partitioner | None = None) -> int:
@@ -116,59 +100,6 @@ def config_from_hf_dict(
 
 
 # ------------------------------------------------------------------------ tensors
-
-
-class SafetensorsReader:
-    """Memory-mapped access to the tensors of a (possibly sharded) safetensors checkpoint."""
-
-    def __init__(
-        self,
-        path: str | epath.Path,
-        base_model_prefix: str = "",
-        own_names: Callable | None = None,
-        quiet: bool = False,
-    ):
-        """`own_names`: an `HFSpec.own_names`, for a checkpoint that holds the model in a larger
-        one (its other tensors skipped, with a note unless `quiet`)."""
-        from safetensors import safe_open
-
-        root = epath.Path(path)
-        index = root / INDEX_FILE
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in root.glob("*.safetensors"))
-            if not files:
-                raise FileNotFoundError(
-                    f"No *.safetensors in {root}; flaxlm reads HF checkpoints in safetensors "
-                    "(save with `save_pretrained(..., safe_serialization=True)`)."
-                )
-        self._handles = {f: safe_open(str(root / f), framework="numpy") for f in files}
-        stored = {name: f for f, handle in self._handles.items() for name in handle.keys()}
-        names, skipped = own_names(stored) if own_names else ({n: n for n in stored}, [])
-        if skipped and not quiet and jax.process_index() == 0:
-            print(
-                f"{root}: skipped {len(skipped)} tensors the model does not use: {skipped[0]}, ..."
-            )
-        # Our name -> the file's. A checkpoint saved from the bare base model (GPT2Model,
-        # OPTModel: most hub GPT-2 and OPT files) names its tensors without the prefix.
-        self._stored = names
-        prefix = f"{base_model_prefix}." if base_model_prefix else ""
-        if prefix and not any(name.startswith(prefix) for name in names):
-            self._stored = {prefix + ours: name for ours, name in names.items()}
-        self.file_of: dict[str, str] = {n: stored[s] for n, s in self._stored.items()}
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        handle = self._handles[self.file_of[name]]
-        return tuple(handle.get_slice(self._stored[name]).get_shape())
-
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
-        """The tensor, or only its rows [start, stop) (a part of a fused tensor)."""
-        handle = self._handles[self.file_of[name]]
-        if rows is None:
-            return handle.get_tensor(self._stored[name])
-        return handle.get_slice(self._stored[name])[rows[0] : rows[1]]
 
 
 def _check_tensors(
@@ -368,11 +299,6 @@ def from_pretrained(
     return model, _place_params(model, spec, reader, path, partitioner, None)
 
 
-def read_generation_config(path: str | epath.Path) -> dict[str, Any] | None:
-    file = epath.Path(path) / GENERATION_FILE
-    return json.loads(file.read_text()) if file.exists() else None
-
-
 def special_ids(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """config.json's special token ids (`bos_token_id`, `eos_token_id`, ...), nulls kept."""
     return {k: v for k, v in hf_config.items() if k.endswith("_token_id")}
@@ -385,18 +311,6 @@ def hf_eos_id(
     if generation and generation.get("eos_token_id") is not None:
         return generation["eos_token_id"]
     return hf_config.get("eos_token_id")
-
-
-def copy_tokenizer(src: str | epath.Path, dst: str | epath.Path) -> list[str]:
-    """Copies the tokenizer files (chat templates included) of HF directory `src` into
-    `dst`; returns their names (none: `dst` is not created)."""
-    src, dst = epath.Path(src), epath.Path(dst)
-    names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
-    if names and jax.process_index() == 0:
-        dst.mkdir(parents=True, exist_ok=True)
-        for name in names:
-            shutil.copyfile(str(src / name), str(dst / name))
-    return names
 
 
 # ------------------------------------------------------------------------ writing

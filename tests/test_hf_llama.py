@@ -22,7 +22,6 @@ from tests.hf_helpers import (
     torch_logits,
     train_on_batch,
 )
-from tests.test_main import read_metrics, run_main
 
 VOCAB = 250
 LENGTHS = (40, 23, 40, 9)  # long enough for the rope scalings and the window to matter
@@ -225,35 +224,3 @@ def test_finetune_gin_parses_with_the_tiny_llama(repo_dir):
         assert llama.LlamaConfig().hidden_size == 256
     finally:
         gin.clear_config()
-
-
-@pytest.mark.slow
-def test_finetune_gin_trains_from_a_hf_llama(tmp_path, repo_dir):
-    """gin/llama_finetune.gin, started from an HF Llama of llama_tiny.gin's shape."""
-    torch_model, path = tiny_hf_llama(
-        tmp_path,
-        vocab_size=384,
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-    )
-    model_dir = str(tmp_path / "run")
-    result = run_main(
-        [
-            "--gin_file=gin/llama_finetune.gin",
-            f"--gin.MODEL_DIR='{model_dir}'",
-            f"--gin.INIT_FROM_HF='{path}'",
-            "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
-            "--gin.BATCH_SIZE=8",
-            "--gin.TRAIN_STEPS=2",
-            "--gin.EVAL_PERIOD=0",
-            "--gin.LOG_PERIOD=1",
-        ],
-        cwd=repo_dir,
-        devices=8,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"from {path}" in result.stdout
-    assert len(read_metrics(model_dir)) >= 1

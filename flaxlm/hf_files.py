@@ -1,0 +1,112 @@
+"""The files of a HuggingFace checkpoint directory: config.json, generation_config.json, the
+tokenizer's files, and memory-mapped reads of its (possibly sharded) safetensors.
+
+`hf.py` maps their contents onto a model; nothing here knows one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+GENERATION_FILE = "generation_config.json"
+# What `tokenizer.save_pretrained` writes (any tokenizer class), chat templates included.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def read_hf_config(path: str | epath.Path) -> dict[str, Any]:
+    file = epath.Path(path) / "config.json"
+    if not file.exists():
+        raise FileNotFoundError(f"{file} not found: a HuggingFace checkpoint directory needs one.")
+    return json.loads(file.read_text())
+
+
+def read_generation_config(path: str | epath.Path) -> dict[str, Any] | None:
+    file = epath.Path(path) / GENERATION_FILE
+    return json.loads(file.read_text()) if file.exists() else None
+
+
+def copy_tokenizer(src: str | epath.Path, dst: str | epath.Path) -> list[str]:
+    """Copies the tokenizer files (chat templates included) of HF directory `src` into
+    `dst`; returns their names (none: `dst` is not created)."""
+    src, dst = epath.Path(src), epath.Path(dst)
+    names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    if names and jax.process_index() == 0:
+        dst.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            shutil.copyfile(str(src / name), str(dst / name))
+    return names
+
+
+class SafetensorsReader:
+    """Memory-mapped access to the tensors of a (possibly sharded) safetensors checkpoint."""
+
+    def __init__(
+        self,
+        path: str | epath.Path,
+        base_model_prefix: str = "",
+        own_names: Callable | None = None,
+        quiet: bool = False,
+    ):
+        """`own_names`: an `HFSpec.own_names`, for a checkpoint that holds the model in a larger
+        one (its other tensors skipped, with a note unless `quiet`)."""
+        from safetensors import safe_open
+
+        root = epath.Path(path)
+        index = root / INDEX_FILE
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in root.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(
+                    f"No *.safetensors in {root}; flaxlm reads HF checkpoints in safetensors "
+                    "(save with `save_pretrained(..., safe_serialization=True)`)."
+                )
+        self._handles = {f: safe_open(str(root / f), framework="numpy") for f in files}
+        stored = {name: f for f, handle in self._handles.items() for name in handle.keys()}
+        names, skipped = own_names(stored) if own_names else ({n: n for n in stored}, [])
+        if skipped and not quiet and jax.process_index() == 0:
+            print(
+                f"{root}: skipped {len(skipped)} tensors the model does not use: {skipped[0]}, ..."
+            )
+        # Our name -> the file's. A checkpoint saved from the bare base model (GPT2Model,
+        # OPTModel: most hub GPT-2 and OPT files) names its tensors without the prefix.
+        self._stored = names
+        prefix = f"{base_model_prefix}." if base_model_prefix else ""
+        if prefix and not any(name.startswith(prefix) for name in names):
+            self._stored = {prefix + ours: name for ours, name in names.items()}
+        self.file_of: dict[str, str] = {n: stored[s] for n, s in self._stored.items()}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        handle = self._handles[self.file_of[name]]
+        return tuple(handle.get_slice(self._stored[name]).get_shape())
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor, or only its rows [start, stop) (a part of a fused tensor)."""
+        handle = self._handles[self.file_of[name]]
+        if rows is None:
+            return handle.get_tensor(self._stored[name])
+        return handle.get_slice(self._stored[name])[rows[0] : rows[1]]
