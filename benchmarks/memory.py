@@ -1,4 +1,5 @@
-"""Per-device memory of flaxlm's train step for GPT-J 6B and Llama 2 7B shapes on 8 devices.
+"""Per-device memory of flaxlm's train step for GPT-J 6B, Llama 2 7B and any gin/models/ shape
+on 8 devices.
 
 Nothing is allocated: the train state is `trainer.Setup.abstract_state` (shapes, dtypes and
 the shardings the run would use), the batch is abstract, and the step is flaxlm's own
@@ -17,6 +18,11 @@ optimizer <= 1.05 x total / 8 while params are whole.
 
     python benchmarks/memory.py --json /tmp/memory.json
     python benchmarks/memory.py --models gptj --layers 2 --hidden 256   # quick
+    python benchmarks/memory.py --models llama3_1_8b qwen2_5_7b gemma2_9b qwen3_8b \
+      --partitionings fsdp fsdp_tp --remat-policies    # the gin files' shapes, as they are
+
+`--models` takes `gptj` and `llama` (built here; `--hidden` scales them) or the name of any
+gin/models/ file (its shape, dtypes and remat as written; `--layers` still overrides).
 """
 
 from __future__ import annotations
@@ -30,13 +36,16 @@ import bench_common  # noqa: E402
 bench_common.force_host_devices(8)
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import glob  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
+import gin  # noqa: E402
 import jax  # noqa: E402
 
-from flaxlm.models import layers  # noqa: E402
+from flaxlm.models import base, layers  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
 from flaxlm.models.gptj import GPTJConfig  # noqa: E402
 from flaxlm.models.llama import LlamaConfig  # noqa: E402
@@ -44,6 +53,12 @@ from flaxlm.models.llama import LlamaConfig  # noqa: E402
 TARGET = 1.05
 GIB = 2**30
 MODEL_REMAT = "dots_with_no_batch_dims_saveable"  # the policy of gptj_6b.gin / llama2_7b.gin
+GIN_MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gin/models")
+BUILT_HERE = ("gptj", "llama")
+
+
+def gin_model_names() -> list[str]:
+    return sorted(os.path.basename(f)[:-4] for f in glob.glob(f"{GIN_MODELS}/*.gin"))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -51,7 +66,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--models", nargs="+", choices=("gptj", "llama"), default=["gptj", "llama"])
+    p.add_argument(
+        "--models",
+        nargs="+",
+        choices=(*BUILT_HERE, *gin_model_names()),
+        default=list(BUILT_HERE),
+        metavar="MODEL",
+        help="gptj, llama, or a gin/models/ file's name (e.g. llama3_1_8b)",
+    )
     p.add_argument(
         "--partitionings",
         nargs="+",
@@ -93,8 +115,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def gin_model(name: str, args: argparse.Namespace, remat: str) -> DecoderOnlyModel:
+    """The decoder-only model of gin/models/<name>.gin, with `remat` and `args`' scan_layers
+    (and layer count, if given)."""
+    gin.clear_config()
+    try:
+        gin.parse_config_files_and_bindings([f"{GIN_MODELS}/{name}.gin"], [])
+        model = base.DecoderOnlyModel()
+    finally:
+        gin.clear_config()
+    changes = dict(remat_policy=remat, scan_layers=args.scan_layers)
+    if args.layers:
+        changes["num_layers"] = args.layers
+    return DecoderOnlyModel(dataclasses.replace(model.config, **changes))
+
+
 def build_model(name: str, args: argparse.Namespace, remat: str) -> DecoderOnlyModel:
-    """The shapes of gin/models/gptj_6b.gin or llama2_7b.gin (bf16 compute, f32 params)."""
+    """The shapes of gin/models/gptj_6b.gin or llama2_7b.gin (bf16 compute, f32 params), or
+    a gin model file's."""
+    if name not in BUILT_HERE:
+        return gin_model(name, args, remat)
     hidden = args.hidden or 4096
     scale = hidden / 4096
     common = dict(

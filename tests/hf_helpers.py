@@ -217,6 +217,36 @@ TRAINING_TEXT = [
 ]
 
 
+def save_gemma_style_tokenizer(path, vocab_size: int = 400) -> int:
+    """A SentencePiece-style BPE in tokenizer.json as Gemma ships it (spaces as '▁', byte
+    fallback to <0x..> tokens, <pad>=0 <eos>=1 <bos>=2 <unk>=3), trained here on a few
+    lines, saved into `path`; returns its length."""
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, normalizers
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials + byte_tokens, show_progress=False
+    )
+    tok.train_from_iterator(TRAINING_TEXT * 4, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+    )
+    fast.save_pretrained(str(path))
+    return len(fast)
+
+
 def save_byte_bpe_tokenizer(path, vocab_size: int = 320, style: str = "qwen") -> int:
     """A byte-level BPE tokenizer trained here on a few lines (no download), shaped like
     Qwen2.5's ('qwen': <|endoftext|> EOS, no BOS, ChatML template) or Llama 3's ('llama3':

@@ -199,6 +199,17 @@ GIN_FILES = {
     "llama2_70b": dict(hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8),
     "llama3_8b": dict(vocab_size=128256, rope_theta=5e5, rope_scaling_type="llama3"),
     "mistral_7b": dict(sliding_window=4096, model_type="mistral", max_position_embeddings=32768),
+    "llama3_1_8b": dict(hidden_size=4096, num_kv_heads=8, max_position_embeddings=131072),
+    "llama3_1_70b": dict(hidden_size=8192, num_layers=80, intermediate_size=28672),
+    "llama3_2_1b": dict(hidden_size=2048, num_layers=16, tie_word_embeddings=True),
+    "llama3_2_3b": dict(hidden_size=3072, num_heads=24, rope_scaling_factor=32.0),
+}
+# Parameter counts of the published checkpoints (billions, to 1%).
+PUBLISHED_PARAMS = {
+    "llama3_1_8b": 8.03,
+    "llama3_1_70b": 70.55,
+    "llama3_2_1b": 1.24,
+    "llama3_2_3b": 3.21,
 }
 
 
@@ -213,6 +224,8 @@ def test_gin_model_file_builds_its_config(repo_dir, name):
     for field, value in GIN_FILES[name].items():
         assert getattr(config, field) == value, field
     assert config.vocab_size % 128 == 0
+    if name in PUBLISHED_PARAMS:
+        assert config.num_params() / 1e9 == pytest.approx(PUBLISHED_PARAMS[name], rel=0.01)
 
 
 def test_finetune_gin_parses_with_the_tiny_llama(repo_dir):

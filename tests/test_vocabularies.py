@@ -11,6 +11,7 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from flaxlm.vocabularies import HuggingFaceVocabulary
+from tests.hf_helpers import save_byte_bpe_tokenizer, save_gemma_style_tokenizer
 
 TEXTS = ["the cat sat on the mat", "a dog ate the cat food", "the mat is on the dog"]
 
@@ -86,3 +87,32 @@ def test_seqio_task_with_the_vocabulary(tokenizer_dir):
 def test_missing_directory_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         HuggingFaceVocabulary(str(tmp_path / "nowhere"))
+
+
+# What the families' own tokenizers look like on disk, built here: Qwen's and Llama 3's
+# byte-level BPE (no unknown token: any text round-trips), Gemma's SentencePiece-style BPE with
+# byte fallback.
+HUB_STYLES = {
+    "qwen": (functools.partial(save_byte_bpe_tokenizer, style="qwen"), None, "<|endoftext|>"),
+    "llama3": (
+        functools.partial(save_byte_bpe_tokenizer, style="llama3"),
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+    ),
+    "gemma": (save_gemma_style_tokenizer, "<bos>", "<eos>"),
+}
+
+
+@pytest.mark.parametrize("style", sorted(HUB_STYLES))
+def test_hub_style_tokenizers_round_trip_any_text(tmp_path, style):
+    save, bos, eos = HUB_STYLES[style]
+    save(tmp_path)
+    vocab = HuggingFaceVocabulary(str(tmp_path))
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "def f(x):\n    return x  # \u00e9t\u00e9 \u4e2d\u6587 \U0001f600 unseen words"
+    ids = vocab.encode(text)
+    assert ids == reference.encode(text, add_special_tokens=False)
+    assert vocab.decode(ids) == text
+    assert vocab.decode_tf(tf.constant(ids)).numpy().decode() == text
+    assert vocab.eos_id == reference.convert_tokens_to_ids(eos)
+    assert vocab.bos_id == (None if bos is None else reference.convert_tokens_to_ids(bos))
