@@ -55,6 +55,18 @@ def max_abs_diff(ours, theirs, mask: np.ndarray) -> float:
     return float(np.max(np.abs(ours[keep] - theirs[keep])))
 
 
+def gin_config(repo_dir, name: str, config_cls):
+    """`config_cls()` as gin/models/<name>.gin binds it (the gin config cleared after)."""
+    import gin
+
+    gin.clear_config()
+    try:
+        gin.parse_config_files_and_bindings([f"{repo_dir}/gin/models/{name}.gin"], [])
+        return config_cls()
+    finally:
+        gin.clear_config()
+
+
 def train_on_batch(model, params, partitioner, batch, steps: int, learning_rate: float = 3e-3):
     """`steps` partitioned train steps from imported `params`, all on `batch`: the final
     state and each step's metrics (floats)."""

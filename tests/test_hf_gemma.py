@@ -2,7 +2,6 @@
 
 import json
 
-import gin
 import numpy as np
 import pytest
 import torch
@@ -13,6 +12,7 @@ from flaxlm.models import llama
 from flaxlm.partitioning import Partitioner
 from tests.hf_helpers import (
     decoder_batch,
+    gin_config,
     max_abs_diff,
     padded_batch,
     save_torch_model,
@@ -135,12 +135,7 @@ GIN_FILES = {
 
 @pytest.mark.parametrize("name", sorted(GIN_FILES))
 def test_gin_model_file_builds_its_config(repo_dir, name):
-    gin.clear_config()
-    try:
-        gin.parse_config_files_and_bindings([f"{repo_dir}/gin/models/{name}.gin"], [])
-        config = llama.LlamaConfig()
-    finally:
-        gin.clear_config()
+    config = gin_config(repo_dir, name, llama.LlamaConfig)
     for field, value in {**GEMMA, **GIN_FILES[name]}.items():
         assert getattr(config, field) == value, field
     assert config.vocab_size % 128 == 0 and config.tie_word_embeddings

@@ -4,7 +4,6 @@ models, and Gemma 3's multimodal checkpoints read for their text tower."""
 import dataclasses
 import json
 
-import gin
 import pytest
 import torch
 import transformers
@@ -16,6 +15,7 @@ from flaxlm.models.base import ComputeOptions
 from tests.hf_helpers import (
     check_family,
     decoder_batch,
+    gin_config,
     max_abs_diff,
     padded_batch,
     save_torch_model,
@@ -203,19 +203,9 @@ GIN_FILES = {
 }
 
 
-def gin_config(repo_dir: str, name: str) -> gemma.GemmaConfig:
-    """The config that gin/models/`name`.gin binds."""
-    gin.clear_config()
-    try:
-        gin.parse_config_files_and_bindings([f"{repo_dir}/gin/models/{name}.gin"], [])
-        return gemma.GemmaConfig()
-    finally:
-        gin.clear_config()
-
-
 @pytest.mark.parametrize("name", sorted(GIN_FILES))
 def test_gin_model_file_builds_its_config(repo_dir, name):
-    config = gin_config(repo_dir, name)
+    config = gin_config(repo_dir, name, gemma.GemmaConfig)
     for field, value in GIN_FILES[name].items():
         assert getattr(config, field) == value, field
     assert config.vocab_size % 128 == 0
@@ -319,7 +309,7 @@ def architecture(config: gemma.GemmaConfig) -> dict:
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_gin_model_file_matches_the_published_config(repo_dir, name):
-    config = gin_config(repo_dir, name)
+    config = gin_config(repo_dir, name, gemma.GemmaConfig)
     assert architecture(config) == architecture(gemma.config_from_hf(PUBLISHED[name]))
 
 

@@ -16,6 +16,7 @@ from flaxlm.partitioning import Partitioner
 from tests.hf_helpers import (
     check_family,
     decoder_batch,
+    gin_config,
     max_abs_diff,
     padded_batch,
     save_torch_model,
@@ -215,12 +216,7 @@ PUBLISHED_PARAMS = {
 
 @pytest.mark.parametrize("name", sorted(GIN_FILES))
 def test_gin_model_file_builds_its_config(repo_dir, name):
-    gin.clear_config()
-    try:
-        gin.parse_config_files_and_bindings([f"{repo_dir}/gin/models/{name}.gin"], [])
-        config = llama.LlamaConfig()
-    finally:
-        gin.clear_config()
+    config = gin_config(repo_dir, name, llama.LlamaConfig)
     for field, value in GIN_FILES[name].items():
         assert getattr(config, field) == value, field
     assert config.vocab_size % 128 == 0

@@ -3,7 +3,6 @@ family against transformers' PyTorch `Phi3ForCausalLM`."""
 
 import dataclasses
 
-import gin
 import numpy as np
 import pytest
 import torch
@@ -15,6 +14,7 @@ from flaxlm.models.base import ComputeOptions
 from tests.hf_helpers import (
     check_family,
     decoder_batch,
+    gin_config,
     max_abs_diff,
     padded_batch,
     save_torch_model,
@@ -141,12 +141,7 @@ GIN_FILES = {
 
 @pytest.mark.parametrize("name", sorted(GIN_FILES))
 def test_gin_model_file_builds_its_config(repo_dir, name):
-    gin.clear_config()
-    try:
-        gin.parse_config_files_and_bindings([f"{repo_dir}/gin/models/{name}.gin"], [])
-        config = phi3.Phi3Config()
-    finally:
-        gin.clear_config()
+    config = gin_config(repo_dir, name, phi3.Phi3Config)
     for field, value in GIN_FILES[name].items():
         assert getattr(config, field) == value, field
     assert config.vocab_size % 128 == 0

@@ -3,7 +3,6 @@ PyTorch models, the windowed layers, config errors and the gin model files."""
 
 import dataclasses
 
-import gin
 import jax
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ import transformers
 
 from flaxlm import hf
 from flaxlm.models import base, qwen
-from tests.hf_helpers import check_family, save_torch_model
+from tests.hf_helpers import check_family, gin_config, save_torch_model
 
 VOCAB = 250
 HF_CLASSES = {
@@ -155,12 +154,7 @@ GIN_FILES = {
 
 @pytest.mark.parametrize("name", sorted(GIN_FILES))
 def test_gin_model_file_builds_its_config(repo_dir, name):
-    gin.clear_config()
-    try:
-        gin.parse_config_files_and_bindings([f"{repo_dir}/gin/models/{name}.gin"], [])
-        config = qwen.QwenConfig()
-    finally:
-        gin.clear_config()
+    config = gin_config(repo_dir, name, qwen.QwenConfig)
     expected = dict(GIN_FILES[name])
     billions = expected.pop("params", None)
     for field, value in expected.items():
@@ -214,12 +208,7 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_config_json_reads_as_the_gin_file(repo_dir, name):
-    gin.clear_config()
-    try:
-        gin.parse_config_files_and_bindings([f"{repo_dir}/gin/models/{name}.gin"], [])
-        from_gin = qwen.QwenConfig()
-    finally:
-        gin.clear_config()
+    from_gin = gin_config(repo_dir, name, qwen.QwenConfig)
     read = qwen.config_from_hf(PUBLISHED[name])
     assert read.layer_windows == from_gin.layer_windows == (None,) * read.num_layers
     # The window fields only matter through layer_windows; the compute options are the run's.

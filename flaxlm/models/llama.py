@@ -329,23 +329,31 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
     return LlamaConfig(**kwargs)
 
 
-def config_to_hf(cfg: LlamaConfig) -> dict:
-    out = {
-        "model_type": cfg.model_type,
-        "architectures": [ARCHITECTURES[cfg.model_type]],
+def shared_hf_fields(cfg: Any) -> dict[str, Any]:
+    """The config.json fields the families built on Llama's block (Llama, Mistral, Gemma 1,
+    Qwen, Phi-3) write alike, from a config with LlamaConfig's field names."""
+    return {
         "vocab_size": cfg.real_vocab_size or cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.dim_per_head,
         "intermediate_size": cfg.intermediate_size,
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": rope_to_hf(cfg),
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "hidden_act": cfg.activation,
         "attention_dropout": 0.0,
+    }
+
+
+def config_to_hf(cfg: LlamaConfig) -> dict:
+    out = {
+        "model_type": cfg.model_type,
+        "architectures": [ARCHITECTURES[cfg.model_type]],
+        **shared_hf_fields(cfg),
+        "head_dim": cfg.dim_per_head,
+        "rope_parameters": rope_to_hf(cfg),
     }
     if cfg.model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window

@@ -297,23 +297,13 @@ def config_to_hf(cfg: QwenConfig) -> dict:
     out = {
         "model_type": cfg.model_type,
         "architectures": [ARCHITECTURES[cfg.model_type]],
-        "vocab_size": cfg.real_vocab_size or cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.kv_heads,
+        **llama.shared_hf_fields(cfg),
         "head_dim": cfg.dim_per_head,
-        "intermediate_size": cfg.intermediate_size,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.rms_norm_eps,
         "rope_parameters": llama.rope_to_hf(cfg),
         "use_sliding_window": cfg.use_sliding_window,
         "sliding_window": cfg.sliding_window,
         "max_window_layers": cfg.max_window_layers,
         "layer_types": list(cfg.attention_layer_types),
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "hidden_act": cfg.activation,
-        "attention_dropout": 0.0,
     }
     if cfg.model_type == "qwen3":
         out["attention_bias"] = cfg.attention_bias
