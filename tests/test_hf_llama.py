@@ -84,7 +84,8 @@ def logits_of(model, params, ids, mask):
     return model.compute_logits(params, decoder_batch(ids, mask))
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+# llama3_rope and tied: test_llama3_2_shaped_checkpoint_keeps_every_promise.
+@pytest.mark.parametrize("variant", ["gqa_theta", "linear_rope", "mistral_window"])
 def test_import_matches_transformers_and_export_reloads(tmp_path, variant):
     torch_model, path = tiny_hf_llama(tmp_path, **VARIANTS[variant])
     ids, mask = padded_batch(VOCAB, LENGTHS)

@@ -60,7 +60,7 @@ def hf_dir(tmp_path_factory):
     return model, path
 
 
-def assert_keeps_what_makes_it_usable(source, export):
+def assert_keeps_what_makes_it_usable(source, export, chat_template=CHAT_TEMPLATE):
     """An export has the source's special ids, generation_config.json and tokenizer."""
 
     def read(directory, name):
@@ -75,7 +75,7 @@ def assert_keeps_what_makes_it_usable(source, export):
     assert generation[0] == generation[1]
     for name in ("tokenizer.json", "chat_template.jinja"):
         assert read(export, name) == read(source, name), name
-    assert transformers.AutoTokenizer.from_pretrained(export).chat_template == CHAT_TEMPLATE
+    assert transformers.AutoTokenizer.from_pretrained(export).chat_template == chat_template
 
 
 def same_tensors(dir_a, dir_b):
@@ -85,40 +85,6 @@ def same_tensors(dir_a, dir_b):
     )
     assert sorted(a) == sorted(b)
     return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
-
-
-@pytest.mark.slow
-def test_init_from_hf_starts_from_its_params(tmp_path, repo_dir, hf_dir):
-    """With a zero learning rate, fine-tuning from HF then exporting gives HF's tensors back."""
-    _, path = hf_dir
-    model_dir = str(tmp_path / "run")
-    result = run_main(
-        [
-            *FINETUNE,
-            f"--gin.MODEL_DIR='{model_dir}'",
-            f"--gin.INIT_FROM_HF='{path}'",
-            "--gin.TRAIN_STEPS=2",
-            "--gin.LEARNING_RATE=0.0",
-        ],
-        cwd=repo_dir,
-        devices=8,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"from {path}" in result.stdout
-    out = str(tmp_path / "exported")
-    result = run_main(
-        [
-            "--gin_file=runs/export_hf.gin",
-            f"--gin.MODEL_DIR='{model_dir}'",
-            f"--gin.HF_OUT_DIR='{out}'",
-            "--gin.Partitioner.mesh_shape=(1, 4, 2)",
-        ],
-        cwd=str(tmp_path),
-        devices=8,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert same_tensors(path, out) == 0.0
-    assert_keeps_what_makes_it_usable(path, out)
 
 
 @pytest.mark.slow
@@ -192,10 +158,14 @@ def test_import_then_train_then_export(tmp_path, repo_dir, hf_dir):
 
 
 @pytest.mark.slow
-def test_finetune_hf_gin_trains_any_hf_directory(tmp_path, repo_dir):
+def test_finetune_hf_gin_starts_from_any_hf_directory_and_exports_it_back(tmp_path, repo_dir):
     """gin/finetune_hf.gin with nothing but INIT_FROM_HF (and a small run's sizes): the family
-    from config.json, the directory's own BPE tokenizer on the stdlib corpus."""
-    length = save_byte_bpe_tokenizer(tmp_path / "hf", style="qwen")
+    from config.json, the directory's own BPE tokenizer on the stdlib corpus. With a zero
+    learning rate the export gives the directory's tensors, ids, generation config and
+    tokenizer back."""
+    source = tmp_path / "hf"
+    length = save_byte_bpe_tokenizer(source, style="qwen")
+    eos = [length - 3, length - 1]  # <|endoftext|>, <|im_end|> (Qwen2.5-Instruct's pair)
     config = transformers.Qwen2Config(
         vocab_size=length,
         hidden_size=32,
@@ -205,18 +175,26 @@ def test_finetune_hf_gin_trains_any_hf_directory(tmp_path, repo_dir):
         num_key_value_heads=2,
         max_position_embeddings=128,
         tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=eos[0],
     )
-    transformers.Qwen2ForCausalLM(config).save_pretrained(str(tmp_path / "hf"))
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    model.generation_config = transformers.GenerationConfig(
+        eos_token_id=eos, pad_token_id=eos[0], do_sample=True, temperature=0.7, top_p=0.8
+    )
+    model.save_pretrained(str(source))
     model_dir = str(tmp_path / "run")
     result = run_main(
         [
             "--gin_file=gin/finetune_hf.gin",
-            f"--gin.INIT_FROM_HF='{tmp_path / 'hf'}'",
+            f"--gin.INIT_FROM_HF='{source}'",
             f"--gin.MODEL_DIR='{model_dir}'",
             "--gin.COMPUTE_DTYPE='float32'",
             "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
             "--gin.BATCH_SIZE=8",
             "--gin.TRAIN_STEPS=2",
+            "--gin.LEARNING_RATE=0.0",
             "--gin.EVAL_PERIOD=0",
             "--gin.LOG_PERIOD=1",
         ],
@@ -224,10 +202,21 @@ def test_finetune_hf_gin_trains_any_hf_directory(tmp_path, repo_dir):
         devices=8,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "Initialised" in result.stdout
+    assert f"from {source}" in result.stdout
     with open(os.path.join(model_dir, "model_record.json")) as f:
         assert json.load(f)["model_type"] == "qwen2"
-    assert len(read_metrics(model_dir)) >= 1
-    # The run kept the directory's tokenizer (chat template included) for infer and export.
-    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.join(model_dir, "tokenizer"))
-    assert tokenizer.chat_template == QWEN_CHAT_TEMPLATE
+    assert len(read_metrics(model_dir)) == 2
+    out = str(tmp_path / "exported")
+    result = run_main(
+        [
+            "--gin_file=runs/export_hf.gin",
+            f"--gin.MODEL_DIR='{model_dir}'",
+            f"--gin.HF_OUT_DIR='{out}'",
+            "--gin.Partitioner.mesh_shape=(1, 4, 2)",
+        ],
+        cwd=str(tmp_path),
+        devices=8,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert same_tensors(str(source), out) == 0.0
+    assert_keeps_what_makes_it_usable(str(source), out, QWEN_CHAT_TEMPLATE)
