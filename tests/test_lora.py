@@ -1,6 +1,7 @@
 """LoRA: only adapters train, the base stays bit-identical, merge and HF export reproduce the
 adapted model."""
 
+import dataclasses
 import json
 import os
 
@@ -14,7 +15,7 @@ from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
 from flaxlm import checkpoints, convert, data, hf, lora, run_dir, train, trainer
-from flaxlm.models import layers, llama
+from flaxlm.models import gemma, layers, llama, phi3
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.partitioning import Partitioner
 from flaxlm.pytrees import path_name
@@ -138,6 +139,57 @@ def test_only_adapters_train_and_base_stays_bit_identical(mesh_shape, scan_layer
     via_adapters = eval_step(state.params, random_batch(seed=5), base)
     via_merged = jax.jit(trainer.make_eval_step(model))(merged, random_batch(seed=5))
     np.testing.assert_allclose(via_adapters["loss_sum"], via_merged["loss_sum"], rtol=1e-6)
+
+
+NEW_FAMILIES = {
+    # Soft-capped scores and logits, a window every other layer, pre- and post-norms.
+    "gemma2": lambda: gemma.GemmaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        query_pre_attn_scalar=16,
+        sliding_window=4,
+    ),
+    # LongRoPE past its original context of 4 positions, rotary over 3/4 of each head.
+    "phi3_longrope": lambda: phi3.Phi3Config(
+        vocab_size=128,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        original_max_position_embeddings=4,
+        partial_rotary_factor=0.75,
+        rope_scaling_type="longrope",
+        rope_short_factor=(1.0, 1.5, 2.0),
+        rope_long_factor=(2.0, 3.0, 4.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+def test_lora_trains_the_new_families_scanned_and_rematerialised(family):
+    """A bf16 LoRA run on a (2, 2, 2) mesh with scanned layers and full remat: the families'
+    features (traced per-layer windows, soft-capping, LongRoPE's switch) differentiate."""
+    config = dataclasses.replace(
+        NEW_FAMILIES[family](), scan_layers=True, remat_policy="full", dtype="bfloat16"
+    )
+    model = DecoderOnlyModel(config)
+    partitioner = Partitioner(mesh_shape=(2, 2, 2))
+    cfg = lora.LoraConfig(rules=RULES, alpha=8.0)
+    setup = trainer.Setup(model, partitioner, adamw(3e-2), feature_lengths(), lora=cfg)
+    base, state = setup.init_base(), setup.init_state()
+    step = setup.partition_train_step(trainer.make_train_step(model, partitioner, 3e-2, lora=cfg))
+    losses = []
+    for i in range(4):
+        state, metrics = step(state, random_batch(seed=i % 2), base)
+        losses.append(float(metrics["loss"]))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 
 @pytest.mark.parametrize("family", ["llama", "gptj"])
