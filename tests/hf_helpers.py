@@ -16,6 +16,20 @@ def save_torch_model(torch_model, path) -> str:
     return str(path)
 
 
+def random_hf_model(config_cls, model_cls, perturb=("norm.weight",), **kwargs):
+    """A seeded random torch HF model (eager attention, eval mode) whose params ending in
+    `perturb` get noise too (HF starts norms at 1 and biases at 0: make them count)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**kwargs, attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(tuple(perturb)):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
 def padded_batch(vocab_size: int, lengths=(12, 7, 12, 3), seed: int = 0):
     """Right-padded token ids [batch, max_len] (pad id 0) and the 0/1 attention mask."""
     rng = np.random.default_rng(seed)

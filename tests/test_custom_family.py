@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
 
 from flaxlm import hf, inference, trainer
@@ -24,7 +23,13 @@ from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HF_SPECS, HFSpec, HFTensor, register_hf
 from flaxlm.partitioning import Partitioner
 from tests.helpers import adamw, feature_lengths, random_batch
-from tests.hf_helpers import decoder_batch, max_abs_diff, padded_batch, torch_logits
+from tests.hf_helpers import (
+    decoder_batch,
+    max_abs_diff,
+    padded_batch,
+    random_hf_model,
+    torch_logits,
+)
 
 # ------------------------------------------------------------------ the family
 
@@ -261,13 +266,7 @@ def tiny_hf_granite(tmp_path, **overrides):
         logits_scaling=4.0,
     )
     kwargs.update(overrides)
-    torch.manual_seed(0)
-    config = transformers.GraniteConfig(**kwargs, attn_implementation="eager")
-    model = transformers.GraniteForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
+    model = random_hf_model(transformers.GraniteConfig, transformers.GraniteForCausalLM, **kwargs)
     model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
     return model, str(tmp_path / "hf")
 

@@ -4,7 +4,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 import transformers
 
 from flaxlm import hf
@@ -15,6 +14,7 @@ from tests.hf_helpers import (
     gin_config,
     max_abs_diff,
     padded_batch,
+    random_hf_model,
     save_torch_model,
     torch_logits,
     train_on_batch,
@@ -44,13 +44,7 @@ def tiny_hf_gemma(tmp_path, **overrides):
         initializer_range=0.1,  # sharp enough attention that positions visibly matter
     )
     kwargs.update(overrides)
-    torch.manual_seed(0)
-    config = transformers.GemmaConfig(**kwargs, attn_implementation="eager")
-    model = transformers.GemmaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
+    model = random_hf_model(transformers.GemmaConfig, transformers.GemmaForCausalLM, **kwargs)
     return model, save_torch_model(model, tmp_path / "hf")
 
 

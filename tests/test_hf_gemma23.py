@@ -5,7 +5,6 @@ import dataclasses
 import json
 
 import pytest
-import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
@@ -18,6 +17,7 @@ from tests.hf_helpers import (
     gin_config,
     max_abs_diff,
     padded_batch,
+    random_hf_model,
     save_torch_model,
     torch_logits,
 )
@@ -58,13 +58,7 @@ def tiny_gemma(family: str, **overrides):
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[family]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**{**TEXT, **overrides}, attn_implementation="eager")).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return random_hf_model(config_cls, model_cls, **{**TEXT, **overrides})
 
 
 def test_gemma2_keeps_every_promise(tmp_path):

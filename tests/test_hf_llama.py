@@ -6,7 +6,6 @@ import json
 import gin
 import numpy as np
 import pytest
-import torch
 import transformers
 
 from flaxlm import gin_utils, hf
@@ -19,6 +18,7 @@ from tests.hf_helpers import (
     gin_config,
     max_abs_diff,
     padded_batch,
+    random_hf_model,
     save_torch_model,
     torch_logits,
     train_on_batch,
@@ -71,12 +71,7 @@ def tiny_hf_llama(tmp_path, model_type="llama", **overrides):
         if model_type == "mistral"
         else transformers.LlamaForCausalLM
     )
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**kwargs, attn_implementation="eager")).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
-                p.add_(0.1 * torch.randn_like(p))
+    model = random_hf_model(config_cls, model_cls, ("norm.weight", ".bias"), **kwargs)
     return model, save_torch_model(model, tmp_path / "hf")
 
 

@@ -5,7 +5,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 import transformers
 
 from flaxlm import decoding, hf
@@ -17,6 +16,7 @@ from tests.hf_helpers import (
     gin_config,
     max_abs_diff,
     padded_batch,
+    random_hf_model,
     save_torch_model,
     torch_logits,
 )
@@ -42,13 +42,7 @@ def tiny_hf_phi3(tmp_path, **overrides):
         pad_token_id=None,
     )
     kwargs.update(overrides)
-    torch.manual_seed(0)
-    config = transformers.Phi3Config(**kwargs, attn_implementation="eager")
-    model = transformers.Phi3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
+    model = random_hf_model(transformers.Phi3Config, transformers.Phi3ForCausalLM, **kwargs)
     return model, save_torch_model(model, tmp_path / "hf")
 
 

@@ -5,12 +5,11 @@ import dataclasses
 
 import jax
 import pytest
-import torch
 import transformers
 
 from flaxlm import hf
 from flaxlm.models import base, qwen
-from tests.hf_helpers import check_family, gin_config, save_torch_model
+from tests.hf_helpers import check_family, gin_config, random_hf_model, save_torch_model
 
 VOCAB = 250
 HF_CLASSES = {
@@ -69,12 +68,7 @@ def tiny_hf_qwen(tmp_path, model_type="qwen2", **overrides):
     )
     kwargs.update(overrides)
     config_cls, model_cls = HF_CLASSES[model_type]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**kwargs, attn_implementation="eager")).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", ".bias")):
-                p.add_(0.1 * torch.randn_like(p))
+    model = random_hf_model(config_cls, model_cls, ("norm.weight", ".bias"), **kwargs)
     return model, save_torch_model(model, tmp_path / "hf")
 
 

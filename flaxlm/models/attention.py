@@ -309,6 +309,24 @@ def _chunked_attention(query, key, value, mask, bias, scale, softcap, dtype, chu
     return out[:, :q_len].astype(dtype)
 
 
+def check_heads(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int | None) -> None:
+    """ValueErrors naming the field for rotary grouped-query heads that cannot be: a width
+    that heads do not divide (with no `head_dim`), query heads that key/value heads do not
+    divide, an odd head width."""
+    if head_dim is None and hidden_size % num_heads:
+        raise ValueError(
+            f"hidden_size {hidden_size} must be a multiple of num_heads {num_heads} "
+            "(or set head_dim)."
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}."
+        )
+    width = head_dim or hidden_size // num_heads
+    if width % 2:
+        raise ValueError(f"head_dim {width} must be even for rotary embeddings.")
+
+
 def kv_heads_axis(num_kv_heads: int) -> str | None:
     """Logical name of the key/value heads axis; one shared head (MQA) is never split."""
     return "kv_heads" if num_kv_heads > 1 else None

@@ -79,13 +79,7 @@ class GemmaConfig(ComputeOptions):
             raise ValueError(
                 f"model_type {self.model_type!r}: expected one of {MODEL_TYPES}{hint}."
             )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads {self.num_heads} must be a multiple of num_kv_heads "
-                f"{self.num_kv_heads}."
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings.")
+        attention.check_heads(self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim)
         if self.sliding_window_pattern is not None and self.sliding_window_pattern < 1:
             raise ValueError(f"sliding_window_pattern {self.sliding_window_pattern} must be >= 1.")
         types = self.layer_types

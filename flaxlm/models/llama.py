@@ -69,17 +69,7 @@ class LlamaConfig(ComputeOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.head_dim is None and self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads} "
-                "(or set head_dim)."
-            )
-        if self.num_heads % self.kv_heads:
-            raise ValueError(
-                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.kv_heads}."
-            )
-        if self.dim_per_head % 2:
-            raise ValueError(f"head_dim {self.dim_per_head} must be even for rotary embeddings.")
+        attention.check_heads(self.hidden_size, self.num_heads, self.kv_heads, self.head_dim)
         if self.rope_scaling_type not in (None, *ROPE_SCALING_TYPES):
             raise ValueError(
                 f"rope_scaling_type {self.rope_scaling_type!r}: expected None or one of "

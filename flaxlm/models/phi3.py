@@ -78,14 +78,7 @@ class Phi3Config(ComputeOptions):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, tuple(float(f) for f in value))
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}."
-            )
-        if self.num_heads % self.kv_heads:
-            raise ValueError(
-                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.kv_heads}."
-            )
+        attention.check_heads(self.hidden_size, self.num_heads, self.kv_heads, None)
         rotary = self.rotary_dim
         if not 0.0 < self.partial_rotary_factor <= 1.0 or rotary % 2 or not rotary:
             raise ValueError(

@@ -72,17 +72,7 @@ class QwenConfig(ComputeOptions):
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"model_type {self.model_type!r}: expected one of {MODEL_TYPES}.")
-        if self.head_dim is None and self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads} "
-                "(or set head_dim)."
-            )
-        if self.num_heads % self.kv_heads:
-            raise ValueError(
-                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.kv_heads}."
-            )
-        if self.dim_per_head % 2:
-            raise ValueError(f"head_dim {self.dim_per_head} must be even for rotary embeddings.")
+        attention.check_heads(self.hidden_size, self.num_heads, self.kv_heads, self.head_dim)
         self._check_rope()
         if self.attention_bias and self.model_type == "qwen2":
             raise ValueError(
