@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import json
 import math
+import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -413,13 +414,21 @@ def save_pretrained(
     if not write:
         return
     metadata = {"format": "pt"}
+
+    def write_shard(tensors: dict[str, np.ndarray], name: str) -> None:
+        save_file(tensors, str(out / name), metadata=metadata)
+        # safetensors creates its files 0600; exports are shared like any file (the umask's).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(str(out / name), 0o666 & ~umask)
+
     if len(shards) == 1:
-        save_file(shards[0], str(out / SINGLE_FILE), metadata=metadata)
+        write_shard(shards[0], SINGLE_FILE)
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / fname), metadata=metadata)
+            write_shard(shard, fname)
             weight_map.update({name: fname for name in shard})
         index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))

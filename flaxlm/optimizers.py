@@ -29,6 +29,12 @@ def create_schedule(
       decay: 'cosine' or 'linear' (to `end_learning_rate_ratio * peak` at `total_steps`),
         'rsqrt' (peak * sqrt(warmup / step)), or 'constant'.
     """
+    for name, value in (
+        ("peak_learning_rate (LEARNING_RATE)", peak_learning_rate),
+        ("end_learning_rate_ratio", end_learning_rate_ratio),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ValueError(f"{name}={value!r} must be a number >= 0, e.g. 1e-4 (no quotes).")
     warmup_steps = max(int(warmup_steps), 0)
     end = peak_learning_rate * end_learning_rate_ratio
     decay_steps = max(int(total_steps) - warmup_steps, 1)

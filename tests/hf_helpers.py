@@ -217,6 +217,9 @@ def check_family(
         return
     out = tmp_path / "export"
     hf.save_pretrained(model, params, out)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(out / "model.safetensors").st_mode & 0o777 == 0o666 & ~umask  # shareable
     reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
         str(out), output_loading_info=True
     )

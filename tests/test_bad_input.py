@@ -175,3 +175,34 @@ def _fill(text, values):
     for key, value in values.items():
         text = text.replace(f"{{{key}}}", value)
     return text
+
+
+# Numbers a user types on the command line, each refused by train() before any device work
+# (in-process: what main turns into `error: ...`, exit 2, for every run).
+BAD_NUMBERS = {
+    "TRAIN_STEPS": dict(total_steps=-5),
+    "TRAIN_STEPS=2.5": dict(total_steps=2.5),
+    "BATCH_SIZE": dict(batch_size="sixteen"),
+    "BATCH_SIZE=0": dict(batch_size=0),
+    "CHECKPOINT_PERIOD": dict(checkpoint_period=0),
+    "LOG_PERIOD": dict(log_period=0),
+    "LEARNING_RATE": dict(learning_rate="1e-3"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_NUMBERS))
+def test_bad_numbers_are_named_before_any_work(name):
+    from types import SimpleNamespace
+
+    from flaxlm import optimizers, train
+
+    kwargs = dict(total_steps=10, batch_size=8, learning_rate=1e-3)
+    kwargs.update(BAD_NUMBERS[name])
+    dataset = SimpleNamespace(batch_size=kwargs.pop("batch_size"))
+    macro = name.split("=")[0]
+    with pytest.raises(ValueError, match=rf"^{macro}="):
+        # Nothing is built before the numbers are checked: no model, mesh or data needed.
+        train.train(model=None, partitioner=None, train_dataset_cfg=dataset, model_dir="", **kwargs)
+    if macro == "LEARNING_RATE":  # as gin/runs/pretrain.gin binds it, through the schedule
+        with pytest.raises(ValueError, match="LEARNING_RATE"):
+            optimizers.create_schedule(peak_learning_rate="1e-3", total_steps=10)
