@@ -8,6 +8,7 @@ package's copy of it, so `--gin_file=gin/gptj_pretrain.gin` works from the repos
 from __future__ import annotations
 
 import difflib
+import glob
 import inspect
 import os
 import re
@@ -101,6 +102,51 @@ def with_suggestion(message: str) -> str:
             close = difflib.get_close_matches(wanted, params, n=3, cutoff=0.6)
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     return first + hint + newline + rest
+
+
+def _macro_references(value: Any, out: set[str]) -> set[str]:
+    """The macros (`%NAME`) that a bound value refers to, nested values included."""
+    if isinstance(value, gin.config.ConfigurableReference):
+        selector = value.scoped_selector
+        if selector.endswith("/gin.macro"):
+            out.add(selector[: -len("/gin.macro")])
+    elif isinstance(value, dict):
+        for v in value.values():
+            _macro_references(v, out)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _macro_references(v, out)
+    return out
+
+
+def check_macros(gin_bindings: Sequence[str], search_paths: Sequence[str] = ()) -> None:
+    """A ValueError for a macro set on the command line (`--gin.TRAIN_STEP=2`) that this
+    run's bindings never use, when it looks like a misspelling: close to a macro they use,
+    or used by no Gin file anywhere on the search paths. Call after parsing."""
+    # Gin has no public view of its bindings; read them to find macro uses, nothing more.
+    config = gin.config._CONFIG  # noqa: SLF001
+    used: set[str] = set()
+    for values in config.values():
+        _macro_references(values, used)
+    for binding in gin_bindings:
+        name = binding.partition("=")[0].strip()
+        if not re.fullmatch(r"[A-Za-z_]\w*", name) or name in used:
+            continue
+        close = difflib.get_close_matches(name, sorted(used), n=3, cutoff=0.8)
+        if not close and _used_by_some_file(name, [*search_paths, *default_search_paths()]):
+            continue  # another run's macro: harmless here
+        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise ValueError(f"--gin.{name} sets a macro that nothing in the Gin files uses.{hint}")
+
+
+def _used_by_some_file(macro: str, search_paths: Sequence[str]) -> bool:
+    pattern = re.compile(rf"%{re.escape(macro)}\b")
+    for root in search_paths:
+        for path in glob.glob(os.path.join(root, "**", "*.gin"), recursive=True):
+            with open(path) as f:
+                if pattern.search(f.read()):
+                    return True
+    return False
 
 
 @gin.configurable

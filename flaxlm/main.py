@@ -112,6 +112,10 @@ def main(argv: list[str]) -> None:
     except Exception as e:  # noqa: BLE001 - any Gin mistake is a usage error
         _fail(f"bad Gin configuration: {gin_utils.with_suggestion(str(e))}")
     try:
+        gin_utils.check_macros(FLAGS.gin_bindings or (), FLAGS.gin_search_paths or ())
+    except ValueError as e:
+        _fail(f"bad Gin configuration: {e}")
+    try:
         gin_utils.run()
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))

@@ -206,3 +206,24 @@ def test_bad_numbers_are_named_before_any_work(name):
     if macro == "LEARNING_RATE":  # as gin/runs/pretrain.gin binds it, through the schedule
         with pytest.raises(ValueError, match="LEARNING_RATE"):
             optimizers.create_schedule(peak_learning_rate="1e-3", total_steps=10)
+
+
+def test_a_misspelled_macro_is_named_with_the_macro_meant(repo_dir):
+    """`--gin.TRAIN_STEP=2` used to be accepted and ignored (the file's TRAIN_STEPS ran)."""
+    import gin
+
+    import flaxlm.train  # noqa: F401  (the configurables the file binds)
+    from flaxlm import gin_utils
+
+    # Used by the file; used by another run's file (harmless); used by no file at all.
+    bindings = ["TRAIN_STEPS = 2", "JSONL_VALIDATION = 'x.jsonl'", "SEQ_LENGHT = 8"]
+    try:
+        gin_utils.parse_gin(["gin/gptj_pretrain.gin"], bindings, [repo_dir], finalize=False)
+        gin_utils.check_macros(bindings[:2])
+        with pytest.raises(ValueError, match=r"--gin.SEQ_LENGHT sets a macro that nothing"):
+            gin_utils.check_macros(bindings)
+        gin.parse_config("TRAIN_STEP = 2")
+        with pytest.raises(ValueError, match=r"TRAIN_STEP sets .* Did you mean 'TRAIN_STEPS'"):
+            gin_utils.check_macros(["TRAIN_STEP = 2"])
+    finally:
+        gin.clear_config()
