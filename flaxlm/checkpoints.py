@@ -267,4 +267,10 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.wait_until_finished()
+        # orbax starts a thread cleaning up temporary directories when the manager opens, and
+        # its close() does not wait for it: a run failing early (bad input) then exited under
+        # it, and the thread printed a traceback at interpreter shutdown. Wait for it here.
+        await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
+        if await_cleanup is not None:
+            await_cleanup()
         self._manager.close()
