@@ -3,6 +3,7 @@
 Saves are asynchronous and atomic (orbax writes to a temporary directory and renames it on
 commit), so an interrupted save is never picked as the latest. Restores place every array
 with the *current* partitioner's shardings, so a run saved on one mesh resumes on another.
+A checkpoint that cannot be read is set aside (`{step}.unreadable`) when an older one can.
 """
 
 from __future__ import annotations
@@ -16,10 +17,16 @@ import orbax.checkpoint as ocp
 import tensorflow as tf
 from absl import logging
 from etils import epath
+from jax.experimental import multihost_utils
 
 from flaxlm.pytrees import path_name
 
 SUBDIR = "checkpoints"  # of a MODEL_DIR
+# An unreadable step directory is renamed `{step}.unreadable`: orbax's step names are bare
+# numbers (`^(0|[1-9]\d*)$`; its legacy test, digits or `*_digits`) and its temporary ones
+# hold `.orbax-checkpoint-tmp`, so it neither lists, restores, garbage-collects nor cleans
+# up such a directory, and the step can be saved again.
+UNREADABLE_SUFFIX = ".unreadable"
 
 
 def _shard_file(shard: int, num_shards: int) -> str:
@@ -82,7 +89,8 @@ class DatasetCheckpointHandler(ocp.CheckpointHandler):
 
 
 class CheckpointMismatchError(ValueError):
-    """A checkpoint written for a model of another shape than the one being restored."""
+    """A checkpoint written for a model of another shape (or holding params only) than the
+    one being restored."""
 
 
 class NoReadableCheckpointError(ValueError):
@@ -92,6 +100,16 @@ class NoReadableCheckpointError(ValueError):
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {path_name(path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def _short_reason(error: BaseException, limit: int = 200) -> str:
+    """`Type: first line` of the error's root cause (TensorStore's errors wrap a one-line
+    cause in 60 lines of spec), cut to `limit` characters."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = str(error).strip().splitlines()
+    reason = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
 
 
 @ocp.args.register_with_handler(DatasetCheckpointHandler, for_save=True, for_restore=True)
@@ -199,7 +217,9 @@ class Checkpointer:
         """
         if self.is_params_only(step):
             if from_params is None:
-                raise ValueError(f"{self.directory}/{step} holds params only, not a train state.")
+                raise CheckpointMismatchError(
+                    f"{self.directory}/{step} holds params only, not a train state."
+                )
             return from_params(self.restore_params(step, abstract_state.params))
         items = {"state": ocp.args.StandardRestore(abstract_state)}
         # A checkpoint without an iterator position starts the data from the beginning.
@@ -229,38 +249,84 @@ class Checkpointer:
         data_iterator: Any | None = None,
         from_params: Callable[[Any], Any] | None = None,
     ) -> tuple[int | None, Any]:
-        """The newest readable checkpoint; falls back (loudly) past unreadable ones.
+        """The newest readable checkpoint. Newer unreadable ones are set aside (renamed
+        `{step}.unreadable`, named in a warning) so that their steps can be saved again.
 
-        A checkpoint of a model with other param shapes is an error, not a fallback.
+        A checkpoint of another model or input-shard count is an error, not a fallback; so
+        is having checkpoints of which none can be read (then nothing is moved).
         """
+        unreadable: list[tuple[int, Exception]] = []
 
-        def warn(step: int, e: Exception) -> None:
-            logging.error("Checkpoint at step %d could not be read (%s).", step, e)
-            print(
-                f"WARNING: checkpoint {self.directory}/{step} could not be read ({e}); "
-                "falling back to the previous one.",
-                flush=True,
-            )
+        def note(step: int, e: Exception) -> None:
+            # The whole text (TensorStore's run to 60 lines) under --verbosity; the terminal
+            # gets one line from `_set_aside` or NoReadableCheckpointError.
+            logging.warning("Checkpoint at step %d could not be read (%s).", step, e)
+            unreadable.append((step, e))
 
         for step in sorted(self.all_steps(), reverse=True):
             try:
                 saved = self.saved_param_shapes(step)
             except Exception as e:  # noqa: BLE001 - report and try the previous one
-                warn(step, e)
+                note(step, e)
                 continue
             self._check_shapes(step, saved, _shapes(abstract_state.params))
             try:
-                return step, self.restore(step, abstract_state, data_iterator, from_params)
-            except DataIteratorMismatchError:
-                raise  # another input-shard count: an older checkpoint has it too
+                state = self.restore(step, abstract_state, data_iterator, from_params)
+            except (CheckpointMismatchError, DataIteratorMismatchError):
+                raise  # not about this checkpoint's content: an older one has it too
             except Exception as e:  # noqa: BLE001 - report and try the previous one
-                warn(step, e)
-        if self.all_steps():
+                note(step, e)
+                continue
+            self._set_aside(unreadable, step)
+            return step, state
+        if unreadable:
+            reasons = "; ".join(f"step {step}: {_short_reason(e)}" for step, e in unreadable)
             raise NoReadableCheckpointError(
-                f"No checkpoint under {self.directory} could be read (steps {self.all_steps()}); "
-                "refusing to train from scratch over them. Move them away to start over."
+                f"No checkpoint under {self.directory} could be read ({reasons}); refusing "
+                "to train from scratch over them. Move them away to start over."
             )
         return None, None
+
+    def _unreadable_path(self, step: int) -> epath.Path:
+        """`{step}.unreadable`, or `{step}.unreadable-{n}` if a former one is there."""
+        path, n = self.directory / f"{step}{UNREADABLE_SUFFIX}", 1
+        while path.exists():
+            n += 1
+            path = self.directory / f"{step}{UNREADABLE_SUFFIX}-{n}"
+        return path
+
+    def _set_aside(self, unreadable: list[tuple[int, Exception]], restored: int) -> None:
+        """Renames the `unreadable` steps' directories (newer than `restored`) out of orbax's
+        sight, kept for inspection; one warning line each. With several processes, first
+        checks that all of them found the same."""
+        moves = [(step, self._unreadable_path(step), e) for step, e in unreadable]
+        found = f"restored step {restored}, could not read {[s for s, _, _ in moves]}"
+        multiprocess = jax.process_count() > 1
+        if multiprocess:
+            # Every process has finished reading. Each reads only its own shards, so a damaged
+            # file can fail some of them: a barrier named by what each found stops all, before
+            # anything is renamed or trained from two different steps.
+            try:
+                multihost_utils.sync_global_devices(f"flaxlm checkpoint {found}")
+            except AssertionError as e:
+                raise ValueError(
+                    f"The processes read different checkpoints under {self.directory}: this "
+                    f"one {found}. Move the damaged checkpoint away and run again."
+                ) from e
+        if not moves:
+            return
+        if jax.process_index() == 0:
+            for step, target, _ in moves:
+                (self.directory / str(step)).rename(target)
+        if multiprocess:
+            multihost_utils.sync_global_devices(f"flaxlm checkpoints set aside, {found}")
+        self._manager.reload()  # orbax's cached step list still holds them: a save would fail
+        for step, target, e in moves:
+            print(
+                f"WARNING: checkpoint {self.directory}/{step} could not be read "
+                f"({_short_reason(e)}); moved it to {target} and fell back to step {restored}.",
+                flush=True,
+            )
 
     def wait(self) -> None:
         self._manager.wait_until_finished()

@@ -108,19 +108,49 @@ def test_data_iterator_position_is_restored(tmp_path):
         checkpoints.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state, other_it)
 
 
-def test_unreadable_latest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
+def _truncate_an_array_file(step_dir):
+    """What a copy cut short leaves: the largest file of array data, 100 bytes long."""
+    files = [f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d"]
+    largest = max(files, key=lambda f: f.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:100])
+
+
+def _delete_the_metadata(step_dir):
+    (step_dir / "state" / "_METADATA").unlink()
+
+
+@pytest.mark.parametrize("corrupt", [_truncate_an_array_file, _delete_the_metadata])
+def test_unreadable_latest_checkpoint_is_set_aside_and_its_step_saved_again(
+    tmp_path, capsys, corrupt
+):
     setup = _setup((1, 8, 1))
     state = setup.init_state()
     ckpt = checkpoints.Checkpointer(str(tmp_path))
     ckpt.save(1, state, None, "config")
     ckpt.save(2, state, None, "config")
     ckpt.close()
-    for f in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
-        if f.is_file():
-            f.write_bytes(b"garbage")
-    step, restored = checkpoints.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state)
-    assert step == 1 and restored is not None
-    assert "checkpoints/2 could not be read" in capsys.readouterr().out
+    root = tmp_path / "checkpoints"
+    corrupt(root / "2")
+
+    resumed = checkpoints.Checkpointer(str(tmp_path))
+    step, restored = resumed.restore_latest(setup.abstract_state)
+    assert step == 1
+    # One line naming the checkpoint, where it went and why (not TensorStore's spec).
+    out = capsys.readouterr().out
+    assert out.startswith(f"WARNING: checkpoint {root}/2 could not be read (")
+    assert out.endswith(f"moved it to {root}/2.unreadable and fell back to step 1.\n")
+    assert out.count("\n") == 1 and len(out) < 300 + 2 * len(str(root))
+    assert (root / "2.unreadable" / "state").is_dir() and not (root / "2").exists()
+    assert resumed.all_steps() == [1]
+
+    # The resumed run saves step 2 again, and the next run resumes from that one.
+    retrained = restored.replace(step=restored.step + 1)
+    resumed.save(2, retrained, None, "config")
+    resumed.close()
+    step, again = checkpoints.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state)
+    assert step == 2 and int(again.step) == int(retrained.step)
+    assert capsys.readouterr().out == ""
+    assert (root / "2.unreadable").is_dir()  # kept for inspection
 
 
 def test_unreadable_checkpoints_only_is_an_error_not_a_fresh_start(tmp_path):
@@ -133,6 +163,7 @@ def test_unreadable_checkpoints_only_is_an_error_not_a_fresh_start(tmp_path):
             f.write_bytes(b"garbage")
     with pytest.raises(checkpoints.NoReadableCheckpointError, match="refusing to train"):
         checkpoints.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state)
+    assert checkpoints.Checkpointer(str(tmp_path)).all_steps() == [1]  # nothing moved
 
 
 def test_checkpoint_of_another_model_names_the_mismatched_params(tmp_path):
