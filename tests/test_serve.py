@@ -1,8 +1,10 @@
 """The HTTP server as users run it: a subprocess on 127.0.0.1 serving a tiny HF model."""
 
 import concurrent.futures
+import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import seqio
 from flaxlm import inference, run_dir
 from flaxlm.partitioning import Partitioner
 from flaxlm.serve import api
+from flaxlm.serve.engine import Engine
 from tests import cdp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,16 +55,23 @@ def stream_text(url, payload):
     return "".join(c["choices"][0]["text"] for c in chunks), len(chunks)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, repo_dir, trained_gptj):
-    """`python -m flaxlm.main --gin_file=gin/runs/serve.gin` over the tiny trained GPT-J."""
-    tmp = tmp_path_factory.mktemp("serve")
-    port = free_port()
+def server_env():
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    log = open(tmp / "server.log", "w+")
+    return env
+
+
+@pytest.fixture(scope="module")
+def server_process(tmp_path_factory, repo_dir, trained_gptj):
+    """`python -m flaxlm.main --gin_file=gin/runs/serve.gin` over the tiny trained GPT-J:
+    (process, url, log path). At the end, SIGTERM stops it with exit status 0 (unless a test
+    has stopped it already)."""
+    tmp = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    log_path = tmp / "server.log"
+    log = open(log_path, "w+")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -75,7 +85,7 @@ def server(tmp_path_factory, repo_dir, trained_gptj):
             "--gin.Partitioner.mesh_shape=(1, 2, 4)",
         ],
         cwd=repo_dir,
-        env=env,
+        env=server_env(),
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -93,14 +103,25 @@ def server(tmp_path_factory, repo_dir, trained_gptj):
             proc.kill()
             pytest.fail(f"The server did not start:\n{log.read()[-3000:]}")
         time.sleep(0.5)
-    model, params, _ = run_dir.load_model_and_params(trained_gptj, Partitioner((1, 8, 1)))
-    yield url, model, params
-    proc.terminate()
+    yield proc, url, log_path
+    if proc.poll() is None:
+        proc.terminate()
     try:
-        proc.wait(timeout=20)
+        returncode = proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
+        returncode = "a hang"
     log.close()
+    assert returncode == 0, (
+        f"SIGTERM ended the server with {returncode}:\n{log_path.read_text()[-3000:]}"
+    )
+
+
+@pytest.fixture(scope="module")
+def server(server_process, trained_gptj):
+    _, url, _ = server_process
+    model, params, _ = run_dir.load_model_and_params(trained_gptj, Partitioner((1, 8, 1)))
+    return url, model, params
 
 
 def expected_text(model, params, prompt, max_tokens):
@@ -185,29 +206,81 @@ def test_ten_concurrent_clients_are_batched(server):
     print(f"one request {single:.3f}s; 10 concurrent {together:.3f}s in {batches} batches")
 
 
+# Request bodies the server refuses with 400, each with what the message names.
+BAD_REQUESTS = [
+    (b"{not json", "not valid JSON"),
+    (b'{"prompt": "hi", "temperature": NaN}', "temperature must be a finite number, got NaN"),
+    (b'{"prompt": "hi", "top_p": Infinity}', "top_p must be a finite number"),
+    (b'{"prompt": "hi", "temperature": 1e999}', "temperature must be a finite number"),
+    (b'{"prompt": "hi", "temperature": 1' + b"0" * 400 + b"}", "temperature must be a finite"),
+    (b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", "not valid JSON"),
+    (b"[" * 100_000, "not valid JSON"),
+    (b'{"prompt": "\\ud800"}', "'prompt' is not valid Unicode"),
+    ({"prompt": "hi", "temperature": 0.5, "seed": -5}, "seed must be between 0 and 2**32 - 1"),
+    ({"prompt": "hi", "temperature": 0.5, "seed": 2**40}, "seed must be between 0 and 2**32 - 1"),
+    ({"prompt": "hi", "seed": 1.5}, "'seed' must be an integer or null"),
+    ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 2**70}, "max_tokens"),
+    ({"prompt": "x" * 2040, "max_tokens": 10}, "positions"),
+    ({"prompt": "", "max_tokens": 2}, "empty after tokenization"),
+    ({"prompt": ["ok", ""], "max_tokens": 2}, "empty after tokenization"),
+    ({"prompt": []}, "non-empty list"),
+    ({"prompt": "hi", "temperature": "hot"}, "'temperature' must be a number"),
+    ({"prompt": "hi", "temperature": 2.5}, "temperature must be between 0 and 2"),
+    ({"prompt": "hi", "temperature": -1}, "temperature must be between 0 and 2"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "logprobs": 6}, "logprobs must be between 0 and 5"),
+    ({"prompt": "hi", "logprobs": -1}, "logprobs must be between 0 and 5"),
+    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop must be"),
+    ({"prompt": "hi", "stop": [""]}, "stop must be"),
+    ({"prompt": "hi", "n": 2}, "n=1"),
+    ({"prompt": "hi", "stream": "yes"}, "'stream' must be a boolean"),
+    ({"prompt": 42}, "'prompt' must be"),
+    ({"max_tokens": 3}, "'prompt' is required"),
+    ({"prompt": "hi", "frobnicate": 1}, "Unknown field 'frobnicate'"),
+    ([1, 2], "JSON object"),
+]
+
+
 @pytest.mark.slow
-def test_bad_requests_get_400_and_the_server_keeps_serving(server):
+def test_bad_requests_get_400_alone_and_their_batch_mates_are_served(server):
     url, model, params = server
-    bad = [
-        (b"{not json", "not valid JSON"),
-        ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
-        ({"prompt": "x" * 2040, "max_tokens": 10}, "positions"),
-        ({"prompt": "hi", "temperature": "hot"}, "'temperature' must be a number"),
-        ({"prompt": "hi", "stream": "yes"}, "'stream' must be a boolean"),
-        ({"prompt": 42}, "'prompt' must be"),
-        ({"max_tokens": 3}, "'prompt' is required"),
-        ({"prompt": "hi", "frobnicate": 1}, "Unknown field 'frobnicate'"),
-        ({"prompt": "hi", "top_p": 0}, "top_p"),
-        ([1, 2], "JSON object"),
-    ]
-    for payload, message in bad:
-        status, body = post(
-            url, payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        )
-        assert status == 400, (payload, body)
-        assert message in json.loads(body)["error"]["message"], (payload, body)
-        status, body = post(url, {"prompt": "ok", "max_tokens": 2, "temperature": 0})
+    good = [{"prompt": f"good {i}: ", "max_tokens": 6, "temperature": 0} for i in range(3)]
+    requests = [payload for payload, _ in BAD_REQUESTS] + good
+    # All at once: the good requests decode in the batches the bad ones would have joined.
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        answers = list(pool.map(lambda payload: post(url, payload), requests))
+    for (payload, message), (status, body) in zip(BAD_REQUESTS, answers):
+        assert status == 400, (str(payload)[:80], body)
+        assert message in json.loads(body)["error"]["message"], (str(payload)[:80], body)
+    for payload, (status, body) in zip(good, answers[len(BAD_REQUESTS) :]):
         assert status == 200, body
+        text = json.loads(body)["choices"][0]["text"]
+        assert text == expected_text(model, params, payload["prompt"], 6)
+    status, body = post(url, {"prompt": "ok", "max_tokens": 2, "temperature": 0})
+    assert status == 200, body
+
+
+@pytest.mark.slow
+def test_a_job_the_engine_cannot_prepare_fails_alone(server):
+    """Past the API's checks (a job built some other way), a job the batch's arrays cannot
+    hold gets its error and the rest of its batch is decoded."""
+    url, model, params = server
+    engine = Engine(model, params, Partitioner((1, 8, 1)), VOCAB)
+
+    def job(prompt_ids, seed=0):
+        return api.Completion(prompt_ids, 3, 0.0, 1.0, [], None, seed)
+
+    good = [job(VOCAB.encode("good 0: ")), job(VOCAB.encode("good 1: "))]
+    bad = [job(VOCAB.encode("hi"), seed=-5), job([engine.vocab_size]), job([])]
+    engine.decode([good[0], *bad, good[1]])
+    for c in bad:
+        assert c.events.get_nowait()[0] == "error" and c.events.empty()
+    for prompt, c in zip(["good 0: ", "good 1: "], good):
+        events = [c.events.get_nowait() for _ in range(c.events.qsize())]
+        assert events[-1][0] == "done"
+        text = VOCAB.decode([e[1] for e in events if e[0] == "token"])
+        assert text == expected_text(model, params, prompt, 3)
 
 
 @pytest.mark.slow
@@ -243,5 +316,77 @@ def test_request_validation_names_the_field():
         api.parse_request(b'{"prompt": "a", "max_tokens": true}', None, 16)
     with pytest.raises(api.BadRequest, match="between 1 and 16"):
         api.parse_request(b'{"prompt": "a", "max_tokens": 17}', None, 16)
-    parsed = api.parse_request(b'{"prompt": ["a", "b"], "stop": "\\n"}', None, 16)
+    for payload, message in BAD_REQUESTS:
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        try:
+            parsed = api.parse_request(body, 2048, 512)
+            for prompt in parsed["prompts"]:
+                api.check_prompt_ids(VOCAB.encode(prompt), parsed["max_tokens"], 2048, 259)
+        except api.BadRequest as e:
+            assert message in str(e), (str(payload)[:80], str(e))
+        else:
+            pytest.fail(f"{str(payload)[:80]} was accepted")
+    with pytest.raises(api.BadRequest, match=r"token ids \[300\] outside .* vocabulary of 259"):
+        api.check_prompt_ids([5, 300], 1, 2048, 259)
+    parsed = api.parse_request(
+        b'{"prompt": ["a", "b"], "stop": "\\n", "seed": 4294967295}', None, 16
+    )
     assert parsed["prompts"] == ["a", "b"] and parsed["stop"] == ["\n"]
+    assert parsed["seed"] == 2**32 - 1
+
+
+@pytest.mark.slow
+def test_a_port_in_use_is_named_before_the_model_loads(tmp_path, repo_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "flaxlm.main",
+                "--gin_file=gin/runs/serve.gin",
+                # Never read: the port is taken before the checkpoint is looked at.
+                f"--gin.CHECKPOINT='{tmp_path / 'no_checkpoint_here'}'",
+                f"--gin.PORT={port}",
+            ],
+            cwd=repo_dir,
+            env=server_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"error: port {port} is in use; set --gin.PORT" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "no_checkpoint_here" not in result.stderr
+
+
+@pytest.mark.slow
+def test_sigint_with_decodes_in_flight_cancels_them_and_exits_0(server_process, server):
+    """Last in the module: it stops the server."""
+    proc, url, log_path = server_process
+    streams = []
+    for i in range(4):
+        connection = http.client.HTTPConnection(*url.removeprefix("http://").split(":"))
+        body = {"prompt": f"in flight {i}: ", "max_tokens": 500, "temperature": 0, "stream": True}
+        connection.request("POST", "/v1/completions", json.dumps(body))
+        streams.append(connection.getresponse())
+    # Every request is decoding once its first token has arrived.
+    firsts = [response.readline() + response.readline() for response in streams]
+    proc.send_signal(signal.SIGINT)
+    returncode = proc.wait(timeout=120)
+    log = log_path.read_text()
+    assert returncode == 0, log[-3000:]
+    for bad in ("Fatal Python error", "terminate called", "Traceback"):
+        assert bad not in log, log[-3000:]
+    assert "SIGINT: stopping." in log and "Stopped." in log, log[-3000:]
+    ends = []
+    for first, response in zip(firsts, streams):
+        events = (first + response.read()).decode().split("\n\n")
+        assert events[-2:] == ["data: [DONE]", ""], events[-3:]
+        ends.append(json.loads(events[-3][len("data: ") :]))
+    cancelled = [e for e in ends if "error" in e]
+    assert cancelled, ends  # (a stream that reached EOS first ends as usual)
+    for end in cancelled:
+        assert end["error"] == {"message": "The server is shutting down.", "code": 503}

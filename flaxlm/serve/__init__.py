@@ -10,7 +10,11 @@ and hands each request its tokens as they come. HTTP threads (`http.py`) only pa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import signal
+import socket
+import types
+from collections.abc import Callable, Iterator, Sequence
 
 import gin
 import seqio
@@ -21,7 +25,7 @@ from flaxlm.models.base import BaseModel
 from flaxlm.partitioning import Partitioner
 from flaxlm.serve.api import BadRequest, Completion, parse_request
 from flaxlm.serve.engine import Engine
-from flaxlm.serve.http import Server
+from flaxlm.serve.http import Server, listen
 from flaxlm.serve.stream import TextStream
 
 __all__ = [
@@ -30,8 +34,10 @@ __all__ = [
     "Engine",
     "Server",
     "TextStream",
+    "listen",
     "parse_request",
     "serve",
+    "signals_awaited",
 ]
 
 
@@ -52,33 +58,86 @@ def serve(
     ready: Callable[[Server], None] | None = None,
 ) -> None:
     """Run function: serves `checkpoint` (a flaxlm MODEL_DIR or an HF directory) over HTTP
-    until interrupted: POST /v1/completions, GET /health, GET /v1/models, and a page at /.
+    until SIGINT (Ctrl-C) or SIGTERM: POST /v1/completions, GET /health, GET /v1/models, and
+    a page at /.
 
     Requests that arrive within `batch_wait_ms` of each other decode together (up to
-    `max_batch_size` prompts per batch)."""
-    partitioner = partitioner or Partitioner()
-    model, params, step = run_dir.load_model_and_params(checkpoint, partitioner, step, model)
-    vocabulary = vocabulary or run_dir.checkpoint_vocabulary(checkpoint) or seqio.ByteVocabulary()
-    engine = Engine(
-        model,
-        params,
-        partitioner,
-        vocabulary,
-        max_batch_size=max_batch_size,
-        batch_wait_ms=batch_wait_ms,
-    )
-    name = model_name or epath.Path(checkpoint).name
-    server = Server(engine, name, host=host, port=port, max_tokens_limit=max_tokens_limit)
-    print(
-        f"Serving {name} (step {step}, {type(model.config).__name__}) on {server.address} "
-        f"with batches of up to {max_batch_size}; open {server.address}/ to try it.",
-        flush=True,
-    )
-    if ready is not None:
-        ready(server)
+    `max_batch_size` prompts per batch). The port is taken before the model loads (a port in
+    use fails at once); on a signal, decodes in flight are cancelled after their current
+    step, their requests answered, and the function returns."""
+    httpd = listen(host, port)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
+        partitioner = partitioner or Partitioner()
+        model, params, step = run_dir.load_model_and_params(checkpoint, partitioner, step, model)
+        vocabulary = (
+            vocabulary or run_dir.checkpoint_vocabulary(checkpoint) or seqio.ByteVocabulary()
+        )
+        engine = Engine(
+            model,
+            params,
+            partitioner,
+            vocabulary,
+            max_batch_size=max_batch_size,
+            batch_wait_ms=batch_wait_ms,
+        )
+        name = model_name or epath.Path(checkpoint).name
+        server = Server(engine, name, httpd, max_tokens_limit=max_tokens_limit)
+        with signals_awaited((signal.SIGINT, signal.SIGTERM)) as next_signal:
+            server.start()
+            try:
+                print(
+                    f"Serving {name} (step {step}, {type(model.config).__name__}) on "
+                    f"{server.address} with batches of up to {max_batch_size}; open "
+                    f"{server.address}/ to try it.",
+                    flush=True,
+                )
+                if ready is not None:
+                    ready(server)
+                print(f"{next_signal().name}: stopping.", flush=True)
+            finally:
+                server.stop()
         print("Stopped.", flush=True)
     finally:
-        server.httpd.server_close()
+        httpd.server_close()
+
+
+@contextlib.contextmanager
+def signals_awaited(
+    signals: Sequence[signal.Signals],
+) -> Iterator[Callable[[], signal.Signals]]:
+    """Within, `signals` no longer interrupt the main thread: the function it yields blocks
+    until one arrives (or has arrived since entering), puts the handlers before back (a
+    second Ctrl-C interrupts as usual) and returns the signal.
+
+    Python's C-level handler writes the signal's number to the wakeup fd, read here; the
+    Python-level handler does nothing, so it cannot break into the main thread inside a lock
+    or a half-done call, and a signal taken by another thread still wakes this one."""
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    previous = {s: signal.signal(s, _ignore) for s in signals}
+    previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+
+    def restore() -> None:
+        if previous:
+            signal.set_wakeup_fd(previous_fd)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            previous.clear()
+
+    def next_signal() -> signal.Signals:
+        while True:
+            number = reader.recv(1)[0]
+            if number in signals:
+                restore()
+                return signal.Signals(number)
+
+    try:
+        yield next_signal
+    finally:
+        restore()
+        reader.close()
+        writer.close()
+
+
+def _ignore(signum: int, frame: types.FrameType | None) -> None:
+    del signum, frame  # the wakeup fd carries the signal to signals_awaited

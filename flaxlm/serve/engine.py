@@ -9,7 +9,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +23,25 @@ from flaxlm.partitioning import Partitioner
 from flaxlm.serve.api import MAX_LOGPROBS, Completion
 
 BUCKET = 32  # prompt and generation lengths are rounded up to this (fewer compiles)
+SHUTTING_DOWN = "The server is shutting down."
+
+
+class _Row(NamedTuple):
+    """One completion's settings as the batch's arrays hold them."""
+
+    completion: Completion
+    prompt_ids: np.ndarray  # int32 [length]
+    temperature: np.float32
+    top_p: np.float32
+    seed: np.uint32
 
 
 class Engine:
-    """Decodes queued completions in dynamic batches on one thread."""
+    """Decodes queued completions in dynamic batches on one thread.
+
+    Events a completion receives: ("token", id, logprob, top) per new token, then
+    ("done", finish_reason), ("error", message) when decoding it failed, or
+    ("cancelled", message) when the engine stopped first."""
 
     def __init__(
         self,
@@ -42,55 +57,100 @@ class Engine:
         self.params = params
         self.partitioner = partitioner
         self.vocabulary = vocabulary
+        self.vocab_size = getattr(model.config, "real_vocab_size", None) or model.config.vocab_size
         self.max_batch_size = max_batch_size
         self.batch_wait = batch_wait_ms / 1000.0
-        self.queue: queue.Queue[Completion] = queue.Queue()
+        self.queue: queue.Queue[Completion | None] = queue.Queue()  # None: wake up, stop
         self._prefill = jax.jit(model.prefill, static_argnums=(3,))
         self._step = jax.jit(model.decode_step, static_argnums=(4,), donate_argnums=(3,))
         self._select = jax.jit(_select, static_argnums=(4,))
         self.batches = 0
-        self._thread = threading.Thread(target=self._loop, name="flaxlm-engine", daemon=True)
+        self._stopping = False
+        self._lock = threading.Lock()  # orders submit() against stop()
+        # Not a daemon: a daemon thread inside an XLA call when the interpreter shuts down
+        # is ended in the middle of C++ code, and the process aborts.
+        self._thread = threading.Thread(target=self._loop, name="flaxlm-engine")
 
     def start(self) -> None:
         self._thread.start()
 
     def submit(self, completion: Completion) -> None:
-        self.queue.put(completion)
+        """Queues `completion`; once the engine is stopping, cancels it at once."""
+        with self._lock:
+            if not self._stopping:
+                self.queue.put(completion)
+                return
+        completion.events.put(("cancelled", SHUTTING_DOWN))
+
+    def stop(self) -> None:
+        """Stops after the current decode step and returns once the engine thread has ended
+        (no device work of its own left running): every completion in flight or queued is
+        cancelled."""
+        with self._lock:
+            self._stopping = True
+        self.queue.put(None)
+        if self._thread.ident is not None:
+            self._thread.join()
+        while True:
+            try:
+                completion = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if completion is not None:
+                completion.events.put(("cancelled", SHUTTING_DOWN))
 
     def _loop(self) -> None:
-        while True:
-            batch = [self.queue.get()]
-            deadline = time.monotonic() + self.batch_wait
-            while len(batch) < self.max_batch_size:
-                remaining = deadline - time.monotonic()
-                try:
-                    batch.append(self.queue.get(timeout=max(remaining, 0.0)))
-                except queue.Empty:
-                    break
+        while not self._stopping:
+            batch = self._next_batch()
+            if self._stopping:
+                for c in batch:
+                    c.events.put(("cancelled", SHUTTING_DOWN))
+                return
             try:
                 self.decode(batch)
             except Exception as e:  # noqa: BLE001 - report to the waiting requests, keep serving
                 for c in batch:
                     c.events.put(("error", f"{type(e).__name__}: {e}"))
 
+    def _next_batch(self) -> list[Completion]:
+        """The first queued completion and every other that arrives within `batch_wait`."""
+        first = self.queue.get()
+        if first is None:
+            return []
+        batch = [first]
+        deadline = time.monotonic() + self.batch_wait
+        while len(batch) < self.max_batch_size:
+            remaining = deadline - time.monotonic()
+            try:
+                c = self.queue.get(timeout=max(remaining, 0.0))
+            except queue.Empty:
+                break
+            if c is None:
+                break
+            batch.append(c)
+        return batch
+
     def decode(self, batch: Sequence[Completion]) -> None:
-        """Decodes every completion of the batch, emitting ("token", id, logprob, top) per
-        new token and ("done", finish_reason) at the end."""
+        """Decodes every completion of the batch that can be: one that cannot (a setting out
+        of range) gets its error event alone and its batch-mates are decoded."""
+        rows = self._rows(batch)
+        if not rows:
+            return
         self.batches += 1
-        rows = self.max_batch_size
-        prompt_len = inference.round_up(max(len(c.prompt_ids) for c in batch), BUCKET)
-        new = inference.round_up(max(c.max_tokens for c in batch), BUCKET)
+        size = self.max_batch_size
+        prompt_len = inference.round_up(max(len(r.prompt_ids) for r in rows), BUCKET)
+        new = inference.round_up(max(r.completion.max_tokens for r in rows), BUCKET)
         config = decoding.DecodingConfig(max_new_tokens=new)
-        inputs = np.zeros((rows, prompt_len), np.int32)
-        lengths = np.ones((rows,), np.int32)
-        for i, c in enumerate(batch):
-            inputs[i, : len(c.prompt_ids)] = c.prompt_ids
-            lengths[i] = len(c.prompt_ids)
-        temperature = np.zeros((rows,), np.float32)
-        top_p = np.ones((rows,), np.float32)
-        seeds = np.zeros((rows,), np.uint32)
-        for i, c in enumerate(batch):
-            temperature[i], top_p[i], seeds[i] = c.temperature, c.top_p, c.seed
+        inputs = np.zeros((size, prompt_len), np.int32)
+        lengths = np.ones((size,), np.int32)
+        temperature = np.zeros((size,), np.float32)
+        top_p = np.ones((size,), np.float32)
+        seeds = np.zeros((size,), np.uint32)
+        for i, r in enumerate(rows):
+            inputs[i, : len(r.prompt_ids)] = r.prompt_ids
+            lengths[i] = len(r.prompt_ids)
+            temperature[i], top_p[i], seeds[i] = r.temperature, r.top_p, r.seed
+        batch = [r.completion for r in rows]
         with self.partitioner.context():
             placed = [self.partitioner.global_array(x) for x in (inputs, lengths)]
             logits, state = self._prefill(self.params, *placed, config)
@@ -126,11 +186,41 @@ class Engine:
                 active = still
                 if not active or t + 1 == new:
                     break
+                if self._stopping:  # checked between steps: nothing is left in flight
+                    for i in active:
+                        batch[i].events.put(("cancelled", SHUTTING_DOWN))
+                    return
                 logits, state = self._step(
                     self.params, jnp.asarray(token), jnp.int32(t), state, config
                 )
             for i in active:
                 batch[i].events.put(("done", "length"))
+
+    def _rows(self, batch: Sequence[Completion]) -> list[_Row]:
+        """The batch's completions that can be decoded; each other gets its error event."""
+        rows = []
+        for c in batch:
+            try:
+                rows.append(self._row(c))
+            except Exception as e:  # noqa: BLE001 - this completion alone fails
+                c.events.put(("error", f"{type(e).__name__}: {e}"))
+        return rows
+
+    def _row(self, c: Completion) -> _Row:
+        """`c`'s settings as the batch's arrays hold them; raises for one they cannot hold.
+        (api.parse_request refuses all of these first; this keeps a bad job from failing
+        its batch-mates whatever its source.)"""
+        ids = np.asarray(c.prompt_ids, np.int32)  # OverflowError beyond int32
+        if ids.ndim != 1 or not ids.size:
+            raise ValueError("the prompt has no tokens")
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if c.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {c.max_tokens}")
+        temperature, top_p = np.float32(c.temperature), np.float32(c.top_p)
+        if not (0 <= temperature < np.inf and 0 < top_p <= 1):
+            raise ValueError(f"temperature {c.temperature} or top_p {c.top_p} out of range")
+        return _Row(c, ids, temperature, top_p, np.uint32(c.seed))  # OverflowError: seed
 
 
 def _select(

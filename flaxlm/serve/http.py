@@ -4,9 +4,12 @@ validate and stream; the engine thread decodes."""
 
 from __future__ import annotations
 
+import errno
 import http.server
 import json
 import queue
+import socket
+import threading
 import time
 import uuid
 from typing import Any
@@ -15,9 +18,25 @@ from etils import epath
 
 from flaxlm import inference
 from flaxlm.models.base import EncoderDecoderModel
-from flaxlm.serve.api import BadRequest, Completion, parse_request
+from flaxlm.serve.api import BadRequest, Completion, check_prompt_ids, parse_request
 from flaxlm.serve.engine import Engine
 from flaxlm.serve.stream import TextStream
+
+
+def listen(host: str, port: int) -> http.server.ThreadingHTTPServer:
+    """The bound, listening socket of a server not yet answering (connections wait in its
+    backlog): taken before the model loads, so a port in use fails at once, as a ValueError
+    naming the setting to change."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"PORT must be an integer between 0 and 65535, got {port!r}.")
+    try:
+        return _HTTPServer((host, port), http.server.BaseHTTPRequestHandler)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} is in use; set --gin.PORT") from e
+        raise ValueError(
+            f"cannot listen on {host}:{port} ({e.strerror or e}); set --gin.HOST or --gin.PORT"
+        ) from e
 
 
 class Server:
@@ -27,12 +46,15 @@ class Server:
         self,
         engine: Engine,
         model_name: str,
+        httpd: http.server.ThreadingHTTPServer,
         *,
-        host: str = "127.0.0.1",
-        port: int = 8000,
         max_tokens_limit: int = 512,
         request_timeout_s: float = 600.0,
     ):
+        """
+        Args:
+          httpd: the listening server from `listen()`; it answers with this Server's handler.
+        """
         self.engine = engine
         self.model_name = model_name
         self.max_tokens_limit = max_tokens_limit
@@ -40,8 +62,9 @@ class Server:
         self.max_positions = engine.model.position_limit()
         if isinstance(engine.model, EncoderDecoderModel):
             self.max_positions = None  # relative positions: no hard limit
-        handler = _make_handler(self)
-        self.httpd = _HTTPServer((host, port), handler)
+        self.httpd = httpd
+        self.httpd.RequestHandlerClass = _make_handler(self)
+        self._serving = threading.Thread(target=self.httpd.serve_forever, name="flaxlm-http")
 
     @property
     def address(self) -> str:
@@ -57,14 +80,7 @@ class Server:
         jobs, prompt_ids = [], []
         for prompt in request["prompts"]:
             ids = self.encode(prompt)
-            if not ids:
-                raise BadRequest("The prompt is empty after tokenization.")
-            limit = self.max_positions
-            if limit is not None and len(ids) + request["max_tokens"] > limit:
-                raise BadRequest(
-                    f"The prompt has {len(ids)} tokens; with max_tokens={request['max_tokens']} "
-                    f"that is beyond the model's {limit} positions."
-                )
+            check_prompt_ids(ids, request["max_tokens"], self.max_positions, self.engine.vocab_size)
             prompt_ids.append(ids)
             jobs.append(
                 Completion(
@@ -79,14 +95,62 @@ class Server:
             )
         return jobs, prompt_ids
 
-    def serve_forever(self) -> None:
+    def start(self) -> None:
+        """Starts the engine, then answers requests (on threads of their own)."""
         self.engine.start()
-        self.httpd.serve_forever()
+        self._serving.start()
+
+    def stop(self) -> None:
+        """Stops accepting connections, stops the engine after its current step (requests
+        still decoding are answered as cancelled), lets every handler finish its answer,
+        and closes the sockets."""
+        if self._serving.ident is not None:
+            self.httpd.shutdown()
+            self._serving.join()
+        self.engine.stop()
+        self.httpd.stop_reading()
+        self.httpd.server_close()  # joins the handler threads
 
 
 class _HTTPServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
+    # Handler threads are joined by server_close() (none is cut off at exit); stop_reading()
+    # first ends those still waiting for a request (an idle connection, a preconnect).
+    daemon_threads = False
+    block_on_close = True
     request_queue_size = 128  # many clients connecting at once are queued, not reset
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._connections: set[socket.socket] = set()
+        self._connections_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._connections_lock:
+            self._connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._connections_lock:
+            self._connections.discard(request)
+        super().shutdown_request(request)
+
+    def stop_reading(self) -> None:
+        """Shuts the reading side of every open connection: a handler waiting for a request
+        sees it end; one writing its answer goes on."""
+        with self._connections_lock:
+            for connection in self._connections:
+                try:
+                    connection.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass  # the client has gone already
+
+
+class _Failed(Exception):
+    """A completion that ended without its text: the HTTP status and message to answer."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
 
 
 _PAGE = epath.Path(__file__).parent / "page.html"
@@ -108,7 +172,7 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
             self.wfile.write(body)
 
         def _error(self, code: int, message: str) -> None:
-            kind = "invalid_request_error" if code == 400 else "server_error"
+            kind = {400: "invalid_request_error", 503: "unavailable"}.get(code, "server_error")
             self._json(code, {"error": {"message": message, "type": kind, "code": code}})
 
         def do_GET(self) -> None:  # noqa: N802
@@ -141,6 +205,8 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 return
             try:
                 length = int(self.headers.get("Content-Length") or 0)
+                if length < 0:
+                    raise BadRequest(f"Content-Length must not be negative, got {length}.")
                 request = parse_request(
                     self.rfile.read(length), server.max_positions, server.max_tokens_limit
                 )
@@ -164,9 +230,14 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
         def _events(self, job: Completion, stream: TextStream) -> Any:
             """Yields text deltas until the job is done; returns the finish reason."""
             while True:
-                event = job.events.get(timeout=server.request_timeout)
+                try:
+                    event = job.events.get(timeout=server.request_timeout)
+                except queue.Empty:
+                    raise _Failed(500, "Decoding timed out.") from None
                 if event[0] == "error":
-                    raise RuntimeError(event[1])
+                    raise _Failed(500, f"Decoding failed: {event[1]}")
+                if event[0] == "cancelled":
+                    raise _Failed(503, event[1])
                 if event[0] == "done":
                     return event[1]
                 if stream.stopped:
@@ -200,8 +271,8 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                             "finish_reason": reason,
                         }
                     )
-            except (RuntimeError, queue.Empty) as e:
-                self._error(500, f"Decoding failed: {e}")
+            except _Failed as e:
+                self._error(e.status, e.message)
                 return
             prompt_tokens = sum(len(p) for p in prompt_ids)
             self._json(
@@ -269,8 +340,9 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                                 }
                             send(index, delta, None, logprobs)
                     send(index, "", reason)
-            except (RuntimeError, queue.Empty) as e:
-                self.wfile.write(f"data: {json.dumps({'error': {'message': str(e)}})}\n\n".encode())
+            except _Failed as e:
+                error = {"message": e.message, "code": e.status}
+                self.wfile.write(f"data: {json.dumps({'error': error})}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
 
