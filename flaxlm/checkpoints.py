@@ -9,6 +9,7 @@ A checkpoint that cannot be read is set aside (`{step}.unreadable`) when an olde
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,25 @@ def _shard_file(shard: int, num_shards: int) -> str:
     return f"shard_{shard}-of-{num_shards}"
 
 
+def saved_input_shards(model_dir: str) -> int | None:
+    """R, the number of logical input shards, of the newest checkpoint under `model_dir`
+    holding a data-iterator position (None: no such checkpoint). A resumed run reads its
+    data as that many shards, whatever its mesh, so it continues the same global batches."""
+    directory = epath.Path(model_dir) / SUBDIR
+    if not directory.is_dir():
+        return None
+    steps = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True)
+    for step in steps:
+        dataset = directory / str(step) / "dataset"
+        if not dataset.is_dir():
+            continue
+        names = (re.fullmatch(r"shard_\d+-of-(\d+)\.index", f.name) for f in dataset.iterdir())
+        counts = {int(m.group(1)) for m in names if m}
+        if len(counts) == 1:
+            return counts.pop()
+    return None
+
+
 class DataIteratorMismatchError(ValueError):
     """A checkpoint's data-iterator state was written for other logical input shards."""
 
@@ -52,9 +72,10 @@ def check_dataset_state(directory: epath.Path, data_iterator: Any) -> None:
     raise DataIteratorMismatchError(
         f"{directory} holds no data-iterator state for logical input shard(s) {missing} of "
         f"{num_shards} (it has {found}). The checkpoint was written with another "
-        "number of logical input shards: set DatasetConfig.num_input_shards (by default the "
-        "mesh's data-parallel degree) to the number in its file names to resume the data "
-        "exactly, or train from its params with a fresh data order."
+        "number of logical input shards: leave DatasetConfig.num_input_shards unset (a "
+        "resumed run then reads the number the checkpoint was written with) or set it to the "
+        "number in its file names to resume the data exactly, or train from its params with "
+        "a fresh data order in a new MODEL_DIR."
     )
 
 

@@ -59,7 +59,7 @@ class TaskEvaluator:
         return bool(self.evaluator.eval_tasks)
 
     def _examples(self, ds: tf.data.Dataset) -> list[tuple[int, dict[str, np.ndarray]]]:
-        return [(int(i), ex) for i, ex in ds.as_numpy_iterator()]
+        return [(int(i), ex) for i, ex in data.without_autotune(ds).as_numpy_iterator()]
 
     def _prompt(self, ex: Mapping[str, np.ndarray]) -> list[int]:
         if "encoder_input_tokens" in ex:

@@ -85,7 +85,7 @@ class SafetensorsReader:
                     f"No *.safetensors in {root}; flaxlm reads HF checkpoints in safetensors "
                     "(save with `save_pretrained(..., safe_serialization=True)`)."
                 )
-        self._handles = {f: safe_open(str(root / f), framework="numpy") for f in files}
+        self._handles = {f: _open_safetensors(root / f, safe_open) for f in files}
         stored = {name: f for f, handle in self._handles.items() for name in handle.keys()}
         names, skipped = own_names(stored) if own_names else ({n: n for n in stored}, [])
         if skipped and not quiet and jax.process_index() == 0:
@@ -100,6 +100,8 @@ class SafetensorsReader:
             self._stored = {prefix + ours: name for ours, name in names.items()}
         self.file_of: dict[str, str] = {n: stored[s] for n, s in self._stored.items()}
 
+        self._root = root
+
     def shape(self, name: str) -> tuple[int, ...]:
         handle = self._handles[self.file_of[name]]
         return tuple(handle.get_slice(self._stored[name]).get_shape())
@@ -107,6 +109,26 @@ class SafetensorsReader:
     def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
         """The tensor, or only its rows [start, stop) (a part of a fused tensor)."""
         handle = self._handles[self.file_of[name]]
-        if rows is None:
-            return handle.get_tensor(self._stored[name])
-        return handle.get_slice(self._stored[name])[rows[0] : rows[1]]
+        try:
+            if rows is None:
+                return handle.get_tensor(self._stored[name])
+            return handle.get_slice(self._stored[name])[rows[0] : rows[1]]
+        except Exception as e:  # noqa: BLE001 - safetensors' errors have no common base
+            raise ValueError(
+                f"{self._root / self.file_of[name]}: tensor {self._stored[name]!r} cannot be "
+                f"read ({e}); the file may be truncated: copy or download it again."
+            ) from e
+
+
+def _open_safetensors(path: epath.Path, safe_open: Any) -> Any:
+    """A safetensors handle, or a ValueError naming the file (missing, truncated, not
+    safetensors) instead of the library's bare message."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing (the checkpoint's index names it).")
+    try:
+        return safe_open(str(path), framework="numpy")
+    except Exception as e:  # noqa: BLE001 - SafetensorError has no importable base
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({e}); it may be truncated or not "
+            "safetensors: copy or download it again."
+        ) from e

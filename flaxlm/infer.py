@@ -104,7 +104,7 @@ def read_examples(
         if max_examples:
             ds = ds.take(max_examples)
         name = source
-        for ex in ds.as_numpy_iterator():
+        for ex in data.without_autotune(ds).as_numpy_iterator():
             ids = [int(i) for i in ex[key]]
             target_ids = [int(i) for i in ex["targets"]] if key == "inputs" else None
             if need_targets and target_ids is None:

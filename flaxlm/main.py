@@ -8,8 +8,10 @@ Gin (`run.fn = @train`).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
+from typing import Any
 
 from absl import app, flags, logging
 
@@ -31,9 +33,12 @@ def _initialize_distributed() -> None:
     explicit = [FLAGS.coordinator_address, FLAGS.process_count, FLAGS.process_index]
     if any(v is not None for v in explicit):
         if any(v is None for v in explicit):
-            raise app.UsageError(
-                "--coordinator_address, --process_count and --process_index go together."
-            )
+            _fail("--coordinator_address, --process_count and --process_index go together.")
+        problem = check_process_flags(
+            FLAGS.coordinator_address, FLAGS.process_count, FLAGS.process_index
+        )
+        if problem:
+            _fail(problem)
         # CPU processes exchange collectives over gloo (TPU/GPU ignore this setting).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
@@ -49,6 +54,28 @@ def _initialize_distributed() -> None:
         jax.distributed.initialize()
     except (ValueError, RuntimeError):
         pass
+
+
+def check_process_flags(address: str, count: int, index: int) -> str | None:
+    """What is wrong with the multi-process flags, if anything, checked before
+    `jax.distributed.initialize` (which crashes on some malformed addresses)."""
+    host, colon, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [IPv6]:port
+    if not colon or not host or any(c.isspace() or c in "/[]" for c in host):
+        return (
+            f"--coordinator_address={address!r} must be HOST:PORT of process 0, e.g. "
+            "10.0.0.1:1234 (a port is required)."
+        )
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return (
+            f"--coordinator_address={address!r}: the port {port!r} must be a number from 1 "
+            "to 65535, e.g. 10.0.0.1:1234."
+        )
+    if count < 1:
+        return f"--process_count={count} must be at least 1."
+    if not 0 <= index < count:
+        return f"--process_index={index} must be between 0 and --process_count - 1 = {count - 1}."
+    return None
 
 
 def _multiprocess() -> bool:
@@ -73,7 +100,21 @@ def _fail(message: str) -> None:
     _exit(2)
 
 
+def _stop_during_start_up(signum: int, frame: Any) -> None:
+    # A SystemExit raised here unwinds whatever start-up step is running (imports, Gin).
+    print(
+        f"\nReceived {signal.Signals(signum).name} during start-up: exiting; nothing to save.",
+        file=sys.stderr,
+        flush=True,
+    )
+    raise SystemExit(0)
+
+
 def main(argv: list[str]) -> None:
+    # Until the run function starts (and `train` takes the signals over to save on them), a
+    # scheduler's SIGTERM or a Ctrl-C ends the start-up with a line saying so.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_during_start_up)
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; use --gin.NAME=VALUE for overrides.")
     if not FLAGS.gin_file:
@@ -89,16 +130,16 @@ def main(argv: list[str]) -> None:
         # backends. Do all of it here, where that output is hidden.
         _initialize_distributed()
 
-        import importlib
-
         import gin
         import jax
 
         import flaxlm.models  # noqa: F401  (registers model configurables)
         from flaxlm import convert, data, evaluation, infer, serve, train  # noqa: F401
 
-        if FLAGS.tasks_module:
-            importlib.import_module(FLAGS.tasks_module)
+        try:
+            data.import_task_module(FLAGS.tasks_module, "--tasks_module")
+        except ValueError as e:
+            _fail(str(e))
         data.configure_tensorflow()
         jax.devices()
     try:
@@ -115,6 +156,8 @@ def main(argv: list[str]) -> None:
         gin_utils.check_macros(FLAGS.gin_bindings or (), FLAGS.gin_search_paths or ())
     except ValueError as e:
         _fail(f"bad Gin configuration: {e}")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
     try:
         gin_utils.run()
     except (ValueError, FileNotFoundError) as e:

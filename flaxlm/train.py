@@ -236,6 +236,27 @@ def steps_with_base(
     )
 
 
+def resumed_input_shards(
+    cfg: data.DatasetConfig, partitioner: Partitioner, model_dir: str
+) -> data.DatasetConfig:
+    """`cfg` reading as many logical input shards as `model_dir`'s checkpoint was written
+    with, unless `num_input_shards` is set: a run resumed on another mesh (more or fewer
+    devices, another data-parallel degree) continues with the global batches it would have
+    seen on the old one."""
+    saved = checkpoints.saved_input_shards(model_dir)
+    if saved is None or cfg.num_input_shards is not None:
+        return cfg
+    degree = partitioner.data_parallel_degree()
+    if saved != degree:
+        print(
+            f"Reading the training data as {saved} logical input shards, as the checkpoint "
+            f"was written (this mesh's data-parallel degree is {degree}), so the data order "
+            "continues unchanged.",
+            flush=True,
+        )
+    return dataclasses.replace(cfg, num_input_shards=saved)
+
+
 def check_counts(**counts: tuple[Any, int]) -> None:
     """A ValueError naming the first setting (`NAME=(value, minimum)`) that is not an integer
     of at least its minimum: before any device work, so a typo costs nothing."""
@@ -322,22 +343,29 @@ def train(
     model.check_lengths(train_dataset_cfg.task_feature_lengths)
     converter = model.FEATURE_CONVERTER_CLS
     feature_lengths = data.model_feature_lengths(train_dataset_cfg, converter)
-    train_iter = data.DataIterator.create(train_dataset_cfg, partitioner, converter)
-    eval_iter = None
-    if eval_dataset_cfg is not None and eval_period:
-        trainer.check_batch_size(partitioner, eval_dataset_cfg.batch_size, 1)
-        eval_iter = data.DataIterator.create(eval_dataset_cfg, partitioner, converter)
-
-    setup = trainer.Setup(
-        model,
-        partitioner,
-        optimizer_factory(learning_rate=learning_rate),
-        feature_lengths,
-        seed=seed,
-        lora=lora,
-    )
-    ckpt = checkpoints.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
-    writer = signals = None
+    train_dataset_cfg = resumed_input_shards(train_dataset_cfg, partitioner, model_dir)
+    # From here on a first SIGTERM/SIGINT is a request to stop cleanly: during set-up, before
+    # the first step; in the loop, after the current step, saving it (see run_steps).
+    signals = preemption.PreemptionHandler().install()
+    try:
+        train_iter = data.DataIterator.create(train_dataset_cfg, partitioner, converter)
+        eval_iter = None
+        if eval_dataset_cfg is not None and eval_period:
+            trainer.check_batch_size(partitioner, eval_dataset_cfg.batch_size, 1)
+            eval_iter = data.DataIterator.create(eval_dataset_cfg, partitioner, converter)
+        setup = trainer.Setup(
+            model,
+            partitioner,
+            optimizer_factory(learning_rate=learning_rate),
+            feature_lengths,
+            seed=seed,
+            lora=lora,
+        )
+        ckpt = checkpoints.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
+    except BaseException:
+        signals.uninstall()
+        raise
+    writer = None
     try:  # whatever fails from here on, the checkpointer (and its threads) is closed
         start_step, state = initial_state(setup, ckpt, train_iter, model_dir, init_from_hf)
         base = (
@@ -398,7 +426,6 @@ def train(
         def next_batch(step: int) -> trainer.Batch:
             return trainer.next_batch(train_iter, train_dataset_cfg, step)
 
-        signals = preemption.PreemptionHandler().install()
         state, step, stop = run_steps(
             state, start_step, total_steps, train_step, next_batch, hooks, nonfinite, signals
         )
@@ -406,8 +433,7 @@ def train(
         ckpt.close()  # waits for an async save in flight (a second signal exits at once)
         if writer is not None:
             writer.close()
-        if signals is not None:
-            signals.uninstall()
+        signals.uninstall()
     if jax.process_index() == 0:
         report_end(
             signals, stop, step, start_step, total_steps, ckpt, saved["step"], path, start_time
@@ -427,7 +453,9 @@ def run_steps(
 ) -> tuple[TrainState, int, bool]:
     """The loop: a step, then the hooks that are due (after the non-finite check of the
     steps they read). Returns the state, its step and whether a signal stopped it."""
-    stop = False
+    # A signal during set-up (restore, data start-up) stops before the first step: the state
+    # is the latest checkpoint's, nothing new to save.
+    stop = step < total_steps and signals.should_stop()
     while step < total_steps and not stop:
         state, step_metrics = train_step(state, next_batch(step))
         step += 1
@@ -438,6 +466,12 @@ def run_steps(
             nonfinite.check()
         for hook in due:
             hook.run(step, state, step_metrics)
+        if due and not stop and signals.should_stop():
+            # The signal came during a hook (an evaluation): save this step, not the next.
+            stop = True
+            for hook in hooks:
+                if hook.on_stop and hook not in due:
+                    hook.run(step, state, step_metrics)
     nonfinite.check()
     return state, step, stop
 
@@ -454,7 +488,14 @@ def report_end(
     start_time: float,
 ) -> None:
     """The run's closing lines: why it stopped and what it wrote where."""
-    if preempted:
+    if preempted and step == start_step:
+        cause = signals.received.name if signals.received else "a signal to another process"
+        print(
+            f"Stopped by {cause} before the first step: nothing new to save (latest "
+            f"checkpoint: step {last_saved}).",
+            flush=True,
+        )
+    elif preempted:
         cause = signals.received.name if signals.received else "a signal to another process"
         print(
             f"Preempted by {cause} at step {step}: saved checkpoint "

@@ -34,6 +34,11 @@ def register_text_files_task(
         found = [f for g in globs for f in tf.io.gfile.glob(g)]
         if not found:
             raise FileNotFoundError(f"Task {name!r}: no files match {globs} for split {split!r}.")
+        if not any(_has_text(f) for f in found):
+            raise ValueError(
+                f"Task {name!r}: the files for split {split!r} ({', '.join(found[:3])}"
+                f"{', ...' if len(found) > 3 else ''}) are empty; give files with text."
+            )
     if one_example_per == "line":
         source = seqio.TextLineDataSource(split_to_filepattern=patterns)
         to_dict = [lambda ds: ds.map(lambda line: {"text": line})]
@@ -51,3 +56,12 @@ def register_text_files_task(
     else:
         raise ValueError(f"one_example_per={one_example_per!r}: expected 'line' or 'file'.")
     return add_lm_task(name, source, vocabulary=vocabulary, add_eos=add_eos, preprocessors=to_dict)
+
+
+def _has_text(path: str, probe: int = 1 << 16) -> bool:
+    """Whether the file has a non-blank character (files larger than `probe` count as text
+    unread)."""
+    if tf.io.gfile.stat(path).length > probe:
+        return True
+    with tf.io.gfile.GFile(path, "rb") as f:
+        return bool(f.read().strip())

@@ -1,6 +1,9 @@
 """A `--tasks_module` for test_reliability: registers the usual tasks, then `kill -9`s this
 process at the point that FLAXLM_TEST_KILL names: 'save:4' while step 4's checkpoint is being
-written (before orbax commits it), 'eval:6' in the middle of the evaluation at step 6."""
+written (before orbax commits it), 'eval:6' in the middle of the evaluation at step 6,
+'import' right now (start-up, before Gin is parsed), 'restore' as the train state is restored
+(the run's set-up). FLAXLM_TEST_SIGNAL=TERM sends SIGTERM instead (after which the process
+goes on as a preempted one does)."""
 
 import os
 import signal
@@ -9,10 +12,11 @@ import tasks  # noqa: F401
 from flaxlm import checkpoints, metrics, trainer
 
 WHERE, _, STEP = os.environ.get("FLAXLM_TEST_KILL", "").partition(":")
+SIGNAL = signal.Signals["SIG" + os.environ.get("FLAXLM_TEST_SIGNAL", "KILL")]
 
 
 def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), SIGNAL)
 
 
 if WHERE == "save":
@@ -40,8 +44,20 @@ elif WHERE == "eval":
         if str(_last_logged[0]) == STEP:
             iterator.reset()
             eval_step(params, next(iterator))  # one batch in, then die
-            _die()
+            _die()  # (SIGTERM: the evaluation goes on, from its first batch)
         return _evaluate(eval_step, params, iterator, steps)
 
     metrics.JsonlWriter.write_scalars = _write_and_remember
     trainer.evaluate_batches = _evaluate_then_die
+
+elif WHERE == "import":
+    _die()
+
+elif WHERE == "restore":
+    _restore_latest = checkpoints.Checkpointer.restore_latest
+
+    def _die_then_restore(self, *args, **kwargs):
+        _die()
+        return _restore_latest(self, *args, **kwargs)
+
+    checkpoints.Checkpointer.restore_latest = _die_then_restore

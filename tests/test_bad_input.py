@@ -70,7 +70,7 @@ ROWS = {
     ),
     "empty_data_file": (
         [*PRETRAIN, *TEXT_FILES, "--gin.register_text_files_task.split_files={'train': '{empty}'}"],
-        ["'my_text'", "{empty}", "ran out at step 0"],
+        ["'my_text'", "{empty}", "are empty"],
     ),
     "sequence_longer_than_the_model_positions": (
         [*PRETRAIN, "--gin.TASK_FEATURE_LENGTHS={'targets': 4096}"],
@@ -87,6 +87,32 @@ ROWS = {
     "model_dir_that_cannot_be_written": (
         [*PRETRAIN, "--gin.MODEL_DIR='{under_a_file}'"],
         ["MODEL_DIR '{under_a_file}' cannot be written"],
+    ),
+    "coordinator_address_without_a_port": (
+        [*PRETRAIN, "--coordinator_address=127.0.0.1", "--process_count=2", "--process_index=0"],
+        ["--coordinator_address='127.0.0.1'", "HOST:PORT"],
+    ),
+    "coordinator_port_not_a_number": (  # used to crash JAX with a segmentation fault
+        [
+            *PRETRAIN,
+            "--coordinator_address=127.0.0.1:abc",
+            "--process_count=2",
+            "--process_index=0",
+        ],
+        ["'abc'", "a number from 1 to 65535"],
+    ),
+    "process_index_beyond_the_process_count": (
+        [
+            *PRETRAIN,
+            "--coordinator_address=127.0.0.1:1234",
+            "--process_count=2",
+            "--process_index=5",
+        ],
+        ["--process_index=5", "between 0 and --process_count - 1 = 1"],
+    ),
+    "tasks_module_that_does_not_exist": (
+        [*PRETRAIN, "--tasks_module=my_tasks"],
+        ["--tasks_module='my_tasks'", "no such module"],
     ),
     "checkpoint_of_a_different_model": (
         [*PRETRAIN, "--gin.MODEL_DIR='{trained}'", "--gin.GPTJConfig.hidden_size=128"],
@@ -188,6 +214,35 @@ BAD_NUMBERS = {
     "LOG_PERIOD": dict(log_period=0),
     "LEARNING_RATE": dict(learning_rate="1e-3"),
 }
+
+
+def test_bad_files_are_named_with_the_line_or_the_fix(tmp_path):
+    """A JSONL file that is not UTF-8, a truncated safetensors file, a task module that is
+    not there: each a ValueError naming the file (and line) or the setting."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from flaxlm import data, hf_files
+
+    jsonl = tmp_path / "data.jsonl"
+    jsonl.write_bytes(b'{"in_text": "ok"}\n{"in_text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"{jsonl}:2: not UTF-8 \(byte 0xe9 at column 17\)"):
+        list(data.read_jsonl(str(jsonl)))
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir()
+    save_file({"w": np.ones((64, 64), np.float32)}, str(good / "model.safetensors"))
+    shutil.copytree(good, bad)
+    blob = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(blob[: len(blob) // 2])
+    assert hf_files.SafetensorsReader(str(good)).read("w").shape == (64, 64)
+    with pytest.raises(ValueError, match=rf"{bad}/model.safetensors is not a readable"):
+        hf_files.SafetensorsReader(str(bad))
+
+    with pytest.raises(ValueError, match=r"MIXTURE_OR_TASK_MODULE='no_such_tasks': no such"):
+        data.import_task_module("no_such_tasks")
 
 
 @pytest.mark.parametrize("name", sorted(BAD_NUMBERS))

@@ -260,9 +260,13 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step_with_a_checkpoint(tmp
     }
 
 
-def _tiny_run(tmp_path, name, mesh, steps, processes, repo_dir, extra_args=()):
-    """`python -m flaxlm.main` on a tiny repeating task (an epoch is about 4 steps); returns
-    (per-step losses, the rows each process fed per step)."""
+def _tiny_run(
+    tmp_path, name, mesh, steps, processes, repo_dir, extra_args=(), devices=8, input_shards=8
+):
+    """`python -m flaxlm.main` on a tiny repeating task (an epoch is about 4 steps) with
+    `devices` over all processes and `input_shards` logical input shards (None: the default,
+    the mesh's data-parallel degree or a resumed checkpoint's); returns (per-step losses, the
+    rows each process fed per step)."""
     import numpy as np
 
     run_dir = tmp_path / name
@@ -284,11 +288,12 @@ def _tiny_run(tmp_path, name, mesh, steps, processes, repo_dir, extra_args=()):
         "--gin.EVAL_PERIOD=0",
         "--gin.CHECKPOINT_PERIOD=3",
         f"--gin.Partitioner.mesh_shape={mesh}",
-        # 2 input shards for every mesh, so that all runs read the same global batches.
-        "--gin.train/DatasetConfig.num_input_shards=2",
         "--tasks_module=tests.record_batches",
         *extra_args,
     ]
+    if input_shards is not None:
+        # The same input shards for every mesh, so that all runs read the same global batches.
+        args.append(f"--gin.train/DatasetConfig.num_input_shards={input_shards}")
     try:
         results = launch(
             lambda addr, i: (
@@ -301,7 +306,7 @@ def _tiny_run(tmp_path, name, mesh, steps, processes, repo_dir, extra_args=()):
                 )
             ),
             num_processes=processes,
-            devices_per_process=8 // processes,
+            devices_per_process=devices // processes,
             cwd=repo_dir,
         )
     finally:
@@ -318,15 +323,16 @@ def _tiny_run(tmp_path, name, mesh, steps, processes, repo_dir, extra_args=()):
 
 @pytest.fixture(scope="module")
 def one_process_resumed(tmp_path_factory, repo_dir):
-    """One process with 8 devices: 3 steps, stopped, resumed to 6 (an epoch is about 4
+    """One process with 8 devices on (8, 1, 1), as a user runs it (so 8 logical input
+    shards, the data-parallel degree): 3 steps, stopped, resumed to 6 (an epoch is about 4
     steps, so the resumed window crosses an epoch boundary). Losses and global batches."""
     import shutil
 
     tmp = tmp_path_factory.mktemp("reference")
-    _tiny_run(tmp, "ref", (2, 1, 4), 3, 1, repo_dir)
+    _tiny_run(tmp, "ref", (8, 1, 1), 3, 1, repo_dir, input_shards=None)
     at_step_3 = tmp / "ref_model_at_step_3"
     shutil.copytree(tmp / "ref" / "model", at_step_3)
-    losses, (batches,) = _tiny_run(tmp, "ref", (2, 1, 4), 6, 1, repo_dir)
+    losses, (batches,) = _tiny_run(tmp, "ref", (8, 1, 1), 6, 1, repo_dir, input_shards=None)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6] and len(batches) == 6
     return losses, batches, at_step_3
 
@@ -369,3 +375,28 @@ def test_two_processes_read_their_rows_of_the_one_process_batches(
                 np.testing.assert_array_equal(got, want)
             else:
                 np.testing.assert_array_equal(got, want[4 * process : 4 * (process + 1)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, devices", [((4, 1, 1), 4), ((2, 2, 2), 8)])
+def test_resume_on_another_mesh_continues_the_same_batches(
+    tmp_path, repo_dir, one_process_resumed, mesh, devices
+):
+    """Saved on (8, 1, 1) at step 3 with the default input shards, resumed on half the
+    devices, and on a mesh of data-parallel degree 4: exactly the global batches (and, up to
+    reduction order, the losses) of the run that stayed on (8, 1, 1)."""
+    import shutil
+
+    import numpy as np
+
+    ref_losses, ref_batches, ref_at_step_3 = one_process_resumed
+    shutil.copytree(ref_at_step_3, tmp_path / "run" / "model")
+    losses, (fed,) = _tiny_run(
+        tmp_path, "run", mesh, 6, 1, repo_dir, devices=devices, input_shards=None
+    )
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]  # 1-3 logged before the copy
+    for step in losses:
+        assert abs(losses[step] - ref_losses[step]) < 1e-5, (step, losses, ref_losses)
+    assert len(fed) == 3
+    for got, want in zip(fed, ref_batches[3:], strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -67,6 +67,41 @@ def start_main(args, cwd, env_extra=None):
     )
 
 
+def finish(proc, timeout=300, within=10.0):
+    """(stdout, stderr) of `proc` once it exits; asserts that it exits within `within`
+    seconds of printing its last line (a finished or preempted run must not hang at exit)."""
+    import threading
+
+    outputs, last_line = {}, [time.monotonic()]
+
+    def read(name, stream):
+        lines = []
+        for line in stream:
+            lines.append(line)
+            if name == "out":
+                last_line[0] = time.monotonic()
+        outputs[name] = "".join(lines)
+
+    readers = [
+        threading.Thread(target=read, args=(name, stream))
+        for name, stream in (("out", proc.stdout), ("err", proc.stderr))
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
+    exited = time.monotonic()
+    for reader in readers:
+        reader.join()
+    assert exited - last_line[0] < within, (
+        f"exited {exited - last_line[0]:.1f}s after its last line",
+        outputs["out"][-2000:],
+    )
+    return outputs["out"], outputs["err"]
+
+
 def wait_for_step(model_dir, step, proc, timeout=300):
     """Blocks until metrics.jsonl has logged `step` (or the process ended)."""
     path = os.path.join(model_dir, "metrics.jsonl")
@@ -134,35 +169,66 @@ def test_kill_9_mid_save_mid_eval_and_mid_step_then_restart_gives_identical_loss
     resume_from = checkpoint_steps(model_dir)[-1]
     assert resume_from in (4, 6, 8, 10)
 
-    # 4. Finishes.
-    last = run_main(args_for(model_dir), cwd=repo_dir)
-    assert last.returncode == 0, last.stderr[-3000:]
-    assert f"Resumed from checkpoint step {resume_from}" in last.stdout
+    # 4. Finishes, and exits at once (a rerun after a kill -9 used to hang at exit).
+    last = start_main(args_for(model_dir), repo_dir)
+    out, err = finish(last)
+    assert last.returncode == 0, err[-3000:]
+    assert f"Resumed from checkpoint step {resume_from}" in out
     assert_same_losses(model_dir, reference)
     assert checkpoint_steps(model_dir)[-1] == TRAIN_STEPS
 
 
 @pytest.mark.slow
-def test_sigterm_saves_at_the_current_step_exits_0_and_resumes_exactly(
+def test_sigterm_saves_at_the_current_step_exits_0_at_once_and_resumes_exactly(
     tmp_path, repo_dir, reference
 ):
     model_dir = str(tmp_path / "run")
-    at = random.randint(2, 6)
+    kill = "--tasks_module=tests.kill_switch"
+    # 1. SIGTERM in the middle of the evaluation at step 3: step 3 is saved, no step 4 runs.
+    term = {"FLAXLM_TEST_SIGNAL": "TERM"}
+    proc = start_main(args_for(model_dir, kill), repo_dir, {"FLAXLM_TEST_KILL": "eval:3", **term})
+    out, err = finish(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"Preempted by SIGTERM at step 3: saved checkpoint {model_dir}/checkpoints/3." in out
+    assert max(losses(model_dir)) == 3 and checkpoint_steps(model_dir)[-1] == 3
+
+    # 2. Resumed, then SIGTERM from outside, mid-step.
+    at = random.randint(4, 7)
     proc = start_main(args_for(model_dir), repo_dir)
     wait_for_step(model_dir, at, proc)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
+    out, err = finish(proc)
     assert proc.returncode == 0, err[-3000:]
+    assert "Resumed from checkpoint step 3" in out
     stopped = max(losses(model_dir))
     assert at <= stopped < TRAIN_STEPS
     line = f"Preempted by SIGTERM at step {stopped}: saved checkpoint {model_dir}/checkpoints/"
     assert f"{line}{stopped}." in out, out
     assert checkpoint_steps(model_dir)[-1] == stopped
 
-    resumed = run_main(args_for(model_dir), cwd=repo_dir)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"Resumed from checkpoint step {stopped}" in resumed.stdout
+    # 3. Finishes, exactly as the uninterrupted run.
+    proc = start_main(args_for(model_dir), repo_dir)
+    out, err = finish(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"Resumed from checkpoint step {stopped}" in out
     assert_same_losses(model_dir, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["import", "restore"])
+def test_sigterm_during_start_up_exits_0_saying_so(tmp_path, repo_dir, where):
+    """Before Gin is parsed (main's own handler), and in the run's set-up (train's)."""
+    model_dir = str(tmp_path / "run")
+    env = {"FLAXLM_TEST_KILL": where, "FLAXLM_TEST_SIGNAL": "TERM"}
+    proc = start_main(args_for(model_dir, "--tasks_module=tests.kill_switch"), repo_dir, env)
+    out, err = finish(proc, within=60)
+    assert proc.returncode == 0, err[-3000:]
+    if where == "import":
+        assert "Received SIGTERM during start-up: exiting; nothing to save." in err, err[-3000:]
+    else:
+        assert "Stopped by SIGTERM before the first step: nothing new to save" in out, out
+    assert checkpoint_steps(model_dir) == []
+    assert "Traceback" not in err
 
 
 def test_second_signal_exits_at_once_without_saving(repo_dir):
