@@ -7,6 +7,7 @@ with one uninterrupted reference run.
 
 import json
 import os
+import pathlib
 import random
 import signal
 import subprocess
@@ -206,12 +207,26 @@ def test_sigterm_saves_at_the_current_step_exits_0_at_once_and_resumes_exactly(
     assert f"{line}{stopped}." in out, out
     assert checkpoint_steps(model_dir)[-1] == stopped
 
-    # 3. Finishes, exactly as the uninterrupted run.
+    # 3. With that checkpoint's largest array file cut short: set aside, the one before
+    # restored; finishes exactly as the uninterrupted run.
+    from tests.test_checkpoints import _truncate_an_array_file
+
+    _truncate_an_array_file(pathlib.Path(model_dir, "checkpoints", str(stopped)))
+    previous = checkpoint_steps(model_dir)[-2]
     proc = start_main(args_for(model_dir), repo_dir)
     out, err = finish(proc)
     assert proc.returncode == 0, err[-3000:]
-    assert f"Resumed from checkpoint step {stopped}" in out
+    aside = f"{model_dir}/checkpoints/{stopped}.unreadable"
+    assert "could not be read" in out and f"moved it to {aside}" in out, out
+    assert f"Resumed from checkpoint step {previous}" in out
     assert_same_losses(model_dir, reference)
+    assert os.path.isdir(aside) and checkpoint_steps(model_dir)[-1] == TRAIN_STEPS
+
+    # 4. Run again: nothing left to do.
+    proc = start_main(args_for(model_dir), repo_dir)
+    out, err = finish(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"Already trained to step {TRAIN_STEPS}" in out
 
 
 @pytest.mark.slow
