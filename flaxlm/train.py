@@ -257,16 +257,6 @@ def resumed_input_shards(
     return dataclasses.replace(cfg, num_input_shards=saved)
 
 
-def check_counts(**counts: tuple[Any, int]) -> None:
-    """A ValueError naming the first setting (`NAME=(value, minimum)`) that is not an integer
-    of at least its minimum: before any device work, so a typo costs nothing."""
-    for name, (value, minimum) in counts.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(
-                f"{name}={value!r} must be a whole number >= {minimum} (no quotes, no decimals)."
-            )
-
-
 @gin.configurable
 def train(
     *,
@@ -320,7 +310,7 @@ def train(
     `preemption.py`).
     """
     start_time = time.perf_counter()
-    check_counts(
+    trainer.check_counts(
         TRAIN_STEPS=(total_steps, 1),
         BATCH_SIZE=(train_dataset_cfg.batch_size, 1),
         NUM_MICROBATCHES=(num_microbatches, 1),
@@ -329,13 +319,7 @@ def train(
         EVAL_PERIOD=(eval_period, 0),
         EVAL_STEPS=(eval_steps, 1),
     )
-    if isinstance(learning_rate, bool) or not (
-        callable(learning_rate) or isinstance(learning_rate, int | float)
-    ):
-        raise ValueError(
-            f"LEARNING_RATE={learning_rate!r} must be a number (e.g. 1e-4, no quotes) or a "
-            "schedule."
-        )
+    trainer.check_learning_rate(learning_rate)
     if lora_base_checkpoint and lora is None:
         raise ValueError("lora_base_checkpoint is set but lora is not: bind train.lora too.")
     path = trainer.check_model_dir(model_dir)

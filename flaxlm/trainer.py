@@ -169,6 +169,28 @@ def check_batch_size(partitioner: Partitioner, batch_size: int, num_microbatches
         )
 
 
+def check_counts(**counts: tuple[Any, int]) -> None:
+    """A ValueError naming the first setting (`NAME=(value, minimum)`) that is not an integer
+    of at least its minimum: before any device work, so a typo costs nothing."""
+    for name, (value, minimum) in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(
+                f"{name}={value!r} must be a whole number >= {minimum} (no quotes, no decimals)."
+            )
+
+
+def check_learning_rate(learning_rate: Any) -> None:
+    """A ValueError unless `learning_rate` is a number or a schedule (a quoted '1e-3' is
+    neither)."""
+    if isinstance(learning_rate, bool) or not (
+        callable(learning_rate) or isinstance(learning_rate, int | float)
+    ):
+        raise ValueError(
+            f"LEARNING_RATE={learning_rate!r} must be a number (e.g. 1e-4, no quotes) or a "
+            "schedule."
+        )
+
+
 def check_model_dir(model_dir: str) -> epath.Path:
     path = epath.Path(model_dir)
     try:
