@@ -23,6 +23,8 @@ optimizer <= 1.05 x total / 8 while params are whole.
 
 `--models` takes `gptj` and `llama` (built here; `--hidden` scales them) or the name of any
 gin/models/ file (its shape, dtypes and remat as written; `--layers` still overrides).
+`--loss-chunk-size N` computes the loss N positions at a time (the model's `loss_chunk_size`):
+compare the temporaries with and without it at a long `--seq-len`.
 """
 
 from __future__ import annotations
@@ -95,6 +97,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument(
+        "--loss-chunk-size",
+        type=int,
+        default=None,
+        help="the models' loss_chunk_size (default: the loss over all positions at once)",
+    )
+    p.add_argument(
         "--scan-layers",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -108,6 +116,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1.")
     if args.layers is not None and args.layers < 1:
         p.error("--layers must be at least 1.")
+    if args.loss_chunk_size is not None and args.loss_chunk_size < 1:
+        p.error("--loss-chunk-size must be at least 1.")
     if args.hidden is not None and (args.hidden < 128 or args.hidden % 128):
         p.error("--hidden must be a multiple of 128 (heads of 128 / 256 features).")
     if args.batch_size % 8:
@@ -127,7 +137,8 @@ def gin_model(name: str, args: argparse.Namespace, remat: str) -> DecoderOnlyMod
     changes = dict(remat_policy=remat, scan_layers=args.scan_layers)
     if args.layers:
         changes["num_layers"] = args.layers
-    return DecoderOnlyModel(dataclasses.replace(model.config, **changes))
+    config = dataclasses.replace(model.config, **changes)
+    return DecoderOnlyModel(config, loss_chunk_size=args.loss_chunk_size)
 
 
 def build_model(name: str, args: argparse.Namespace, remat: str) -> DecoderOnlyModel:
@@ -165,7 +176,7 @@ def build_model(name: str, args: argparse.Namespace, remat: str) -> DecoderOnlyM
             rms_norm_eps=1e-5,
             **common,
         )
-    return DecoderOnlyModel(config)
+    return DecoderOnlyModel(config, loss_chunk_size=args.loss_chunk_size)
 
 
 def measure(
@@ -197,6 +208,7 @@ def measure(
         "partitioning": partitioning,
         "mesh": dict(zip(partitioner.mesh_axis_names, partitioner.mesh_shape)),
         "remat_policy": remat,
+        "loss_chunk_size": args.loss_chunk_size,
         "num_params": sum(x.size for x in jax.tree.leaves(state.params)),
         "params_total_bytes": params_total,
         "opt_total_bytes": opt_total,
@@ -293,7 +305,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             f"optimizer {gib(first['opt_total_bytes'])} GiB in all"
         )
     print(
-        f"batch {args.batch_size} x length {args.seq_len}, scan_layers={args.scan_layers}; "
+        f"batch {args.batch_size} x length {args.seq_len}, scan_layers={args.scan_layers}, "
+        f"loss_chunk_size={args.loss_chunk_size}; "
         f"{bench_common.machine_description(devices, args.tpu_topology)}\n"
     )
     bench_common.print_table(header, table)

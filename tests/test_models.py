@@ -1,11 +1,18 @@
-"""GPT-J module options keep the math: remat, scan, packing, dtypes."""
+"""Model options keep the math: remat, scan, packing, dtypes, the chunked loss."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import random_batch, tiny_gptj
+from flaxlm import trainer
+from flaxlm.models.base import DecoderOnlyModel, EncoderDecoderModel
+from flaxlm.models.gemma import GemmaConfig
+from flaxlm.models.llama import LlamaConfig
+from flaxlm.models.t5 import T5Config
+from flaxlm.partitioning import Partitioner
+from flaxlm.trainer import Setup
+from tests.helpers import adamw, feature_lengths, random_batch, tiny_gptj
 
 
 def _params_and_batch(model):
@@ -74,3 +81,108 @@ def test_feature_longer_than_positions_is_an_error():
 def test_bad_config_is_named():
     with pytest.raises(ValueError, match="num_heads"):
         tiny_gptj(hidden_size=30)
+
+
+# ------------------------------------------------------------------ the chunked loss
+
+# Widths that a (1, 2, 4) mesh splits; 160 ids of which 128 are real (targets stay below).
+TINY = dict(
+    vocab_size=160,
+    real_vocab_size=128,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=64,
+)
+FAMILIES = {
+    "llama_untied": lambda: LlamaConfig(**TINY),
+    "llama_tied": lambda: LlamaConfig(**TINY, tie_word_embeddings=True),
+    "gemma2_softcapped": lambda: GemmaConfig(
+        **TINY, model_type="gemma2", head_dim=8, query_pre_attn_scalar=8, tie_word_embeddings=True
+    ),
+}
+CHUNK = 5  # does not divide SEQ_LEN = 16: the last block is padded
+
+
+def _random_params(family):
+    """Random params of the family's shapes (no init program to compile)."""
+    model = DecoderOnlyModel(FAMILIES[family]())
+    shapes = model.example_batch_shapes()
+    abstract = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0), shapes))
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda a: rng.normal(0.0, 0.1, a.shape).astype(a.dtype), abstract)
+
+
+def _loss_and_grads(family, mesh_shape):
+    """Metric sums and gradients of a packed batch (padding at weight 0) through the
+    partitioned gradient step, of the full loss and the chunked one (one program), and the
+    compiled program's text."""
+    config = FAMILIES[family]()
+    models = [DecoderOnlyModel(config, z_loss=1e-2, loss_chunk_size=c) for c in (None, CHUNK)]
+    partitioner = Partitioner(mesh_shape=mesh_shape, devices=jax.devices()[: np.prod(mesh_shape)])
+    setup = Setup(models[0], partitioner, adamw(), feature_lengths())
+    rng = jax.random.PRNGKey(0)
+
+    def grads_fn(params, batch):
+        return [trainer.accumulate_gradients(m, partitioner, params, batch, rng) for m in models]
+
+    fn = partitioner.partition(grads_fn, (setup.state_shardings.params, setup.batch_axes), None)
+    args = (_random_params(family), random_batch())
+    compiled = fn.lower(*args).compile()
+    return jax.device_get(compiled(*args)), compiled.as_text()
+
+
+# One compile each: the untied, tied and soft-capped heads unsharded; the untied and tied
+# heads with the vocabulary split on `tensor` (and the rows on `fsdp`).
+@pytest.mark.parametrize(
+    "family, mesh_shape",
+    [
+        ("llama_untied", (1, 1, 1)),
+        ("gemma2_softcapped", (1, 1, 1)),
+        ("llama_untied", (1, 2, 4)),
+        ("llama_tied", (1, 2, 4)),
+    ],
+    ids=["llama_untied", "gemma2_softcapped", "llama_untied_tp4_fsdp2", "llama_tied_tp4_fsdp2"],
+)
+def test_chunked_loss_gives_the_same_loss_metrics_and_gradients(family, mesh_shape):
+    [(grads, sums), (chunked_grads, chunked_sums)], hlo = _loss_and_grads(family, mesh_shape)
+    assert sums["z_loss_sum"] > 0 and sums["correct_sum"] >= 0
+    for name in ("loss_sum", "z_loss_sum", "correct_sum", "weight_sum"):
+        np.testing.assert_allclose(chunked_sums[name], sums[name], rtol=1e-6, err_msg=name)
+    for a, b in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    if mesh_shape == (1, 2, 4):
+        # A device's block of logits: its 4 of the 8 rows, 5 positions, 40 of 160 ids.
+        assert "f32[4,5,40]" in hlo
+
+
+def test_chunked_loss_keeps_the_logits_of_the_whole_batch_out_of_memory():
+    """Compiled loss + gradients of a 32k vocabulary over 2 x 256 positions: the float32
+    logits (64 MiB) dominate the temporaries unless computed 32 positions at a time."""
+    config = LlamaConfig(**{**TINY, "vocab_size": 32768, "real_vocab_size": None})
+    batch = {
+        k: jax.ShapeDtypeStruct((2, 256), jnp.int32)
+        for k in ("decoder_input_tokens", "decoder_target_tokens", "decoder_loss_weights")
+    }
+
+    def temp_bytes(loss_chunk_size):
+        model = DecoderOnlyModel(config, loss_chunk_size=loss_chunk_size)
+        params = jax.eval_shape(
+            lambda: model.init_params(jax.random.PRNGKey(0), {"decoder_input_tokens": (1, 8)})
+        )
+        grad_fn = jax.jit(jax.grad(lambda p, b: model.loss_fn(p, b, None)[0]))
+        compiled = grad_fn.lower(params, batch).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    full, chunked = temp_bytes(None), temp_bytes(32)
+    assert full > 2 * 256 * 32768 * 4  # at least the logits
+    assert chunked < 0.25 * full, (chunked, full)
+
+
+def test_loss_chunk_size_on_a_model_that_cannot_chunk_is_an_error():
+    with pytest.raises(ValueError, match="loss_chunk_size=64: EncoderDecoderModel with T5"):
+        EncoderDecoderModel(T5Config(), loss_chunk_size=64)
+    with pytest.raises(ValueError, match="loss_chunk_size must be positive"):
+        DecoderOnlyModel(LlamaConfig(**TINY), loss_chunk_size=0)

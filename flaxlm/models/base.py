@@ -20,6 +20,7 @@ import seqio
 
 from flaxlm import decoding
 from flaxlm.models import attention, layers
+from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.features import MaskedLMFeatureConverter
 
 Array = jax.Array
@@ -101,12 +102,17 @@ class BaseModel(abc.ABC):
         config: ModuleConfig = gin.REQUIRED,
         *,
         z_loss: float = 0.0,
+        loss_chunk_size: int | None = None,
         eos_id: int | Sequence[int] | None = 1,
         special_ids: Mapping[str, Any] | None = None,
         generation_config: Mapping[str, Any] | None = None,
     ):
         """
         Args:
+          loss_chunk_size: compute the loss this many positions at a time, so that the
+            float32 logits `[batch, length, vocab]` never exist whole, in the forward or the
+            backward pass (`layers.chunked_cross_entropy`; decoder-only models on
+            `causal_lm.CausalLM`). None: all positions at once.
           eos_id: the token(s) that end generation (seqio's vocabularies use 1; an HF import
             takes its generation config's `eos_token_id`, else its config's).
           special_ids: an HF checkpoint's `*_token_id` settings (bos, eos as an int or a
@@ -117,6 +123,19 @@ class BaseModel(abc.ABC):
         self.config = config
         self.module = config.make_module()
         self.z_loss = z_loss
+        self.loss_chunk_size = loss_chunk_size
+        if loss_chunk_size is not None:
+            if isinstance(loss_chunk_size, bool) or not isinstance(loss_chunk_size, int):
+                raise ValueError(f"loss_chunk_size must be an int, got {loss_chunk_size!r}.")
+            if loss_chunk_size < 1:
+                raise ValueError(f"loss_chunk_size must be positive, got {loss_chunk_size}.")
+            if not self._chunks_loss():
+                raise ValueError(
+                    f"loss_chunk_size={loss_chunk_size}: {type(self).__name__} with "
+                    f"{type(self.module).__name__} computes its loss over all positions at "
+                    "once; a chunked loss needs a DecoderOnlyModel on causal_lm.CausalLM. "
+                    "Unset loss_chunk_size."
+                )
         self.eos_ids = eos_tuple(eos_id)
         self.special_ids = dict(special_ids or {})
         self.generation_config = dict(generation_config) if generation_config else None
@@ -166,9 +185,13 @@ class BaseModel(abc.ABC):
         Passing the global weight sum as `normalizer` makes microbatches add up to the
         full-batch loss exactly. Metrics are sums, so they also add across microbatches.
         """
-        logits = self._logits(params, batch, rng)
         targets, weights = self.targets_and_weights(batch)
-        loss_sum, z_sum, correct_sum = layers.cross_entropy(logits, targets, weights, self.z_loss)
+        if self.loss_chunk_size is None:
+            logits = self._logits(params, batch, rng)
+            sums = layers.cross_entropy(logits, targets, weights, self.z_loss)
+        else:
+            sums = self._chunked_loss_sums(params, batch, rng, targets, weights)
+        loss_sum, z_sum, correct_sum = sums
         weight_sum = jnp.sum(weights.astype(jnp.float32))
         if normalizer is None:
             normalizer = jnp.maximum(weight_sum, 1.0)
@@ -179,6 +202,15 @@ class BaseModel(abc.ABC):
             "weight_sum": weight_sum,
         }
         return loss_sum / normalizer, metrics
+
+    def _chunks_loss(self) -> bool:
+        """Whether `_chunked_loss_sums` is implemented (a `loss_chunk_size` is allowed)."""
+        return False
+
+    def _chunked_loss_sums(
+        self, params: Params, batch: Batch, rng: Array | None, targets: Array, weights: Array
+    ) -> tuple[Array, Array, Array]:
+        raise NotImplementedError
 
     def compute_logits(self, params: Params, batch: Batch) -> Array:
         """float32 logits `[batch, length, vocab]` (deterministic: no dropout)."""
@@ -278,7 +310,10 @@ class _SingleStackModel(BaseModel):
     def _init_variables(self, rng: Array, batch: dict[str, Array]) -> Any:
         return self.module.init(rng, batch[self._feature("input_tokens")])
 
-    def _apply(self, params: Params, batch: Batch, *, rng: Array | None = None) -> Array:
+    def _apply(
+        self, params: Params, batch: Batch, *, rng: Array | None = None, **kwargs: Any
+    ) -> Array:
+        """The module's output; `kwargs` go to its call."""
         rngs = {"dropout": rng} if rng is not None else None
         return self.module.apply(
             {"params": params},
@@ -287,6 +322,7 @@ class _SingleStackModel(BaseModel):
             batch.get(self._feature("segment_ids")),
             deterministic=rng is None,
             rngs=rngs,
+            **kwargs,
         )
 
     def targets_and_weights(self, batch: Batch) -> tuple[Array, Array]:
@@ -319,6 +355,23 @@ class DecoderOnlyModel(_SingleStackModel):
                 f"({config.max_new_tokens}) is {longest}, beyond the model's "
                 f"max_position_embeddings={limit}; shorten the prompt or max_new_tokens."
             )
+
+    def _chunks_loss(self) -> bool:
+        return isinstance(self.module, CausalLM)
+
+    def _chunked_loss_sums(
+        self, params: Params, batch: Batch, rng: Array | None, targets: Array, weights: Array
+    ) -> tuple[Array, Array, Array]:
+        hidden = self._apply(params, batch, rng=rng, return_hidden=True)
+
+        def head(x: Array, block: Array) -> Array:
+            # The head has no dropout of its own; a dropout rng per block serves LoRA's.
+            rngs = {"dropout": jax.random.fold_in(rng, block)} if rng is not None else None
+            return self._mask_padded_vocab(self.module.head_logits(params, x, rngs=rngs))
+
+        return layers.chunked_cross_entropy(
+            hidden, head, targets, weights, self.loss_chunk_size, self.z_loss
+        )
 
     def _run_decoder(
         self, params: Params, tokens: Array, index: Array, state: dict[str, Any], cache_len: int

@@ -6,6 +6,10 @@ every block. A family subclasses it: it names its block and the scopes of its pa
 they match its HF table), and overrides the hooks where it differs (positions, mask, final
 norm). Its blocks are called `block(x, [layer_index,] mask, decoding, *extra)` with the
 `extra` arguments its `block_inputs` returns.
+
+The head can also run apart from the trunk, with the same params: `__call__(...,
+return_hidden=True)` stops at the final norm, and `head_logits(params, hidden)` applies the head
+to any block of those positions (the chunked loss, `layers.chunked_cross_entropy`).
 """
 
 from __future__ import annotations
@@ -101,17 +105,14 @@ class CausalLM(nn.Module):
         *,
         deterministic: bool = True,
         decoding: attention.Decoding | None = None,
+        return_hidden: bool = False,
     ) -> Array:
+        """float32 logits [batch, length, vocab]; with `return_hidden`, the final hidden
+        states [batch, length, embed_width] instead (after the final norm, before the head)."""
         cfg = self.config
         positions = attention.default_positions(tokens, positions)
         mask = self.mask(segment_ids, positions, decoding, deterministic)
-        embed = layers.Embed(
-            cfg.vocab_size,
-            self.embed_width,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
-            name=self.embed_name,
-        )
+        embed = self._embed(name=self.embed_name)
         x, extra = self.block_inputs(embed(tokens), positions, decoding)
         if cfg.dropout_rate:
             x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
@@ -126,17 +127,64 @@ class CausalLM(nn.Module):
             deterministic=deterministic,
         )(x, mask, decoding, *extra)
         x = self.final_norm(x)
-        if self.tied_head:
-            logits = embed.attend(x, dtype=jnp.float32)
+        if return_hidden:
+            return x
+        head = embed if self.tied_head else self._lm_head(name="lm_head")
+        return self._head(head, x)
+
+    # ------------------------------------------------------------ the head alone
+
+    @nn.nowrap
+    def _embed(self, **kwargs: Any) -> layers.Embed:
+        cfg = self.config
+        return layers.Embed(
+            cfg.vocab_size,
+            self.embed_width,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            **kwargs,
+        )
+
+    @nn.nowrap
+    def _lm_head(self, **kwargs: Any) -> layers.DenseGeneral:
+        cfg = self.config
+        return layers.DenseGeneral(
+            cfg.vocab_size,
+            ("embed", "vocab"),
+            use_bias=self.head_bias,
+            dtype=jnp.float32,
+            param_dtype=cfg.param_dtype,
+            **kwargs,
+        )
+
+    @nn.nowrap
+    def _head(self, head: nn.Module, x: Array) -> Array:
+        """float32 logits [batch, length, vocab] of `x` through `head`: the token embedding
+        (tied) or `lm_head`, bound to its params."""
+        if isinstance(head, layers.Embed):
+            logits = head.attend(x, dtype=jnp.float32)
         else:
-            logits = layers.DenseGeneral(
-                cfg.vocab_size,
-                ("embed", "vocab"),
-                use_bias=self.head_bias,
-                dtype=jnp.float32,
-                param_dtype=cfg.param_dtype,
-                name="lm_head",
-            )(x)
+            logits = head(x)
         # Gemma 2/3: logits squashed into (-cap, cap).
-        logits = attention.capped(logits, getattr(cfg, "final_logit_softcapping", None))
+        logits = attention.capped(logits, getattr(self.config, "final_logit_softcapping", None))
         return layers.constrain(logits, ("batch", "length", "vocab"))
+
+    @nn.nowrap
+    def head_logits(
+        self, params: Any, hidden: Array, *, rngs: dict[str, Array] | None = None
+    ) -> Array:
+        """What `__call__` returns, from the final hidden states `hidden` [batch, length,
+        embed_width] that `__call__(..., return_hidden=True)` gave (or any block of their
+        positions): float32 logits [batch, length, vocab].
+
+        `params` is this module's whole tree; the head reads only its own subtree (the token
+        embedding or `lm_head`, with any LoRA adapters there). `rngs`: a `dropout` rng when
+        LoRA drops the head's input.
+        """
+        # A compact module's submodules cannot be built outside its `__call__`, so the head
+        # layer is bound to its subtree on its own.
+        if self.tied_head:
+            head, scope = self._embed(parent=None), self.embed_name
+        else:
+            head, scope = self._lm_head(parent=None), "lm_head"
+        return self._head(head.bind({"params": params[scope]}, rngs=rngs), hidden)

@@ -409,3 +409,55 @@ def cross_entropy(
     weights = weights.astype(jnp.float32)
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
     return jnp.sum((xent + z) * weights), jnp.sum(z * weights), jnp.sum(correct * weights)
+
+
+def chunked_cross_entropy(
+    hidden: Array,
+    head: Callable[[Array, Array], Array],
+    targets: Array,
+    weights: Array,
+    chunk_size: int,
+    z_loss: float = 0.0,
+) -> tuple[Array, Array, Array]:
+    """`cross_entropy(head(hidden), ...)` computed `chunk_size` positions at a time, so that
+    only one block of logits `[batch, chunk_size, vocab]` exists at once, in the forward and
+    in the backward pass (each block's logits are recomputed there, not saved).
+
+    Args:
+      hidden: the final hidden states `[batch, length, embed]`.
+      head: `(hidden block [batch, chunk_size, embed], block number) -> float32 logits
+        [batch, chunk_size, vocab]`; the block number (an int32 scalar) is for folding into
+        an rng.
+      targets, weights: `[batch, length]`.
+      chunk_size: positions per block (at most the length). A length it does not divide
+        is padded with positions of weight 0 (the last block computes some logits for
+        nothing).
+
+    Returns (loss_sum, z_loss_sum, correct_sum) as `cross_entropy`, up to float rounding.
+    """
+    batch, length = targets.shape
+    chunk_size = min(chunk_size, length)
+    chunks = -(-length // chunk_size)
+    pad = chunks * chunk_size - length
+
+    def blocks(x: Array) -> Array:
+        # [batch, length, ...] -> [chunks, batch, chunk_size, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(batch, chunks, chunk_size, *x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    # Saves only its inputs for the backward pass; inside a scan, CSE cannot undo that.
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def block_sums(h: Array, t: Array, w: Array, i: Array) -> tuple[Array, Array, Array]:
+        h = constrain(h, ACTIVATION_AXES)
+        return cross_entropy(head(h, i), t, w, z_loss)
+
+    def step(
+        sums: tuple[Array, Array, Array], xs: tuple[Array, ...]
+    ) -> tuple[tuple[Array, Array, Array], None]:
+        return tuple(a + b for a, b in zip(sums, block_sums(*xs), strict=True)), None
+
+    xs = (blocks(hidden), blocks(targets), blocks(weights), jnp.arange(chunks, dtype=jnp.int32))
+    zero = jnp.zeros((), jnp.float32)
+    sums, _ = jax.lax.scan(step, (zero, zero, zero), xs)
+    return sums

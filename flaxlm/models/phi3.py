@@ -180,10 +180,16 @@ class Phi3(llama.Llama):
         *,
         deterministic: bool = True,
         decoding: attention.Decoding | None = None,
+        return_hidden: bool = False,
     ) -> Array:
         if decoding is None or self.config.rope_scaling_type is None:
             return super().__call__(
-                tokens, positions, segment_ids, deterministic=deterministic, decoding=decoding
+                tokens,
+                positions,
+                segment_ids,
+                deterministic=deterministic,
+                decoding=decoding,
+                return_hidden=return_hidden,
             )
         # The first call whose positions reach past the original context switches to the
         # long factors; HF's generate then recomputes its whole cache (every layer's keys and
