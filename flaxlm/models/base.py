@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import flax.linen as nn
 import gin
@@ -22,73 +22,16 @@ from flaxlm import decoding
 from flaxlm.models import attention, layers
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.features import MaskedLMFeatureConverter
+from flaxlm.models.options import (  # noqa: F401  (re-exported: families import them here)
+    MODEL_EOS,
+    ComputeOptions,
+    ModuleConfig,
+    eos_tuple,
+)
 
 Array = jax.Array
 Batch = Mapping[str, Array]
 Params = Any
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ComputeOptions:
-    """How a module computes, whatever its family: every family config inherits these
-    (keyword-only) fields, so Gin binds them by the family's name (`LlamaConfig.dtype`).
-
-    A family config that overrides `__post_init__` calls `super().__post_init__()`: a bad
-    value then fails before any device work.
-    """
-
-    dtype: str = "float32"  # compute dtype; norms, softmax, rotary and logits stay float32
-    param_dtype: str = "float32"
-    dropout_rate: float = 0.0
-    remat_policy: str = "none"  # see layers.REMAT_POLICIES
-    scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
-    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see attention.dot_product_attention)
-    attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
-
-    def __post_init__(self) -> None:
-        choices = attention.ATTENTION_IMPLEMENTATIONS
-        if self.attention not in choices:
-            raise ValueError(f"attention {self.attention!r}: expected one of {choices}.")
-        if self.attention_chunk_size < 1:
-            raise ValueError(
-                f"attention_chunk_size must be positive, got {self.attention_chunk_size}."
-            )
-        if self.remat_policy not in layers.REMAT_POLICIES:
-            raise ValueError(
-                f"remat_policy {self.remat_policy!r}: expected one of "
-                f"{sorted(layers.REMAT_POLICIES)}."
-            )
-        if not 0.0 <= self.dropout_rate < 1.0:
-            raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}.")
-        # A family's activation: a field, or a property derived from one (T5).
-        activation = getattr(self, "activation", None)
-        if activation is not None and activation not in layers.ACTIVATIONS:
-            raise ValueError(
-                f"activation {activation!r}: expected one of {sorted(layers.ACTIVATIONS)}."
-            )
-
-
-class ModuleConfig(Protocol):
-    """What a family's config offers the model: its module and its FLOP count."""
-
-    max_position_embeddings: int
-    vocab_size: int  # the logits' width (may be padded past the real vocabulary)
-    real_vocab_size: int | None  # ids at or above this are padding and never predicted
-
-    def make_module(self) -> nn.Module: ...
-
-    def flops_per_token(self, seq_len: int) -> float: ...
-
-
-MODEL_EOS = -1  # inference.generate(eos_id=MODEL_EOS): the model's own EOS ids
-
-
-def eos_tuple(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
-    if eos_id is None:
-        return ()
-    if isinstance(eos_id, (int, np.integer)):
-        return (int(eos_id),)
-    return tuple(int(e) for e in eos_id)
 
 
 class BaseModel(abc.ABC):
