@@ -113,8 +113,7 @@ def _stop_during_start_up(signum: int, frame: Any) -> None:
 def main(argv: list[str]) -> None:
     # Until the run function starts (and `train` takes the signals over to save on them), a
     # scheduler's SIGTERM or a Ctrl-C ends the start-up with a line saying so.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _stop_during_start_up)
+    previous = {s: signal.signal(s, _stop_during_start_up) for s in (signal.SIGTERM, signal.SIGINT)}
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; use --gin.NAME=VALUE for overrides.")
     if not FLAGS.gin_file:
@@ -156,8 +155,8 @@ def main(argv: list[str]) -> None:
         gin_utils.check_macros(FLAGS.gin_bindings or (), FLAGS.gin_search_paths or ())
     except ValueError as e:
         _fail(f"bad Gin configuration: {e}")
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
     try:
         gin_utils.run()
     except (ValueError, FileNotFoundError) as e:

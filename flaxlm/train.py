@@ -331,7 +331,8 @@ def train(
     # From here on a first SIGTERM/SIGINT is a request to stop cleanly: during set-up, before
     # the first step; in the loop, after the current step, saving it (see run_steps).
     signals = preemption.PreemptionHandler().install()
-    try:
+    ckpt = writer = None
+    try:  # whatever fails from here on, the signals go back and the checkpointer is closed
         train_iter = data.DataIterator.create(train_dataset_cfg, partitioner, converter)
         eval_iter = None
         if eval_dataset_cfg is not None and eval_period:
@@ -346,11 +347,6 @@ def train(
             lora=lora,
         )
         ckpt = checkpoints.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
-    except BaseException:
-        signals.uninstall()
-        raise
-    writer = None
-    try:  # whatever fails from here on, the checkpointer (and its threads) is closed
         start_step, state = initial_state(setup, ckpt, train_iter, model_dir, init_from_hf)
         base = (
             None
@@ -414,7 +410,8 @@ def train(
             state, start_step, total_steps, train_step, next_batch, hooks, nonfinite, signals
         )
     finally:
-        ckpt.close()  # waits for an async save in flight (a second signal exits at once)
+        if ckpt is not None:
+            ckpt.close()  # waits for an async save in flight (a second signal exits at once)
         if writer is not None:
             writer.close()
         signals.uninstall()
@@ -472,15 +469,14 @@ def report_end(
     start_time: float,
 ) -> None:
     """The run's closing lines: why it stopped and what it wrote where."""
+    cause = signals.received.name if signals.received else "a signal to another process"
     if preempted and step == start_step:
-        cause = signals.received.name if signals.received else "a signal to another process"
         print(
             f"Stopped by {cause} before the first step: nothing new to save (latest "
             f"checkpoint: step {last_saved}).",
             flush=True,
         )
     elif preempted:
-        cause = signals.received.name if signals.received else "a signal to another process"
         print(
             f"Preempted by {cause} at step {step}: saved checkpoint "
             f"{ckpt.directory / str(step)}. Run the same command again to resume from it.",

@@ -20,7 +20,7 @@ from flaxlm import decoding, inference
 from flaxlm.models import layers
 from flaxlm.models.base import BaseModel
 from flaxlm.partitioning import Partitioner
-from flaxlm.serve.api import MAX_LOGPROBS, Completion
+from flaxlm.serve.api import MAX_LOGPROBS, Completion, check_prompt_ids
 
 BUCKET = 32  # prompt and generation lengths are rounded up to this (fewer compiles)
 SHUTTING_DOWN = "The server is shutting down."
@@ -210,11 +210,8 @@ class Engine:
         """`c`'s settings as the batch's arrays hold them; raises for one they cannot hold.
         (api.parse_request refuses all of these first; this keeps a bad job from failing
         its batch-mates whatever its source.)"""
-        ids = np.asarray(c.prompt_ids, np.int32)  # OverflowError beyond int32
-        if ids.ndim != 1 or not ids.size:
-            raise ValueError("the prompt has no tokens")
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        check_prompt_ids(c.prompt_ids, c.max_tokens, None, self.vocab_size)
+        ids = np.asarray(c.prompt_ids, np.int32)
         if c.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {c.max_tokens}")
         temperature, top_p = np.float32(c.temperature), np.float32(c.top_p)
