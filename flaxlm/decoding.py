@@ -266,3 +266,14 @@ def decode(
         return beam_search(first_logits, cache, step, config)[0]
     rng = jax.random.PRNGKey(0) if rng is None else rng
     return sample(first_logits, cache, step, config, rng)[0]
+
+
+def cache_length(cache: Any) -> int:
+    """Slots of a KV cache (axis `ndim - 3` of its leaves: `[(layers,) rows, slots, ...]`)."""
+    leaf = jax.tree.leaves(cache)[0]
+    return leaf.shape[leaf.ndim - 3]
+
+
+def empty_cache(init_cache: Callable[[], Any]) -> Any:
+    """Zeros shaped as the cache `init_cache()` creates (nothing else is computed)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(init_cache))

@@ -1,8 +1,9 @@
 """The Partitioner: a device mesh per platform, logical axis rules, and partitioned jit.
 
 Model code names its dimensions with logical axes (`batch`, `embed`, `mlp`, ...). The
-Partitioner owns the mapping from those names to mesh axes `('data', 'fsdp', 'tensor')`, the
-mesh itself, and this host's share of the global batch. It knows no model.
+Partitioner owns the mapping from those names to mesh axes `('data', 'fsdp', 'tensor')` (and
+`'sequence'` for context parallelism), the mesh itself, and this host's share of the global
+batch. It knows no model.
 """
 
 from __future__ import annotations
@@ -23,23 +24,31 @@ from jax.sharding import PartitionSpec as P
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 MESH_AXES = ("data", "fsdp", "tensor")
+SEQUENCE_AXIS = "sequence"  # context parallelism: `length` split over this mesh axis
 
 
-def standard_logical_axis_rules() -> tuple[tuple[str, Any], ...]:
+def standard_logical_axis_rules(
+    mesh_axis_names: Sequence[str] = MESH_AXES,
+) -> tuple[tuple[str, Any], ...]:
     """The rules of DESIGN.md: batch over (data, fsdp), embed over fsdp, widths over tensor.
 
     Rules are matched in order and a mesh axis is used at most once per array, so an
     activation `[batch, length, embed]` shards only its batch (fsdp is taken by `batch`),
     while a kernel `[embed, mlp]` is split over both fsdp and tensor.
+
+    With a `sequence` axis among `mesh_axis_names` (context parallelism), `length` is split
+    over it, and so is `embed` next to fsdp: the params are not copied on every device of a
+    sequence-split replica (as MaxText shards them over its `sequence`/`context` axes).
     """
+    sequence = SEQUENCE_AXIS in tuple(mesh_axis_names)
     return (
         ("batch", ("data", "fsdp")),
         ("vocab", "tensor"),
         ("mlp", "tensor"),
         ("heads", "tensor"),
         ("kv_heads", "tensor"),
-        ("embed", "fsdp"),
-        ("length", None),
+        ("embed", ("fsdp", SEQUENCE_AXIS) if sequence else "fsdp"),
+        ("length", SEQUENCE_AXIS if sequence else None),
         ("head_dim", None),
         ("kv", None),
         ("layers", None),
@@ -190,7 +199,9 @@ class Partitioner:
         """
         Args:
           mesh_shape: size of each mesh axis; one -1 takes the remaining devices.
-          mesh_axis_names: names of the mesh axes, outermost (slowest network) first.
+          mesh_axis_names: names of the mesh axes, outermost (slowest network) first;
+            `('data', 'fsdp', 'sequence', 'tensor')` adds context parallelism (activations
+            split on their length, attention by `models.context_parallel`).
           logical_axis_rules: (logical name, mesh axes) pairs; the standard rules if None.
           optimizer_sharding: "params" (optimizer state sharded like the params) or
             "zero1" (optimizer state also split over `data` while params are replicated).
@@ -210,7 +221,9 @@ class Partitioner:
         self.mesh_shape = resolve_mesh_shape(mesh_shape, len(devices))
         self.mesh_axis_names = tuple(mesh_axis_names)
         self.logical_axis_rules = tuple(
-            standard_logical_axis_rules() if logical_axis_rules is None else logical_axis_rules
+            standard_logical_axis_rules(self.mesh_axis_names)
+            if logical_axis_rules is None
+            else logical_axis_rules
         )
         self.optimizer_sharding = optimizer_sharding
         device_array = build_device_mesh(self.mesh_shape, devices, dcn_mesh_shape)

@@ -44,6 +44,13 @@ SHARDED = {
     "llama_gqa": lambda tmp: tiny_hf_llama(tmp, num_attention_heads=8, num_key_value_heads=4),
     "gemma_mqa": FAMILIES["gemma_mqa"],
 }
+# The mesh each decodes on: GPT-J's has a `sequence` axis (context parallelism, which
+# training uses and decoding leaves alone: its prompts and cache are split like any array).
+MESHES = {
+    "gptj": ((1, 2, 2, 2), ("data", "fsdp", "sequence", "tensor")),
+    "llama_gqa": ((1, 2, 4), ("data", "fsdp", "tensor")),
+    "gemma_mqa": ((1, 2, 4), ("data", "fsdp", "tensor")),
+}
 
 
 def hf_greedy(torch_model, ids, lengths, max_new_tokens=NEW_TOKENS, **kwargs):
@@ -133,7 +140,8 @@ def test_sharded_decoding_equals_unsharded(tmp_path, family):
     model, params = hf.from_pretrained(path)
     ids, _ = padded_batch(model.config.real_vocab_size, PROMPT_LENGTHS, seed=3)
     single = inference.generate(model, params, {"inputs": ids}, max_new_tokens=16)
-    partitioner = Partitioner(mesh_shape=(1, 2, 4))
+    mesh_shape, axis_names = MESHES[family]
+    partitioner = Partitioner(mesh_shape=mesh_shape, mesh_axis_names=axis_names)
     sharded_model, sharded_params = hf.from_pretrained(path, partitioner)
     kernel = jax.tree.leaves(sharded_params)[0]
     assert len(kernel.sharding.device_set) == 8

@@ -116,13 +116,15 @@ def test_default_run_trains_with_falling_loss_then_resumes(tmp_path, repo_dir):
 
 
 @pytest.mark.slow
-def test_run_on_a_2x2x2_mesh_from_another_directory(tmp_path):
+def test_run_on_a_four_axis_mesh_from_another_directory(tmp_path):
+    """Data, sequence (context parallelism) and tensor parallelism at once, set by flags."""
     model_dir = str(tmp_path / "mesh")
     result = run_main(
         [
             "--gin_file=gptj_pretrain.gin",  # found through the search path
             f"--gin.MODEL_DIR='{model_dir}'",
-            "--gin.Partitioner.mesh_shape=(2,2,2)",
+            "--gin.Partitioner.mesh_axis_names=('data','fsdp','sequence','tensor')",
+            "--gin.Partitioner.mesh_shape=(2,1,2,2)",
             "--gin.TRAIN_STEPS=5",
             "--gin.EVAL_PERIOD=5",
             "--gin.CHECKPOINT_PERIOD=5",
@@ -133,7 +135,7 @@ def test_run_on_a_2x2x2_mesh_from_another_directory(tmp_path):
         devices=8,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "data=2, fsdp=2, tensor=2" in result.stdout
+    assert "data=2, fsdp=1, sequence=2, tensor=2" in result.stdout
     assert os.path.isdir(os.path.join(model_dir, "checkpoints", "5"))
 
 

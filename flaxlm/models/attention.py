@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from flaxlm.models import context_parallel as cp
 from flaxlm.models.layers import (
     HEAD_AXES,
     DenseGeneral,
@@ -155,6 +156,7 @@ def dot_product_attention(
     dtype: Dtype = jnp.float32,
     implementation: str = "xla",
     chunk_size: int = 512,
+    context_parallel: str = "ring",
 ) -> Array:
     """Softmax attention in float32; grouped-query when key has fewer heads than query.
 
@@ -168,8 +170,25 @@ def dot_product_attention(
     implementation: 'xla' (einsums, the default), 'jax' (`jax.nn.dot_product_attention`:
     cuDNN flash attention on GPU where it applies, XLA elsewhere) or 'chunked' (blocks of
     `chunk_size` queries and keys with an online softmax: memory linear in the length).
+
+    context_parallel: how self-attention over a sequence split on the mesh's `sequence` axis
+    gathers the other shards' keys: 'ring' or 'all_gather' (`context_parallel.attention`,
+    blocks of `chunk_size` whatever the implementation). Decoding, cross-attention and a
+    `bias` keep the kernels above.
     """
     check_implementation(implementation, softcap)
+    if cp.applies(mask, bias):
+        return cp.attention(
+            query,
+            key,
+            value,
+            mask,
+            scale=scale,
+            softcap=softcap,
+            dtype=as_dtype(dtype),
+            chunk_size=chunk_size,
+            strategy=context_parallel,
+        )
     if implementation == "chunked":
         return _chunked_attention(query, key, value, mask, bias, scale, softcap, dtype, chunk_size)
     if isinstance(mask, Mask):
@@ -357,6 +376,7 @@ def rotary_self_attention(
     scale: float | None = None,
     softcap: float | None = None,
     window: Array | None = None,
+    context_parallel: str = "ring",
 ) -> Array:
     """Llama-style attention, built inside the calling block's scope (`q_proj`, `k_proj`,
     `v_proj`, `o_proj`, `cache`): rotary (half-split) queries and keys, grouped-query heads;
@@ -366,7 +386,7 @@ def rotary_self_attention(
     qk_norm: 'rms' (Qwen3) or 'rms_plus_one' (Gemma 3) normalises each query and key head
     (`q_norm`, `k_norm`, eps `norm_eps`) before rotary. scale: of the scores (default
     head_dim**-0.5); softcap: of the scaled scores (Gemma 2); window: this layer's sliding
-    window (`layer_window`).
+    window (`layer_window`); context_parallel: see `dot_product_attention`.
 
     h: [batch, length, embed] -> [batch, length, embed], tagged `attn_out` for remat.
     """
@@ -414,6 +434,7 @@ def rotary_self_attention(
         dtype=dtype,
         implementation=attention,
         chunk_size=chunk_size,
+        context_parallel=context_parallel,
     )
     attn = DenseGeneral(
         hidden_size,

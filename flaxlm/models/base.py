@@ -19,7 +19,7 @@ import numpy as np
 import seqio
 
 from flaxlm import decoding
-from flaxlm.models import attention, layers
+from flaxlm.models import attention, context_parallel, layers
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.features import MaskedLMFeatureConverter
 from flaxlm.models.options import (  # noqa: F401  (re-exported: families import them here)
@@ -128,6 +128,7 @@ class BaseModel(abc.ABC):
         Passing the global weight sum as `normalizer` makes microbatches add up to the
         full-batch loss exactly. Metrics are sums, so they also add across microbatches.
         """
+        batch = self._arranged(batch)
         targets, weights = self.targets_and_weights(batch)
         if self.loss_chunk_size is None:
             logits = self._logits(params, batch, rng)
@@ -145,6 +146,10 @@ class BaseModel(abc.ABC):
             "weight_sum": weight_sum,
         }
         return loss_sum / normalizer, metrics
+
+    def _arranged(self, batch: Batch) -> Batch:
+        """`batch` in the order a loss or a score (sums over positions) is best computed in."""
+        return batch
 
     def _chunks_loss(self) -> bool:
         """Whether `_chunked_loss_sums` is implemented (a `loss_chunk_size` is allowed)."""
@@ -175,6 +180,7 @@ class BaseModel(abc.ABC):
     def score(self, params: Params, batch: Batch) -> Array:
         """float32 `[batch]`: each example's summed log-likelihood of its targets (weighted
         by the loss weights), from an unpacked batch of the model's features."""
+        batch = self._arranged(batch)
         logits = self.compute_logits(params, batch)
         targets, weights = self.targets_and_weights(batch)
         log_probs = jax.nn.log_softmax(logits, axis=-1)
@@ -258,6 +264,8 @@ class _SingleStackModel(BaseModel):
     ) -> Array:
         """The module's output; `kwargs` go to its call."""
         rngs = {"dropout": rng} if rng is not None else None
+        if batch.get(self._feature("slots")) is not None:
+            kwargs["slots"] = batch[self._feature("slots")]
         return self.module.apply(
             {"params": params},
             batch[self._feature("input_tokens")],
@@ -299,8 +307,16 @@ class DecoderOnlyModel(_SingleStackModel):
                 f"max_position_embeddings={limit}; shorten the prompt or max_new_tokens."
             )
 
-    def _chunks_loss(self) -> bool:
+    def _chunks_loss(self) -> bool:  # also: the module takes `slots`
         return isinstance(self.module, CausalLM)
+
+    def _arranged(self, batch: Batch) -> Batch:
+        """With the config's `context_parallel_balance`, under a mesh that splits sequences,
+        the batch in the load-balanced order (`context_parallel.balanced_batch`)."""
+        if getattr(self.config, "context_parallel_balance", False) and self._chunks_loss():
+            names = (self._feature(n) for n in ("input_tokens", "positions", "slots"))
+            return context_parallel.balanced_batch(batch, *names)
+        return batch
 
     def _chunked_loss_sums(
         self, params: Params, batch: Batch, rng: Array | None, targets: Array, weights: Array
@@ -351,7 +367,7 @@ class DecoderOnlyModel(_SingleStackModel):
             module = self._decode_module()
             return module.init(jax.random.PRNGKey(0), dummy, None, None, decoding=where)["cache"]
 
-        state = {"cache": empty_cache(init_cache), "start": start}
+        state = {"cache": decoding.empty_cache(init_cache), "start": start}
         state["prompt_len"] = jnp.int32(prompt_len)
         return self._run_decoder(params, tokens, jnp.int32(0), state, cache_len)
 
@@ -363,19 +379,8 @@ class DecoderOnlyModel(_SingleStackModel):
         state: dict[str, Any],
         config: decoding.DecodingConfig,
     ) -> tuple[Array, dict[str, Any]]:
-        cache_len = _cache_length(state["cache"])
+        cache_len = decoding.cache_length(state["cache"])
         return self._run_decoder(params, token[:, None], state["prompt_len"] + t, state, cache_len)
-
-
-def _cache_length(cache: Any) -> int:
-    """Slots of a KV cache (axis `ndim - 3` of its leaves: `[(layers,) rows, slots, ...]`)."""
-    leaf = jax.tree.leaves(cache)[0]
-    return leaf.shape[leaf.ndim - 3]
-
-
-def empty_cache(init_cache: Any) -> Any:
-    """Zeros shaped as the cache `init_cache()` creates (nothing else is computed)."""
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(init_cache))
 
 
 @gin.configurable
@@ -430,7 +435,7 @@ class EncoderDecoderModel(BaseModel):
     def _run_decoder(
         self, params: Params, tokens: Array, index: Array, state: dict[str, Any]
     ) -> tuple[Array, dict[str, Any]]:
-        cache_len = _cache_length(state["cache"])
+        cache_len = decoding.cache_length(state["cache"])
         where = attention.Decoding(jnp.asarray(index, jnp.int32), state["start"], cache_len)
         logits, variables = self._decode_module().apply(
             {"params": params, "cache": state["cache"]},
@@ -465,7 +470,7 @@ class EncoderDecoderModel(BaseModel):
             )
             return variables["cache"]
 
-        state = {"cache": empty_cache(init_cache), "start": start, "encoded": encoded}
+        state = {"cache": decoding.empty_cache(init_cache), "start": start, "encoded": encoded}
         state["encoder_segment_ids"] = segment_ids
         # Decoding starts from the decoder start token (0, T5's pad id, as seqio shifts).
         return self._run_decoder(params, jnp.zeros((rows,), jnp.int32), jnp.int32(0), state)

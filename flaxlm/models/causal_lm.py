@@ -106,12 +106,19 @@ class CausalLM(nn.Module):
         deterministic: bool = True,
         decoding: attention.Decoding | None = None,
         return_hidden: bool = False,
+        slots: Array | None = None,
     ) -> Array:
         """float32 logits [batch, length, vocab]; with `return_hidden`, the final hidden
-        states [batch, length, embed_width] instead (after the final norm, before the head)."""
+        states [batch, length, embed_width] instead (after the final norm, before the head).
+
+        slots: int32 [length], the slot of each position of rows given in another order
+        (context parallelism's load-balanced order, `context_parallel.balanced_order`): the
+        mask follows the slots. `positions` must then be given in the same order."""
         cfg = self.config
         positions = attention.default_positions(tokens, positions)
         mask = self.mask(segment_ids, positions, decoding, deterministic)
+        if slots is not None:
+            mask = mask.replace(slots=slots)
         embed = self._embed(name=self.embed_name)
         x, extra = self.block_inputs(embed(tokens), positions, decoding)
         if cfg.dropout_rate:

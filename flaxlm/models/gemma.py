@@ -224,6 +224,7 @@ class GemmaBlock(nn.Module):
             out_bias=cfg.attention_bias,
             attention=cfg.attention,
             chunk_size=cfg.attention_chunk_size,
+            context_parallel=cfg.context_parallel,
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
         )

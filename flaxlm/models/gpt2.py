@@ -135,6 +135,7 @@ class GPT2Attention(nn.Module):
             dtype=cfg.dtype,
             implementation=cfg.attention,
             chunk_size=cfg.attention_chunk_size,
+            context_parallel=cfg.context_parallel,
         )
         return layers.DenseGeneral(
             cfg.hidden_size,

@@ -116,6 +116,7 @@ class GPTJBlock(nn.Module):
             dtype=cfg.dtype,
             implementation=cfg.attention,
             chunk_size=cfg.attention_chunk_size,
+            context_parallel=cfg.context_parallel,
         )
         attn = layers.DenseGeneral(
             cfg.hidden_size, ("heads", "head_dim", "embed"), axis=(-2, -1), name="out_proj", **dense

@@ -202,8 +202,12 @@ class Embed(nn.Module):
         )
 
     def __call__(self, ids: Array) -> Array:
-        # [batch, length] -> [batch, length, embed]
-        return jnp.take(self.embedding, ids, axis=0).astype(as_dtype(self.dtype))
+        # [batch, length] -> [batch, length, embed]. The table is gathered whole over `embed`
+        # first (as FSDP gathers every kernel it uses): XLA cannot otherwise take a lookup split
+        # on `embed` to activations split on `batch` and `length` (context parallelism) but
+        # by replicating it.
+        table = constrain(self.embedding, ("vocab", None))
+        return jnp.take(table, ids, axis=0).astype(as_dtype(self.dtype))
 
     def attend(self, x: Array, dtype: Dtype | None = None) -> Array:
         """Tied-head logits in `dtype` (default: the module's compute dtype).

@@ -190,6 +190,7 @@ class LlamaBlock(nn.Module):
             out_bias=cfg.attention_bias,
             attention=cfg.attention,
             chunk_size=cfg.attention_chunk_size,
+            context_parallel=cfg.context_parallel,
             **dense,
         )
         if cfg.dropout_rate:

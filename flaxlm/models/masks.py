@@ -35,6 +35,9 @@ class Mask:
     # A layer's own sliding window (int32 scalar, may be traced: `layer_window`), on top of
     # `sliding_window`; NO_WINDOW sees everything.
     window: Array | None = None
+    # int32 [q_len]: the slot of each position of a reordered self-attention sequence (the
+    # load-balanced order of context parallelism); None: position i is slot q_offset + i.
+    slots: Array | None = None
     batch: int = flax.struct.field(pytree_node=False, default=1)
     q_len: int = flax.struct.field(pytree_node=False, default=1)
     kv_len: int = flax.struct.field(pytree_node=False, default=1)
@@ -47,15 +50,15 @@ class Mask:
         start may be traced; rows and columns past the ends are False)."""
         q_idx = q_start + jnp.arange(q_size)
         k_idx = k_start + jnp.arange(k_size)
-        q_slot = (self.q_offset + q_idx)[:, None]
-        k_slot = k_idx[None, :]
+        if self.slots is None:
+            q_slot, k_slot = self.q_offset + q_idx, k_idx
+        else:
+            padded = jnp.pad(self.slots, (0, max(q_size, k_size)))
+            q_slot = jax.lax.dynamic_slice_in_dim(padded, q_start, q_size)
+            k_slot = jax.lax.dynamic_slice_in_dim(padded, k_start, k_size)
         mask = (q_idx < self.q_len)[:, None] & (k_idx < self.kv_len)[None, :]
-        if self.causal:
-            mask = mask & (k_slot <= q_slot)
-        if self.sliding_window is not None:
-            mask = mask & (q_slot - k_slot < self.sliding_window)
-        if self.window is not None:
-            mask = mask & (q_slot - k_slot < self.window)
+        mask = mask & self.slots_visible(q_slot, k_slot)
+        k_slot = k_slot[None, :]
         mask = jnp.broadcast_to(mask[None], (self.batch, q_size, k_size))
         if self.kv_start is not None:
             mask = mask & (k_slot[None] >= self.kv_start[:, None, None])
@@ -80,6 +83,20 @@ class Mask:
             k_seg = take(self.q_segment_ids, k_start, k_size, self.q_len)
             mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])
         return mask[:, None]
+
+    def slots_visible(self, q_slot: Array, k_slot: Array) -> Array:
+        """bool `[len(q_slot), len(k_slot)]`: what causality and the sliding windows let the
+        queries at slots `q_slot` see of the keys at slots `k_slot` (no segments, no
+        padding)."""
+        distance = q_slot[:, None] - k_slot[None, :]
+        mask = jnp.ones(distance.shape, bool)
+        if self.causal:
+            mask = distance >= 0
+        if self.sliding_window is not None:
+            mask = mask & (distance < self.sliding_window)
+        if self.window is not None:
+            mask = mask & (distance < self.window)
+        return mask
 
     def dense(self) -> Array:
         return self.block(0, self.q_len, 0, self.kv_len)

@@ -157,6 +157,7 @@ class OPTBlock(nn.Module):
             dtype=cfg.dtype,
             implementation=cfg.attention,
             chunk_size=cfg.attention_chunk_size,
+            context_parallel=cfg.context_parallel,
         )
         attn = layers.DenseGeneral(
             cfg.hidden_size,

@@ -10,7 +10,7 @@ from typing import Protocol
 import flax.linen as nn
 import numpy as np
 
-from flaxlm.models import attention, layers
+from flaxlm.models import attention, context_parallel, layers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,11 +29,17 @@ class ComputeOptions:
     scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
     attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see attention.dot_product_attention)
     attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
+    # A sequence split over the mesh's 'sequence' axis: how attention reaches the other
+    # shards' keys ('ring' or 'all_gather', see models.context_parallel), and whether a
+    # decoder's training batch is put in the load-balanced order (causal work even).
+    context_parallel: str = "ring"
+    context_parallel_balance: bool = True
 
     def __post_init__(self) -> None:
         choices = attention.ATTENTION_IMPLEMENTATIONS
         if self.attention not in choices:
             raise ValueError(f"attention {self.attention!r}: expected one of {choices}.")
+        context_parallel.check_strategy(self.context_parallel)
         if self.attention_chunk_size < 1:
             raise ValueError(
                 f"attention_chunk_size must be positive, got {self.attention_chunk_size}."

@@ -181,6 +181,7 @@ class Phi3(llama.Llama):
         deterministic: bool = True,
         decoding: attention.Decoding | None = None,
         return_hidden: bool = False,
+        slots: Array | None = None,
     ) -> Array:
         if decoding is None or self.config.rope_scaling_type is None:
             return super().__call__(
@@ -190,6 +191,7 @@ class Phi3(llama.Llama):
                 deterministic=deterministic,
                 decoding=decoding,
                 return_hidden=return_hidden,
+                slots=slots,
             )
         # The first call whose positions reach past the original context switches to the
         # long factors; HF's generate then recomputes its whole cache (every layer's keys and

@@ -212,6 +212,7 @@ class QwenBlock(nn.Module):
             out_bias=cfg.attention_bias,
             attention=cfg.attention,
             chunk_size=cfg.attention_chunk_size,
+            context_parallel=cfg.context_parallel,
             qk_norm="rms" if cfg.model_type == "qwen3" else None,
             norm_eps=cfg.rms_norm_eps,
             window=attention.layer_window(cfg.layer_windows, index),

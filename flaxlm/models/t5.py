@@ -224,6 +224,7 @@ class T5Attention(nn.Module):
             dtype=cfg.dtype,
             implementation=cfg.attention,
             chunk_size=cfg.attention_chunk_size,
+            context_parallel=cfg.context_parallel,
         )
         return layers.DenseGeneral(
             cfg.d_model,
