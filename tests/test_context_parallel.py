@@ -3,6 +3,9 @@ gradients of the same model unsplit, by ring and by all-gather attention, packed
 windows shorter than a shard, for every decoder family; the load-balanced order gives every
 shard the same share of the causal work."""
 
+from pathlib import Path
+
+import gin
 import jax
 import numpy as np
 import pytest
@@ -20,6 +23,7 @@ from flaxlm.models.qwen import QwenConfig
 from flaxlm.models.roberta import RobertaConfig
 from flaxlm.partitioning import Partitioner
 
+REPO = Path(__file__).resolve().parents[1]
 AXES = ("data", "fsdp", "sequence", "tensor")
 LENGTH = 1024
 WINDOW = 100  # shorter than a shard at every mesh below (1024 / 8 = 128)
@@ -214,3 +218,20 @@ def test_a_bidirectional_encoder_splits_its_sequence():
     batch["encoder_positions"] = batch["encoder_positions"] + 2  # RoBERTa counts from pad + 1
     want = _loss_and_grads(model, params, batch)
     _assert_same(_loss_and_grads(model, params, batch, (1, 1, 4, 2)), want)
+
+
+def test_the_partitioning_file_splits_sequences_over_every_device():
+    gin.clear_config()
+    try:
+        gin.parse_config_file(str(REPO / "gin" / "partitioning" / "fsdp_cp.gin"))
+        partitioner = Partitioner()
+    finally:
+        gin.clear_config()
+    assert dict(zip(partitioner.mesh_axis_names, partitioner.mesh_shape)) == {
+        "data": 1,
+        "fsdp": 1,
+        "sequence": 8,
+        "tensor": 1,
+    }
+    assert partitioner.mesh_axes(("batch", "length", "embed")) == P(("data", "fsdp"), "sequence", None)
+    assert partitioner.mesh_axes(("embed", "mlp")) == P(("fsdp", "sequence"), "tensor")
