@@ -50,7 +50,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256, help="model length of a row")
     p.add_argument("--batches", type=int, default=20, help="timed pipeline batches")
-    p.add_argument("--steps", type=int, default=5, help="timed train steps")
+    p.add_argument("--steps", type=int, default=5, help="timed train steps (0: the pipeline alone)")
     p.add_argument("--repeats", type=int, default=3, help="alternating rounds of both")
     p.add_argument("--hf-vocab-size", type=int, default=2048)
     p.add_argument("--json", metavar="PATH")
@@ -114,6 +114,34 @@ def measure(name: str, lengths: dict, vocab_size: int, args: argparse.Namespace)
     layout = partitioner.data_layout(cfg.batch_size)
     iterator = data.DataIterator(data.host_input(cfg, layout, converter), partitioner, layout)
     feature_lengths = data.model_feature_lengths(cfg, converter)
+    time_pipeline(iterator, 3)  # warm-up: tf.data threads, shuffle buffer
+    pipe, real = [], []
+    positions = layout.per_host_batch_size * feature_lengths["decoder_target_tokens"]
+    # The pipeline rounds first, back to back: a round timed right after train steps would
+    # find batches that the prefetch buffer filled while the steps ran.
+    for _ in range(args.repeats):
+        seconds, share = time_pipeline(iterator, args.batches)
+        pipe.append(args.batches * positions / seconds)
+        real.append(share)
+    steps = [float("nan")]
+    if args.steps:
+        steps = train_step_rates(partitioner, iterator, feature_lengths, vocab_size, args)
+    result = {
+        "task": name,
+        "task_feature_lengths": lengths,
+        "pipeline_tokens_per_second_per_host": statistics.median(pipe),
+        "train_step_tokens_per_second": statistics.median(steps),
+        "non_padding_share": statistics.median(real),
+        "rounds": {"pipeline": pipe, "train_step": steps},
+    }
+    result["ratio"] = (
+        result["pipeline_tokens_per_second_per_host"] / result["train_step_tokens_per_second"]
+    )
+    return result
+
+
+def train_step_rates(partitioner, iterator, feature_lengths, vocab_size, args) -> list[float]:
+    """Tokens/s of `--repeats` rounds of `--steps` train steps of the tiny GPT-J."""
     model = DecoderOnlyModel(
         GPTJConfig(
             vocab_size=-(-vocab_size // 128) * 128,
@@ -129,18 +157,10 @@ def measure(name: str, lengths: dict, vocab_size: int, args: argparse.Namespace)
     step = setup.partition_train_step(trainer.make_train_step(model, partitioner, 1e-3))
     state = setup.init_state()
     batch = iterator.to_global(iterator.next_numpy())
-    time_pipeline(iterator, 3)  # warm-up: tf.data threads, shuffle buffer
     for _ in range(2):  # compile
         state, _ = step(state, batch)
     jax.block_until_ready(state)
-    pipe, steps, real = [], [], []
-    positions = layout.per_host_batch_size * feature_lengths["decoder_target_tokens"]
-    # The pipeline rounds first, back to back: a round timed right after train steps would
-    # find batches that the prefetch buffer filled while the steps ran.
-    for _ in range(args.repeats):
-        seconds, share = time_pipeline(iterator, args.batches)
-        pipe.append(args.batches * positions / seconds)
-        real.append(share)
+    steps = []
     global_positions = args.batch_size * feature_lengths["decoder_target_tokens"]
     for _ in range(args.repeats):
         start = time.perf_counter()
@@ -148,18 +168,7 @@ def measure(name: str, lengths: dict, vocab_size: int, args: argparse.Namespace)
             state, _ = step(state, batch)
         jax.block_until_ready(state)
         steps.append(args.steps * global_positions / (time.perf_counter() - start))
-    result = {
-        "task": name,
-        "task_feature_lengths": lengths,
-        "pipeline_tokens_per_second_per_host": statistics.median(pipe),
-        "train_step_tokens_per_second": statistics.median(steps),
-        "non_padding_share": statistics.median(real),
-        "rounds": {"pipeline": pipe, "train_step": steps},
-    }
-    result["ratio"] = (
-        result["pipeline_tokens_per_second_per_host"] / result["train_step_tokens_per_second"]
-    )
-    return result
+    return steps
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

@@ -38,16 +38,19 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
+from flaxlm import packing
 from flaxlm.partitioning import DataLayout, Partitioner
 
 _TF_CONFIGURED = False
 
 
 def configure_tensorflow() -> None:
-    """Keeps TensorFlow off the accelerators: it is only the input pipeline."""
+    """Keeps TensorFlow off the accelerators: it is only the input pipeline. Packs in memory
+    linear in the length (`packing.use_linear_packing`: seqio's rows)."""
     global _TF_CONFIGURED
     if _TF_CONFIGURED:
         return
+    packing.use_linear_packing()
     try:
         tf.config.set_visible_devices([], "GPU")
         tf.config.set_visible_devices([], "TPU")

@@ -233,5 +233,7 @@ def test_the_partitioning_file_splits_sequences_over_every_device():
         "sequence": 8,
         "tensor": 1,
     }
-    assert partitioner.mesh_axes(("batch", "length", "embed")) == P(("data", "fsdp"), "sequence", None)
+    assert partitioner.mesh_axes(("batch", "length", "embed")) == P(
+        ("data", "fsdp"), "sequence", None
+    )
     assert partitioner.mesh_axes(("embed", "mlp")) == P(("fsdp", "sequence"), "tensor")

@@ -10,8 +10,10 @@ import jax
 import numpy as np
 import pytest
 import seqio
+import tensorflow as tf
 
 import tasks  # noqa: F401
+from flaxlm import packing
 from flaxlm.models.base import EncoderDecoderModel
 from flaxlm.models.t5 import T5Config
 from tasks.jsonl import register_jsonl_task
@@ -117,3 +119,23 @@ def test_packed_encoder_decoder_rows_give_the_unpacked_per_token_losses(task):
     shapes = {k: (1, 8) for k in ("encoder_input_tokens", "decoder_input_tokens")}
     params = model.init_params(jax.random.PRNGKey(0), shapes)
     _compare(model, params, packed, unpacked)
+
+
+@pytest.mark.parametrize(
+    "lengths,examples", [({"targets": 16}, 100), ({"inputs": 12, "targets": 10}, 57)]
+)
+def test_linear_packing_makes_seqios_rows_token_for_token(lengths, examples):
+    """flaxlm's packer (memory linear in the length) against seqio's (a batch of L examples
+    padded to the longest: quadratic), across seqio's flush every L examples, empty examples,
+    zeros inside examples and a last partial batch."""
+    rng = np.random.default_rng(0)
+    rows = [{k: rng.integers(0, 5, rng.integers(0, 30)) for k in lengths} for _ in range(examples)]
+    spec = {k: tf.TensorSpec([None], tf.int64) for k in lengths}
+    ds = tf.data.Dataset.from_generator(lambda: iter(rows), output_signature=spec)
+    want = list(packing._SEQIO_TRIM_AND_PACK(ds, lengths).as_numpy_iterator())
+    got = list(packing.pack_linear(ds, lengths).as_numpy_iterator())
+    assert len(got) == len(want) > examples // 2
+    for w, g in zip(want, got, strict=True):
+        assert sorted(w) == sorted(g)
+        for k in w:
+            np.testing.assert_array_equal(g[k], w[k], err_msg=k)
