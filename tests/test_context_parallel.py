@@ -3,6 +3,7 @@ gradients of the same model unsplit, by ring and by all-gather attention, packed
 windows shorter than a shard, for every decoder family; the load-balanced order gives every
 shard the same share of the causal work."""
 
+import dataclasses
 from pathlib import Path
 
 import gin
@@ -156,12 +157,21 @@ def _hlo(model, params, batch, mesh_shape):
     return fn.lower(params, batch).compile().as_text()
 
 
-def test_the_ring_passes_keys_and_the_gather_gathers_them(unsplit):
+@pytest.mark.parametrize("remat_policy", ["none", "dots_with_no_batch_dims_saveable"])
+def test_the_ring_passes_keys_and_the_gather_gathers_them(unsplit, remat_policy):
+    """Also under rematerialisation (which turns the mask's fields into tracers)."""
     params, batch, _ = unsplit["mistral", "packed"]
-    ring = _hlo(_mistral("mistral", "ring"), params, batch, (1, 1, 8, 1))
-    gather = _hlo(_mistral("mistral", "all_gather"), params, batch, (1, 1, 8, 1))
+    models = {
+        s: DecoderOnlyModel(
+            dataclasses.replace(_mistral("mistral", s).config, remat_policy=remat_policy)
+        )
+        for s in ("ring", "all_gather")
+    }
+    ring = _hlo(models["ring"], params, batch, (1, 1, 8, 1))
+    gather = _hlo(models["all_gather"], params, batch, (1, 1, 8, 1))
     assert "collective-permute" in ring
     assert "collective-permute" not in gather
+    assert "all-gather" in gather
 
 
 # Every decoder family's features on a (1, 1, 4, 2) mesh: heads split too, 16 positions a

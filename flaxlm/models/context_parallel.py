@@ -101,8 +101,8 @@ def applies(mask: Mask | Array | None, bias: Array | None) -> bool:
     divides; anything else is left to XLA, e.g. the short rows that build params)."""
     if not isinstance(mask, Mask) or bias is not None or mask.cross:
         return False
-    if mask.kv_start is not None or not isinstance(mask.q_offset, int) or mask.q_offset:
-        return False
+    if mask.kv_start is not None:  # decoding (its masks alone set kv_start; q_offset may be
+        return False  # a tracer under remat even where it is 0)
     shards = sequence_shards()
     return shards > 1 and mask.q_len == mask.kv_len and mask.q_len % shards == 0
 

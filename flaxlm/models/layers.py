@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from flaxlm.models import context_parallel
+
 Array = jax.Array
 Dtype = Any
 Initializer = Callable[..., Array]
@@ -202,11 +204,13 @@ class Embed(nn.Module):
         )
 
     def __call__(self, ids: Array) -> Array:
-        # [batch, length] -> [batch, length, embed]. The table is gathered whole over `embed`
-        # first (as FSDP gathers every kernel it uses): XLA cannot otherwise take a lookup split
-        # on `embed` to activations split on `batch` and `length` (context parallelism) but
-        # by replicating it.
-        table = constrain(self.embedding, ("vocab", None))
+        # [batch, length] -> [batch, length, embed]. Under context parallelism the table is
+        # gathered whole over `embed` first (as FSDP gathers every kernel it uses): XLA cannot
+        # otherwise take a lookup split on `embed` to activations split on `batch` and
+        # `length` but by replicating it.
+        table = self.embedding
+        if context_parallel.sequence_shards() > 1:
+            table = constrain(table, ("vocab", None))
         return jnp.take(table, ids, axis=0).astype(as_dtype(self.dtype))
 
     def attend(self, x: Array, dtype: Dtype | None = None) -> Array:
