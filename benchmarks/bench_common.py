@@ -22,7 +22,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 # The partitionings of gin/partitioning/*.gin: (mesh_shape, optimizer_sharding).
-PARTITIONINGS: dict[str, tuple[tuple[int, int, int], str]] = {
+PARTITIONINGS: dict[str, tuple[tuple[int, ...], str]] = {
     "dp": ((-1, 1, 1), "params"),
     "zero1": ((-1, 1, 1), "zero1"),
     "fsdp": ((1, -1, 1), "params"),
@@ -118,15 +118,37 @@ def topology_devices(name: str) -> list[Any]:
         ) from e
 
 
-def make_partitioner(name: str, devices: Sequence[Any] | None = None) -> Any:
-    """The Partitioner of `gin/partitioning/<name>.gin`."""
-    from flaxlm.partitioning import Partitioner
+def make_partitioner(name: str, devices: Sequence[Any] | None = None, sequence: int = 1) -> Any:
+    """The Partitioner of `gin/partitioning/<name>.gin`; with `sequence` > 1 a `sequence` mesh
+    axis of that size (context parallelism, as gin/partitioning/fsdp_cp.gin) is added before
+    `tensor`, its devices taken from the -1 axis (fsdp: `(1, -1, sequence, 1)`)."""
+    from flaxlm.partitioning import MESH_AXES, SEQUENCE_AXIS, Partitioner
 
     if name not in PARTITIONINGS:
         raise ValueError(f"partitioning {name!r}: expected one of {sorted(PARTITIONINGS)}.")
     mesh_shape, optimizer_sharding = PARTITIONINGS[name]
+    axes: tuple[str, ...] = MESH_AXES
+    if sequence > 1:
+        mesh_shape = (*mesh_shape[:2], sequence, mesh_shape[2])
+        axes = (*MESH_AXES[:2], SEQUENCE_AXIS, MESH_AXES[2])
     return Partitioner(
-        mesh_shape=mesh_shape, optimizer_sharding=optimizer_sharding, devices=devices
+        mesh_shape=mesh_shape,
+        mesh_axis_names=axes,
+        optimizer_sharding=optimizer_sharding,
+        devices=devices,
+    )
+
+
+def add_sequence_arg(parser: Any) -> None:
+    """`--sequence N` (see `make_partitioner`)."""
+    parser.add_argument(
+        "--sequence",
+        type=int,
+        default=1,
+        metavar="N",
+        help="context parallelism: split each sequence over a 'sequence' mesh axis of N "
+        "devices (taken from the partitioning's -1 axis; ring attention); lengths must be "
+        "a multiple of 2 N",
     )
 
 

@@ -19,10 +19,14 @@ Theory (P = bytes of a param, A = bytes of a [batch, length, embed] activation):
   all-reduced.
 - TP (Megatron): per layer two all-reduces of A in forward and two in backward, plus the
   vocab-split embedding (forward) and head (backward) one each.
+- Ring attention (`--sequence S`, fsdp only: mesh (1, n/S, S, 1)): FSDP's, plus per layer
+  and device S - 1 sends of its K and V shards in forward, in backward S - 1 of K and V and
+  S of their float32 gradients (which come home at the end).
 
-Target: measured <= 1.1 x theory.
+Target: measured <= 1.1 x theory (and, under `--sequence`, the collective-permutes alone).
 
     python benchmarks/collectives.py --json /tmp/collectives.json
+    python benchmarks/collectives.py --partitionings fsdp --sequence 8
 """
 
 from __future__ import annotations
@@ -51,23 +55,8 @@ from flaxlm.models.gptj import GPTJConfig  # noqa: E402
 
 TARGET = 1.1
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
-}
+DTYPE_BYTES = dict(pred=1, s8=1, u8=1, s16=2, u16=2, f16=2, bf16=2, s32=4, u32=4, f32=4)
+DTYPE_BYTES.update(s64=8, u64=8, f64=8, c64=8, c128=16)
 SHAPE_RE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
 COMPUTATION_RE = re.compile(r"^(?:ENTRY )?%(\S+) \(.*\{$")
 INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*)$")
@@ -120,6 +109,7 @@ class Op:
     group: int
     phase: str  # forward, backward or other (from the op's metadata)
     channel: int | None = None  # XLA's channel_id: the pieces of one async op share it
+    fused: bool = False  # inside a fusion (where TPU puts those pieces)
 
     @property
     def array_bytes(self) -> int:
@@ -228,11 +218,12 @@ def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
     def one_per_channel(ops: list[tuple[Op, int]]) -> list[tuple[Op, int]]:
         """TPU splits an async collective into a start, continuation fusions overlapping
         compute and a done, each holding the op with one channel_id: count it once (as the
-        reduce-scatter where one of them is)."""
+        reduce-scatter where one of them is). Other ops are distinct whatever their
+        channel_id (every collective-permute has channel 1)."""
         first: dict[int, int] = {}
         out: list[tuple[Op, int]] = []
         for op, count in ops:
-            if op.channel is None:
+            if op.channel is None or not (op.fused or op.kind == "reduce-scatter"):
                 out.append((op, count))
             elif op.channel not in first:
                 first[op.channel] = len(out)
@@ -250,10 +241,13 @@ def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
         for instruction, _, parsed in _instructions(computations.get(name, [])):
             type_str, opcode, rest = defs[instruction] = parsed
             callees = re.findall(r"(?:calls|branch_computations)=\{?%([^\s,}]+)", rest)
-            if opcode in COLLECTIVES:
+            if opcode in (*COLLECTIVES, "collective-permute-start"):
+                # TPU's async permute is typed (operand, result, context): one array's bytes
+                start = opcode.endswith("-start")
+                nbytes = type_bytes(SHAPE_RE.search(type_str).group(0) if start else type_str)
                 group = group_size(rest, num_devices)
-                op = Op(opcode, type_bytes(type_str), group, phase_of(rest), channel_of(rest))
-                out.append((op, 1))
+                kind = opcode.removesuffix("-start")
+                out.append((Op(kind, nbytes, group, phase_of(rest), channel_of(rest)), 1))
             elif opcode == "fusion" and callees and callees[0].startswith("all-reduce-scatter"):
                 inner = " ".join(computations.get(callees[0], []))
                 group = group_size(inner, num_devices)
@@ -275,8 +269,8 @@ def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
                     count = 1
                 out += [(op, c * count) for op, c in ops_of(body)]
             else:
-                for callee in callees:
-                    out += ops_of(callee)
+                for o, c in (x for callee in callees for x in ops_of(callee)):
+                    out.append((dataclasses.replace(o, fused=o.fused or opcode == "fusion"), c))
         memo[name] = out = one_per_channel(out)
         return out
 
@@ -304,6 +298,7 @@ def theory(
     name: str, setup: Any, config: GPTJConfig, batch_size: int, seq_len: int, n: int
 ) -> dict[str, Any]:
     """Theoretical array and ring bytes per device per step (see the module docstring)."""
+    mesh = dict(zip(setup.partitioner.mesh_axis_names, setup.partitioner.mesh_shape))
     params = setup.abstract_state.params
     leaves = jax.tree.leaves(params)
     whole = sum(
@@ -333,6 +328,14 @@ def theory(
         }
     else:
         raise ValueError(f"No theory for partitioning {name!r}; expected dp, fsdp or tp.")
+    s = mesh.get("sequence", 1)
+    if s > 1:  # K and V (GPT-J: as many k/v heads as q) of one device's rows and positions
+        kv = 2 * batch_size // (n // s) * seq_len // s * config.hidden_size
+        kv *= np.dtype(config.dtype).itemsize
+        fwd, bwd = (s - 1) * kv, (s - 1) * kv + s * kv * 4 // np.dtype(config.dtype).itemsize
+        layers = config.num_layers
+        parts[f"ring K, V forward ({s - 1} x {layers} layers)"] = (layers * fwd,) * 2
+        parts[f"ring K, V ({s - 1} x), f32 dK, dV ({s} x) backward"] = (layers * bwd,) * 2
     return {
         "parts": {k: {"array_bytes": a, "ring_bytes": r} for k, (a, r) in parts.items()},
         "array_bytes": sum(a for a, _ in parts.values()),
@@ -355,6 +358,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
+    bench_common.add_sequence_arg(p)
     bench_common.add_target_args(p)
     p.add_argument("--dump-hlo", metavar="DIR", help="also write each compiled HLO text here")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON here")
@@ -362,11 +366,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for k in ("layers", "hidden", "heads", "vocab", "batch_size", "seq_len"):
         if getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be at least 1.")
+    if args.sequence > 1 and (args.partitionings != ["fsdp"] or args.seq_len % (2 * args.sequence)):
+        p.error("--sequence: only with --partitionings fsdp, and a multiple of 2 x it as length.")
     return args
 
 
 def check_divisible(args: argparse.Namespace, n: int) -> None:
-    if args.heads % n or args.vocab % n or args.hidden % n or args.batch_size % n:
+    rows = n // args.sequence  # the data-parallel degree
+    if args.heads % n or args.vocab % n or args.hidden % n or args.batch_size % rows:
         raise SystemExit(
             f"--heads, --vocab, --hidden and --batch-size must be multiples of {n} (devices)."
         )
@@ -397,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     rows = []
     for name in args.partitionings:
         print(f"compiling {name} ...", flush=True)
-        partitioner = bench_common.make_partitioner(name, devices)
+        partitioner = bench_common.make_partitioner(name, devices, args.sequence)
         step = bench_common.CompiledStep(
             model,
             partitioner,
@@ -413,6 +420,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         measured = parse_hlo(text, n)
         expected = theory(name, step.setup, config, args.batch_size, args.seq_len, n)
         ratio = measured["ring_bytes"] / expected["ring_bytes"]
+        ring = {k: v for k, v in expected["parts"].items() if k.startswith("ring")}
         rows.append(
             {
                 "partitioning": name,
@@ -424,10 +432,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 "pass": ratio <= TARGET,
             }
         )
+        if ring:  # the ring's collective-permutes alone, against their theory
+            permutes = measured["by_kind"].get("collective-permute", {"ring_bytes": 0.0})
+            ring_ratio = permutes["ring_bytes"] / sum(t["ring_bytes"] for t in ring.values())
+            rows[-1].update(ring_ratio=ring_ratio, ring_pass=1 / TARGET <= ring_ratio <= TARGET)
 
     print(
         f"\nGPT-J {args.layers}x{args.hidden} ({args.heads} heads, vocab {args.vocab}), "
         f"B{args.batch_size}xL{args.seq_len}, float32, scan_layers={args.scan_layers}, "
+        f"sequence={args.sequence}, "
         f"{bench_common.machine_description(devices, args.tpu_topology)}, matmul precision "
         f"{args.matmul_precision or 'default'}; MiB per device per step\n"
     )
@@ -439,15 +452,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 [r["partitioning"], kind, t["count"], mib(t["array_bytes"]), mib(t["ring_bytes"])]
             )
         for part, t in r["theory"]["parts"].items():
-            table.append(
-                [
-                    r["partitioning"],
-                    f"theory: {part}",
-                    "",
-                    mib(t["array_bytes"]),
-                    mib(t["ring_bytes"]),
-                ]
-            )
+            row = [r["partitioning"], f"theory: {part}", "", mib(t["array_bytes"])]
+            table.append([*row, mib(t["ring_bytes"])])
     bench_common.print_table(header, table)
     print()
     summary = []
@@ -475,6 +481,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ],
         summary,
     )
+    for r in (r for r in rows if "ring_ratio" in r):
+        verdict = f"{'PASS' if r['ring_pass'] else 'FAIL'} (within {TARGET}x)"
+        print(f"\nring (collective-permutes) / theory: {r['ring_ratio']:.3f} {verdict}")
     results = bench_common.run_record("collectives.py", args, argv, devices, rows=rows)
     bench_common.write_json(results, args.json)
     return results

@@ -6,9 +6,13 @@ wall clock, nothing executed) for each layer count, with the blocks unrolled and
 `nn.scan` over them, on 8 devices under fsdp. Each configuration is timed `--repeats` times
 (a fresh model and jit each time, so nothing is cached) and the median is reported.
 
-Target: with scan_layers, 24 layers compile in <= 1.5 x the time of 2 layers.
+Target: with scan_layers, 24 layers compile in <= 1.5 x the time of 2 layers. Given several
+`--seq-len`s (e.g. with `--sequence 8`, context parallelism), also the longest length against
+the shortest at the most layers: <= 1.5 x too.
 
     python benchmarks/compile_time.py --json /tmp/compile_time.json
+    python benchmarks/compile_time.py --layers 4 --modes scan --sequence 8 --batch-size 1 \
+      --seq-len 4096 131072
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seq-len", type=int, nargs="+", default=[64])
     p.add_argument("--partitioning", default="fsdp", choices=tuple(bench_common.PARTITIONINGS))
+    bench_common.add_sequence_arg(p)
     p.add_argument("--repeats", type=int, default=1, help="compiles per configuration (median)")
     p.add_argument(
         "--modes",
@@ -55,10 +60,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.layers) < 1 or args.repeats < 1 or args.hidden % args.heads:
         p.error("--layers and --repeats must be at least 1; --hidden a multiple of --heads.")
+    if min(args.seq_len) < 1 or any(n % (2 * args.sequence) for n in args.seq_len):
+        p.error("--seq-len: positive, and multiples of 2 x --sequence.")
     return args
 
 
-def compile_seconds(layers: int, scan: bool, args: argparse.Namespace) -> dict[str, float]:
+def compile_seconds(
+    layers: int, scan: bool, seq_len: int, args: argparse.Namespace
+) -> dict[str, float]:
     head_dim = args.hidden // args.heads
     model = DecoderOnlyModel(
         GPTJConfig(
@@ -73,8 +82,8 @@ def compile_seconds(layers: int, scan: bool, args: argparse.Namespace) -> dict[s
             scan_layers=scan,
         )
     )
-    partitioner = bench_common.make_partitioner(args.partitioning)
-    step = bench_common.CompiledStep(model, partitioner, args.batch_size, args.seq_len)
+    partitioner = bench_common.make_partitioner(args.partitioning, sequence=args.sequence)
+    step = bench_common.CompiledStep(model, partitioner, args.batch_size, seq_len)
     return {
         "lower_seconds": step.lower_seconds,
         "compile_seconds": step.compile_seconds,
@@ -85,36 +94,41 @@ def compile_seconds(layers: int, scan: bool, args: argparse.Namespace) -> dict[s
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     rows = []
-    # Alternate the modes and layer counts inside each repeat, so that a burst of load on
-    # the machine does not fall on one configuration only.
-    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    # Alternate the modes, layer counts and lengths inside each repeat, so that a burst of
+    # load on the machine does not fall on one configuration only.
+    runs: dict[tuple[str, int, int], list[dict[str, float]]] = {}
     for r in range(args.repeats):
         for layers in args.layers:
-            for mode in args.modes:
-                t = compile_seconds(layers, mode == "scan", args)
-                runs.setdefault((mode, layers), []).append(t)
-                print(
-                    f"  repeat {r + 1}: {mode:8s} {layers:3d} layers: lower "
-                    f"{t['lower_seconds']:.2f}s + compile {t['compile_seconds']:.2f}s",
-                    flush=True,
-                )
-    for (mode, layers), ts in runs.items():
+            for seq_len in args.seq_len:
+                for mode in args.modes:
+                    t = compile_seconds(layers, mode == "scan", seq_len, args)
+                    runs.setdefault((mode, layers, seq_len), []).append(t)
+                    print(
+                        f"  repeat {r + 1}: {mode:8s} {layers:3d} layers, length {seq_len}: "
+                        f"lower {t['lower_seconds']:.2f}s + compile {t['compile_seconds']:.2f}s",
+                        flush=True,
+                    )
+    for (mode, layers, seq_len), ts in runs.items():
         rows.append(
             {
                 "mode": mode,
                 "layers": layers,
+                "seq_len": seq_len,
                 **{k: statistics.median(t[k] for t in ts) for k in ts[0]},
                 "total_seconds_all": [t["total_seconds"] for t in ts],
             }
         )
-    rows.sort(key=lambda r: (r["mode"], r["layers"]))
-    base = {r["mode"]: r["total_seconds"] for r in rows if r["layers"] == min(args.layers)}
+    rows.sort(key=lambda r: (r["mode"], r["seq_len"], r["layers"]))
+    fewest, most = min(args.layers), max(args.layers)
+    shortest, longest = min(args.seq_len), max(args.seq_len)
+    base = {(r["mode"], r["seq_len"]): r["total_seconds"] for r in rows if r["layers"] == fewest}
     for r in rows:
-        r["vs_fewest_layers"] = r["total_seconds"] / base[r["mode"]]
+        r["vs_fewest_layers"] = r["total_seconds"] / base[r["mode"], r["seq_len"]]
     table = [
         [
             r["mode"],
             r["layers"],
+            r["seq_len"],
             f"{r['lower_seconds']:.2f}",
             f"{r['compile_seconds']:.2f}",
             f"{r['total_seconds']:.2f}",
@@ -123,24 +137,29 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for r in rows
     ]
     print(
-        f"\nGPT-J width {args.hidden}, B{args.batch_size}xL{args.seq_len}, "
-        f"{args.partitioning} on {jax.device_count()} devices, median of {args.repeats}\n"
+        f"\nGPT-J width {args.hidden}, batch {args.batch_size}, {args.partitioning} "
+        f"(sequence={args.sequence}) on {jax.device_count()} devices, median of {args.repeats}\n"
     )
-    bench_common.print_table(
-        ["mode", "layers", "lower s", "compile s", "total s", f"x of {min(args.layers)} layers"],
-        table,
-    )
+    header = ["mode", "layers", "length", "lower s", "compile s", "total s"]
+    bench_common.print_table([*header, f"x of {fewest} layers"], table)
     results = bench_common.run_record("compile_time.py", args, argv, rows=rows)
-    scan = {r["layers"]: r for r in rows if r["mode"] == "scan"}
-    if len(scan) > 1:
-        most, fewest = max(scan), min(scan)
-        ratio = scan[most]["total_seconds"] / scan[fewest]["total_seconds"]
-        results["scan_ratio"] = ratio
-        results["pass"] = ratio <= TARGET
-        print(
-            f"\nscan: {most} layers / {fewest} layers = {ratio:.2f} "
-            f"(target <= {TARGET}: {'PASS' if ratio <= TARGET else 'FAIL'})"
-        )
+    scan = {(r["layers"], r["seq_len"]): r["total_seconds"] for r in rows if r["mode"] == "scan"}
+    verdicts = []
+    for key, more, less, what in (
+        ("scan_ratio", (most, shortest), (fewest, shortest), "layers"),
+        ("length_ratio", (most, longest), (most, shortest), "length"),
+    ):
+        if more in scan and more != less:
+            ratio = scan[more] / scan[less]
+            results[key] = ratio
+            verdicts.append(ratio <= TARGET)
+            print(
+                f"\nscan, {what}: {more[0]} layers x length {more[1]} / {less[0]} layers x "
+                f"length {less[1]} = {ratio:.2f} (target <= {TARGET}: "
+                f"{'PASS' if ratio <= TARGET else 'FAIL'})"
+            )
+    if verdicts:
+        results["pass"] = all(verdicts)
     bench_common.write_json(results, args.json)
     return results
 

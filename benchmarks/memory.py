@@ -24,7 +24,16 @@ optimizer <= 1.05 x total / 8 while params are whole.
 `--models` takes `gptj` and `llama` (built here; `--hidden` scales them) or the name of any
 gin/models/ file (its shape, dtypes and remat as written; `--layers` still overrides).
 `--loss-chunk-size N` computes the loss N positions at a time (the model's `loss_chunk_size`):
-compare the temporaries with and without it at a long `--seq-len`.
+compare the temporaries with and without it at a long `--seq-len`. `--sequence N` adds a
+`sequence` mesh axis of N devices (context parallelism: fsdp becomes (1, 8/N, N, 1), each
+sequence split N ways, ring attention) and `--attention-chunk-size N` sets
+`attention='chunked'` in blocks of N (the ring's blocks under `--sequence`); remat none and
+one unscanned layer, as the ring is not in force under remat and keeps quadratic buffers
+under nn.scan (benchmarks/RESULTS.md):
+
+    python benchmarks/memory.py --models llama3_1_8b --layers 1 --partitionings \
+      --remat-policies none --no-scan-layers --seq-len 32768 --batch-size 1 --sequence 8 \
+      --attention-chunk-size 1024
 """
 
 from __future__ import annotations
@@ -78,9 +87,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--partitionings",
-        nargs="+",
+        nargs="*",
         choices=tuple(bench_common.PARTITIONINGS),
         default=list(bench_common.PARTITIONINGS),
+        help="each with the gins' remat policy (none: only the --remat-policies rows)",
     )
     p.add_argument(
         "--remat-policies",
@@ -103,6 +113,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the models' loss_chunk_size (default: the loss over all positions at once)",
     )
     p.add_argument(
+        "--attention-chunk-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="attention='chunked' in blocks of N queries and keys (also the ring's blocks "
+        "under --sequence; default: the models' own attention)",
+    )
+    bench_common.add_sequence_arg(p)
+    p.add_argument(
         "--scan-layers",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -116,13 +135,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1.")
     if args.layers is not None and args.layers < 1:
         p.error("--layers must be at least 1.")
-    if args.loss_chunk_size is not None and args.loss_chunk_size < 1:
-        p.error("--loss-chunk-size must be at least 1.")
+    if not args.partitionings and not args.remat_policies:
+        p.error("nothing to compile: give --partitionings or --remat-policies.")
+    for name in ("loss_chunk_size", "attention_chunk_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1.")
+    if args.sequence < 1 or 8 % args.sequence or args.seq_len % (2 * args.sequence):
+        p.error("--sequence must divide 8 (the devices), --seq-len be a multiple of 2 x it.")
     if args.hidden is not None and (args.hidden < 128 or args.hidden % 128):
         p.error("--hidden must be a multiple of 128 (heads of 128 / 256 features).")
-    if args.batch_size % 8:
-        p.error("--batch-size must be a multiple of 8 (the data-parallel degree of dp).")
+    if args.batch_size % (8 // args.sequence):
+        p.error(
+            f"--batch-size must be a multiple of {8 // args.sequence} (8 / --sequence, the "
+            "data-parallel degree of dp)."
+        )
     return args
+
+
+def attention_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields `--attention-chunk-size` sets (none without it)."""
+    if args.attention_chunk_size is None:
+        return {}
+    return dict(attention="chunked", attention_chunk_size=args.attention_chunk_size)
 
 
 def gin_model(name: str, args: argparse.Namespace, remat: str) -> DecoderOnlyModel:
@@ -134,7 +168,7 @@ def gin_model(name: str, args: argparse.Namespace, remat: str) -> DecoderOnlyMod
         model = base.DecoderOnlyModel()
     finally:
         gin.clear_config()
-    changes = dict(remat_policy=remat, scan_layers=args.scan_layers)
+    changes = dict(remat_policy=remat, scan_layers=args.scan_layers, **attention_options(args))
     if args.layers:
         changes["num_layers"] = args.layers
     config = dataclasses.replace(model.config, **changes)
@@ -154,6 +188,7 @@ def build_model(name: str, args: argparse.Namespace, remat: str) -> DecoderOnlyM
         param_dtype="float32",
         remat_policy=remat,
         scan_layers=args.scan_layers,
+        **attention_options(args),
     )
     if name == "gptj":
         config = GPTJConfig(
@@ -187,7 +222,7 @@ def measure(
     devices: Sequence[Any],
 ) -> dict[str, Any]:
     model = build_model(model_name, args, remat)
-    partitioner = bench_common.make_partitioner(partitioning, devices)
+    partitioner = bench_common.make_partitioner(partitioning, devices, args.sequence)
     start = time.perf_counter()
     step = bench_common.CompiledStep(
         model,
@@ -209,6 +244,8 @@ def measure(
         "mesh": dict(zip(partitioner.mesh_axis_names, partitioner.mesh_shape)),
         "remat_policy": remat,
         "loss_chunk_size": args.loss_chunk_size,
+        "attention_chunk_size": args.attention_chunk_size,
+        "sequence": args.sequence,
         "num_params": sum(x.size for x in jax.tree.leaves(state.params)),
         "params_total_bytes": params_total,
         "opt_total_bytes": opt_total,
@@ -287,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         table.append(
             [
                 r["model"],
-                r["partitioning"],
+                r["partitioning"] + (f" + sequence {r['sequence']}" if r["sequence"] > 1 else ""),
                 r["remat_policy"],
                 gib(r["params_bytes"]),
                 gib(r["opt_bytes"]),
@@ -306,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         )
     print(
         f"batch {args.batch_size} x length {args.seq_len}, scan_layers={args.scan_layers}, "
-        f"loss_chunk_size={args.loss_chunk_size}; "
+        f"loss_chunk_size={args.loss_chunk_size}, attention_chunk_size="
+        f"{args.attention_chunk_size}, sequence={args.sequence}; "
         f"{bench_common.machine_description(devices, args.tpu_topology)}\n"
     )
     bench_common.print_table(header, table)

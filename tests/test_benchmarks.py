@@ -260,6 +260,23 @@ def test_collectives_dp_and_tp_match_theory():
 
 
 @pytest.mark.slow
+def test_a_sequence_axis_in_collectives_and_memory():
+    """`--sequence`: the ring's collective-permutes within 1.1x of theory (K and V in forward,
+    K, V and their gradients in backward), and memory.py compiles a sequence-split row."""
+    collectives = load("collectives")
+    argv = ["--partitionings", "fsdp", "--sequence", "4", "--layers", "1", "--hidden", "64"]
+    (fsdp,) = collectives.main(argv + ["--vocab", "128", "--seq-len", "16"])["rows"]
+    assert fsdp["mesh"] == {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}
+    assert fsdp["ring_pass"] and 1.0 <= fsdp["ring_ratio"] <= 1.1, fsdp["ring_ratio"]
+    memory = load("memory")
+    argv = ["--models", "llama", "--layers", "1", "--hidden", "128", "--seq-len", "32"]
+    argv += ["--batch-size", "1", "--sequence", "8", "--attention-chunk-size", "4"]
+    (row,) = memory.main(argv + ["--partitionings", "--remat-policies", "none"])["rows"]
+    assert row["mesh"] == {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}
+    assert row["temp_bytes"] > 0 and row["pass"] and row["attention_chunk_size"] == 4
+
+
+@pytest.mark.slow
 def test_compile_time_scan(tmp_path):
     compile_time = load("compile_time")
     argv = ["--layers", "1", "3", "--modes", "scan", "--hidden", "64", "--seq-len", "16"]
