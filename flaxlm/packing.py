@@ -48,22 +48,19 @@ def pack_linear(dataset: tf.data.Dataset, feature_lengths: Mapping[str, int]) ->
     ds = ds.map(lambda x: {k: v[: tf.math.count_nonzero(v, dtype=tf.int32)] for k, v in x.items()})
     empty = {k: tf.zeros([0], tf.int32) for k in keys}
     ds = ds.map(lambda x: (x, False)).concatenate(tf.data.Dataset.from_tensors((empty, True)))
+    # The row being filled: each feature's tokens and their positions.
+    length_of = {k + s: feature_lengths[k] for k in keys for s in ("", "_positions")}
+    nothing = {k: tf.zeros([0], tf.int32) for k in length_of}
 
-    def row(partial: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
-        out = {}
-        for k in keys:
-            pad = [[0, feature_lengths[k] - tf.size(partial[k])]]
-            out[k] = tf.pad(partial[k], pad)
-            out[k + "_positions"] = tf.pad(partial[k + "_positions"], pad)
-        return out
+    def as_row(partial: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+        """`partial` padded to the lengths, as one row `[1, length]` a feature."""
+        return {k: tf.pad(v, [[0, length_of[k] - tf.size(v)]])[None] for k, v in partial.items()}
 
-    def no_rows() -> dict[str, tf.Tensor]:
-        shapes = {k: feature_lengths[k] for k in keys}
-        shapes.update({k + "_positions": feature_lengths[k] for k in keys})
-        return {k: tf.zeros([0, n], tf.int32) for k, n in shapes.items()}
+    def no_row() -> dict[str, tf.Tensor]:
+        return {k: tf.zeros([0, n], tf.int32) for k, n in length_of.items()}
 
-    def stack(rows: list[dict[str, tf.Tensor]]) -> dict[str, tf.Tensor]:
-        return {k: tf.stack([r[k] for r in rows]) for k in rows[0]}
+    def emptied_if(cond: tf.Tensor, partial: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+        return {k: tf.cond(cond, lambda k=k: nothing[k], lambda k=k: partial[k]) for k in partial}
 
     def step(state, element):
         partial, count = state
@@ -73,11 +70,8 @@ def pack_linear(dataset: tf.data.Dataset, feature_lengths: Mapping[str, int]) ->
         )
         # A full row goes out before an example that does not fit...
         before = tf.logical_and(tf.logical_not(fits), tf.logical_not(is_end))
-        emitted = tf.cond(before, lambda: stack([row(partial)]), no_rows)
-        partial = {
-            k: tf.cond(before, lambda v=v: tf.zeros([0], tf.int32), lambda v=v: v)
-            for k, v in partial.items()
-        }
+        emitted = tf.cond(before, lambda: as_row(partial), no_row)
+        partial = emptied_if(before, partial)
         grown = {}
         for k in keys:
             grown[k] = tf.concat([partial[k], example[k]], 0)
@@ -89,16 +83,13 @@ def pack_linear(dataset: tf.data.Dataset, feature_lengths: Mapping[str, int]) ->
         flush = tf.logical_or(count == flush_every, tf.logical_and(is_end, count > 0))
         emitted = tf.cond(
             flush,
-            lambda: {k: tf.concat([emitted[k], stack([row(grown)])[k]], 0) for k in emitted},
+            lambda: {k: tf.concat([emitted[k], v], 0) for k, v in as_row(grown).items()},
             lambda: emitted,
         )
-        empty_row = {k: tf.zeros([0], tf.int32) for k in grown}
-        grown = {k: tf.cond(flush, lambda k=k: empty_row[k], lambda k=k: grown[k]) for k in grown}
         count = tf.where(flush, tf.constant(0, tf.int64), count)
-        return (grown, count), emitted
+        return (emptied_if(flush, grown), count), emitted
 
-    start = {k + suffix: tf.zeros([0], tf.int32) for k in keys for suffix in ("", "_positions")}
-    ds = ds.scan((start, tf.constant(0, tf.int64)), step).unbatch()
+    ds = ds.scan((nothing, tf.constant(0, tf.int64)), step).unbatch()
 
     def segments(x: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         out = dict(x)

@@ -30,22 +30,12 @@ from flaxlm.models.masks import (  # noqa: F401  (re-exported: attention.Mask, .
     attention_mask,
     causal_mask,
     decoding_positions,
+    default_positions,
     forgetful_causal_mask,
     layer_window,
 )
 
 Array = jax.Array
-
-
-# ---------------------------------------------------------------------------- positions
-
-
-def default_positions(tokens: Array, positions: Array | None) -> Array:
-    """`positions`, or `0 .. length - 1` in every row of `tokens` [batch, length] if None."""
-    if positions is not None:
-        return positions
-    batch, length = tokens.shape
-    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
 
 
 # ---------------------------------------------------------------------------- rotary

@@ -307,13 +307,13 @@ class DecoderOnlyModel(_SingleStackModel):
                 f"max_position_embeddings={limit}; shorten the prompt or max_new_tokens."
             )
 
-    def _chunks_loss(self) -> bool:  # also: the module takes `slots`
+    def _chunks_loss(self) -> bool:
         return isinstance(self.module, CausalLM)
 
     def _arranged(self, batch: Batch) -> Batch:
-        """With the config's `context_parallel_balance`, under a mesh that splits sequences,
-        the batch in the load-balanced order (`context_parallel.balanced_batch`)."""
-        if getattr(self.config, "context_parallel_balance", False) and self._chunks_loss():
+        """`context_parallel.balanced_batch`, with the config's `context_parallel_balance`."""
+        balance = getattr(self.config, "context_parallel_balance", False)
+        if balance and isinstance(self.module, CausalLM):
             names = (self._feature(n) for n in ("input_tokens", "positions", "slots"))
             return context_parallel.balanced_batch(batch, *names)
         return batch

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.models.masks import NO_WINDOW, Mask
+from flaxlm.models.masks import NO_WINDOW, Mask, default_positions, visible
 
 Array = jax.Array
 
@@ -85,8 +85,7 @@ def balanced_batch(batch: Mapping[str, Array], tokens: str, positions: str, slot
     rows, length = batch[tokens].shape
     order = balanced_order(length, shards)
     batch = dict(batch)
-    if batch.get(positions) is None:
-        batch[positions] = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
+    batch[positions] = default_positions(batch[tokens], batch.get(positions))
     batch = {
         k: v[:, order] if v.ndim >= 2 and v.shape[:2] == (rows, length) else v
         for k, v in batch.items()
@@ -148,10 +147,8 @@ def attention(
     keep = mask.kv_keep
     if keep is None:
         keep = jnp.ones((batch, length), bool)
-    window = jnp.asarray(NO_WINDOW if mask.sliding_window is None else mask.sliding_window)
-    if mask.window is not None:
-        window = jnp.minimum(window, mask.window)
-    window = window.astype(jnp.int32)
+    window = mask.combined_window()
+    window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32)
 
     rule = functools.partial(_mesh_axis, mesh)
     batch_axes, heads_axes = rule("batch", batch), rule("heads", heads)
@@ -234,10 +231,7 @@ def _visible(cfg: _Config, q_meta, k_meta, window: Array) -> Array:
     """bool [b, 1, 1, Cq, Ck]: which keys of a chunk each query of a chunk sees."""
     q_slot, q_seg = q_meta
     k_slot, k_seg, k_keep = k_meta
-    distance = q_slot[:, None] - k_slot[None, :]
-    ok = distance < window
-    if cfg.causal:
-        ok = ok & (distance >= 0)
+    ok = visible(q_slot, k_slot, causal=cfg.causal, window=window)
     ok = ok[None] & (q_seg[:, :, None] == k_seg[:, None, :]) & k_keep[:, None, :]
     return ok[:, None, None]
 

@@ -1,5 +1,6 @@
 """Attention masks: which keys each query sees (causal, sliding windows, packed segments,
-FCM) computed blockwise on demand, and the decoding state they read while the KV cache fills.
+FCM) computed blockwise on demand, the decoding state they read while the KV cache fills,
+and the token positions they go with (default, and while decoding).
 
 Nothing here knows a mesh or a model; `attention.py` re-exports these names.
 """
@@ -57,7 +58,7 @@ class Mask:
             q_slot = jax.lax.dynamic_slice_in_dim(padded, q_start, q_size)
             k_slot = jax.lax.dynamic_slice_in_dim(padded, k_start, k_size)
         mask = (q_idx < self.q_len)[:, None] & (k_idx < self.kv_len)[None, :]
-        mask = mask & self.slots_visible(q_slot, k_slot)
+        mask = mask & visible(q_slot, k_slot, causal=self.causal, window=self.combined_window())
         k_slot = k_slot[None, :]
         mask = jnp.broadcast_to(mask[None], (self.batch, q_size, k_size))
         if self.kv_start is not None:
@@ -84,19 +85,13 @@ class Mask:
             mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])
         return mask[:, None]
 
-    def slots_visible(self, q_slot: Array, k_slot: Array) -> Array:
-        """bool `[len(q_slot), len(k_slot)]`: what causality and the sliding windows let the
-        queries at slots `q_slot` see of the keys at slots `k_slot` (no segments, no
-        padding)."""
-        distance = q_slot[:, None] - k_slot[None, :]
-        mask = jnp.ones(distance.shape, bool)
-        if self.causal:
-            mask = distance >= 0
-        if self.sliding_window is not None:
-            mask = mask & (distance < self.sliding_window)
-        if self.window is not None:
-            mask = mask & (distance < self.window)
-        return mask
+    def combined_window(self) -> Array | int | None:
+        """The narrower of `sliding_window` and this layer's `window` (None: neither)."""
+        if self.window is None:
+            return self.sliding_window
+        if self.sliding_window is None:
+            return self.window
+        return jnp.minimum(self.window, self.sliding_window)
 
     def dense(self) -> Array:
         return self.block(0, self.q_len, 0, self.kv_len)
@@ -107,6 +102,22 @@ class Mask:
 
 
 NO_WINDOW = 2**30  # a window longer than any sequence
+
+
+def visible(q_slot: Array, k_slot: Array, *, causal: bool, window: Array | int | None) -> Array:
+    """bool `[len(q_slot), len(k_slot)]`: which keys at slots `k_slot` causality and a sliding
+    `window` (None: none) let the queries at slots `q_slot` see (no segments, no padding)."""
+    distance = q_slot[:, None] - k_slot[None, :]
+    mask = distance >= 0 if causal else jnp.ones(distance.shape, bool)
+    return mask if window is None else mask & (distance < window)
+
+
+def default_positions(tokens: Array, positions: Array | None) -> Array:
+    """`positions`, or `0 .. length - 1` in every row of `tokens` [batch, length] if None."""
+    if positions is not None:
+        return positions
+    batch, length = tokens.shape
+    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
 
 
 def layer_window(windows: tuple[int | None, ...], index: Array) -> Array | None:
