@@ -27,12 +27,12 @@ gin/models/ file (its shape, dtypes and remat as written; `--layers` still overr
 compare the temporaries with and without it at a long `--seq-len`. `--sequence N` adds a
 `sequence` mesh axis of N devices (context parallelism: fsdp becomes (1, 8/N, N, 1), each
 sequence split N ways, ring attention) and `--attention-chunk-size N` sets
-`attention='chunked'` in blocks of N (the ring's blocks under `--sequence`); remat none and
-one unscanned layer, as the ring is not in force under remat and keeps quadratic buffers
-under nn.scan (benchmarks/RESULTS.md):
+`attention='chunked'` in blocks of N (the ring's blocks under `--sequence`; without it,
+flash-style blocks on each device, also linear in the length). `--collectives` adds the
+bytes each device's step moves by collective (e.g. the chunked loss's head traffic):
 
     python benchmarks/memory.py --models llama3_1_8b --layers 1 --partitionings \
-      --remat-policies none --no-scan-layers --seq-len 32768 --batch-size 1 --sequence 8 \
+      --remat-policies none --seq-len 32768 --batch-size 1 --sequence 8 \
       --attention-chunk-size 1024
 """
 
@@ -63,6 +63,7 @@ from flaxlm.models.llama import LlamaConfig  # noqa: E402
 
 TARGET = 1.05
 GIB = 2**30
+COLLECTIVE_COLUMNS = ("all-gather", "reduce-scatter", "all-reduce")
 MODEL_REMAT = "dots_with_no_batch_dims_saveable"  # the policy of gptj_6b.gin / llama2_7b.gin
 GIN_MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gin/models")
 BUILT_HERE = ("gptj", "llama")
@@ -128,6 +129,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="nn.scan the blocks (as the model gins do; one layer body compiled)",
     )
     bench_common.add_target_args(p)
+    p.add_argument(
+        "--collectives",
+        action="store_true",
+        help="also the GiB each device's step all-gathers, reduce-scatters and all-reduces "
+        "(array bytes, collectives.py's parser)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON here")
     args = p.parse_args(argv)
     for name in ("batch_size", "seq_len"):
@@ -260,6 +267,13 @@ def measure(
         row["argument_bytes"] = int(mem.argument_size_in_bytes)
         row["output_bytes"] = int(mem.output_size_in_bytes)
         row["alias_bytes"] = int(mem.alias_size_in_bytes)
+        if args.collectives:
+            import collectives
+
+            by_kind = collectives.parse_hlo(step.compiled.as_text(), n)["by_kind"]
+            row["collective_bytes"] = {
+                k: by_kind.get(k, {}).get("array_bytes", 0) for k in COLLECTIVE_COLUMNS
+            }
     ideal = (params_total + opt_total) / n
     if partitioning == "fsdp":
         value = row["params_bytes"] + row["opt_bytes"]
@@ -313,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"params+opt / (total/{n})",
         "target",
     ]
+    if args.collectives:
+        header += [f"{k} GiB/step" for k in COLLECTIVE_COLUMNS]
     table = []
     for r in rows:
         ratio = (r["params_bytes"] + r["opt_bytes"]) / (
@@ -333,6 +349,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 verdict,
             ]
         )
+        if args.collectives:
+            moved = r.get("collective_bytes", {})
+            table[-1] += [gib(moved[k]) if k in moved else "-" for k in COLLECTIVE_COLUMNS]
     print()
     for m in args.models:
         first = next(r for r in rows if r["model"] == m)

@@ -37,7 +37,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from flaxlm import gin_utils, inference, run_dir, vocabularies
-from flaxlm.models import layers
+from flaxlm.models import losses
 from flaxlm.models.base import BaseModel, EncoderDecoderModel
 from flaxlm.partitioning import Partitioner
 
@@ -64,7 +64,7 @@ def score_and_greedy(
     logits = model.compute_logits(params, batch)
     targets, weights = model.targets_and_weights(batch)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
-    target = layers.select_tokens(log_probs, targets)
+    target = losses.select_tokens(log_probs, targets)
     scores = jnp.sum(target * weights.astype(jnp.float32), axis=-1)
     greedy = jnp.all((jnp.argmax(logits, axis=-1) == targets) | (weights == 0), axis=-1)
     return scores, greedy

@@ -1,7 +1,10 @@
 """8 simulated CPU devices for every test, set before JAX is imported anywhere."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
@@ -16,6 +19,17 @@ if REPO not in sys.path:
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# The end-to-end tests start `python -m flaxlm.main` over and over on the same tiny configs,
+# each compiling the same programs. Set after JAX is imported here (which has read its
+# config), this reaches only those processes: one compilation cache per test worker, with
+# its file locks on (a size limit), so that concurrent processes never read a half-written
+# entry. This process, and so the in-process tests, compile without it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="flaxlm-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(1 << 30))
 
 
 def pytest_configure(config: pytest.Config) -> None:

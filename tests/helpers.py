@@ -64,3 +64,20 @@ def random_batch(batch_size: int = 8, length: int = SEQ_LEN, seed: int = 0) -> d
 
 def adamw(learning_rate: float = 1e-2):
     return optimizers.create_optimizer(learning_rate=learning_rate)
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (the scripts import their siblings by name)."""
+    import importlib.util
+    import os
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    benchmarks = os.path.join(repo, "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", f"{benchmarks}/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

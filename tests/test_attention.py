@@ -114,22 +114,26 @@ def test_model_logits_and_gradients_agree_across_implementations(implementation)
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-def test_chunked_attention_memory_grows_linearly_with_length():
-    def temp_bytes(implementation, length):
+def test_chunked_attention_memory_grows_linearly_with_length_in_training_too():
+    def temp_bytes(implementation, length, grad):
         q, k, v = qkv(batch=1, q_len=length, kv_len=length, heads=4, kv_heads=4, head_dim=16)
-        mask = attention.attention_mask(None, 1, length)
-        fn = jax.jit(
-            lambda q, k, v: attention.dot_product_attention(
+        mask = attention.attention_mask(segments(1, length, [length // 3], 0), 1, length)
+
+        def attend(q, k, v):
+            out = attention.dot_product_attention(
                 q, k, v, mask, implementation=implementation, chunk_size=256
             )
-        )
+            return jnp.sum(out * v)
+
+        fn = jax.jit(jax.grad(attend, argnums=(0, 1, 2)) if grad else attend)
         return fn.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
 
-    xla = [temp_bytes("xla", n) for n in (1024, 4096)]
-    chunked = [temp_bytes("chunked", n) for n in (1024, 4096)]
-    assert xla[1] > 10 * xla[0]  # the scores grow with length squared
-    assert chunked[1] < 6 * chunked[0]  # blocks: linear in length
-    assert chunked[1] < xla[1] / 8
+    for grad in (False, True):
+        xla = [temp_bytes("xla", n, grad) for n in (1024, 4096)]
+        chunked = [temp_bytes("chunked", n, grad) for n in (1024, 4096)]
+        assert xla[1] > 10 * xla[0], (grad, xla)  # the scores grow with length squared
+        assert chunked[1] < 6 * chunked[0], (grad, chunked)  # blocks: linear in length
+        assert chunked[1] < xla[1] / 8, (grad, chunked, xla)
 
 
 def test_unknown_attention_is_named():

@@ -1,6 +1,5 @@
 """Smoke tests of the compile-only benchmarks and the PyTorch comparison, at tiny shapes."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -8,23 +7,14 @@ import sys
 
 import pytest
 
+from tests.helpers import load_benchmark
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO, "benchmarks")
 
 
-def load(name: str):
-    """benchmarks/<name>.py as a module (the scripts import their siblings by name)."""
-    if BENCHMARKS not in sys.path:
-        sys.path.insert(0, BENCHMARKS)
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", f"{BENCHMARKS}/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_parse_hlo_counts_collectives_inside_loops():
-    collectives = load("collectives")
+    collectives = load_benchmark("collectives")
     hlo = """HloModule m
 
 %body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
@@ -62,7 +52,7 @@ def test_parse_hlo_reads_tpu_async_pieces_reduce_scatter_fusions_and_loop_bounds
     """TPU's compiled HLO: one async all-gather split into a start and a continuation fusion
     (one channel_id), a reduce-scatter as a custom fusion around an all-reduce, and a while
     loop without known_trip_count (its condition compares the counter with a constant)."""
-    collectives = load("collectives")
+    collectives = load_benchmark("collectives")
     hlo = """HloModule m
 
 %fused_start (p0: bf16[2,8]) -> bf16[16,8] {
@@ -224,7 +214,7 @@ def test_tpu_compile_beside_a_process_holding_libtpu():
 
 @pytest.mark.slow
 def test_memory_fsdp_and_zero1_targets(tmp_path):
-    memory = load("memory")
+    memory = load_benchmark("memory")
     path = tmp_path / "memory.json"
     argv = ["--models", "gptj", "--layers", "1", "--hidden", "128", "--seq-len", "16"]
     argv += ["--partitionings", "fsdp", "zero1", "--remat-policies", "--json", str(path)]
@@ -246,7 +236,7 @@ def test_memory_fsdp_and_zero1_targets(tmp_path):
 
 @pytest.mark.slow
 def test_collectives_dp_and_tp_match_theory():
-    collectives = load("collectives")
+    collectives = load_benchmark("collectives")
     argv = ["--partitionings", "dp", "tp", "--layers", "1", "--hidden", "64", "--vocab", "128"]
     results = collectives.main(argv + ["--seq-len", "16"])
     dp, tp = results["rows"]
@@ -262,23 +252,26 @@ def test_collectives_dp_and_tp_match_theory():
 @pytest.mark.slow
 def test_a_sequence_axis_in_collectives_and_memory():
     """`--sequence`: the ring's collective-permutes within 1.1x of theory (K and V in forward,
-    K, V and their gradients in backward), and memory.py compiles a sequence-split row."""
-    collectives = load("collectives")
+    K, V and their gradients in backward), and memory.py compiles a sequence-split row with
+    the chunked loss and counts its collectives."""
+    collectives = load_benchmark("collectives")
     argv = ["--partitionings", "fsdp", "--sequence", "4", "--layers", "1", "--hidden", "64"]
     (fsdp,) = collectives.main(argv + ["--vocab", "128", "--seq-len", "16"])["rows"]
     assert fsdp["mesh"] == {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}
     assert fsdp["ring_pass"] and 1.0 <= fsdp["ring_ratio"] <= 1.1, fsdp["ring_ratio"]
-    memory = load("memory")
+    memory = load_benchmark("memory")
     argv = ["--models", "llama", "--layers", "1", "--hidden", "128", "--seq-len", "32"]
     argv += ["--batch-size", "1", "--sequence", "8", "--attention-chunk-size", "4"]
+    argv += ["--loss-chunk-size", "2", "--collectives"]
     (row,) = memory.main(argv + ["--partitionings", "--remat-policies", "none"])["rows"]
     assert row["mesh"] == {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}
     assert row["temp_bytes"] > 0 and row["pass"] and row["attention_chunk_size"] == 4
+    assert row["loss_chunk_size"] == 2 and row["collective_bytes"]["all-gather"] > 0
 
 
 @pytest.mark.slow
 def test_compile_time_scan(tmp_path):
-    compile_time = load("compile_time")
+    compile_time = load_benchmark("compile_time")
     argv = ["--layers", "1", "3", "--modes", "scan", "--hidden", "64", "--seq-len", "16"]
     results = compile_time.main(argv + ["--json", str(tmp_path / "ct.json")])
     assert [(r["mode"], r["layers"]) for r in results["rows"]] == [("scan", 1), ("scan", 3)]
@@ -289,7 +282,7 @@ def test_compile_time_scan(tmp_path):
 
 @pytest.mark.slow
 def test_vs_pytorch_tiny():
-    vs_pytorch = load("vs_pytorch")
+    vs_pytorch = load_benchmark("vs_pytorch")
     argv = ["--hidden-size", "64", "--num-layers", "1", "--num-heads", "2", "--batch-size", "2"]
     argv += ["--seq-len", "16", "--steps", "2", "--repeats", "2", "--warmup", "1"]
     results = vs_pytorch.main(argv)

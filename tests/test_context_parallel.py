@@ -1,7 +1,7 @@
 """Context parallelism: a sequence split over the mesh's `sequence` axis gives the loss and the
 gradients of the same model unsplit, by ring and by all-gather attention, packed or not, with
-windows shorter than a shard, for every decoder family; the load-balanced order gives every
-shard the same share of the causal work."""
+windows shorter than a shard, for every decoder family (with the chunked loss); the
+load-balanced order gives every shard the same share of the causal work."""
 
 import dataclasses
 from pathlib import Path
@@ -211,12 +211,15 @@ FAMILIES = {
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_family_splits_its_sequence(family):
+def test_every_family_splits_its_sequence_and_its_chunked_loss(family):
+    """Split, the loss is also chunked (5 of each device's 16 positions at a time, the
+    vocabulary on `tensor`): the same loss and gradients as the whole loss unsplit."""
     model = DecoderOnlyModel(FAMILIES[family]())
     params = _random_params(model, {"decoder_input_tokens": (1, 8)}, scale=0.2)
     batch = _batches(64, seed=2)["packed"]
     want = _loss_and_grads(model, params, batch)
-    _assert_same(_loss_and_grads(model, params, batch, (1, 1, 4, 2)), want)
+    chunked = DecoderOnlyModel(FAMILIES[family](), loss_chunk_size=5)
+    _assert_same(_loss_and_grads(chunked, params, batch, (1, 1, 4, 2)), want)
 
 
 def test_a_bidirectional_encoder_splits_its_sequence():

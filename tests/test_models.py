@@ -12,7 +12,7 @@ from flaxlm.models.llama import LlamaConfig
 from flaxlm.models.t5 import T5Config
 from flaxlm.partitioning import Partitioner
 from flaxlm.trainer import Setup
-from tests.helpers import adamw, feature_lengths, random_batch, tiny_gptj
+from tests.helpers import adamw, feature_lengths, load_benchmark, random_batch, tiny_gptj
 
 
 def _params_and_batch(model):
@@ -156,6 +156,30 @@ def test_chunked_loss_gives_the_same_loss_metrics_and_gradients(family, mesh_sha
     if mesh_shape == (1, 2, 4):
         # A device's block of logits: its 4 of the 8 rows, 5 positions, 40 of 160 ids.
         assert "f32[4,5,40]" in hlo
+
+
+def test_chunked_loss_gathers_the_head_and_sums_its_gradient_once_not_per_block():
+    """Compiled gradients of the tied head (vocabulary on `tensor`, rows on `fsdp`): the
+    collectives move as many bytes with 8 blocks of positions as with 1 (the head is
+    gathered whole once and its gradient summed once, outside the loop over blocks)."""
+    parse_hlo = load_benchmark("collectives").parse_hlo
+    partitioner = Partitioner(mesh_shape=(1, 2, 4))
+
+    def collective_bytes(chunk):
+        model = DecoderOnlyModel(FAMILIES["llama_tied"](), loss_chunk_size=chunk)
+        setup = Setup(model, partitioner, adamw(), feature_lengths())
+        rng = jax.random.PRNGKey(0)
+        fn = partitioner.partition(
+            lambda p, b: trainer.accumulate_gradients(model, partitioner, p, b, rng),
+            (setup.state_shardings.params, setup.batch_axes),
+            None,
+        )
+        params = jax.eval_shape(lambda: model.init_params(rng, model.example_batch_shapes()))
+        hlo = fn.lower(params, random_batch()).compile().as_text()
+        by_kind = parse_hlo(hlo, 8)["by_kind"]
+        return {k: by_kind[k]["array_bytes"] for k in ("all-gather", "all-reduce")}
+
+    assert collective_bytes(2) == collective_bytes(16)
 
 
 def test_chunked_loss_keeps_the_logits_of_the_whole_batch_out_of_memory():

@@ -338,7 +338,7 @@ def one_process_resumed(tmp_path_factory, repo_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [(8, 1, 1), (2, 1, 4), (1, 1, 8)])
+@pytest.mark.parametrize("mesh", [(8, 1, 1), (1, 1, 8)])
 def test_two_processes_read_their_rows_of_the_one_process_batches(
     tmp_path, repo_dir, one_process_resumed, mesh
 ):

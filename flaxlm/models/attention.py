@@ -159,7 +159,10 @@ def dot_product_attention(
 
     implementation: 'xla' (einsums, the default), 'jax' (`jax.nn.dot_product_attention`:
     cuDNN flash attention on GPU where it applies, XLA elsewhere) or 'chunked' (blocks of
-    `chunk_size` queries and keys with an online softmax: memory linear in the length).
+    `chunk_size` queries and keys with an online softmax: memory linear in the length, in
+    training too: whole-sequence self-attention under a `Mask` goes to
+    `context_parallel.attention`, whose custom VJP recomputes each block's scores; other
+    masks and a bias take `_chunked_attention`, whose backward is JAX's own).
 
     context_parallel: how self-attention over a sequence split on the mesh's `sequence` axis
     gathers the other shards' keys: 'ring' or 'all_gather' (`context_parallel.attention`,
@@ -167,7 +170,7 @@ def dot_product_attention(
     `bias` keep the kernels above.
     """
     check_implementation(implementation, softcap)
-    if cp.applies(mask, bias):
+    if cp.applies(mask, bias) or (implementation == "chunked" and cp.whole_sequence(mask, bias)):
         return cp.attention(
             query,
             key,

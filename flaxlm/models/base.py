@@ -19,7 +19,7 @@ import numpy as np
 import seqio
 
 from flaxlm import decoding
-from flaxlm.models import attention, context_parallel, layers
+from flaxlm.models import attention, context_parallel, losses
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.features import MaskedLMFeatureConverter
 from flaxlm.models.options import (  # noqa: F401  (re-exported: families import them here)
@@ -54,14 +54,13 @@ class BaseModel(abc.ABC):
         Args:
           loss_chunk_size: compute the loss this many positions at a time, so that the
             float32 logits `[batch, length, vocab]` never exist whole, in the forward or the
-            backward pass (`layers.chunked_cross_entropy`; decoder-only models on
+            backward pass (`losses.chunked_cross_entropy`; decoder-only models on
             `causal_lm.CausalLM`). None: all positions at once.
           eos_id: the token(s) that end generation (seqio's vocabularies use 1; an HF import
             takes its generation config's `eos_token_id`, else its config's).
           special_ids: an HF checkpoint's `*_token_id` settings (bos, eos as an int or a
             list, pad, decoder start, ...), kept so that an export writes them back.
-          generation_config: an HF checkpoint's `generation_config.json` (sampling defaults
-            included), kept for the same reason.
+          generation_config: an HF checkpoint's `generation_config.json`, kept likewise.
         """
         self.config = config
         self.module = config.make_module()
@@ -132,7 +131,7 @@ class BaseModel(abc.ABC):
         targets, weights = self.targets_and_weights(batch)
         if self.loss_chunk_size is None:
             logits = self._logits(params, batch, rng)
-            sums = layers.cross_entropy(logits, targets, weights, self.z_loss)
+            sums = losses.cross_entropy(logits, targets, weights, self.z_loss)
         else:
             sums = self._chunked_loss_sums(params, batch, rng, targets, weights)
         loss_sum, z_sum, correct_sum = sums
@@ -184,7 +183,7 @@ class BaseModel(abc.ABC):
         logits = self.compute_logits(params, batch)
         targets, weights = self.targets_and_weights(batch)
         log_probs = jax.nn.log_softmax(logits, axis=-1)
-        target = layers.select_tokens(log_probs, targets)
+        target = losses.select_tokens(log_probs, targets)
         return jnp.sum(target * weights.astype(jnp.float32), axis=-1)
 
     # -------------------------------------------------------------- decoding
@@ -323,13 +322,14 @@ class DecoderOnlyModel(_SingleStackModel):
     ) -> tuple[Array, Array, Array]:
         hidden = self._apply(params, batch, rng=rng, return_hidden=True)
 
-        def head(x: Array, block: Array) -> Array:
+        def head(head_params: Params, x: Array, block: Array) -> Array:
             # The head has no dropout of its own; a dropout rng per block serves LoRA's.
             rngs = {"dropout": jax.random.fold_in(rng, block)} if rng is not None else None
-            return self._mask_padded_vocab(self.module.head_logits(params, x, rngs=rngs))
+            return self._mask_padded_vocab(self.module.head_logits(head_params, x, rngs=rngs))
 
-        return layers.chunked_cross_entropy(
-            hidden, head, targets, weights, self.loss_chunk_size, self.z_loss
+        head_params, chunk = self.module.head_params(params), self.loss_chunk_size
+        return losses.chunked_cross_entropy(
+            hidden, head, head_params, targets, weights, chunk, self.z_loss
         )
 
     def _run_decoder(

@@ -9,7 +9,7 @@ norm). Its blocks are called `block(x, [layer_index,] mask, decoding, *extra)` w
 
 The head can also run apart from the trunk, with the same params: `__call__(...,
 return_hidden=True)` stops at the final norm, and `head_logits(params, hidden)` applies the head
-to any block of those positions (the chunked loss, `layers.chunked_cross_entropy`).
+to any block of those positions (the chunked loss, `losses.chunked_cross_entropy`).
 """
 
 from __future__ import annotations
@@ -190,8 +190,15 @@ class CausalLM(nn.Module):
         """
         # A compact module's submodules cannot be built outside its `__call__`, so the head
         # layer is bound to its subtree on its own.
-        if self.tied_head:
-            head, scope = self._embed(parent=None), self.embed_name
-        else:
-            head, scope = self._lm_head(parent=None), "lm_head"
-        return self._head(head.bind({"params": params[scope]}, rngs=rngs), hidden)
+        head = self._embed(parent=None) if self.tied_head else self._lm_head(parent=None)
+        return self._head(head.bind({"params": params[self._head_scope()]}, rngs=rngs), hidden)
+
+    @nn.nowrap
+    def head_params(self, params: Any) -> dict[str, Any]:
+        """The part of this module's params tree that `head_logits` reads (and accepts in
+        place of the whole tree)."""
+        return {self._head_scope(): params[self._head_scope()]}
+
+    @nn.nowrap
+    def _head_scope(self) -> str:
+        return self.embed_name if self.tied_head else "lm_head"

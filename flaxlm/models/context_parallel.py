@@ -94,16 +94,22 @@ def balanced_batch(batch: Mapping[str, Array], tokens: str, positions: str, slot
     return batch
 
 
-def applies(mask: Mask | Array | None, bias: Array | None) -> bool:
-    """Whether `attention` computes this attention: self-attention over a whole sequence
-    (not decoding, no bias) that the context's mesh splits (a length its `sequence` axis
-    divides; anything else is left to XLA, e.g. the short rows that build params)."""
+def whole_sequence(mask: Mask | Array | None, bias: Array | None) -> bool:
+    """Whether `attention` can compute this attention: self-attention over a whole sequence
+    under a `Mask` (not decoding or cross-attention, no bias)."""
     if not isinstance(mask, Mask) or bias is not None or mask.cross:
         return False
-    if mask.kv_start is not None:  # decoding (its masks alone set kv_start; q_offset may be
-        return False  # a tracer under remat even where it is 0)
+    # Decoding's masks alone set kv_start (q_offset may be a tracer under remat even where
+    # it is 0).
+    return mask.kv_start is None and mask.q_len == mask.kv_len
+
+
+def applies(mask: Mask | Array | None, bias: Array | None) -> bool:
+    """Whether `dot_product_attention` must hand this attention to `attention`: a
+    `whole_sequence` one that the context's mesh splits (a length its `sequence` axis
+    divides; anything else is left to XLA, e.g. the short rows that build params)."""
     shards = sequence_shards()
-    return shards > 1 and mask.q_len == mask.kv_len and mask.q_len % shards == 0
+    return shards > 1 and whole_sequence(mask, bias) and mask.q_len % shards == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +134,9 @@ def attention(
     chunk_size: int = 512,
     strategy: str = "ring",
 ) -> Array:
-    """`attention.dot_product_attention` of a sequence split over the `sequence` mesh axis.
+    """`attention.dot_product_attention` of a sequence split over the `sequence` mesh axis,
+    or, without one, of the whole sequence on each device (`attention='chunked'`): blocks of
+    `chunk_size` with the custom VJP either way, so training memory is linear in the length.
 
     query: [batch, length, heads, head_dim]; key, value: [batch, length, kv_heads,
     head_dim], split on `length` (and as the rules say on batch and heads); mask: the
@@ -136,8 +144,7 @@ def attention(
     Returns [batch, length, heads, head_dim] in `dtype`, split like `query`.
     """
     check_strategy(strategy)
-    mesh = jax.sharding.get_abstract_mesh()
-    shards = int(mesh.shape[SEQUENCE_AXIS])
+    shards = sequence_shards()
     batch, length, heads, head_dim = query.shape
     kv_heads = key.shape[2]
     slots = jnp.arange(length, dtype=jnp.int32) if mask.slots is None else mask.slots
@@ -150,15 +157,6 @@ def attention(
     window = mask.combined_window()
     window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32)
 
-    rule = functools.partial(_mesh_axis, mesh)
-    batch_axes, heads_axes = rule("batch", batch), rule("heads", heads)
-    kv_axes = rule("kv_heads", kv_heads) if kv_heads > 1 else None
-    if kv_heads > 1 and kv_axes != heads_axes:
-        # Each device's query heads must find their key/value heads on it.
-        heads_axes = kv_axes = None
-    q_spec = P(batch_axes, SEQUENCE_AXIS, heads_axes, None)
-    kv_spec = P(batch_axes, SEQUENCE_AXIS, kv_axes, None)
-    row_spec = P(batch_axes, SEQUENCE_AXIS)
     cfg = _Config(
         scale=head_dim**-0.5 if scale is None else float(scale),
         softcap=softcap,
@@ -167,6 +165,20 @@ def attention(
         shards=shards if strategy == "ring" else 1,
         dtype=jnp.dtype(dtype),
     )
+    segments = segments.astype(jnp.int32)
+    if shards == 1:
+        return _attend(cfg, query, key, value, (slots, segments), (slots, segments, keep), window)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    rule = functools.partial(mesh_axis, mesh)
+    batch_axes, heads_axes = rule("batch", batch), rule("heads", heads)
+    kv_axes = rule("kv_heads", kv_heads) if kv_heads > 1 else None
+    if kv_heads > 1 and kv_axes != heads_axes:
+        # Each device's query heads must find their key/value heads on it.
+        heads_axes = kv_axes = None
+    q_spec = P(batch_axes, SEQUENCE_AXIS, heads_axes, None)
+    kv_spec = P(batch_axes, SEQUENCE_AXIS, kv_axes, None)
+    row_spec = P(batch_axes, SEQUENCE_AXIS)
 
     def local(q, k, v, slot, seg, kkeep, win):
         if strategy == "all_gather":
@@ -184,10 +196,10 @@ def attention(
         in_specs=(q_spec, kv_spec, kv_spec, P(SEQUENCE_AXIS), row_spec, row_spec, P()),
         out_specs=q_spec,
         check_vma=False,
-    )(query, key, value, slots, segments.astype(jnp.int32), keep, window)
+    )(query, key, value, slots, segments, keep, window)
 
 
-def _mesh_axis(mesh, logical: str, size: int) -> str | tuple[str, ...] | None:
+def mesh_axis(mesh, logical: str, size: int) -> str | tuple[str, ...] | None:
     """The mesh axes Flax's rules in force give the logical axis `logical`, without the
     sequence axis and axes this mesh lacks; None if they do not divide `size` (that dim is
     then whole on every device)."""
@@ -369,6 +381,11 @@ def _attend(cfg: _Config, q, k, v, q_meta, k_meta, window):
 
 
 def _attend_fwd(cfg: _Config, q, k, v, q_meta, k_meta, window):
+    # Differentiating a scan over layers (`scan_layers`), JAX evaluates ahead of the loop all
+    # that depends on its constants alone, such as every block pair's mask from the slots
+    # and segments, and keeps it for every block pair at once (quadratic in the length).
+    # Tied to the queries, the masks are computed block by block inside the loop.
+    q, q_meta, k_meta, window = jax.lax.optimization_barrier((q, q_meta, k_meta, window))
     b, length, heads, d = q.shape
     kv_heads = k.shape[2]
     chunk, qc, kc, vc, q_meta_c, k_meta_c = _layout(cfg, q, k, v, q_meta, k_meta)

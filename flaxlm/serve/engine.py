@@ -17,7 +17,7 @@ import numpy as np
 import seqio
 
 from flaxlm import decoding, inference
-from flaxlm.models import layers
+from flaxlm.models import losses
 from flaxlm.models.base import BaseModel
 from flaxlm.partitioning import Partitioner
 from flaxlm.serve.api import MAX_LOGPROBS, Completion, check_prompt_ids
@@ -235,6 +235,6 @@ def _select(
     filtered = decoding.filter_logits(scaled, top_p=top_p[:, None])
     sampled = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, filtered)
     token = jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
-    token_lp = layers.select_tokens(log_probs, token)
+    token_lp = losses.select_tokens(log_probs, token)
     top_lps, top_ids = jax.lax.top_k(log_probs, num_top)
     return token, token_lp, top_ids, top_lps
