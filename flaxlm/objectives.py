@@ -1,0 +1,151 @@
+"""The math of post-training objectives, on log-probabilities: DPO, IPO, ORPO, SimPO, GRPO.
+
+Pure functions of per-sequence (or per-token) log-probabilities, float32, no model and no
+mesh: the preference and RL losses that `trainer`'s steps will take as `loss_fn(params, batch,
+rng)` are built on these (issue 19; the wiring to models, data and runs is not here yet).
+Each follows its paper, with TRL's conventions where TRL fixed a free choice:
+
+- DPO (Rafailov et al. 2023, eq. 7): `-log sigmoid(beta * (chosen_ratio - rejected_ratio))`,
+  ratios of policy to reference log-probs; `label_smoothing` (cDPO) mixes in the flipped
+  preference. Rewards are `beta * ratio`, as TRL logs them.
+- IPO (Azar et al. 2023, eq. 17): `(ratio difference - 1 / (2 * beta))**2`; as in TRL, the
+  log-probs given are per-token averages.
+- ORPO (Hong et al. 2024): the odds ratio term `-log sigmoid(log odds(chosen) - log
+  odds(rejected))` of average log-probs, weighted by `beta` (the paper's lambda) and added to
+  the chosen answers' negative log-likelihood; no reference model.
+- SimPO (Meng et al. 2024, eq. 6): `-log sigmoid(beta * (avg chosen - avg rejected) - gamma)`
+  on per-token average log-probs; no reference model.
+- GRPO (Shao et al. 2024, eq. 3): group-normalised advantages, the clipped policy ratio per
+  token, and the k3 estimate of KL to the reference, `exp(ref - logp) - (ref - logp) - 1`;
+  token losses averaged over each completion's tokens, then over completions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flaxlm.models import losses
+
+Array = jax.Array
+
+
+def sequence_logps(logits: Array, targets: Array, weights: Array) -> tuple[Array, Array]:
+    """Per-sequence sums of the targets' log-probabilities over the positions of weight >
+    0, and those positions' counts: `[batch, length, vocab]` logits, `[batch, length]`
+    targets and weights -> `[batch]`, `[batch]` (float32)."""
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    mask = (weights > 0).astype(jnp.float32)
+    token = losses.select_tokens(log_probs, targets) * mask
+    return token.sum(-1), mask.sum(-1)
+
+
+def _log_sigmoid(x: Array) -> Array:
+    return jax.nn.log_sigmoid(x.astype(jnp.float32))
+
+
+def dpo(
+    policy_chosen: Array,
+    policy_rejected: Array,
+    reference_chosen: Array,
+    reference_rejected: Array,
+    *,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+) -> tuple[Array, Array, Array]:
+    """DPO per pair: (loss, chosen reward, rejected reward), each `[pairs]`, from the
+    sequence log-probs of the policy and the reference."""
+    chosen = policy_chosen - reference_chosen
+    rejected = policy_rejected - reference_rejected
+    logits = beta * (chosen - rejected)
+    loss = -(1.0 - label_smoothing) * _log_sigmoid(logits) - label_smoothing * _log_sigmoid(-logits)
+    return loss, beta * chosen, beta * rejected
+
+
+def ipo(
+    policy_chosen: Array,
+    policy_rejected: Array,
+    reference_chosen: Array,
+    reference_rejected: Array,
+    *,
+    beta: float = 0.1,
+) -> tuple[Array, Array, Array]:
+    """IPO per pair: (loss, chosen reward, rejected reward) from per-token *average*
+    log-probs of the policy and the reference."""
+    chosen = policy_chosen - reference_chosen
+    rejected = policy_rejected - reference_rejected
+    loss = jnp.square(chosen - rejected - 1.0 / (2.0 * beta))
+    return loss, beta * chosen, beta * rejected
+
+
+def orpo(
+    chosen_avg: Array, rejected_avg: Array, chosen_nll: Array, *, beta: float = 0.1
+) -> tuple[Array, Array, Array]:
+    """ORPO per pair: (loss, chosen reward, rejected reward) from the policy's per-token
+    average log-probs of both answers and the chosen answer's mean negative log-likelihood
+    (its SFT loss). Rewards are `beta * average log-prob`, as TRL logs them."""
+
+    def log_odds(avg: Array) -> Array:
+        # log(p / (1 - p)) with p = exp(avg) < 1
+        return avg - jnp.log1p(-jnp.exp(jnp.minimum(avg, -1e-7)))
+
+    odds_ratio = _log_sigmoid(log_odds(chosen_avg) - log_odds(rejected_avg))
+    return chosen_nll - beta * odds_ratio, beta * chosen_avg, beta * rejected_avg
+
+
+def simpo(
+    chosen_avg: Array,
+    rejected_avg: Array,
+    *,
+    beta: float = 2.0,
+    gamma: float = 0.5,
+    label_smoothing: float = 0.0,
+) -> tuple[Array, Array, Array]:
+    """SimPO per pair: (loss, chosen reward, rejected reward) from the policy's per-token
+    average log-probs; `gamma` is the target reward margin."""
+    logits = beta * (chosen_avg - rejected_avg) - gamma
+    loss = -(1.0 - label_smoothing) * _log_sigmoid(logits) - label_smoothing * _log_sigmoid(-logits)
+    return loss, beta * chosen_avg, beta * rejected_avg
+
+
+def group_advantages(rewards: Array, eps: float = 1e-4) -> Array:
+    """GRPO's advantages: each completion's reward minus its group's mean, over the group's
+    standard deviation (+ `eps`); `[prompts, group]` -> `[prompts, group]`."""
+    rewards = rewards.astype(jnp.float32)
+    mean = rewards.mean(-1, keepdims=True)
+    std = rewards.std(-1, keepdims=True)
+    return (rewards - mean) / (std + eps)
+
+
+def grpo(
+    logps: Array,
+    old_logps: Array,
+    reference_logps: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    epsilon: float = 0.2,
+    beta: float = 0.04,
+) -> tuple[Array, Array, Array]:
+    """GRPO's objective on `[completions, length]` token log-probs under the policy being
+    trained, the policy that sampled them and the reference, `[completions]` advantages and a
+    `[completions, length]` mask of the completion's tokens.
+
+    Returns (loss, mean KL, clipped fraction): the loss to minimise, `-(clipped surrogate -
+    beta * KL)` averaged over each completion's tokens then over completions; the k3 KL and
+    the fraction of tokens whose ratio was clipped, averaged the same way.
+    """
+    mask = mask.astype(jnp.float32)
+    ratio = jnp.exp(logps - old_logps)
+    adv = advantages.astype(jnp.float32)[:, None]
+    clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon)
+    surrogate = jnp.minimum(ratio * adv, clipped * adv)
+    log_ref_ratio = reference_logps - logps
+    kl = jnp.exp(log_ref_ratio) - log_ref_ratio - 1.0
+    was_clipped = (ratio * adv > clipped * adv).astype(jnp.float32)
+
+    def per_completion_mean(x: Array) -> Array:
+        return ((x * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1.0)).mean()
+
+    loss = per_completion_mean(-(surrogate - beta * kl))
+    return loss, per_completion_mean(kl), per_completion_mean(was_clipped)

@@ -1,0 +1,121 @@
+"""Each post-training objective equals its paper's formula, computed directly in numpy
+(float64) on fixed log-probabilities, to 1e-6."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxlm import objectives
+
+RNG = np.random.default_rng(0)
+PAIRS = 6
+# Sequence log-probs (sums) of chosen / rejected answers under the policy and the reference,
+# and per-token averages (answers of 3-9 tokens).
+POLICY = -RNG.uniform(5.0, 40.0, (2, PAIRS))
+REFERENCE = POLICY + RNG.normal(0.0, 2.0, (2, PAIRS))
+LENGTHS = RNG.integers(3, 10, (2, PAIRS)).astype(np.float64)
+AVERAGE = POLICY / LENGTHS / 4.0  # between about -3.3 and -0.1: probabilities below 1
+
+
+def log_sigmoid(x):
+    return -np.log1p(np.exp(-x))
+
+
+def close(got, want):
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6, atol=1e-6)
+
+
+def f32(x):
+    return jnp.asarray(x, jnp.float32)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_dpo_is_the_papers_sigmoid_loss(label_smoothing):
+    beta = 0.1
+    loss, chosen, rejected = objectives.dpo(
+        *map(f32, (POLICY[0], POLICY[1], REFERENCE[0], REFERENCE[1])),
+        beta=beta,
+        label_smoothing=label_smoothing,
+    )
+    # Rafailov et al., eq. 7 (and cDPO's smoothing): h = beta * log-ratio margin
+    h = beta * ((POLICY[0] - REFERENCE[0]) - (POLICY[1] - REFERENCE[1]))
+    want = -(1 - label_smoothing) * log_sigmoid(h) - label_smoothing * log_sigmoid(-h)
+    close(loss, want)
+    close(chosen, beta * (POLICY[0] - REFERENCE[0]))
+    close(rejected, beta * (POLICY[1] - REFERENCE[1]))
+
+
+def test_ipo_is_the_papers_squared_loss():
+    beta = 0.5
+    avg_ref = REFERENCE / LENGTHS
+    avg_pol = POLICY / LENGTHS
+    args = map(f32, (avg_pol[0], avg_pol[1], avg_ref[0], avg_ref[1]))
+    loss, _, _ = objectives.ipo(*args, beta=beta)
+    # Azar et al., eq. 17: (h - 1 / (2 tau))^2, h the margin of log-ratios
+    h = (avg_pol[0] - avg_ref[0]) - (avg_pol[1] - avg_ref[1])
+    close(loss, (h - 1 / (2 * beta)) ** 2)
+
+
+def test_orpo_adds_the_log_odds_ratio_to_the_nll():
+    lam = 0.25
+    nll = -AVERAGE[0]
+    loss, chosen, _ = objectives.orpo(f32(AVERAGE[0]), f32(AVERAGE[1]), f32(nll), beta=lam)
+    # Hong et al.: odds(y) = P / (1 - P), P the average-token probability
+    p = np.exp(AVERAGE)
+    odds = p / (1 - p)
+    want = nll - lam * log_sigmoid(np.log(odds[0] / odds[1]))
+    close(loss, want)
+    close(chosen, lam * AVERAGE[0])
+
+
+def test_simpo_is_the_length_normalised_margin_loss():
+    beta, gamma = 2.0, 0.5
+    loss, _, _ = objectives.simpo(f32(AVERAGE[0]), f32(AVERAGE[1]), beta=beta, gamma=gamma)
+    # Meng et al., eq. 6
+    close(loss, -log_sigmoid(beta * AVERAGE[0] - beta * AVERAGE[1] - gamma))
+
+
+def test_grpo_advantages_clipped_objective_and_k3_kl():
+    prompts, group, length = 2, 4, 5
+    rewards = RNG.integers(0, 2, (prompts, group)).astype(np.float64)
+    rewards[1] = [0.0, 0.5, 1.0, 1.0]
+    adv = (rewards - rewards.mean(-1, keepdims=True)) / (rewards.std(-1, keepdims=True) + 1e-4)
+    close(objectives.group_advantages(f32(rewards)), adv)
+
+    n = prompts * group
+    old = -RNG.uniform(0.1, 3.0, (n, length))
+    new = old + RNG.normal(0.0, 0.3, (n, length))  # ratios on both sides of the clip range
+    ref = old + RNG.normal(0.0, 0.3, (n, length))
+    mask = np.ones((n, length))
+    mask[0, 3:] = 0.0
+    mask[5, 1:] = 0.0
+    eps, beta = 0.2, 0.04
+    a = adv.reshape(-1)[:, None]
+    ratio = np.exp(new - old)
+    surrogate = np.minimum(ratio * a, np.clip(ratio, 1 - eps, 1 + eps) * a)  # Shao et al., eq. 3
+    kl = np.exp(ref - new) - (ref - new) - 1  # k3
+    per_token = -(surrogate - beta * kl)
+    want = ((per_token * mask).sum(-1) / mask.sum(-1)).mean()
+    loss, mean_kl, clipped = objectives.grpo(
+        *map(f32, (new, old, ref, adv.reshape(-1), mask)), epsilon=eps, beta=beta
+    )
+    close(loss, want)
+    close(mean_kl, ((kl * mask).sum(-1) / mask.sum(-1)).mean())
+    assert 0.0 < float(clipped) < 1.0
+
+
+def test_sequence_logps_sum_the_targets_log_probabilities_where_weighted():
+    logits = RNG.normal(0.0, 2.0, (2, 5, 7))
+    targets = RNG.integers(0, 7, (2, 5))
+    weights = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]], np.float64)
+    total, count = objectives.sequence_logps(f32(logits), jnp.asarray(targets), f32(weights))
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    picked = np.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
+    close(total, (picked * weights).sum(-1))
+    close(count, weights.sum(-1))
+    # Differentiable, as a loss built on it must be.
+    grads = jax.grad(lambda x: objectives.sequence_logps(x, targets, f32(weights))[0].sum())(
+        f32(logits)
+    )
+    assert np.all(np.asarray(grads)[0, :2] == 0) and np.any(np.asarray(grads)[0, 2:] != 0)
