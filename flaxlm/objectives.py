@@ -44,6 +44,12 @@ def _log_sigmoid(x: Array) -> Array:
     return jax.nn.log_sigmoid(x.astype(jnp.float32))
 
 
+def _sigmoid_loss(logits: Array, label_smoothing: float) -> Array:
+    """`-log sigmoid(logits)` with `label_smoothing` of the flipped preference mixed in
+    (cDPO; DPO's and SimPO's loss on their margins)."""
+    return -(1.0 - label_smoothing) * _log_sigmoid(logits) - label_smoothing * _log_sigmoid(-logits)
+
+
 def dpo(
     policy_chosen: Array,
     policy_rejected: Array,
@@ -57,8 +63,7 @@ def dpo(
     sequence log-probs of the policy and the reference."""
     chosen = policy_chosen - reference_chosen
     rejected = policy_rejected - reference_rejected
-    logits = beta * (chosen - rejected)
-    loss = -(1.0 - label_smoothing) * _log_sigmoid(logits) - label_smoothing * _log_sigmoid(-logits)
+    loss = _sigmoid_loss(beta * (chosen - rejected), label_smoothing)
     return loss, beta * chosen, beta * rejected
 
 
@@ -103,8 +108,7 @@ def simpo(
 ) -> tuple[Array, Array, Array]:
     """SimPO per pair: (loss, chosen reward, rejected reward) from the policy's per-token
     average log-probs; `gamma` is the target reward margin."""
-    logits = beta * (chosen_avg - rejected_avg) - gamma
-    loss = -(1.0 - label_smoothing) * _log_sigmoid(logits) - label_smoothing * _log_sigmoid(-logits)
+    loss = _sigmoid_loss(beta * (chosen_avg - rejected_avg) - gamma, label_smoothing)
     return loss, beta * chosen_avg, beta * rejected_avg
 
 

@@ -149,8 +149,8 @@ def attention(
     kv_heads = key.shape[2]
     slots = jnp.arange(length, dtype=jnp.int32) if mask.slots is None else mask.slots
     segments = mask.q_segment_ids
-    if segments is None:
-        segments = jnp.ones((batch, length), jnp.int32)
+    segments = jnp.ones((batch, length), jnp.int32) if segments is None else segments
+    segments = segments.astype(jnp.int32)
     keep = mask.kv_keep
     if keep is None:
         keep = jnp.ones((batch, length), bool)
@@ -165,7 +165,6 @@ def attention(
         shards=shards if strategy == "ring" else 1,
         dtype=jnp.dtype(dtype),
     )
-    segments = segments.astype(jnp.int32)
     if shards == 1:
         return _attend(cfg, query, key, value, (slots, segments), (slots, segments, keep), window)
 
