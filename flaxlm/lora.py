@@ -21,7 +21,7 @@ import dataclasses
 import math
 import re
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -266,12 +266,19 @@ class LoraModel:
         self.cfg = cfg
         self.base_params = base_params
 
-    def targets_and_weights(self, batch: Any) -> Any:
-        return self.model.targets_and_weights(batch)
+    def normalizer(self, batch: Any) -> Any:
+        return self.model.normalizer(batch)
 
     def loss_fn(self, adapters: Params, batch: Any, rng: Any, normalizer: Any = None) -> Any:
+        return self._adapted(adapters, rng, self.model.loss_fn, batch, rng, normalizer)
+
+    def token_logps(self, adapters: Params, batch: Any, rng: Any = None) -> Any:
+        return self._adapted(adapters, rng, self.model.token_logps, batch, rng)
+
+    def _adapted(self, adapters: Params, rng: Any, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(params, *args)` with the adapted params (and adapter dropout with `rng`)."""
         base = jax.lax.stop_gradient(self.base_params)
         params = with_adapters(base, adapters, self.cfg.alpha)
         rate = self.cfg.dropout if rng is not None else 0.0
         with layers.lora_dropout(rate):
-            return self.model.loss_fn(params, batch, rng, normalizer)
+            return fn(params, *args)

@@ -196,6 +196,24 @@ class Progress:
         return " | ".join(parts)
 
 
+def eval_line(step: int, scalars: Mapping[str, float]) -> str:
+    """An evaluation's line: loss, accuracy and perplexity (a preference loss: its reward
+    accuracy and margin), then the task's own metrics (`eval/<task>/<metric>`)."""
+    shown = {
+        "loss": ".4f",
+        "accuracy": ".4f",
+        "perplexity": ".4g",
+        "rewards/accuracies": ".4f",
+        "rewards/margins": ".4g",
+    }
+    parts = [f"step {step}"] + [
+        f"eval {k} {scalars['eval/' + k]:{f}}" for k, f in shown.items() if f"eval/{k}" in scalars
+    ]
+    task = [k for k in scalars if k.count("/") > 1 and k[len("eval/") :] not in shown]
+    parts += [f"{k[len('eval/') :]} {scalars[k]:.4g}" for k in task]
+    return " | ".join(parts)
+
+
 # ---------------------------------------------------------------- what runs write
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -28,7 +29,7 @@ import jax
 import seqio
 from etils import epath
 
-from flaxlm import checkpoints, hf, lora, pytrees, vocabularies
+from flaxlm import checkpoints, hf, lora, pytrees, trainer, vocabularies
 from flaxlm.models.base import BaseModel, eos_tuple
 from flaxlm.partitioning import Partitioner
 
@@ -189,6 +190,35 @@ def restore_lora_base(base: Mapping[str, Any], model: BaseModel, partitioner: Pa
         return hf.load_params(model, base["hf"], partitioner)
     abstract = pytrees.abstract_params(model, partitioner)
     return restore_params(base["checkpoint"], abstract, base.get("step"))[0]
+
+
+def load_lora_base(
+    setup: trainer.Setup, model_dir: str, init_from_hf: str | None, base_checkpoint: str | None
+) -> Any:
+    """The frozen base params of a LoRA run (see `train`), and `model_dir/lora.json`."""
+    model, partitioner = setup.model, setup.partitioner
+    if init_from_hf:
+        source: dict[str, Any] = {"hf": os.path.abspath(init_from_hf)}
+        params = hf.load_params(model, init_from_hf, shardings=setup.base_shardings)
+        write_model_record(model, model_dir, init_from_hf)
+    elif base_checkpoint:
+        step = checkpoints.Checkpointer(base_checkpoint).latest_step()
+        source = {"checkpoint": os.path.abspath(base_checkpoint), "step": step}
+        params = restore_lora_base(source, model, partitioner)
+    else:
+        base_dir = os.path.join(os.path.abspath(model_dir), LORA_BASE_DIR)
+        source = {"checkpoint": base_dir, "step": 0}
+        base_ckpt = checkpoints.Checkpointer(base_dir)
+        if base_ckpt.latest_step() is None:
+            params = setup.init_base()
+            base_ckpt.save_params(0, params)
+            base_ckpt.close()
+        else:
+            base_ckpt.close()
+            params = restore_lora_base(source, model, partitioner)
+    write_lora_record(model_dir, setup.lora, source)
+    print(f"LoRA on {len(setup.lora_kernels)} kernels; frozen base params from {source}.")
+    return params
 
 
 def restore_merged(

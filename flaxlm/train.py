@@ -9,7 +9,6 @@ N+1 is dispatched (so the host never idles the device) and before any hook reads
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +26,7 @@ from flaxlm import (
     metrics,
     optimizers,
     preemption,
+    preference,
     run_dir,
     trainer,
 )
@@ -146,44 +146,34 @@ def eval_hook(
             scalars.update(task_evaluator.evaluate(eval_params(state.params), step))
         writer.write_scalars(step, scalars)
         writer.flush()
-        task = "".join(
-            f" | {k[len('eval/') :]} {v:.4g}" for k, v in scalars.items() if k.count("/") > 1
-        )
-        metrics.print0(
-            f"step {step} | eval loss {scalars['eval/loss']:.4f} | "
-            f"eval accuracy {scalars['eval/accuracy']:.4f} | "
-            f"eval perplexity {scalars['eval/perplexity']:.4g}{task}"
-        )
+        metrics.print0(metrics.eval_line(step, scalars))
 
     return Hook(period, run)
 
 
-def load_lora_base(
-    setup: trainer.Setup, model_dir: str, init_from_hf: str | None, base_checkpoint: str | None
+def frozen_params(
+    setup: trainer.Setup,
+    state: TrainState,
+    start_step: int,
+    model_dir: str,
+    init_from_hf: str | None,
+    lora_base_checkpoint: str | None,
 ) -> Any:
-    """The frozen base params of a LoRA run (see `train`), and `model_dir/lora.json`."""
-    model, partitioner = setup.model, setup.partitioner
-    if init_from_hf:
-        source: dict[str, Any] = {"hf": os.path.abspath(init_from_hf)}
-        params = hf.load_params(model, init_from_hf, shardings=setup.base_shardings)
-        run_dir.write_model_record(model, model_dir, init_from_hf)
-    elif base_checkpoint:
-        step = checkpoints.Checkpointer(base_checkpoint).latest_step()
-        source = {"checkpoint": os.path.abspath(base_checkpoint), "step": step}
-        params = run_dir.restore_lora_base(source, model, partitioner)
+    """The steps' frozen params (`trainer.Setup.frozen_shardings`), or None: a LoRA run's
+    base (`run_dir.load_lora_base`), else a preference run's reference, the params the run
+    started from (on a resumed run: `init_from_hf` again, or the same fresh init)."""
+    if setup.lora is not None:
+        return run_dir.load_lora_base(setup, model_dir, init_from_hf, lora_base_checkpoint)
+    if setup.frozen_shardings is None:
+        return None
+    if start_step == 0:
+        params, source = setup.copy_params(state.params), "the starting params"
+    elif init_from_hf:
+        params = hf.load_params(setup.model, init_from_hf, shardings=setup.frozen_shardings)
+        source = init_from_hf
     else:
-        base_dir = os.path.join(os.path.abspath(model_dir), run_dir.LORA_BASE_DIR)
-        source = {"checkpoint": base_dir, "step": 0}
-        base_ckpt = checkpoints.Checkpointer(base_dir)
-        if base_ckpt.latest_step() is None:
-            params = setup.init_base()
-            base_ckpt.save_params(0, params)
-            base_ckpt.close()
-        else:
-            base_ckpt.close()
-            params = run_dir.restore_lora_base(source, model, partitioner)
-    run_dir.write_lora_record(model_dir, setup.lora, source)
-    print(f"LoRA on {len(setup.lora_kernels)} kernels; frozen base params from {source}.")
+        params, source = setup.init_state().params, "the run's initial params"
+    metrics.print0(f"Reference model: {source}, frozen.")
     return params
 
 
@@ -213,26 +203,30 @@ def initial_state(
     return start_step, state
 
 
-def steps_with_base(
+def steps_with_frozen(
     setup: trainer.Setup,
     train_step: Callable[..., Any],
     eval_step: Callable[..., Any] | None,
-    base: Any,
+    frozen: Any,
 ) -> tuple[Callable[..., Any], Callable[..., Any] | None, Callable[[Any], Any]]:
-    """The train and eval steps and `eval_params` (state params -> the model's params): a
-    LoRA run's steps take the frozen base as their last argument, and its model's params are
-    the base with the adapters merged."""
-    if setup.lora is None:
+    """The train and eval steps and `eval_params` (state params -> the model's params): the
+    steps of a run with frozen params (LoRA's base, a preference loss's reference) take them
+    as their last argument, and a LoRA run's model params are the base with the adapters
+    merged."""
+    if setup.frozen_shardings is None:
         return train_step, eval_step, lambda params: params
-    merge = setup.partition_merge()
+    eval_params = lambda params: params  # noqa: E731
+    if setup.lora is not None:
+        merge = setup.partition_merge()
+        eval_params = lambda adapters: merge(frozen, adapters)  # noqa: E731
 
-    def lora_eval_step(adapters: Any, batch: trainer.Batch) -> Any:
-        return eval_step(adapters, batch, base)
+    def frozen_eval_step(params: Any, batch: trainer.Batch) -> Any:
+        return eval_step(params, batch, frozen)
 
     return (
-        lambda state, batch: train_step(state, batch, base),
-        lora_eval_step if eval_step is not None else None,
-        lambda adapters: merge(base, adapters),
+        lambda state, batch: train_step(state, batch, frozen),
+        frozen_eval_step if eval_step is not None else None,
+        eval_params,
     )
 
 
@@ -282,6 +276,7 @@ def train(
     inject_nonfinite_loss_at_step: int | None = None,
     lora: lora_lib.LoraConfig | None = None,
     lora_base_checkpoint: str | None = None,
+    preference_cfg: preference.PreferenceConfig | None = None,
 ) -> TrainState:
     """Trains `model` on `train_dataset_cfg` for `total_steps`, resuming from `model_dir`.
 
@@ -305,6 +300,10 @@ def train(
         `model_dir/base`. Only the adapters have optimizer state and are checkpointed;
         `model_dir/lora.json` records the config and the base, so infer, eval and
         export_hf merge them.
+      preference_cfg: train on pairs of answers with a preference loss
+        (`@preference.PreferenceConfig()`: DPO, IPO, ORPO, SimPO) instead of next-token
+        prediction; the data must be pairs (`features.PreferenceFeatureConverter`). The
+        reference of DPO and IPO is the starting params, frozen (with `lora`: the base).
 
     SIGTERM or SIGINT saves a checkpoint at the current step and returns (see
     `preemption.py`).
@@ -345,15 +344,14 @@ def train(
             feature_lengths,
             seed=seed,
             lora=lora,
+            frozen_reference=preference_cfg is not None and preference_cfg.needs_reference,
         )
         ckpt = checkpoints.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
         start_step, state = initial_state(setup, ckpt, train_iter, model_dir, init_from_hf)
-        base = (
-            None
-            if lora is None
-            else load_lora_base(setup, model_dir, init_from_hf, lora_base_checkpoint)
+        frozen = frozen_params(
+            setup, state, start_step, model_dir, init_from_hf, lora_base_checkpoint
         )
-        train_step, eval_step, eval_params = steps_with_base(
+        train_step, eval_step, eval_params = steps_with_frozen(
             setup,
             setup.partition_train_step(
                 trainer.make_train_step(
@@ -365,10 +363,13 @@ def train(
                     skip_nonfinite_updates=skip_nonfinite_updates,
                     inject_nonfinite_loss_at_step=inject_nonfinite_loss_at_step,
                     lora=lora,
+                    preference_cfg=preference_cfg,
                 )
             ),
-            setup.partition_eval_step(trainer.make_eval_step(model, lora)) if eval_iter else None,
-            base,
+            setup.partition_eval_step(trainer.make_eval_step(model, lora, preference_cfg))
+            if eval_iter
+            else None,
+            frozen,
         )
         run_dir.record_if_known(model, model_dir)
         config_str = gin.operative_config_str()
@@ -390,7 +391,7 @@ def train(
                 log_period,
                 writer,
                 progress,
-                train_dataset_cfg.batch_size * longest,
+                train_dataset_cfg.batch_size * longest * (1 if preference_cfg is None else 2),
                 train_iter,
                 nonfinite,
             ),

@@ -19,7 +19,7 @@ import seqio
 from etils import epath
 from jax.sharding import PartitionSpec as P
 
-from flaxlm import data, pytrees
+from flaxlm import data, preference, pytrees
 from flaxlm import lora as lora_lib
 from flaxlm.models.base import BaseModel
 from flaxlm.models.features import batch_shapes_from
@@ -27,7 +27,6 @@ from flaxlm.partitioning import Partitioner
 from flaxlm.train_state import TrainState
 
 Batch = Mapping[str, jax.Array]
-METRIC_SUMS = ("loss_sum", "z_loss_sum", "correct_sum", "weight_sum")
 
 
 def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
@@ -45,7 +44,10 @@ def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
 
 
 def summarize(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """Mean loss and accuracy from summed metrics."""
+    """Mean loss and accuracy from summed metrics (a preference loss's: its means over
+    pairs)."""
+    if "pairs" in sums:
+        return preference.summarize(sums)
     denom = jnp.maximum(sums["weight_sum"], 1.0)
     return {
         "loss": sums["loss_sum"] / denom,
@@ -68,8 +70,7 @@ def accumulate_gradients(
     Every microbatch's loss is divided by the *whole* batch's weight sum, so the summed
     gradients equal the one-big-batch gradients (same math, less memory).
     """
-    _, weights = model.targets_and_weights(batch)
-    normalizer = jnp.maximum(jnp.sum(weights.astype(jnp.float32)), 1.0)
+    normalizer = model.normalizer(batch)
     grad_fn = jax.value_and_grad(model.loss_fn, has_aux=True)
     if num_microbatches == 1:
         (_, sums), grads = grad_fn(params, batch, rng, normalizer)
@@ -90,7 +91,9 @@ def accumulate_gradients(
         ), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    zero_sums = {k: jnp.zeros((), jnp.float32) for k in METRIC_SUMS}
+    first = jax.tree.map(lambda x: x[0], micro)
+    shapes = jax.eval_shape(model.loss_fn, params, first, rng, normalizer)[1]
+    zero_sums = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
     (grads, sums), _ = jax.lax.scan(body, (zeros, zero_sums), (jnp.arange(num_microbatches), micro))
     return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), sums
 
@@ -105,6 +108,7 @@ def make_train_step(
     skip_nonfinite_updates: bool = False,
     inject_nonfinite_loss_at_step: int | None = None,
     lora: lora_lib.LoraConfig | None = None,
+    preference_cfg: preference.PreferenceConfig | None = None,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
     """The (unjitted) train step: accumulate gradients, apply the optimizer, report metrics.
 
@@ -113,17 +117,23 @@ def make_train_step(
     step still advances). `inject_nonfinite_loss_at_step=k` (testing only) scales the loss and
     gradients of step k (1-based, as logged) by inf.
 
-    With `lora`, `state.params` are the adapters and the step takes the frozen base params as
-    a third argument: `train_step(state, batch, base_params)`.
+    The step takes the frozen params as a third argument, `train_step(state, batch,
+    frozen)`, when there are any: with `lora` (`state.params` are the adapters) the base
+    params; with a `preference_cfg` whose loss needs a reference, and no LoRA, the reference
+    params (see `loss_model`).
     """
 
     def train_step(
-        state: TrainState, batch: Batch, base_params: Any = None
+        state: TrainState, batch: Batch, frozen: Any = None
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         rng = jax.random.fold_in(jax.random.PRNGKey(seed), state.step)
-        loss_model = model if lora is None else lora_lib.LoraModel(model, lora, base_params)
         grads, sums = accumulate_gradients(
-            loss_model, partitioner, state.params, batch, rng, num_microbatches
+            loss_model(model, lora, preference_cfg, frozen),
+            partitioner,
+            state.params,
+            batch,
+            rng,
+            num_microbatches,
         )
         if inject_nonfinite_loss_at_step is not None:
             scale = jnp.where(state.step + 1 == inject_nonfinite_loss_at_step, jnp.inf, 1.0)
@@ -145,14 +155,36 @@ def make_train_step(
     return train_step
 
 
-def make_eval_step(
-    model: BaseModel, lora: lora_lib.LoraConfig | None = None
-) -> Callable[..., dict[str, jax.Array]]:
-    """`eval_step(params, batch)`; with `lora`, `eval_step(adapters, batch, base_params)`."""
+def loss_model(
+    model: BaseModel,
+    lora: lora_lib.LoraConfig | None,
+    preference_cfg: preference.PreferenceConfig | None,
+    frozen: Any,
+) -> Any:
+    """What a step differentiates: `model`'s loss; with `lora`, as a function of the
+    adapters (`frozen`: the base params); with `preference_cfg`, the preference loss of
+    either, whose reference is the frozen params (with LoRA: the base without adapters, no
+    second copy of the weights)."""
+    policy = model if lora is None else lora_lib.LoraModel(model, lora, frozen)
+    if preference_cfg is None:
+        return policy
+    return preference.PreferenceModel(policy, preference_cfg, model, frozen)
 
-    def eval_step(params: Any, batch: Batch, base_params: Any = None) -> dict[str, jax.Array]:
+
+def make_eval_step(
+    model: BaseModel,
+    lora: lora_lib.LoraConfig | None = None,
+    preference_cfg: preference.PreferenceConfig | None = None,
+) -> Callable[..., dict[str, jax.Array]]:
+    """`eval_step(params, batch)`; `eval_step(params, batch, frozen)` when the train step
+    takes frozen params (see `make_train_step`)."""
+
+    def eval_step(params: Any, batch: Batch, frozen: Any = None) -> dict[str, jax.Array]:
+        if preference_cfg is not None:
+            objective = loss_model(model, lora, preference_cfg, frozen)
+            return objective.loss_fn(params, batch, None, 1.0)[1]
         if lora is not None:
-            params = lora_lib.merge(base_params, params, lora)
+            params = lora_lib.merge(frozen, params, lora)
         _, sums = model.loss_fn(params, batch, None, 1.0)
         return sums
 
@@ -208,7 +240,8 @@ class Setup:
 
     With `lora`, the state's params are the adapters (`lora_kernels` says which); the base
     params stay outside the state, on `base_shardings`, and are an extra argument of the
-    partitioned train and eval steps.
+    partitioned train and eval steps. With `frozen_reference` (a preference loss's reference
+    model) and no LoRA, that argument is a copy of the params (`copy_params`).
     """
 
     def __init__(
@@ -220,6 +253,7 @@ class Setup:
         *,
         seed: int = 0,
         lora: lora_lib.LoraConfig | None = None,
+        frozen_reference: bool = False,
     ):
         self.model = model
         self.partitioner = partitioner
@@ -262,20 +296,28 @@ class Setup:
             self.state_shardings,
         )
         self.batch_axes = {name: P("batch", None) for name in feature_lengths}
+        # The steps' frozen argument: a LoRA run's base params, or (`frozen_reference`) a
+        # copy of the starting params that a preference loss compares the policy with.
+        self.frozen_shardings = self.base_shardings
+        if frozen_reference and lora is None:
+            self.frozen_shardings = params = self.state_shardings.params
+            self.copy_params = partitioner.partition(
+                lambda p: jax.tree.map(jnp.copy, p), (params,), params
+            )
 
     def partition_train_step(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
-        base = () if self.lora is None else (self.base_shardings,)
+        frozen = () if self.frozen_shardings is None else (self.frozen_shardings,)
         return self.partitioner.partition(
             step_fn,
-            (self.state_shardings, self.batch_axes, *base),
+            (self.state_shardings, self.batch_axes, *frozen),
             (self.state_shardings, None),
             donate_argnums=(0,),
         )
 
     def partition_eval_step(self, eval_fn: Callable[..., Any]) -> Callable[..., Any]:
-        base = () if self.lora is None else (self.base_shardings,)
+        frozen = () if self.frozen_shardings is None else (self.frozen_shardings,)
         return self.partitioner.partition(
-            eval_fn, (self.state_shardings.params, self.batch_axes, *base), None
+            eval_fn, (self.state_shardings.params, self.batch_axes, *frozen), None
         )
 
     def partition_merge(self) -> Callable[[Any, Any], Any]:
@@ -308,6 +350,8 @@ def eval_scalars(total: Mapping[str, jax.Array]) -> dict[str, float]:
     """`eval/loss`, `eval/accuracy`, `eval/perplexity` (of the cross-entropy, z-loss
     excluded), ... from summed eval metrics."""
     out = {f"eval/{k}": float(v) for k, v in summarize(total).items()}
+    if "pairs" in total:
+        return out
     out["eval/perplexity"] = float(math.exp(min(out["eval/loss"] - out["eval/z_loss"], 700.0)))
     return out
 

@@ -67,17 +67,8 @@ class BaseModel(abc.ABC):
         self.z_loss = z_loss
         self.loss_chunk_size = loss_chunk_size
         if loss_chunk_size is not None:
-            if isinstance(loss_chunk_size, bool) or not isinstance(loss_chunk_size, int):
-                raise ValueError(f"loss_chunk_size must be an int, got {loss_chunk_size!r}.")
-            if loss_chunk_size < 1:
-                raise ValueError(f"loss_chunk_size must be positive, got {loss_chunk_size}.")
-            if not self._chunks_loss():
-                raise ValueError(
-                    f"loss_chunk_size={loss_chunk_size}: {type(self).__name__} with "
-                    f"{type(self.module).__name__} computes its loss over all positions at "
-                    "once; a chunked loss needs a DecoderOnlyModel on causal_lm.CausalLM. "
-                    "Unset loss_chunk_size."
-                )
+            where = f"{type(self).__name__} with {type(self.module).__name__}"
+            losses.check_chunk_size(loss_chunk_size, self._chunks_loss(), where)
         self.eos_ids = eos_tuple(eos_id)
         self.special_ids = dict(special_ids or {})
         self.generation_config = dict(generation_config) if generation_config else None
@@ -136,15 +127,14 @@ class BaseModel(abc.ABC):
             sums = self._chunked_loss_sums(params, batch, rng, targets, weights)
         loss_sum, z_sum, correct_sum = sums
         weight_sum = jnp.sum(weights.astype(jnp.float32))
-        if normalizer is None:
-            normalizer = jnp.maximum(weight_sum, 1.0)
-        metrics = {
-            "loss_sum": loss_sum,
-            "z_loss_sum": z_sum,
-            "correct_sum": correct_sum,
-            "weight_sum": weight_sum,
-        }
-        return loss_sum / normalizer, metrics
+        normalizer = jnp.maximum(weight_sum, 1.0) if normalizer is None else normalizer
+        sums = {"loss_sum": loss_sum, "z_loss_sum": z_sum, "correct_sum": correct_sum}
+        return loss_sum / normalizer, {**sums, "weight_sum": weight_sum}
+
+    def normalizer(self, batch: Batch) -> Array:
+        """What `loss_fn`'s sums are divided by: the batch's loss-weight sum (at least 1)."""
+        weights = self.targets_and_weights(self._arranged(batch))[1]
+        return jnp.maximum(jnp.sum(weights.astype(jnp.float32)), 1.0)
 
     def _arranged(self, batch: Batch) -> Batch:
         """`batch` in the order a loss or a score (sums over positions) is best computed in."""
@@ -176,15 +166,22 @@ class BaseModel(abc.ABC):
             logits = jnp.where(ids < real, logits, jnp.finfo(jnp.float32).min)
         return logits
 
+    def token_logps(
+        self, params: Params, batch: Batch, rng: Array | None = None
+    ) -> tuple[Array, Array]:
+        """float32 `[batch, length]`: each target's log-probability times its loss weight,
+        and the weights (`rng`: with dropout). Sums over positions score sequences
+        (`score`, preference losses)."""
+        batch = self._arranged(batch)
+        targets, weights = self.targets_and_weights(batch)
+        log_probs = jax.nn.log_softmax(self._logits(params, batch, rng), axis=-1)
+        weights = weights.astype(jnp.float32)
+        return losses.select_tokens(log_probs, targets) * weights, weights
+
     def score(self, params: Params, batch: Batch) -> Array:
         """float32 `[batch]`: each example's summed log-likelihood of its targets (weighted
         by the loss weights), from an unpacked batch of the model's features."""
-        batch = self._arranged(batch)
-        logits = self.compute_logits(params, batch)
-        targets, weights = self.targets_and_weights(batch)
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
-        target = losses.select_tokens(log_probs, targets)
-        return jnp.sum(target * weights.astype(jnp.float32), axis=-1)
+        return self.token_logps(params, batch)[0].sum(-1)
 
     # -------------------------------------------------------------- decoding
 

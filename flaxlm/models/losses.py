@@ -27,6 +27,21 @@ Array = jax.Array
 Sums = tuple[Array, Array, Array]
 
 
+def check_chunk_size(chunk_size: Any, supported: bool, model: str) -> None:
+    """A ValueError unless `chunk_size` (a model's `loss_chunk_size`) is a positive int and
+    `model` (its description) can compute its loss in chunks (`supported`)."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise ValueError(f"loss_chunk_size must be an int, got {chunk_size!r}.")
+    if chunk_size < 1:
+        raise ValueError(f"loss_chunk_size must be positive, got {chunk_size}.")
+    if not supported:
+        raise ValueError(
+            f"loss_chunk_size={chunk_size}: {model} computes its loss over all positions at "
+            "once; a chunked loss needs a DecoderOnlyModel on causal_lm.CausalLM. Unset "
+            "loss_chunk_size."
+        )
+
+
 def select_tokens(values: Array, ids: Array) -> Array:
     """Each position's entry for its token: `[..., vocab]` values (e.g. `[batch, length,
     vocab]`) and int `[...]` ids -> `[...]`."""

@@ -1,0 +1,174 @@
+"""Preference optimisation as a loss function for `trainer`'s steps: DPO, IPO, ORPO, SimPO.
+
+A batch holds pairs: every decoder feature is `[pairs, 2, length]`, row 0 the prompt with
+the chosen answer, row 1 with the rejected one, loss weights on the answers' tokens only
+(`features.PreferenceFeatureConverter`). `PreferenceModel.loss_fn` runs the policy once over
+the `2 * pairs` rows (a pair never leaves its device), sums each answer's log-probabilities
+and hands them to `objectives` (the papers' formulas). The reference of DPO and IPO is the
+frozen starting policy: the `reference_params` the step is given (with LoRA, the base params
+without the adapters, so no second copy of the weights). Its log-probs may also come with
+the batch (`reference_logps`, `[pairs, 2]`), computed once ahead of training.
+
+Metrics carry TRL's names: `rewards/chosen`, `rewards/rejected`, `rewards/accuracies`,
+`rewards/margins`, `logps/chosen`, `logps/rejected` (summed per step, divided by `pairs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import gin
+import jax
+import jax.numpy as jnp
+
+from flaxlm import objectives
+
+Array = jax.Array
+Batch = Mapping[str, Array]
+LOSSES = ("dpo", "ipo", "orpo", "simpo")
+REFERENCE_FEATURE = "reference_logps"
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class PreferenceConfig:
+    """Which preference loss, and its settings (TRL's `DPOConfig`/`CPOConfig` names).
+
+    Attributes:
+      loss: 'dpo' (sigmoid), 'ipo', 'orpo' (no reference) or 'simpo' (no reference).
+      beta: DPO/IPO/SimPO's beta; ORPO's weight of the odds-ratio term (the paper's lambda).
+      label_smoothing: cDPO's (and SimPO's) probability that a label is flipped.
+      gamma: SimPO's target reward margin.
+    """
+
+    loss: str = "dpo"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    gamma: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"PreferenceConfig.loss={self.loss!r}: choose one of {LOSSES}.")
+        if not self.beta > 0:
+            raise ValueError(f"PreferenceConfig.beta={self.beta!r} must be positive.")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(
+                f"PreferenceConfig.label_smoothing={self.label_smoothing!r} must be in [0, 0.5)."
+            )
+        if self.label_smoothing and self.loss not in ("dpo", "simpo"):
+            raise ValueError(f"label_smoothing applies to 'dpo' and 'simpo', not {self.loss!r}.")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss in ("dpo", "ipo")
+
+
+def pairs_as_rows(batch: Batch) -> dict[str, Array]:
+    """`[pairs, 2, length]` features -> `[2 * pairs, length]` rows (chosen, rejected, chosen,
+    ...); features of other ranks are left out."""
+    return {k: v.reshape((-1,) + v.shape[2:]) for k, v in batch.items() if v.ndim == 3}
+
+
+def sequence_logps(
+    policy: Any, params: Any, batch: Batch, rng: Array | None
+) -> tuple[Array, Array]:
+    """`[pairs, 2]` summed answer log-probs under `policy` (anything with `token_logps`, e.g. a
+    model or a `LoraModel`) and `[pairs, 2]` answer token counts."""
+    logps, weights = policy.token_logps(params, pairs_as_rows(batch), rng)
+    pairs = logps.shape[0] // 2
+    return logps.sum(-1).reshape(pairs, 2), (weights > 0).sum(-1).reshape(pairs, 2)
+
+
+class PreferenceModel:
+    """The preference loss of `policy`'s params, in the shape `trainer` steps expect
+    (`normalizer`, `loss_fn(params, batch, rng, normalizer) -> (loss, metric sums)`).
+
+    `reference` (a model) and `reference_params` give the reference log-probs when the loss
+    needs them and the batch does not carry them.
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        cfg: PreferenceConfig,
+        reference: Any = None,
+        reference_params: Any = None,
+    ):
+        self.policy = policy
+        self.cfg = cfg
+        self.reference = reference
+        self.reference_params = reference_params
+
+    def normalizer(self, batch: Batch) -> Array:
+        """The number of pairs (losses are means over pairs)."""
+        return jnp.float32(next(iter(batch.values())).shape[0])
+
+    def reference_logps(self, batch: Batch) -> Array:
+        """`[pairs, 2]` summed answer log-probs under the reference (no gradient)."""
+        if REFERENCE_FEATURE in batch:
+            return batch[REFERENCE_FEATURE].astype(jnp.float32)
+        if self.reference is None or self.reference_params is None:
+            raise ValueError(
+                f"The {self.cfg.loss!r} loss needs a reference model: none was given and the "
+                f"batch has no {REFERENCE_FEATURE!r}."
+            )
+        params = jax.lax.stop_gradient(self.reference_params)
+        return jax.lax.stop_gradient(sequence_logps(self.reference, params, batch, None)[0])
+
+    def loss_fn(
+        self, params: Any, batch: Batch, rng: Array | None, normalizer: Any = None
+    ) -> tuple[Array, dict[str, Array]]:
+        cfg = self.cfg
+        logps, counts = sequence_logps(self.policy, params, batch, rng)
+        avg = logps / jnp.maximum(counts, 1).astype(jnp.float32)
+        extra = {}
+        if cfg.loss == "dpo":
+            ref = self.reference_logps(batch)
+            loss, chosen, rejected = objectives.dpo(
+                logps[:, 0],
+                logps[:, 1],
+                ref[:, 0],
+                ref[:, 1],
+                beta=cfg.beta,
+                label_smoothing=cfg.label_smoothing,
+            )
+        elif cfg.loss == "ipo":
+            ref = self.reference_logps(batch) / jnp.maximum(counts, 1).astype(jnp.float32)
+            loss, chosen, rejected = objectives.ipo(
+                avg[:, 0], avg[:, 1], ref[:, 0], ref[:, 1], beta=cfg.beta
+            )
+        elif cfg.loss == "orpo":
+            nll = -avg[:, 0]
+            loss, chosen, rejected = objectives.orpo(avg[:, 0], avg[:, 1], nll, beta=cfg.beta)
+            extra["nll_loss"] = nll.sum()
+        else:
+            loss, chosen, rejected = objectives.simpo(
+                avg[:, 0],
+                avg[:, 1],
+                beta=cfg.beta,
+                gamma=cfg.gamma,
+                label_smoothing=cfg.label_smoothing,
+            )
+        sums = {
+            "pairs": jnp.float32(loss.shape[0]),
+            "loss": loss.sum(),
+            "rewards/chosen": chosen.sum(),
+            "rewards/rejected": rejected.sum(),
+            "rewards/accuracies": (chosen > rejected).astype(jnp.float32).sum(),
+            "rewards/margins": (chosen - rejected).sum(),
+            "logps/chosen": logps[:, 0].sum(),
+            "logps/rejected": logps[:, 1].sum(),
+            **extra,
+        }
+        normalizer = self.normalizer(batch) if normalizer is None else normalizer
+        return sums["loss"] / normalizer, sums
+
+
+def summarize(sums: Mapping[str, Array]) -> dict[str, Array]:
+    """Means over pairs of a preference loss's metric sums, and `num_pairs`."""
+    pairs = jnp.maximum(sums["pairs"], 1.0)
+    out = {k: v / pairs for k, v in sums.items() if k != "pairs"}
+    out["num_pairs"] = sums["pairs"]
+    return out
