@@ -169,29 +169,62 @@ class CompiledStep:
         learning_rate: float = 1e-3,
         matmul_precision: str | None = None,
         out_of_memory_ok: bool = False,
+        preference_loss: str | None = None,
+        lora_rank: int | None = None,
     ) -> None:
         """`out_of_memory_ok`: a compile that runs out of device memory leaves `compiled`
-        None and the compiler's message in `out_of_memory` instead of raising."""
+        None and the compiler's message in `out_of_memory` instead of raising.
+        `preference_loss` ('dpo', ...): the step of that loss on `batch_size` pairs;
+        `lora_rank`: LoRA adapters of that rank on every attention and MLP kernel. The
+        frozen params (a reference copy, a LoRA base) are `abstract_frozen`."""
         import jax
         import jax.numpy as jnp
 
-        from flaxlm import optimizers, trainer
+        from flaxlm import lora, optimizers, preference, pytrees, trainer
+        from flaxlm.models.features import batch_shapes_from
 
         self.out_of_memory: str | None = None
         lengths = feature_lengths(model, seq_len)
+        if preference_loss is not None:
+            lengths = {
+                k: n
+                for k, n in lengths.items()
+                if k not in ("decoder_segment_ids", "decoder_positions")
+            }
         tx = optimizers.create_optimizer(learning_rate=learning_rate)
-        self.setup = trainer.Setup(model, partitioner, tx, lengths)
-        step = self.setup.partition_train_step(
-            trainer.make_train_step(model, partitioner, learning_rate)
+        pref = None if preference_loss is None else preference.PreferenceConfig(preference_loss)
+        lora_cfg = None
+        if lora_rank is not None:
+            kernels = r"(q|k|v|o|out|gate|up|down)_proj/kernel$|fc_(in|out)/kernel$"
+            lora_cfg = lora.LoraConfig(rules=((kernels, lora_rank),))
+        reference = pref is not None and pref.needs_reference
+        self.setup = setup = trainer.Setup(
+            model, partitioner, tx, lengths, lora=lora_cfg, frozen_reference=reference
         )
-        sharding = partitioner.batch_sharding(2)
+        step = setup.partition_train_step(
+            trainer.make_train_step(
+                model, partitioner, learning_rate, lora=lora_cfg, preference_cfg=pref
+            )
+        )
+        rows = (batch_size,) if pref is None else (batch_size, 2)
+        sharding = partitioner.batch_sharding(len(rows) + 1)
         self.abstract_batch = {
-            k: jax.ShapeDtypeStruct((batch_size, n), jnp.int32, sharding=sharding)
+            k: jax.ShapeDtypeStruct((*rows, n), jnp.int32, sharding=sharding)
             for k, n in lengths.items()
         }
+        self.abstract_frozen = None
+        frozen = ()
+        if lora_cfg is not None:
+            shapes = batch_shapes_from(lengths, 1)
+            base = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0), shapes))
+            self.abstract_frozen = pytrees.with_shardings(base, setup.base_shardings)
+        elif reference:
+            self.abstract_frozen = setup.abstract_state.params
+        if self.abstract_frozen is not None:
+            frozen = (self.abstract_frozen,)
         with jax.default_matmul_precision(matmul_precision):
             start = time.perf_counter()
-            self.lowered = step.lower(self.setup.abstract_state, self.abstract_batch)
+            self.lowered = step.lower(setup.abstract_state, self.abstract_batch, *frozen)
             self.lower_seconds = time.perf_counter() - start
             start = time.perf_counter()
             try:

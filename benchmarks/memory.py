@@ -29,7 +29,13 @@ compare the temporaries with and without it at a long `--seq-len`. `--sequence N
 sequence split N ways, ring attention) and `--attention-chunk-size N` sets
 `attention='chunked'` in blocks of N (the ring's blocks under `--sequence`; without it,
 flash-style blocks on each device, also linear in the length). `--collectives` adds the
-bytes each device's step moves by collective (e.g. the chunked loss's head traffic):
+bytes each device's step moves by collective (e.g. the chunked loss's head traffic).
+`--preference dpo` measures the DPO step on pairs (the reference params a frozen argument,
+"frozen GiB/dev"); with `--lora-rank R` the frozen params are the LoRA base, no second copy:
+
+    python benchmarks/memory.py --models llama3_2_1b --partitionings fsdp \
+      --remat-policies --preference dpo [--lora-rank 16]
+
 
     python benchmarks/memory.py --models llama3_1_8b --layers 1 --partitionings \
       --remat-policies none --seq-len 32768 --batch-size 1 --sequence 8 \
@@ -135,6 +141,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also the GiB each device's step all-gathers, reduce-scatters and all-reduces "
         "(array bytes, collectives.py's parser)",
     )
+    p.add_argument(
+        "--preference",
+        choices=("dpo", "ipo", "orpo", "simpo"),
+        default=None,
+        help="the step of this preference loss on --batch-size pairs (DPO/IPO: with the "
+        "frozen reference params as the step's argument)",
+    )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="train LoRA adapters of rank R on the attention and MLP kernels (the base frozen)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON here")
     args = p.parse_args(argv)
     for name in ("batch_size", "seq_len"):
@@ -238,6 +258,8 @@ def measure(
         args.seq_len,
         matmul_precision=args.matmul_precision,
         out_of_memory_ok=True,
+        preference_loss=args.preference,
+        lora_rank=args.lora_rank,
     )
     wall = time.perf_counter() - start
     state = step.setup.abstract_state
@@ -259,6 +281,11 @@ def measure(
         "params_bytes": bench_common.per_device_bytes(state.params),
         "opt_bytes": bench_common.per_device_bytes(state.opt_state),
         "compile_seconds": wall,
+        "preference": args.preference,
+        "lora_rank": args.lora_rank,
+        "frozen_bytes": 0
+        if step.abstract_frozen is None
+        else bench_common.per_device_bytes(step.abstract_frozen),
     }
     if mem is None:
         row["out_of_memory"] = step.out_of_memory
@@ -275,7 +302,9 @@ def measure(
                 k: by_kind.get(k, {}).get("array_bytes", 0) for k in COLLECTIVE_COLUMNS
             }
     ideal = (params_total + opt_total) / n
-    if partitioning == "fsdp":
+    if args.lora_rank is not None:
+        pass  # the targets are the full params' (adapters are too small to split evenly)
+    elif partitioning == "fsdp":
         value = row["params_bytes"] + row["opt_bytes"]
         row["target"] = f"params+opt <= {TARGET} x total/{n}"
         row["target_ratio"] = value / ideal
@@ -323,6 +352,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "remat",
         "params GiB/dev",
         "opt GiB/dev",
+        "frozen GiB/dev",
         "temp GiB/dev",
         f"params+opt / (total/{n})",
         "target",
@@ -344,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 r["remat_policy"],
                 gib(r["params_bytes"]),
                 gib(r["opt_bytes"]),
+                gib(r["frozen_bytes"]),
                 gib(r["temp_bytes"]) if "temp_bytes" in r else "does not fit",
                 f"{ratio:.3f}",
                 verdict,
@@ -363,7 +394,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(
         f"batch {args.batch_size} x length {args.seq_len}, scan_layers={args.scan_layers}, "
         f"loss_chunk_size={args.loss_chunk_size}, attention_chunk_size="
-        f"{args.attention_chunk_size}, sequence={args.sequence}; "
+        f"{args.attention_chunk_size}, sequence={args.sequence}, preference="
+        f"{args.preference}, lora_rank={args.lora_rank}; "
         f"{bench_common.machine_description(devices, args.tpu_topology)}\n"
     )
     bench_common.print_table(header, table)
