@@ -203,7 +203,7 @@ class CompiledStep:
         )
         step = setup.partition_train_step(
             trainer.make_train_step(
-                model, partitioner, learning_rate, lora=lora_cfg, preference_cfg=pref
+                model, partitioner, learning_rate, lora=lora_cfg, objective=pref
             )
         )
         rows = (batch_size,) if pref is None else (batch_size, 2)

@@ -2,7 +2,7 @@
 
 Pure functions of per-sequence (or per-token) log-probabilities, float32, no model and no
 mesh: the preference and RL losses that `trainer`'s steps will take as `loss_fn(params, batch,
-rng)` are built on these (issue 19; the wiring to models, data and runs is not here yet).
+rng)` are built on these (`preference.py`, `rl.py`).
 Each follows its paper, with TRL's conventions where TRL fixed a free choice:
 
 - DPO (Rafailov et al. 2023, eq. 7): `-log sigmoid(beta * (chosen_ratio - rejected_ratio))`,
@@ -135,9 +135,10 @@ def grpo(
     trained, the policy that sampled them and the reference, `[completions]` advantages and a
     `[completions, length]` mask of the completion's tokens.
 
-    Returns (loss, mean KL, clipped fraction): the loss to minimise, `-(clipped surrogate -
-    beta * KL)` averaged over each completion's tokens then over completions; the k3 KL and
-    the fraction of tokens whose ratio was clipped, averaged the same way.
+    Returns `[completions]` (loss, KL, clipped fraction), each averaged over the
+    completion's tokens: the loss to minimise, `-(clipped surrogate - beta * KL)`, the k3 KL
+    and the fraction of tokens whose ratio was clipped. Their means over completions are
+    the objective (sums, so that microbatches add up).
     """
     mask = mask.astype(jnp.float32)
     ratio = jnp.exp(logps - old_logps)
@@ -148,8 +149,8 @@ def grpo(
     kl = jnp.exp(log_ref_ratio) - log_ref_ratio - 1.0
     was_clipped = (ratio * adv > clipped * adv).astype(jnp.float32)
 
-    def per_completion_mean(x: Array) -> Array:
-        return ((x * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1.0)).mean()
+    def per_completion(x: Array) -> Array:
+        return (x * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1.0)
 
-    loss = per_completion_mean(-(surrogate - beta * kl))
-    return loss, per_completion_mean(kl), per_completion_mean(was_clipped)
+    loss = per_completion(-(surrogate - beta * kl))
+    return loss, per_completion(kl), per_completion(was_clipped)

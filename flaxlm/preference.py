@@ -64,6 +64,10 @@ class PreferenceConfig:
     def needs_reference(self) -> bool:
         return self.loss in ("dpo", "ipo")
 
+    def bind(self, policy: Any, model: Any, frozen: Any) -> PreferenceModel:
+        """The loss model a trainer step differentiates (see `trainer.loss_model`)."""
+        return PreferenceModel(policy, self, model, frozen)
+
 
 def pairs_as_rows(batch: Batch) -> dict[str, Array]:
     """`[pairs, 2, length]` features -> `[2 * pairs, length]` rows (chosen, rejected, chosen,

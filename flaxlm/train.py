@@ -276,7 +276,7 @@ def train(
     inject_nonfinite_loss_at_step: int | None = None,
     lora: lora_lib.LoraConfig | None = None,
     lora_base_checkpoint: str | None = None,
-    preference_cfg: preference.PreferenceConfig | None = None,
+    objective: trainer.Objective | None = None,
 ) -> TrainState:
     """Trains `model` on `train_dataset_cfg` for `total_steps`, resuming from `model_dir`.
 
@@ -300,7 +300,7 @@ def train(
         `model_dir/base`. Only the adapters have optimizer state and are checkpointed;
         `model_dir/lora.json` records the config and the base, so infer, eval and
         export_hf merge them.
-      preference_cfg: train on pairs of answers with a preference loss
+      objective: train on pairs of answers with a preference loss
         (`@preference.PreferenceConfig()`: DPO, IPO, ORPO, SimPO) instead of next-token
         prediction; the data must be pairs (`features.PreferenceFeatureConverter`). The
         reference of DPO and IPO is the starting params, frozen (with `lora`: the base).
@@ -344,7 +344,7 @@ def train(
             feature_lengths,
             seed=seed,
             lora=lora,
-            frozen_reference=preference_cfg is not None and preference_cfg.needs_reference,
+            frozen_reference=objective is not None and objective.needs_reference,
         )
         ckpt = checkpoints.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
         start_step, state = initial_state(setup, ckpt, train_iter, model_dir, init_from_hf)
@@ -363,10 +363,10 @@ def train(
                     skip_nonfinite_updates=skip_nonfinite_updates,
                     inject_nonfinite_loss_at_step=inject_nonfinite_loss_at_step,
                     lora=lora,
-                    preference_cfg=preference_cfg,
+                    objective=objective,
                 )
             ),
-            setup.partition_eval_step(trainer.make_eval_step(model, lora, preference_cfg))
+            setup.partition_eval_step(trainer.make_eval_step(model, lora, objective))
             if eval_iter
             else None,
             frozen,
@@ -378,6 +378,7 @@ def train(
 
         writer = metrics.create_writer(model_dir)
         longest = max(feature_lengths.values())
+        rows_per_example = 2 if isinstance(objective, preference.PreferenceConfig) else 1
         progress = metrics.Progress(total_steps, start_step, model.flops_per_token(longest))
         nonfinite = NonFiniteCheck(ckpt, skip_nonfinite_updates)
         saved = {"step": start_step}
@@ -391,7 +392,7 @@ def train(
                 log_period,
                 writer,
                 progress,
-                train_dataset_cfg.batch_size * longest * (1 if preference_cfg is None else 2),
+                train_dataset_cfg.batch_size * longest * rows_per_example,
                 train_iter,
                 nonfinite,
             ),

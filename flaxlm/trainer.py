@@ -10,7 +10,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,7 @@ import seqio
 from etils import epath
 from jax.sharding import PartitionSpec as P
 
-from flaxlm import data, preference, pytrees
+from flaxlm import data, preference, pytrees, rl
 from flaxlm import lora as lora_lib
 from flaxlm.models.base import BaseModel
 from flaxlm.models.features import batch_shapes_from
@@ -48,6 +48,8 @@ def summarize(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     pairs)."""
     if "pairs" in sums:
         return preference.summarize(sums)
+    if "completions" in sums:
+        return rl.summarize(sums)
     denom = jnp.maximum(sums["weight_sum"], 1.0)
     return {
         "loss": sums["loss_sum"] / denom,
@@ -108,7 +110,7 @@ def make_train_step(
     skip_nonfinite_updates: bool = False,
     inject_nonfinite_loss_at_step: int | None = None,
     lora: lora_lib.LoraConfig | None = None,
-    preference_cfg: preference.PreferenceConfig | None = None,
+    objective: Objective | None = None,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
     """The (unjitted) train step: accumulate gradients, apply the optimizer, report metrics.
 
@@ -119,8 +121,8 @@ def make_train_step(
 
     The step takes the frozen params as a third argument, `train_step(state, batch,
     frozen)`, when there are any: with `lora` (`state.params` are the adapters) the base
-    params; with a `preference_cfg` whose loss needs a reference, and no LoRA, the reference
-    params (see `loss_model`).
+    params; with an `objective` that needs a reference, and no LoRA, the reference params
+    (see `loss_model`).
     """
 
     def train_step(
@@ -128,7 +130,7 @@ def make_train_step(
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         rng = jax.random.fold_in(jax.random.PRNGKey(seed), state.step)
         grads, sums = accumulate_gradients(
-            loss_model(model, lora, preference_cfg, frozen),
+            loss_model(model, lora, objective, frozen),
             partitioner,
             state.params,
             batch,
@@ -155,34 +157,42 @@ def make_train_step(
     return train_step
 
 
+class Objective(Protocol):
+    """A training objective other than the model's own loss (`preference.PreferenceConfig`,
+    `rl.GrpoConfig`): whether it compares with a frozen reference, and the loss model it
+    makes of a policy (`model` or a `LoraModel`), the model and the frozen params."""
+
+    @property
+    def needs_reference(self) -> bool: ...
+
+    def bind(self, policy: Any, model: BaseModel, frozen: Any) -> Any: ...
+
+
 def loss_model(
     model: BaseModel,
     lora: lora_lib.LoraConfig | None,
-    preference_cfg: preference.PreferenceConfig | None,
+    objective: Objective | None,
     frozen: Any,
 ) -> Any:
     """What a step differentiates: `model`'s loss; with `lora`, as a function of the
-    adapters (`frozen`: the base params); with `preference_cfg`, the preference loss of
-    either, whose reference is the frozen params (with LoRA: the base without adapters, no
-    second copy of the weights)."""
+    adapters (`frozen`: the base params); with an `objective`, its loss of either, whose
+    reference is the frozen params (with LoRA: the base without adapters, no second copy of
+    the weights)."""
     policy = model if lora is None else lora_lib.LoraModel(model, lora, frozen)
-    if preference_cfg is None:
-        return policy
-    return preference.PreferenceModel(policy, preference_cfg, model, frozen)
+    return policy if objective is None else objective.bind(policy, model, frozen)
 
 
 def make_eval_step(
     model: BaseModel,
     lora: lora_lib.LoraConfig | None = None,
-    preference_cfg: preference.PreferenceConfig | None = None,
+    objective: Objective | None = None,
 ) -> Callable[..., dict[str, jax.Array]]:
     """`eval_step(params, batch)`; `eval_step(params, batch, frozen)` when the train step
     takes frozen params (see `make_train_step`)."""
 
     def eval_step(params: Any, batch: Batch, frozen: Any = None) -> dict[str, jax.Array]:
-        if preference_cfg is not None:
-            objective = loss_model(model, lora, preference_cfg, frozen)
-            return objective.loss_fn(params, batch, None, 1.0)[1]
+        if objective is not None:
+            return loss_model(model, lora, objective, frozen).loss_fn(params, batch, None, 1.0)[1]
         if lora is not None:
             params = lora_lib.merge(frozen, params, lora)
         _, sums = model.loss_fn(params, batch, None, 1.0)
@@ -241,7 +251,8 @@ class Setup:
     With `lora`, the state's params are the adapters (`lora_kernels` says which); the base
     params stay outside the state, on `base_shardings`, and are an extra argument of the
     partitioned train and eval steps. With `frozen_reference` (a preference loss's reference
-    model) and no LoRA, that argument is a copy of the params (`copy_params`).
+    model) and no LoRA, that argument is a copy of the params (`copy_params`, which a run
+    also uses to start from params it must keep: the step donates the state's).
     """
 
     def __init__(
@@ -299,11 +310,13 @@ class Setup:
         # The steps' frozen argument: a LoRA run's base params, or (`frozen_reference`) a
         # copy of the starting params that a preference loss compares the policy with.
         self.frozen_shardings = self.base_shardings
-        if frozen_reference and lora is None:
-            self.frozen_shardings = params = self.state_shardings.params
+        if lora is None:
+            params = self.state_shardings.params
             self.copy_params = partitioner.partition(
                 lambda p: jax.tree.map(jnp.copy, p), (params,), params
             )
+            if frozen_reference:
+                self.frozen_shardings = params
 
     def partition_train_step(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
         frozen = () if self.frozen_shardings is None else (self.frozen_shardings,)

@@ -54,7 +54,7 @@ def run(cfg, mesh_shape=(2, 2, 2), steps=25, lora_cfg=None, num_microbatches=1, 
             partitioner,
             lr,
             lora=lora_cfg,
-            preference_cfg=cfg,
+            objective=cfg,
             num_microbatches=num_microbatches,
         )
     )

@@ -59,3 +59,38 @@ class MaskedLMFeatureConverter(seqio.FeatureConverter):
 def batch_shapes_from(feature_lengths: Mapping[str, int], batch_size: int) -> dict[str, Any]:
     """`{feature: (batch, length)}` for the model features a converter produces."""
     return {k: (batch_size, v) for k, v in feature_lengths.items()}
+
+
+class PromptFeatureConverter(seqio.FeatureConverter):
+    """Prompts and their reference answers, as they are (never packed: `pack` is ignored):
+    `prompt_tokens` from `inputs` and `answer_tokens` from `targets`, right-padded (and cut
+    at the end) to their lengths. What a GRPO run samples from and rewards against."""
+
+    TASK_FEATURES = {
+        "inputs": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
+        "targets": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
+    }
+    MODEL_FEATURES = {
+        "prompt_tokens": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
+        "answer_tokens": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
+    }
+    PACKING_FEATURE_DTYPES: dict[str, Any] = {}
+
+    def __init__(self, pack: bool = False, **kwargs: Any):
+        del pack
+        super().__init__(pack=False, **kwargs)
+
+    def _convert_features(
+        self, ds: tf.data.Dataset, task_feature_lengths: Mapping[str, int]
+    ) -> tf.data.Dataset:
+        ds = self._pack_or_pad(ds, task_feature_lengths)
+        return ds.map(
+            lambda f: {"prompt_tokens": f["inputs"], "answer_tokens": f["targets"]},
+            num_parallel_calls=tf.data.AUTOTUNE,
+        )
+
+    def get_model_feature_lengths(self, task_feature_lengths: Mapping[str, int]) -> dict:
+        return {
+            "prompt_tokens": task_feature_lengths["inputs"],
+            "answer_tokens": task_feature_lengths["targets"],
+        }

@@ -1,0 +1,293 @@
+"""The `grpo` run function: online RL with verifiable rewards (GRPO, Shao et al. 2024).
+
+Each step takes a batch of prompts from a seqio task (`inputs`: the prompt, `targets`: the
+reference answer, read by `features.PromptFeatureConverter`), samples `num_generations`
+completions per prompt with the KV-cache generator on the training mesh, scores them with
+the Gin-bound reward functions, normalises the rewards within each prompt's group, and takes
+`num_iterations` optimizer steps on the clipped objective with a KL penalty to the frozen
+reference (`rl.GrpoModel` through `trainer`'s step). The loop, logging, checkpointing and
+preemption are `train.py`'s; a checkpoint holds the state and the prompt iterator, and the
+sampling key of step k is `fold_in(seed, k)`, so a resumed run samples what it would have.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import seqio
+from jax.sharding import PartitionSpec as P
+
+from flaxlm import (
+    checkpoints,
+    data,
+    inference,
+    metrics,
+    objectives,
+    optimizers,
+    preemption,
+    pytrees,
+    rl,
+    run_dir,
+    train,
+    trainer,
+)
+from flaxlm.models.base import BaseModel
+from flaxlm.models.features import PromptFeatureConverter
+from flaxlm.partitioning import Partitioner
+from flaxlm.train_state import TrainState
+
+
+class Rollouts:
+    """Samples, rewards and batches the completions of one step's prompts."""
+
+    def __init__(
+        self,
+        setup: trainer.Setup,
+        cfg: rl.GrpoConfig,
+        vocabulary: seqio.Vocabulary,
+        frozen: Any,
+        seed: int,
+        prompt_length: int,
+    ):
+        self.setup, self.cfg, self.vocabulary = setup, cfg, vocabulary
+        self.frozen, self.seed = frozen, seed
+        self.length = prompt_length + 1 + cfg.max_new_tokens
+        model, partitioner = setup.model, setup.partitioner
+        rows = {k: P("batch", None) for k in rl.DECODER_FEATURES}
+        self.policy_logps = partitioner.partition(
+            lambda params, batch: model.token_logps(params, batch)[0],
+            (setup.state_shardings.params, rows),
+            P("batch", None),
+        )
+        self.reference_logps = None
+        if cfg.needs_reference:
+            self.reference_logps = partitioner.partition(
+                lambda params, batch: model.token_logps(params, batch)[0],
+                (setup.frozen_shardings, rows),
+                P("batch", None),
+            )
+
+    def texts(self, rows: np.ndarray) -> list[str]:
+        ids = [[t for t in row.tolist() if t] for row in rows]
+        return [self.vocabulary.decode(inference.until_eos(np.asarray(r), self.eos)) for r in ids]
+
+    @property
+    def eos(self) -> tuple[int, ...]:
+        return self.setup.model.eos_ids
+
+    def __call__(
+        self, state: TrainState, prompts: dict[str, jax.Array], step: int
+    ) -> tuple[dict[str, jax.Array], dict[str, float]]:
+        """The rollout batch of `prompts` (on the mesh) and its host metrics."""
+        cfg, partitioner = self.cfg, self.setup.partitioner
+        prompt_rows = pytrees.host_array(prompts["prompt_tokens"])
+        answer_rows = pytrees.host_array(prompts["answer_tokens"])
+        group = cfg.num_generations
+        prompt_ids = [[t for t in row.tolist() if t] for row in prompt_rows]
+        repeated = [[0, *ids] for ids in prompt_ids for _ in range(group)]
+        inputs = np.zeros((len(repeated), prompt_rows.shape[1] + 1), np.int32)
+        for i, ids in enumerate(repeated):
+            inputs[i, : len(ids)] = ids
+        lengths = np.asarray([len(ids) for ids in repeated], np.int32)
+        completions = inference.generate(
+            self.setup.model,
+            state.params,
+            {"inputs": inputs, "inputs_lengths": lengths},
+            partitioner=partitioner,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            rng=jax.random.fold_in(jax.random.PRNGKey(self.seed), step),
+        )
+        prompt_texts = [self.vocabulary.decode(ids) for ids in prompt_ids]
+        answers = self.texts(answer_rows)
+        texts = [self.vocabulary.decode(inference.until_eos(c, self.eos)) for c in completions]
+        expand = lambda xs: [x for x in xs for _ in range(group)]  # noqa: E731
+        rewards, reward_means = cfg.rewards(expand(prompt_texts), texts, expand(answers))
+        advantages = objectives.group_advantages(jnp.asarray(rewards.reshape(-1, group)))
+        host = rl.rollout_batch(repeated_targets(repeated), completions, self.eos, self.length)
+        decoder = {k: partitioner.global_array(v) for k, v in host.items()}
+        batch = dict(decoder, old_logps=self.policy_logps(state.params, decoder))
+        batch["reference_logps"] = batch["old_logps"]  # unused with beta 0
+        if self.reference_logps is not None:
+            batch["reference_logps"] = self.reference_logps(self.frozen, decoder)
+        batch["advantages"] = partitioner.global_array(np.asarray(advantages).reshape(-1))
+        by_prompt = rewards.reshape(-1, group)
+        host_metrics = {
+            "reward": float(rewards.mean()),
+            "reward_std": float(by_prompt.std(-1).mean()),
+            "completion_length": float(host["decoder_loss_weights"].sum(-1).mean()),
+            **reward_means,
+        }
+        return batch, host_metrics
+
+
+def repeated_targets(repeated: list[list[int]]) -> list[list[int]]:
+    """The prompts as targets: without the decoder's start token `rollout_batch` adds."""
+    return [ids[1:] for ids in repeated]
+
+
+def rollout_axes() -> dict[str, P]:
+    return {
+        **{k: P("batch", None) for k in rl.DECODER_FEATURES},
+        "old_logps": P("batch", None),
+        "reference_logps": P("batch", None),
+        "advantages": P("batch"),
+    }
+
+
+@gin.configurable
+def grpo(
+    *,
+    model: BaseModel = gin.REQUIRED,
+    partitioner: Partitioner = gin.REQUIRED,
+    train_dataset_cfg: data.DatasetConfig = gin.REQUIRED,
+    config: rl.GrpoConfig = gin.REQUIRED,
+    learning_rate: optax.ScalarOrSchedule = gin.REQUIRED,
+    optimizer_factory: Callable[..., optax.GradientTransformation] = optimizers.create_optimizer,
+    model_dir: str = gin.REQUIRED,
+    total_steps: int = gin.REQUIRED,
+    init_from: str | None = None,
+    vocabulary: seqio.Vocabulary | None = None,
+    log_period: int = 10,
+    checkpoint_period: int = 100,
+    keep_checkpoints: int | None = 3,
+    seed: int = 0,
+) -> TrainState:
+    """GRPO on the prompts of `train_dataset_cfg` for `total_steps` rollout steps.
+
+    Args:
+      train_dataset_cfg: a task of `{inputs: prompt, targets: answer}` (e.g.
+        `register_jsonl_task`); BATCH_SIZE prompts per step, each sampled
+        `config.num_generations` times. Its `task_feature_lengths['inputs']` bounds the
+        prompt (longer ones are cut by seqio).
+      config: `@rl.GrpoConfig()`: group size, sampling, reward functions, epsilon, beta.
+      init_from: the policy's starting params: a HuggingFace directory or a flaxlm MODEL_DIR
+        (its latest checkpoint; a LoRA run's merged). None: a fresh init from `seed`. The
+        reference (for `beta > 0`) is these params, frozen. (LoRA is not supported yet.)
+      vocabulary: decodes prompts, completions and answers for the reward functions
+        (default: the task's `targets` vocabulary).
+
+    A step is one batch of rollouts and `config.num_iterations` optimizer steps on it;
+    metrics add `reward` (mean), `reward_std` (within groups), each reward function's mean,
+    `kl`, `clip_ratio` and `completion_length`.
+    """
+    start_time = time.perf_counter()
+    batch_size = train_dataset_cfg.batch_size
+    trainer.check_counts(
+        TRAIN_STEPS=(total_steps, 1),
+        BATCH_SIZE=(batch_size, 1),
+        LOG_PERIOD=(log_period, 1),
+        CHECKPOINT_PERIOD=(checkpoint_period, 1),
+    )
+    trainer.check_learning_rate(learning_rate)
+    path = trainer.check_model_dir(model_dir)
+    trainer.check_batch_size(partitioner, batch_size, 1)
+    lengths = dict(train_dataset_cfg.task_feature_lengths)
+    if "inputs" not in lengths:
+        raise ValueError(
+            f"TASK_FEATURE_LENGTHS={lengths}: GRPO reads prompts ('inputs') and answers "
+            "('targets'); give both, e.g. {'inputs': 32, 'targets': 8}."
+        )
+    length = lengths["inputs"] + 1 + config.max_new_tokens
+    model.check_lengths({"prompt + completion": length})
+    task = seqio.get_mixture_or_task(train_dataset_cfg.mixture_or_task_name)
+    vocabulary = vocabulary or task.output_features["targets"].vocabulary
+    signals = preemption.PreemptionHandler().install()
+    ckpt = writer = None
+    try:
+        prompts = data.DataIterator.create(train_dataset_cfg, partitioner, PromptFeatureConverter)
+        setup = trainer.Setup(
+            model,
+            partitioner,
+            optimizer_factory(learning_rate=learning_rate),
+            {k: length for k in rl.DECODER_FEATURES},
+            seed=seed,
+            frozen_reference=config.needs_reference,
+        )
+        setup.batch_axes = rollout_axes()
+        ckpt = checkpoints.Checkpointer(model_dir, keep=keep_checkpoints)
+        start = starting_params(setup, init_from)
+        start_step, state = ckpt.restore_latest(
+            setup.abstract_state, prompts, setup.state_from_params
+        )
+        if state is not None:
+            print(f"Resumed from checkpoint step {start_step} in {ckpt.directory}.", flush=True)
+        else:
+            start_step, state = 0, setup.init_state()
+            if start is not None:  # a copy: the train step donates the state's buffers
+                state = setup.state_from_params(setup.copy_params(start))
+        frozen = None
+        if config.needs_reference:
+            frozen = start if start is not None else setup.init_state().params
+        rollouts = Rollouts(setup, config, vocabulary, frozen, seed, lengths["inputs"])
+        update = setup.partition_train_step(
+            trainer.make_train_step(model, partitioner, learning_rate, seed=seed, objective=config)
+        )
+        frozen_args = () if setup.frozen_shardings is None else (frozen,)
+
+        def rollout_step(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+            step = int(state.step) // config.num_iterations
+            rollout, host = rollouts(state, batch, step)
+            for _ in range(config.num_iterations):
+                state, out = update(state, rollout, *frozen_args)
+            return state, {**out, **{k: jnp.float32(v) for k, v in host.items()}}
+
+        config_str = gin.operative_config_str()
+        if jax.process_index() == 0:
+            (path / run_dir.CONFIG_FILE).write_text(config_str)
+        writer = metrics.create_writer(model_dir)
+        rows = batch_size * config.num_generations
+        progress = metrics.Progress(
+            total_steps, start_step, model.flops_per_token(length) * config.num_iterations
+        )
+        nonfinite = train.NonFiniteCheck(ckpt, False)
+        saved = {"step": start_step}
+
+        def save(step: int, state: TrainState, step_metrics: Any) -> None:
+            ckpt.save(step, state, prompts, config_str)
+            saved["step"] = step
+
+        hooks = [
+            train.log_hook(log_period, writer, progress, rows * length, prompts, nonfinite),
+            train.Hook(checkpoint_period, save, on_stop=True),
+        ]
+        state, step, stop = train.run_steps(
+            state,
+            start_step,
+            total_steps,
+            rollout_step,
+            lambda step: trainer.next_batch(prompts, train_dataset_cfg, step),
+            hooks,
+            nonfinite,
+            signals,
+        )
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+        if writer is not None:
+            writer.close()
+        signals.uninstall()
+    if jax.process_index() == 0:
+        train.report_end(
+            signals, stop, step, start_step, total_steps, ckpt, saved["step"], path, start_time
+        )
+    return state
+
+
+def starting_params(setup: trainer.Setup, init_from: str | None) -> Any:
+    """The params `init_from` names, on the shardings the run holds them with (the LoRA
+    base's or the params'), or None."""
+    if init_from is None:
+        return None
+    loaded = run_dir.load_model_and_params(init_from, setup.partitioner, model=setup.model)
+    print(f"Policy and reference from {init_from}.", flush=True)
+    return loaded.params

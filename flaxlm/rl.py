@@ -1,0 +1,177 @@
+"""GRPO's loss over rollouts, for `trainer`'s steps, and the rollout batch it reads.
+
+A rollout batch holds `prompts x num_generations` rows, each a prompt followed by one sampled
+completion (`rollout_batch` builds it on the host): the decoder features of a causal LM
+(`decoder_input_tokens`, `decoder_target_tokens`, `decoder_loss_weights` on the completion's
+tokens, its EOS included), and per row what the step must not recompute: `old_logps` (the
+tokens' log-probs under the policy that sampled them), `reference_logps` (under the frozen
+reference) and `advantages` (the completion's group-normalised reward). `GrpoModel.loss_fn`
+is `objectives.grpo` on them; `grpo.py` is the run that samples, rewards and steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxlm import objectives, rewards
+
+Array = jax.Array
+Batch = Mapping[str, Array]
+DECODER_FEATURES = ("decoder_input_tokens", "decoder_target_tokens", "decoder_loss_weights")
+ROLLOUT_FEATURES = ("old_logps", "reference_logps", "advantages")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class GrpoConfig:
+    """GRPO's settings (TRL's `GRPOConfig` names where it has them).
+
+    Attributes:
+      num_generations: completions sampled per prompt (the group, G).
+      max_new_tokens, temperature, top_k, top_p: how they are sampled.
+      num_iterations: optimisation passes over each batch of rollouts (mu); the ratio to the
+        sampling policy moves away from 1 from the second pass on.
+      epsilon: the clip range of the policy ratio.
+      beta: the weight of the KL penalty to the reference (0: no reference model).
+      reward_fns: `fn(prompts, completions, answers) -> [float]` (see `rewards.py`).
+      reward_weights: one per reward function (default all 1); the reward is the weighted
+        sum.
+    """
+
+    num_generations: int = 8
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    num_iterations: int = 1
+    epsilon: float = 0.2
+    beta: float = 0.04
+    reward_fns: Sequence[Callable[..., Sequence[float]]] = (rewards.exact_match,)
+    reward_weights: Sequence[float] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_generations", "max_new_tokens", "num_iterations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GrpoConfig.{name}={value!r} must be a whole number >= 1.")
+        if self.num_generations < 2:
+            raise ValueError(
+                "GrpoConfig.num_generations must be at least 2: advantages compare the "
+                "completions of one prompt."
+            )
+        if not self.temperature > 0:
+            raise ValueError(f"GrpoConfig.temperature={self.temperature!r}: GRPO samples, > 0.")
+        if not 0 < self.epsilon < 1 or self.beta < 0:
+            raise ValueError(f"GrpoConfig: epsilon in (0, 1) and beta >= 0, got {self}.")
+        if not self.reward_fns or not all(callable(f) for f in self.reward_fns):
+            raise ValueError("GrpoConfig.reward_fns must be a non-empty list of callables.")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_fns):
+            raise ValueError(
+                f"GrpoConfig: {len(self.reward_weights)} reward_weights for "
+                f"{len(self.reward_fns)} reward_fns."
+            )
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta > 0
+
+    def bind(self, policy: Any, model: Any, frozen: Any) -> GrpoModel:
+        """The loss model a trainer step differentiates (see `trainer.loss_model`); the
+        reference log-probs come with the batch, so `model` and `frozen` are not needed."""
+        del model, frozen
+        return GrpoModel(policy, self)
+
+    def rewards(
+        self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str]
+    ) -> tuple[np.ndarray, dict[str, float]]:
+        """float32 `[rows]` weighted rewards, and each function's mean (`rewards/<name>`)."""
+        weights = self.reward_weights or [1.0] * len(self.reward_fns)
+        total = np.zeros(len(completions), np.float32)
+        means = {}
+        for fn, weight in zip(self.reward_fns, weights):
+            values = np.asarray(fn(prompts, completions, answers), np.float32)
+            if values.shape != total.shape:
+                raise ValueError(
+                    f"Reward function {getattr(fn, '__name__', fn)} returned "
+                    f"{values.shape[0] if values.ndim else values} values for "
+                    f"{len(completions)} completions."
+                )
+            total += weight * values
+            means[f"rewards/{getattr(fn, '__name__', 'reward')}"] = float(values.mean())
+        return total, means
+
+
+class GrpoModel:
+    """GRPO's loss of `policy`'s params over a rollout batch, in the shape `trainer` steps
+    expect (`normalizer`: the number of completions; metric sums under TRL's names)."""
+
+    def __init__(self, policy: Any, cfg: GrpoConfig):
+        self.policy = policy
+        self.cfg = cfg
+
+    def normalizer(self, batch: Batch) -> Array:
+        return jnp.float32(batch["advantages"].shape[0])
+
+    def loss_fn(
+        self, params: Any, batch: Batch, rng: Array | None, normalizer: Any = None
+    ) -> tuple[Array, dict[str, Array]]:
+        decoder = {k: batch[k] for k in DECODER_FEATURES}
+        logps, weights = self.policy.token_logps(params, decoder, rng)
+        loss, kl, clipped = objectives.grpo(
+            logps,
+            batch["old_logps"],
+            batch["reference_logps"] if self.cfg.beta > 0 else jax.lax.stop_gradient(logps),
+            batch["advantages"],
+            weights > 0,
+            epsilon=self.cfg.epsilon,
+            beta=self.cfg.beta,
+        )
+        sums = {
+            "completions": jnp.float32(loss.shape[0]),
+            "loss": loss.sum(),
+            "kl": kl.sum(),
+            "clip_ratio": clipped.sum(),
+        }
+        normalizer = self.normalizer(batch) if normalizer is None else normalizer
+        return sums["loss"] / normalizer, sums
+
+
+def summarize(sums: Mapping[str, Array]) -> dict[str, Array]:
+    """Means over completions of GRPO's metric sums."""
+    count = jnp.maximum(sums["completions"], 1.0)
+    return {k: v / count for k, v in sums.items() if k != "completions"}
+
+
+def rollout_batch(
+    prompts: Sequence[Sequence[int]],
+    completions: np.ndarray,
+    eos_ids: Sequence[int],
+    length: int,
+) -> dict[str, np.ndarray]:
+    """The decoder features of prompt + completion rows, `[rows, length]` int32.
+
+    Row i reads `[0, *prompts[i], *completion]` and predicts `[*prompts[i], *completion]`
+    (the 0 is the decoder's start token, as in training and in the rollout's prompt); the
+    loss weights cover the completion up to and including its first EOS. `completions` is
+    `inference.generate`'s output (0 after EOS).
+    """
+    rows = len(prompts)
+    targets = np.zeros((rows, length), np.int32)
+    weights = np.zeros((rows, length), np.int32)
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        ids = list(completion)
+        end = next((j + 1 for j, t in enumerate(ids) if t in eos_ids), len(ids))
+        ids = [t for t in ids[:end]]
+        n = len(prompt)
+        row = (list(prompt) + ids)[:length]
+        targets[i, : len(row)] = row
+        weights[i, n : len(row)] = 1
+    inputs = np.concatenate([np.zeros((rows, 1), np.int32), targets[:, :-1]], axis=1)
+    return dict(zip(DECODER_FEATURES, (inputs, targets, weights)))
