@@ -474,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     partitioner = Partitioner(mesh_shape=(1, -1, 1))
     cfg = dataset_config(args)
     model.check_lengths(cfg.task_feature_lengths)
-    feature_lengths = data.model_feature_lengths(cfg, model.FEATURE_CONVERTER_CLS)
+    feature_lengths = data.model_feature_lengths(cfg, data.converter_for(cfg, model))
     print(f"{config_description(args)} on {partitioner}", flush=True)
     if jax.device_count() > 1:
         print(
@@ -486,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.batch_source == "stdlib" or args.input_steps > 0:
         start = time.perf_counter()
         layout = partitioner.data_layout(args.batch_size)
-        ds = data.host_input(cfg, layout, model.FEATURE_CONVERTER_CLS)
+        ds = data.host_input(cfg, layout, data.converter_for(cfg, model))
         iterator = data.DataIterator(ds, partitioner, layout)
         first = iterator.next_numpy()
         print(f"  first stdlib_py batch in {time.perf_counter() - start:.1f}s", flush=True)

@@ -87,6 +87,14 @@ class DatasetConfig:
     # Logical input shards R (must divide batch_size); None: the mesh's data-parallel degree.
     # Fixed by the config and mesh, never by the process count, so the batches are too.
     num_input_shards: int | None = None
+    # The seqio FeatureConverter class to read the task with (e.g. the chat tasks'
+    # features.ChatFeatureConverter); None: the model's own (`model.FEATURE_CONVERTER_CLS`).
+    feature_converter: type | None = None
+
+
+def converter_for(cfg: DatasetConfig, model: Any) -> type[seqio.FeatureConverter]:
+    """The feature converter class `cfg` is read with: its own, else the model's."""
+    return cfg.feature_converter or model.FEATURE_CONVERTER_CLS
 
 
 def import_task_module(module: str | None, setting: str = "MIXTURE_OR_TASK_MODULE") -> None:
@@ -120,6 +128,14 @@ def check_registered(name: str) -> None:
 
 def read_jsonl(path: str, required: Sequence[str] = ("in_text",)) -> Iterator[dict[str, Any]]:
     """The JSON objects of a JSONL file; a bad line fails naming the file and line."""
+    return (record for _, record in read_numbered_jsonl(path, required))
+
+
+def read_numbered_jsonl(
+    path: str, required: Sequence[str] = ("in_text",)
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """`(line number, object)` of each JSON object of a JSONL file (blank lines skipped); a
+    bad line fails naming the file and line. `required`: keys whose values must be strings."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             try:
@@ -140,7 +156,7 @@ def read_jsonl(path: str, required: Sequence[str] = ("in_text",)) -> Iterator[di
             missing = [k for k in required if not isinstance(record.get(k), str)]
             if missing:
                 raise ValueError(f"{path}:{number}: missing string field(s) {missing}.")
-            yield record
+            yield number, record
 
 
 def input_shard_count(cfg: DatasetConfig, layout: DataLayout) -> int:

@@ -324,7 +324,7 @@ def train(
     path = trainer.check_model_dir(model_dir)
     trainer.check_batch_size(partitioner, train_dataset_cfg.batch_size, num_microbatches)
     model.check_lengths(train_dataset_cfg.task_feature_lengths)
-    converter = model.FEATURE_CONVERTER_CLS
+    converter = data.converter_for(train_dataset_cfg, model)
     feature_lengths = data.model_feature_lengths(train_dataset_cfg, converter)
     train_dataset_cfg = resumed_input_shards(train_dataset_cfg, partitioner, model_dir)
     # From here on a first SIGTERM/SIGINT is a request to stop cleanly: during set-up, before
@@ -336,7 +336,9 @@ def train(
         eval_iter = None
         if eval_dataset_cfg is not None and eval_period:
             trainer.check_batch_size(partitioner, eval_dataset_cfg.batch_size, 1)
-            eval_iter = data.DataIterator.create(eval_dataset_cfg, partitioner, converter)
+            eval_iter = data.DataIterator.create(
+                eval_dataset_cfg, partitioner, data.converter_for(eval_dataset_cfg, model)
+            )
         setup = trainer.Setup(
             model,
             partitioner,

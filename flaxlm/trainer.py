@@ -380,7 +380,7 @@ def evaluate_split(
     partial batch left out; at most `max_batches`), with the params as they are sharded."""
     cfg = dataclasses.replace(cfg, num_epochs=1, shuffle=False)
     check_batch_size(partitioner, cfg.batch_size, 1)
-    iterator = data.DataIterator.create(cfg, partitioner, model.FEATURE_CONVERTER_CLS)
+    iterator = data.DataIterator.create(cfg, partitioner, data.converter_for(cfg, model))
     step = jax.jit(make_eval_step(model))
     total = None
     for number, batch in enumerate(iterator):

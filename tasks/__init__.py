@@ -4,6 +4,7 @@
 # @seqio.SentencePieceVocabulary(), @seqio.ByteVocabulary().
 from flaxlm import vocabularies  # noqa: F401
 from tasks import (  # noqa: F401
+    chat,
     hf_datasets,
     jsonl,
     mixtures,

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import gin
+import numpy as np
 import seqio
 import tensorflow as tf
 
@@ -41,10 +42,39 @@ def in_memory_dataset(
     return index.map(lambda i: {k: tf.gather(t, i) for k, t in tensors.items()})
 
 
-def _files(name: str, split: str, globs: Sequence[str]) -> list[str]:
-    files = sorted({f for g in globs for f in tf.io.gfile.glob(g)})
-    if not files:
-        raise FileNotFoundError(f"Task {name!r}: no files match {list(globs)} for split {split!r}.")
+def in_memory_token_dataset(
+    columns: Mapping[str, tuple[np.ndarray, np.ndarray]], shuffle: bool, seed: int | None
+) -> tf.data.Dataset:
+    """`in_memory_dataset` for token ids: examples `{name: int32 ids}` (a vector each, of
+    any length) from ragged columns held in memory, each `(values, row_splits)`: example `i`
+    is `values[row_splits[i]:row_splits[i + 1]]`. Every column has the same number of
+    examples; order and shuffling as `in_memory_dataset`."""
+    tensors = {
+        k: (tf.constant(np.asarray(v, np.int32)), tf.constant(np.asarray(s, np.int64)))
+        for k, (v, s) in columns.items()
+    }
+    n = len(next(iter(columns.values()))[1]) - 1
+    index = tf.data.Dataset.range(n)
+    if shuffle:
+        index = index.shuffle(n, seed=seed, reshuffle_each_iteration=True)
+    return index.map(lambda i: {k: v[s[i] : s[i + 1]] for k, (v, s) in tensors.items()})
+
+
+def split_file_lists(
+    name: str, split_files: Mapping[str, str | Sequence[str]]
+) -> dict[str, list[str]]:
+    """`{split: the sorted files its glob(s) match}`; an empty mapping, or a split that
+    matches no file, fails naming the task and the split."""
+    patterns = {s: [p] if isinstance(p, str) else list(p) for s, p in split_files.items()}
+    if not patterns:
+        raise ValueError(f"Task {name!r}: split_files is empty; give e.g. {{'train': 'a.jsonl'}}.")
+    files = {}
+    for split, globs in patterns.items():
+        files[split] = sorted({f for g in globs for f in tf.io.gfile.glob(g)})
+        if not files[split]:
+            raise FileNotFoundError(
+                f"Task {name!r}: no files match {list(globs)} for split {split!r}."
+            )
     return files
 
 
@@ -86,10 +116,7 @@ def register_jsonl_task(
     """
     if name in seqio.TaskRegistry.names():
         return name
-    patterns = {s: [p] if isinstance(p, str) else list(p) for s, p in split_files.items()}
-    if not patterns:
-        raise ValueError(f"Task {name!r}: split_files is empty; give e.g. {{'train': 'a.jsonl'}}.")
-    files = {split: _files(name, split, globs) for split, globs in patterns.items()}
+    files = split_file_lists(name, split_files)
     for split_files_ in files.values():
         read_pairs(split_files_, input_key, target_key)  # fail now, not mid-training
 

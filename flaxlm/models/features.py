@@ -56,6 +56,121 @@ class MaskedLMFeatureConverter(seqio.FeatureConverter):
         return {name: length for name in names}
 
 
+def decode_signed(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """`(tokens, weights)` of signed-offset ids `x` (the chat and preference tasks' encoding:
+    a token `id` that carries loss is stored as `id + 1`, one that does not as `-(id + 1)`,
+    and 0 is padding): `tokens = |x| - 1` (0 at padding), `weights = int32(x > 0)`."""
+    x = tf.convert_to_tensor(x)
+    tokens = tf.where(x != 0, tf.abs(x) - 1, tf.zeros_like(x))
+    return tokens, tf.cast(x > 0, tf.int32)
+
+
+class ChatFeatureConverter(seqio.FeatureConverter):
+    """Decoder-only LM features from signed-offset `targets` (see `decode_signed`), packed
+    or padded as seqio's LM converter does them.
+
+    The features are those `seqio.DecoderFeatureConverter` gives a plain `targets` task
+    (`decoder_input_tokens` the targets shifted right, restarting at every packed segment)
+    except that `decoder_loss_weights` is the loss mask the task encoded in the signs: one on
+    the tokens the model must learn to produce (a chat's assistant turns), zero on the rest
+    and on padding. Packing sees only nonzero values, so a token id 0 (stored as +-1) is
+    packed like any other.
+    """
+
+    TASK_FEATURES = {"targets": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32)}
+    MODEL_FEATURES = {
+        "decoder_target_tokens": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
+        "decoder_input_tokens": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
+        "decoder_loss_weights": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
+    }
+    PACKING_FEATURE_DTYPES = {"decoder_segment_ids": tf.int32, "decoder_positions": tf.int32}
+
+    def _convert_example(self, features: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+        tokens, weights = decode_signed(features["targets"])
+        segment_ids = features.get("targets_segment_ids")
+        out = {
+            "decoder_target_tokens": tokens,
+            "decoder_input_tokens": seqio.utils.make_autoregressive_inputs(
+                tokens, sequence_id=segment_ids, bos_id=self.bos_id
+            ),
+            "decoder_loss_weights": weights,
+        }
+        if self.pack:
+            out["decoder_segment_ids"] = segment_ids
+            out["decoder_positions"] = features["targets_positions"]
+        return out
+
+    def _convert_features(
+        self, ds: tf.data.Dataset, task_feature_lengths: Mapping[str, int]
+    ) -> tf.data.Dataset:
+        ds = self._pack_or_pad(ds, task_feature_lengths)
+        return ds.map(self._convert_example, num_parallel_calls=tf.data.AUTOTUNE)
+
+    def get_model_feature_lengths(self, task_feature_lengths: Mapping[str, int]) -> dict:
+        length = task_feature_lengths["targets"]
+        names = list(self.MODEL_FEATURES)
+        if self.pack:
+            names += list(self.PACKING_FEATURE_DTYPES)
+        return {name: length for name in names}
+
+
+_PAIR_SPEC = seqio.FeatureConverter.FeatureSpec(dtype=tf.int32, rank=2, sequence_dim=1)
+
+
+class PreferenceFeatureConverter(seqio.FeatureConverter):
+    """Preference pairs: signed-offset `chosen` and `rejected` (see `decode_signed`) as
+    decoder-only features of shape `[2, L]` per example, row 0 the chosen sequence and row 1
+    the rejected one: `decoder_target_tokens` (decoded ids, 0 at padding),
+    `decoder_input_tokens` (each row shifted right, `bos_id` first) and
+    `decoder_loss_weights` (one on the answer tokens, which the task encoded as positive).
+
+    Both rows are trimmed or padded to `L`, the larger of the two task feature lengths. A
+    pair is never packed, whatever `pack` says (an example is one pair, so the rows of a
+    batch stay aligned pair by pair): `pack=True`, the default of every converter that
+    flaxlm builds, is accepted and ignored, and `self.pack` is False.
+    """
+
+    TASK_FEATURES = {
+        "chosen": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
+        "rejected": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
+    }
+    MODEL_FEATURES = {
+        "decoder_target_tokens": _PAIR_SPEC,
+        "decoder_input_tokens": _PAIR_SPEC,
+        "decoder_loss_weights": _PAIR_SPEC,
+    }
+    PACKING_FEATURE_DTYPES: Mapping[str, tf.dtypes.DType] = {}
+
+    def __init__(self, pack: bool = False, **kwargs: Any):
+        del pack  # never packed (see the class docstring)
+        super().__init__(pack=False, **kwargs)
+
+    def _convert_example(self, features: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+        tokens, weights = decode_signed(tf.stack([features["chosen"], features["rejected"]]))
+        shift = seqio.utils.make_autoregressive_inputs
+        inputs = tf.stack([shift(tokens[row], bos_id=self.bos_id) for row in (0, 1)])
+        return {
+            "decoder_target_tokens": tokens,
+            "decoder_input_tokens": inputs,
+            "decoder_loss_weights": weights,
+        }
+
+    def _convert_features(
+        self, ds: tf.data.Dataset, task_feature_lengths: Mapping[str, int]
+    ) -> tf.data.Dataset:
+        length = self._pair_length(task_feature_lengths)
+        ds = seqio.utils.trim_and_pad_dataset(ds, {"chosen": length, "rejected": length})
+        return ds.map(self._convert_example, num_parallel_calls=tf.data.AUTOTUNE)
+
+    @staticmethod
+    def _pair_length(task_feature_lengths: Mapping[str, int]) -> int:
+        return max(task_feature_lengths["chosen"], task_feature_lengths["rejected"])
+
+    def get_model_feature_lengths(self, task_feature_lengths: Mapping[str, int]) -> dict:
+        length = self._pair_length(task_feature_lengths)
+        return {name: length for name in self.MODEL_FEATURES}
+
+
 def batch_shapes_from(feature_lengths: Mapping[str, int], batch_size: int) -> dict[str, Any]:
     """`{feature: (batch, length)}` for the model features a converter produces."""
     return {k: (batch_size, v) for k, v in feature_lengths.items()}
