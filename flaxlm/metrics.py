@@ -185,6 +185,7 @@ class Progress:
         parts = [f"step {step}/{self.total_steps}"]
         for key, fmt in (
             ("loss", "loss {:.4f}"),
+            ("reward", "reward {:.3f}"),
             ("learning_rate", "lr {:.2e}"),
             ("tokens_per_second", "{:,.0f} tok/s"),
             ("tflops_per_second", "{:.3f} TFLOP/s"),

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxlm import objectives
+from flaxlm.models.features import PreferenceFeatureConverter
 
 Array = jax.Array
 Batch = Mapping[str, Array]
@@ -176,3 +177,21 @@ def summarize(sums: Mapping[str, Array]) -> dict[str, Array]:
     out = {k: v / pairs for k, v in sums.items() if k != "pairs"}
     out["num_pairs"] = sums["pairs"]
     return out
+
+
+def check_data(objective: Any, converter: type) -> None:
+    """A ValueError unless a preference loss reads pairs and pairs feed a preference loss
+    (before any device work: the shapes would fail deep inside the step)."""
+    pairs = isinstance(converter, type) and issubclass(converter, PreferenceFeatureConverter)
+    if isinstance(objective, PreferenceConfig) and not pairs:
+        raise ValueError(
+            f"train.objective is a {objective.loss!r} preference loss, but the data is read "
+            f"with {getattr(converter, '__name__', converter)}: bind "
+            "DatasetConfig.feature_converter = @features.PreferenceFeatureConverter and a "
+            "task of pairs (chat.register_preference_task), as gin/dpo.gin does."
+        )
+    if pairs and not isinstance(objective, PreferenceConfig):
+        raise ValueError(
+            "The data is pairs (PreferenceFeatureConverter) but train.objective is not a "
+            "preference loss: bind train.objective = @preference.PreferenceConfig()."
+        )

@@ -325,6 +325,7 @@ def train(
     trainer.check_batch_size(partitioner, train_dataset_cfg.batch_size, num_microbatches)
     model.check_lengths(train_dataset_cfg.task_feature_lengths)
     converter = data.converter_for(train_dataset_cfg, model)
+    preference.check_data(objective, converter)
     feature_lengths = data.model_feature_lengths(train_dataset_cfg, converter)
     train_dataset_cfg = resumed_input_shards(train_dataset_cfg, partitioner, model_dir)
     # From here on a first SIGTERM/SIGINT is a request to stop cleanly: during set-up, before

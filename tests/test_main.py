@@ -1,5 +1,6 @@
 """`python -m flaxlm.main` end to end, as users run it (subprocesses)."""
 
+import glob
 import importlib.util
 import json
 import logging
@@ -9,9 +10,12 @@ import subprocess
 import sys
 import warnings
 
+import gin
 import pytest
 
 from flaxlm import gin_utils, logs, platforms
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SMALL = [
     # The default run's model and data, shortened for CI.
@@ -137,6 +141,20 @@ def test_run_on_a_four_axis_mesh_from_another_directory(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "data=2, fsdp=1, sequence=2, tensor=2" in result.stdout
     assert os.path.isdir(os.path.join(model_dir, "checkpoints", "5"))
+
+
+@pytest.mark.parametrize(
+    "name", sorted(os.path.basename(f) for f in glob.glob(os.path.join(REPO, "gin", "*.gin")))
+)
+def test_every_ready_to_run_file_parses(name):
+    """Each top-level gin file parses whole (includes, imports, macros); running is the
+    end-to-end tests' business."""
+    gin.clear_config()
+    try:
+        gin_utils.parse_gin([name], finalize=False)
+        assert gin.query_parameter("gin_utils.run.fn") is not None
+    finally:
+        gin.clear_config()
 
 
 def test_gin_dot_flags_become_bindings():

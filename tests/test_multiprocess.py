@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import pytest
 
 from tests.test_main import read_metrics
@@ -88,25 +89,27 @@ def test_hosts_holding_the_same_batch_rows_read_the_same_shard(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_process_training_run_completes(tmp_path, repo_dir):
-    model_dir = str(tmp_path / "run")
+def test_two_process_dpo_run_gives_the_one_process_losses(tmp_path, repo_dir):
+    """gin/dpo.gin (pairs, a frozen reference sharded like the policy) on two processes
+    joined by jax.distributed: the one-process run's per-step losses (1e-6), and a checkpoint
+    with each logical input shard's iterator saved once, whichever process reads it."""
     args = [
         "-m",
         "flaxlm.main",
-        "--gin_file=gin/gptj_pretrain.gin",
-        f"--gin.MODEL_DIR='{model_dir}'",
-        "--gin.TRAIN_STEPS=6",
-        "--gin.LOG_PERIOD=2",
-        "--gin.EVAL_PERIOD=6",
-        "--gin.EVAL_STEPS=2",
-        "--gin.CHECKPOINT_PERIOD=3",
+        "--gin_file=gin/dpo.gin",
+        "--gin.TRAIN_STEPS=4",
+        "--gin.LOG_PERIOD=1",
+        "--gin.EVAL_PERIOD=4",
+        "--gin.EVAL_STEPS=1",
+        "--gin.CHECKPOINT_PERIOD=4",
         "--gin.BATCH_SIZE=8",
-        "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+        "--gin.MAX_LENGTH=32",
         "--gin.Partitioner.mesh_shape=(2, -1, 1)",
     ]
     results = launch(
         lambda addr, i: [
             *args,
+            f"--gin.MODEL_DIR='{tmp_path / 'two'}'",
             f"--coordinator_address={addr}",
             "--process_count=2",
             f"--process_index={i}",
@@ -115,15 +118,27 @@ def test_two_process_training_run_completes(tmp_path, repo_dir):
         devices_per_process=4,
         cwd=repo_dir,
     )
+    ((code, out, err),) = launch(
+        lambda addr, i: [*args, f"--gin.MODEL_DIR='{tmp_path / 'one'}'"],
+        num_processes=1,
+        devices_per_process=8,
+        cwd=repo_dir,
+    )
+    assert code == 0, err[-3000:]
     for code, _, stderr in results:
         assert code == 0, stderr[-3000:]
-    assert "data=2, fsdp=4" in results[0][1]
-    assert [r["step"] for r in read_metrics(model_dir) if "loss" in r] == [2, 4, 6]
-    # The iterator state is saved per logical input shard (the data-parallel degree, 8), each
-    # once, whichever process reads it.
-    files = os.listdir(os.path.join(model_dir, "checkpoints", "6", "dataset"))
+    assert "data=2, fsdp=4" in results[0][1] and "data=2, fsdp=4" in out
+    two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
+    names = ("loss", "rewards/margins", "logps/chosen", "eval/rewards/accuracies")
+    for name in names:
+        a = [r[name] for r in two if name in r]
+        b = [r[name] for r in one if name in r]
+        assert len(a) == len(b) == (1 if name.startswith("eval/") else 4), name
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=name)
+    files = os.listdir(os.path.join(tmp_path / "two", "checkpoints", "4", "dataset"))
     assert {f.split(".")[0] for f in files if f.startswith("shard_")} == {
-        f"shard_{r}-of-8" for r in range(8)
+        f"shard_{r}-of-8"
+        for r in range(8)  # the data-parallel degree: data 2 x fsdp 4
     }
 
 

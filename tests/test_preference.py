@@ -162,3 +162,15 @@ def test_lora_dpo_keeps_the_base_bit_identical_and_uses_it_as_the_reference():
         assert np.array_equal(a, b)  # bit-identical after training
     np.testing.assert_allclose(first["loss"], np.log(2.0), rtol=1e-6)  # B = 0: policy = base
     assert after["eval/rewards/accuracies"] > 0.9
+
+
+def test_a_preference_loss_needs_pairs_and_pairs_need_one():
+    from flaxlm.models import features
+
+    with pytest.raises(ValueError, match="bind DatasetConfig.feature_converter"):
+        preference.check_data(preference.PreferenceConfig(), features.ChatFeatureConverter)
+    with pytest.raises(ValueError, match="train.objective is not a preference loss"):
+        preference.check_data(None, features.PreferenceFeatureConverter)
+    preference.check_data(preference.PreferenceConfig(), features.PreferenceFeatureConverter)
+    with pytest.raises(ValueError, match="choose one of"):
+        preference.PreferenceConfig(loss="kto")
