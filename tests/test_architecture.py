@@ -32,6 +32,7 @@ LONG_FILES_ALLOWED = {"flaxlm/models/t5.py"}
 
 RUNS = (
     "flaxlm.train",
+    "flaxlm.grpo",
     "flaxlm.evaluation",
     "flaxlm.infer",
     "flaxlm.convert",
