@@ -53,6 +53,25 @@ def saved_input_shards(model_dir: str) -> int | None:
     return None
 
 
+def resumed_input_shards(cfg: Any, partitioner: Any, model_dir: str) -> Any:
+    """`cfg` reading as many logical input shards as `model_dir`'s checkpoint was written
+    with, unless `num_input_shards` is set: a run resumed on another mesh (more or fewer
+    devices, another data-parallel degree) continues with the global batches it would have
+    seen on the old one."""
+    saved = saved_input_shards(model_dir)
+    if saved is None or cfg.num_input_shards is not None:
+        return cfg
+    degree = partitioner.data_parallel_degree()
+    if saved != degree:
+        print(
+            f"Reading the training data as {saved} logical input shards, as the checkpoint "
+            f"was written (this mesh's data-parallel degree is {degree}), so the data order "
+            "continues unchanged.",
+            flush=True,
+        )
+    return dataclasses.replace(cfg, num_input_shards=saved)
+
+
 class DataIteratorMismatchError(ValueError):
     """A checkpoint's data-iterator state was written for other logical input shards."""
 

@@ -6,8 +6,9 @@ completions per prompt with the KV-cache generator on the training mesh, scores 
 the Gin-bound reward functions, normalises the rewards within each prompt's group, and takes
 `num_iterations` optimizer steps on the clipped objective with a KL penalty to the frozen
 reference (`rl.GrpoModel` through `trainer`'s step). The loop, logging, checkpointing and
-preemption are `train.py`'s; a checkpoint holds the state and the prompt iterator, and the
-sampling key of step k is `fold_in(seed, k)`, so a resumed run samples what it would have.
+preemption are `loop.py`'s (as `train`'s); a checkpoint holds the state and the prompt
+iterator, and the sampling key of step k is `fold_in(seed, k)`, so a resumed run samples
+what it would have.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from flaxlm import (
     checkpoints,
     data,
     inference,
+    loop,
     metrics,
     objectives,
     optimizers,
@@ -35,7 +37,6 @@ from flaxlm import (
     pytrees,
     rl,
     run_dir,
-    train,
     trainer,
 )
 from flaxlm.models.base import BaseModel
@@ -60,27 +61,18 @@ class Rollouts:
         self.frozen, self.seed = frozen, seed
         self.length = prompt_length + 1 + cfg.max_new_tokens
         model, partitioner = setup.model, setup.partitioner
-        rows = {k: P("batch", None) for k in rl.DECODER_FEATURES}
-        self.policy_logps = partitioner.partition(
+        # Token log-probs under given params: the policy's (before the updates) and the
+        # reference's (frozen, on the same shardings).
+        self.logps = partitioner.partition(
             lambda params, batch: model.token_logps(params, batch)[0],
-            (setup.state_shardings.params, rows),
+            (setup.state_shardings.params, {k: P("batch", None) for k in rl.DECODER_FEATURES}),
             P("batch", None),
         )
-        self.reference_logps = None
-        if cfg.needs_reference:
-            self.reference_logps = partitioner.partition(
-                lambda params, batch: model.token_logps(params, batch)[0],
-                (setup.frozen_shardings, rows),
-                P("batch", None),
-            )
 
-    def texts(self, rows: np.ndarray) -> list[str]:
-        ids = [[t for t in row.tolist() if t] for row in rows]
-        return [self.vocabulary.decode(inference.until_eos(np.asarray(r), self.eos)) for r in ids]
-
-    @property
-    def eos(self) -> tuple[int, ...]:
-        return self.setup.model.eos_ids
+    def decode(self, ids: Any) -> str:
+        """Text of token ids up to the first EOS, padding dropped."""
+        ids = [t for t in inference.until_eos(np.asarray(ids), self.setup.model.eos_ids) if t]
+        return self.vocabulary.decode(ids)
 
     def __call__(
         self, state: TrainState, prompts: dict[str, jax.Array], step: int
@@ -91,15 +83,15 @@ class Rollouts:
         answer_rows = pytrees.host_array(prompts["answer_tokens"])
         group = cfg.num_generations
         prompt_ids = [[t for t in row.tolist() if t] for row in prompt_rows]
-        repeated = [[0, *ids] for ids in prompt_ids for _ in range(group)]
+        repeated = [ids for ids in prompt_ids for _ in range(group)]
+        # Each prompt after the decoder's start token 0, as training reads it.
         inputs = np.zeros((len(repeated), prompt_rows.shape[1] + 1), np.int32)
         for i, ids in enumerate(repeated):
-            inputs[i, : len(ids)] = ids
-        lengths = np.asarray([len(ids) for ids in repeated], np.int32)
+            inputs[i, 1 : len(ids) + 1] = ids
         completions = inference.generate(
             self.setup.model,
             state.params,
-            {"inputs": inputs, "inputs_lengths": lengths},
+            {"inputs": inputs, "inputs_lengths": np.asarray([len(x) + 1 for x in repeated])},
             partitioner=partitioner,
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
@@ -107,18 +99,18 @@ class Rollouts:
             top_p=cfg.top_p,
             rng=jax.random.fold_in(jax.random.PRNGKey(self.seed), step),
         )
-        prompt_texts = [self.vocabulary.decode(ids) for ids in prompt_ids]
-        answers = self.texts(answer_rows)
-        texts = [self.vocabulary.decode(inference.until_eos(c, self.eos)) for c in completions]
-        expand = lambda xs: [x for x in xs for _ in range(group)]  # noqa: E731
-        rewards, reward_means = cfg.rewards(expand(prompt_texts), texts, expand(answers))
+        rewards, reward_means = cfg.rewards(
+            [self.decode(ids) for ids in repeated],
+            [self.decode(c) for c in completions],
+            [self.decode(row) for row in answer_rows for _ in range(group)],
+        )
         advantages = objectives.group_advantages(jnp.asarray(rewards.reshape(-1, group)))
-        host = rl.rollout_batch(repeated_targets(repeated), completions, self.eos, self.length)
+        host = rl.rollout_batch(repeated, completions, self.setup.model.eos_ids, self.length)
         decoder = {k: partitioner.global_array(v) for k, v in host.items()}
-        batch = dict(decoder, old_logps=self.policy_logps(state.params, decoder))
+        batch = dict(decoder, old_logps=self.logps(state.params, decoder))
         batch["reference_logps"] = batch["old_logps"]  # unused with beta 0
-        if self.reference_logps is not None:
-            batch["reference_logps"] = self.reference_logps(self.frozen, decoder)
+        if cfg.needs_reference:
+            batch["reference_logps"] = self.logps(self.frozen, decoder)
         batch["advantages"] = partitioner.global_array(np.asarray(advantages).reshape(-1))
         by_prompt = rewards.reshape(-1, group)
         host_metrics = {
@@ -128,11 +120,6 @@ class Rollouts:
             **reward_means,
         }
         return batch, host_metrics
-
-
-def repeated_targets(repeated: list[list[int]]) -> list[list[int]]:
-    """The prompts as targets: without the decoder's start token `rollout_batch` adds."""
-    return [ids[1:] for ids in repeated]
 
 
 def rollout_axes() -> dict[str, P]:
@@ -249,7 +236,7 @@ def grpo(
         progress = metrics.Progress(
             total_steps, start_step, model.flops_per_token(length) * config.num_iterations
         )
-        nonfinite = train.NonFiniteCheck(ckpt, False)
+        nonfinite = loop.NonFiniteCheck(ckpt, False)
         saved = {"step": start_step}
 
         def save(step: int, state: TrainState, step_metrics: Any) -> None:
@@ -257,10 +244,10 @@ def grpo(
             saved["step"] = step
 
         hooks = [
-            train.log_hook(log_period, writer, progress, rows * length, prompts, nonfinite),
-            train.Hook(checkpoint_period, save, on_stop=True),
+            loop.log_hook(log_period, writer, progress, rows * length, prompts, nonfinite),
+            loop.Hook(checkpoint_period, save, on_stop=True),
         ]
-        state, step, stop = train.run_steps(
+        state, step, stop = loop.run_steps(
             state,
             start_step,
             total_steps,
@@ -277,7 +264,7 @@ def grpo(
             writer.close()
         signals.uninstall()
     if jax.process_index() == 0:
-        train.report_end(
+        loop.report_end(
             signals, stop, step, start_step, total_steps, ckpt, saved["step"], path, start_time
         )
     return state

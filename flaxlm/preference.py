@@ -22,6 +22,7 @@ from typing import Any
 import gin
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from flaxlm import objectives
 from flaxlm.models.features import PreferenceFeatureConverter
@@ -42,12 +43,20 @@ class PreferenceConfig:
       beta: DPO/IPO/SimPO's beta; ORPO's weight of the odds-ratio term (the paper's lambda).
       label_smoothing: cDPO's (and SimPO's) probability that a label is flipped.
       gamma: SimPO's target reward margin.
+      rpo_alpha: add this times the chosen answers' per-token NLL to the loss (RPO, Pang et
+        al. 2024; TRL's `rpo_alpha`): keeps the chosen answers' likelihood from falling
+        with the rejected ones'. None: off. (ORPO has this term built in.)
+      precompute_reference: compute the reference log-probs of every training batch (and
+        of the evaluation batches) in one pass over the data before training, so the
+        reference params are not held during training (DPO and IPO without LoRA).
     """
 
     loss: str = "dpo"
     beta: float = 0.1
     label_smoothing: float = 0.0
     gamma: float = 0.5
+    rpo_alpha: float | None = None
+    precompute_reference: bool = False
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -58,12 +67,19 @@ class PreferenceConfig:
             raise ValueError(
                 f"PreferenceConfig.label_smoothing={self.label_smoothing!r} must be in [0, 0.5)."
             )
+        if self.rpo_alpha is not None and (self.rpo_alpha < 0 or self.loss == "orpo"):
+            raise ValueError(
+                f"rpo_alpha={self.rpo_alpha!r}: a weight >= 0, for a loss other than 'orpo'."
+            )
+        if self.precompute_reference and self.loss not in ("dpo", "ipo"):
+            raise ValueError(f"precompute_reference: {self.loss!r} has no reference model.")
         if self.label_smoothing and self.loss not in ("dpo", "simpo"):
             raise ValueError(f"label_smoothing applies to 'dpo' and 'simpo', not {self.loss!r}.")
 
     @property
     def needs_reference(self) -> bool:
-        return self.loss in ("dpo", "ipo")
+        """Whether the steps need the reference params (not when precomputed)."""
+        return self.loss in ("dpo", "ipo") and not self.precompute_reference
 
     def bind(self, policy: Any, model: Any, frozen: Any) -> PreferenceModel:
         """The loss model a trainer step differentiates (see `trainer.loss_model`)."""
@@ -156,6 +172,9 @@ class PreferenceModel:
                 gamma=cfg.gamma,
                 label_smoothing=cfg.label_smoothing,
             )
+        if cfg.rpo_alpha is not None:
+            extra["nll_loss"] = -avg[:, 0].sum()
+            loss = loss - cfg.rpo_alpha * avg[:, 0]
         sums = {
             "pairs": jnp.float32(loss.shape[0]),
             "loss": loss.sum(),
@@ -195,3 +214,54 @@ def check_data(objective: Any, converter: type) -> None:
             "The data is pairs (PreferenceFeatureConverter) but train.objective is not a "
             "preference loss: bind train.objective = @preference.PreferenceConfig()."
         )
+
+
+class ReferenceTable:
+    """Reference log-probs computed ahead (`PreferenceConfig.precompute_reference`): the
+    `[pairs, 2]` answer log-probs of the reference `params` (on `param_shardings`) for the
+    batches (`batch_axes`) of an iterator, one forward pass each, kept on the devices."""
+
+    def __init__(
+        self, model: Any, partitioner: Any, param_shardings: Any, batch_axes: Any, params: Any
+    ):
+        self.params = params
+        self.score = partitioner.partition(
+            lambda p, batch: sequence_logps(model, p, batch, None)[0],
+            (param_shardings, batch_axes),
+            P("batch", None),
+        )
+
+    def compute(self, iterator: Any, skip: int, steps: int) -> list[Array]:
+        """The next `steps` batches' log-probs after skipping `skip` (read, not computed)."""
+        for _ in range(skip):
+            iterator.next_numpy()
+        table = []
+        for _ in range(steps):
+            try:
+                table.append(self.score(self.params, next(iterator)))
+            except StopIteration:
+                break
+        return table
+
+
+class WithReference:
+    """An evaluation iterator whose batches carry their precomputed `reference_logps`
+    (the i-th batch after each `reset`, the i-th entry of `table`)."""
+
+    def __init__(self, iterator: Any, table: list[Array]):
+        self.iterator, self.table, self.index = iterator, table, 0
+
+    def reset(self) -> None:
+        self.iterator.reset()
+        self.index = 0
+
+    def __iter__(self) -> WithReference:
+        return self
+
+    def __next__(self) -> dict[str, Array]:
+        batch = next(self.iterator)
+        if self.index >= len(self.table):
+            raise StopIteration
+        batch = {**batch, REFERENCE_FEATURE: self.table[self.index]}
+        self.index += 1
+        return batch

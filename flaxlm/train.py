@@ -1,28 +1,22 @@
-"""The `train` run function: build, restore, then the loop with its hooks.
-
-The loop runs one partitioned train step after another; between steps it runs the hooks
-whose period has come (logging, evaluation, checkpointing; every hook also on the last step,
-the checkpoint also on a preemption signal). The non-finite check of step N runs after step
-N+1 is dispatched (so the host never idles the device) and before any hook reads step N.
-"""
+"""The `train` run function: build, restore, then `loop.run_steps` with its hooks (logging,
+evaluation, checkpointing; see `loop.py`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
 
 import gin
 import jax
-import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from flaxlm import (
     checkpoints,
     data,
-    evaluation,
     hf,
+    loop,
     metrics,
     optimizers,
     preemption,
@@ -35,120 +29,7 @@ from flaxlm.models.base import BaseModel
 from flaxlm.partitioning import Partitioner
 from flaxlm.train_state import TrainState
 
-StepMetrics = dict[str, jax.Array]
-
-
-@dataclasses.dataclass
-class Hook:
-    """`run(step, state, step_metrics)` every `period` steps (0: never), on the last step
-    (`at_end`) and, for checkpoints, when the run is told to stop (`on_stop`)."""
-
-    period: int
-    run: Callable[[int, TrainState, StepMetrics], None]
-    at_end: bool = True
-    on_stop: bool = False
-
-    def due(self, step: int, total_steps: int, stop: bool) -> bool:
-        return bool(
-            (self.period and step % self.period == 0)
-            or (self.at_end and step == total_steps)
-            or (self.on_stop and stop)
-        )
-
-
-class NonFiniteCheck:
-    """Stops the run on a NaN/Inf loss or gradient, naming the step and the last good
-    checkpoint; with `skip`, counts the skipped updates instead."""
-
-    def __init__(self, ckpt: checkpoints.Checkpointer, skip: bool):
-        self.ckpt, self.skip = ckpt, skip
-        self.pending: tuple[int, StepMetrics] | None = None
-        self.skipped = jnp.zeros((), jnp.int32)
-
-    def defer(self, step: int, step_metrics: StepMetrics) -> None:
-        """Checks the step before, then holds this one until `check`."""
-        self.check()
-        self.pending = (step, step_metrics)
-        if self.skip:
-            self.skipped = self.skipped + step_metrics["nonfinite"]
-
-    def check(self) -> None:
-        pending, self.pending = self.pending, None
-        if pending is None or self.skip or not int(pending[1]["nonfinite"]):
-            return
-        bad_step, bad = pending
-        self.ckpt.wait()
-        last = self.ckpt.latest_step()
-        where = f"step {last} in {self.ckpt.directory}" if last is not None else "none yet"
-        raise FloatingPointError(
-            f"Non-finite values at step {bad_step} (loss {float(bad['loss'])}, gradient "
-            f"norm {float(bad['grad_norm'])}); stopping. Last good checkpoint: {where}. "
-            "Lower the learning rate or resume with "
-            "--gin.train.skip_nonfinite_updates=True to skip such updates."
-        )
-
-
-def log_hook(
-    period: int,
-    writer: metrics.MultiWriter,
-    progress: metrics.Progress,
-    tokens_per_step: int,
-    train_iter: data.DataIterator,
-    nonfinite: NonFiniteCheck,
-) -> Hook:
-    """Step metrics, rates and the progress line, every `period` steps."""
-    last = {
-        "time": time.perf_counter(),
-        "wait": train_iter.wait_seconds,
-        "step": progress.start_step,
-    }
-
-    def run(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
-        scalars = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-        if nonfinite.skip:
-            scalars["nonfinite_updates_skipped"] = float(nonfinite.skipped)
-        elapsed = time.perf_counter() - last["time"]
-        scalars.update(progress.rates(tokens_per_step * (step - last["step"]), elapsed))
-        scalars["input_wait_fraction"] = (train_iter.wait_seconds - last["wait"]) / max(
-            elapsed, 1e-9
-        )
-        writer.write_scalars(step, scalars)
-        writer.flush()
-        metrics.print0(progress.line(step, scalars))
-        last.update(time=time.perf_counter(), wait=train_iter.wait_seconds, step=step)
-
-    return Hook(period, run)
-
-
-def eval_hook(
-    period: int,
-    writer: metrics.MultiWriter,
-    eval_step: Callable[..., Any],
-    eval_iter: data.DataIterator,
-    eval_steps: int,
-    eval_params: Callable[[Any], Any],
-    task_metrics_of: tuple[data.DatasetConfig, BaseModel, Partitioner] | None,
-) -> Hook:
-    """Loss, accuracy, perplexity every `period` steps; with `task_metrics_of` (the eval
-    dataset, model and partitioner) also the task's own metric functions, if it has any."""
-    task_evaluator = None
-    if task_metrics_of is not None:
-        cfg, model, partitioner = task_metrics_of
-        num_examples = eval_steps * cfg.batch_size
-        task_evaluator = evaluation.TaskEvaluator(
-            cfg, model, partitioner, num_examples=num_examples
-        )
-        task_evaluator = task_evaluator if task_evaluator.active else None
-
-    def run(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
-        scalars = trainer.evaluate_batches(eval_step, state.params, eval_iter, eval_steps)
-        if task_evaluator is not None:
-            scalars.update(task_evaluator.evaluate(eval_params(state.params), step))
-        writer.write_scalars(step, scalars)
-        writer.flush()
-        metrics.print0(metrics.eval_line(step, scalars))
-
-    return Hook(period, run)
+StepMetrics = loop.StepMetrics
 
 
 def frozen_params(
@@ -160,21 +41,63 @@ def frozen_params(
     lora_base_checkpoint: str | None,
 ) -> Any:
     """The steps' frozen params (`trainer.Setup.frozen_shardings`), or None: a LoRA run's
-    base (`run_dir.load_lora_base`), else a preference run's reference, the params the run
-    started from (on a resumed run: `init_from_hf` again, or the same fresh init)."""
+    base (`run_dir.load_lora_base`), else a preference run's reference (`reference_params`,
+    a copy: the steps donate the state)."""
     if setup.lora is not None:
         return run_dir.load_lora_base(setup, model_dir, init_from_hf, lora_base_checkpoint)
     if setup.frozen_shardings is None:
         return None
+    return reference_params(setup, state, start_step, init_from_hf, copy=True)
+
+
+def reference_params(
+    setup: trainer.Setup, state: TrainState, start_step: int, init_from_hf: str | None, copy: bool
+) -> Any:
+    """A preference run's reference: the params the run started from (on a resumed run:
+    `init_from_hf` again, or the same fresh init)."""
+    shardings = setup.state_shardings.params
     if start_step == 0:
-        params, source = setup.copy_params(state.params), "the starting params"
+        params, source = state.params, "the starting params"
+        params = setup.copy_params(params) if copy else params
     elif init_from_hf:
-        params = hf.load_params(setup.model, init_from_hf, shardings=setup.frozen_shardings)
+        params = hf.load_params(setup.model, init_from_hf, shardings=shardings)
         source = init_from_hf
     else:
         params, source = setup.init_state().params, "the run's initial params"
     metrics.print0(f"Reference model: {source}, frozen.")
     return params
+
+
+def precomputed_reference(
+    setup: trainer.Setup,
+    state: TrainState,
+    start_step: int,
+    init_from_hf: str | None,
+    iterators: tuple[data.DataIterator, data.DataIterator | None],
+    steps: tuple[int, int],
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """`PreferenceConfig.precompute_reference`: the reference log-probs of the training
+    batches of steps `start_step + 1 ...` and of the evaluation batches (fresh iterators over
+    the same data), in one pass before training; the reference params are then let go."""
+    if setup.lora is not None:
+        raise ValueError(
+            "precompute_reference with LoRA: the reference is the base params the run holds "
+            "anyway; unset PreferenceConfig.precompute_reference."
+        )
+    params = reference_params(setup, state, start_step, init_from_hf, copy=False)
+    model, partitioner = setup.model, setup.partitioner
+    table = preference.ReferenceTable(
+        model, partitioner, setup.state_shardings.params, setup.batch_axes, params
+    )
+    train_iter, eval_iter = iterators
+    start = time.perf_counter()
+    train_table = table.compute(train_iter, start_step, steps[0] - start_step)
+    eval_table = table.compute(eval_iter, 0, steps[1]) if eval_iter is not None else []
+    metrics.print0(
+        f"Reference log-probs of {len(train_table)} training and {len(eval_table)} evaluation "
+        f"batches precomputed in {time.perf_counter() - start:.1f}s."
+    )
+    return train_table, eval_table
 
 
 def initial_state(
@@ -228,27 +151,6 @@ def steps_with_frozen(
         frozen_eval_step if eval_step is not None else None,
         eval_params,
     )
-
-
-def resumed_input_shards(
-    cfg: data.DatasetConfig, partitioner: Partitioner, model_dir: str
-) -> data.DatasetConfig:
-    """`cfg` reading as many logical input shards as `model_dir`'s checkpoint was written
-    with, unless `num_input_shards` is set: a run resumed on another mesh (more or fewer
-    devices, another data-parallel degree) continues with the global batches it would have
-    seen on the old one."""
-    saved = checkpoints.saved_input_shards(model_dir)
-    if saved is None or cfg.num_input_shards is not None:
-        return cfg
-    degree = partitioner.data_parallel_degree()
-    if saved != degree:
-        print(
-            f"Reading the training data as {saved} logical input shards, as the checkpoint "
-            f"was written (this mesh's data-parallel degree is {degree}), so the data order "
-            "continues unchanged.",
-            flush=True,
-        )
-    return dataclasses.replace(cfg, num_input_shards=saved)
 
 
 @gin.configurable
@@ -327,7 +229,7 @@ def train(
     converter = data.converter_for(train_dataset_cfg, model)
     preference.check_data(objective, converter)
     feature_lengths = data.model_feature_lengths(train_dataset_cfg, converter)
-    train_dataset_cfg = resumed_input_shards(train_dataset_cfg, partitioner, model_dir)
+    train_dataset_cfg = checkpoints.resumed_input_shards(train_dataset_cfg, partitioner, model_dir)
     # From here on a first SIGTERM/SIGINT is a request to stop cleanly: during set-up, before
     # the first step; in the loop, after the current step, saving it (see run_steps).
     signals = preemption.PreemptionHandler().install()
@@ -354,6 +256,18 @@ def train(
         frozen = frozen_params(
             setup, state, start_step, model_dir, init_from_hf, lora_base_checkpoint
         )
+        references = None
+        if getattr(objective, "precompute_reference", False):
+            fresh = (train_dataset_cfg, eval_dataset_cfg if eval_iter else None)
+            iterators = tuple(
+                data.DataIterator.create(cfg, partitioner, converter) if cfg else None
+                for cfg in fresh
+            )
+            references = precomputed_reference(
+                setup, state, start_step, init_from_hf, iterators, (total_steps, eval_steps)
+            )
+            setup.batch_axes = {**setup.batch_axes, preference.REFERENCE_FEATURE: P("batch")}
+            eval_iter = preference.WithReference(eval_iter, references[1]) if eval_iter else None
         train_step, eval_step, eval_params = steps_with_frozen(
             setup,
             setup.partition_train_step(
@@ -383,7 +297,7 @@ def train(
         longest = max(feature_lengths.values())
         rows_per_example = 2 if isinstance(objective, preference.PreferenceConfig) else 1
         progress = metrics.Progress(total_steps, start_step, model.flops_per_token(longest))
-        nonfinite = NonFiniteCheck(ckpt, skip_nonfinite_updates)
+        nonfinite = loop.NonFiniteCheck(ckpt, skip_nonfinite_updates)
         saved = {"step": start_step}
 
         def save(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
@@ -391,7 +305,7 @@ def train(
             saved["step"] = step
 
         hooks = [
-            log_hook(
+            loop.log_hook(
                 log_period,
                 writer,
                 progress,
@@ -399,19 +313,24 @@ def train(
                 train_iter,
                 nonfinite,
             ),
-            Hook(checkpoint_period, save, on_stop=True),
+            loop.Hook(checkpoint_period, save, on_stop=True),
         ]
         if eval_step is not None:
             task = (eval_dataset_cfg, model, partitioner) if eval_task_metrics else None
             hooks.insert(
                 1,
-                eval_hook(eval_period, writer, eval_step, eval_iter, eval_steps, eval_params, task),
+                loop.eval_hook(
+                    eval_period, writer, eval_step, eval_iter, eval_steps, eval_params, task
+                ),
             )
 
         def next_batch(step: int) -> trainer.Batch:
-            return trainer.next_batch(train_iter, train_dataset_cfg, step)
+            batch = trainer.next_batch(train_iter, train_dataset_cfg, step)
+            if references is not None:
+                batch = {**batch, preference.REFERENCE_FEATURE: references[0][step - start_step]}
+            return batch
 
-        state, step, stop = run_steps(
+        state, step, stop = loop.run_steps(
             state, start_step, total_steps, train_step, next_batch, hooks, nonfinite, signals
         )
     finally:
@@ -421,80 +340,7 @@ def train(
             writer.close()
         signals.uninstall()
     if jax.process_index() == 0:
-        report_end(
+        loop.report_end(
             signals, stop, step, start_step, total_steps, ckpt, saved["step"], path, start_time
         )
     return state
-
-
-def run_steps(
-    state: TrainState,
-    step: int,
-    total_steps: int,
-    train_step: Callable[[TrainState, trainer.Batch], tuple[TrainState, StepMetrics]],
-    next_batch: Callable[[int], trainer.Batch],
-    hooks: list[Hook],
-    nonfinite: NonFiniteCheck,
-    signals: preemption.PreemptionHandler,
-) -> tuple[TrainState, int, bool]:
-    """The loop: a step, then the hooks that are due (after the non-finite check of the
-    steps they read). Returns the state, its step and whether a signal stopped it."""
-    # A signal during set-up (restore, data start-up) stops before the first step: the state
-    # is the latest checkpoint's, nothing new to save.
-    stop = step < total_steps and signals.should_stop()
-    while step < total_steps and not stop:
-        state, step_metrics = train_step(state, next_batch(step))
-        step += 1
-        nonfinite.defer(step, step_metrics)
-        stop = signals.should_stop()
-        due = [hook for hook in hooks if hook.due(step, total_steps, stop)]
-        if due:
-            nonfinite.check()
-        for hook in due:
-            hook.run(step, state, step_metrics)
-        if due and not stop and signals.should_stop():
-            # The signal came during a hook (an evaluation): save this step, not the next.
-            stop = True
-            for hook in hooks:
-                if hook.on_stop and hook not in due:
-                    hook.run(step, state, step_metrics)
-    nonfinite.check()
-    return state, step, stop
-
-
-def report_end(
-    signals: preemption.PreemptionHandler,
-    preempted: bool,
-    step: int,
-    start_step: int,
-    total_steps: int,
-    ckpt: checkpoints.Checkpointer,
-    last_saved: int,
-    path: Any,
-    start_time: float,
-) -> None:
-    """The run's closing lines: why it stopped and what it wrote where."""
-    cause = signals.received.name if signals.received else "a signal to another process"
-    if preempted and step == start_step:
-        print(
-            f"Stopped by {cause} before the first step: nothing new to save (latest "
-            f"checkpoint: step {last_saved}).",
-            flush=True,
-        )
-    elif preempted:
-        print(
-            f"Preempted by {cause} at step {step}: saved checkpoint "
-            f"{ckpt.directory / str(step)}. Run the same command again to resume from it.",
-            flush=True,
-        )
-    elif start_step >= total_steps:
-        print(f"Already trained to step {start_step} (TRAIN_STEPS={total_steps}).")
-    print(
-        f"Done in {metrics.format_duration(time.perf_counter() - start_time)}. "
-        f"Wrote to {path}:\n"
-        f"  checkpoints  {ckpt.directory} (latest step {last_saved})\n"
-        f"  config       {path / run_dir.CONFIG_FILE}\n"
-        f"  metrics      {path / 'metrics.jsonl'}\n"
-        f"  tensorboard  {path / 'tensorboard'}",
-        flush=True,
-    )

@@ -33,6 +33,7 @@ LONG_FILES_ALLOWED = {"flaxlm/models/t5.py"}
 RUNS = (
     "flaxlm.train",
     "flaxlm.grpo",
+    "flaxlm.loop",
     "flaxlm.evaluation",
     "flaxlm.infer",
     "flaxlm.convert",

@@ -233,6 +233,16 @@ def test_memory_fsdp_and_zero1_targets(tmp_path):
     assert zero1["opt_bytes"] < zero1["opt_total_bytes"] / 7
     assert fsdp["temp_bytes"] > 0 and fsdp["remat_policy"] == memory.MODEL_REMAT
 
+    # DPO's step: the reference a frozen copy of the params' shards; with LoRA, the base is
+    # the reference and nothing else is frozen (no second copy).
+    argv = ["--models", "llama", "--layers", "1", "--hidden", "128", "--seq-len", "16"]
+    argv += ["--partitionings", "fsdp", "--remat-policies", "--preference", "dpo"]
+    (full,) = memory.main(argv)["rows"]
+    (adapted,) = memory.main(argv + ["--lora-rank", "4"])["rows"]
+    assert full["frozen_bytes"] == full["params_bytes"] and full["temp_bytes"] > 0
+    assert adapted["frozen_bytes"] == full["params_bytes"]
+    assert adapted["params_bytes"] + adapted["opt_bytes"] < full["params_bytes"] / 4
+
 
 @pytest.mark.slow
 def test_collectives_dp_and_tp_match_theory():

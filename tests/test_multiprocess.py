@@ -91,8 +91,10 @@ def test_hosts_holding_the_same_batch_rows_read_the_same_shard(tmp_path):
 @pytest.mark.slow
 def test_two_process_dpo_run_gives_the_one_process_losses(tmp_path, repo_dir):
     """gin/dpo.gin (pairs, a frozen reference sharded like the policy) on two processes
-    joined by jax.distributed: the one-process run's per-step losses (1e-6), and a checkpoint
-    with each logical input shard's iterator saved once, whichever process reads it."""
+    joined by jax.distributed: the per-step losses (1e-6) of one process whose reference
+    log-probs were precomputed in a pass before training (no reference params held), and a
+    checkpoint with each logical input shard's iterator saved once, whichever process reads
+    it."""
     args = [
         "-m",
         "flaxlm.main",
@@ -119,7 +121,11 @@ def test_two_process_dpo_run_gives_the_one_process_losses(tmp_path, repo_dir):
         cwd=repo_dir,
     )
     ((code, out, err),) = launch(
-        lambda addr, i: [*args, f"--gin.MODEL_DIR='{tmp_path / 'one'}'"],
+        lambda addr, i: [
+            *args,
+            f"--gin.MODEL_DIR='{tmp_path / 'one'}'",
+            "--gin.PreferenceConfig.precompute_reference=True",
+        ],
         num_processes=1,
         devices_per_process=8,
         cwd=repo_dir,
@@ -128,6 +134,7 @@ def test_two_process_dpo_run_gives_the_one_process_losses(tmp_path, repo_dir):
     for code, _, stderr in results:
         assert code == 0, stderr[-3000:]
     assert "data=2, fsdp=4" in results[0][1] and "data=2, fsdp=4" in out
+    assert "Reference log-probs of 4 training and 1 evaluation batches precomputed" in out
     two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
     names = ("loss", "rewards/margins", "logps/chosen", "eval/rewards/accuracies")
     for name in names:

@@ -112,9 +112,17 @@ def test_loss_is_the_formula_on_the_models_sequence_scores():
         "orpo": objectives.orpo(*avg.T, -avg[:, 0], beta=0.2)[0],
         "simpo": objectives.simpo(*avg.T, beta=0.2, gamma=0.3, label_smoothing=0.1)[0],
     }
+    # RPO: DPO plus the chosen answers' per-token NLL, weighted.
+    expected["rpo"] = expected["dpo"] - 0.5 * avg[:, 0]
     for name, want in expected.items():
-        smoothing = 0.1 if name in ("dpo", "simpo") else 0.0
-        cfg = preference.PreferenceConfig(name, beta=0.2, label_smoothing=smoothing, gamma=0.3)
+        smoothing = 0.1 if name in ("dpo", "simpo", "rpo") else 0.0
+        cfg = preference.PreferenceConfig(
+            "dpo" if name == "rpo" else name,
+            beta=0.2,
+            label_smoothing=smoothing,
+            gamma=0.3,
+            rpo_alpha=0.5 if name == "rpo" else None,
+        )
         objective = preference.PreferenceModel(model, cfg, model, reference)
         loss, sums = objective.loss_fn(params, batch, None)
         np.testing.assert_allclose(loss, np.mean(want), rtol=1e-5, err_msg=name)

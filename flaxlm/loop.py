@@ -1,0 +1,210 @@
+"""The training loop and its hooks, shared by the runs that train (`train`, `grpo`).
+
+The loop runs one step after another; between steps it runs the hooks whose period has come
+(logging, evaluation, checkpointing; every hook also on the last step, the checkpoint also on
+a preemption signal). The non-finite check of step N runs after step N+1 is dispatched (so
+the host never idles the device) and before any hook reads step N.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from flaxlm import checkpoints, data, evaluation, metrics, preemption, run_dir, trainer
+from flaxlm.models.base import BaseModel
+from flaxlm.partitioning import Partitioner
+from flaxlm.train_state import TrainState
+
+StepMetrics = dict[str, jax.Array]
+
+
+@dataclasses.dataclass
+class Hook:
+    """`run(step, state, step_metrics)` every `period` steps (0: never), on the last step
+    (`at_end`) and, for checkpoints, when the run is told to stop (`on_stop`)."""
+
+    period: int
+    run: Callable[[int, TrainState, StepMetrics], None]
+    at_end: bool = True
+    on_stop: bool = False
+
+    def due(self, step: int, total_steps: int, stop: bool) -> bool:
+        return bool(
+            (self.period and step % self.period == 0)
+            or (self.at_end and step == total_steps)
+            or (self.on_stop and stop)
+        )
+
+
+class NonFiniteCheck:
+    """Stops the run on a NaN/Inf loss or gradient, naming the step and the last good
+    checkpoint; with `skip`, counts the skipped updates instead."""
+
+    def __init__(self, ckpt: checkpoints.Checkpointer, skip: bool):
+        self.ckpt, self.skip = ckpt, skip
+        self.pending: tuple[int, StepMetrics] | None = None
+        self.skipped = jnp.zeros((), jnp.int32)
+
+    def defer(self, step: int, step_metrics: StepMetrics) -> None:
+        """Checks the step before, then holds this one until `check`."""
+        self.check()
+        self.pending = (step, step_metrics)
+        if self.skip:
+            self.skipped = self.skipped + step_metrics["nonfinite"]
+
+    def check(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is None or self.skip or not int(pending[1]["nonfinite"]):
+            return
+        bad_step, bad = pending
+        self.ckpt.wait()
+        last = self.ckpt.latest_step()
+        where = f"step {last} in {self.ckpt.directory}" if last is not None else "none yet"
+        raise FloatingPointError(
+            f"Non-finite values at step {bad_step} (loss {float(bad['loss'])}, gradient "
+            f"norm {float(bad['grad_norm'])}); stopping. Last good checkpoint: {where}. "
+            "Lower the learning rate or resume with "
+            "--gin.train.skip_nonfinite_updates=True to skip such updates."
+        )
+
+
+def log_hook(
+    period: int,
+    writer: metrics.MultiWriter,
+    progress: metrics.Progress,
+    tokens_per_step: int,
+    train_iter: data.DataIterator,
+    nonfinite: NonFiniteCheck,
+) -> Hook:
+    """Step metrics, rates and the progress line, every `period` steps."""
+    last = {
+        "time": time.perf_counter(),
+        "wait": train_iter.wait_seconds,
+        "step": progress.start_step,
+    }
+
+    def run(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
+        scalars = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+        if nonfinite.skip:
+            scalars["nonfinite_updates_skipped"] = float(nonfinite.skipped)
+        elapsed = time.perf_counter() - last["time"]
+        scalars.update(progress.rates(tokens_per_step * (step - last["step"]), elapsed))
+        scalars["input_wait_fraction"] = (train_iter.wait_seconds - last["wait"]) / max(
+            elapsed, 1e-9
+        )
+        writer.write_scalars(step, scalars)
+        writer.flush()
+        metrics.print0(progress.line(step, scalars))
+        last.update(time=time.perf_counter(), wait=train_iter.wait_seconds, step=step)
+
+    return Hook(period, run)
+
+
+def eval_hook(
+    period: int,
+    writer: metrics.MultiWriter,
+    eval_step: Callable[..., Any],
+    eval_iter: data.DataIterator,
+    eval_steps: int,
+    eval_params: Callable[[Any], Any],
+    task_metrics_of: tuple[data.DatasetConfig, BaseModel, Partitioner] | None,
+) -> Hook:
+    """Loss, accuracy, perplexity every `period` steps; with `task_metrics_of` (the eval
+    dataset, model and partitioner) also the task's own metric functions, if it has any."""
+    task_evaluator = None
+    if task_metrics_of is not None:
+        cfg, model, partitioner = task_metrics_of
+        num_examples = eval_steps * cfg.batch_size
+        task_evaluator = evaluation.TaskEvaluator(
+            cfg, model, partitioner, num_examples=num_examples
+        )
+        task_evaluator = task_evaluator if task_evaluator.active else None
+
+    def run(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
+        scalars = trainer.evaluate_batches(eval_step, state.params, eval_iter, eval_steps)
+        if task_evaluator is not None:
+            scalars.update(task_evaluator.evaluate(eval_params(state.params), step))
+        writer.write_scalars(step, scalars)
+        writer.flush()
+        metrics.print0(metrics.eval_line(step, scalars))
+
+    return Hook(period, run)
+
+
+def run_steps(
+    state: TrainState,
+    step: int,
+    total_steps: int,
+    train_step: Callable[[TrainState, trainer.Batch], tuple[TrainState, StepMetrics]],
+    next_batch: Callable[[int], trainer.Batch],
+    hooks: list[Hook],
+    nonfinite: NonFiniteCheck,
+    signals: preemption.PreemptionHandler,
+) -> tuple[TrainState, int, bool]:
+    """The loop: a step, then the hooks that are due (after the non-finite check of the
+    steps they read). Returns the state, its step and whether a signal stopped it."""
+    # A signal during set-up (restore, data start-up) stops before the first step: the state
+    # is the latest checkpoint's, nothing new to save.
+    stop = step < total_steps and signals.should_stop()
+    while step < total_steps and not stop:
+        state, step_metrics = train_step(state, next_batch(step))
+        step += 1
+        nonfinite.defer(step, step_metrics)
+        stop = signals.should_stop()
+        due = [hook for hook in hooks if hook.due(step, total_steps, stop)]
+        if due:
+            nonfinite.check()
+        for hook in due:
+            hook.run(step, state, step_metrics)
+        if due and not stop and signals.should_stop():
+            # The signal came during a hook (an evaluation): save this step, not the next.
+            stop = True
+            for hook in hooks:
+                if hook.on_stop and hook not in due:
+                    hook.run(step, state, step_metrics)
+    nonfinite.check()
+    return state, step, stop
+
+
+def report_end(
+    signals: preemption.PreemptionHandler,
+    preempted: bool,
+    step: int,
+    start_step: int,
+    total_steps: int,
+    ckpt: checkpoints.Checkpointer,
+    last_saved: int,
+    path: Any,
+    start_time: float,
+) -> None:
+    """The run's closing lines: why it stopped and what it wrote where."""
+    cause = signals.received.name if signals.received else "a signal to another process"
+    if preempted and step == start_step:
+        print(
+            f"Stopped by {cause} before the first step: nothing new to save (latest "
+            f"checkpoint: step {last_saved}).",
+            flush=True,
+        )
+    elif preempted:
+        print(
+            f"Preempted by {cause} at step {step}: saved checkpoint "
+            f"{ckpt.directory / str(step)}. Run the same command again to resume from it.",
+            flush=True,
+        )
+    elif start_step >= total_steps:
+        print(f"Already trained to step {start_step} (TRAIN_STEPS={total_steps}).")
+    print(
+        f"Done in {metrics.format_duration(time.perf_counter() - start_time)}. "
+        f"Wrote to {path}:\n"
+        f"  checkpoints  {ckpt.directory} (latest step {last_saved})\n"
+        f"  config       {path / run_dir.CONFIG_FILE}\n"
+        f"  metrics      {path / 'metrics.jsonl'}\n"
+        f"  tensorboard  {path / 'tensorboard'}",
+        flush=True,
+    )
