@@ -228,24 +228,17 @@ def grpo(
                 state, out = update(state, rollout, *frozen_args)
             return state, {**out, **{k: jnp.float32(v) for k, v in host.items()}}
 
-        config_str = gin.operative_config_str()
-        if jax.process_index() == 0:
-            (path / run_dir.CONFIG_FILE).write_text(config_str)
+        config_str = loop.operative_config(path)
         writer = metrics.create_writer(model_dir)
         rows = batch_size * config.num_generations
         progress = metrics.Progress(
             total_steps, start_step, model.flops_per_token(length) * config.num_iterations
         )
         nonfinite = loop.NonFiniteCheck(ckpt, False)
-        saved = {"step": start_step}
-
-        def save(step: int, state: TrainState, step_metrics: Any) -> None:
-            ckpt.save(step, state, prompts, config_str)
-            saved["step"] = step
-
+        save, saved = loop.checkpoint_hook(checkpoint_period, ckpt, prompts, config_str, start_step)
         hooks = [
             loop.log_hook(log_period, writer, progress, rows * length, prompts, nonfinite),
-            loop.Hook(checkpoint_period, save, on_stop=True),
+            save,
         ]
         state, step, stop = loop.run_steps(
             state,
@@ -258,11 +251,7 @@ def grpo(
             signals,
         )
     finally:
-        if ckpt is not None:
-            ckpt.close()
-        if writer is not None:
-            writer.close()
-        signals.uninstall()
+        loop.close(ckpt, writer, signals)
     if jax.process_index() == 0:
         loop.report_end(
             signals, stop, step, start_step, total_steps, ckpt, saved["step"], path, start_time

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import gin
 import jax
 import jax.numpy as jnp
 
@@ -72,6 +73,32 @@ class NonFiniteCheck:
             "Lower the learning rate or resume with "
             "--gin.train.skip_nonfinite_updates=True to skip such updates."
         )
+
+
+def operative_config(path: Any) -> str:
+    """Gin's operative config, written to `path / config.gin` by process 0."""
+    config_str = gin.operative_config_str()
+    if jax.process_index() == 0:
+        (path / run_dir.CONFIG_FILE).write_text(config_str)
+    return config_str
+
+
+def checkpoint_hook(
+    period: int,
+    ckpt: checkpoints.Checkpointer,
+    iterator: data.DataIterator,
+    config_str: str,
+    start_step: int,
+) -> tuple[Hook, dict[str, int]]:
+    """Saves the state, the data position and the config every `period` steps, at the end
+    and on a stop signal; the dict holds the last saved step."""
+    saved = {"step": start_step}
+
+    def save(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
+        ckpt.save(step, state, iterator, config_str)
+        saved["step"] = step
+
+    return Hook(period, save, on_stop=True), saved
 
 
 def log_hook(
@@ -170,6 +197,20 @@ def run_steps(
                     hook.run(step, state, step_metrics)
     nonfinite.check()
     return state, step, stop
+
+
+def close(
+    ckpt: checkpoints.Checkpointer | None,
+    writer: metrics.MultiWriter | None,
+    signals: preemption.PreemptionHandler,
+) -> None:
+    """A run's clean-up, whatever failed: waits for an async save in flight (a second signal
+    exits at once), closes the metric writers, gives the signals back."""
+    if ckpt is not None:
+        ckpt.close()
+    if writer is not None:
+        writer.close()
+    signals.uninstall()
 
 
 def report_end(

@@ -289,20 +289,16 @@ def train(
             frozen,
         )
         run_dir.record_if_known(model, model_dir)
-        config_str = gin.operative_config_str()
-        if jax.process_index() == 0:
-            (path / run_dir.CONFIG_FILE).write_text(config_str)
+        config_str = loop.operative_config(path)
 
         writer = metrics.create_writer(model_dir)
         longest = max(feature_lengths.values())
         rows_per_example = 2 if isinstance(objective, preference.PreferenceConfig) else 1
         progress = metrics.Progress(total_steps, start_step, model.flops_per_token(longest))
         nonfinite = loop.NonFiniteCheck(ckpt, skip_nonfinite_updates)
-        saved = {"step": start_step}
-
-        def save(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
-            ckpt.save(step, state, train_iter, config_str)
-            saved["step"] = step
+        save, saved = loop.checkpoint_hook(
+            checkpoint_period, ckpt, train_iter, config_str, start_step
+        )
 
         hooks = [
             loop.log_hook(
@@ -313,7 +309,7 @@ def train(
                 train_iter,
                 nonfinite,
             ),
-            loop.Hook(checkpoint_period, save, on_stop=True),
+            save,
         ]
         if eval_step is not None:
             task = (eval_dataset_cfg, model, partitioner) if eval_task_metrics else None
@@ -334,11 +330,7 @@ def train(
             state, start_step, total_steps, train_step, next_batch, hooks, nonfinite, signals
         )
     finally:
-        if ckpt is not None:
-            ckpt.close()  # waits for an async save in flight (a second signal exits at once)
-        if writer is not None:
-            writer.close()
-        signals.uninstall()
+        loop.close(ckpt, writer, signals)
     if jax.process_index() == 0:
         loop.report_end(
             signals, stop, step, start_step, total_steps, ckpt, saved["step"], path, start_time
