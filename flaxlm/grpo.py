@@ -207,7 +207,11 @@ def grpo(
             setup.abstract_state, prompts, setup.state_from_params
         )
         if state is not None:
-            print(f"Resumed from checkpoint step {start_step} in {ckpt.directory}.", flush=True)
+            print(
+                f"Resumed from checkpoint step {start_step} in {ckpt.directory} on "
+                f"{setup.partitioner}.",
+                flush=True,
+            )
         else:
             start_step, state = 0, setup.init_state()
             if start is not None:  # a copy: the train step donates the state's buffers

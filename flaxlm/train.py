@@ -114,7 +114,11 @@ def initial_state(
         setup.abstract_state, train_iter, setup.state_from_params
     )
     if state is not None:
-        print(f"Resumed from checkpoint step {start_step} in {ckpt.directory}.", flush=True)
+        print(
+            f"Resumed from checkpoint step {start_step} in {ckpt.directory} on "
+            f"{setup.partitioner}.",
+            flush=True,
+        )
     elif init_from_hf and setup.lora is None:
         params = hf.load_params(model, init_from_hf, shardings=setup.state_shardings.params)
         start_step, state = 0, setup.state_from_params(params)

@@ -3,7 +3,6 @@
 import json
 import os
 
-import jax
 import numpy as np
 import pytest
 
@@ -76,17 +75,17 @@ def test_grpo_raises_the_reward_and_resumes_exactly(task, tmp_path):
     assert by_step[16]["kl"] > by_step[1]["kl"]
     assert state.step == 32  # two optimizer steps per batch of rollouts
 
-    # Stopped after step 4 and resumed: the same rollouts (sampling keys by step) and
-    # params as the run that went straight through.
+    # Stopped after step 2 and resumed: the rollouts (sampling keys by step) and updates of
+    # the run that went straight through.
     run(task, tmp_path / "twice", 2, num_iterations=2)
-    resumed = run(task, tmp_path / "twice", 4, num_iterations=2)
-    straight = run(task, tmp_path / "straight", 4, num_iterations=2)
-    a, b = read(tmp_path / "twice"), read(tmp_path / "straight")
-    for r1, r2 in zip([r for r in a if r["step"] > 2], [r for r in b if r["step"] > 2]):
-        for name in ("reward", "loss", "completion_length"):
-            np.testing.assert_allclose(r1[name], r2[name], rtol=1e-6, err_msg=name)
-    for x, y in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(straight.params)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    run(task, tmp_path / "twice", 4, num_iterations=2)
+    resumed = {r["step"]: r for r in read(tmp_path / "twice") if "reward" in r}
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for name in ("reward", "loss", "completion_length", "kl", "grad_norm"):
+            np.testing.assert_allclose(
+                resumed[step][name], by_step[step][name], rtol=1e-6, err_msg=name
+            )
 
 
 def test_rollout_batch_and_bad_config():

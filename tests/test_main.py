@@ -30,7 +30,8 @@ TRAIN_LINES = [
     re.compile(shape)
     for shape in (
         r"Initialised \w+ on Partitioner\(.*\)\.",
-        r"Resumed from checkpoint step \d+ in \S+\.",
+        r"Resumed from checkpoint step \d+ in \S+ on Partitioner\(.*\)\.",
+        r"Reading the training data as \d+ logical input shards, .*",
         r"step \d+/\d+ \| loss [\d.]+ \| .* \| ETA [\d:]+",
         r"step \d+ \| eval loss [\d.]+ \| eval accuracy [\d.]+ \| eval perplexity .*",
         r"Done in [\d:]+\. Wrote to \S+:",
@@ -107,40 +108,27 @@ def test_default_run_trains_with_falling_loss_then_resumes(tmp_path, repo_dir):
     assert os.path.isdir(os.path.join(model_dir, "checkpoints", "30"))
     assert f"Wrote to {model_dir}" in first.stdout
 
-    # Same command with more steps: resumes from step 30, does not start over.
+    # The same run with more steps, started from another directory (the gin file found
+    # through the search path) on 8 devices, as a four-axis mesh set by flags (data, sequence
+    # = context parallelism and tensor parallelism at once): resumes from step 30 with the
+    # data order it had, does not start over.
+    more = [a.replace("TRAIN_STEPS=30", "TRAIN_STEPS=40") for a in args[1:]]
+    mesh = [
+        "--gin.Partitioner.mesh_axis_names=('data','fsdp','sequence','tensor')",
+        "--gin.Partitioner.mesh_shape=(2,1,2,2)",
+    ]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
     second = run_main(
-        [a.replace("TRAIN_STEPS=30", "TRAIN_STEPS=40") for a in args], repo_dir, user_env=True
+        ["--gin_file=gptj_pretrain.gin", *more, *mesh], str(elsewhere), devices=8, user_env=True
     )
     assert second.returncode == 0, second.stderr[-3000:]
     assert not_flaxlm_lines(second) == [], second.stdout + second.stderr
     assert "Resumed from checkpoint step 30" in second.stdout
+    assert "data=2, fsdp=1, sequence=2, tensor=2" in second.stdout
     steps = [r["step"] for r in read_metrics(model_dir) if "loss" in r]
     assert steps[-2:] == [35, 40] and steps.count(5) == 1
     assert os.path.isdir(os.path.join(model_dir, "checkpoints", "40"))
-
-
-@pytest.mark.slow
-def test_run_on_a_four_axis_mesh_from_another_directory(tmp_path):
-    """Data, sequence (context parallelism) and tensor parallelism at once, set by flags."""
-    model_dir = str(tmp_path / "mesh")
-    result = run_main(
-        [
-            "--gin_file=gptj_pretrain.gin",  # found through the search path
-            f"--gin.MODEL_DIR='{model_dir}'",
-            "--gin.Partitioner.mesh_axis_names=('data','fsdp','sequence','tensor')",
-            "--gin.Partitioner.mesh_shape=(2,1,2,2)",
-            "--gin.TRAIN_STEPS=5",
-            "--gin.EVAL_PERIOD=5",
-            "--gin.CHECKPOINT_PERIOD=5",
-            "--gin.BATCH_SIZE=8",
-            *SMALL,
-        ],
-        cwd=str(tmp_path),
-        devices=8,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "data=2, fsdp=1, sequence=2, tensor=2" in result.stdout
-    assert os.path.isdir(os.path.join(model_dir, "checkpoints", "5"))
 
 
 @pytest.mark.parametrize(
