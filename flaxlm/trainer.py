@@ -44,8 +44,8 @@ def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
 
 
 def summarize(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """Mean loss and accuracy from summed metrics (a preference loss's: its means over
-    pairs)."""
+    """Mean loss and accuracy from summed metrics (a preference or GRPO loss's sums: their
+    means over pairs or completions)."""
     if "pairs" in sums:
         return preference.summarize(sums)
     if "completions" in sums:
@@ -363,7 +363,7 @@ def eval_scalars(total: Mapping[str, jax.Array]) -> dict[str, float]:
     """`eval/loss`, `eval/accuracy`, `eval/perplexity` (of the cross-entropy, z-loss
     excluded), ... from summed eval metrics."""
     out = {f"eval/{k}": float(v) for k, v in summarize(total).items()}
-    if "pairs" in total:
+    if "weight_sum" not in total:  # not a next-token loss: no perplexity
         return out
     out["eval/perplexity"] = float(math.exp(min(out["eval/loss"] - out["eval/z_loss"], 700.0)))
     return out
