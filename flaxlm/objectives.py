@@ -25,19 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flaxlm.models import losses
-
 Array = jax.Array
-
-
-def sequence_logps(logits: Array, targets: Array, weights: Array) -> tuple[Array, Array]:
-    """Per-sequence sums of the targets' log-probabilities over the positions of weight >
-    0, and those positions' counts: `[batch, length, vocab]` logits, `[batch, length]`
-    targets and weights -> `[batch]`, `[batch]` (float32)."""
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    mask = (weights > 0).astype(jnp.float32)
-    token = losses.select_tokens(log_probs, targets) * mask
-    return token.sum(-1), mask.sum(-1)
 
 
 def _log_sigmoid(x: Array) -> Array:

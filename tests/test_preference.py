@@ -134,6 +134,30 @@ def test_loss_is_the_formula_on_the_models_sequence_scores():
             np.testing.assert_allclose(alone.loss_fn(params, given, None)[0], loss, rtol=1e-6)
 
 
+def test_sequence_logps_sum_the_answers_log_probabilities():
+    """`[pairs, 2]` sums of the targets' log-probabilities where weighted (numpy log-softmax
+    of the model's logits), the weighted counts, differentiable in the params, and blind to
+    the targets of unweighted positions."""
+    model = tiny_gptj(max_position_embeddings=LENGTH)
+    params = model.init_params(jax.random.PRNGKey(0), {k: (1, LENGTH) for k in FEATURES})
+    batch = pair_batch(2)
+    total, count = preference.sequence_logps(model, params, batch, None)
+    rows = {k: v.reshape(4, LENGTH) for k, v in batch.items()}
+    logits = np.asarray(model.compute_logits(params, rows), np.float64)
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    targets, weights = rows["decoder_target_tokens"], rows["decoder_loss_weights"]
+    picked = np.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
+    np.testing.assert_allclose(total, (picked * weights).sum(-1).reshape(2, 2), rtol=1e-5)
+    np.testing.assert_array_equal(count, np.full((2, 2), 3))
+    grads = jax.grad(lambda p: preference.sequence_logps(model, p, batch, None)[0].sum())(params)
+    assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads))
+    # The prompt's targets carry no weight: changing the first one leaves the sums alone
+    # (causal: it is read only as the second position's input, which the change keeps).
+    other = dict(batch, decoder_target_tokens=batch["decoder_target_tokens"].copy())
+    other["decoder_target_tokens"][:, :, 0] += 1
+    np.testing.assert_array_equal(preference.sequence_logps(model, params, other, None)[0], total)
+
+
 def test_microbatches_give_the_one_batch_step():
     cfg = preference.PreferenceConfig(loss="dpo", beta=0.5)
     one = run(cfg, steps=1, num_microbatches=1)
