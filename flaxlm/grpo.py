@@ -202,23 +202,23 @@ def grpo(
         )
         setup.batch_axes = rollout_axes()
         ckpt = checkpoints.Checkpointer(model_dir, keep=keep_checkpoints)
-        start = starting_params(setup, init_from)
-        start_step, state = ckpt.restore_latest(
-            setup.abstract_state, prompts, setup.state_from_params
-        )
-        if state is not None:
-            print(
-                f"Resumed from checkpoint step {start_step} in {ckpt.directory} on "
-                f"{setup.partitioner}.",
-                flush=True,
-            )
-        else:
-            start_step, state = 0, setup.init_state()
-            if start is not None:  # a copy: the train step donates the state's buffers
-                state = setup.state_from_params(setup.copy_params(start))
+        start_step, state = loop.restore(setup, ckpt, prompts)
+        # The starting params: the policy's on a fresh start, the reference's always.
+        start = None
+        if init_from is not None and (state is None or config.needs_reference):
+            start = starting_params(setup, init_from)
+        if state is None and start is None:
+            state = setup.init_state()
+        elif state is None:  # a copy of `start`: the train step donates the state's buffers
+            state = setup.state_from_params(setup.copy_params(start))
         frozen = None
         if config.needs_reference:
-            frozen = start if start is not None else setup.init_state().params
+            if start is not None:
+                frozen = start
+            elif start_step == 0:
+                frozen = setup.copy_params(state.params)
+            else:  # resumed from a fresh init: the same init again
+                frozen = setup.init_state().params
         rollouts = Rollouts(setup, config, vocabulary, frozen, seed, lengths["inputs"])
         update = setup.partition_train_step(
             trainer.make_train_step(model, partitioner, learning_rate, seed=seed, objective=config)

@@ -75,6 +75,21 @@ class NonFiniteCheck:
         )
 
 
+def restore(
+    setup: trainer.Setup, ckpt: checkpoints.Checkpointer, iterator: data.DataIterator
+) -> tuple[int, TrainState | None]:
+    """The latest checkpoint's step and state, placed on `setup`'s shardings (and the
+    iterator's position restored), saying so; else (0, None)."""
+    step, state = ckpt.restore_latest(setup.abstract_state, iterator, setup.state_from_params)
+    if state is None:
+        return 0, None
+    print(
+        f"Resumed from checkpoint step {step} in {ckpt.directory} on {setup.partitioner}.",
+        flush=True,
+    )
+    return step, state
+
+
 def operative_config(path: Any) -> str:
     """Gin's operative config, written to `path / config.gin` by process 0."""
     config_str = gin.operative_config_str()

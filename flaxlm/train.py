@@ -110,24 +110,16 @@ def initial_state(
     """The latest checkpoint's step and state, else step 0 from `init_from_hf` or a fresh
     init."""
     model = setup.model
-    start_step, state = ckpt.restore_latest(
-        setup.abstract_state, train_iter, setup.state_from_params
-    )
+    start_step, state = loop.restore(setup, ckpt, train_iter)
     if state is not None:
-        print(
-            f"Resumed from checkpoint step {start_step} in {ckpt.directory} on "
-            f"{setup.partitioner}.",
-            flush=True,
-        )
-    elif init_from_hf and setup.lora is None:
+        return start_step, state
+    if init_from_hf and setup.lora is None:
         params = hf.load_params(model, init_from_hf, shardings=setup.state_shardings.params)
-        start_step, state = 0, setup.state_from_params(params)
         run_dir.write_model_record(model, model_dir, init_from_hf)
         print(f"Initialised {model.__class__.__name__} from {init_from_hf}.", flush=True)
-    else:
-        start_step, state = 0, setup.init_state()
-        print(f"Initialised {model.__class__.__name__} on {setup.partitioner}.", flush=True)
-    return start_step, state
+        return 0, setup.state_from_params(params)
+    print(f"Initialised {model.__class__.__name__} on {setup.partitioner}.", flush=True)
+    return 0, setup.init_state()
 
 
 def steps_with_frozen(
