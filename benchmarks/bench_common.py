@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import platform
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,12 +62,6 @@ def machine_description(devices: Sequence[Any] | None = None, topology: str | No
     return f"{host}; {targets}"
 
 
-LIBTPU_HINT = (
-    "compiling for a TPU topology needs libtpu, the TPU compiler: pip install 'flaxlm[tpu]' "
-    "(jax[tpu] of the pinned jax), or point TPU_LIBRARY_PATH at a libtpu.so"
-)
-
-
 def add_target_args(parser: Any) -> None:
     """`--tpu-topology` and `--matmul-precision` (see `target_devices`)."""
     parser.add_argument(
@@ -96,26 +89,10 @@ def target_devices(args: Any) -> list[Any]:
 
 
 def topology_devices(name: str) -> list[Any]:
-    """Compile-only devices of a TPU slice named as `v5e:2x4` or `v4:2x2x2`.
+    """Compile-only devices of a TPU slice (`flaxlm.aot.topology_devices`)."""
+    from flaxlm import aot
 
-    The TPU compiler (libtpu) compiles for them on this host with no TPU attached, as
-    MaxText's train_compile.py does, so the compiled HLO and memory analysis are the TPU's.
-    Other processes holding libtpu's lockfile on this host do not stop it.
-    """
-    from jax.experimental import topologies
-
-    from flaxlm import platforms
-
-    platforms.prepare_tpu_compile_only()
-    try:
-        return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
-    except RuntimeError as e:
-        if "TPU support not installed" in str(e):
-            raise RuntimeError(f"--tpu-topology {name}: {LIBTPU_HINT}.") from e
-        raise ValueError(
-            f"--tpu-topology {name}: libtpu does not know this topology ({e}); "
-            "name one as <generation>:<chips per dimension>, e.g. v5e:2x4 or v4:2x2x2."
-        ) from e
+    return aot.topology_devices(name)
 
 
 def make_partitioner(name: str, devices: Sequence[Any] | None = None, sequence: int = 1) -> Any:
@@ -154,112 +131,55 @@ def add_sequence_arg(parser: Any) -> None:
 
 def feature_lengths(model: Any, seq_len: int) -> dict[str, int]:
     """Model-feature lengths for `seq_len`-long task features."""
-    return {k: v[1] for k, v in model.example_batch_shapes(seq_len, 1).items()}
+    from flaxlm import aot
+
+    return aot.feature_lengths(model, seq_len)
 
 
-class CompiledStep:
-    """flaxlm's partitioned train step, lowered and compiled on abstract inputs."""
+def CompiledStep(  # noqa: N802 - what the scripts have always called
+    model: Any,
+    partitioner: Any,
+    batch_size: int,
+    seq_len: int,
+    learning_rate: float = 1e-3,
+    matmul_precision: str | None = None,
+    out_of_memory_ok: bool = False,
+    preference_loss: str | None = None,
+    lora_rank: int | None = None,
+) -> Any:
+    """`flaxlm.aot.CompiledStep` of flaxlm's default AdamW at `seq_len`; `preference_loss`
+    ('dpo', ...): that loss's step on `batch_size` pairs; `lora_rank`: LoRA adapters of that
+    rank on every attention and MLP kernel."""
+    from flaxlm import aot, lora, preference
 
-    def __init__(
-        self,
-        model: Any,
-        partitioner: Any,
-        batch_size: int,
-        seq_len: int,
-        learning_rate: float = 1e-3,
-        matmul_precision: str | None = None,
-        out_of_memory_ok: bool = False,
-        preference_loss: str | None = None,
-        lora_rank: int | None = None,
-    ) -> None:
-        """`out_of_memory_ok`: a compile that runs out of device memory leaves `compiled`
-        None and the compiler's message in `out_of_memory` instead of raising.
-        `preference_loss` ('dpo', ...): the step of that loss on `batch_size` pairs;
-        `lora_rank`: LoRA adapters of that rank on every attention and MLP kernel. The
-        frozen params (a reference copy, a LoRA base) are `abstract_frozen`."""
-        import jax
-        import jax.numpy as jnp
-
-        from flaxlm import lora, optimizers, preference, pytrees, trainer
-        from flaxlm.models.features import batch_shapes_from
-
-        self.out_of_memory: str | None = None
-        lengths = feature_lengths(model, seq_len)
-        if preference_loss is not None:
-            lengths = {
-                k: n
-                for k, n in lengths.items()
-                if k not in ("decoder_segment_ids", "decoder_positions")
-            }
-        tx = optimizers.create_optimizer(learning_rate=learning_rate)
-        pref = None if preference_loss is None else preference.PreferenceConfig(preference_loss)
-        lora_cfg = None
-        if lora_rank is not None:
-            kernels = r"(q|k|v|o|out|gate|up|down)_proj/kernel$|fc_(in|out)/kernel$"
-            lora_cfg = lora.LoraConfig(rules=((kernels, lora_rank),))
-        reference = pref is not None and pref.needs_reference
-        self.setup = setup = trainer.Setup(
-            model, partitioner, tx, lengths, lora=lora_cfg, frozen_reference=reference
-        )
-        step = setup.partition_train_step(
-            trainer.make_train_step(
-                model, partitioner, learning_rate, lora=lora_cfg, objective=pref
-            )
-        )
-        rows = (batch_size,) if pref is None else (batch_size, 2)
-        sharding = partitioner.batch_sharding(len(rows) + 1)
-        self.abstract_batch = {
-            k: jax.ShapeDtypeStruct((*rows, n), jnp.int32, sharding=sharding)
-            for k, n in lengths.items()
-        }
-        self.abstract_frozen = None
-        frozen = ()
-        if lora_cfg is not None:
-            shapes = batch_shapes_from(lengths, 1)
-            base = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0), shapes))
-            self.abstract_frozen = pytrees.with_shardings(base, setup.base_shardings)
-        elif reference:
-            self.abstract_frozen = setup.abstract_state.params
-        if self.abstract_frozen is not None:
-            frozen = (self.abstract_frozen,)
-        with jax.default_matmul_precision(matmul_precision):
-            start = time.perf_counter()
-            self.lowered = step.lower(setup.abstract_state, self.abstract_batch, *frozen)
-            self.lower_seconds = time.perf_counter() - start
-            start = time.perf_counter()
-            try:
-                self.compiled = self.lowered.compile()
-            except jax.errors.JaxRuntimeError as e:
-                # A TPU compile fails when the step's buffers exceed the chip's HBM.
-                if not (out_of_memory_ok and "RESOURCE_EXHAUSTED" in str(e)):
-                    raise
-                self.compiled = None
-                self.out_of_memory = str(e).split("\n")[0]
-            self.compile_seconds = time.perf_counter() - start
+    lora_cfg = None
+    if lora_rank is not None:
+        kernels = r"(q|k|v|o|out|gate|up|down)_proj/kernel$|fc_(in|out)/kernel$"
+        lora_cfg = lora.LoraConfig(rules=((kernels, lora_rank),))
+    objective = None if preference_loss is None else preference.PreferenceConfig(preference_loss)
+    return aot.CompiledStep(
+        model,
+        partitioner,
+        batch_size,
+        aot.feature_lengths(model, seq_len),
+        learning_rate=learning_rate,
+        lora=lora_cfg,
+        objective=objective,
+        matmul_precision=matmul_precision,
+        out_of_memory_ok=out_of_memory_ok,
+    )
 
 
 def per_device_bytes(abstract_tree: Any) -> int:
-    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest
-    shard, i.e. device 0's for even splits)."""
-    import jax
-    import numpy as np
+    from flaxlm import aot
 
-    total = 0
-    for leaf in jax.tree.leaves(abstract_tree):
-        shard = leaf.sharding.shard_shape(leaf.shape)
-        total += int(np.prod(shard, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-    return total
+    return aot.per_device_bytes(abstract_tree)
 
 
 def total_bytes(abstract_tree: Any) -> int:
-    """Bytes of a tree of ShapeDtypeStructs, unsharded."""
-    import jax
-    import numpy as np
+    from flaxlm import aot
 
-    return sum(
-        int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-        for leaf in jax.tree.leaves(abstract_tree)
-    )
+    return aot.total_bytes(abstract_tree)
 
 
 def unsharded_leaves(abstract_tree: Any, min_bytes: int = 0) -> list[tuple[str, tuple, str]]:

@@ -134,6 +134,7 @@ def main(argv: list[str]) -> None:
 
         import flaxlm.models  # noqa: F401  (registers model configurables)
         from flaxlm import convert, data, evaluation, infer, serve, train  # noqa: F401
+        from flaxlm.plan import planner  # noqa: F401
 
         try:
             data.import_task_module(FLAGS.tasks_module, "--tasks_module")

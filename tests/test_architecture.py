@@ -40,6 +40,8 @@ RUNS = (
     "flaxlm.serve",
     "flaxlm.serve.*",
     "flaxlm.harness",
+    "flaxlm.plan",
+    "flaxlm.plan.*",
 )
 SERVICES = ("flaxlm.inference", "flaxlm.checkpoints", "flaxlm.hf", "flaxlm.run_dir")
 # Outside the rings: the entry point and the helpers every ring shares.

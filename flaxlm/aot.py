@@ -1,0 +1,197 @@
+"""Ahead-of-time compilation of flaxlm's train step, for devices that need not be attached.
+
+The train state is `trainer.Setup.abstract_state` (ShapeDtypeStructs carrying their
+shardings) and the batch is abstract too, so nothing is allocated at full size: the step is
+flaxlm's own (`make_train_step` partitioned by `Setup.partition_train_step`), lowered and
+compiled. The targets (`target_devices`): a TPU slice by name (libtpu compiles for it on
+any host, as MaxText's train_compile.py does), `cpu:N` (this process's CPU devices), or
+`this` (whatever JAX runs on here). Shared by the planner and the compile-only benchmarks.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from flaxlm import lora as lora_lib
+from flaxlm import optimizers, platforms, preference, pytrees, trainer
+from flaxlm.models.features import batch_shapes_from
+from flaxlm.partitioning import Partitioner
+
+LIBTPU_HINT = (
+    "compiling for a TPU topology needs libtpu, the TPU compiler: pip install 'flaxlm[tpu]' "
+    "(jax[tpu] of the pinned jax), or point TPU_LIBRARY_PATH at a libtpu.so"
+)
+TOPOLOGY_HELP = (
+    "a TPU slice as <generation>:<chips per dimension> (v5e:2x4, v5p:2x2x2), cpu:N (N CPU "
+    "devices of this process) or `this` (the devices JAX runs on here)"
+)
+
+
+def topology_devices(name: str) -> list[Any]:
+    """Compile-only devices of a TPU slice named as `v5e:2x4` or `v4:2x2x2`.
+
+    The TPU compiler (libtpu) compiles for them on this host with no TPU attached, so the
+    compiled HLO and memory analysis are the TPU's. Other processes holding libtpu's lockfile
+    on this host do not stop it.
+    """
+    from jax.experimental import topologies
+
+    platforms.prepare_tpu_compile_only()
+    try:
+        return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+    except RuntimeError as e:
+        if "TPU support not installed" in str(e):
+            raise RuntimeError(f"topology {name}: {LIBTPU_HINT}.") from e
+        raise ValueError(
+            f"topology {name}: libtpu does not know this topology ({e}); "
+            "name one as <generation>:<chips per dimension>, e.g. v5e:2x4 or v4:2x2x2."
+        ) from e
+
+
+def target_devices(topology: str) -> list[Any]:
+    """The devices `topology` names (see TOPOLOGY_HELP); a ValueError names a bad one."""
+    if topology == "this":
+        return list(jax.devices())
+    m = re.fullmatch(r"cpu:(\d+)", topology)
+    if m:
+        n = int(m.group(1))
+        have = jax.devices("cpu")
+        if n < 1 or len(have) < n:
+            raise ValueError(
+                f"topology {topology}: this process has {len(have)} CPU devices; start it "
+                f"with XLA_FLAGS=--xla_force_host_platform_device_count={max(n, 1)} (python -m "
+                "flaxlm.plan does this itself for --topology=cpu:N)."
+            )
+        return list(have[:n])
+    if not re.fullmatch(r"v\d+[a-z]*:\d+(x\d+)*", topology):
+        raise ValueError(f"--topology={topology!r}: expected {TOPOLOGY_HELP}.")
+    return topology_devices(topology)
+
+
+def feature_lengths(model: Any, seq_len: int) -> dict[str, int]:
+    """Model-feature lengths for `seq_len`-long task features."""
+    return {k: v[1] for k, v in model.example_batch_shapes(seq_len, 1).items()}
+
+
+class CompiledStep:
+    """flaxlm's partitioned train step, lowered and compiled on abstract inputs.
+
+    `lengths`: the model features' lengths (`feature_lengths`). `optimizer`: the run's optax
+    transformation (flaxlm's default AdamW if None). With a `preference.PreferenceConfig`
+    objective the batch is `batch_size` pairs (`[pairs, 2, length]`, unpacked); with `lora`
+    the state holds the adapters. The frozen params (a LoRA base, a reference copy) are
+    `abstract_frozen`. `out_of_memory_ok`: a compile that runs out of device memory leaves
+    `compiled` None and the compiler's message in `out_of_memory` instead of raising.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        partitioner: Partitioner,
+        batch_size: int,
+        lengths: Mapping[str, int],
+        *,
+        optimizer: optax.GradientTransformation | None = None,
+        learning_rate: optax.ScalarOrSchedule = 1e-3,
+        num_microbatches: int = 1,
+        lora: lora_lib.LoraConfig | None = None,
+        objective: trainer.Objective | None = None,
+        matmul_precision: str | None = None,
+        out_of_memory_ok: bool = False,
+    ) -> None:
+        self.out_of_memory: str | None = None
+        pairs = isinstance(objective, preference.PreferenceConfig)
+        if pairs:
+            drop = ("decoder_segment_ids", "decoder_positions")
+            lengths = {k: n for k, n in lengths.items() if k not in drop}
+        if optimizer is None:
+            optimizer = optimizers.create_optimizer(learning_rate=learning_rate)
+        reference = objective is not None and objective.needs_reference
+        self.setup = setup = trainer.Setup(
+            model, partitioner, optimizer, lengths, lora=lora, frozen_reference=reference
+        )
+        step = setup.partition_train_step(
+            trainer.make_train_step(
+                model,
+                partitioner,
+                learning_rate,
+                num_microbatches=num_microbatches,
+                lora=lora,
+                objective=objective,
+            )
+        )
+        rows = (batch_size, 2) if pairs else (batch_size,)
+        sharding = partitioner.batch_sharding(len(rows) + 1)
+        self.abstract_batch = {
+            k: jax.ShapeDtypeStruct((*rows, n), jnp.int32, sharding=sharding)
+            for k, n in lengths.items()
+        }
+        self.abstract_frozen = None
+        if lora is not None:
+            shapes = batch_shapes_from(lengths, 1)
+            base = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0), shapes))
+            self.abstract_frozen = pytrees.with_shardings(base, setup.base_shardings)
+        elif reference:
+            self.abstract_frozen = setup.abstract_state.params
+        frozen = () if self.abstract_frozen is None else (self.abstract_frozen,)
+        with jax.default_matmul_precision(matmul_precision):
+            start = time.perf_counter()
+            self.lowered = step.lower(setup.abstract_state, self.abstract_batch, *frozen)
+            self.lower_seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            try:
+                self.compiled = self.lowered.compile()
+            except jax.errors.JaxRuntimeError as e:
+                # A TPU compile fails when the step's buffers exceed the chip's HBM.
+                if not (out_of_memory_ok and "RESOURCE_EXHAUSTED" in str(e)):
+                    raise
+                self.compiled = None
+                self.out_of_memory = str(e).split("\n")[0]
+            self.compile_seconds = time.perf_counter() - start
+
+    def device_bytes(self) -> int | None:
+        """Bytes one device holds while the step runs: its arguments, outputs not aliased
+        to them, and temporaries (None when it did not compile)."""
+        if self.compiled is None:
+            return None
+        mem = self.compiled.memory_analysis()
+        return int(
+            mem.argument_size_in_bytes
+            + mem.output_size_in_bytes
+            - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes
+        )
+
+    def cost(self) -> dict[str, float]:
+        """XLA's cost analysis of one device's program: `flops`, `bytes accessed` (a loop's
+        body counted once, whatever its trip count)."""
+        analysis = self.compiled.cost_analysis()
+        if isinstance(analysis, Sequence):
+            analysis = analysis[0]
+        return {k: float(analysis.get(k, 0.0)) for k in ("flops", "bytes accessed")}
+
+
+def per_device_bytes(abstract_tree: Any) -> int:
+    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest
+    shard, i.e. device 0's for even splits)."""
+    total = 0
+    for leaf in jax.tree.leaves(abstract_tree):
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        total += int(np.prod(shard, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def total_bytes(abstract_tree: Any) -> int:
+    """Bytes of a tree of ShapeDtypeStructs, unsharded."""
+    return sum(
+        int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        for leaf in jax.tree.leaves(abstract_tree)
+    )

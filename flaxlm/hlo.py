@@ -1,0 +1,253 @@
+"""What a compiled XLA program does per step, read from its HLO text.
+
+`parse_hlo` counts the collectives (all-gather, reduce-scatter, all-reduce, all-to-all,
+collective-permute) of a compiled step, each op as many times as the while loops around it
+run (`known_trip_count`, or read from the loop's condition as TPU's compiled HLO needs), in
+two units (array bytes and ring bytes, see `Op`). Shared by the planner (`flaxlm.plan`) and
+benchmarks/collectives.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+DTYPE_BYTES = dict(pred=1, s8=1, u8=1, s16=2, u16=2, f16=2, bf16=2, s32=4, u32=4, f32=4)
+DTYPE_BYTES.update(s64=8, u64=8, f64=8, c64=8, c128=16)
+SHAPE_RE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
+COMPUTATION_RE = re.compile(r"^(?:ENTRY )?%(\S+) \(.*\{$")
+INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*)$")
+
+
+def type_bytes(type_str: str) -> int:
+    """Bytes of an HLO type (a shape or a tuple of shapes)."""
+    total = 0
+    for dtype, dims in SHAPE_RE.findall(type_str):
+        total += math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype]
+    return total
+
+
+def split_type(rhs: str) -> tuple[str, str, str]:
+    """`TYPE opcode(operands), attrs` -> (type, opcode, rest)."""
+    if rhs.startswith("("):
+        depth = 0
+        i = 0
+        for i, ch in enumerate(rhs):  # noqa: B007
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                break
+        type_str, rest = rhs[: i + 1], rhs[i + 1 :].lstrip()
+    else:
+        type_str, _, rest = rhs.partition(" ")
+    return type_str, rest.split("(", 1)[0], rest
+
+
+def group_size(attrs: str, num_devices: int) -> int:
+    """Devices per replica group, from `replica_groups=` in any of XLA's spellings."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:
+        sizes = {k.strip("' "): int(v) for k, v in re.findall(r"'?([\w]+)'?=(\d+)", m.group(1))}
+        names = [n.strip("' ") for n in m.group(2).split(",") if n.strip()]
+        return math.prod(sizes[n] for n in names)
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=", attrs)
+    if m:
+        return int(m.group(1).split(",")[-1])
+    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", attrs)
+    if m:
+        return len([x for x in m.group(1).split(",") if x])
+    return num_devices  # `replica_groups={}`: all devices
+
+
+@dataclasses.dataclass
+class Op:
+    kind: str
+    result_bytes: int
+    group: int
+    phase: str  # forward, backward or other (from the op's metadata)
+    channel: int | None = None  # XLA's channel_id: the pieces of one async op share it
+    fused: bool = False  # inside a fusion (where TPU puts those pieces)
+
+    @property
+    def array_bytes(self) -> int:
+        return self.result_bytes * (self.group if self.kind == "reduce-scatter" else 1)
+
+    @property
+    def ring_bytes(self) -> float:
+        n, r = self.group, self.result_bytes
+        if n <= 1:
+            return 0.0
+        if self.kind == "all-reduce":
+            return 2 * (n - 1) / n * r
+        if self.kind == "reduce-scatter":
+            return float((n - 1) * r)
+        if self.kind == "collective-permute":
+            return float(r)
+        return (n - 1) / n * r
+
+
+def _instructions(lines: Sequence[str]) -> Iterator[tuple[str, bool, tuple[str, str, str]]]:
+    """`(name, is_root, (type, opcode, rest))` of each instruction of a computation."""
+    for line in lines:
+        m = INSTRUCTION_RE.match(line)
+        if m:
+            yield m.group(1), line.lstrip().startswith("ROOT"), split_type(m.group(2))
+
+
+def _operands(rest: str) -> list[str]:
+    """Names of an instruction's operands (`opcode(%a, %b), attrs` -> [a, b])."""
+    inner = rest.split("(", 1)[1].split(")", 1)[0] if "(" in rest else ""
+    return re.findall(r"%([^\s,()]+)", inner)
+
+
+def _trip_count(cond: list[str], init: str, defs: dict[str, tuple[str, str, str]]) -> int | None:
+    """Trip count of a while loop without `known_trip_count` (TPU's compiled HLO): its
+    condition is `ROOT compare(get-tuple-element(param, index=i), constant(N)),
+    direction=LT` and element i of its init tuple is a constant k (through copies), so it
+    runs N - k times (JAX's loops step their counter by one)."""
+    cond_defs = {}
+    root = None
+    for name, is_root, parsed in _instructions(cond):
+        cond_defs[name] = parsed
+        if is_root:
+            root = parsed
+
+    def constant(name: str, table: dict[str, tuple[str, str, str]]) -> int | None:
+        while name in table and table[name][1] in ("copy", "bitcast", "convert"):
+            name = _operands(table[name][2])[0]
+        if name in table and table[name][1] == "constant":
+            m = re.match(r"constant\((-?\d+)\)", table[name][2])
+            return int(m.group(1)) if m else None
+        return None
+
+    if root is None or root[1] != "compare" or "direction=LT" not in root[2]:
+        return None
+    counter, bound = (_operands(root[2]) + [None, None])[:2]
+    limit = constant(bound, cond_defs) if bound else None
+    gte = cond_defs.get(counter)
+    if limit is None or gte is None or gte[1] != "get-tuple-element":
+        return None
+    index = int(re.search(r"index=(\d+)", gte[2]).group(1))
+    tuple_def = defs.get(init)
+    if tuple_def is None or tuple_def[1] != "tuple":
+        return None
+    start = constant(_operands(tuple_def[2])[index], defs)
+    return None if start is None else limit - start
+
+
+def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
+    """Collectives per train step: each op with the product of its enclosing trip counts.
+
+    Besides the plain ops, TPU's compiled reduce-scatter is read: a custom fusion calling
+    `%all-reduce-scatter...` (an all-reduce whose result is cut in the same kernel) counts
+    as one reduce-scatter whose result is the fusion's."""
+    computations: dict[str, list[str]] = {}
+    entry = None
+    current = None
+    for line in text.splitlines():
+        m = COMPUTATION_RE.match(line)
+        if m:
+            current = m.group(1)
+            computations[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            computations[current].append(line)
+    if entry is None:
+        raise ValueError("No ENTRY computation in the HLO text.")
+
+    unparsed: list[str] = []
+    memo: dict[str, list[tuple[Op, int]]] = {}
+
+    def phase_of(rest: str) -> str:
+        op_name = re.search(r'op_name="([^"]*)"', rest)
+        op_name = op_name.group(1) if op_name else ""
+        if "transpose(" in op_name:
+            return "backward"
+        return "forward" if "jvp(" in op_name else "other"
+
+    def channel_of(attrs: str) -> int | None:
+        m = re.search(r"channel_id=(\d+)", attrs)
+        return int(m.group(1)) if m else None
+
+    def one_per_channel(ops: list[tuple[Op, int]]) -> list[tuple[Op, int]]:
+        """TPU splits an async collective into a start, continuation fusions overlapping
+        compute and a done, each holding the op with one channel_id: count it once (as the
+        reduce-scatter where one of them is). Other ops are distinct whatever their
+        channel_id (every collective-permute has channel 1)."""
+        first: dict[int, int] = {}
+        out: list[tuple[Op, int]] = []
+        for op, count in ops:
+            if op.channel is None or not (op.fused or op.kind == "reduce-scatter"):
+                out.append((op, count))
+            elif op.channel not in first:
+                first[op.channel] = len(out)
+                out.append((op, count))
+            elif op.kind == "reduce-scatter":
+                out[first[op.channel]] = (op, count)
+        return out
+
+    def ops_of(name: str) -> list[tuple[Op, int]]:
+        if name in memo:
+            return memo[name]
+        memo[name] = []  # guards against cycles
+        out: list[tuple[Op, int]] = []
+        defs: dict[str, tuple[str, str, str]] = {}
+        for instruction, _, parsed in _instructions(computations.get(name, [])):
+            type_str, opcode, rest = defs[instruction] = parsed
+            callees = re.findall(r"(?:calls|branch_computations)=\{?%([^\s,}]+)", rest)
+            if opcode in (*COLLECTIVES, "collective-permute-start"):
+                # TPU's async permute is typed (operand, result, context): one array's bytes
+                start = opcode.endswith("-start")
+                nbytes = type_bytes(SHAPE_RE.search(type_str).group(0) if start else type_str)
+                group = group_size(rest, num_devices)
+                kind = opcode.removesuffix("-start")
+                out.append((Op(kind, nbytes, group, phase_of(rest), channel_of(rest)), 1))
+            elif opcode == "fusion" and callees and callees[0].startswith("all-reduce-scatter"):
+                inner = " ".join(computations.get(callees[0], []))
+                group = group_size(inner, num_devices)
+                op = Op("reduce-scatter", type_bytes(type_str), group, phase_of(rest))
+                out.append((dataclasses.replace(op, channel=channel_of(inner)), 1))
+            elif any(opcode == c + "-start" for c in COLLECTIVES):
+                unparsed.append(instruction)
+            elif opcode == "while":
+                body = re.search(r"body=%([^\s,]+)", rest).group(1)
+                trip = re.search(r'known_trip_count"?:\{"n":"(\d+)"', rest)
+                count = int(trip.group(1)) if trip else None
+                if count is None:
+                    cond = re.search(r"condition=%([^\s,]+)", rest).group(1)
+                    count = _trip_count(computations.get(cond, []), _operands(rest)[0], defs)
+                if count is None:
+                    unparsed.append(
+                        f"{instruction} (while without a known trip count: counted once)"
+                    )
+                    count = 1
+                out += [(op, c * count) for op, c in ops_of(body)]
+            else:
+                for o, c in (x for callee in callees for x in ops_of(callee)):
+                    out.append((dataclasses.replace(o, fused=o.fused or opcode == "fusion"), c))
+        memo[name] = out = one_per_channel(out)
+        return out
+
+    ops = ops_of(entry)
+    totals: dict[str, dict[str, float]] = collections.defaultdict(
+        lambda: {"count": 0, "array_bytes": 0, "ring_bytes": 0.0}
+    )
+    for op, count in ops:
+        for key in (op.kind, f"{op.kind}/{op.phase}"):
+            totals[key]["count"] += count
+            totals[key]["array_bytes"] += count * op.array_bytes
+            totals[key]["ring_bytes"] += count * op.ring_bytes
+    return {
+        "by_kind": dict(totals),
+        "array_bytes": sum(c * op.array_bytes for op, c in ops),
+        "ring_bytes": sum(c * op.ring_bytes for op, c in ops),
+        "unparsed": unparsed,
+    }

@@ -1,0 +1,62 @@
+"""`python -m flaxlm.plan --gin_file=RUN.gin [--topology=T] [--max_candidates=N]
+[--budget_s=S] [--json=PATH] [--measure=K] [--gin.X=Y ...]`
+
+The same as `python -m flaxlm.main --gin_file=RUN.gin --gin_file=runs/plan.gin
+--gin.PLAN_TOPOLOGY="'T'" ...`: the run's Gin files describe what to train, gin/runs/plan.gin
+rebinds the run function to the planner. For `--topology=cpu:N` this process asks XLA for N
+CPU devices before JAX starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+
+def translate(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(flaxlm.main's arguments, environment changes) for the planner's command line."""
+    p = argparse.ArgumentParser(prog="python -m flaxlm.plan", description=__doc__.split("\n\n")[1])
+    p.add_argument(
+        "--topology",
+        default="this",
+        help="compile for: a TPU slice (v5e:2x4, v5p:2x2x2; libtpu, none attached), cpu:N "
+        "(N CPU devices of this process) or this (the devices JAX runs on here)",
+    )
+    p.add_argument("--max_candidates", type=int, default=24, help="compile at most this many")
+    p.add_argument("--budget_s", type=float, default=900.0, help="stop compiling after this")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    p.add_argument(
+        "--measure",
+        type=int,
+        default=0,
+        metavar="K",
+        help="run the K best candidates on this host's devices, alternating, and report "
+        "their measured step times and the rank correlation with the prediction",
+    )
+    args, rest = p.parse_known_args(argv)
+    bindings = [
+        f"--gin.PLAN_TOPOLOGY={args.topology!r}",
+        f"--gin.PLAN_MAX_CANDIDATES={args.max_candidates}",
+        f"--gin.PLAN_BUDGET_S={args.budget_s}",
+        f"--gin.PLAN_JSON={args.json!r}",
+        f"--gin.PLAN_MEASURE={args.measure}",
+    ]
+    env = {}
+    m = re.fullmatch(r"cpu:(\d+)", args.topology)
+    if m:
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+        flags.append(f"--xla_force_host_platform_device_count={m.group(1)}")
+        env["XLA_FLAGS"] = " ".join(flags)
+    return [*rest, "--gin_file=runs/plan.gin", *bindings], env
+
+
+def console_main() -> None:
+    args, env = translate(sys.argv[1:])
+    os.environ.update(env)
+    os.execv(sys.executable, [sys.executable, "-m", "flaxlm.main", *args])
+
+
+if __name__ == "__main__":
+    console_main()

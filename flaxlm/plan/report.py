@@ -1,0 +1,275 @@
+"""What the planner (`flaxlm.plan`) prints and writes: the progress bar, the ranked table,
+the best candidate's `--gin.` overrides, the measured check and the JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import jax
+import numpy as np
+
+GIB = 2**30
+
+
+def host_memory_bytes() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def describe(run: Any, topology: str, devices: Sequence[Any], chip: Any) -> str:
+    model = run.model
+    length = max(run.lengths.values())
+    limit = "no memory limit"
+    if chip.memory_bytes is not None:
+        limit = f"{chip.memory_bytes / GIB:.2f} GiB"
+    return (
+        f"Planning {type(model.config).__name__} ({model.config.dtype} compute), batch "
+        f"{run.batch_size} x length {length}, on {topology}: {len(devices)} x "
+        f"{devices[0].device_kind}.\nRoofline per device: "
+        f"{chip.peak_flops(str(model.config.dtype)) / 1e12:.3g} TFLOP/s, memory "
+        f"{chip.memory_bytes_per_s / 1e9:.3g} GB/s, collectives "
+        f"{chip.link_bytes_per_s / 1e9:.3g} GB/s + {chip.collective_latency_s * 1e6:.0f} us/op, "
+        f"{limit} ({chip.source})."
+    )
+
+
+class Progress:
+    """A one-line progress bar on a terminal, a line per candidate elsewhere."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.start = time.perf_counter()
+
+    def __call__(self, done: int, total: int, knobs: Any) -> None:
+        width = 24
+        filled = int(width * min(done, total) / total)
+        bar = "#" * filled + "-" * (width - filled)
+        elapsed = time.perf_counter() - self.start
+        what = "done" if knobs is None else f"compiling {knobs_text(knobs)}"
+        line = f"[{bar}] {done}/{total} {elapsed:.0f}s {what}"
+        if self.tty:
+            self.stream.write("\r" + line[:160].ljust(160) + ("\n" if knobs is None else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def knobs_text(k: Any) -> str:
+    return (
+        f"mesh {k.mesh_shape} {k.optimizer_sharding} remat={k.remat_policy} "
+        f"mb={k.num_microbatches} scan={k.scan_layers}"
+    )
+
+
+def mesh_text(run: Any, k: Any) -> str:
+    return ",".join(f"{a}={n}" for a, n in zip(run.axis_names, k.mesh_shape))
+
+
+def overrides(run: Any, k: Any) -> list[str]:
+    """The `--gin.` flags that make `train.train` use `k`."""
+    config = type(run.model.config).__name__
+    out = [
+        f'--gin.Partitioner.mesh_shape="{tuple(k.mesh_shape)}"',
+        f"--gin.Partitioner.optimizer_sharding=\"'{k.optimizer_sharding}'\"",
+        f"--gin.{config}.remat_policy=\"'{k.remat_policy}'\"",
+        f"--gin.{config}.scan_layers={k.scan_layers}",
+        f"--gin.train.num_microbatches={k.num_microbatches}",
+    ]
+    return out
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def table_rows(results: Sequence[Any], run: Any) -> list[list[str]]:
+    rows = []
+    for i, r in enumerate(results, 1):
+        k = r.knobs
+        rows.append(
+            [
+                str(i) if r.status in ("fits", "does not fit") else "",
+                mesh_text(run, k),
+                k.optimizer_sharding,
+                k.remat_policy,
+                str(k.num_microbatches),
+                str(k.scan_layers),
+                {"fits": "yes", "does not fit": "no"}.get(r.status, r.status),
+                _cell(None if r.device_bytes is None else r.device_bytes / GIB, "{:.2f}"),
+                _cell(None if r.predicted_s is None else r.predicted_s * 1e3, "{:.1f}"),
+                _cell(None if r.mfu is None else r.mfu * 100, "{:.1f}%"),
+                f"{r.compile_s:.1f}" if r.status != "rejected" else "-",
+            ]
+        )
+    return rows
+
+
+HEADER = [
+    "#",
+    "mesh",
+    "optimizer",
+    "remat",
+    "microbatches",
+    "scan",
+    "fits",
+    "GiB/device",
+    "predicted ms/step",
+    "MFU",
+    "compile s",
+]
+
+
+def print_table(results: Sequence[Any], run: Any) -> None:
+    shown = [r for r in results if r.status != "rejected"]
+    print()
+    print("| " + " | ".join(HEADER) + " |")
+    print("| " + " | ".join("---" for _ in HEADER) + " |")
+    for row in table_rows(shown, run):
+        print("| " + " | ".join(row) + " |")
+    for r in shown:
+        if r.reason:
+            print(f"  {knobs_text(r.knobs)}: {r.status}: {r.reason}")
+    rejected = [r for r in results if r.status == "rejected"]
+    if rejected:
+        print(f"\nRejected before compiling ({len(rejected)}):")
+        by_reason: dict[str, list[Any]] = {}
+        for r in rejected:
+            by_reason.setdefault(r.reason, []).append(r.knobs)
+        for reason, knobs in by_reason.items():
+            first = f"{mesh_text(run, knobs[0])} {knobs[0].optimizer_sharding}"
+            more = f" and {len(knobs) - 1} more" if len(knobs) > 1 else ""
+            print(f"  {first}{more}: {reason}")
+    fitting = [r for r in results if r.status == "fits"]
+    if fitting:
+        best = fitting[0]
+        print(f"\nBest: {knobs_text(best.knobs)}, {best.predicted_s * 1e3:.1f} ms/step predicted.")
+        print("  " + " \\\n  ".join(overrides(run, best.knobs)))
+        return
+    sized = [r for r in results if r.device_bytes is not None]
+    if sized:
+        smallest = min(sized, key=lambda r: r.device_bytes)
+        print(
+            f"\nNothing fits: the smallest candidate ({knobs_text(smallest.knobs)}) needs "
+            f"{smallest.device_bytes / GIB:.2f} GiB/device."
+        )
+    else:
+        print("\nNothing fits: no candidate compiled (see the reasons above).")
+
+
+def random_batch(run: Any, step: Any, seed: int = 0) -> dict[str, jax.Array]:
+    """A batch of `step`'s shapes and shardings: random tokens, one segment, positions."""
+    rng = np.random.default_rng(seed)
+    vocab = int(getattr(run.model.config, "vocab_size", 256))
+    out = {}
+    for name, spec in step.abstract_batch.items():
+        if "segment_ids" in name or "loss_weights" in name:
+            x = np.ones(spec.shape, np.int32)
+        elif "positions" in name:
+            x = np.broadcast_to(np.arange(spec.shape[-1], dtype=np.int32), spec.shape).copy()
+        else:
+            x = rng.integers(1, vocab, spec.shape, dtype=np.int32)
+        out[name] = jax.device_put(x, spec.sharding)
+    return out
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation (ties get their mean rank)."""
+
+    def ranks(x: Sequence[float]) -> np.ndarray:
+        x = np.asarray(x, float)
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=float)
+        for v in np.unique(x):
+            r[x == v] = r[x == v].mean()
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def measure(results: Sequence[Any], run: Any, count: int, steps: int, rounds: int) -> float:
+    """Runs the `count` best fitting candidates on their devices, alternating: `rounds`
+    rounds of `steps` steps each after two warm-up steps; fills `measured_s` (median of
+    the rounds' per-step times) and returns Spearman(predicted, measured)."""
+    chosen = [r for r in results if r.status == "fits" and r.predicted_s is not None][:count]
+    if len(chosen) < 2:
+        raise ValueError("PLAN_MEASURE needs at least two candidates that fit.")
+    live = []
+    for r in chosen:
+        setup = r.step.setup
+        state = setup.init_state()
+        frozen = ()  # a LoRA base, or a preference loss's reference params
+        if r.step.abstract_frozen is not None:
+            lora = setup.lora is not None
+            frozen = (setup.init_base() if lora else setup.copy_params(state.params),)
+        batch = (random_batch(run, r.step), *frozen)
+        for _ in range(2):
+            state, metrics = r.step.compiled(state, *batch)
+        jax.block_until_ready(metrics)
+        live.append([r, state, batch, []])
+    for i in range(rounds):
+        order = live if i % 2 == 0 else live[::-1]
+        for entry in order:
+            r, state, batch, times = entry
+            start = time.perf_counter()
+            for _ in range(steps):
+                state, metrics = r.step.compiled(state, *batch)
+            jax.block_until_ready(metrics)
+            times.append((time.perf_counter() - start) / steps)
+            entry[1] = state
+    for r, _, _, times in live:
+        r.measured_s = statistics.median(times)
+    rho = spearman([r.predicted_s for r in chosen], [r.measured_s for r in chosen])
+    print(f"\nMeasured on this host ({rounds} rounds x {steps} steps, alternating):")
+    print("| # | mesh | optimizer | remat | microbatches | scan | predicted ms | measured ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for i, r in enumerate(chosen, 1):
+        k = r.knobs
+        print(
+            f"| {i} | {mesh_text(run, k)} | {k.optimizer_sharding} | {k.remat_policy} | "
+            f"{k.num_microbatches} | {k.scan_layers} | {r.predicted_s * 1e3:.1f} | "
+            f"{r.measured_s * 1e3:.1f} |"
+        )
+    print(f"Spearman rank correlation (predicted vs measured, {len(chosen)} candidates): {rho:.2f}")
+    return rho
+
+
+def write_json(
+    results: Sequence[Any], run: Any, topology: str, chip: Any, path: str | None
+) -> None:
+    if not path:
+        return
+    rows = []
+    for r in results:
+        row = {k: v for k, v in vars(r).items() if k not in ("step", "knobs")}
+        row.update(vars(r.knobs))
+        row["mesh_shape"] = list(r.knobs.mesh_shape)
+        row["overrides"] = overrides(run, r.knobs) if r.status == "fits" else None
+        rows.append(row)
+    out = {
+        "topology": topology,
+        "chip": {k: v for k, v in vars(chip).items()},
+        "batch_size": run.batch_size,
+        "lengths": run.lengths,
+        "axis_names": list(run.axis_names),
+        "candidates": rows,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2, default=str)
+    print(f"Wrote {path}")

@@ -1,0 +1,204 @@
+"""The parallelism planner (flaxlm.plan): candidates, rejections, the loop-corrected cost, the
+roofline's ranking, the table, the overrides it prints, and its command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import shlex
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import redirect_stdout
+
+import gin
+import jax
+import pytest
+
+from flaxlm import chips, gin_utils, optimizers
+from flaxlm.models.base import DecoderOnlyModel
+from flaxlm.models.gptj import GPTJConfig
+from flaxlm.plan import planner, report
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LENGTHS = {
+    "decoder_target_tokens": 32,
+    "decoder_input_tokens": 32,
+    "decoder_loss_weights": 32,
+    "decoder_segment_ids": 32,
+    "decoder_positions": 32,
+}
+
+
+def tiny_run(batch_size: int = 8, scan: bool = False) -> planner.Run:
+    config = GPTJConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        rotary_dim=8,
+        max_position_embeddings=64,
+        dtype="float32",
+        param_dtype="float32",
+        remat_policy="none",
+        scan_layers=scan,
+    )
+    base = planner.Knobs((1, -1, 1), "params", "none", 1, scan)
+    return planner.Run(
+        model=DecoderOnlyModel(config),
+        batch_size=batch_size,
+        lengths=dict(LENGTHS),
+        num_microbatches=1,
+        optimizer=optimizers.create_optimizer(learning_rate=1e-3),
+        learning_rate=1e-3,
+        lora=None,
+        objective=None,
+        axis_names=("data", "fsdp", "tensor"),
+        base=base,
+        partitioner_kwargs={},
+    )
+
+
+# A made-up chip: only the ranking's arithmetic matters here.
+CHIP = chips.Chip("test", {"float32": 1e10}, 1e10, 1e9, None, collective_latency_s=1e-5)
+
+
+def test_mesh_shapes_are_every_ordered_factorisation():
+    shapes = planner.mesh_shapes(8, 3)
+    assert len(shapes) == len(set(shapes)) == 10
+    assert all(a * b * c == 8 for a, b, c in shapes)
+    assert (2, 2, 2) in shapes and (1, 1, 8) in shapes
+
+
+def test_rejects_what_cannot_divide_before_compiling_and_names_why():
+    p = planner.Planner(tiny_run(batch_size=8), jax.devices(), CHIP)
+    k = p.run.base
+    reason = p.reject_reason(dataclasses.replace(k, mesh_shape=(1, 1, 8)))
+    assert "k_proj/kernel" in reason and "not divisible by tensor=8" in reason
+    reason = p.reject_reason(dataclasses.replace(k, mesh_shape=(1, 8, 1), num_microbatches=2))
+    assert "batch 8" in reason and "degree 8" in reason
+    reason = p.reject_reason(
+        dataclasses.replace(k, mesh_shape=(1, 8, 1), optimizer_sharding="zero1")
+    )
+    assert "zero1 needs a data axis" in reason
+    assert p.reject_reason(dataclasses.replace(k, mesh_shape=(2, 2, 2))) is None
+
+
+def test_loop_corrected_cost_ranking_and_a_parallel_compile():
+    """A scanned step's FLOPs equal the unscanned step's (cost_analysis alone counts the
+    loop's body once); remat `full` costs more FLOPs and ranks lower. The three compile on
+    two threads, as the planner does on a larger host."""
+    p = planner.Planner(tiny_run(), jax.devices(), CHIP)
+    base = dataclasses.replace(p.run.base, mesh_shape=(1, 8, 1))
+    knobs = [
+        base,
+        dataclasses.replace(base, scan_layers=True),
+        dataclasses.replace(base, remat_policy="full"),
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        plain, looped, remat = pool.map(p.evaluate, knobs)
+    assert plain.status == looped.status == remat.status == "fits"
+    assert looped.step.cost()["flops"] < 0.8 * plain.flops  # the body counted once
+    assert looped.flops == pytest.approx(plain.flops, rel=0.05)
+    assert remat.flops > 1.1 * plain.flops
+    assert plain.collective_ops > 0 and plain.collective_bytes > 0
+    ranked = planner.rank([remat, plain])
+    assert ranked[0] is plain and plain.predicted_s < remat.predicted_s
+    assert 0 < plain.mfu < 1
+
+
+def test_nothing_fits_prints_the_smallest_need():
+    run = tiny_run()
+    results = [
+        planner.Result(dataclasses.replace(run.base, mesh_shape=m), "does not fit", "", b)
+        for m, b in (((1, 8, 1), 3 * 2**30), ((2, 4, 1), 2**30))
+    ]
+    out = io.StringIO()
+    with redirect_stdout(out):
+        report.print_table(planner.rank(results), run)
+    assert "Nothing fits: the smallest candidate (mesh (2, 4, 1)" in out.getvalue()
+    assert "needs 1.00 GiB/device" in out.getvalue()
+
+
+def test_spearman():
+    assert report.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert report.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert report.spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
+
+
+def test_chip_for_known_and_unknown_devices():
+    class Device:
+        def __init__(self, kind):
+            self.device_kind = kind
+
+    assert planner.chips.chip_for(Device("TPU v5 lite")).name == "v5e"
+    assert planner.chips.chip_for(Device("NVIDIA H100 80GB HBM3")).name == "h100"
+    assert planner.chips.chip_for(Device("cpu")) is None
+
+
+def run_plan(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, "-m", "flaxlm.plan", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def test_command_line_plans_measures_and_prints_overrides_that_parse(tmp_path):
+    """`python -m flaxlm.plan` on cpu:8 for gin/gptj_pretrain.gin (made smaller): progress,
+    the ranked table, measured times beside the prediction, the JSON, and `--gin.` overrides
+    that bind the planned configuration when given to the same Gin files."""
+    out = tmp_path / "plan.json"
+    small = [
+        "--gin.TASK_FEATURE_LENGTHS={'targets': 32}",
+        "--gin.BATCH_SIZE=8",
+        "--gin.GPTJConfig.hidden_size=64",
+        "--gin.GPTJConfig.num_layers=2",
+        "--gin.GPTJConfig.rotary_dim=8",
+    ]
+    proc = run_plan(
+        "--gin_file=gin/gptj_pretrain.gin",
+        "--topology=cpu:8",
+        "--max_candidates=3",
+        "--measure=2",
+        f"--json={out}",
+        *small,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    assert "| # | mesh | optimizer |" in text and "predicted ms/step" in text
+    assert "Spearman rank correlation" in text
+    assert "compiling mesh" in proc.stderr and "done" in proc.stderr
+    assert "Traceback" not in proc.stderr and "cudart_stub" not in proc.stderr
+    saved = json.loads(out.read_text())
+    fits = [c for c in saved["candidates"] if c["status"] == "fits"]
+    assert len(fits) >= 2 and all(c["predicted_s"] > 0 for c in fits)
+    assert sum(c["measured_s"] is not None for c in fits) == 2
+    overrides = fits[0]["overrides"]
+    assert overrides == [line.strip(" \\") for line in text.split("Best:")[1].splitlines()[1:6]]
+    gin.clear_config()
+    try:
+        shell = shlex.split(" ".join(overrides))  # as a shell passes them
+        bindings = gin_utils.rewrite_gin_args(["x", *small, *shell])[1:]
+        gin_utils.parse_gin(
+            [os.path.join(REPO, "gin/gptj_pretrain.gin")],
+            [b.split("=", 1)[1] for b in bindings],
+            [],
+        )
+        mesh = gin.query_parameter("partitioning.Partitioner.mesh_shape")
+        assert list(mesh) == fits[0]["mesh_shape"]
+        assert gin.query_parameter("train.train.num_microbatches") == 1
+    finally:
+        gin.clear_config()
+
+
+def test_command_line_bad_topology_is_a_clear_error():
+    proc = run_plan("--gin_file=gin/gptj_pretrain.gin", "--topology=v5z")
+    assert proc.returncode == 2
+    assert "error: --topology='v5z'" in proc.stderr and "Traceback" not in proc.stderr
