@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -60,6 +61,58 @@ def machine_description(devices: Sequence[Any] | None = None, topology: str | No
     if topology:
         return f"{host}; compiled ahead of time for {targets}, topology {topology}, none attached"
     return f"{host}; {targets}"
+
+
+def matmul_probe(size: int = 512, bursts: int = 5, burst_seconds: float = 0.2) -> float:
+    """GFLOP/s of a `size` x `size` float32 numpy matmul (numpy's BLAS, its own threads),
+    the median of `bursts` bursts: a yardstick for this machine right now, so runs on other
+    days (or other CPUs of a shared VM) can be compared through it."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((size, size), dtype=np.float32) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    rates = []
+    for _ in range(bursts):
+        n, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < burst_seconds:
+            a @ b
+            n += 1
+        rates.append(2 * size**3 * n / elapsed / 1e9)
+    return sorted(rates)[len(rates) // 2]
+
+
+CONDITION_ENV = ("XLA_FLAGS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS")
+# The vector and matrix extensions a CPU matmul (and a bfloat16 one) is fast with.
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+def cpu_flags() -> list[str]:
+    """Which of `CPU_FLAGS` this CPU has (from /proc/cpuinfo; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [flag for flag in CPU_FLAGS if flag in have]
+    except OSError:
+        pass
+    return []
+
+
+def conditions() -> dict[str, Any]:
+    """What a CPU timing depends on beyond the code: the CPU and its extensions, its cores,
+    the load average (1, 5, 15 min), the thread-related environment and the matmul probe."""
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "loadavg": list(os.getloadavg()),
+        "env": {k: os.environ[k] for k in CONDITION_ENV if k in os.environ},
+        "matmul_gflops": matmul_probe(),
+    }
 
 
 def add_target_args(parser: Any) -> None:

@@ -1,4 +1,4 @@
-"""Smoke tests of the compile-only benchmarks and the PyTorch comparison, at tiny shapes."""
+"""Smoke tests of the compile-only benchmarks and of train_step.py (with PyTorch), tiny."""
 
 import json
 import os
@@ -290,15 +290,48 @@ def test_compile_time_scan(tmp_path):
     assert json.loads((tmp_path / "ct.json").read_text())["scan_ratio"] == results["scan_ratio"]
 
 
+def test_train_step_shapes_and_flags():
+    train_step = load_benchmark("train_step")
+    args = train_step.parse_args([])
+    assert args.shapes == ["baby", "gptj"]
+    baby = train_step.shape_of("baby", args)
+    assert [baby[k] for k in train_step.SIZES] == [4, 4, 128, 64, 12]  # nanoGPT's baby GPT
+    assert train_step.shape_of("gptj", args)["hidden_size"] == 256
+    # A size flag alone selects the custom shape: gptj's sizes, that one changed.
+    args = train_step.parse_args(["--hidden-size", "64", "--steps", "3"])
+    custom = train_step.shape_of("custom", args)
+    assert args.shapes == ["custom"] and custom["hidden_size"] == 64
+    assert custom["seq_len"] == 256 and custom["steps"] == 3
+    with pytest.raises(SystemExit):
+        train_step.parse_args(["--shapes", "baby", "--hidden-size", "64"])
+    train_step.jax.devices()  # started: XLA_FLAGS was read then, too late to add to it
+    with pytest.raises(RuntimeError, match="started"):
+        train_step.apply_xla_flags("--xla_cpu_enable_fast_math=false")
+
+
 @pytest.mark.slow
-def test_vs_pytorch_tiny():
-    vs_pytorch = load_benchmark("vs_pytorch")
+def test_train_step_vs_pytorch_tiny(tmp_path):
+    """flaxlm, the plain jax.jit step and HF's PyTorch GPT-J alternate on a tiny custom
+    shape, with the input-wait loop; the JSON holds the conditions and each side's numbers."""
+    train_step = load_benchmark("train_step")
     argv = ["--hidden-size", "64", "--num-layers", "1", "--num-heads", "2", "--batch-size", "2"]
     argv += ["--seq-len", "16", "--steps", "2", "--repeats", "2", "--warmup", "1"]
-    results = vs_pytorch.main(argv)
-    assert results["flaxlm_tokens_per_second"] > 0 and results["torch_tokens_per_second"] > 0
-    assert len(results["ratio_per_round"]) == 2
-    # both start near ln(vocab) = ln(384) on random tokens, and both train
-    for side in ("flaxlm", "torch"):
-        assert 5.0 < results["warmup_losses"][side] < 7.0
-        assert results["last_losses"][side] < results["warmup_losses"][side]
+    argv += ["--input-steps", "1", "--input-warmup", "1", "--json", str(tmp_path / "ts.json")]
+    results = train_step.main(argv)
+    assert json.loads((tmp_path / "ts.json").read_text())["shapes"].keys() == {"custom"}
+    custom = results["shapes"]["custom"]
+    for side in ("flaxlm", "plain", "torch"):
+        numbers = custom["sides"][side]
+        assert numbers["tokens_per_second"] > 0 and len(numbers["step_seconds_per_round"]) == 2
+        # all start near ln(vocab) = ln(384) on random tokens, and all train
+        assert 5.0 < custom["first_loss"][side] < 7.0
+        assert custom["last_loss"][side] < custom["first_loss"][side]
+    # flaxlm and the plain step: same init, batch and optimizer, so the same trajectory
+    assert custom["first_loss"]["flaxlm"] == pytest.approx(custom["first_loss"]["plain"])
+    assert custom["last_loss"]["flaxlm"] == pytest.approx(custom["last_loss"]["plain"], rel=1e-4)
+    assert set(custom["ratios"]) == {"torch/flaxlm", "plain/flaxlm"}
+    assert custom["torch"]["decayed_params"] > custom["torch"]["undecayed_params"] > 0
+    assert custom["input"]["loop_steps"] == 1
+    for when in ("before", "after"):
+        assert results[when]["matmul_gflops"] > 0 and len(results[when]["loadavg"]) == 3
+    assert len(results["markdown_rows"]) == 1
