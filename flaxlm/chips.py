@@ -178,3 +178,29 @@ def measure_cpu(devices: Sequence[Any], host_memory_bytes: float | None = None) 
         collective_latency_s=latency if n > 1 else 0.0,
         source=f"measured on this host ({n} devices sharing it)",
     )
+
+
+def host_memory_bytes() -> float | None:
+    """This host's RAM (Linux), which simulated CPU devices share."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def for_devices(topology: str, devices: Sequence[Any]) -> Chip:
+    """The roofline of `devices`: the table's for an accelerator, measured for CPU; a
+    ValueError for an accelerator the table does not know."""
+    if devices[0].platform == "cpu":
+        return measure_cpu(devices, host_memory_bytes())
+    chip = chip_for(devices[0])
+    if chip is None:
+        raise ValueError(
+            f"topology {topology}: no roofline for {devices[0].device_kind!r} (known: "
+            f"{', '.join(sorted(CHIPS))}); add it to flaxlm/chips.py."
+        )
+    return chip

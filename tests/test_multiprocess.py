@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -108,28 +109,34 @@ def test_two_process_dpo_run_gives_the_one_process_losses(tmp_path, repo_dir):
         "--gin.MAX_LENGTH=32",
         "--gin.Partitioner.mesh_shape=(2, -1, 1)",
     ]
-    results = launch(
-        lambda addr, i: [
-            *args,
-            f"--gin.MODEL_DIR='{tmp_path / 'two'}'",
-            f"--coordinator_address={addr}",
-            "--process_count=2",
-            f"--process_index={i}",
-        ],
-        num_processes=2,
-        devices_per_process=4,
-        cwd=repo_dir,
-    )
-    ((code, out, err),) = launch(
-        lambda addr, i: [
-            *args,
-            f"--gin.MODEL_DIR='{tmp_path / 'one'}'",
-            "--gin.PreferenceConfig.precompute_reference=True",
-        ],
-        num_processes=1,
-        devices_per_process=8,
-        cwd=repo_dir,
-    )
+    # Both runs at once: the two-process run waits on its collectives, the other fills in.
+    with ThreadPoolExecutor(2) as pool:
+        two_processes = pool.submit(
+            launch,
+            lambda addr, i: [
+                *args,
+                f"--gin.MODEL_DIR='{tmp_path / 'two'}'",
+                f"--coordinator_address={addr}",
+                "--process_count=2",
+                f"--process_index={i}",
+            ],
+            num_processes=2,
+            devices_per_process=4,
+            cwd=repo_dir,
+        )
+        one_process = pool.submit(
+            launch,
+            lambda addr, i: [
+                *args,
+                f"--gin.MODEL_DIR='{tmp_path / 'one'}'",
+                "--gin.PreferenceConfig.precompute_reference=True",
+            ],
+            num_processes=1,
+            devices_per_process=8,
+            cwd=repo_dir,
+        )
+        results = two_processes.result()
+        ((code, out, err),) = one_process.result()
     assert code == 0, err[-3000:]
     for code, _, stderr in results:
         assert code == 0, stderr[-3000:]

@@ -462,20 +462,6 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().split("\n") or [type(e).__name__])[0][:300]
 
 
-def target_chip(topology: str, devices: Sequence[Any]) -> chips.Chip:
-    """The roofline of `devices`: the table's for an accelerator, measured for CPU."""
-    if devices[0].platform == "cpu":
-        return chips.measure_cpu(devices, plan_report.host_memory_bytes())
-    chip = chips.chip_for(devices[0])
-    if chip is None:
-        known = ", ".join(sorted(chips.CHIPS))
-        raise ValueError(
-            f"topology {topology}: no roofline for {devices[0].device_kind!r} (known: {known}); "
-            "add it to flaxlm/chips.py."
-        )
-    return chip
-
-
 @gin.configurable
 def plan(
     topology: str = "this",
@@ -494,7 +480,7 @@ def plan(
         raise ValueError("PLAN_MAX_CANDIDATES must be >= 1 and PLAN_BUDGET_S > 0.")
     devices = aot.target_devices(topology)
     run = run_from_gin()
-    chip = target_chip(topology, devices)
+    chip = chips.for_devices(topology, devices)
     planner = Planner(run, devices, chip)
     print(plan_report.describe(run, topology, devices, chip), flush=True)
     results = planner.search(max_candidates, budget_s, plan_report.Progress(sys.stderr))

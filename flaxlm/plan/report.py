@@ -16,17 +16,6 @@ import numpy as np
 GIB = 2**30
 
 
-def host_memory_bytes() -> float | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def describe(run: Any, topology: str, devices: Sequence[Any], chip: Any) -> str:
     model = run.model
     length = max(run.lengths.values())
