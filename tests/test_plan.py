@@ -202,3 +202,21 @@ def test_command_line_bad_topology_is_a_clear_error():
     proc = run_plan("--gin_file=gin/gptj_pretrain.gin", "--topology=v5z")
     assert proc.returncode == 2
     assert "error: --topology='v5z'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_command_line_on_a_tpu_topology_says_what_the_compiler_could_not_fit():
+    """`--topology=v5e:2x4` (libtpu, no TPU): a batch no v5e chip holds gets the TPU
+    compiler's own RESOURCE_EXHAUSTED line per candidate and a "Nothing fits" summary."""
+    proc = run_plan(
+        "--gin_file=gin/gptj_pretrain.gin",
+        "--topology=v5e:2x4",
+        "--max_candidates=2",
+        "--gin.BATCH_SIZE=4096",
+        "--gin.TASK_FEATURE_LENGTHS={'targets': 2048}",
+        "--gin.GPTJConfig.num_layers=1",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "on v5e:2x4: 8 x TPU v5 lite" in proc.stdout
+    assert proc.stdout.count("does not fit: RESOURCE_EXHAUSTED") == 2
+    assert "exceeds available HBM" in proc.stdout
+    assert "Nothing fits: the smallest candidate" in proc.stdout
