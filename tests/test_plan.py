@@ -165,7 +165,7 @@ def test_command_line_plans_measures_and_prints_overrides_that_parse(tmp_path):
     proc = run_plan(
         "--gin_file=gin/gptj_pretrain.gin",
         "--topology=cpu:8",
-        "--max_candidates=3",
+        "--max_candidates=2",
         "--measure=2",
         f"--json={out}",
         *small,
