@@ -148,6 +148,33 @@ def topology_devices(name: str) -> list[Any]:
     return aot.topology_devices(name)
 
 
+GIN_MODELS = os.path.join(REPO, "gin", "models")
+
+
+def gin_model_names() -> list[str]:
+    """The names of gin/models/*.gin."""
+    return sorted(f[: -len(".gin")] for f in os.listdir(GIN_MODELS) if f.endswith(".gin"))
+
+
+def gin_model(name: str, **changes: Any) -> Any:
+    """The model `gin/models/<name>.gin` binds to MODEL, its config changed by `changes`
+    (the module rebuilt from it); Gin's config is cleared before and after."""
+    import dataclasses
+
+    import gin
+
+    gin.clear_config()
+    try:
+        gin.parse_config_files_and_bindings([os.path.join(GIN_MODELS, f"{name}.gin")], [])
+        model = gin.query_parameter("%MODEL").scoped_configurable_fn()
+    finally:
+        gin.clear_config()
+    if changes:
+        model.config = dataclasses.replace(model.config, **changes)
+        model.module = model.config.make_module()
+    return model
+
+
 def make_partitioner(name: str, devices: Sequence[Any] | None = None, sequence: int = 1) -> Any:
     """The Partitioner of `gin/partitioning/<name>.gin`; with `sequence` > 1 a `sequence` mesh
     axis of that size (context parallelism, as gin/partitioning/fsdp_cp.gin) is added before

@@ -43,7 +43,7 @@ from absl import logging  # noqa: E402
 
 from flaxlm import checkpoints, optimizers, trainer  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
-from flaxlm.models.features import batch_shapes_from  # noqa: E402
+from flaxlm.models.batch_shapes import batch_shapes_from  # noqa: E402
 from flaxlm.models.gptj import GPTJConfig  # noqa: E402
 from flaxlm.partitioning import Partitioner  # noqa: E402
 

@@ -54,15 +54,13 @@ bench_common.force_host_devices(8)
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import glob  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
-import gin  # noqa: E402
 import jax  # noqa: E402
 
-from flaxlm.models import base, layers  # noqa: E402
+from flaxlm.models import layers  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
 from flaxlm.models.gptj import GPTJConfig  # noqa: E402
 from flaxlm.models.llama import LlamaConfig  # noqa: E402
@@ -71,12 +69,7 @@ TARGET = 1.05
 GIB = 2**30
 COLLECTIVE_COLUMNS = ("all-gather", "reduce-scatter", "all-reduce")
 MODEL_REMAT = "dots_with_no_batch_dims_saveable"  # the policy of gptj_6b.gin / llama2_7b.gin
-GIN_MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gin/models")
 BUILT_HERE = ("gptj", "llama")
-
-
-def gin_model_names() -> list[str]:
-    return sorted(os.path.basename(f)[:-4] for f in glob.glob(f"{GIN_MODELS}/*.gin"))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -87,7 +80,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--models",
         nargs="+",
-        choices=(*BUILT_HERE, *gin_model_names()),
+        choices=(*BUILT_HERE, *bench_common.gin_model_names()),
         default=list(BUILT_HERE),
         metavar="MODEL",
         help="gptj, llama, or a gin/models/ file's name (e.g. llama3_1_8b)",
@@ -189,12 +182,7 @@ def attention_options(args: argparse.Namespace) -> dict[str, Any]:
 def gin_model(name: str, args: argparse.Namespace, remat: str) -> DecoderOnlyModel:
     """The decoder-only model of gin/models/<name>.gin, with `remat` and `args`' scan_layers
     (and layer count, if given)."""
-    gin.clear_config()
-    try:
-        gin.parse_config_files_and_bindings([f"{GIN_MODELS}/{name}.gin"], [])
-        model = base.DecoderOnlyModel()
-    finally:
-        gin.clear_config()
+    model = bench_common.gin_model(name)
     changes = dict(remat_policy=remat, scan_layers=args.scan_layers, **attention_options(args))
     if args.layers:
         changes["num_layers"] = args.layers

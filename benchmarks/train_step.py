@@ -10,7 +10,7 @@ weight decay 0.1 on every param but biases and norm scales, global-norm clip 1.0
   plain   a `jax.jit` of `jax.value_and_grad` of a cross-entropy written here, the same
           module and optax optimizer, no partitioner: what flaxlm's own cost is measured by
   torch   HF transformers' `GPTJForCausalLM` with `torch.optim.AdamW` in param groups,
-          CPU torch (benchmarks/torch_gptj.py); `--no-torch` leaves it out
+          CPU torch (benchmarks/torch_side.py); `--no-torch` leaves it out
 
 After a compiling warm-up they alternate in one process, R rounds (`--repeats`) of N steps
 (`--steps`), each round in the reverse order of the last (flaxlm, plain, torch; torch, plain,
@@ -67,7 +67,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-import torch_gptj  # noqa: E402  (a sibling script)
+import torch_side  # noqa: E402  (a sibling script)
 import train_step_report as report  # noqa: E402  (a sibling script)
 from absl import logging  # noqa: E402
 
@@ -75,11 +75,11 @@ import tasks  # noqa: E402, F401  (registers stdlib_py)
 from flaxlm import data, optimizers, trainer  # noqa: E402
 from flaxlm.models import attention, layers  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
-from flaxlm.models.features import batch_shapes_from  # noqa: E402
+from flaxlm.models.batch_shapes import batch_shapes_from  # noqa: E402
 from flaxlm.models.gptj import GPTJConfig  # noqa: E402
 from flaxlm.partitioning import Partitioner  # noqa: E402
 
-LEARNING_RATE = torch_gptj.LEARNING_RATE
+LEARNING_RATE = torch_side.LEARNING_RATE
 VOCAB_SIZE = 384  # ByteVocabulary's 259 ids padded to a multiple of 128, as gptj_tiny.gin
 SIZES = ("num_layers", "num_heads", "hidden_size", "seq_len", "batch_size")
 # Each shape's sizes and default N (steps per timed block: blocks of about 0.3-3 s here).
@@ -111,7 +111,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss-chunk-size", type=int, help="flaxlm's loss_chunk_size")
     p.add_argument("--xla-flags", default="", help='added to XLA_FLAGS: --xla-flags="--xla_.."')
     p.add_argument("--torch-threads", type=int, help="default: every core")
-    p.add_argument("--torch-adamw", choices=torch_gptj.ADAMW_IMPLEMENTATIONS, default="default")
+    p.add_argument("--torch-adamw", choices=torch_side.ADAMW_IMPLEMENTATIONS, default="default")
     p.add_argument("--note", default="", help="free text for the RESULTS.md rows")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON here")
     args = p.parse_args(argv)
@@ -160,7 +160,7 @@ def build_model(shape: Mapping[str, int], args: argparse.Namespace) -> DecoderOn
             hidden_size=shape["hidden_size"],
             num_layers=shape["num_layers"],
             num_heads=shape["num_heads"],
-            rotary_dim=torch_gptj.rotary_dim(shape["hidden_size"], shape["num_heads"]),
+            rotary_dim=torch_side.rotary_dim(shape["hidden_size"], shape["num_heads"]),
             max_position_embeddings=max(2048, shape["seq_len"]),
             dtype=args.dtype,
             remat_policy=args.remat,
@@ -186,11 +186,11 @@ def random_batch(batch_size: int, length: int, seed: int = 0) -> dict[str, np.nd
 def make_optimizer() -> optax.GradientTransformation:
     return optimizers.create_optimizer(
         learning_rate=LEARNING_RATE,
-        b1=torch_gptj.BETAS[0],
-        b2=torch_gptj.BETAS[1],
-        eps=torch_gptj.EPS,
-        weight_decay=torch_gptj.WEIGHT_DECAY,
-        clip_norm=torch_gptj.CLIP_NORM,
+        b1=torch_side.BETAS[0],
+        b2=torch_side.BETAS[1],
+        eps=torch_side.EPS,
+        weight_decay=torch_side.WEIGHT_DECAY,
+        clip_norm=torch_side.CLIP_NORM,
     )
 
 
@@ -396,26 +396,25 @@ def run_shape(name: str, args: argparse.Namespace) -> dict[str, Any]:
     print(f"\n{name}: {shape_description(shape, args)}; flaxlm on {partitioner}", flush=True)
     jax_sides = JaxSides(model, partitioner, batch)
     runners = {"flaxlm": jax_sides.run_flaxlm, "plain": jax_sides.run_plain}
-    torch_side = None
+    torch_runner = None
     if args.torch:
-        torch_side = torch_gptj.TorchSide(
-            shape,
-            VOCAB_SIZE,
+        torch_runner = torch_side.TorchSide(
+            torch_side.gptj(shape, VOCAB_SIZE),
             batch,
             threads=args.torch_threads,
             adamw=args.torch_adamw,
             dtype=args.dtype,
             remat=args.remat != "none",
         )
-        runners["torch"] = torch_side.run
+        runners["torch"] = torch_runner.run
 
     def losses() -> dict[str, float]:
         out = {"flaxlm": jax_sides.flaxlm_loss, "plain": jax_sides.plain_loss}
-        return out if torch_side is None else {**out, "torch": torch_side.loss}
+        return out if torch_runner is None else {**out, "torch": torch_runner.loss}
 
     result = {"shape": shape, "config": shape_description(shape, args)}
-    if torch_side is not None:
-        result["torch"] = torch_side.description
+    if torch_runner is not None:
+        result["torch"] = torch_runner.description
     result.update(measure_sides(runners, losses, shape, args))
     if args.input_steps > 0:
         print(f"  training loop over stdlib_py for {args.input_steps} steps:", flush=True)

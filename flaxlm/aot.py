@@ -22,7 +22,7 @@ import optax
 
 from flaxlm import lora as lora_lib
 from flaxlm import optimizers, platforms, preference, pytrees, trainer
-from flaxlm.models.features import batch_shapes_from
+from flaxlm.models.batch_shapes import batch_shapes_from
 from flaxlm.partitioning import Partitioner
 
 LIBTPU_HINT = (

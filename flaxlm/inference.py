@@ -16,12 +16,11 @@ import math
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import seqio
 
 from flaxlm import decoding, metrics, pytrees
 from flaxlm.models.base import (
@@ -32,6 +31,9 @@ from flaxlm.models.base import (
     eos_tuple,
 )
 from flaxlm.partitioning import Partitioner
+
+if TYPE_CHECKING:
+    import seqio
 
 Array = jax.Array
 Params = Any

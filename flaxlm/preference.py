@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from flaxlm import objectives
-from flaxlm.models.features import PreferenceFeatureConverter
 
 Array = jax.Array
 Batch = Mapping[str, Array]
@@ -201,6 +200,8 @@ def summarize(sums: Mapping[str, Array]) -> dict[str, Array]:
 def check_data(objective: Any, converter: type) -> None:
     """A ValueError unless a preference loss reads pairs and pairs feed a preference loss
     (before any device work: the shapes would fail deep inside the step)."""
+    from flaxlm.models.features import PreferenceFeatureConverter
+
     pairs = isinstance(converter, type) and issubclass(converter, PreferenceFeatureConverter)
     if isinstance(objective, PreferenceConfig) and not pairs:
         raise ValueError(

@@ -10,21 +10,23 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
-import seqio
 from etils import epath
 from jax.sharding import PartitionSpec as P
 
-from flaxlm import data, preference, pytrees, rl
 from flaxlm import lora as lora_lib
+from flaxlm import preference, pytrees, rl
 from flaxlm.models.base import BaseModel
-from flaxlm.models.features import batch_shapes_from
+from flaxlm.models.batch_shapes import batch_shapes_from
 from flaxlm.partitioning import Partitioner
 from flaxlm.train_state import TrainState
+
+if TYPE_CHECKING:  # the input pipeline (seqio, TensorFlow) only where batches are read
+    from flaxlm import data
 
 Batch = Mapping[str, jax.Array]
 
@@ -378,6 +380,8 @@ def evaluate_split(
 ) -> dict[str, float]:
     """Loss, token accuracy and perplexity over one pass of `cfg`'s split (the last
     partial batch left out; at most `max_batches`), with the params as they are sharded."""
+    from flaxlm import data
+
     cfg = dataclasses.replace(cfg, num_epochs=1, shuffle=False)
     check_batch_size(partitioner, cfg.batch_size, 1)
     iterator = data.DataIterator.create(cfg, partitioner, data.converter_for(cfg, model))
@@ -402,6 +406,8 @@ def next_batch(iterator: data.DataIterator, cfg: data.DatasetConfig, step: int) 
     try:
         return next(iterator)
     except StopIteration:
+        import seqio
+
         name = cfg.mixture_or_task_name
         source = getattr(seqio.get_mixture_or_task(name), "source", None)
         files = None

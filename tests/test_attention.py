@@ -37,6 +37,11 @@ def masks():
         "causal_packed": (attention.attention_mask(seg, 2, 13), 13, None),
         "bidirectional_packed": (attention.attention_mask(seg, 2, 13, causal=False), 13, None),
         "sliding_window": (attention.attention_mask(seg, 2, 13, sliding_window=3), 13, None),
+        "sliding_window_unpacked": (
+            attention.attention_mask(None, 2, 13, sliding_window=3),
+            13,
+            None,
+        ),
         "cross_padded": (
             attention.attention_mask(
                 segments(2, 13, [6], pad=0),
@@ -96,6 +101,23 @@ def test_a_dense_bool_mask_works_in_every_implementation():
             q, k, v, dense, implementation=implementation, chunk_size=5
         )
         np.testing.assert_allclose(got[:, :12], expected[:, :12], atol=2e-5)
+
+
+def test_plain_causal_attention_reaches_jax_as_is_causal_not_a_mask_tensor():
+    """cuDNN skips the hidden blocks only when told `is_causal`; packed or offset masks
+    (decoding) stay dense."""
+    how = attention.jax_attention_mask
+    assert how(attention.attention_mask(None, 2, 13)) == {
+        "is_causal": True,
+        "local_window_size": None,
+    }
+    window = how(attention.attention_mask(None, 2, 13, sliding_window=3))
+    assert window == {"is_causal": True, "local_window_size": (2, 0)}
+    for name in ("causal_packed", "bidirectional_packed", "decoding_left_padded", "cross_padded"):
+        mask = masks()[name][0]
+        assert set(how(mask)) == {"mask"}, name
+        assert how(mask)["mask"].shape == mask.dense().shape
+    assert how(None) == {"mask": None}
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

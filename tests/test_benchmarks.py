@@ -335,3 +335,28 @@ def test_train_step_vs_pytorch_tiny(tmp_path):
     for when in ("before", "after"):
         assert results[when]["matmul_gflops"] > 0 and len(results[when]["loadavg"]) == 3
     assert len(results["markdown_rows"]) == 1
+
+
+@pytest.mark.slow
+def test_accelerator_benchmark_tiny_on_cpu(tmp_path):
+    """flaxlm (as the planner compiled it) and HF torch train from the same weights (equal
+    first losses), then decode greedily to the same tokens; the report has both MFU
+    conventions' columns and the planner's prediction."""
+    accelerator = load_benchmark("accelerator")
+    argv = ["--model", "llama_tiny", "--lengths", "32", "--tokens", "64", "--dtype", "float32"]
+    argv += ["--steps", "1", "--repeats", "1", "--warmup", "1", "--no-torch-compile"]
+    argv += ["--decode-batch", "2", "--decode-prompt", "4", "--decode-new", "4"]
+    results = accelerator.main([*argv, "--json", str(tmp_path / "acc.json")])
+    assert json.loads((tmp_path / "acc.json").read_text())["train"] == results["train"]
+    [row] = results["train"]
+    assert (row["model"], row["length"], row["batch"]) == ("llama_tiny", 32, 2)
+    for side in ("flaxlm", "torch"):
+        assert row[side]["tokens_per_second"] > 0
+        assert row[side]["mfu_whole"] is None  # CPU: no peak to divide by
+    assert row["first_losses_agree"] and row["planner_ms"] > 0 and row["planner_gib"] > 0
+    whole, causal = results["flaxlm"]["models"]["llama_tiny"]["flops_per_token"]["32"]
+    assert whole > causal > whole / 2
+    [decode] = results["decode"]
+    assert decode["first_tokens_equal"] == 1.0 and decode["tokens_equal"] >= 0.75
+    with pytest.raises(SystemExit):
+        accelerator.parse_args(["--model", "llama_huge"])

@@ -75,3 +75,40 @@ def test_wandb_writer_in_offline_mode(tmp_path, monkeypatch):
     writer.write_scalars(1, {"loss": 1.0})
     writer.close()
     assert list(tmp_path.glob("wandb/offline-run-*"))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen", "gemma"])
+def test_flops_per_token_is_three_forwards_as_xla_counts_them_tied_head_included(family):
+    """MFU's numerator: 6N + attention is three times the forward's FLOPs (backward twice
+    the forward); the LM head is a matmul whether or not it reuses the embedding."""
+    import jax
+
+    from flaxlm.models import base, gemma, llama, qwen
+
+    config_class = {
+        "llama": llama.LlamaConfig,
+        "qwen": qwen.QwenConfig,
+        "gemma": gemma.GemmaConfig,
+    }[family]
+    length = 128
+    shapes = {"decoder_input_tokens": (2, length)}
+    for tie in (True, False):
+        config = config_class(
+            vocab_size=4096,
+            hidden_size=256,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=704,
+            tie_word_embeddings=tie,
+        )
+        model = base.DecoderOnlyModel(config)
+        params = jax.eval_shape(lambda m=model: m.init_params(jax.random.PRNGKey(0), shapes))
+        forward = jax.jit(
+            lambda p, t, m=model: m.module.apply({"params": p}, t, None, None, deterministic=True)
+        )
+        tokens = jax.ShapeDtypeStruct((2, length), jnp.int32)
+        cost = forward.lower(params, tokens).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        per_token = 3 * cost["flops"] / (2 * length)
+        assert per_token == pytest.approx(config.flops_per_token(length), rel=0.02), tie

@@ -7,6 +7,8 @@ Nothing here knows a mesh: activations carry logical axis names only.
 
 from __future__ import annotations
 
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -184,10 +186,10 @@ def dot_product_attention(
         )
     if implementation == "chunked":
         return _chunked_attention(query, key, value, mask, bias, scale, softcap, dtype, chunk_size)
-    if isinstance(mask, Mask):
-        mask = mask.dense()
     if implementation == "jax":
         return _jax_attention(query, key, value, mask, bias, scale, dtype)
+    if isinstance(mask, Mask):
+        mask = mask.dense()
     b, q_len, heads, head_dim = query.shape
     kv_heads = key.shape[2]
     groups = heads // kv_heads
@@ -230,22 +232,70 @@ def capped(scores: Array, softcap: float | None) -> Array:
     return jnp.tanh(scores / softcap) * softcap
 
 
+def jax_attention_mask(mask: Mask | Array | None) -> dict:
+    """How `jax.nn.dot_product_attention` is told `mask`: `is_causal` (with
+    `local_window_size` for a sliding window) when it is plain causal self-attention, which
+    cuDNN computes without a mask tensor and skips the hidden blocks of; otherwise the dense
+    bool `mask` (packed segments, padding, decoding offsets)."""
+    if isinstance(mask, Mask):
+        plain = (
+            mask.causal
+            and not mask.cross
+            and mask.q_len == mask.kv_len
+            and isinstance(mask.q_offset, int)
+            and mask.q_offset == 0
+            and all(
+                x is None
+                for x in (
+                    mask.q_segment_ids,
+                    mask.kv_segment_ids,
+                    mask.kv_start,
+                    mask.kv_keep,
+                    mask.window,
+                    mask.slots,
+                )
+            )
+        )
+        if plain:
+            window = mask.sliding_window
+            local = None if window is None else (window - 1, 0)
+            return {"is_causal": True, "local_window_size": local}
+        mask = mask.dense()
+    return {"mask": mask}
+
+
+# Why cuDNN was passed over, each said once (a warning, not an error: the XLA attention
+# computes the same thing, slower).
+_CUDNN_DECLINED: set[str] = set()
+
+
 def _jax_attention(query, key, value, mask, bias, scale, dtype) -> Array:
+    """`jax.nn.dot_product_attention`: on a GPU cuDNN's flash attention where it takes the
+    shapes and dtype (bf16 or fp16; head dim a multiple of 8, at most 128, 256 from Hopper
+    on), else (and on CPU and TPU) JAX's XLA implementation."""
     dtype = as_dtype(dtype)
     b, q_len, heads, _ = query.shape
     kv_len = key.shape[1]
-    if mask is not None:
-        mask = jnp.broadcast_to(mask, (b, heads, q_len, kv_len))
+    how = jax_attention_mask(mask)
+    if how.get("mask") is not None:
+        how["mask"] = jnp.broadcast_to(how["mask"], (b, heads, q_len, kv_len))
     if bias is not None:
         bias = jnp.broadcast_to(bias, (b, heads, q_len, kv_len)).astype(dtype)
-    return jax.nn.dot_product_attention(
-        query.astype(dtype),
-        key.astype(dtype),
-        value.astype(dtype),
-        bias=bias,
-        mask=mask,
-        scale=scale,
-    )
+    args = (query.astype(dtype), key.astype(dtype), value.astype(dtype))
+    if jax.default_backend() == "gpu":
+        if dtype not in (jnp.bfloat16, jnp.float16):
+            reason = f"attention in {jnp.dtype(dtype).name} (cuDNN takes bfloat16 or float16)"
+        else:
+            try:
+                return jax.nn.dot_product_attention(
+                    *args, bias=bias, scale=scale, implementation="cudnn", **how
+                )
+            except (NotImplementedError, ValueError, RuntimeError) as e:
+                reason = str(e).split("\n")[0]
+        if reason not in _CUDNN_DECLINED and jax.process_index() == 0:
+            _CUDNN_DECLINED.add(reason)
+            print(f"attention='jax': no cuDNN ({reason}); XLA's attention.", file=sys.stderr)
+    return jax.nn.dot_product_attention(*args, bias=bias, scale=scale, implementation="xla", **how)
 
 
 def _chunked_attention(query, key, value, mask, bias, scale, softcap, dtype, chunk_size) -> Array:

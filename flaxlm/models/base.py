@@ -1,7 +1,7 @@
 """Models around a Flax module: init, logical axes, loss, logits.
 
-A model pairs a family's module with the seqio feature converter that shapes its batches
-and the loss that trains it. Families differ only in their module (see `gptj.py`, ...).
+A model pairs a family's module (`gptj.py`, ...) with the loss that trains it and the seqio
+converter that shapes its batches (imported when read: models compute without TensorFlow).
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
-import seqio
 
 from flaxlm import decoding
-from flaxlm.models import attention, context_parallel, losses
+from flaxlm.models import attention, batch_shapes, context_parallel, losses
 from flaxlm.models.causal_lm import CausalLM
-from flaxlm.models.features import MaskedLMFeatureConverter
 from flaxlm.models.options import (  # noqa: F401  (re-exported: families import them here)
     MODEL_EOS,
     ComputeOptions,
@@ -37,8 +35,9 @@ Params = Any
 class BaseModel(abc.ABC):
     """Loss, logits and parameter layout of one module; DESIGN.md's model seam."""
 
-    FEATURE_CONVERTER_CLS: type[seqio.FeatureConverter]
+    FEATURE_CONVERTER_CLS: Any  # a seqio converter class, imported when read (batch_shapes.py)
     TASK_FEATURES: tuple[str, ...] = ("targets",)  # the task features the converter reads
+    UNPACKED_FEATURES: tuple[str, ...] = ()  # what the converter gives with pack=False
 
     def __init__(
         self,
@@ -94,10 +93,9 @@ class BaseModel(abc.ABC):
         return nn.unbox(self.init_boxed(rng, batch_shapes))
 
     def example_batch_shapes(self, length: int = 8, batch: int = 1) -> dict[str, tuple[int, int]]:
-        """Model-feature shapes for `length`-long task features (enough to build params)."""
-        converter = self.FEATURE_CONVERTER_CLS(pack=False)
-        lengths = converter.get_model_feature_lengths({k: length for k in self.TASK_FEATURES})
-        return {k: (batch, v) for k, v in lengths.items()}
+        """Model-feature shapes for `length`-long task features, unpacked (enough to build
+        params)."""
+        return batch_shapes.unpacked_shapes(self, length, batch)
 
     def params_axes(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> Any:
         """Tree of PartitionSpecs of logical axis names, one per param."""
@@ -284,7 +282,8 @@ class _SingleStackModel(BaseModel):
 class DecoderOnlyModel(_SingleStackModel):
     """A causal language model over seqio's decoder-only features."""
 
-    FEATURE_CONVERTER_CLS = seqio.DecoderFeatureConverter
+    FEATURE_CONVERTER_CLS = batch_shapes.DECODER_CONVERTER
+    UNPACKED_FEATURES = batch_shapes.DECODER_FEATURES
 
     def check_decoding(
         self, inputs: np.ndarray, lengths: np.ndarray, config: decoding.DecodingConfig
@@ -391,8 +390,9 @@ class EncoderDecoderModel(BaseModel):
     (seqio's `EncDecFeatureConverter` does the shift).
     """
 
-    FEATURE_CONVERTER_CLS = seqio.EncDecFeatureConverter
+    FEATURE_CONVERTER_CLS = batch_shapes.ENCODER_DECODER_CONVERTER
     TASK_FEATURES = ("inputs", "targets")
+    UNPACKED_FEATURES = batch_shapes.ENCODER_DECODER_FEATURES
 
     def _dummy_batch(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Array]:
         return {
@@ -492,6 +492,9 @@ class EncoderOnlyModel(_SingleStackModel):
     positions `encoder_loss_weights` marks (the masked ones).
     """
 
-    FEATURE_CONVERTER_CLS = MaskedLMFeatureConverter
+    FEATURE_CONVERTER_CLS = batch_shapes.ConverterClass(
+        "flaxlm.models.features:MaskedLMFeatureConverter"
+    )
     TASK_FEATURES = ("inputs", "targets")
+    UNPACKED_FEATURES = batch_shapes.ENCODER_FEATURES
     STACK = "encoder"

@@ -171,11 +171,6 @@ class PreferenceFeatureConverter(seqio.FeatureConverter):
         return {name: length for name in self.MODEL_FEATURES}
 
 
-def batch_shapes_from(feature_lengths: Mapping[str, int], batch_size: int) -> dict[str, Any]:
-    """`{feature: (batch, length)}` for the model features a converter produces."""
-    return {k: (batch_size, v) for k, v in feature_lengths.items()}
-
-
 class PromptFeatureConverter(seqio.FeatureConverter):
     """Prompts and their reference answers, as they are (never packed: `pack` is ignored):
     `prompt_tokens` from `inputs` and `answer_tokens` from `targets`, right-padded (and cut

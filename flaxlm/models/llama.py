@@ -128,10 +128,13 @@ class LlamaConfig(ComputeOptions):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus the attention scores."""
-        non_embedding = self.num_params() - self.vocab_size * self.hidden_size
+        # The head is a matmul whether or not it reuses the embedding; the lookup is not.
+        matmul = self.num_params() - (
+            0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        )
         context = min(seq_len, self.sliding_window or seq_len)
         attn_width = self.num_heads * self.dim_per_head
-        return 6.0 * non_embedding + 12.0 * self.num_layers * attn_width * context
+        return 6.0 * matmul + 12.0 * self.num_layers * attn_width * context
 
     def make_module(self) -> Llama:
         return Llama(self)

@@ -38,7 +38,7 @@ from typing import Any
 import gin
 import jax
 
-from flaxlm import aot, chips, data, hlo, pytrees
+from flaxlm import aot, chips, hlo, pytrees
 from flaxlm.models import layers
 from flaxlm.partitioning import Partitioner
 from flaxlm.plan import report as plan_report
@@ -101,6 +101,8 @@ def _resolve(value: Any) -> Any:
 
 def run_from_gin() -> Run:
     """The run the parsed Gin files describe (its `train.train` bindings)."""
+    from flaxlm import data
+
     b = gin.get_bindings("train.train", resolve_references=False)
     missing = [k for k in ("model", "train_dataset_cfg") if k not in b]
     if missing:

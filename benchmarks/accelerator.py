@@ -1,0 +1,659 @@
+"""Training and decoding speed on one accelerator: flaxlm against HF transformers + torch.
+
+For a gin/models/ shape (`--model`, default Llama-3.2-1B) and, with `--largest`, the first of
+several (largest first) that the planner says fits one device, at each `--lengths` length:
+
+  flaxlm   its own train step in `--dtype` (bfloat16 compute, float32 params and optimizer)
+           with `--attention` (default 'jax': cuDNN flash attention on a GPU, is_causal),
+           as the planner compiled it (`flaxlm.plan`: one device, the model gin's remat
+           policy and scan unless `--remat` / `--scan` say otherwise); its prediction
+           (roofline of `flaxlm/chips.py`) beside the measured time
+  torch    HF's `AutoModelForCausalLM` (SDPA attention) loaded from the same weights
+           (flaxlm's init, exported with `flaxlm.hf.save_pretrained`), autocast bfloat16
+           over float32 params, fused AdamW with flaxlm's settings (torch_side.py),
+           `torch.compile`d forward and loss (`--no-torch-compile`: eager); without
+           gradient checkpointing, and with it if that runs out of memory
+
+Both train on the same random tokens (`--tokens` per step: batch = tokens / length), every
+position weighted; their first losses agree to bfloat16 rounding (the same weights), which
+the report checks. Then decoding: greedy, `--decode-new` tokens after `--decode-prompt`-token
+prompts for `--decode-batch` rows, flaxlm's KV-cache `inference.generate` against HF's
+`generate` (bfloat16 weights on both sides), tokens/s and how many tokens agree.
+
+Each side runs in a process of its own, one after the other (JAX and torch each want the
+accelerator's memory to themselves): flaxlm first, then torch. Per side and length: warm-up
+(`--warmup` steps: compiles), then R blocks (`--repeats`) of N steps (`--steps`); the
+median ms/step. MFU both ways: model FLOPs per token `6 N + 12 L H T` (causal attention
+counted whole, as `flaxlm.metrics` and the planner count it; T the length) and
+`6 N + 6 L H T` (halved: the masked half of the scores is not work), over the chip's dense
+bf16 peak (`flaxlm/chips.py`; none on CPU, where TFLOP/s alone is reported).
+
+    python benchmarks/accelerator.py --largest llama3_1_8b llama3_2_3b --json $OUT/acc.json
+    python benchmarks/accelerator.py --model llama_tiny --lengths 64 --tokens 256 \\
+        --no-torch-compile --decode-new 8      # CPU: what tests/test_benchmarks.py runs
+
+Targets (an H100): MFU >= 45% for the 1B shape, flaxlm's step ahead of torch's.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Each side runs in a process of its own, so JAX may take nearly all of the accelerator.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import shlex  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from functools import partial  # noqa: E402
+from typing import Any  # noqa: E402
+
+import bench_common  # noqa: E402  (a sibling script; puts the repository on sys.path)
+import numpy as np  # noqa: E402
+
+GIB = 2**30
+SIDES = ("flaxlm", "torch")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="llama3_2_1b", help="a gin/models/ name")
+    p.add_argument(
+        "--largest",
+        nargs="+",
+        default=[],
+        metavar="MODEL",
+        help="also the first of these gin/models/ names (largest first) whose step the "
+        "planner says fits one device at the first length, with full remat",
+    )
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    p.add_argument("--tokens", type=int, default=32768, help="tokens per step (batch x length)")
+    p.add_argument("--steps", type=int, default=5, help="N: steps per timed block")
+    p.add_argument("--repeats", type=int, default=4, help="R: timed blocks per side")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--attention", default="jax", help="flaxlm's: xla, jax (cuDNN), chunked")
+    p.add_argument("--remat", help="flaxlm's remat policy (default: the model gin's)")
+    p.add_argument("--scan", action=argparse.BooleanOptionalAction, help="default: the gin's")
+    p.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--decode-batch", type=int, default=8)
+    p.add_argument("--decode-prompt", type=int, default=128)
+    p.add_argument("--decode-new", type=int, default=128)
+    p.add_argument("--note", default="", help="free text for the RESULTS.md rows")
+    p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON here")
+    # One side's process (the parent runs them): --side NAME --workdir DIR.
+    p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    names = ("tokens", "steps", "repeats", "warmup", "decode_batch", "decode_prompt", "decode_new")
+    for name in names:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1.")
+    if any(n < 2 for n in args.lengths):
+        p.error("--lengths must be at least 2.")
+    known = set(bench_common.gin_model_names())
+    for name in (args.model, *args.largest):
+        if name not in known:
+            p.error(f"--model/--largest {name!r}: no gin/models/{name}.gin.")
+    return args
+
+
+def batch_size(args: argparse.Namespace, length: int) -> int:
+    return max(1, args.tokens // length)
+
+
+def random_batch(rows: int, length: int, vocab: int) -> dict[str, np.ndarray]:
+    """Random tokens, every position weighted; the same in both sides' processes."""
+    rng = np.random.default_rng(length)
+    targets = rng.integers(3, vocab, size=(rows, length), dtype=np.int32)
+    inputs = np.concatenate([np.ones((rows, 1), np.int32), targets[:, :-1]], axis=1)
+    return {
+        "decoder_input_tokens": inputs,
+        "decoder_target_tokens": targets,
+        "decoder_loss_weights": np.ones_like(targets),
+    }
+
+
+def prompts(args: argparse.Namespace, vocab: int) -> np.ndarray:
+    rng = np.random.default_rng(1)
+    shape = (args.decode_batch, args.decode_prompt)
+    return rng.integers(3, vocab, size=shape, dtype=np.int32)
+
+
+def timed(run: Callable[[int], float], args: argparse.Namespace) -> dict[str, Any]:
+    """Warm-up, then R blocks of N steps: the median seconds per step and every block's."""
+    start = time.perf_counter()
+    run(args.warmup)
+    warmup = time.perf_counter() - start
+    per_step = [run(args.steps) / args.steps for _ in range(args.repeats)]
+    return {
+        "step_seconds": statistics.median(per_step),
+        "step_seconds_per_block": per_step,
+        "warmup_seconds": warmup,
+    }
+
+
+def timed_decode(generate: Callable[[], Any], args: argparse.Namespace) -> dict[str, Any]:
+    """One untimed call of `generate` (compiles), then R timed; tokens/s of the median."""
+    tokens = np.asarray(generate())
+    seconds = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        tokens = np.asarray(generate())
+        seconds.append(time.perf_counter() - start)
+    return {
+        "tokens_per_second": tokens.size / statistics.median(seconds),
+        "seconds_per_round": seconds,
+        "tokens": tokens.tolist(),
+    }
+
+
+def out_of_memory(e: BaseException) -> bool:
+    text = f"{type(e).__name__}: {e}"
+    return "RESOURCE_EXHAUSTED" in text or "OutOfMemory" in text or "out of memory" in text
+
+
+# ---------------------------------------------------------------------------- flaxlm
+
+
+def flaxlm_model(name: str, args: argparse.Namespace, remat: str | None = None) -> Any:
+    changes: dict[str, Any] = {"dtype": args.dtype, "attention": args.attention}
+    if remat or args.remat:
+        changes["remat_policy"] = remat or args.remat
+    if args.scan is not None:
+        changes["scan_layers"] = args.scan
+    return bench_common.gin_model(name, **changes)
+
+
+def plan_one(model: Any, rows: int, length: int, devices: Sequence[Any], chip: Any) -> Any:
+    """The planner's `Result` for this run on one device (compiled: `result.step`)."""
+    from flaxlm import aot
+    from flaxlm.partitioning import MESH_AXES
+    from flaxlm.plan import planner
+
+    config = model.config
+    knobs = planner.Knobs(
+        mesh_shape=(1,) * len(MESH_AXES),
+        optimizer_sharding="params",
+        remat_policy=getattr(config, "remat_policy", "none"),
+        num_microbatches=1,
+        scan_layers=bool(getattr(config, "scan_layers", False)),
+    )
+    lengths = aot.feature_lengths(model, length)  # unpacked: tokens, targets, weights
+    run = planner.Run(
+        model=model,
+        batch_size=rows,
+        lengths=lengths,
+        num_microbatches=1,
+        optimizer=None,
+        learning_rate=1e-3,
+        lora=None,
+        objective=None,
+        axis_names=MESH_AXES,
+        base=knobs,
+        partitioner_kwargs={},
+    )
+    return planner.Planner(run, devices, chip).evaluate(knobs)
+
+
+def choose_largest(args: argparse.Namespace, devices: Sequence[Any], chip: Any) -> dict:
+    """The first of `--largest` whose step fits one device at the first length (full
+    remat), with every candidate's verdict."""
+    length = args.lengths[0]
+    verdicts = []
+    for name in args.largest:
+        model = flaxlm_model(name, args, remat="full")
+        result = plan_one(model, batch_size(args, length), length, devices, chip)
+        gib = None if result.device_bytes is None else result.device_bytes / GIB
+        verdicts.append({"model": name, "status": result.status, "gib": gib})
+        print(f"  --largest {name}: {result.status}" + (f", {gib:.2f} GiB" if gib else ""))
+        if result.status == "fits":
+            return {"model": name, "verdicts": verdicts}
+    return {"model": None, "verdicts": verdicts}
+
+
+class FlaxlmRunner:
+    """The planner's compiled step on its own initial state and one batch."""
+
+    def __init__(self, step: Any, batch: dict[str, np.ndarray]) -> None:
+        import jax
+
+        self.step = step
+        self.batch = {
+            k: jax.device_put(v, step.abstract_batch[k].sharding) for k, v in batch.items()
+        }
+        self.state = step.setup.init_state()
+        self.losses: list[float] = []
+
+    def run(self, n: int) -> float:
+        import jax
+
+        start = time.perf_counter()
+        state = self.state
+        for _ in range(n):
+            state, metrics = self.step.compiled(state, self.batch)
+            if not self.losses:
+                self.losses.append(float(metrics["loss"]))  # the first step's (waits once)
+        jax.block_until_ready(state)
+        elapsed = time.perf_counter() - start
+        self.state = state
+        self.losses.append(float(metrics["loss"]))
+        return elapsed
+
+
+def flaxlm_train(model: Any, args: argparse.Namespace, devices: Sequence[Any], chip: Any) -> dict:
+    out = {}
+    vocab = model.config.vocab_size
+    for length in args.lengths:
+        rows = batch_size(args, length)
+        row: dict[str, Any] = {"batch_size": rows}
+        out[str(length)] = row
+        result = plan_one(model, rows, length, devices, chip)
+        row["planner"] = {
+            "status": result.status,
+            "reason": result.reason,
+            "gib_per_device": None if result.device_bytes is None else result.device_bytes / GIB,
+            "predicted_seconds": result.predicted_s,
+            "compile_seconds": result.compile_s,
+        }
+        print(f"  L{length} B{rows}: planner {result.status}", end="", flush=True)
+        if result.predicted_s:
+            print(f", predicts {result.predicted_s * 1e3:.1f} ms/step", end="")
+        if result.status != "fits":
+            print(f" ({result.reason})")
+            continue
+        runner = FlaxlmRunner(result.step, random_batch(rows, length, vocab))
+        try:
+            row.update(timed(runner.run, args))
+        except Exception as e:  # noqa: BLE001 - an out-of-memory length is a table row
+            if not out_of_memory(e):
+                raise
+            row["error"] = "out of memory: " + str(e).split("\n")[0]
+            print(f"; {row['error']}")
+            continue
+        finally:
+            runner.state = None  # frees the device's copy before the next length
+        losses = runner.losses
+        row["first_loss"], row["last_loss"] = losses[0], losses[-1]
+        print(f"; measured {row['step_seconds'] * 1e3:.1f} ms/step", flush=True)
+    return out
+
+
+def flaxlm_decode(model: Any, params: Any, args: argparse.Namespace) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from flaxlm import inference
+
+    dtype = jnp.dtype(args.dtype)
+    params = jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params
+    )
+    batch = {"inputs": prompts(args, model.config.vocab_size)}
+    return timed_decode(
+        lambda: inference.generate(
+            model, params, batch, max_new_tokens=args.decode_new, eos_id=None
+        ),
+        args,
+    )
+
+
+def flaxlm_side(args: argparse.Namespace) -> dict:
+    import jax
+
+    from flaxlm import chips, hf
+
+    devices = jax.devices()[:1]
+    chip = chips.for_devices("this", devices)
+    out: dict[str, Any] = {
+        "machine": bench_common.machine_description(devices),
+        "jax_version": jax.__version__,
+        "chip": chip.name,
+        "peak_flops": None if devices[0].platform == "cpu" else chip.peak_flops(args.dtype),
+        "models": {},
+    }
+    names = [args.model]
+    if args.largest:
+        print("Choosing the largest model that fits:", flush=True)
+        out["largest"] = choose_largest(args, devices, chip)
+        if out["largest"]["model"] and out["largest"]["model"] != args.model:
+            names.append(out["largest"]["model"])
+    for name in names:
+        remat = "full" if name != args.model else None
+        model = flaxlm_model(name, args, remat=remat)
+        config = model.config
+        print(f"\nflaxlm, {name} ({config.remat_policy} remat, scan {config.scan_layers}):")
+        record: dict[str, Any] = {
+            "remat_policy": config.remat_policy,
+            "scan_layers": config.scan_layers,
+            "attention": config.attention,
+            "params": config.num_params(),
+            "vocab_size": config.vocab_size,
+            "flops_per_token": {
+                str(n): [model.flops_per_token(n), causal_flops_per_token(model, n)]
+                for n in args.lengths
+            },
+        }
+        out["models"][name] = record
+        record["train"] = flaxlm_train(model, args, devices, chip)
+        if not (args.torch or args.decode):
+            continue
+        # The weights both sides start from: flaxlm's init, exported as HF's checkpoint.
+        params = jax.jit(partial(model.init_params, batch_shapes=model.example_batch_shapes(8)))(
+            jax.random.PRNGKey(0)
+        )
+        path = os.path.join(args.workdir, name)
+        hf.save_pretrained(model, params, path, dtype=args.dtype)
+        if args.decode:
+            print(f"  decoding B{args.decode_batch} {args.decode_prompt}+{args.decode_new}", end="")
+            record["decode"] = flaxlm_decode(model, params, args)
+            print(f": {record['decode']['tokens_per_second']:.0f} tokens/s", flush=True)
+        del params
+    return out
+
+
+def causal_flops_per_token(model: Any, length: int) -> float:
+    """Model FLOPs per token with causal attention's scores halved (the masked half)."""
+    dense = model.flops_per_token(0)
+    return dense + (model.flops_per_token(length) - dense) / 2
+
+
+# ---------------------------------------------------------------------------- torch
+
+
+def torch_side(args: argparse.Namespace, flaxlm: dict) -> dict:
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "models": {},
+    }
+    for name, theirs in flaxlm["models"].items():
+        path = os.path.join(args.workdir, name)
+        record: dict[str, Any] = {"train": {}}
+        out["models"][name] = record
+        print(f"\ntorch, {name} (compile {args.torch_compile}):")
+        for length in args.lengths:
+            rows = batch_size(args, length)
+            batch = random_batch(rows, length, theirs["vocab_size"])
+            print(f"  L{length} B{rows}", end="", flush=True)
+            row = torch_train(path, batch, args, device)
+            record["train"][str(length)] = row
+            if "step_seconds" in row:
+                checkpointing = row["description"]["gradient_checkpointing"]
+                print(f": {row['step_seconds'] * 1e3:.1f} ms/step, checkpointing {checkpointing}")
+            else:
+                print(f": {row['error']}", flush=True)
+        if args.decode and "decode" in theirs:
+            record["decode"] = torch_decode(path, args, dtype, device)
+            print(f"  decoding: {record['decode']['tokens_per_second']:.0f} tokens/s")
+    return out
+
+
+def torch_train(path: str, batch: dict, args: argparse.Namespace, device: str) -> dict:
+    """torch's step on `batch` from the checkpoint at `path`: without gradient checkpointing,
+    and with it if that runs out of memory (torch's fastest step that fits)."""
+    import gc
+
+    import torch
+    import transformers
+    from torch_side import TorchSide
+
+    row: dict[str, Any] = {"batch_size": len(batch["decoder_input_tokens"])}
+    for remat in (False, True):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        side = TorchSide(
+            model,
+            batch,
+            adamw="fused" if device == "cuda" else "default",
+            dtype=args.dtype,
+            remat=remat,
+            device=device,
+            compile=args.torch_compile,
+        )
+        try:
+            row.update(timed(side.run, args))
+            row["first_loss"], row["last_loss"] = side.first_loss, side.loss
+            row["description"] = side.description
+            row.pop("error", None)
+            return row
+        except Exception as e:  # noqa: BLE001 - out of memory: retried, then a table row
+            if not out_of_memory(e):
+                raise
+            row["error"] = "out of memory: " + str(e).split("\n")[0]
+        finally:
+            del side, model
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return row
+
+
+def torch_decode(path: str, args: argparse.Namespace, dtype: Any, device: str) -> dict:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation="sdpa"
+    )
+    model = model.to(device).eval()
+    inputs = torch.from_numpy(prompts(args, model.config.vocab_size).astype(np.int64)).to(device)
+
+    def generate() -> np.ndarray:
+        with torch.no_grad():
+            out = model.generate(
+                inputs,
+                attention_mask=torch.ones_like(inputs),
+                max_new_tokens=args.decode_new,
+                min_new_tokens=args.decode_new,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+        return out[:, args.decode_prompt :].cpu().numpy()  # copying waits for the device
+
+    return timed_decode(generate, args)
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def summarize(args: argparse.Namespace, flaxlm: dict, torch: dict | None) -> list[dict]:
+    """One row per model and length: both sides' ms/step, tokens/s, MFU (whole, causal),
+    the planner's prediction, torch / flaxlm and the first losses."""
+    peak = flaxlm["peak_flops"]
+    rows = []
+    for name, record in flaxlm["models"].items():
+        theirs = (torch or {}).get("models", {}).get(name, {}).get("train", {})
+        for length in args.lengths:
+            ours = record["train"][str(length)]
+            row: dict[str, Any] = {"model": name, "length": length, "batch": ours["batch_size"]}
+            whole, causal = record["flops_per_token"][str(length)]
+            for side, numbers in (("flaxlm", ours), ("torch", theirs.get(str(length)))):
+                if not numbers or "step_seconds" not in numbers:
+                    row[side] = (numbers or {}).get("error") or (
+                        ours["planner"]["reason"] if side == "flaxlm" else None
+                    )
+                    continue
+                tokens_per_s = numbers["batch_size"] * length / numbers["step_seconds"]
+                row[side] = {
+                    "ms_per_step": numbers["step_seconds"] * 1e3,
+                    "tokens_per_second": tokens_per_s,
+                    "tflops_whole": tokens_per_s * whole / 1e12,
+                    "mfu_whole": tokens_per_s * whole / peak if peak else None,
+                    "mfu_causal": tokens_per_s * causal / peak if peak else None,
+                    "first_loss": numbers.get("first_loss"),
+                }
+            planner = ours["planner"]
+            row["planner_ms"] = (planner["predicted_seconds"] or 0) * 1e3 or None
+            row["planner_gib"] = planner["gib_per_device"]
+            if isinstance(row["flaxlm"], dict) and isinstance(row.get("torch"), dict):
+                row["torch_over_flaxlm"] = (
+                    row["torch"]["ms_per_step"] / row["flaxlm"]["ms_per_step"]
+                )
+                a, b = row["flaxlm"]["first_loss"], row["torch"]["first_loss"]
+                row["first_losses_agree"] = abs(a - b) < 0.01 * abs(a)
+            rows.append(row)
+    return rows
+
+
+def decode_rows(flaxlm: dict, torch: dict | None) -> list[dict]:
+    rows = []
+    for name, record in flaxlm["models"].items():
+        if "decode" not in record:
+            continue
+        ours = record["decode"]
+        theirs = (torch or {}).get("models", {}).get(name, {}).get("decode")
+        row = {"model": name, "flaxlm_tokens_per_second": ours["tokens_per_second"]}
+        if theirs:
+            row["hf_tokens_per_second"] = theirs["tokens_per_second"]
+            row["flaxlm_over_hf"] = ours["tokens_per_second"] / theirs["tokens_per_second"]
+            a, b = np.asarray(ours["tokens"]), np.asarray(theirs["tokens"])
+            row["tokens_equal"] = float((a == b).mean())
+            # Greedy bf16 decoding drifts apart once two logits tie to rounding: the first
+            # token of each row, decided by the prompt alone, must agree.
+            row["first_tokens_equal"] = float((a[:, 0] == b[:, 0]).mean())
+        rows.append(row)
+    return rows
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def print_report(results: dict) -> None:
+    peak = results["peak_flops"]
+    peak = "no peak to take MFU from" if peak is None else f"peak {peak / 1e12:.0f} TFLOP/s"
+    print(f"\n{results['machine']}; {peak} per device\n")
+    header = [
+        "model",
+        "L",
+        "B",
+        "flaxlm ms",
+        "tokens/s",
+        "MFU (whole / causal)",
+        "planner ms",
+        "GiB",
+        "torch ms",
+        "torch MFU (whole / causal)",
+        "torch / flaxlm",
+    ]
+    table = []
+    for r in results["train"]:
+        ours, theirs = r["flaxlm"], r.get("torch")
+        cells = [r["model"], r["length"], r["batch"]]
+        if isinstance(ours, dict):
+            mfu = f"{pct(ours['mfu_whole'])} / {pct(ours['mfu_causal'])}"
+            cells += [f"{ours['ms_per_step']:.1f}", f"{ours['tokens_per_second']:,.0f}", mfu]
+        else:
+            cells += [str(ours), "-", "-"]
+        cells += [
+            "-" if r["planner_ms"] is None else f"{r['planner_ms']:.1f}",
+            "-" if r["planner_gib"] is None else f"{r['planner_gib']:.2f}",
+        ]
+        if isinstance(theirs, dict):
+            mfu = f"{pct(theirs['mfu_whole'])} / {pct(theirs['mfu_causal'])}"
+            cells += [f"{theirs['ms_per_step']:.1f}", mfu]
+        else:
+            cells += [str(theirs or "-"), "-"]
+        ratio = r.get("torch_over_flaxlm")
+        cells.append("-" if ratio is None else f"{ratio:.2f}")
+        table.append(cells)
+    bench_common.print_table(header, table)
+    for r in results["train"]:
+        if r.get("first_losses_agree") is False:
+            print(
+                f"first losses differ at {r['model']} L{r['length']}: {r['flaxlm']} vs {r['torch']}"
+            )
+    if results["decode"]:
+        print()
+        rows = [
+            [
+                d["model"],
+                f"{d['flaxlm_tokens_per_second']:,.0f}",
+                f"{d.get('hf_tokens_per_second', 0):,.0f}",
+                f"{d.get('flaxlm_over_hf', 0):.2f}",
+                pct(d.get("tokens_equal")),
+                pct(d.get("first_tokens_equal")),
+            ]
+            for d in results["decode"]
+        ]
+        header = ["decode", "flaxlm tokens/s", "HF tokens/s", "flaxlm / HF", "equal", "first equal"]
+        bench_common.print_table(header, rows)
+
+
+def without_option(argv: Sequence[str], option: str) -> list[str]:
+    """`argv` less `option VALUE` and `option=VALUE`."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = True
+        elif not a.startswith(option + "="):
+            out.append(a)
+    return out
+
+
+def run_side(side: str, argv: Sequence[str], workdir: str) -> dict:
+    """One side in a process of its own; its JSON."""
+    command = [sys.executable, os.path.abspath(__file__), *argv, "--side", side]
+    subprocess.run([*command, "--workdir", workdir], check=True)
+    with open(os.path.join(workdir, f"{side}.json")) as f:
+        return json.load(f)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.side:  # one side's process
+        if args.side == "flaxlm":
+            out = flaxlm_side(args)
+        else:
+            with open(os.path.join(args.workdir, "flaxlm.json")) as f:
+                out = torch_side(args, json.load(f))
+        with open(os.path.join(args.workdir, f"{args.side}.json"), "w") as f:
+            json.dump(out, f)
+        return out
+    with tempfile.TemporaryDirectory() as workdir:
+        child = without_option(argv, "--json")
+        flaxlm = run_side("flaxlm", child, workdir)
+        torch = run_side("torch", child, workdir) if args.torch else None
+    results = {
+        "date": datetime.date.today().isoformat(),
+        "command": shlex.join(["python", "benchmarks/accelerator.py", *argv]),
+        "machine": flaxlm["machine"],
+        "args": {k: v for k, v in vars(args).items() if k not in ("json", "side", "workdir")},
+        "peak_flops": flaxlm["peak_flops"],
+        "train": summarize(args, flaxlm, torch),
+        "decode": decode_rows(flaxlm, torch),
+        "flaxlm": flaxlm,
+        "torch": torch,
+    }
+    print_report(results)
+    bench_common.write_json(results, args.json)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""The model features a batch carries, known without the input pipeline.
+
+seqio's feature converters (and `features.py`'s) shape the batches; importing seqio imports
+TensorFlow, which computing never needs. So a model names its converter lazily
+(`ConverterClass`) and lists the features of an unpacked batch here, which
+tests/test_models.py holds to what the converters give.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+# What each converter gives unpacked (packing adds `<stack>_segment_ids`, `<stack>_positions`).
+DECODER_FEATURES = ("decoder_target_tokens", "decoder_input_tokens", "decoder_loss_weights")
+ENCODER_DECODER_FEATURES = ("encoder_input_tokens", *DECODER_FEATURES)
+ENCODER_FEATURES = ("encoder_input_tokens", "encoder_target_tokens", "encoder_loss_weights")
+
+
+def batch_shapes_from(feature_lengths: Mapping[str, int], batch_size: int) -> dict[str, Any]:
+    """`{feature: (batch, length)}` for the model features a converter produces."""
+    return {k: (batch_size, v) for k, v in feature_lengths.items()}
+
+
+def unpacked_shapes(model: Any, length: int, batch: int) -> dict[str, tuple[int, int]]:
+    """`{feature: (batch, length)}` of `model`'s unpacked batch for `length`-long task
+    features: its `UNPACKED_FEATURES`, else (a model from outside flaxlm) its converter's."""
+    if model.UNPACKED_FEATURES:
+        return {k: (batch, length) for k in model.UNPACKED_FEATURES}
+    converter = model.FEATURE_CONVERTER_CLS(pack=False)
+    lengths = converter.get_model_feature_lengths({k: length for k in model.TASK_FEATURES})
+    return batch_shapes_from(lengths, batch)
+
+
+class ConverterClass:
+    """A class attribute naming a seqio feature converter as "module:Class", imported when
+    first read."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __get__(self, obj: Any, owner: type | None = None) -> type:
+        module, name = self.where.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+DECODER_CONVERTER = ConverterClass("seqio:DecoderFeatureConverter")
+ENCODER_DECODER_CONVERTER = ConverterClass("seqio:EncDecFeatureConverter")
+MASKED_LM_CONVERTER = ConverterClass("flaxlm.models.features:MaskedLMFeatureConverter")
