@@ -338,10 +338,15 @@ def test_train_step_vs_pytorch_tiny(tmp_path):
 
 
 @pytest.mark.slow
-def test_accelerator_benchmark_tiny_on_cpu(tmp_path):
+def test_accelerator_benchmark_tiny_on_cpu(tmp_path, monkeypatch):
     """flaxlm (as the planner compiled it) and HF torch train from the same weights (equal
     first losses), then decode greedily to the same tokens; the report has both MFU
-    conventions' columns and the planner's prediction."""
+    conventions' columns and the planner's prediction. Both sides' processes run with
+    TensorFlow and seqio unimportable, as on the lent GPU machines: the compute core (models,
+    train step, aot, planner, inference, HF files) needs neither."""
+    no_tensorflow = os.path.join(REPO, "tests", "no_tensorflow")
+    assert os.path.exists(os.path.join(no_tensorflow, "sitecustomize.py"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([no_tensorflow, REPO]))
     accelerator = load_benchmark("accelerator")
     argv = ["--model", "llama_tiny", "--lengths", "32", "--tokens", "64", "--dtype", "float32"]
     argv += ["--steps", "1", "--repeats", "1", "--warmup", "1", "--no-torch-compile"]
