@@ -492,9 +492,7 @@ class EncoderOnlyModel(_SingleStackModel):
     positions `encoder_loss_weights` marks (the masked ones).
     """
 
-    FEATURE_CONVERTER_CLS = batch_shapes.ConverterClass(
-        "flaxlm.models.features:MaskedLMFeatureConverter"
-    )
+    FEATURE_CONVERTER_CLS = batch_shapes.MASKED_LM_CONVERTER
     TASK_FEATURES = ("inputs", "targets")
     UNPACKED_FEATURES = batch_shapes.ENCODER_FEATURES
     STACK = "encoder"

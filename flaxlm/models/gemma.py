@@ -156,10 +156,7 @@ class GemmaConfig(ComputeOptions):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus the attention scores (a sliding
         layer's over its window)."""
-        # The head is a matmul whether or not it reuses the embedding; the lookup is not.
-        matmul = self.num_params() - (
-            0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-        )
+        matmul = llama.matmul_params(self)
         contexts = sum(min(seq_len, w or seq_len) for w in self.layer_windows)
         return 6.0 * matmul + 12.0 * self.num_heads * self.head_dim * contexts
 

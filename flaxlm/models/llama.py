@@ -128,16 +128,21 @@ class LlamaConfig(ComputeOptions):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus the attention scores."""
-        # The head is a matmul whether or not it reuses the embedding; the lookup is not.
-        matmul = self.num_params() - (
-            0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-        )
+        matmul = matmul_params(self)
         context = min(seq_len, self.sliding_window or seq_len)
         attn_width = self.num_heads * self.dim_per_head
         return 6.0 * matmul + 12.0 * self.num_layers * attn_width * context
 
     def make_module(self) -> Llama:
         return Llama(self)
+
+
+def matmul_params(config: Any) -> int:
+    """The params each token is multiplied by (6 FLOPs apiece in training): all but the
+    input embedding's lookup; the LM head is a matmul whether or not it reuses the embedding
+    (Llama, Qwen, Gemma configs)."""
+    lookup = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    return config.num_params() - lookup
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
