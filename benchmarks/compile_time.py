@@ -91,6 +91,19 @@ def compile_seconds(
     }
 
 
+def uncached_compile_seconds(
+    layers: int, scan: bool, seq_len: int, args: argparse.Namespace
+) -> dict[str, float]:
+    """`compile_seconds` with JAX's persistent compilation cache off (one set by
+    JAX_COMPILATION_CACHE_DIR, as the tests set, would time reading an entry back)."""
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return compile_seconds(layers, scan, seq_len, args)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     rows = []
@@ -101,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for layers in args.layers:
             for seq_len in args.seq_len:
                 for mode in args.modes:
-                    t = compile_seconds(layers, mode == "scan", seq_len, args)
+                    t = uncached_compile_seconds(layers, mode == "scan", seq_len, args)
                     runs.setdefault((mode, layers, seq_len), []).append(t)
                     print(
                         f"  repeat {r + 1}: {mode:8s} {layers:3d} layers, length {seq_len}: "

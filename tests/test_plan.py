@@ -21,6 +21,7 @@ from flaxlm import chips, gin_utils, optimizers
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.gptj import GPTJConfig
 from flaxlm.plan import planner, report
+from tests.helpers import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LENGTHS = {
@@ -139,7 +140,7 @@ def test_chip_for_known_and_unknown_devices():
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags()}  # the planner sets the device count
     return subprocess.run(
         [sys.executable, "-m", "flaxlm.plan", *args],
         cwd=REPO,

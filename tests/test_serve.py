@@ -21,6 +21,7 @@ from flaxlm.partitioning import Partitioner
 from flaxlm.serve import api
 from flaxlm.serve.engine import Engine
 from tests import cdp
+from tests.helpers import xla_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARTIFACTS = os.environ.get("FLAXLM_TEST_ARTIFACTS", os.path.join(HERE, "..", "test-artifacts"))
@@ -57,7 +58,7 @@ def stream_text(url, payload):
 
 def server_env():
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = xla_flags(8)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     return env
