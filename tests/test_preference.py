@@ -72,8 +72,9 @@ def run(cfg, mesh_shape=(2, 2, 2), steps=25, lora_cfg=None, num_microbatches=1, 
 def test_dpo_learns_the_preference_with_trl_metrics_and_a_frozen_reference():
     cfg = preference.PreferenceConfig(loss="dpo", beta=0.1)
     setup, state, reference, first, before, after = run(cfg)
-    # The first step's policy is its reference: rewards 0, loss log 2.
-    assert first["rewards/chosen"] == 0 and first["rewards/rejected"] == 0
+    # The first step's policy is its reference: rewards 0 (up to rounding: the reference's
+    # log-probs come from another compiled program than the train step's), loss log 2.
+    assert abs(first["rewards/chosen"]) < 1e-6 and abs(first["rewards/rejected"]) < 1e-6
     np.testing.assert_allclose(first["loss"], np.log(2.0), rtol=1e-6)
     assert first["num_pairs"] == 8
     for name in ("rewards/margins", "logps/chosen", "logps/rejected", "grad_norm"):
