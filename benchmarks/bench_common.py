@@ -35,9 +35,10 @@ def force_host_devices(count: int = 8) -> None:
     """Simulate `count` CPU devices (as tests/conftest.py does); only before JAX starts."""
     if "jax" in sys.modules:
         return  # already started (e.g. under pytest, which sets 8 itself)
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before flaxlm, which would choose
+    from flaxlm import platforms as flaxlm_platforms
+
+    os.environ["XLA_FLAGS"] = flaxlm_platforms.host_device_flags(count)
 
 
 def cpu_model() -> str:

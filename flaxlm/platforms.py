@@ -91,6 +91,17 @@ def exclude_absent_tpu() -> str | None:
     return platforms
 
 
+def host_device_flags(count: int | None, flags: str | None = None) -> str:
+    """`flags` (default: `XLA_FLAGS` now) with `count` simulated CPU devices in place of any
+    device count they set (None: no count; the process that reads them sets its own). XLA
+    reads them when JAX's backends start, so they act only in a process that has not."""
+    kept = [f for f in (os.environ.get("XLA_FLAGS", "") if flags is None else flags).split()]
+    kept = [f for f in kept if not f.startswith("--xla_force_host_platform_device_count")]
+    if count is not None:
+        kept.append(f"--xla_force_host_platform_device_count={count}")
+    return " ".join(kept)
+
+
 def prepare_tpu_compile_only() -> None:
     """Lets libtpu compile for a TPU topology on this host beside other libtpu processes.
 

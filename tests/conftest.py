@@ -9,22 +9,22 @@ import tempfile
 # The tests check numbers, not speed, and their programs are tiny: most of their time is
 # XLA compiling. LLVM at -O0 without its expensive passes compiles them about 1.5-2x faster
 # (tests/test_train_step.py -k "dp8 or zero1": 82 s -> 42 s); every process a test starts
-# gets the same flags (tests.helpers.xla_flags), so runs compared bit for bit agree.
+# gets the same flags (platforms.host_device_flags keeps them), so runs compared bit for bit
+# agree. A flag of these the user set in XLA_FLAGS wins.
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
-_user_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-os.environ["XLA_FLAGS"] = " ".join(
-    [
-        *_user_flags,
-        *(f for f in FAST_COMPILE if f.split("=")[0] not in " ".join(_user_flags)),
-        "--xla_force_host_platform_device_count=8",
-    ]
-)
+_user_flags = os.environ.get("XLA_FLAGS", "").split()
+_user_names = {f.split("=")[0] for f in _user_flags}
+_flags = [*_user_flags, *(f for f in FAST_COMPILE if f.split("=")[0] not in _user_names)]
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+from flaxlm import platforms  # noqa: E402 - no JAX; after JAX_PLATFORMS, so it keeps that
+
+os.environ["XLA_FLAGS"] = platforms.host_device_flags(8, " ".join(_flags))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

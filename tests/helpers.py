@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from flaxlm import optimizers
@@ -11,16 +9,6 @@ from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.gptj import GPTJConfig
 
 SEQ_LEN = 16
-
-
-def xla_flags(devices: int | None = None) -> str:
-    """XLA_FLAGS for a process a test starts: this process's flags (conftest's fast-compile
-    flags and the user's) with `devices` simulated CPU devices (None: none set, the process
-    sets its own count)."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    if devices is not None:
-        flags.append(f"--xla_force_host_platform_device_count={devices}")
-    return " ".join(flags)
 
 
 def tiny_gptj(**overrides) -> DecoderOnlyModel:

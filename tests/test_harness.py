@@ -13,8 +13,7 @@ import seqio
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from flaxlm import harness, inference  # noqa: E402
-from tests.helpers import xla_flags  # noqa: E402
+from flaxlm import harness, inference, platforms  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB = seqio.ByteVocabulary()
@@ -223,7 +222,7 @@ def test_bad_model_args_are_named(trained_gptj):
 @pytest.mark.slow
 def test_cli_runs_lm_eval_with_the_flaxlm_model(tmp_path, trained_gptj, task_dir, results):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = xla_flags(8)
+    env["XLA_FLAGS"] = platforms.host_device_flags(8)
     env["JAX_PLATFORMS"] = "cpu"
     env["HF_DATASETS_OFFLINE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])

@@ -14,7 +14,6 @@ import gin
 import pytest
 
 from flaxlm import gin_utils, logs, platforms
-from tests.helpers import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,7 +54,7 @@ def run_main(args, cwd, devices=1, timeout=600, user_env=False):
     environment a user has, not the tests' (no JAX_PLATFORMS=cpu, no TF_CPP_MIN_LOG_LEVEL), so
     that flaxlm's own defaults choose the platforms and the log levels."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = xla_flags(devices)
+    env["XLA_FLAGS"] = platforms.host_device_flags(devices)
     env["JAX_PLATFORMS"] = "cpu"
     if user_env:
         del env["JAX_PLATFORMS"]

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tests.helpers import xla_flags
+from flaxlm import platforms
 from tests.test_main import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,7 +27,7 @@ def free_port() -> int:
 def launch(args_for, num_processes, devices_per_process, cwd, timeout=300, grace=120):
     """Runs the processes to completion; once one fails, the rest get `grace` seconds."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = xla_flags(devices_per_process)
+    env["XLA_FLAGS"] = platforms.host_device_flags(devices_per_process)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     address = f"127.0.0.1:{free_port()}"
@@ -241,7 +241,7 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step_with_a_checkpoint(tmp
 
     model_dir = str(tmp_path / "run")
     env = dict(os.environ)
-    env["XLA_FLAGS"] = xla_flags(4)
+    env["XLA_FLAGS"] = platforms.host_device_flags(4)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([repo_dir, env.get("PYTHONPATH", "")])
     address = f"127.0.0.1:{free_port()}"

@@ -17,11 +17,10 @@ import gin
 import jax
 import pytest
 
-from flaxlm import chips, gin_utils, optimizers
+from flaxlm import chips, gin_utils, optimizers, platforms
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.gptj import GPTJConfig
 from flaxlm.plan import planner, report
-from tests.helpers import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LENGTHS = {
@@ -140,7 +139,10 @@ def test_chip_for_known_and_unknown_devices():
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XLA_FLAGS": xla_flags()}  # the planner sets the device count
+    env = {
+        **os.environ,
+        "XLA_FLAGS": platforms.host_device_flags(None),
+    }  # the planner sets the device count
     return subprocess.run(
         [sys.executable, "-m", "flaxlm.plan", *args],
         cwd=REPO,

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.helpers import xla_flags
+from flaxlm import platforms
 from tests.test_main import read_metrics, run_main
 
 TRAIN_STEPS = 10
@@ -55,7 +55,7 @@ def checkpoint_steps(model_dir):
 
 def start_main(args, cwd, env_extra=None):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = xla_flags(1)
+    env["XLA_FLAGS"] = platforms.host_device_flags(1)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([cwd, env.get("PYTHONPATH", "")])
     env.update(env_extra or {})

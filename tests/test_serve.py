@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 import seqio
 
-from flaxlm import inference, run_dir
+from flaxlm import inference, platforms, run_dir
 from flaxlm.partitioning import Partitioner
 from flaxlm.serve import api
 from flaxlm.serve.engine import Engine
 from tests import cdp
-from tests.helpers import xla_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARTIFACTS = os.environ.get("FLAXLM_TEST_ARTIFACTS", os.path.join(HERE, "..", "test-artifacts"))
@@ -58,7 +57,7 @@ def stream_text(url, payload):
 
 def server_env():
     env = dict(os.environ)
-    env["XLA_FLAGS"] = xla_flags(8)
+    env["XLA_FLAGS"] = platforms.host_device_flags(8)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     return env

@@ -14,6 +14,8 @@ import os
 import re
 import sys
 
+from flaxlm import platforms
+
 
 def translate(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """(flaxlm.main's arguments, environment changes) for the planner's command line."""
@@ -46,9 +48,7 @@ def translate(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     env = {}
     m = re.fullmatch(r"cpu:(\d+)", args.topology)
     if m:
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-        flags.append(f"--xla_force_host_platform_device_count={m.group(1)}")
-        env["XLA_FLAGS"] = " ".join(flags)
+        env["XLA_FLAGS"] = platforms.host_device_flags(int(m.group(1)))
     return [*rest, "--gin_file=runs/plan.gin", *bindings], env
 
 
