@@ -28,6 +28,12 @@ counted whole, as `flaxlm.metrics` and the planner count it; T the length) and
 `6 N + 6 L H T` (halved: the masked half of the scores is not work), over the chip's dense
 bf16 peak (`flaxlm/chips.py`; none on CPU, where TFLOP/s alone is reported).
 
+`--time-limit S` ends the run after S seconds with what finished, for a machine lent with a
+per-command limit: each side saves its numbers after every length (the HF weights are
+exported before flaxlm trains, so torch can run the lengths flaxlm finished); a side still
+running at its share of the limit (flaxlm half of it when torch follows, torch the rest) is
+stopped, and the report and `--json` hold the rows that finished and say where it stopped.
+
     python benchmarks/accelerator.py --largest llama3_1_8b llama3_2_3b --json $OUT/acc.json
     python benchmarks/accelerator.py --model llama_tiny --lengths 64 --tokens 256 \\
         --no-torch-compile --decode-new 8      # CPU: what tests/test_benchmarks.py runs
@@ -47,6 +53,7 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import shlex  # noqa: E402
+import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -93,6 +100,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-new", type=int, default=128)
     p.add_argument("--note", default="", help="free text for the RESULTS.md rows")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON here")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        metavar="SECONDS",
+        help="stop after this long and report what finished (flaxlm gets half when torch "
+        "runs too, torch the rest)",
+    )
     # One side's process (the parent runs them): --side NAME --workdir DIR.
     p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -103,6 +117,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1.")
     if any(n < 2 for n in args.lengths):
         p.error("--lengths must be at least 2.")
+    if args.time_limit is not None and args.time_limit <= 0:
+        p.error("--time-limit must be a positive number of seconds.")
     known = set(bench_common.gin_model_names())
     for name in (args.model, *args.largest):
         if name not in known:
@@ -253,42 +269,67 @@ class FlaxlmRunner:
         return elapsed
 
 
-def flaxlm_train(model: Any, args: argparse.Namespace, devices: Sequence[Any], chip: Any) -> dict:
-    out = {}
+def save_side(args: argparse.Namespace, out: dict) -> None:
+    """This side's numbers so far, for the parent: written whole (to a file beside, then
+    renamed), so that a side stopped at the time limit leaves the lengths it finished."""
+    path = os.path.join(args.workdir, f"{args.side}.json")
+    with open(path + ".partial", "w") as f:
+        json.dump(out, f)
+    os.replace(path + ".partial", path)
+
+
+def flaxlm_train(
+    model: Any,
+    args: argparse.Namespace,
+    devices: Sequence[Any],
+    chip: Any,
+    out: dict,
+    save: Callable[[], None],
+) -> None:
+    """Each length's row into `out` (then `save()`): the planner's verdict and prediction,
+    and the measured step where it fits."""
     vocab = model.config.vocab_size
     for length in args.lengths:
-        rows = batch_size(args, length)
-        row: dict[str, Any] = {"batch_size": rows}
-        out[str(length)] = row
-        result = plan_one(model, rows, length, devices, chip)
-        row["planner"] = {
-            "status": result.status,
-            "reason": result.reason,
-            "gib_per_device": None if result.device_bytes is None else result.device_bytes / GIB,
-            "predicted_seconds": result.predicted_s,
-            "compile_seconds": result.compile_s,
-        }
-        print(f"  L{length} B{rows}: planner {result.status}", end="", flush=True)
-        if result.predicted_s:
-            print(f", predicts {result.predicted_s * 1e3:.1f} ms/step", end="")
-        if result.status != "fits":
-            print(f" ({result.reason})")
-            continue
-        runner = FlaxlmRunner(result.step, random_batch(rows, length, vocab))
-        try:
-            row.update(timed(runner.run, args))
-        except Exception as e:  # noqa: BLE001 - an out-of-memory length is a table row
-            if not out_of_memory(e):
-                raise
-            row["error"] = "out of memory: " + str(e).split("\n")[0]
-            print(f"; {row['error']}")
-            continue
-        finally:
-            runner.state = None  # frees the device's copy before the next length
-        losses = runner.losses
-        row["first_loss"], row["last_loss"] = losses[0], losses[-1]
-        print(f"; measured {row['step_seconds'] * 1e3:.1f} ms/step", flush=True)
-    return out
+        out[str(length)] = flaxlm_length(model, args, devices, chip, length, vocab)
+        save()
+
+
+def flaxlm_length(
+    model: Any, args: argparse.Namespace, devices: Sequence[Any], chip: Any, length: int, vocab: int
+) -> dict:
+    """One length's row: the planner's verdict and prediction, and the measured step (or
+    the out-of-memory error) where the planner says it fits."""
+    rows = batch_size(args, length)
+    row: dict[str, Any] = {"batch_size": rows}
+    result = plan_one(model, rows, length, devices, chip)
+    row["planner"] = {
+        "status": result.status,
+        "reason": result.reason,
+        "gib_per_device": None if result.device_bytes is None else result.device_bytes / GIB,
+        "predicted_seconds": result.predicted_s,
+        "compile_seconds": result.compile_s,
+    }
+    print(f"  L{length} B{rows}: planner {result.status}", end="", flush=True)
+    if result.predicted_s:
+        print(f", predicts {result.predicted_s * 1e3:.1f} ms/step", end="")
+    if result.status != "fits":
+        print(f" ({result.reason})")
+        return row
+    runner = FlaxlmRunner(result.step, random_batch(rows, length, vocab))
+    try:
+        row.update(timed(runner.run, args))
+    except Exception as e:  # noqa: BLE001 - an out-of-memory length is a table row
+        if not out_of_memory(e):
+            raise
+        row["error"] = "out of memory: " + str(e).split("\n")[0]
+        print(f"; {row['error']}")
+        return row
+    finally:
+        runner.state = None  # frees the device's copy before the next length
+    losses = runner.losses
+    row["first_loss"], row["last_loss"] = losses[0], losses[-1]
+    print(f"; measured {row['step_seconds'] * 1e3:.1f} ms/step", flush=True)
+    return row
 
 
 def flaxlm_decode(model: Any, params: Any, args: argparse.Namespace) -> dict:
@@ -324,10 +365,13 @@ def flaxlm_side(args: argparse.Namespace) -> dict:
         "peak_flops": None if devices[0].platform == "cpu" else chip.peak_flops(args.dtype),
         "models": {},
     }
+    save = partial(save_side, args, out)
+    save()
     names = [args.model]
     if args.largest:
         print("Choosing the largest model that fits:", flush=True)
         out["largest"] = choose_largest(args, devices, chip)
+        save()
         if out["largest"]["model"] and out["largest"]["model"] != args.model:
             names.append(out["largest"]["model"])
     for name in names:
@@ -346,22 +390,34 @@ def flaxlm_side(args: argparse.Namespace) -> dict:
                 for n in args.lengths
             },
         }
+        if args.torch:
+            # The weights both sides start from: flaxlm's init, exported as HF's checkpoint
+            # before flaxlm trains (torch can then run what flaxlm finished in the time limit).
+            path = weights_dir(args, name)
+            hf.save_pretrained(model, initial_params(model), path, dtype=args.dtype)
+        record["train"] = {}
         out["models"][name] = record
-        record["train"] = flaxlm_train(model, args, devices, chip)
-        if not (args.torch or args.decode):
-            continue
-        # The weights both sides start from: flaxlm's init, exported as HF's checkpoint.
-        params = jax.jit(partial(model.init_params, batch_shapes=model.example_batch_shapes(8)))(
-            jax.random.PRNGKey(0)
-        )
-        path = os.path.join(args.workdir, name)
-        hf.save_pretrained(model, params, path, dtype=args.dtype)
+        save()
+        flaxlm_train(model, args, devices, chip, record["train"], save)
         if args.decode:
             print(f"  decoding B{args.decode_batch} {args.decode_prompt}+{args.decode_new}", end="")
-            record["decode"] = flaxlm_decode(model, params, args)
+            record["decode"] = flaxlm_decode(model, initial_params(model), args)
             print(f": {record['decode']['tokens_per_second']:.0f} tokens/s", flush=True)
-        del params
+            save()
     return out
+
+
+def initial_params(model: Any) -> Any:
+    """flaxlm's initial parameters of `model` (the same on every call: key 0)."""
+    import jax
+
+    init = jax.jit(partial(model.init_params, batch_shapes=model.example_batch_shapes(8)))
+    return init(jax.random.PRNGKey(0))
+
+
+def weights_dir(args: argparse.Namespace, name: str) -> str:
+    """Where flaxlm's initial weights of model `name` are, as an HF checkpoint."""
+    return os.path.join(args.workdir, name)
 
 
 def causal_flops_per_token(model: Any, length: int) -> float:
@@ -386,17 +442,23 @@ def torch_side(args: argparse.Namespace, flaxlm: dict) -> dict:
         "transformers_version": transformers.__version__,
         "models": {},
     }
+    save = partial(save_side, args, out)
     for name, theirs in flaxlm["models"].items():
-        path = os.path.join(args.workdir, name)
+        path = weights_dir(args, name)
+        if not os.path.exists(os.path.join(path, "config.json")):
+            continue  # flaxlm stopped at the time limit before exporting it
         record: dict[str, Any] = {"train": {}}
         out["models"][name] = record
         print(f"\ntorch, {name} (compile {args.torch_compile}):")
         for length in args.lengths:
+            if str(length) not in theirs.get("train", {}):
+                continue  # flaxlm stopped at the time limit before this length
             rows = batch_size(args, length)
             batch = random_batch(rows, length, theirs["vocab_size"])
             print(f"  L{length} B{rows}", end="", flush=True)
             row = torch_train(path, batch, args, device)
             record["train"][str(length)] = row
+            save()
             if "step_seconds" in row:
                 checkpointing = row["description"]["gradient_checkpointing"]
                 print(f": {row['step_seconds'] * 1e3:.1f} ms/step, checkpointing {checkpointing}")
@@ -405,6 +467,7 @@ def torch_side(args: argparse.Namespace, flaxlm: dict) -> dict:
         if args.decode and "decode" in theirs:
             record["decode"] = torch_decode(path, args, dtype, device)
             print(f"  decoding: {record['decode']['tokens_per_second']:.0f} tokens/s")
+            save()
     return out
 
 
@@ -486,7 +549,9 @@ def summarize(args: argparse.Namespace, flaxlm: dict, torch: dict | None) -> lis
     for name, record in flaxlm["models"].items():
         theirs = (torch or {}).get("models", {}).get(name, {}).get("train", {})
         for length in args.lengths:
-            ours = record["train"][str(length)]
+            ours = record.get("train", {}).get(str(length))
+            if ours is None:
+                continue  # stopped at the time limit before this length
             row: dict[str, Any] = {"model": name, "length": length, "batch": ours["batch_size"]}
             whole, causal = record["flops_per_token"][str(length)]
             for side, numbers in (("flaxlm", ours), ("torch", theirs.get(str(length)))):
@@ -545,6 +610,10 @@ def print_report(results: dict) -> None:
     peak = results["peak_flops"]
     peak = "no peak to take MFU from" if peak is None else f"peak {peak / 1e12:.0f} TFLOP/s"
     print(f"\n{results['machine']}; {peak} per device\n")
+    if results.get("stopped_at_time_limit"):
+        sides = " and ".join(results["stopped_at_time_limit"])
+        print(f"Stopped at --time-limit={results['args']['time_limit']:g}: {sides} did not")
+        print("finish; the rows below are what did.\n")
     header = [
         "model",
         "L",
@@ -615,12 +684,31 @@ def without_option(argv: Sequence[str], option: str) -> list[str]:
     return out
 
 
-def run_side(side: str, argv: Sequence[str], workdir: str) -> dict:
-    """One side in a process of its own; its JSON."""
+def run_side(
+    side: str, argv: Sequence[str], workdir: str, timeout: float | None = None
+) -> tuple[dict | None, bool]:
+    """One side in a process of its own (a session of its own, so that its helpers, e.g.
+    torch.compile's workers, stop with it): its numbers (None if it saved none), and
+    whether it was stopped at `timeout` seconds."""
     command = [sys.executable, os.path.abspath(__file__), *argv, "--side", side]
-    subprocess.run([*command, "--workdir", workdir], check=True)
-    with open(os.path.join(workdir, f"{side}.json")) as f:
-        return json.load(f)
+    process = subprocess.Popen([*command, "--workdir", workdir], start_new_session=True)
+    stopped = False
+    try:
+        code = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stopped = True
+        print(f"\n{side}: stopped at the time limit ({timeout:.0f} s); keeping what finished.")
+    finally:
+        if process.poll() is None:  # the time limit, or this process interrupted
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    if not stopped and code:
+        raise subprocess.CalledProcessError(code, command)
+    path = os.path.join(workdir, f"{side}.json")
+    if not os.path.exists(path):
+        return None, stopped
+    with open(path) as f:
+        return json.load(f), stopped
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -635,10 +723,22 @@ def main(argv: Sequence[str] | None = None) -> dict:
         with open(os.path.join(args.workdir, f"{args.side}.json"), "w") as f:
             json.dump(out, f)
         return out
+    start = time.monotonic()
+    limit = args.time_limit
+    stopped = []
     with tempfile.TemporaryDirectory() as workdir:
         child = without_option(argv, "--json")
-        flaxlm = run_side("flaxlm", child, workdir)
-        torch = run_side("torch", child, workdir) if args.torch else None
+        share = None if limit is None else limit / 2 if args.torch else limit
+        flaxlm, cut = run_side("flaxlm", child, workdir, share)
+        stopped += ["flaxlm"] * cut
+        if flaxlm is None:  # stopped before its first numbers
+            flaxlm = {"machine": "-", "peak_flops": None, "models": {}}
+        torch = None
+        left = None if limit is None else limit - (time.monotonic() - start)
+        finished = any(record.get("train") for record in flaxlm["models"].values())
+        if args.torch and finished and (left is None or left > 0):
+            torch, cut = run_side("torch", child, workdir, left)
+            stopped += ["torch"] * cut
     results = {
         "date": datetime.date.today().isoformat(),
         "command": shlex.join(["python", "benchmarks/accelerator.py", *argv]),
@@ -649,6 +749,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "decode": decode_rows(flaxlm, torch),
         "flaxlm": flaxlm,
         "torch": torch,
+        "stopped_at_time_limit": stopped,  # the sides stopped with lengths left to run
     }
     print_report(results)
     bench_common.write_json(results, args.json)

@@ -351,8 +351,9 @@ def test_accelerator_benchmark_tiny_on_cpu(tmp_path, monkeypatch):
     argv = ["--model", "llama_tiny", "--lengths", "32", "--tokens", "64", "--dtype", "float32"]
     argv += ["--steps", "1", "--repeats", "1", "--warmup", "1", "--no-torch-compile"]
     argv += ["--decode-batch", "2", "--decode-prompt", "4", "--decode-new", "4"]
-    results = accelerator.main([*argv, "--json", str(tmp_path / "acc.json")])
+    results = accelerator.main([*argv, "--time-limit=900", "--json", str(tmp_path / "acc.json")])
     assert json.loads((tmp_path / "acc.json").read_text())["train"] == results["train"]
+    assert results["stopped_at_time_limit"] == []
     [row] = results["train"]
     assert (row["model"], row["length"], row["batch"]) == ("llama_tiny", 32, 2)
     for side in ("flaxlm", "torch"):
@@ -365,3 +366,15 @@ def test_accelerator_benchmark_tiny_on_cpu(tmp_path, monkeypatch):
     assert decode["first_tokens_equal"] == 1.0 and decode["tokens_equal"] >= 0.75
     with pytest.raises(SystemExit):
         accelerator.parse_args(["--model", "llama_huge"])
+
+    # A side stopped at the time limit keeps the lengths it finished: asked for 16 and 32,
+    # finished 32 alone, the report has the row of 32 (with torch's beside it).
+    args = accelerator.parse_args([*argv[:2], "--lengths", "16", "32"])
+    [row] = accelerator.summarize(args, results["flaxlm"], results["torch"])
+    assert row["length"] == 32 and row["torch_over_flaxlm"] > 0
+
+    # Stopped before its first numbers (the limit ran out while it started): an empty
+    # report that says so, no traceback and no torch side.
+    stopped = accelerator.main([*argv, "--time-limit=0.2"])
+    assert stopped["stopped_at_time_limit"] == ["flaxlm"]
+    assert stopped["train"] == [] and stopped["torch"] is None
