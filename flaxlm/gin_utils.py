@@ -74,8 +74,16 @@ def parse_gin(
     paths = list(search_paths) + default_search_paths()
     for p in paths:
         gin.add_config_file_search_path(p)
-    files = [_find_file(f, paths) for f in gin_files]
+    files = find_gin_files(gin_files, search_paths)
     gin.parse_config_files_and_bindings(files, list(gin_bindings), finalize_config=finalize)
+
+
+def find_gin_files(gin_files: Sequence[str], search_paths: Sequence[str] = ()) -> list[str]:
+    """The path of each of `gin_files` (as given, else under `search_paths` and the default
+    ones); a FileNotFoundError naming the closest files for one that is nowhere. Needs no
+    configurable registered, so a mistyped path fails before the heavy imports."""
+    paths = list(search_paths) + default_search_paths()
+    return [_find_file(f, paths) for f in gin_files]
 
 
 def _registered_configurables() -> dict[str, Any]:

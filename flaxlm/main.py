@@ -118,6 +118,10 @@ def main(argv: list[str]) -> None:
         _fail(f"unexpected arguments {argv[1:]}; use --gin.NAME=VALUE for overrides.")
     if not FLAGS.gin_file:
         _fail("give at least one --gin_file (e.g. --gin_file=gin/gptj_pretrain.gin).")
+    try:  # a mistyped path fails at once, before TensorFlow and JAX load
+        gin_utils.find_gin_files(FLAGS.gin_file, FLAGS.gin_search_paths)
+    except FileNotFoundError as e:
+        _fail(f"bad Gin configuration: {e}")
     # By default the terminal shows flaxlm's own lines only; absl's --verbosity (-v) brings
     # the libraries' logs back. Both settings precede TensorFlow's and JAX's imports.
     quiet = not FLAGS["verbosity"].present
