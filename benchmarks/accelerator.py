@@ -28,11 +28,12 @@ counted whole, as `flaxlm.metrics` and the planner count it; T the length) and
 `6 N + 6 L H T` (halved: the masked half of the scores is not work), over the chip's dense
 bf16 peak (`flaxlm/chips.py`; none on CPU, where TFLOP/s alone is reported).
 
-`--time-limit S` ends the run after S seconds with what finished, for a machine lent with a
-per-command limit: each side saves its numbers after every length (the HF weights are
-exported before flaxlm trains, so torch can run the lengths flaxlm finished); a side still
-running at its share of the limit (flaxlm half of it when torch follows, torch the rest) is
-stopped, and the report and `--json` hold the rows that finished and say where it stopped.
+Made for a machine lent for minutes: each side saves its numbers after every length (the HF
+weights are exported before flaxlm trains), a length that fails is a row saying how (its
+traceback printed) and the others still run, and `--time-limit S` stops a side still running
+at its share of S seconds (flaxlm half when torch follows, torch the rest). Torch runs the
+lengths flaxlm finished; the report and `--json` ("unfinished") say which side did not
+finish, and why.
 
     python benchmarks/accelerator.py --largest llama3_1_8b llama3_2_3b --json $OUT/acc.json
     python benchmarks/accelerator.py --model llama_tiny --lengths 64 --tokens 256 \\
@@ -59,6 +60,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from functools import partial  # noqa: E402
 from typing import Any  # noqa: E402
@@ -181,6 +183,15 @@ def out_of_memory(e: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "OutOfMemory" in text or "out of memory" in text
 
 
+def failure(e: BaseException) -> str:
+    """A table row's text for a length that failed (other than out of memory), its traceback
+    printed: on a machine lent for minutes, one failing length (a kernel the compiler
+    refuses, say) must not cost the others."""
+    traceback.print_exc()
+    first = str(e).strip().split("\n")[0]
+    return f"failed: {type(e).__name__}" + (f": {first}" if first else "")
+
+
 # ---------------------------------------------------------------------------- flaxlm
 
 
@@ -271,7 +282,7 @@ class FlaxlmRunner:
 
 def save_side(args: argparse.Namespace, out: dict) -> None:
     """This side's numbers so far, for the parent: written whole (to a file beside, then
-    renamed), so that a side stopped at the time limit leaves the lengths it finished."""
+    renamed), so that a side stopped or failed leaves the lengths it finished."""
     path = os.path.join(args.workdir, f"{args.side}.json")
     with open(path + ".partial", "w") as f:
         json.dump(out, f)
@@ -290,7 +301,11 @@ def flaxlm_train(
     and the measured step where it fits."""
     vocab = model.config.vocab_size
     for length in args.lengths:
-        out[str(length)] = flaxlm_length(model, args, devices, chip, length, vocab)
+        try:
+            row = flaxlm_length(model, args, devices, chip, length, vocab)
+        except Exception as e:  # noqa: BLE001 - a failed length is a row; the others run
+            row = {"batch_size": batch_size(args, length), "error": failure(e)}
+        out[str(length)] = row
         save()
 
 
@@ -446,17 +461,20 @@ def torch_side(args: argparse.Namespace, flaxlm: dict) -> dict:
     for name, theirs in flaxlm["models"].items():
         path = weights_dir(args, name)
         if not os.path.exists(os.path.join(path, "config.json")):
-            continue  # flaxlm stopped at the time limit before exporting it
+            continue  # flaxlm did not finish: stopped or failed before exporting it
         record: dict[str, Any] = {"train": {}}
         out["models"][name] = record
         print(f"\ntorch, {name} (compile {args.torch_compile}):")
         for length in args.lengths:
             if str(length) not in theirs.get("train", {}):
-                continue  # flaxlm stopped at the time limit before this length
+                continue  # flaxlm did not get to this length
             rows = batch_size(args, length)
             batch = random_batch(rows, length, theirs["vocab_size"])
             print(f"  L{length} B{rows}", end="", flush=True)
-            row = torch_train(path, batch, args, device)
+            try:
+                row = torch_train(path, batch, args, device)
+            except Exception as e:  # noqa: BLE001 - a failed length is a row; the others run
+                row = {"batch_size": rows, "error": failure(e)}
             record["train"][str(length)] = row
             save()
             if "step_seconds" in row:
@@ -551,7 +569,7 @@ def summarize(args: argparse.Namespace, flaxlm: dict, torch: dict | None) -> lis
         for length in args.lengths:
             ours = record.get("train", {}).get(str(length))
             if ours is None:
-                continue  # stopped at the time limit before this length
+                continue  # flaxlm did not get to this length (stopped or failed)
             row: dict[str, Any] = {"model": name, "length": length, "batch": ours["batch_size"]}
             whole, causal = record["flops_per_token"][str(length)]
             for side, numbers in (("flaxlm", ours), ("torch", theirs.get(str(length)))):
@@ -569,9 +587,9 @@ def summarize(args: argparse.Namespace, flaxlm: dict, torch: dict | None) -> lis
                     "mfu_causal": tokens_per_s * causal / peak if peak else None,
                     "first_loss": numbers.get("first_loss"),
                 }
-            planner = ours["planner"]
-            row["planner_ms"] = (planner["predicted_seconds"] or 0) * 1e3 or None
-            row["planner_gib"] = planner["gib_per_device"]
+            planner = ours.get("planner", {})  # none where the length failed before it
+            row["planner_ms"] = (planner.get("predicted_seconds") or 0) * 1e3 or None
+            row["planner_gib"] = planner.get("gib_per_device")
             if isinstance(row["flaxlm"], dict) and isinstance(row.get("torch"), dict):
                 row["torch_over_flaxlm"] = (
                     row["torch"]["ms_per_step"] / row["flaxlm"]["ms_per_step"]
@@ -610,10 +628,10 @@ def print_report(results: dict) -> None:
     peak = results["peak_flops"]
     peak = "no peak to take MFU from" if peak is None else f"peak {peak / 1e12:.0f} TFLOP/s"
     print(f"\n{results['machine']}; {peak} per device\n")
-    if results.get("stopped_at_time_limit"):
-        sides = " and ".join(results["stopped_at_time_limit"])
-        print(f"Stopped at --time-limit={results['args']['time_limit']:g}: {sides} did not")
-        print("finish; the rows below are what did.\n")
+    for side, why in results["unfinished"].items():
+        print(f"{side} did not finish: {why}. The rows below are what finished.")
+    if results["unfinished"]:
+        print()
     header = [
         "model",
         "L",
@@ -686,29 +704,30 @@ def without_option(argv: Sequence[str], option: str) -> list[str]:
 
 def run_side(
     side: str, argv: Sequence[str], workdir: str, timeout: float | None = None
-) -> tuple[dict | None, bool]:
+) -> tuple[dict | None, str | None]:
     """One side in a process of its own (a session of its own, so that its helpers, e.g.
-    torch.compile's workers, stop with it): its numbers (None if it saved none), and
-    whether it was stopped at `timeout` seconds."""
+    torch.compile's workers, stop with it): the numbers it saved (None if none), and why it
+    did not finish (None if it did): stopped at `timeout` seconds, or failed."""
     command = [sys.executable, os.path.abspath(__file__), *argv, "--side", side]
     process = subprocess.Popen([*command, "--workdir", workdir], start_new_session=True)
-    stopped = False
+    unfinished = None
     try:
         code = process.wait(timeout=timeout)
+        if code:
+            unfinished = f"failed (exit code {code}; its output says why)"
     except subprocess.TimeoutExpired:
-        stopped = True
-        print(f"\n{side}: stopped at the time limit ({timeout:.0f} s); keeping what finished.")
+        unfinished = f"stopped at the time limit ({timeout:.0f} s)"
     finally:
         if process.poll() is None:  # the time limit, or this process interrupted
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    if not stopped and code:
-        raise subprocess.CalledProcessError(code, command)
+    if unfinished:
+        print(f"\n{side}: {unfinished}; keeping what finished.", flush=True)
     path = os.path.join(workdir, f"{side}.json")
     if not os.path.exists(path):
-        return None, stopped
+        return None, unfinished
     with open(path) as f:
-        return json.load(f), stopped
+        return json.load(f), unfinished
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -725,20 +744,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return out
     start = time.monotonic()
     limit = args.time_limit
-    stopped = []
+    unfinished = {}
     with tempfile.TemporaryDirectory() as workdir:
         child = without_option(argv, "--json")
         share = None if limit is None else limit / 2 if args.torch else limit
-        flaxlm, cut = run_side("flaxlm", child, workdir, share)
-        stopped += ["flaxlm"] * cut
-        if flaxlm is None:  # stopped before its first numbers
+        flaxlm, unfinished["flaxlm"] = run_side("flaxlm", child, workdir, share)
+        if flaxlm is None:  # ended before its first numbers
             flaxlm = {"machine": "-", "peak_flops": None, "models": {}}
         torch = None
         left = None if limit is None else limit - (time.monotonic() - start)
         finished = any(record.get("train") for record in flaxlm["models"].values())
         if args.torch and finished and (left is None or left > 0):
-            torch, cut = run_side("torch", child, workdir, left)
-            stopped += ["torch"] * cut
+            torch, unfinished["torch"] = run_side("torch", child, workdir, left)
     results = {
         "date": datetime.date.today().isoformat(),
         "command": shlex.join(["python", "benchmarks/accelerator.py", *argv]),
@@ -749,7 +766,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "decode": decode_rows(flaxlm, torch),
         "flaxlm": flaxlm,
         "torch": torch,
-        "stopped_at_time_limit": stopped,  # the sides stopped with lengths left to run
+        # Each side that did not finish, and why: its rows are the lengths it finished.
+        "unfinished": {side: why for side, why in unfinished.items() if why},
     }
     print_report(results)
     bench_common.write_json(results, args.json)

@@ -353,7 +353,7 @@ def test_accelerator_benchmark_tiny_on_cpu(tmp_path, monkeypatch):
     argv += ["--decode-batch", "2", "--decode-prompt", "4", "--decode-new", "4"]
     results = accelerator.main([*argv, "--time-limit=900", "--json", str(tmp_path / "acc.json")])
     assert json.loads((tmp_path / "acc.json").read_text())["train"] == results["train"]
-    assert results["stopped_at_time_limit"] == []
+    assert results["unfinished"] == {}
     [row] = results["train"]
     assert (row["model"], row["length"], row["batch"]) == ("llama_tiny", 32, 2)
     for side in ("flaxlm", "torch"):
@@ -373,8 +373,11 @@ def test_accelerator_benchmark_tiny_on_cpu(tmp_path, monkeypatch):
     [row] = accelerator.summarize(args, results["flaxlm"], results["torch"])
     assert row["length"] == 32 and row["torch_over_flaxlm"] > 0
 
-    # Stopped before its first numbers (the limit ran out while it started): an empty
-    # report that says so, no traceback and no torch side.
+    # Stopped before its first numbers (the limit ran out while it started), or failed
+    # (an attention flaxlm does not have): a report that says so, no torch side.
     stopped = accelerator.main([*argv, "--time-limit=0.2"])
-    assert stopped["stopped_at_time_limit"] == ["flaxlm"]
+    assert stopped["unfinished"]["flaxlm"].startswith("stopped at the time limit")
     assert stopped["train"] == [] and stopped["torch"] is None
+    failed = accelerator.main([*argv, "--attention", "nonsense"])
+    assert failed["unfinished"]["flaxlm"].startswith("failed (exit code 1")
+    assert failed["train"] == [] and failed["torch"] is None
