@@ -381,3 +381,17 @@ def test_accelerator_benchmark_tiny_on_cpu(tmp_path, monkeypatch):
     failed = accelerator.main([*argv, "--attention", "nonsense"])
     assert failed["unfinished"]["flaxlm"].startswith("failed (exit code 1")
     assert failed["train"] == [] and failed["torch"] is None
+
+
+def test_attention_cpu_times_every_implementation_and_torch():
+    attention_cpu = load_benchmark("attention_cpu")
+    rows = attention_cpu.main(
+        ["--batch", "2", "--length", "16", "--chunk-size", "8", "--calls", "1"]
+    )
+    assert [r["side"].split(" (")[0] for r in rows] == [
+        "flaxlm 'xla'",
+        "flaxlm 'jax'",
+        "flaxlm 'chunked'",
+        "torch einsum",
+    ]
+    assert all(r["forward_ms"] > 0 and r["forward_backward_ms"] > 0 for r in rows)
