@@ -739,8 +739,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         else:
             with open(os.path.join(args.workdir, "flaxlm.json")) as f:
                 out = torch_side(args, json.load(f))
-        with open(os.path.join(args.workdir, f"{args.side}.json"), "w") as f:
-            json.dump(out, f)
+        save_side(args, out)
         return out
     start = time.monotonic()
     limit = args.time_limit
