@@ -405,29 +405,23 @@ def flaxlm_side(args: argparse.Namespace) -> dict:
                 for n in args.lengths
             },
         }
+        # flaxlm's initial weights (key 0), compiled once: exported for torch before flaxlm
+        # trains (torch can then run what flaxlm finished in the time limit), made again
+        # for decoding rather than held on the device through training.
+        init = jax.jit(partial(model.init_params, batch_shapes=model.example_batch_shapes(8)))
         if args.torch:
-            # The weights both sides start from: flaxlm's init, exported as HF's checkpoint
-            # before flaxlm trains (torch can then run what flaxlm finished in the time limit).
             path = weights_dir(args, name)
-            hf.save_pretrained(model, initial_params(model), path, dtype=args.dtype)
+            hf.save_pretrained(model, init(jax.random.PRNGKey(0)), path, dtype=args.dtype)
         record["train"] = {}
         out["models"][name] = record
         save()
         flaxlm_train(model, args, devices, chip, record["train"], save)
         if args.decode:
             print(f"  decoding B{args.decode_batch} {args.decode_prompt}+{args.decode_new}", end="")
-            record["decode"] = flaxlm_decode(model, initial_params(model), args)
+            record["decode"] = flaxlm_decode(model, init(jax.random.PRNGKey(0)), args)
             print(f": {record['decode']['tokens_per_second']:.0f} tokens/s", flush=True)
             save()
     return out
-
-
-def initial_params(model: Any) -> Any:
-    """flaxlm's initial parameters of `model` (the same on every call: key 0)."""
-    import jax
-
-    init = jax.jit(partial(model.init_params, batch_shapes=model.example_batch_shapes(8)))
-    return init(jax.random.PRNGKey(0))
 
 
 def weights_dir(args: argparse.Namespace, name: str) -> str:
