@@ -52,6 +52,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import gzip  # noqa: E402
 import json  # noqa: E402
 import shlex  # noqa: E402
 import signal  # noqa: E402
@@ -101,6 +102,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-prompt", type=int, default=128)
     p.add_argument("--decode-new", type=int, default=128)
     p.add_argument("--note", default="", help="free text for the RESULTS.md rows")
+    p.add_argument("--hlo", metavar="DIR", help="write each length's compiled step (gzip) here")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON here")
     p.add_argument(
         "--time-limit",
@@ -323,7 +325,15 @@ def flaxlm_length(
         "gib_per_device": None if result.device_bytes is None else result.device_bytes / GIB,
         "predicted_seconds": result.predicted_s,
         "compile_seconds": result.compile_s,
+        "flops": result.flops,  # per step, loops and library calls counted (planner)
+        "bytes_accessed": result.bytes_accessed,
     }
+    if args.hlo and result.step is not None and result.step.compiled is not None:
+        os.makedirs(args.hlo, exist_ok=True)
+        size = f"{model.config.num_params() / 1e6:.0f}M"
+        name = f"{type(model.config).__name__}_{size}_L{length}.hlo.txt.gz"
+        with gzip.open(os.path.join(args.hlo, name), "wt") as f:
+            f.write(result.step.compiled.as_text())
     print(f"  L{length} B{rows}: planner {result.status}", end="", flush=True)
     if result.predicted_s:
         print(f", predicts {result.predicted_s * 1e3:.1f} ms/step", end="")

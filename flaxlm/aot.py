@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from flaxlm import hlo, optimizers, platforms, preference, pytrees, trainer
 from flaxlm import lora as lora_lib
-from flaxlm import optimizers, platforms, preference, pytrees, trainer
 from flaxlm.models.batch_shapes import batch_shapes_from
 from flaxlm.partitioning import Partitioner
 
@@ -172,11 +172,16 @@ class CompiledStep:
 
     def cost(self) -> dict[str, float]:
         """XLA's cost analysis of one device's program: `flops`, `bytes accessed` (a loop's
-        body counted once, whatever its trip count)."""
+        body counted once, whatever its trip count), with the cuBLAS and cuDNN calls of an
+        NVIDIA GPU's program added where XLA left them out (`hlo.with_library_calls`)."""
         analysis = self.compiled.cost_analysis()
         if isinstance(analysis, Sequence):
             analysis = analysis[0]
-        return {k: float(analysis.get(k, 0.0)) for k in ("flops", "bytes accessed")}
+        cost = {k: float(analysis.get(k, 0.0)) for k in ("flops", "bytes accessed")}
+        text = self.compiled.as_text()
+        if 'custom_call_target="__cu' not in text:
+            return cost
+        return hlo.with_library_calls(cost, hlo.matmul_costs(text))
 
 
 def per_device_bytes(abstract_tree: Any) -> int:

@@ -140,12 +140,8 @@ def _trip_count(cond: list[str], init: str, defs: dict[str, tuple[str, str, str]
     return None if start is None else limit - start
 
 
-def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
-    """Collectives per train step: each op with the product of its enclosing trip counts.
-
-    Besides the plain ops, TPU's compiled reduce-scatter is read: a custom fusion calling
-    `%all-reduce-scatter...` (an all-reduce whose result is cut in the same kernel) counts
-    as one reduce-scatter whose result is the fusion's."""
+def _computations(text: str) -> tuple[dict[str, list[str]], str]:
+    """The module's computations (name -> instruction lines) and the ENTRY's name."""
     computations: dict[str, list[str]] = {}
     entry = None
     current = None
@@ -162,7 +158,104 @@ def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
             computations[current].append(line)
     if entry is None:
         raise ValueError("No ENTRY computation in the HLO text.")
+    return computations, entry
 
+
+def _dims(type_str: str) -> list[int]:
+    """The dims of a type's first array (a tuple's first element)."""
+    m = SHAPE_RE.search(type_str)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _ints(text: str | None) -> list[int]:
+    return [int(x) for x in re.findall(r"\d+", text or "")]
+
+
+def matmul_costs(text: str) -> dict[str, float]:
+    """The matrix products of a compiled module, read from its HLO text (a loop's body
+    once, as XLA's `cost_analysis` counts it).
+
+    - `dot_flops`: its `dot` instructions (fused ones too), which `cost_analysis` counts.
+    - `custom_flops`, `custom_bytes`, `custom_calls`: the library calls an NVIDIA GPU's
+      module makes instead, cuBLAS gemms (`__cublas$gemm`, `__cublas$lt$matmul...`) and cuDNN
+      flash attention (`__cudnn$fmha...`, forward 2 products, backward 5: the scores again,
+      then dP, dV, dQ, dK; halved under a causal mask, whose hidden blocks cuDNN skips); the
+      bytes are their operands' and results' (a workspace not). XLA's generic cost analysis
+      charges a custom call -1 FLOPs and -1 bytes (jax-ml/jax#22249: a 73x256 dense layer
+      counted 511 FLOPs), so `with_library_calls` adds these where it did.
+    """
+    computations, _ = _computations(text)
+    defs: dict[str, str] = {}
+    parsed = []
+    for lines in computations.values():
+        for name, _, (type_str, opcode, rest) in _instructions(lines):
+            defs[name] = type_str
+            if opcode in ("dot", "custom-call"):
+                parsed.append((type_str, opcode, rest))
+    out = {"dot_flops": 0.0, "custom_flops": 0.0, "custom_bytes": 0.0, "custom_calls": 0}
+    for type_str, opcode, rest in parsed:
+        operands = [defs.get(o, "") for o in _operands(rest)]
+        if opcode == "dot":
+            lhs = _dims(operands[0]) if operands else []
+            m = re.search(r"lhs_contracting_dims=\{([^}]*)\}", rest)
+            contracted = _ints(m and m.group(1))
+            out["dot_flops"] += 2.0 * math.prod(_dims(type_str)) * _contracted(lhs, contracted)
+            continue
+        target = re.search(r'custom_call_target="([^"]*)"', rest)
+        target = target.group(1) if target else ""
+        if target.startswith("__cublas$"):
+            m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
+            k = _contracted(_dims(operands[0]) if operands else [], _ints(m and m.group(1)))
+            flops = 2.0 * math.prod(_dims(type_str)) * k
+        elif target.startswith("__cudnn$fmha"):
+            m = re.search(r'"intermediate_tensor_shape":\{[^{}]*?"dimensions":\[([^\]]*)\]', rest)
+            scores = math.prod(_ints(m and m.group(1)))  # batch x heads x q_len x kv_len
+            head_dim = (_dims(operands[0]) or [0])[-1]
+            flops = (10.0 if "Backward" in target else 4.0) * scores * head_dim
+            if re.search(r'"mask_type":"[A-Z_]*CAUSAL"', rest):
+                flops /= 2
+        else:
+            out["custom_calls"] += 1  # a call whose work is unknown: its -1 undone only
+            continue
+        out["custom_flops"] += flops
+        data = [t for t in [*operands, *_tuple_elements(type_str)] if not t.startswith("s8[")]
+        out["custom_bytes"] += sum(type_bytes(t) for t in data)
+        out["custom_calls"] += 1
+    return out
+
+
+def _contracted(lhs: list[int], dims: list[int]) -> int:
+    return math.prod(lhs[d] for d in dims if d < len(lhs))
+
+
+def _tuple_elements(type_str: str) -> list[str]:
+    return [m.group(0) for m in SHAPE_RE.finditer(type_str)]
+
+
+def with_library_calls(cost: dict[str, float], matmuls: dict[str, float]) -> dict[str, float]:
+    """XLA's `cost_analysis` (`flops`, `bytes accessed`) with the library calls of
+    `matmul_costs` added, when it left them out: when its FLOPs fall short of its module's
+    products (`dot_flops` + half of `custom_flops`; elementwise work is a few percent of a
+    train step's), each known call is added and each call's -1 undone."""
+    if not matmuls["custom_calls"] or cost["flops"] >= (
+        matmuls["dot_flops"] + matmuls["custom_flops"] / 2
+    ):
+        return dict(cost)
+    calls = matmuls["custom_calls"]
+    return {
+        **cost,
+        "flops": cost["flops"] + matmuls["custom_flops"] + calls,
+        "bytes accessed": cost["bytes accessed"] + matmuls["custom_bytes"] + calls,
+    }
+
+
+def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
+    """Collectives per train step: each op with the product of its enclosing trip counts.
+
+    Besides the plain ops, TPU's compiled reduce-scatter is read: a custom fusion calling
+    `%all-reduce-scatter...` (an all-reduce whose result is cut in the same kernel) counts
+    as one reduce-scatter whose result is the fusion's."""
+    computations, entry = _computations(text)
     unparsed: list[str] = []
     memo: dict[str, list[tuple[Op, int]]] = {}
 

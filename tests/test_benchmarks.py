@@ -351,8 +351,14 @@ def test_accelerator_benchmark_tiny_on_cpu(tmp_path, monkeypatch):
     argv = ["--model", "llama_tiny", "--lengths", "32", "--tokens", "64", "--dtype", "float32"]
     argv += ["--steps", "1", "--repeats", "1", "--warmup", "1", "--no-torch-compile"]
     argv += ["--decode-batch", "2", "--decode-prompt", "4", "--decode-new", "4"]
-    results = accelerator.main([*argv, "--time-limit=900", "--json", str(tmp_path / "acc.json")])
+    hlo_dir = tmp_path / "hlo"
+    results = accelerator.main(
+        [*argv, "--time-limit=900", "--json", str(tmp_path / "acc.json"), "--hlo", str(hlo_dir)]
+    )
     assert json.loads((tmp_path / "acc.json").read_text())["train"] == results["train"]
+    assert [p.name for p in hlo_dir.iterdir()] == ["LlamaConfig_3M_L32.hlo.txt.gz"]
+    planned = results["flaxlm"]["models"]["llama_tiny"]["train"]["32"]["planner"]
+    assert planned["flops"] > 0 and planned["bytes_accessed"] > 0
     assert results["unfinished"] == {}
     [row] = results["train"]
     assert (row["model"], row["length"], row["batch"]) == ("llama_tiny", 32, 2)

@@ -1,11 +1,14 @@
 """Model options keep the math: remat, scan, packing, dtypes, the chunked loss."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from flaxlm import trainer
+from flaxlm.models import layers
 from flaxlm.models.base import DecoderOnlyModel, EncoderDecoderModel
 from flaxlm.models.gemma import GemmaConfig
 from flaxlm.models.llama import LlamaConfig
@@ -71,6 +74,61 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     assert logits.dtype == jnp.float32
     ref = tiny_gptj().compute_logits(params, batch)
     assert float(jnp.mean(jnp.abs(logits - ref))) < 0.05
+
+
+def _dots(jaxpr) -> list:
+    """Every dot_general of a jaxpr, nested jaxprs (custom_vjp, pjit, remat) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn)
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            found.extend(_dots(sub))
+    return found
+
+
+def test_wide_dot_gives_float32_results_and_bfloat16_gradients():
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, 5, 16)).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.PRNGKey(2), (40, 16)).astype(jnp.bfloat16)
+    g = jax.random.normal(jax.random.PRNGKey(3), (3, 5, 40))
+    dims = (((2,), (1,)), ((), ()))
+    y = layers.dot_general(x, w, dims, jnp.float32)
+    wide = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+    assert y.dtype == jnp.float32
+    np.testing.assert_array_equal(y, wide)
+    # The gradients are autodiff's of the plain bfloat16 dot, fed the rounded cotangent.
+    _, vjp = jax.vjp(lambda a, b: layers.dot_general(a, b, dims, jnp.float32), x, w)
+    _, plain = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dims), x, w)
+    for got, want in zip(vjp(g), plain(g.astype(jnp.bfloat16)), strict=True):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(got, want)
+    # Same dtype in and out: the plain dot, autodiff's own gradient.
+    assert layers.dot_general(x, w, dims).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+def test_bfloat16_head_multiplies_bfloat16_forward_and_backward(tied):
+    """A bfloat16 model's head (the largest matmul of a big-vocabulary model) is a bfloat16
+    product in the forward and both gradients, with float32 logits; float32 models keep
+    float32 heads."""
+    vocab = 136
+    for dtype in ("bfloat16", "float32"):
+        model = DecoderOnlyModel(
+            LlamaConfig(
+                vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=1,
+                num_heads=4, num_kv_heads=2, max_position_embeddings=64,
+                tie_word_embeddings=tied, dtype=dtype,
+            )
+        )  # fmt: skip
+        params, batch = _params_and_batch(model)
+        assert model.compute_logits(params, batch).dtype == jnp.float32
+        loss = functools.partial(lambda p, m, b: m.loss_fn(p, b, None)[0], m=model, b=batch)
+        grad = jax.make_jaxpr(jax.grad(loss))(params)
+        head = [e for e in _dots(grad.jaxpr) if vocab in e.outvars[0].aval.shape
+                or any(vocab in v.aval.shape for v in e.invars)]  # fmt: skip
+        assert len(head) == 3  # the logits, the hidden states' and the weights' gradients
+        for eqn in head:
+            assert [v.aval.dtype for v in eqn.invars] == [jnp.dtype(dtype)] * 2, eqn
 
 
 def test_feature_longer_than_positions_is_an_error():

@@ -15,9 +15,10 @@ from contextlib import redirect_stdout
 
 import gin
 import jax
+import jax.numpy as jnp
 import pytest
 
-from flaxlm import chips, gin_utils, optimizers, platforms
+from flaxlm import chips, gin_utils, hlo, optimizers, platforms
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.gptj import GPTJConfig
 from flaxlm.plan import planner, report
@@ -120,6 +121,69 @@ def test_nothing_fits_prints_the_smallest_need():
         report.print_table(planner.rank(results), run)
     assert "Nothing fits: the smallest candidate (mesh (2, 4, 1)" in out.getvalue()
     assert "needs 1.00 GiB/device" in out.getvalue()
+
+
+def test_matmul_costs_count_the_dots_xla_counts():
+    f = jax.jit(lambda a, b, c: jnp.einsum("bij,bjk->bik", a, b) @ c)
+    compiled = f.lower(jnp.ones((3, 16, 24)), jnp.ones((3, 24, 40)), jnp.ones((40, 8))).compile()
+    got = hlo.matmul_costs(compiled.as_text())
+    assert got["dot_flops"] == 2 * 3 * 16 * 40 * 24 + 2 * 3 * 16 * 8 * 40
+    assert got["dot_flops"] == aot_cost(compiled)["flops"]
+    assert got["custom_calls"] == 0
+
+
+def aot_cost(compiled) -> dict:
+    cost = compiled.cost_analysis()
+    return cost[0] if isinstance(cost, list) else cost
+
+
+# An NVIDIA GPU's compiled step as XLA prints it (abridged): a cuBLAS gemm, a batched
+# cuBLASLt matmul, cuDNN's causal flash attention forward and backward, and a call XLA
+# knows nothing of.
+GPU_HLO = """HloModule jit_step, entry_computation_layout={()->f32[]}
+
+%fused_computation (param_0: bf16[16,64]) -> bf16[16,64] {
+  %param_0 = bf16[16,64]{1,0} parameter(0)
+  ROOT %negate.1 = bf16[16,64]{1,0} negate(%param_0)
+}
+
+ENTRY %main.9 (p0: bf16[16,32], p1: bf16[32,64], q: bf16[2,128,4,32], k: bf16[2,128,4,32]) -> f32[] {
+  %p0 = bf16[16,32]{1,0} parameter(0)
+  %p1 = bf16[32,64]{1,0} parameter(1)
+  %q = bf16[2,128,4,32]{3,2,1,0} parameter(2)
+  %k = bf16[2,128,4,32]{3,2,1,0} parameter(3)
+  %custom-call.3 = (bf16[16,64]{1,0}, s8[4194304]{0}) custom-call(bf16[16,32]{1,0} %p0, bf16[32,64]{1,0} %p1), custom_call_target="__cublas$gemm", backend_config={"operation_queue_id":"0","wait_on_operation_queues":[],"gemm_backend_config":{"alpha_real":1,"alpha_imag":0,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"epilogue":"DEFAULT"}}
+  %gte.1 = bf16[16,64]{1,0} get-tuple-element(%custom-call.3), index=0
+  %fusion.1 = bf16[16,64]{1,0} fusion(%gte.1), kind=kLoop, calls=%fused_computation
+  %custom-call.4 = (bf16[2,128,4,4]{3,2,1,0}, s8[1024]{0}) custom-call(%q, %k), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["3"],"rhs_contracting_dimensions":["3"],"lhs_batch_dimensions":["0","1"],"rhs_batch_dimensions":["0","1"]}}}
+  %custom-call.5 = (bf16[2,128,4,32]{3,2,1,0}, f32[2,4,128]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %q), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"operation_queue_id":"0","cudnn_fmha_backend_config":{"fmha_scale":0.17,"intermediate_tensor_shape":{"element_type":"BF16","dimensions":["2","4","128","128"],"tuple_shapes":[]},"is_flash_attention":true,"mask_type":"CAUSAL"}}
+  %custom-call.6 = (bf16[2,128,4,32]{3,2,1,0}, bf16[2,128,4,32]{3,2,1,0}, bf16[2,128,4,32]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %q, %q), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={"cudnn_fmha_backend_config":{"intermediate_tensor_shape":{"dimensions":["2","4","128","128"]},"mask_type":"NO_MASK"}}
+  %custom-call.7 = f32[] custom-call(%p0), custom_call_target="some_kernel"
+  ROOT %custom-call.8 = f32[] custom-call(%p1), custom_call_target="another_kernel"
+}
+"""  # noqa: E501
+
+
+def test_library_calls_of_a_gpu_step_are_counted_where_xla_left_them_out():
+    got = hlo.matmul_costs(GPU_HLO)
+    gemm = 2 * 16 * 64 * 32
+    batched = 2 * (2 * 128 * 4 * 4) * 32
+    scores = 2 * 4 * 128 * 128
+    attention = 4 * scores * 32 / 2 + 10 * scores * 32  # causal forward, full backward
+    assert got["custom_flops"] == gemm + batched + attention
+    assert got["custom_calls"] == 6 and got["dot_flops"] == 0
+    q = 2 * 128 * 4 * 32 * 2  # bytes of one bf16 [2, 128, 4, 32]
+    gemm_bytes = (16 * 32 + 32 * 64 + 16 * 64) * 2  # not the s8 workspace
+    fmha_bytes = (3 + 1) * q + 2 * 4 * 128 * 4 + (4 + 3) * q  # in + out, f32 statistics
+    assert got["custom_bytes"] == gemm_bytes + (2 * q + 2 * 128 * 4 * 4 * 2) + fmha_bytes
+    # XLA's generic analysis: each custom call -1 FLOPs and -1 bytes, the negate counted.
+    xla = {"flops": 16 * 64 - 6, "bytes accessed": 4096.0 - 6}
+    fixed = hlo.with_library_calls(xla, got)
+    assert fixed["flops"] == 16 * 64 + got["custom_flops"]
+    assert fixed["bytes accessed"] == 4096 + got["custom_bytes"]
+    # An analysis that counted the calls itself is left as it is.
+    counted = {"flops": 16 * 64 + got["custom_flops"], "bytes accessed": 1e6}
+    assert hlo.with_library_calls(counted, got) == counted
 
 
 def test_spearman():

@@ -159,7 +159,8 @@ class CausalLM(nn.Module):
             cfg.vocab_size,
             ("embed", "vocab"),
             use_bias=self.head_bias,
-            dtype=jnp.float32,
+            dtype=cfg.dtype,
+            out_dtype=jnp.float32,
             param_dtype=cfg.param_dtype,
             **kwargs,
         )
@@ -167,9 +168,12 @@ class CausalLM(nn.Module):
     @nn.nowrap
     def _head(self, head: nn.Module, x: Array) -> Array:
         """float32 logits [batch, length, vocab] of `x` through `head`: the token embedding
-        (tied) or `lm_head`, bound to its params."""
+        (tied) or `lm_head`, bound to its params. The product runs in the model's compute
+        dtype, accumulated and returned in float32 (`layers.dot_general`; as HF's autocast
+        and MaxText compute the head, with float32 results): a bfloat16 model's head is not
+        a float32 matmul, which an NVIDIA GPU runs as TF32 at half the bfloat16 rate."""
         if isinstance(head, layers.Embed):
-            logits = head.attend(x, dtype=jnp.float32)
+            logits = head.attend(x, out_dtype=jnp.float32)
         else:
             logits = head(x)
         # Gemma 2/3: logits squashed into (-cap, cap).

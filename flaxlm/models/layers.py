@@ -37,7 +37,43 @@ def constrain(x: Array, axes: Sequence[str | None]) -> Array:
     return nn.with_logical_constraint(x, tuple(axes))
 
 
-def contract(x: Array, w: Array, axis: Sequence[int], w_start: int = 0) -> Array:
+def dot_general(x: Array, w: Array, dims: Any, out_dtype: Dtype | None = None) -> Array:
+    """`jax.lax.dot_general(x, w, dims)`, its result in `out_dtype` (default: the operands').
+
+    A wider `out_dtype` (float32 logits from a bfloat16 head) is accumulated and written in
+    that dtype, while the gradients stay dots in the operands' dtype, as autodiff of the
+    plain dot gives. (Autodiff of `preferred_element_type=float32` would upcast both operands
+    of the two gradient dots to float32: TF32 on an NVIDIA GPU at half the bfloat16 rate.)
+    """
+    compute = jnp.result_type(x, w)
+    if out_dtype is None or as_dtype(out_dtype) == compute:
+        return jax.lax.dot_general(x, w, dims)
+    return _wide_dot(x, w, dims, as_dtype(out_dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _wide_dot(x: Array, w: Array, dims: Any, out_dtype: jnp.dtype) -> Array:
+    return jax.lax.dot_general(x, w, dims, preferred_element_type=out_dtype)
+
+
+def _wide_dot_fwd(x: Array, w: Array, dims: Any, out_dtype: jnp.dtype) -> tuple[Array, Any]:
+    return _wide_dot(x, w, dims, out_dtype), (x, w)
+
+
+def _wide_dot_bwd(dims: Any, out_dtype: jnp.dtype, res: Any, g: Array) -> tuple[Array, Array]:
+    x, w = res
+    g = g.astype(jnp.result_type(x, w))
+    (dx,) = jax.linear_transpose(lambda a: jax.lax.dot_general(a, w, dims), x)(g)
+    (dw,) = jax.linear_transpose(lambda b: jax.lax.dot_general(x, b, dims), w)(g)
+    return dx, dw
+
+
+_wide_dot.defvjp(_wide_dot_fwd, _wide_dot_bwd)
+
+
+def contract(
+    x: Array, w: Array, axis: Sequence[int], w_start: int = 0, out_dtype: Dtype | None = None
+) -> Array:
     """`x`'s dims `axis` contracted with `w`'s dims `w_start : w_start + len(axis)`; the
     result has `x`'s other dims, `w`'s first `w_start` dims, then `w`'s output dims.
 
@@ -46,13 +82,13 @@ def contract(x: Array, w: Array, axis: Sequence[int], w_start: int = 0) -> Array
     `[3, embed, heads, head_dim]` is computed as `[3, embed, heads * head_dim]`, which XLA's
     TPU pipeline turns into an FSDP reduce-scatter; the rank-4 one stayed an all-reduce of the
     whole gradient and a slice. (Flattening the contracted dims too changed nothing there and
-    cost ~1.5% of a CPU train step.)
+    cost ~1.5% of a CPU train step.) `out_dtype`: as `dot_general`'s.
     """
     axis = tuple(a % x.ndim for a in axis)
     n = len(axis)
     out = w.shape[w_start + n :]
     w = w.reshape(*w.shape[: w_start + n], int(np.prod(out, dtype=np.int64)))
-    y = jax.lax.dot_general(x, w, ((axis, tuple(range(w_start, w_start + n))), ((), ())))
+    y = dot_general(x, w, ((axis, tuple(range(w_start, w_start + n))), ((), ())), out_dtype)
     return y.reshape(*y.shape[:-1], *out)
 
 
@@ -74,6 +110,7 @@ class DenseGeneral(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     kernel_init: Initializer = nn.initializers.normal(0.02)
+    out_dtype: Dtype | None = None  # a wider result than `dtype` (`dot_general`'s)
 
     def _features(self) -> tuple[int, ...]:
         return (self.features,) if isinstance(self.features, int) else tuple(self.features)
@@ -110,9 +147,9 @@ class DenseGeneral(nn.Module):
         axis = self.contracted(x.ndim)
         kernel, bias = self.weights(tuple(x.shape[a] for a in axis))
         dtype = as_dtype(self.dtype)
-        y = contract(x.astype(dtype), kernel.astype(dtype), axis)
+        y = contract(x.astype(dtype), kernel.astype(dtype), axis, out_dtype=self.out_dtype)
         if bias is not None:
-            y = y + bias.astype(dtype)
+            y = y + bias.astype(y.dtype)
         return self.adapt(x, y)
 
     def adapt(self, x: Array, y: Array) -> Array:
@@ -213,13 +250,15 @@ class Embed(nn.Module):
             table = constrain(table, ("vocab", None))
         return jnp.take(table, ids, axis=0).astype(as_dtype(self.dtype))
 
-    def attend(self, x: Array, dtype: Dtype | None = None) -> Array:
-        """Tied-head logits in `dtype` (default: the module's compute dtype).
+    def attend(self, x: Array, out_dtype: Dtype | None = None) -> Array:
+        """Tied-head logits computed in the module's dtype, returned in `out_dtype` (default:
+        that dtype; a wider one is accumulated in it, `dot_general`).
 
         [batch, length, embed] x [vocab, embed] -> [batch, length, vocab]
         """
-        dtype = as_dtype(self.dtype if dtype is None else dtype)
-        return jnp.einsum("ble,ve->blv", x.astype(dtype), self.embedding.astype(dtype))
+        dtype = as_dtype(self.dtype)
+        dims = (((x.ndim - 1,), (1,)), ((), ()))
+        return dot_general(x.astype(dtype), self.embedding.astype(dtype), dims, out_dtype)
 
 
 class LayerNorm(nn.Module):

@@ -427,7 +427,8 @@ class T5(nn.Module):
             self.lm_head = layers.DenseGeneral(
                 cfg.vocab_size,
                 ("embed", "vocab"),
-                dtype=jnp.float32,
+                dtype=cfg.dtype,
+                out_dtype=jnp.float32,
                 param_dtype=cfg.param_dtype,
                 # t5x's fan-in init (HF's std 1.0 starts from logits of std sqrt(d_model)).
                 kernel_init=_normal(cfg.d_model**-0.5),
@@ -475,8 +476,8 @@ class T5(nn.Module):
         if cfg.scale_decoder_outputs:
             x = x * cfg.d_model**-0.5
         if cfg.tie_word_embeddings:
-            # [batch, length, embed] x [vocab, embed] -> [batch, length, vocab]
-            logits = jnp.einsum("ble,ve->blv", x, self.shared.embedding.astype(jnp.float32))
+            # The head in the compute dtype, float32 logits (`layers.dot_general`).
+            logits = self.shared.attend(x, out_dtype=jnp.float32)
         else:
             logits = self.lm_head(x)
         return layers.constrain(logits, ("batch", "length", "vocab"))
