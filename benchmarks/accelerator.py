@@ -4,7 +4,7 @@ For a gin/models/ shape (`--model`, default Llama-3.2-1B) and, with `--largest`,
 several (largest first) that the planner says fits one device, at each `--lengths` length:
 
   flaxlm   its own train step in `--dtype` (bfloat16 compute, float32 params and optimizer)
-           with `--attention` (default 'jax': cuDNN flash attention on a GPU, is_causal),
+           with `--attention` (default 'auto': cuDNN flash attention on a GPU, is_causal),
            as the planner compiled it (`flaxlm.plan`: one device, the model gin's remat
            policy and scan unless `--remat` / `--scan` say otherwise); its prediction
            (roofline of `flaxlm/chips.py`) beside the measured time
@@ -92,7 +92,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=4, help="R: timed blocks per side")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--attention", default="jax", help="flaxlm's: xla, jax (cuDNN), chunked")
+    p.add_argument(
+        "--attention", default="auto", help="flaxlm's: auto (cuDNN on a GPU), xla, jax, chunked"
+    )
     p.add_argument("--remat", help="flaxlm's remat policy (default: the model gin's)")
     p.add_argument("--scan", action=argparse.BooleanOptionalAction, help="default: the gin's")
     p.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True)

@@ -27,7 +27,7 @@ class ComputeOptions:
     dropout_rate: float = 0.0
     remat_policy: str = "none"  # see layers.REMAT_POLICIES
     scan_layers: bool = False  # stack blocks with nn.scan (params gain a 'layers' axis)
-    attention: str = "xla"  # 'xla', 'jax' or 'chunked' (see attention.dot_product_attention)
+    attention: str = "auto"  # 'auto', 'xla', 'jax', 'chunked' (attention.dot_product_attention)
     attention_chunk_size: int = 512  # queries and keys per block of 'chunked' attention
     # A sequence split over the mesh's 'sequence' axis: how attention reaches the other
     # shards' keys ('ring' or 'all_gather', see models.context_parallel), and whether a
