@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# A lent GPU's minutes in one call (benchmarks/README.md, "accelerator.py"):
+#
+#   bash benchmarks/gpu_session.sh [SECONDS]      # default 560: a 600 s call, less a margin
+#
+# 1. accelerator.py's default run: the Llama-3.2-1B shape at 2048, 4096 and 8192 against HF
+#    torch (torch.compile), decoding against HF generate, the planner's prediction, and each
+#    compiled step's HLO (hlo/), with SECONDS less 75 as its time limit;
+# 2. then, while time is left (about 65 s each), flaxlm alone at 2048 with one knob changed:
+#    --remat none, then --no-scan.
+#
+# Everything lands under $OUT (the device tool's; ./gpu_out elsewhere), at most 8 files, as
+# the device tool brings back: session.log (versions and every run's output), acc_1b.json,
+# hlo/*.hlo.txt.gz, knob_*.json. Wheels under .whl/ (gin-config: the lent image lacks it)
+# are installed first. ACC_ARGS, if set, is added to every accelerator.py command (the tiny
+# CPU check: ACC_ARGS="--model llama_tiny --lengths 32 --tokens 64 --dtype float32
+# --no-torch-compile --decode-new 4").
+set -uo pipefail
+budget=${1:-560}
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+log="$out/session.log"
+start=$SECONDS
+left() { echo $((budget - (SECONDS - start))); }
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=.:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1
+read -r -a extra <<<"${ACC_ARGS:-}"
+
+{
+  date -u
+  git log -1 --format='commit %h %s' 2>/dev/null
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
+  python3 -c 'import flaxlm, flax, jax, optax, torch, transformers
+print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__,
+      "torch", torch.__version__, "transformers", transformers.__version__, jax.devices())'
+} 2>&1 | tee "$log"
+
+limit=$(($(left) - 75))
+echo "== accelerator.py, time limit ${limit} s" | tee -a "$log"
+timeout $((limit + 30)) python3 benchmarks/accelerator.py "${extra[@]}" --time-limit "$limit" \
+  --hlo "$out/hlo" --json "$out/acc_1b.json" 2>&1 | tee -a "$log"
+
+for knob in "--remat none" "--no-scan"; do
+  l=$(left)
+  if [ "$l" -lt 60 ]; then
+    echo "== ${l} s left: not run: $knob" | tee -a "$log"
+    continue
+  fi
+  name="knob_$(echo "$knob" | tr -dc 'a-z')"
+  echo "== $knob, flaxlm alone, ${l} s left" | tee -a "$log"
+  read -r -a words <<<"$knob"
+  timeout "$l" python3 benchmarks/accelerator.py --lengths 2048 "${extra[@]}" --no-torch \
+    --no-decode --repeats 2 --warmup 1 "${words[@]}" --time-limit $((l - 10)) \
+    --json "$out/$name.json" 2>&1 | tee -a "$log"
+done
+echo "== done in $((SECONDS - start)) s" | tee -a "$log"
