@@ -169,9 +169,9 @@ class CausalLM(nn.Module):
     def _head(self, head: nn.Module, x: Array) -> Array:
         """float32 logits [batch, length, vocab] of `x` through `head`: the token embedding
         (tied) or `lm_head`, bound to its params. The product runs in the model's compute
-        dtype, accumulated and returned in float32 (`layers.dot_general`; as HF's autocast
-        and MaxText compute the head, with float32 results): a bfloat16 model's head is not
-        a float32 matmul, which an NVIDIA GPU runs as TF32 at half the bfloat16 rate."""
+        dtype (as under HF's autocast and in MaxText), accumulated and returned in float32
+        (`layers.dot_general`): a bfloat16 model's head is not a float32 matmul, which an
+        NVIDIA GPU runs as TF32 at half the bfloat16 rate."""
         if isinstance(head, layers.Embed):
             logits = head.attend(x, out_dtype=jnp.float32)
         else:
