@@ -335,7 +335,7 @@ def flaxlm_length(
         size = f"{model.config.num_params() / 1e6:.0f}M"
         name = f"{type(model.config).__name__}_{size}_L{length}.hlo.txt.gz"
         with gzip.open(os.path.join(args.hlo, name), "wt") as f:
-            f.write(result.step.compiled.as_text())
+            f.write(result.step.hlo_text())
     print(f"  L{length} B{rows}: planner {result.status}", end="", flush=True)
     if result.predicted_s:
         print(f", predicts {result.predicted_s * 1e3:.1f} ms/step", end="")

@@ -108,6 +108,7 @@ class CompiledStep:
         out_of_memory_ok: bool = False,
     ) -> None:
         self.out_of_memory: str | None = None
+        self._hlo_text: str | None = None
         pairs = isinstance(objective, preference.PreferenceConfig)
         if pairs:
             drop = ("decoder_segment_ids", "decoder_positions")
@@ -170,6 +171,13 @@ class CompiledStep:
             + mem.temp_size_in_bytes
         )
 
+    def hlo_text(self) -> str:
+        """The compiled program's HLO text, made once (megabytes for a large model; the
+        planner reads it for collectives and for library calls)."""
+        if self._hlo_text is None:
+            self._hlo_text = self.compiled.as_text()
+        return self._hlo_text
+
     def cost(self) -> dict[str, float]:
         """XLA's cost analysis of one device's program: `flops`, `bytes accessed` (a loop's
         body counted once, whatever its trip count), with the cuBLAS and cuDNN calls of an
@@ -178,7 +186,7 @@ class CompiledStep:
         if isinstance(analysis, Sequence):
             analysis = analysis[0]
         cost = {k: float(analysis.get(k, 0.0)) for k in ("flops", "bytes accessed")}
-        text = self.compiled.as_text()
+        text = self.hlo_text()
         if 'custom_call_target="__cu' not in text:
             return cost
         return hlo.with_library_calls(cost, hlo.matmul_costs(text))

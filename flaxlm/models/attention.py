@@ -206,10 +206,10 @@ def auto_choice(
     self-attention in bfloat16 or float16 without a bias or soft cap, 'xla' otherwise. On one
     H200 the Llama-3.2-1B step took 754 ms with cuDNN and 1308 with 'xla' (RESULTS.md); masks
     cuDNN would take as a dense tensor (packing, decoding) are not measured there."""
-    plain = "is_causal" in jax_attention_mask(mask)
+    if jax.default_backend() != "gpu" or bias is not None or softcap is not None:
+        return "xla"
     half = as_dtype(dtype) in (jnp.bfloat16, jnp.float16)
-    gpu = jax.default_backend() == "gpu"
-    return "jax" if gpu and plain and half and bias is None and softcap is None else "xla"
+    return "jax" if half and plain_causal(mask) else "xla"
 
 
 def check_implementation(implementation: str, softcap: float | None = None) -> None:
@@ -239,31 +239,35 @@ def jax_attention_mask(mask: Mask | Array | None) -> dict:
     `local_window_size` for a sliding window) when it is plain causal self-attention, which
     cuDNN computes without a mask tensor and skips the hidden blocks of; otherwise the dense
     bool `mask` (packed segments, padding, decoding offsets)."""
-    if isinstance(mask, Mask):
-        plain = (
-            mask.causal
-            and not mask.cross
-            and mask.q_len == mask.kv_len
-            and isinstance(mask.q_offset, int)
-            and mask.q_offset == 0
-            and all(
-                x is None
-                for x in (
-                    mask.q_segment_ids,
-                    mask.kv_segment_ids,
-                    mask.kv_start,
-                    mask.kv_keep,
-                    mask.window,
-                    mask.slots,
-                )
+    if plain_causal(mask):
+        window = mask.sliding_window
+        local = None if window is None else (window - 1, 0)
+        return {"is_causal": True, "local_window_size": local}
+    return {"mask": mask.dense() if isinstance(mask, Mask) else mask}
+
+
+def plain_causal(mask: Mask | Array | None) -> bool:
+    """Whether `mask` is plain causal self-attention (a sliding window allowed): no
+    segments, padding, offsets or cache slots, which cuDNN takes as `is_causal`."""
+    return (
+        isinstance(mask, Mask)
+        and mask.causal
+        and not mask.cross
+        and mask.q_len == mask.kv_len
+        and isinstance(mask.q_offset, int)
+        and mask.q_offset == 0
+        and all(
+            x is None
+            for x in (
+                mask.q_segment_ids,
+                mask.kv_segment_ids,
+                mask.kv_start,
+                mask.kv_keep,
+                mask.window,
+                mask.slots,
             )
         )
-        if plain:
-            window = mask.sliding_window
-            local = None if window is None else (window - 1, 0)
-            return {"is_causal": True, "local_window_size": local}
-        mask = mask.dense()
-    return {"mask": mask}
+    )
 
 
 # Why cuDNN was passed over, each said once (a warning, not an error: the XLA attention

@@ -262,7 +262,7 @@ class Planner:
         if not on_tpu and limit is not None and result.device_bytes > limit:
             result.status = "does not fit"
             result.reason = f"needs {result.device_bytes / GIB:.2f} GiB of {limit / GIB:.2f}"
-        collectives = hlo.parse_hlo(step.compiled.as_text(), len(self.devices))
+        collectives = hlo.parse_hlo(step.hlo_text(), len(self.devices))
         result.collective_bytes = collectives["ring_bytes"]
         result.collective_ops = int(
             sum(v["count"] for k, v in collectives["by_kind"].items() if "/" not in k)
