@@ -5,16 +5,20 @@
 #
 # 1. accelerator.py's default run: the Llama-3.2-1B shape at 2048, 4096 and 8192 against HF
 #    torch (torch.compile), decoding against HF generate, the planner's prediction, and each
-#    compiled step's HLO (hlo/), with SECONDS less 75 as its time limit;
-# 2. then, while time is left (about 65 s each), flaxlm alone at 2048 with one knob changed:
+#    compiled step's HLO (hlo/), with at most MAIN seconds (default 340; about 335 on an H200
+#    on 2026-11-26) as its time limit;
+# 2. then the largest shape the issue asks for, Llama-3.2-3B with full remat at 2048, against
+#    torch, with fewer steps (the time left less 20 s);
+# 3. then, while time is left (about 40 s each), flaxlm alone at 2048 with one knob changed:
 #    --remat none, then --no-scan.
 #
 # Everything lands under $OUT (the device tool's; ./gpu_out elsewhere), at most 8 files, as
 # the device tool brings back: session.log (versions and every run's output), acc_1b.json,
-# hlo/*.hlo.txt.gz, knob_*.json. Wheels under .whl/ (gin-config: the lent image lacks it)
-# are installed first. ACC_ARGS, if set, is added to every accelerator.py command (the tiny
-# CPU check: ACC_ARGS="--model llama_tiny --lengths 32 --tokens 64 --dtype float32
-# --no-torch-compile --decode-new 4").
+# acc_3b.json, hlo/*.hlo.txt.gz, knob_*.json. Wheels under .whl/ (gin-config: the lent image
+# lacks it) are installed first. ACC_ARGS, if set, is added to every accelerator.py command,
+# and LARGEST replaces the second run's model (the tiny CPU check: ACC_ARGS="--model
+# llama_tiny --lengths 32 --tokens 64 --dtype float32 --no-torch-compile --decode-new 4"
+# LARGEST=llama_tiny).
 set -uo pipefail
 budget=${1:-560}
 out=${OUT:-gpu_out}
@@ -42,9 +46,20 @@ print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version
 } 2>&1 | tee "$log"
 
 limit=$(($(left) - 75))
+limit=$((limit < ${MAIN:-340} ? limit : ${MAIN:-340}))
 echo "== accelerator.py, time limit ${limit} s" | tee -a "$log"
 timeout $((limit + 30)) python3 benchmarks/accelerator.py "${extra[@]}" --time-limit "$limit" \
   --hlo "$out/hlo" --json "$out/acc_1b.json" 2>&1 | tee -a "$log"
+
+l=$(($(left) - 20))
+if [ "$l" -lt 90 ]; then
+  echo "== ${l} s left: not run: the largest shape" | tee -a "$log"
+else
+  echo "== the largest shape, time limit ${l} s" | tee -a "$log"
+  timeout $((l + 15)) python3 benchmarks/accelerator.py --lengths 2048 --remat full \
+    --no-decode --repeats 2 --steps 3 --warmup 1 "${extra[@]}" --model "${LARGEST:-llama3_2_3b}" \
+    --time-limit "$l" --json "$out/acc_3b.json" 2>&1 | tee -a "$log"
+fi
 
 for knob in "--remat none" "--no-scan"; do
   l=$(left)

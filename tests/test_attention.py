@@ -187,6 +187,33 @@ def test_auto_takes_cudnn_on_a_gpu_for_plain_causal_half_precision_only(monkeypa
     assert choice(packed, None, None, jnp.bfloat16) == "xla"  # a dense mask: unmeasured
 
 
+@pytest.mark.parametrize("remat", ["none", "dots_with_no_batch_dims_saveable"])
+def test_a_remat_scanned_model_still_takes_cudnn_on_a_gpu(monkeypatch, remat):
+    """nn.remat and nn.scan trace every leaf of the mask they are handed: a `q_offset` of 0
+    came back a tracer, so every remat'd model's plain causal mask looked like an offset one
+    and 'auto' took 'xla' (1203 ms against 525 on one H200, RESULTS.md)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    chosen, plain = [], []
+    choose = attention.auto_choice
+
+    def spy(mask, bias, softcap, dtype):
+        plain.append(attention.plain_causal(mask))
+        chosen.append(choose(mask, bias, softcap, dtype))
+        return chosen[-1]
+
+    monkeypatch.setattr(attention, "auto_choice", spy)
+    model = tiny_gptj(dtype="bfloat16", remat_policy=remat, scan_layers=True)
+    unpacked = ("decoder_input_tokens", "decoder_target_tokens", "decoder_loss_weights")
+    batch = {k: jnp.asarray(random_batch(batch_size=2)[k]) for k in unpacked}
+    params = jax.eval_shape(
+        lambda: model.init_params(jax.random.PRNGKey(0), {"decoder_input_tokens": (1, 16)})
+    )
+    plain.clear()
+    chosen.clear()
+    jax.eval_shape(jax.grad(lambda p: model.loss_fn(p, batch, None)[0]), params)
+    assert plain and all(plain) and set(chosen) == {"jax"}
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_model_logits_and_gradients_agree_across_implementations(implementation):
     batch = {k: jnp.asarray(v) for k, v in random_batch(batch_size=2).items()}

@@ -99,8 +99,7 @@ def whole_sequence(mask: Mask | Array | None, bias: Array | None) -> bool:
     under a `Mask` (not decoding or cross-attention, no bias)."""
     if not isinstance(mask, Mask) or bias is not None or mask.cross:
         return False
-    # Decoding's masks alone set kv_start (q_offset may be a tracer under remat even where
-    # it is 0).
+    # Decoding's masks alone set kv_start (and a q_offset).
     return mask.kv_start is None and mask.q_len == mask.kv_len
 
 

@@ -20,18 +20,21 @@ class Mask:
     keys (`block`) or whole (`dense`, bool `[batch, 1, q_len, kv_len]`); the blockwise
     attention never holds the whole mask.
 
-    Queries sit at slots `q_offset + i`, keys at slots `j`. `causal`: a key at a later slot
-    is hidden; `sliding_window` W: only the W latest slots (the query's own included) are
-    seen; `kv_start` (per row): keys before it are padding (left-padded decoding). Segment
-    ids keep packed examples apart: with `cross` (keys are another sequence) a query sees
-    keys of its own segment and never segment 0 (padding); otherwise queries and keys share
-    `q_segment_ids`.
+    Queries sit at slots `q_offset + i` (None: slot `i`), keys at slots `j`. `causal`: a key
+    at a later slot is hidden; `sliding_window` W: only the W latest slots (the query's own
+    included) are seen; `kv_start` (per row): keys before it are padding (left-padded
+    decoding). Segment ids keep packed examples apart: with `cross` (keys are another
+    sequence) a query sees keys of its own segment and never segment 0 (padding); otherwise
+    queries and keys share `q_segment_ids`.
     """
 
     q_segment_ids: Array | None
     kv_segment_ids: Array | None
     kv_start: Array | None
-    q_offset: Array | int
+    # None, not 0, where there is no offset: a None leaf stays None through `nn.remat` and
+    # `nn.scan`, which trace every leaf, so a remat'd layer still sees plain causal
+    # self-attention (cuDNN's `is_causal`, `attention.plain_causal`; context parallelism).
+    q_offset: Array | int | None
     kv_keep: Array | None = None  # bool [batch, kv_len]: False hides a key from every query
     # A layer's own sliding window (int32 scalar, may be traced: `layer_window`), on top of
     # `sliding_window`; NO_WINDOW sees everything.
@@ -52,7 +55,8 @@ class Mask:
         q_idx = q_start + jnp.arange(q_size)
         k_idx = k_start + jnp.arange(k_size)
         if self.slots is None:
-            q_slot, k_slot = self.q_offset + q_idx, k_idx
+            q_slot = q_idx if self.q_offset is None else self.q_offset + q_idx
+            k_slot = k_idx
         else:
             padded = jnp.pad(self.slots, (0, max(q_size, k_size)))
             q_slot = jax.lax.dynamic_slice_in_dim(padded, q_start, q_size)
@@ -150,7 +154,7 @@ def attention_mask(
         q_segment_ids=segment_ids,
         kv_segment_ids=kv_segment_ids,
         kv_start=None,
-        q_offset=0,
+        q_offset=None,
         batch=batch,
         q_len=length,
         kv_len=length if kv_length is None else kv_length,
