@@ -173,9 +173,8 @@ def test_plain_causal_attention_reaches_jax_as_is_causal_not_a_mask_tensor():
     assert how(None) == {"mask": None}
 
 
-def test_auto_takes_cudnn_on_a_gpu_for_plain_causal_half_precision_only(monkeypatch):
+def test_auto_takes_cudnn_on_a_gpu_for_whole_sequence_half_precision_only(monkeypatch):
     causal = attention.attention_mask(None, 2, 13)
-    packed = masks()["causal_packed"][0]
     choice = attention.auto_choice
     assert choice(causal, None, None, jnp.bfloat16) == "xla"  # CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -184,7 +183,10 @@ def test_auto_takes_cudnn_on_a_gpu_for_plain_causal_half_precision_only(monkeypa
     assert choice(causal, None, None, jnp.float32) == "xla"  # cuDNN takes half precision
     assert choice(causal, None, 50.0, jnp.bfloat16) == "xla"  # a soft cap (Gemma 2)
     assert choice(causal, jnp.zeros((1, 2, 13, 13)), None, jnp.bfloat16) == "xla"  # T5's bias
-    assert choice(packed, None, None, jnp.bfloat16) == "xla"  # a dense mask: unmeasured
+    for name in ("causal_packed", "bidirectional_packed", "sliding_window"):
+        assert choice(masks()[name][0], None, None, jnp.bfloat16) == "jax", name  # dense
+    for name in ("cross_padded", "decoding_left_padded"):
+        assert choice(masks()[name][0], None, None, jnp.bfloat16) == "xla", name
 
 
 @pytest.mark.parametrize("remat", ["none", "dots_with_no_batch_dims_saveable"])

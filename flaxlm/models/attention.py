@@ -35,6 +35,8 @@ from flaxlm.models.masks import (  # noqa: F401  (re-exported: attention.Mask, .
     default_positions,
     forgetful_causal_mask,
     layer_window,
+    plain_causal,
+    whole_self_attention,
 )
 from flaxlm.models.xla_attention import xla_attention
 
@@ -202,15 +204,17 @@ def dot_product_attention(
 def auto_choice(
     mask: Mask | Array | None, bias: Array | None, softcap: float | None, dtype: Dtype
 ) -> str:
-    """What 'auto' runs: 'jax' (cuDNN's flash attention) on an NVIDIA GPU for plain causal
-    self-attention in bfloat16 or float16 without a bias or soft cap, 'xla' otherwise. On one
-    H200 the Llama-3.2-1B step (L2048, the gin's remat) took 525 ms with cuDNN's `is_causal`
-    and 1203 with 'xla' (RESULTS.md); masks that cuDNN can only take as a dense tensor
-    (packing, decoding) keep 'xla': cuDNN that way is not measured against it."""
+    """What 'auto' runs: 'jax' (cuDNN's flash attention) on an NVIDIA GPU for self-attention
+    over a whole sequence (`whole_self_attention`: plain causal, told `is_causal`; packed or
+    padded, given the dense mask) in bfloat16 or float16 without a bias or soft cap, 'xla'
+    otherwise (decoding, cross-attention, CPU, TPU). On one H200 the Llama-3.2-1B step (L2048,
+    the gin's remat) took 525 ms with `is_causal` against 1203 with 'xla'; cuDNN given a dense
+    mask took 754 against 'xla''s 1308 at an earlier commit, and fit 8192 where 'xla' did not
+    (RESULTS.md)."""
     if jax.default_backend() != "gpu" or bias is not None or softcap is not None:
         return "xla"
     half = as_dtype(dtype) in (jnp.bfloat16, jnp.float16)
-    return "jax" if half and plain_causal(mask) else "xla"
+    return "jax" if half and whole_self_attention(mask) else "xla"
 
 
 def check_implementation(implementation: str, softcap: float | None = None) -> None:
@@ -245,29 +249,6 @@ def jax_attention_mask(mask: Mask | Array | None) -> dict:
         local = None if window is None else (window - 1, 0)
         return {"is_causal": True, "local_window_size": local}
     return {"mask": mask.dense() if isinstance(mask, Mask) else mask}
-
-
-def plain_causal(mask: Mask | Array | None) -> bool:
-    """Whether `mask` is plain causal self-attention (a sliding window allowed): no
-    segments, padding, offsets or cache slots, which cuDNN takes as `is_causal`."""
-    return (
-        isinstance(mask, Mask)
-        and mask.causal
-        and not mask.cross
-        and mask.q_len == mask.kv_len
-        and all(
-            x is None
-            for x in (
-                mask.q_offset,
-                mask.q_segment_ids,
-                mask.kv_segment_ids,
-                mask.kv_start,
-                mask.kv_keep,
-                mask.window,
-                mask.slots,
-            )
-        )
-    )
 
 
 # Why cuDNN was passed over, each said once (a warning, not an error: the XLA attention

@@ -35,7 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.models.masks import NO_WINDOW, Mask, default_positions, visible
+from flaxlm.models.masks import (
+    NO_WINDOW,
+    Mask,
+    default_positions,
+    visible,
+    whole_self_attention,
+)
 
 Array = jax.Array
 
@@ -97,10 +103,7 @@ def balanced_batch(batch: Mapping[str, Array], tokens: str, positions: str, slot
 def whole_sequence(mask: Mask | Array | None, bias: Array | None) -> bool:
     """Whether `attention` can compute this attention: self-attention over a whole sequence
     under a `Mask` (not decoding or cross-attention, no bias)."""
-    if not isinstance(mask, Mask) or bias is not None or mask.cross:
-        return False
-    # Decoding's masks alone set kv_start (and a q_offset).
-    return mask.kv_start is None and mask.q_len == mask.kv_len
+    return bias is None and whole_self_attention(mask)
 
 
 def applies(mask: Mask | Array | None, bias: Array | None) -> bool:

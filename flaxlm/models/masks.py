@@ -108,6 +108,28 @@ class Mask:
 NO_WINDOW = 2**30  # a window longer than any sequence
 
 
+def whole_self_attention(mask: Mask | Array | None) -> bool:
+    """Whether `mask` is a `Mask` for self-attention over a whole sequence (training,
+    scoring), whatever its segments, padding, windows and order (`slots`): not
+    cross-attention, and not decoding (no query offset or cache start)."""
+    return (
+        isinstance(mask, Mask)
+        and not mask.cross
+        and mask.q_len == mask.kv_len
+        and mask.q_offset is None
+        and mask.kv_start is None
+    )
+
+
+def plain_causal(mask: Mask | Array | None) -> bool:
+    """Whether `mask` is plain causal self-attention (a sliding window allowed): no
+    segments, padding, offsets or reordered slots, which cuDNN takes as `is_causal`."""
+    if not whole_self_attention(mask) or not mask.causal:
+        return False
+    plain = (mask.q_segment_ids, mask.kv_segment_ids, mask.kv_keep, mask.window, mask.slots)
+    return all(x is None for x in plain)
+
+
 def visible(q_slot: Array, k_slot: Array, *, causal: bool, window: Array | int | None) -> Array:
     """bool `[len(q_slot), len(k_slot)]`: which keys at slots `k_slot` causality and a sliding
     `window` (None: none) let the queries at slots `q_slot` see (no segments, no padding)."""
