@@ -32,8 +32,9 @@ class Mask:
     kv_segment_ids: Array | None
     kv_start: Array | None
     # None, not 0, where there is no offset: a None leaf stays None through `nn.remat` and
-    # `nn.scan`, which trace every leaf, so a remat'd layer still sees plain causal
-    # self-attention (cuDNN's `is_causal`, `attention.plain_causal`; context parallelism).
+    # `nn.scan`, which trace every leaf, so a remat'd layer still knows its self-attention
+    # covers the whole sequence (`whole_self_attention`, `plain_causal`: cuDNN, context
+    # parallelism).
     q_offset: Array | int | None
     kv_keep: Array | None = None  # bool [batch, kv_len]: False hides a key from every query
     # A layer's own sliding window (int32 scalar, may be traced: `layer_window`), on top of
