@@ -137,6 +137,7 @@ class KVCache(nn.Module):
 
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "jax", "chunked")
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)  # what cuDNN's flash attention computes in
 
 
 def dot_product_attention(
@@ -213,7 +214,7 @@ def auto_choice(
     (RESULTS.md)."""
     if jax.default_backend() != "gpu" or bias is not None or softcap is not None:
         return "xla"
-    half = as_dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    half = as_dtype(dtype) in CUDNN_DTYPES
     return "jax" if half and whole_self_attention(mask) else "xla"
 
 
@@ -270,7 +271,7 @@ def _jax_attention(query, key, value, mask, bias, scale, dtype) -> Array:
         bias = jnp.broadcast_to(bias, (b, heads, q_len, kv_len)).astype(dtype)
     args = (query.astype(dtype), key.astype(dtype), value.astype(dtype))
     if jax.default_backend() == "gpu":
-        if dtype not in (jnp.bfloat16, jnp.float16):
+        if dtype not in CUDNN_DTYPES:
             reason = f"attention in {jnp.dtype(dtype).name} (cuDNN takes bfloat16 or float16)"
         else:
             try:
