@@ -6,7 +6,8 @@ several (largest first) that the planner says fits one device, at each `--length
   flaxlm   its own train step in `--dtype` (bfloat16 compute, float32 params and optimizer)
            with `--attention` (default 'auto': cuDNN flash attention on a GPU, is_causal),
            as the planner compiled it (`flaxlm.plan`: one device, the model gin's remat
-           policy and scan unless `--remat` / `--scan` say otherwise); its prediction
+           policy and scan unless `--remat` / `--scan` say otherwise, the loss over all
+           positions at once unless `--loss-chunk-size` says how many); its prediction
            (roofline of `flaxlm/chips.py`) beside the measured time
   torch    HF's `AutoModelForCausalLM` (SDPA attention) loaded from the same weights
            (flaxlm's init, exported with `flaxlm.hf.save_pretrained`), autocast bfloat16
@@ -96,6 +97,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--attention", default="auto", help="flaxlm's: auto (cuDNN on a GPU), xla, jax, chunked"
     )
     p.add_argument("--remat", help="flaxlm's remat policy (default: the model gin's)")
+    p.add_argument(
+        "--loss-chunk-size",
+        type=int,
+        metavar="N",
+        help="flaxlm's loss N positions at a time (the model's loss_chunk_size: float32 "
+        "logits [batch, N, vocab], not [batch, length, vocab]); default: all at once",
+    )
     p.add_argument("--scan", action=argparse.BooleanOptionalAction, help="default: the gin's")
     p.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=True)
@@ -205,7 +213,10 @@ def flaxlm_model(name: str, args: argparse.Namespace, remat: str | None = None) 
         changes["remat_policy"] = remat or args.remat
     if args.scan is not None:
         changes["scan_layers"] = args.scan
-    return bench_common.gin_model(name, **changes)
+    bindings = []
+    if args.loss_chunk_size is not None:  # what a user binds: gin/models/ import base
+        bindings.append(f"base.DecoderOnlyModel.loss_chunk_size = {args.loss_chunk_size}")
+    return bench_common.gin_model(name, bindings, **changes)
 
 
 def plan_one(model: Any, rows: int, length: int, devices: Sequence[Any], chip: Any) -> Any:
@@ -405,10 +416,12 @@ def flaxlm_side(args: argparse.Namespace) -> dict:
         remat = "full" if name != args.model else None
         model = flaxlm_model(name, args, remat=remat)
         config = model.config
-        print(f"\nflaxlm, {name} ({config.remat_policy} remat, scan {config.scan_layers}):")
+        chunks = f", loss {model.loss_chunk_size} positions at a time" * bool(model.loss_chunk_size)
+        print(f"\nflaxlm, {name} ({config.remat_policy} remat, scan {config.scan_layers}{chunks}):")
         record: dict[str, Any] = {
             "remat_policy": config.remat_policy,
             "scan_layers": config.scan_layers,
+            "loss_chunk_size": model.loss_chunk_size,
             "attention": config.attention,
             "params": config.num_params(),
             "vocab_size": config.vocab_size,

@@ -157,16 +157,17 @@ def gin_model_names() -> list[str]:
     return sorted(f[: -len(".gin")] for f in os.listdir(GIN_MODELS) if f.endswith(".gin"))
 
 
-def gin_model(name: str, **changes: Any) -> Any:
-    """The model `gin/models/<name>.gin` binds to MODEL, its config changed by `changes`
-    (the module rebuilt from it); Gin's config is cleared before and after."""
+def gin_model(name: str, bindings: Sequence[str] = (), **changes: Any) -> Any:
+    """The model `gin/models/<name>.gin` binds to MODEL (with Gin `bindings` added, as
+    `--gin.` flags would), its config changed by `changes` (the module rebuilt from it);
+    Gin's config is cleared before and after."""
     import dataclasses
 
     import gin
 
     gin.clear_config()
     try:
-        gin.parse_config_files_and_bindings([os.path.join(GIN_MODELS, f"{name}.gin")], [])
+        gin.parse_config_files_and_bindings([os.path.join(GIN_MODELS, f"{name}.gin")], bindings)
         model = gin.query_parameter("%MODEL").scoped_configurable_fn()
     finally:
         gin.clear_config()
