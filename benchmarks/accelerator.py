@@ -13,7 +13,8 @@ several (largest first) that the planner says fits one device, at each `--length
            (flaxlm's init, exported with `flaxlm.hf.save_pretrained`), autocast bfloat16
            over float32 params, fused AdamW with flaxlm's settings (torch_side.py),
            `torch.compile`d forward and loss (`--no-torch-compile`: eager); without
-           gradient checkpointing, and with it if that runs out of memory
+           gradient checkpointing, and with it if that runs out of memory (or as
+           `--[no-]torch-checkpointing` says)
 
 Both train on the same random tokens (`--tokens` per step: batch = tokens / length), every
 position weighted; their first losses agree to bfloat16 rounding (the same weights), which
@@ -107,6 +108,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scan", action=argparse.BooleanOptionalAction, help="default: the gin's")
     p.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--torch-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        help="torch's gradient checkpointing (default: without, then with if out of memory)",
+    )
     p.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--decode-batch", type=int, default=8)
     p.add_argument("--decode-prompt", type=int, default=128)
@@ -510,7 +516,8 @@ def torch_side(args: argparse.Namespace, flaxlm: dict) -> dict:
 
 def torch_train(path: str, batch: dict, args: argparse.Namespace, device: str) -> dict:
     """torch's step on `batch` from the checkpoint at `path`: without gradient checkpointing,
-    and with it if that runs out of memory (torch's fastest step that fits)."""
+    and with it if that runs out of memory (torch's fastest step that fits), unless
+    `--torch-checkpointing` or `--no-torch-checkpointing` says which."""
     import gc
 
     import torch
@@ -518,7 +525,8 @@ def torch_train(path: str, batch: dict, args: argparse.Namespace, device: str) -
     from torch_side import TorchSide
 
     row: dict[str, Any] = {"batch_size": len(batch["decoder_input_tokens"])}
-    for remat in (False, True):
+    tries = (False, True) if args.torch_checkpointing is None else (args.torch_checkpointing,)
+    for remat in tries:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation="sdpa"
         )

@@ -12,7 +12,9 @@
 #    The chunks are the margin on an H100 (73 GiB lent at MEM_FRACTION 0.92): CPU's compiler
 #    puts the 3B step at 100.9 GiB with the whole float32 logits [16, 2048, 128256] and 84.7
 #    with the chunks (2026-11-26); the 1B's GPU step took 0.65x its CPU figure (68.87 GiB on
-#    the H200 against 106.6), which puts the 3B at about 66 and 55 GiB;
+#    the H200 against 106.6), which puts the 3B at about 66 and 55 GiB. torch goes straight
+#    to gradient checkpointing (its float32 weights and AdamW state alone are 51 GB: without
+#    it, it would compile only to run out of memory);
 # 3. then, while time is left (about 40 s each), flaxlm alone at 2048 with one knob changed:
 #    --remat none, then --no-scan.
 #
@@ -61,8 +63,9 @@ if [ "$l" -lt 90 ]; then
 else
   echo "== the largest shape, time limit ${l} s" | tee -a "$log"
   timeout $((l + 15)) python3 benchmarks/accelerator.py --lengths 2048 --remat full \
-    --loss-chunk-size 512 --no-decode --repeats 2 --steps 3 --warmup 1 "${extra[@]}" \
-    --model "${LARGEST:-llama3_2_3b}" --time-limit "$l" --json "$out/acc_3b.json" 2>&1 | tee -a "$log"
+    --loss-chunk-size 512 --torch-checkpointing --no-decode --repeats 2 --steps 3 --warmup 1 \
+    "${extra[@]}" --model "${LARGEST:-llama3_2_3b}" --time-limit "$l" --json "$out/acc_3b.json" \
+    2>&1 | tee -a "$log"
 fi
 
 for knob in "--remat none" "--no-scan"; do

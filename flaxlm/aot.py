@@ -90,6 +90,9 @@ class CompiledStep:
     the state holds the adapters. The frozen params (a LoRA base, a reference copy) are
     `abstract_frozen`. `out_of_memory_ok`: a compile that runs out of device memory leaves
     `compiled` None and the compiler's message in `out_of_memory` instead of raising.
+    `state_limit`: where one device's share of the training state (params, optimizer state,
+    frozen params: `state_bytes`) alone exceeds these bytes, nothing is lowered or compiled
+    (`lowered` and `compiled` None) and `out_of_memory` says so.
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class CompiledStep:
         objective: trainer.Objective | None = None,
         matmul_precision: str | None = None,
         out_of_memory_ok: bool = False,
+        state_limit: float | None = None,
     ) -> None:
         self.out_of_memory: str | None = None
         self._hlo_text: str | None = None
@@ -143,6 +147,15 @@ class CompiledStep:
         elif reference:
             self.abstract_frozen = setup.abstract_state.params
         frozen = () if self.abstract_frozen is None else (self.abstract_frozen,)
+        self.state_bytes = per_device_bytes((setup.abstract_state, *frozen))
+        self.lowered = self.compiled = None
+        self.lower_seconds = self.compile_seconds = 0.0
+        if state_limit is not None and self.state_bytes > state_limit:
+            self.out_of_memory = (
+                f"the training state alone needs {self.state_bytes / 2**30:.2f} GiB of "
+                f"{state_limit / 2**30:.2f} per device (not compiled)"
+            )
+            return
         with jax.default_matmul_precision(matmul_precision):
             start = time.perf_counter()
             self.lowered = step.lower(setup.abstract_state, self.abstract_batch, *frozen)

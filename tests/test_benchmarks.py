@@ -342,10 +342,10 @@ def test_accelerator_benchmark_tiny_on_cpu(tmp_path, monkeypatch):
     """flaxlm (as the planner compiled it) and HF torch train from the same weights (equal
     first losses), then decode greedily to the same tokens; the report has both MFU
     conventions' columns and the planner's prediction; flaxlm's loss in two chunks of 16
-    positions (`--loss-chunk-size`, as the 3B row on a GPU) is torch's whole loss. Both
-    sides' processes run with TensorFlow and seqio unimportable, as on the lent GPU
-    machines: the compute core (models, train step, aot, planner, inference, HF files)
-    needs neither."""
+    positions (`--loss-chunk-size`, as the 3B row on a GPU) is torch's whole loss (with
+    gradient checkpointing, `--torch-checkpointing`). Both sides' processes run with
+    TensorFlow and seqio unimportable, as on the lent GPU machines: the compute core
+    (models, train step, aot, planner, inference, HF files) needs neither."""
     no_tensorflow = os.path.join(REPO, "tests", "no_tensorflow")
     assert os.path.exists(os.path.join(no_tensorflow, "sitecustomize.py"))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([no_tensorflow, REPO]))
@@ -356,9 +356,11 @@ def test_accelerator_benchmark_tiny_on_cpu(tmp_path, monkeypatch):
     hlo_dir = tmp_path / "hlo"
     results = accelerator.main(
         [*argv, "--time-limit=900", "--json", str(tmp_path / "acc.json"), "--hlo", str(hlo_dir)]
-        + ["--loss-chunk-size", "16"]
+        + ["--loss-chunk-size", "16", "--torch-checkpointing"]
     )
     assert results["flaxlm"]["models"]["llama_tiny"]["loss_chunk_size"] == 16
+    torch_row = results["torch"]["models"]["llama_tiny"]["train"]["32"]
+    assert torch_row["description"]["gradient_checkpointing"] is True
     assert json.loads((tmp_path / "acc.json").read_text())["train"] == results["train"]
     assert [p.name for p in hlo_dir.iterdir()] == ["LlamaConfig_3M_L32.hlo.txt.gz"]
     planned = results["flaxlm"]["models"]["llama_tiny"]["train"]["32"]["planner"]

@@ -123,6 +123,22 @@ def test_nothing_fits_prints_the_smallest_need():
     assert "needs 1.00 GiB/device" in out.getvalue()
 
 
+def test_a_state_too_large_for_the_device_is_not_compiled():
+    """Off TPU the planner holds the memory limit: a candidate whose params and optimizer
+    state alone exceed it does not fit at once, nothing lowered, its GiB a lower bound."""
+    chip = dataclasses.replace(CHIP, memory_bytes=1e5)
+    p = planner.Planner(tiny_run(), jax.devices(), chip)
+    result = p.evaluate(dataclasses.replace(p.run.base, mesh_shape=(1, 8, 1)))
+    assert (result.status, result.at_least) == ("does not fit", True)
+    assert result.reason.startswith("the training state alone needs")
+    assert result.step.lowered is None and result.device_bytes == result.step.state_bytes > 1e5
+    out = io.StringIO()
+    with redirect_stdout(out):
+        report.print_table([result], p.run)
+    assert f"| >{result.device_bytes / 2**30:.2f} |" in out.getvalue()
+    assert "needs more than 0.00 GiB/device (its training state alone)" in out.getvalue()
+
+
 def test_matmul_costs_count_the_dots_xla_counts():
     f = jax.jit(lambda a, b, c: jnp.einsum("bij,bjk->bik", a, b) @ c)
     compiled = f.lower(jnp.ones((3, 16, 24)), jnp.ones((3, 24, 40)), jnp.ones((40, 8))).compile()

@@ -72,6 +72,8 @@ class Result:
     mfu: float | None = None
     compile_s: float = 0.0
     measured_s: float | None = None
+    # device_bytes is the training state's alone, found without compiling: the step needs more
+    at_least: bool = False
     step: Any = dataclasses.field(default=None, repr=False)  # aot.CompiledStep
 
 
@@ -226,6 +228,9 @@ class Planner:
     # ------------------------------------------------------------------ compile + predict
 
     def compile(self, knobs: Knobs, **changes: Any) -> aot.CompiledStep:
+        # Off TPU the planner holds the memory limit (the TPU compiler holds its own and says
+        # so in its own words): a state that alone exceeds it is not worth a compile.
+        on_tpu = self.devices[0].platform == "tpu"
         return aot.CompiledStep(
             self.model(knobs, **changes),
             self.partitioner(knobs),
@@ -237,6 +242,7 @@ class Planner:
             lora=self.run.lora,
             objective=self.run.objective,
             out_of_memory_ok=True,
+            state_limit=None if on_tpu else self.chip.memory_bytes,
         )
 
     def evaluate(self, knobs: Knobs) -> Result:
@@ -252,8 +258,9 @@ class Planner:
             # "... HLO temporaries (19.95G) exceeds ...": rank by temporaries + the state
             need = re.search(r"temporaries \(([\d.]+)G\)", result.reason)
             if need:
-                state = step.setup.abstract_state
-                result.device_bytes = int(float(need.group(1)) * GIB) + aot.per_device_bytes(state)
+                result.device_bytes = int(float(need.group(1)) * GIB) + step.state_bytes
+            elif step.lowered is None:  # the state alone exceeds the limit: not compiled
+                result.device_bytes, result.at_least = step.state_bytes, True
             result.compile_s = time.perf_counter() - start
             return result
         result.device_bytes = step.device_bytes()

@@ -96,7 +96,10 @@ def table_rows(results: Sequence[Any], run: Any) -> list[list[str]]:
                 str(k.num_microbatches),
                 str(k.scan_layers),
                 {"fits": "yes", "does not fit": "no"}.get(r.status, r.status),
-                _cell(None if r.device_bytes is None else r.device_bytes / GIB, "{:.2f}"),
+                _cell(
+                    None if r.device_bytes is None else r.device_bytes / GIB,
+                    ">{:.2f}" if r.at_least else "{:.2f}",
+                ),
                 _cell(None if r.predicted_s is None else r.predicted_s * 1e3, "{:.1f}"),
                 _cell(None if r.mfu is None else r.mfu * 100, "{:.1f}%"),
                 f"{r.compile_s:.1f}" if r.status != "rejected" else "-",
@@ -149,9 +152,11 @@ def print_table(results: Sequence[Any], run: Any) -> None:
     sized = [r for r in results if r.device_bytes is not None]
     if sized:
         smallest = min(sized, key=lambda r: r.device_bytes)
+        need = f"{smallest.device_bytes / GIB:.2f} GiB/device"
+        if smallest.at_least:
+            need = f"more than {need} (its training state alone)"
         print(
-            f"\nNothing fits: the smallest candidate ({knobs_text(smallest.knobs)}) needs "
-            f"{smallest.device_bytes / GIB:.2f} GiB/device."
+            f"\nNothing fits: the smallest candidate ({knobs_text(smallest.knobs)}) needs {need}."
         )
     else:
         print("\nNothing fits: no candidate compiled (see the reasons above).")
