@@ -256,20 +256,25 @@ def plan_one(model: Any, rows: int, length: int, devices: Sequence[Any], chip: A
     return planner.Planner(run, devices, chip).evaluate(knobs)
 
 
-def choose_largest(args: argparse.Namespace, devices: Sequence[Any], chip: Any) -> dict:
+def choose_largest(args: argparse.Namespace, devices: Sequence[Any], chip: Any) -> tuple[dict, Any]:
     """The first of `--largest` whose step fits one device at the first length (full
-    remat), with every candidate's verdict."""
+    remat), with every candidate's verdict; and its planner `Result` (compiled: its first
+    length's step, not compiled again), None if none fits. A model whose training state
+    alone exceeds the device is turned down without a compile (the planner's check)."""
     length = args.lengths[0]
     verdicts = []
     for name in args.largest:
         model = flaxlm_model(name, args, remat="full")
         result = plan_one(model, batch_size(args, length), length, devices, chip)
         gib = None if result.device_bytes is None else result.device_bytes / GIB
-        verdicts.append({"model": name, "status": result.status, "gib": gib})
-        print(f"  --largest {name}: {result.status}" + (f", {gib:.2f} GiB" if gib else ""))
+        verdicts.append(
+            {"model": name, "status": result.status, "reason": result.reason, "gib": gib}
+        )
+        more = ">" if result.at_least else ""
+        print(f"  --largest {name}: {result.status}" + (f", {more}{gib:.2f} GiB" if gib else ""))
         if result.status == "fits":
-            return {"model": name, "verdicts": verdicts}
-    return {"model": None, "verdicts": verdicts}
+            return {"model": name, "verdicts": verdicts}, result
+    return {"model": None, "verdicts": verdicts}, None
 
 
 class FlaxlmRunner:
@@ -317,13 +322,16 @@ def flaxlm_train(
     chip: Any,
     out: dict,
     save: Callable[[], None],
+    planned: Any = None,
 ) -> None:
     """Each length's row into `out` (then `save()`): the planner's verdict and prediction,
-    and the measured step where it fits."""
+    and the measured step where it fits. `planned`: the planner's `Result` for the first
+    length, where it is already at hand (`choose_largest`)."""
     vocab = model.config.vocab_size
-    for length in args.lengths:
+    for i, length in enumerate(args.lengths):
         try:
-            row = flaxlm_length(model, args, devices, chip, length, vocab)
+            first = planned if i == 0 else None
+            row = flaxlm_length(model, args, devices, chip, length, vocab, first)
         except Exception as e:  # noqa: BLE001 - a failed length is a row; the others run
             row = {"batch_size": batch_size(args, length), "error": failure(e)}
         out[str(length)] = row
@@ -331,13 +339,20 @@ def flaxlm_train(
 
 
 def flaxlm_length(
-    model: Any, args: argparse.Namespace, devices: Sequence[Any], chip: Any, length: int, vocab: int
+    model: Any,
+    args: argparse.Namespace,
+    devices: Sequence[Any],
+    chip: Any,
+    length: int,
+    vocab: int,
+    planned: Any = None,
 ) -> dict:
-    """One length's row: the planner's verdict and prediction, and the measured step (or
-    the out-of-memory error) where the planner says it fits."""
+    """One length's row: the planner's verdict and prediction (`planned`, else planned
+    here), and the measured step (or the out-of-memory error) where the planner says it
+    fits."""
     rows = batch_size(args, length)
     row: dict[str, Any] = {"batch_size": rows}
-    result = plan_one(model, rows, length, devices, chip)
+    result = planned or plan_one(model, rows, length, devices, chip)
     row["planner"] = {
         "status": result.status,
         "reason": result.reason,
@@ -411,13 +426,14 @@ def flaxlm_side(args: argparse.Namespace) -> dict:
     }
     save = partial(save_side, args, out)
     save()
-    names = [args.model]
+    names, planned = [args.model], {}
     if args.largest:
         print("Choosing the largest model that fits:", flush=True)
-        out["largest"] = choose_largest(args, devices, chip)
+        out["largest"], result = choose_largest(args, devices, chip)
         save()
         if out["largest"]["model"] and out["largest"]["model"] != args.model:
             names.append(out["largest"]["model"])
+            planned[out["largest"]["model"]] = result
     for name in names:
         remat = "full" if name != args.model else None
         model = flaxlm_model(name, args, remat=remat)
@@ -446,7 +462,7 @@ def flaxlm_side(args: argparse.Namespace) -> dict:
         record["train"] = {}
         out["models"][name] = record
         save()
-        flaxlm_train(model, args, devices, chip, record["train"], save)
+        flaxlm_train(model, args, devices, chip, record["train"], save, planned.get(name))
         if args.decode:
             print(f"  decoding B{args.decode_batch} {args.decode_prompt}+{args.decode_new}", end="")
             record["decode"] = flaxlm_decode(model, init(jax.random.PRNGKey(0)), args)

@@ -395,6 +395,40 @@ def test_accelerator_benchmark_tiny_on_cpu(tmp_path, monkeypatch):
     assert failed["train"] == [] and failed["torch"] is None
 
 
+def test_accelerator_largest_turns_down_a_model_too_large_without_compiling_it(monkeypatch):
+    """`--largest`: the 1B's float32 state alone exceeds a 1 GiB device, so the planner
+    turns it down without a compile; the tiny model fits, and its compiled step is the one
+    its first length measures (not planned again)."""
+    import jax
+
+    from flaxlm import chips
+
+    accelerator = load_benchmark("accelerator")
+    args = accelerator.parse_args(
+        ["--model", "llama_tiny", "--largest", "llama3_2_1b", "llama_tiny", "--lengths", "32"]
+        + ["--tokens", "64", "--dtype", "float32", "--steps", "1", "--repeats", "1"]
+    )
+    chip = chips.Chip("test", {"float32": 1e10}, 1e10, 1e9, memory_bytes=2**30)
+    devices = jax.devices()[:1]
+    summary, planned = accelerator.choose_largest(args, devices, chip)
+    too_large, tiny = summary["verdicts"]
+    assert (too_large["status"], tiny["status"], summary["model"]) == (
+        "does not fit",
+        "fits",
+        "llama_tiny",
+    )
+    assert too_large["reason"].startswith("the training state alone needs")
+    assert too_large["gib"] > 1 and planned.step.compiled is not None
+
+    def no_second_plan(*a, **k):
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(accelerator, "plan_one", no_second_plan)
+    model = accelerator.flaxlm_model("llama_tiny", args, remat="full")
+    row = accelerator.flaxlm_length(model, args, devices, chip, 32, 384, planned)
+    assert row["planner"]["status"] == "fits" and row["step_seconds"] > 0
+
+
 def test_attention_cpu_times_every_implementation_and_torch():
     attention_cpu = load_benchmark("attention_cpu")
     rows = attention_cpu.main(

@@ -72,8 +72,7 @@ class Result:
     mfu: float | None = None
     compile_s: float = 0.0
     measured_s: float | None = None
-    # device_bytes is the training state's alone, found without compiling: the step needs more
-    at_least: bool = False
+    at_least: bool = False  # device_bytes is the state's alone (not compiled): a lower bound
     step: Any = dataclasses.field(default=None, repr=False)  # aot.CompiledStep
 
 
@@ -228,8 +227,7 @@ class Planner:
     # ------------------------------------------------------------------ compile + predict
 
     def compile(self, knobs: Knobs, **changes: Any) -> aot.CompiledStep:
-        # Off TPU the planner holds the memory limit (the TPU compiler holds its own and says
-        # so in its own words): a state that alone exceeds it is not worth a compile.
+        # Off TPU the planner holds the limit (a TPU compile holds its own, in its own words).
         on_tpu = self.devices[0].platform == "tpu"
         return aot.CompiledStep(
             self.model(knobs, **changes),
