@@ -425,7 +425,8 @@ def test_accelerator_largest_turns_down_a_model_too_large_without_compiling_it(m
 
     monkeypatch.setattr(accelerator, "plan_one", no_second_plan)
     model = accelerator.flaxlm_model("llama_tiny", args, remat="full")
-    row = accelerator.flaxlm_length(model, args, devices, chip, 32, 384, planned)
+    vocab = model.config.vocab_size
+    row = accelerator.flaxlm_length(model, args, devices, chip, 32, vocab, planned)
     assert row["planner"]["status"] == "fits" and row["step_seconds"] > 0
 
 

@@ -168,6 +168,9 @@ class Planner:
         self.run = run
         self.devices = list(devices)
         self.chip = chip
+        # The per-device memory the planner itself holds candidates to: none on TPU, whose
+        # compiler enforces HBM and says so in its own words.
+        self.limit = None if self.devices[0].platform == "tpu" else chip.memory_bytes
         self.num_layers = getattr(run.model.config, "num_layers", None)
         self._costs: dict[tuple, tuple[dict[str, float], float] | None] = {}
         self._param_shapes = None
@@ -227,8 +230,6 @@ class Planner:
     # ------------------------------------------------------------------ compile + predict
 
     def compile(self, knobs: Knobs, **changes: Any) -> aot.CompiledStep:
-        # Off TPU the planner holds the limit (a TPU compile holds its own, in its own words).
-        on_tpu = self.devices[0].platform == "tpu"
         return aot.CompiledStep(
             self.model(knobs, **changes),
             self.partitioner(knobs),
@@ -240,7 +241,7 @@ class Planner:
             lora=self.run.lora,
             objective=self.run.objective,
             out_of_memory_ok=True,
-            state_limit=None if on_tpu else self.chip.memory_bytes,
+            state_limit=self.limit,
         )
 
     def evaluate(self, knobs: Knobs) -> Result:
@@ -262,9 +263,8 @@ class Planner:
             result.compile_s = time.perf_counter() - start
             return result
         result.device_bytes = step.device_bytes()
-        limit = self.chip.memory_bytes
-        on_tpu = self.devices[0].platform == "tpu"  # the TPU compiler itself enforces HBM
-        if not on_tpu and limit is not None and result.device_bytes > limit:
+        limit = self.limit
+        if limit is not None and result.device_bytes > limit:
             result.status = "does not fit"
             result.reason = f"needs {result.device_bytes / GIB:.2f} GiB of {limit / GIB:.2f}"
         collectives = hlo.parse_hlo(step.hlo_text(), len(self.devices))
