@@ -230,9 +230,10 @@ def plan_one(model: Any, rows: int, length: int, devices: Sequence[Any], chip: A
     from flaxlm import aot
     from flaxlm.partitioning import MESH_AXES
     from flaxlm.plan import planner
+    from flaxlm.plan import run as plan_run
 
     config = model.config
-    knobs = planner.Knobs(
+    knobs = plan_run.Knobs(
         mesh_shape=(1,) * len(MESH_AXES),
         optimizer_sharding="params",
         remat_policy=getattr(config, "remat_policy", "none"),
@@ -240,7 +241,7 @@ def plan_one(model: Any, rows: int, length: int, devices: Sequence[Any], chip: A
         scan_layers=bool(getattr(config, "scan_layers", False)),
     )
     lengths = aot.feature_lengths(model, length)  # unpacked: tokens, targets, weights
-    run = planner.Run(
+    run = plan_run.Run(
         model=model,
         batch_size=rows,
         lengths=lengths,

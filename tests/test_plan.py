@@ -22,6 +22,7 @@ from flaxlm import chips, gin_utils, hlo, optimizers, platforms
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.gptj import GPTJConfig
 from flaxlm.plan import planner, report
+from flaxlm.plan import run as plan_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LENGTHS = {
@@ -33,7 +34,7 @@ LENGTHS = {
 }
 
 
-def tiny_run(batch_size: int = 8, scan: bool = False) -> planner.Run:
+def tiny_run(batch_size: int = 8, scan: bool = False) -> plan_run.Run:
     config = GPTJConfig(
         vocab_size=128,
         hidden_size=64,
@@ -46,8 +47,8 @@ def tiny_run(batch_size: int = 8, scan: bool = False) -> planner.Run:
         remat_policy="none",
         scan_layers=scan,
     )
-    base = planner.Knobs((1, -1, 1), "params", "none", 1, scan)
-    return planner.Run(
+    base = plan_run.Knobs((1, -1, 1), "params", "none", 1, scan)
+    return plan_run.Run(
         model=DecoderOnlyModel(config),
         batch_size=batch_size,
         lengths=dict(LENGTHS),
@@ -113,7 +114,7 @@ def test_loop_corrected_cost_ranking_and_a_parallel_compile():
 def test_nothing_fits_prints_the_smallest_need():
     run = tiny_run()
     results = [
-        planner.Result(dataclasses.replace(run.base, mesh_shape=m), "does not fit", "", b)
+        plan_run.Result(dataclasses.replace(run.base, mesh_shape=m), "does not fit", "", b)
         for m, b in (((1, 8, 1), 3 * 2**30), ((2, 4, 1), 2**30))
     ]
     out = io.StringIO()

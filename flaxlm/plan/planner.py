@@ -23,7 +23,6 @@ x microbatches (the optimizer's bytes once).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import math
@@ -42,112 +41,10 @@ from flaxlm import aot, chips, hlo, pytrees
 from flaxlm.models import layers
 from flaxlm.partitioning import Partitioner
 from flaxlm.plan import report as plan_report
+from flaxlm.plan.run import Knobs, Result, Run, pairs, run_from_gin, with_config
 
 GIB = 2**30
 TOP_MESHES = 3  # meshes whose remat / microbatch / scan variants are compiled
-
-
-@dataclasses.dataclass(frozen=True)
-class Knobs:
-    """One candidate configuration."""
-
-    mesh_shape: tuple[int, ...]
-    optimizer_sharding: str
-    remat_policy: str
-    num_microbatches: int
-    scan_layers: bool
-
-
-@dataclasses.dataclass
-class Result:
-    knobs: Knobs
-    status: str  # fits | does not fit | rejected | failed
-    reason: str = ""
-    device_bytes: int | None = None
-    flops: float | None = None
-    bytes_accessed: float | None = None
-    collective_bytes: float = 0.0
-    collective_ops: int = 0
-    predicted_s: float | None = None
-    mfu: float | None = None
-    compile_s: float = 0.0
-    measured_s: float | None = None
-    at_least: bool = False  # device_bytes is the state's alone (not compiled): a lower bound
-    step: Any = dataclasses.field(default=None, repr=False)  # aot.CompiledStep
-
-
-@dataclasses.dataclass
-class Run:
-    """The training run to plan, read from Gin's `train.train` bindings."""
-
-    model: Any
-    batch_size: int
-    lengths: dict[str, int]
-    num_microbatches: int
-    optimizer: Any
-    learning_rate: Any
-    lora: Any
-    objective: Any
-    axis_names: tuple[str, ...]
-    base: Knobs
-    partitioner_kwargs: dict[str, Any]
-
-
-def _resolve(value: Any) -> Any:
-    if isinstance(value, gin.config.ConfigurableReference):
-        fn = value.scoped_configurable_fn
-        return fn() if value.evaluate else fn
-    return value
-
-
-def run_from_gin() -> Run:
-    """The run the parsed Gin files describe (its `train.train` bindings)."""
-    from flaxlm import data
-
-    b = gin.get_bindings("train.train", resolve_references=False)
-    missing = [k for k in ("model", "train_dataset_cfg") if k not in b]
-    if missing:
-        raise ValueError(f"no train.train.{missing[0]} bound: give the Gin file of a training run.")
-    model = _resolve(b["model"])
-    cfg = _resolve(b["train_dataset_cfg"])
-    learning_rate = _resolve(b.get("learning_rate", 1e-3))
-    factory = _resolve(b.get("optimizer_factory"))
-    optimizer = factory(learning_rate=learning_rate) if factory else None
-    mb = int(_resolve(b.get("num_microbatches", 1)))
-    model.check_lengths(cfg.task_feature_lengths)
-    lengths = data.model_feature_lengths(cfg, data.converter_for(cfg, model))
-    p = gin.get_bindings("partitioning.Partitioner")
-    axis_names = tuple(p.get("mesh_axis_names", ("data", "fsdp", "tensor")))
-    mesh_shape = tuple(p.get("mesh_shape", (1, -1, 1)))
-    base = Knobs(
-        mesh_shape,
-        p.get("optimizer_sharding", "params"),
-        getattr(model.config, "remat_policy", "none"),
-        mb,
-        bool(getattr(model.config, "scan_layers", False)),
-    )
-    kwargs = {k: p[k] for k in ("logical_axis_rules", "dcn_mesh_shape") if k in p}
-    return Run(
-        model=model,
-        batch_size=cfg.batch_size,
-        lengths=lengths,
-        num_microbatches=mb,
-        optimizer=optimizer,
-        learning_rate=learning_rate,
-        lora=_resolve(b.get("lora")),
-        objective=_resolve(b.get("objective")),
-        axis_names=axis_names,
-        base=base,
-        partitioner_kwargs=kwargs,
-    )
-
-
-def with_config(model: Any, **changes: Any) -> Any:
-    """A copy of `model` whose config has `changes` (the module rebuilt from it)."""
-    new = copy.copy(model)
-    new.config = dataclasses.replace(model.config, **changes)
-    new.module = new.config.make_module()
-    return new
 
 
 def mesh_shapes(num_devices: int, num_axes: int) -> list[tuple[int, ...]]:
@@ -342,7 +239,7 @@ class Planner:
         else:
             result.predicted_s = max(compute, memory, comm)
         length = max(run.lengths.values())
-        rows = run.batch_size * (2 if _pairs(run) else 1)
+        rows = run.batch_size * (2 if pairs(run) else 1)
         model_flops = run.model.flops_per_token(length) * rows * length
         result.mfu = model_flops / (result.predicted_s * chip.peak_flops(dtype) * len(self.devices))
 
@@ -450,12 +347,6 @@ def rank(results: Sequence[Result]) -> list[Result]:
 
 def _index(options: Sequence[str], value: str) -> int:
     return options.index(value) if value in options else len(options)
-
-
-def _pairs(run: Run) -> bool:
-    from flaxlm import preference
-
-    return isinstance(run.objective, preference.PreferenceConfig)
 
 
 def _leaf_at(tree: Any, path: Sequence[Any]) -> Any:
