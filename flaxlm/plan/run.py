@@ -24,6 +24,9 @@ class Knobs:
 
 @dataclasses.dataclass
 class Result:
+    """One candidate's verdict: what its compile says of memory, FLOPs and bytes, and the
+    roofline's prediction (`Planner.evaluate`); `measured_s` when `--measure` ran it."""
+
     knobs: Knobs
     status: str  # fits | does not fit | rejected | failed
     reason: str = ""
