@@ -161,9 +161,9 @@ def gin_model(name: str, bindings: Sequence[str] = (), **changes: Any) -> Any:
     """The model `gin/models/<name>.gin` binds to MODEL (with Gin `bindings` added, as
     `--gin.` flags would), its config changed by `changes` (the module rebuilt from it);
     Gin's config is cleared before and after."""
-    import dataclasses
-
     import gin
+
+    from flaxlm.plan.run import with_config
 
     gin.clear_config()
     try:
@@ -171,10 +171,7 @@ def gin_model(name: str, bindings: Sequence[str] = (), **changes: Any) -> Any:
         model = gin.query_parameter("%MODEL").scoped_configurable_fn()
     finally:
         gin.clear_config()
-    if changes:
-        model.config = dataclasses.replace(model.config, **changes)
-        model.module = model.config.make_module()
-    return model
+    return with_config(model, **changes) if changes else model
 
 
 def make_partitioner(name: str, devices: Sequence[Any] | None = None, sequence: int = 1) -> Any:
