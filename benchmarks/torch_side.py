@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -114,6 +115,9 @@ class TorchSide:
         self.inputs = torch.from_numpy(np.asarray(batch["decoder_input_tokens"], np.int64))
         self.labels = torch.from_numpy(np.asarray(batch["decoder_target_tokens"], np.int64))
         self.inputs, self.labels = self.inputs.to(device), self.labels.to(device)
+        if compile:  # inductor's hint that TF32 is off splits the progress lines; autocast
+            # runs the layers' matmuls in bf16 (HF keeps its rotary table float32 on purpose)
+            warnings.filterwarnings("ignore", "TensorFloat32 tensor cores", UserWarning)
         self.loss_fn = torch.compile(self._loss) if compile else self._loss
         self.loss = float("nan")
         self.first_loss: float | None = None
