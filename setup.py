@@ -51,7 +51,7 @@ EXTRAS_REQUIRE = {
     "wandb": ["wandb"],
     # tasks/hf_datasets.py: local HuggingFace `datasets` (save_to_disk, json, parquet).
     "hf_datasets": ["datasets==5.2.0"],
-    # `python -m flaxlm.harness`: lm-evaluation-harness with the `flaxlm` model.
+    # `python -m flaxlm.runs.harness`: lm-evaluation-harness with the `flaxlm` model.
     "lm_eval": ["lm_eval==0.4.13"],
 }
 
@@ -65,7 +65,7 @@ setuptools.setup(
     # The repository's gin/ tree ships inside the package as flaxlm/gin, so that
     # `--gin_file=gptj_pretrain.gin` resolves from any directory once installed.
     package_dir={"flaxlm.gin": "gin"},
-    package_data={"flaxlm.gin": ["*.gin", "*/*.gin"], "flaxlm.serve": ["page.html"]},
+    package_data={"flaxlm.gin": ["*.gin", "*/*.gin"], "flaxlm.runs.serve": ["page.html"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
 )

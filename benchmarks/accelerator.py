@@ -10,7 +10,7 @@ several (largest first) that the planner says fits one device, at each `--length
            positions at once unless `--loss-chunk-size` says how many); its prediction
            (roofline of `flaxlm/chips.py`) beside the measured time
   torch    HF's `AutoModelForCausalLM` (SDPA attention) loaded from the same weights
-           (flaxlm's init, exported with `flaxlm.hf.save_pretrained`), autocast bfloat16
+           (flaxlm's init, exported with `flaxlm.checkpoints.hf.save_pretrained`), autocast bfloat16
            over float32 params, fused AdamW with flaxlm's settings (torch_side.py),
            `torch.compile`d forward and loss (`--no-torch-compile`: eager); without
            gradient checkpointing, and with it if that runs out of memory (or as
@@ -19,14 +19,14 @@ several (largest first) that the planner says fits one device, at each `--length
 Both train on the same random tokens (`--tokens` per step: batch = tokens / length), every
 position weighted; their first losses agree to bfloat16 rounding (the same weights), which
 the report checks. Then decoding: greedy, `--decode-new` tokens after `--decode-prompt`-token
-prompts for `--decode-batch` rows, flaxlm's KV-cache `inference.generate` against HF's
+prompts for `--decode-batch` rows, flaxlm's KV-cache `generation.generate` against HF's
 `generate` (bfloat16 weights on both sides), tokens/s and how many tokens agree.
 
 Each side runs in a process of its own, one after the other (JAX and torch each want the
 accelerator's memory to themselves): flaxlm first, then torch. Per side and length: warm-up
 (`--warmup` steps: compiles), then R blocks (`--repeats`) of N steps (`--steps`); the
 median ms/step. MFU both ways: model FLOPs per token `6 N + 12 L H T` (causal attention
-counted whole, as `flaxlm.metrics` and the planner count it; T the length) and
+counted whole, as `flaxlm.training.metrics` and the planner count it; T the length) and
 `6 N + 6 L H T` (halved: the masked half of the scores is not work), over the chip's dense
 bf16 peak (`flaxlm/chips.py`; none on CPU, where TFLOP/s alone is reported).
 
@@ -227,9 +227,8 @@ def flaxlm_model(name: str, args: argparse.Namespace, remat: str | None = None) 
 
 def plan_one(model: Any, rows: int, length: int, devices: Sequence[Any], chip: Any) -> Any:
     """The planner's `Result` for this run on one device (compiled: `result.step`)."""
-    from flaxlm import aot
-    from flaxlm.partitioning import MESH_AXES
-    from flaxlm.plan import planner
+    from flaxlm.parallel.partitioning import MESH_AXES
+    from flaxlm.plan import aot, planner
     from flaxlm.plan import run as plan_run
 
     config = model.config
@@ -396,7 +395,7 @@ def flaxlm_decode(model: Any, params: Any, args: argparse.Namespace) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from flaxlm import inference
+    from flaxlm.inference import generation
 
     dtype = jnp.dtype(args.dtype)
     params = jax.tree.map(
@@ -404,7 +403,7 @@ def flaxlm_decode(model: Any, params: Any, args: argparse.Namespace) -> dict:
     )
     batch = {"inputs": prompts(args, model.config.vocab_size)}
     return timed_decode(
-        lambda: inference.generate(
+        lambda: generation.generate(
             model, params, batch, max_new_tokens=args.decode_new, eos_id=None
         ),
         args,
@@ -414,7 +413,8 @@ def flaxlm_decode(model: Any, params: Any, args: argparse.Namespace) -> dict:
 def flaxlm_side(args: argparse.Namespace) -> dict:
     import jax
 
-    from flaxlm import chips, hf
+    from flaxlm.checkpoints import hf
+    from flaxlm.plan import chips
 
     devices = jax.devices()[:1]
     chip = chips.for_devices("this", devices)

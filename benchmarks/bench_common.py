@@ -36,7 +36,7 @@ def force_host_devices(count: int = 8) -> None:
     if "jax" in sys.modules:
         return  # already started (e.g. under pytest, which sets 8 itself)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before flaxlm, which would choose
-    from flaxlm import platforms as flaxlm_platforms
+    from flaxlm.parallel import platforms as flaxlm_platforms
 
     os.environ["XLA_FLAGS"] = flaxlm_platforms.host_device_flags(count)
 
@@ -143,8 +143,8 @@ def target_devices(args: Any) -> list[Any]:
 
 
 def topology_devices(name: str) -> list[Any]:
-    """Compile-only devices of a TPU slice (`flaxlm.aot.topology_devices`)."""
-    from flaxlm import aot
+    """Compile-only devices of a TPU slice (`flaxlm.plan.aot.topology_devices`)."""
+    from flaxlm.plan import aot
 
     return aot.topology_devices(name)
 
@@ -178,7 +178,7 @@ def make_partitioner(name: str, devices: Sequence[Any] | None = None, sequence: 
     """The Partitioner of `gin/partitioning/<name>.gin`; with `sequence` > 1 a `sequence` mesh
     axis of that size (context parallelism, as gin/partitioning/fsdp_cp.gin) is added before
     `tensor`, its devices taken from the -1 axis (fsdp: `(1, -1, sequence, 1)`)."""
-    from flaxlm.partitioning import MESH_AXES, SEQUENCE_AXIS, Partitioner
+    from flaxlm.parallel.partitioning import MESH_AXES, SEQUENCE_AXIS, Partitioner
 
     if name not in PARTITIONINGS:
         raise ValueError(f"partitioning {name!r}: expected one of {sorted(PARTITIONINGS)}.")
@@ -210,7 +210,7 @@ def add_sequence_arg(parser: Any) -> None:
 
 def feature_lengths(model: Any, seq_len: int) -> dict[str, int]:
     """Model-feature lengths for `seq_len`-long task features."""
-    from flaxlm import aot
+    from flaxlm.plan import aot
 
     return aot.feature_lengths(model, seq_len)
 
@@ -226,10 +226,12 @@ def CompiledStep(  # noqa: N802 - what the scripts have always called
     preference_loss: str | None = None,
     lora_rank: int | None = None,
 ) -> Any:
-    """`flaxlm.aot.CompiledStep` of flaxlm's default AdamW at `seq_len`; `preference_loss`
+    """`flaxlm.plan.aot.CompiledStep` of flaxlm's default AdamW at `seq_len`; `preference_loss`
     ('dpo', ...): that loss's step on `batch_size` pairs; `lora_rank`: LoRA adapters of that
     rank on every attention and MLP kernel."""
-    from flaxlm import aot, lora, preference
+    from flaxlm.plan import aot
+    from flaxlm.posttrain import preference
+    from flaxlm.training import lora
 
     lora_cfg = None
     if lora_rank is not None:
@@ -250,13 +252,13 @@ def CompiledStep(  # noqa: N802 - what the scripts have always called
 
 
 def per_device_bytes(abstract_tree: Any) -> int:
-    from flaxlm import aot
+    from flaxlm.plan import aot
 
     return aot.per_device_bytes(abstract_tree)
 
 
 def total_bytes(abstract_tree: Any) -> int:
-    from flaxlm import aot
+    from flaxlm.plan import aot
 
     return aot.total_bytes(abstract_tree)
 
@@ -266,7 +268,7 @@ def unsharded_leaves(abstract_tree: Any, min_bytes: int = 0) -> list[tuple[str, 
     import jax
     import numpy as np
 
-    from flaxlm.pytrees import path_name
+    from flaxlm.parallel.pytrees import path_name
 
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_tree)[0]:

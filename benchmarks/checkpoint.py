@@ -1,6 +1,6 @@
 """Checkpoint save/restore time and size, sync vs async, and how long a save stalls training.
 
-Two shapes, each saved through `flaxlm.checkpoints.Checkpointer` (orbax) with
+Two shapes, each saved through `flaxlm.checkpoints.checkpointer.Checkpointer` (orbax) with
 `async_save=False` and `async_save=True`:
 
 - **tiny**: the default run's GPT-J (gin/models/gptj_tiny.gin: 4 layers x 256, vocab 384), the
@@ -41,11 +41,17 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import logging  # noqa: E402
 
-from flaxlm import checkpoints, optimizers, trainer  # noqa: E402
+from flaxlm.checkpoints import checkpointer  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
 from flaxlm.models.batch_shapes import batch_shapes_from  # noqa: E402
 from flaxlm.models.gptj import GPTJConfig  # noqa: E402
-from flaxlm.partitioning import Partitioner  # noqa: E402
+from flaxlm.parallel.partitioning import Partitioner  # noqa: E402
+from flaxlm.training import (
+    optimizers,  # noqa: E402
+)
+from flaxlm.training import (
+    steps as train_steps,  # noqa: E402
+)
 
 SEQ_LEN = 64
 BATCH = 8
@@ -106,7 +112,7 @@ def time_save_restore(state: Any, abstract: Any, async_save: bool, params_only: 
     """One save (blocking part, then commit), its size, and one restore."""
     root = tempfile.mkdtemp(prefix="flaxlm_ckpt_bench_")
     try:
-        ckpt = checkpoints.Checkpointer(root, keep=None, async_save=async_save)
+        ckpt = checkpointer.Checkpointer(root, keep=None, async_save=async_save)
         start = time.perf_counter()
         if params_only:
             ckpt.save_params(1, state)
@@ -117,7 +123,7 @@ def time_save_restore(state: Any, abstract: Any, async_save: bool, params_only: 
         commit = time.perf_counter() - start
         ckpt.close()
         size = dir_bytes(os.path.join(root, "checkpoints", "1"))
-        reader = checkpoints.Checkpointer(root)
+        reader = checkpointer.Checkpointer(root)
         start = time.perf_counter()
         if params_only:
             restored = reader.restore_params(1, abstract)
@@ -134,10 +140,10 @@ def time_save_restore(state: Any, abstract: Any, async_save: bool, params_only: 
         shutil.rmtree(root, ignore_errors=True)
 
 
-def loop_stall(setup: trainer.Setup, steps: int, async_save: bool, repeats: int) -> dict:
+def loop_stall(setup: train_steps.Setup, steps: int, async_save: bool, repeats: int) -> dict:
     """Median extra loop time from one save in the middle of `steps` train steps."""
     step_fn = setup.partition_train_step(
-        trainer.make_train_step(setup.model, setup.partitioner, 1e-3)
+        train_steps.make_train_step(setup.model, setup.partitioner, 1e-3)
     )
     batch = fixed_batch()
     state = setup.init_state()
@@ -147,7 +153,7 @@ def loop_stall(setup: trainer.Setup, steps: int, async_save: bool, repeats: int)
     def run(save: bool) -> float:
         nonlocal state
         root = tempfile.mkdtemp(prefix="flaxlm_ckpt_bench_")
-        ckpt = checkpoints.Checkpointer(root, keep=None, async_save=async_save)
+        ckpt = checkpointer.Checkpointer(root, keep=None, async_save=async_save)
         start = time.perf_counter()
         for i in range(steps):
             state, metrics = step_fn(state, batch)
@@ -217,7 +223,7 @@ def main() -> None:
     partitioner = Partitioner(mesh_shape=(1, -1, 1))
     rows = []
 
-    tiny = trainer.Setup(
+    tiny = train_steps.Setup(
         tiny_model(),
         partitioner,
         optimizers.create_optimizer(learning_rate=1e-3),

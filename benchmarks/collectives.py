@@ -47,9 +47,9 @@ from typing import Any  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from flaxlm.hlo import parse_hlo  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
 from flaxlm.models.gptj import GPTJConfig  # noqa: E402
+from flaxlm.plan.hlo import parse_hlo  # noqa: E402
 
 TARGET = 1.1
 

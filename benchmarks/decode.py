@@ -3,7 +3,7 @@ small GPT-J, and against flaxlm decoding without a cache (the whole sequence re-
 every token), alternating in one process.
 
 The model is a random HF `GPTJForCausalLM` built from a config, saved, and imported with
-`flaxlm.hf.from_pretrained` (so both sides hold the same weights). Every side greedily
+`flaxlm.checkpoints.hf.from_pretrained` (so both sides hold the same weights). Every side greedily
 decodes `--new` tokens after `--prompt`-token prompts for a batch of `--batch`, with EOS
 disabled so every row decodes every token; the report gives each side's median tokens/s
 over `--repeats` rounds (compile excluded) and the ratio to HF.
@@ -34,7 +34,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from flaxlm import hf, inference  # noqa: E402
+from flaxlm.checkpoints import hf  # noqa: E402
+from flaxlm.inference import generation  # noqa: E402
 
 
 def build(tmp: str, args: argparse.Namespace):
@@ -104,7 +105,7 @@ def main(argv: list[str]) -> None:
     no_cache = no_cache_decoder(model, params, args.prompt, args.new)
 
     def run_cache():
-        return inference.generate(model, params, batch, max_new_tokens=args.new, eos_id=None)
+        return generation.generate(model, params, batch, max_new_tokens=args.new, eos_id=None)
 
     def run_no_cache():
         return np.asarray(no_cache(jnp.asarray(prompts)))

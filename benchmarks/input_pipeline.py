@@ -6,7 +6,7 @@ Two sources at the same shapes as the step that would consume them:
   sources) through an HF tokenizer (a BPE trained here, nothing downloaded), packed prefix-LM
   rows of `--seq-len // 2` input + `--seq-len // 2` target tokens.
 
-For each, the pipeline side times `--batches` host batches out of `data.host_input` (after
+For each, the pipeline side times `--batches` host batches out of `pipeline.host_input` (after
 warm-up) as numpy, the step side times `--steps` partitioned train steps of the tiny GPT-J on
 one such batch. Tokens are row positions (batch x length); the non-padding share is reported.
 
@@ -36,11 +36,17 @@ from absl import logging  # noqa: E402
 from bench_common import machine_description  # noqa: E402  (puts the repository on sys.path)
 
 import tasks  # noqa: E402, F401
-from flaxlm import data, optimizers, trainer  # noqa: E402
+from flaxlm.data import pipeline  # noqa: E402
+from flaxlm.data.vocabularies import HuggingFaceVocabulary  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
 from flaxlm.models.gptj import GPTJConfig  # noqa: E402
-from flaxlm.partitioning import Partitioner  # noqa: E402
-from flaxlm.vocabularies import HuggingFaceVocabulary  # noqa: E402
+from flaxlm.parallel.partitioning import Partitioner  # noqa: E402
+from flaxlm.training import (
+    optimizers,  # noqa: E402
+)
+from flaxlm.training import (
+    steps as train_steps,  # noqa: E402
+)
 from tasks.jsonl import register_jsonl_task  # noqa: E402
 from tasks.stdlib import stdlib_files  # noqa: E402
 
@@ -107,13 +113,15 @@ def time_pipeline(iterator, batches: int) -> tuple[float, float]:
 
 def measure(name: str, lengths: dict, vocab_size: int, args: argparse.Namespace) -> dict:
     partitioner = Partitioner()
-    cfg = data.DatasetConfig(
+    cfg = pipeline.DatasetConfig(
         mixture_or_task_name=name, task_feature_lengths=lengths, batch_size=args.batch_size
     )
     converter = seqio.DecoderFeatureConverter
     layout = partitioner.data_layout(cfg.batch_size)
-    iterator = data.DataIterator(data.host_input(cfg, layout, converter), partitioner, layout)
-    feature_lengths = data.model_feature_lengths(cfg, converter)
+    iterator = pipeline.DataIterator(
+        pipeline.host_input(cfg, layout, converter), partitioner, layout
+    )
+    feature_lengths = pipeline.model_feature_lengths(cfg, converter)
     time_pipeline(iterator, 3)  # warm-up: tf.data threads, shuffle buffer
     pipe, real = [], []
     positions = layout.per_host_batch_size * feature_lengths["decoder_target_tokens"]
@@ -153,8 +161,8 @@ def train_step_rates(partitioner, iterator, feature_lengths, vocab_size, args) -
         )
     )
     tx = optimizers.create_optimizer(learning_rate=1e-3)
-    setup = trainer.Setup(model, partitioner, tx, feature_lengths)
-    step = setup.partition_train_step(trainer.make_train_step(model, partitioner, 1e-3))
+    setup = train_steps.Setup(model, partitioner, tx, feature_lengths)
+    step = setup.partition_train_step(train_steps.make_train_step(model, partitioner, 1e-3))
     state = setup.init_state()
     batch = iterator.to_global(iterator.next_numpy())
     for _ in range(2):  # compile
@@ -174,7 +182,7 @@ def train_step_rates(partitioner, iterator, feature_lengths, vocab_size, args) -
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.set_verbosity(logging.ERROR)
-    data.configure_tensorflow()
+    pipeline.configure_tensorflow()
     half = args.seq_len // 2
     with tempfile.TemporaryDirectory() as root:
         jsonl_name, jsonl_vocab = jsonl_task(root, args.hf_vocab_size)

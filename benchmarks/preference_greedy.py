@@ -19,8 +19,9 @@ from collections.abc import Sequence
 import numpy as np
 import seqio
 
-from flaxlm import inference, run_dir
-from flaxlm.partitioning import Partitioner
+from flaxlm.checkpoints import run_dir
+from flaxlm.inference import generation
+from flaxlm.parallel.partitioning import Partitioner
 
 
 def greedy_answers(checkpoint: str, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
@@ -32,13 +33,13 @@ def greedy_answers(checkpoint: str, prompts: Sequence[str], max_new_tokens: int)
     for i, row in enumerate(ids):
         inputs[i, 1 : len(row) + 1] = row
     lengths = np.asarray([len(row) + 1 for row in ids])
-    out = inference.generate(
+    out = generation.generate(
         loaded.model,
         loaded.params,
         {"inputs": inputs, "inputs_lengths": lengths},
         max_new_tokens=max_new_tokens,
     )
-    return [vocab.decode(inference.until_eos(row, loaded.model.eos_ids)) for row in out]
+    return [vocab.decode(generation.until_eos(row, loaded.model.eos_ids)) for row in out]
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

@@ -72,12 +72,18 @@ import train_step_report as report  # noqa: E402  (a sibling script)
 from absl import logging  # noqa: E402
 
 import tasks  # noqa: E402, F401  (registers stdlib_py)
-from flaxlm import data, optimizers, trainer  # noqa: E402
+from flaxlm.data import pipeline  # noqa: E402
 from flaxlm.models import attention, layers  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
 from flaxlm.models.batch_shapes import batch_shapes_from  # noqa: E402
 from flaxlm.models.gptj import GPTJConfig  # noqa: E402
-from flaxlm.partitioning import Partitioner  # noqa: E402
+from flaxlm.parallel.partitioning import Partitioner  # noqa: E402
+from flaxlm.training import (
+    optimizers,  # noqa: E402
+)
+from flaxlm.training import (
+    steps as train_steps,  # noqa: E402
+)
 
 LEARNING_RATE = torch_side.LEARNING_RATE
 VOCAB_SIZE = 384  # ByteVocabulary's 259 ids padded to a multiple of 128, as gptj_tiny.gin
@@ -231,9 +237,9 @@ class JaxSides:
     def __init__(self, model: DecoderOnlyModel, partitioner: Partitioner, batch: Batch) -> None:
         self.tx = tx = make_optimizer()
         lengths = {k: v.shape[1] for k, v in batch.items()}
-        self.setup = trainer.Setup(model, partitioner, tx, lengths)
+        self.setup = train_steps.Setup(model, partitioner, tx, lengths)
         self.flaxlm_step = self.setup.partition_train_step(
-            trainer.make_train_step(model, partitioner, LEARNING_RATE)
+            train_steps.make_train_step(model, partitioner, LEARNING_RATE)
         )
         self.state = self.setup.init_state()
         # The same init as Setup's (seed 0, batch of 1), so the first losses must agree.
@@ -339,18 +345,22 @@ def measure_input_wait(
     packed stdlib_py pipeline (its own compile of flaxlm's step: packed batches carry segment
     ids and positions)."""
     start = time.perf_counter()
-    cfg = data.DatasetConfig(
+    cfg = pipeline.DatasetConfig(
         mixture_or_task_name="stdlib_py",
         task_feature_lengths={"targets": shape["seq_len"]},
         batch_size=shape["batch_size"],
     )
-    converter = data.converter_for(cfg, model)
+    converter = pipeline.converter_for(cfg, model)
     # The same optimizer object: it is part of the state's tree structure.
-    lengths = data.model_feature_lengths(cfg, converter)
-    setup = trainer.Setup(model, partitioner, jax_sides.tx, lengths)
-    step = setup.partition_train_step(trainer.make_train_step(model, partitioner, LEARNING_RATE))
+    lengths = pipeline.model_feature_lengths(cfg, converter)
+    setup = train_steps.Setup(model, partitioner, jax_sides.tx, lengths)
+    step = setup.partition_train_step(
+        train_steps.make_train_step(model, partitioner, LEARNING_RATE)
+    )
     layout = partitioner.data_layout(shape["batch_size"])
-    iterator = data.DataIterator(data.host_input(cfg, layout, converter), partitioner, layout)
+    iterator = pipeline.DataIterator(
+        pipeline.host_input(cfg, layout, converter), partitioner, layout
+    )
     state = jax_sides.state
     for _ in range(args.input_warmup):
         state, _ = step(state, next(iterator))

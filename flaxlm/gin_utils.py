@@ -20,6 +20,66 @@ import gin
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _REPO_DIR = os.path.dirname(_PACKAGE_DIR)
 
+# Modules that moved when flaxlm/ became folders (DESIGN.md, "The house"): a Gin file (or a
+# program) that imports an old path is told the new one. The one table of moves.
+MOVED_MODULES = {
+    "flaxlm.train": "flaxlm.runs.train",
+    "flaxlm.grpo": "flaxlm.runs.grpo",
+    "flaxlm.loop": "flaxlm.runs.loop",
+    "flaxlm.evaluation": "flaxlm.runs.evaluate",
+    "flaxlm.infer": "flaxlm.runs.infer",
+    "flaxlm.convert": "flaxlm.runs.convert",
+    "flaxlm.harness": "flaxlm.runs.harness",
+    "flaxlm.serve": "flaxlm.runs.serve",
+    "flaxlm.serve.api": "flaxlm.runs.serve.api",
+    "flaxlm.serve.engine": "flaxlm.runs.serve.engine",
+    "flaxlm.serve.http": "flaxlm.runs.serve.http",
+    "flaxlm.serve.stream": "flaxlm.runs.serve.stream",
+    "flaxlm.inference": "flaxlm.inference.generation",
+    "flaxlm.decoding": "flaxlm.inference.decoding",
+    "flaxlm.checkpoints": "flaxlm.checkpoints.checkpointer",
+    "flaxlm.hf": "flaxlm.checkpoints.hf",
+    "flaxlm.hf_files": "flaxlm.checkpoints.hf_files",
+    "flaxlm.run_dir": "flaxlm.checkpoints.run_dir",
+    "flaxlm.trainer": "flaxlm.training.steps",
+    "flaxlm.train_state": "flaxlm.training.train_state",
+    "flaxlm.optimizers": "flaxlm.training.optimizers",
+    "flaxlm.lora": "flaxlm.training.lora",
+    "flaxlm.preemption": "flaxlm.training.preemption",
+    "flaxlm.metrics": "flaxlm.training.metrics",
+    "flaxlm.objectives": "flaxlm.posttrain.objectives",
+    "flaxlm.preference": "flaxlm.posttrain.preference",
+    "flaxlm.rl": "flaxlm.posttrain.rl",
+    "flaxlm.rewards": "flaxlm.posttrain.rewards",
+    "flaxlm.data": "flaxlm.data.pipeline",
+    "flaxlm.vocabularies": "flaxlm.data.vocabularies",
+    "flaxlm.packing": "flaxlm.data.packing",
+    "flaxlm.partitioning": "flaxlm.parallel.partitioning",
+    "flaxlm.pytrees": "flaxlm.parallel.pytrees",
+    "flaxlm.platforms": "flaxlm.parallel.platforms",
+    "flaxlm.aot": "flaxlm.plan.aot",
+    "flaxlm.hlo": "flaxlm.plan.hlo",
+    "flaxlm.chips": "flaxlm.plan.chips",
+}
+
+
+def moved_module_hint(error: BaseException) -> str | None:
+    """ "flaxlm.X moved to flaxlm.Y" with the import to write, when `error` is an import of a
+    module path in MOVED_MODULES; else None."""
+    name = getattr(error, "name", None)
+    text = str(error)
+    for old in sorted(MOVED_MODULES, key=len, reverse=True):
+        if name == old or f"'{old}'" in text or f"module {old} " in text:
+            new = MOVED_MODULES[old]
+            package, leaf = new.rsplit(".", 1)
+            old_leaf = old.rsplit(".", 1)[1]
+            alias = f" as {old_leaf}" if leaf != old_leaf else ""
+            return (
+                f"{old} moved to {new}: write `from {package} import {leaf}{alias}` "
+                '(README.md, "What moved").'
+            )
+    return None
+
 
 def default_search_paths() -> list[str]:
     """cwd, the repository root and its gin/, and the installed package's gin/ copy."""
@@ -75,7 +135,11 @@ def parse_gin(
     for p in paths:
         gin.add_config_file_search_path(p)
     files = find_gin_files(gin_files, search_paths)
-    gin.parse_config_files_and_bindings(files, list(gin_bindings), finalize_config=finalize)
+    try:
+        gin.parse_config_files_and_bindings(files, list(gin_bindings), finalize_config=finalize)
+    except ImportError as e:
+        hint = moved_module_hint(e)
+        raise ImportError(f"{e}. {hint}" if hint else str(e)) from e
 
 
 def find_gin_files(gin_files: Sequence[str], search_paths: Sequence[str] = ()) -> list[str]:

@@ -7,6 +7,7 @@ Gin (`run.fn = @train`).
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -15,7 +16,8 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from flaxlm import gin_utils, logs, platforms
+from flaxlm import gin_utils, logs
+from flaxlm.parallel import platforms
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("gin_file", [], "Gin files to parse, in order (repeatable).")
@@ -54,6 +56,20 @@ def _initialize_distributed() -> None:
         jax.distributed.initialize()
     except (ValueError, RuntimeError):
         pass
+
+
+# Imported before the Gin files are parsed: they register the configurables that the
+# run names (`train.train`, `infer.infer`, the model families, ...).
+REGISTERING_MODULES = (
+    "flaxlm.models",
+    "flaxlm.data.pipeline",
+    "flaxlm.plan.planner",
+    "flaxlm.runs.convert",
+    "flaxlm.runs.evaluate",
+    "flaxlm.runs.infer",
+    "flaxlm.runs.serve",
+    "flaxlm.runs.train",
+)
 
 
 def check_process_flags(address: str, count: int, index: int) -> str | None:
@@ -136,15 +152,15 @@ def main(argv: list[str]) -> None:
         import gin
         import jax
 
-        import flaxlm.models  # noqa: F401  (registers model configurables)
-        from flaxlm import convert, data, evaluation, infer, serve, train  # noqa: F401
-        from flaxlm.plan import planner  # noqa: F401
+        for module in REGISTERING_MODULES:
+            importlib.import_module(module)
+        from flaxlm.data import pipeline
 
         try:
-            data.import_task_module(FLAGS.tasks_module, "--tasks_module")
+            pipeline.import_task_module(FLAGS.tasks_module, "--tasks_module")
         except ValueError as e:
             _fail(str(e))
-        data.configure_tensorflow()
+        pipeline.configure_tensorflow()
         jax.devices()
     try:
         # Gin logs every search-path miss while resolving includes; failures still raise.

@@ -2,7 +2,7 @@
 
 # Vocabularies the task factories take, bindable in Gin: @HuggingFaceVocabulary(),
 # @seqio.SentencePieceVocabulary(), @seqio.ByteVocabulary().
-from flaxlm import vocabularies  # noqa: F401
+from flaxlm.data import vocabularies  # noqa: F401
 from tasks import (  # noqa: F401
     chat,
     hf_datasets,

@@ -53,8 +53,8 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from flaxlm.data import read_numbered_jsonl
-from flaxlm.vocabularies import HuggingFaceVocabulary
+from flaxlm.data.pipeline import read_numbered_jsonl
+from flaxlm.data.vocabularies import HuggingFaceVocabulary
 from tasks.jsonl import in_memory_token_dataset, split_file_lists
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}

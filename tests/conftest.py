@@ -22,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from flaxlm import platforms  # noqa: E402 - no JAX; after JAX_PLATFORMS, so it keeps that
+from flaxlm.parallel import platforms  # noqa: E402 - no JAX; after JAX_PLATFORMS, so it keeps that
 
 os.environ["XLA_FLAGS"] = platforms.host_device_flags(8, " ".join(_flags))
 

@@ -4,7 +4,7 @@
 import jax
 
 import tasks  # noqa: F401
-from flaxlm import metrics
+from flaxlm.training import metrics
 
 if jax.process_index() == 0:
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from flaxlm import optimizers
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.gptj import GPTJConfig
+from flaxlm.training import optimizers
 
 SEQ_LEN = 16
 

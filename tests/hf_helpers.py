@@ -84,11 +84,14 @@ def gin_config(repo_dir, name: str, config_cls):
 def train_on_batch(model, params, partitioner, batch, steps: int, learning_rate: float = 3e-3):
     """`steps` partitioned train steps from imported `params`, all on `batch`: the final
     state and each step's metrics (floats)."""
-    from flaxlm import optimizers, trainer
+    from flaxlm.training import optimizers
+    from flaxlm.training import steps as train_steps
 
     tx = optimizers.create_optimizer(learning_rate=learning_rate)
-    setup = trainer.Setup(model, partitioner, tx, {k: v.shape[1] for k, v in batch.items()})
-    step = setup.partition_train_step(trainer.make_train_step(model, partitioner, learning_rate))
+    setup = train_steps.Setup(model, partitioner, tx, {k: v.shape[1] for k, v in batch.items()})
+    step = setup.partition_train_step(
+        train_steps.make_train_step(model, partitioner, learning_rate)
+    )
     state, history = setup.state_from_params(params), []
     for _ in range(steps):
         state, metrics = step(state, batch)
@@ -102,7 +105,7 @@ def bare_base_model_logits(torch_model, base_module, path, prefixes, ids, mask) 
     flaxlm: the largest logit difference from the full torch model."""
     from safetensors import safe_open
 
-    from flaxlm import hf
+    from flaxlm.checkpoints import hf
 
     bare = save_torch_model(base_module, path)
     with safe_open(os.path.join(bare, "model.safetensors"), "np") as f:
@@ -143,14 +146,14 @@ def hf_greedy_batch(torch_model, prompts, new_tokens: int = GREEDY_TOKENS) -> li
 
 def flaxlm_greedy_batch(model, params, prompts, new_tokens: int = GREEDY_TOKENS, **kw):
     """flaxlm's greedy continuations of `prompts`, no EOS stop (as `hf_greedy_batch`)."""
-    from flaxlm import inference
+    from flaxlm.inference import generation
 
     width = max(len(p) for p in prompts)
     inputs = np.zeros((len(prompts), width), np.int32)
     for row, p in enumerate(prompts):
         inputs[row, : len(p)] = p
     batch = {"inputs": inputs, "inputs_lengths": np.array([len(p) for p in prompts])}
-    out = inference.generate(model, params, batch, max_new_tokens=new_tokens, eos_id=None, **kw)
+    out = generation.generate(model, params, batch, max_new_tokens=new_tokens, eos_id=None, **kw)
     return np.asarray(out).tolist()
 
 
@@ -181,8 +184,8 @@ def check_family(
     import pytest
     import transformers
 
-    from flaxlm import hf
-    from flaxlm.partitioning import Partitioner
+    from flaxlm.checkpoints import hf
+    from flaxlm.parallel.partitioning import Partitioner
 
     ids, mask = padded_batch(vocab_size, lengths)
     batch = decoder_batch(ids, mask)

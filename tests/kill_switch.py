@@ -9,7 +9,8 @@ import os
 import signal
 
 import tasks  # noqa: F401
-from flaxlm import checkpoints, metrics, trainer
+from flaxlm.checkpoints import checkpointer
+from flaxlm.training import metrics, steps
 
 WHERE, _, STEP = os.environ.get("FLAXLM_TEST_KILL", "").partition(":")
 SIGNAL = signal.Signals["SIG" + os.environ.get("FLAXLM_TEST_SIGNAL", "KILL")]
@@ -20,7 +21,7 @@ def _die() -> None:
 
 
 if WHERE == "save":
-    _save = checkpoints.DatasetCheckpointHandler.save
+    _save = checkpointer.DatasetCheckpointHandler.save
 
     def _save_then_die(self, directory, args):
         _save(self, directory, args)
@@ -29,12 +30,12 @@ if WHERE == "save":
             assert "tmp" in directory.parent.name, directory
             _die()
 
-    checkpoints.DatasetCheckpointHandler.save = _save_then_die
+    checkpointer.DatasetCheckpointHandler.save = _save_then_die
 
 elif WHERE == "eval":
     _last_logged = [None]
     _write = metrics.JsonlWriter.write_scalars
-    _evaluate = trainer.evaluate_batches
+    _evaluate = steps.evaluate_batches
 
     def _write_and_remember(self, step, scalars):
         _last_logged[0] = step
@@ -48,16 +49,16 @@ elif WHERE == "eval":
         return _evaluate(eval_step, params, iterator, steps)
 
     metrics.JsonlWriter.write_scalars = _write_and_remember
-    trainer.evaluate_batches = _evaluate_then_die
+    steps.evaluate_batches = _evaluate_then_die
 
 elif WHERE == "import":
     _die()
 
 elif WHERE == "restore":
-    _restore_latest = checkpoints.Checkpointer.restore_latest
+    _restore_latest = checkpointer.Checkpointer.restore_latest
 
     def _die_then_restore(self, *args, **kwargs):
         _die()
         return _restore_latest(self, *args, **kwargs)
 
-    checkpoints.Checkpointer.restore_latest = _die_then_restore
+    checkpointer.Checkpointer.restore_latest = _die_then_restore

@@ -16,11 +16,12 @@ model_dir = sys.argv[4]
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from flaxlm import checkpoints, trainer  # noqa: E402
-from flaxlm.partitioning import Partitioner  # noqa: E402
+from flaxlm.checkpoints import checkpointer  # noqa: E402
+from flaxlm.parallel.partitioning import Partitioner  # noqa: E402
+from flaxlm.training import steps  # noqa: E402
 from tests.helpers import adamw, feature_lengths, random_batch, tiny_gptj  # noqa: E402
 
-setup = trainer.Setup(tiny_gptj(), Partitioner(mesh_shape=(1, 8, 1)), adamw(), feature_lengths())
+setup = steps.Setup(tiny_gptj(), Partitioner(mesh_shape=(1, 8, 1)), adamw(), feature_lengths())
 
 
 def global_batch(seed):
@@ -34,10 +35,10 @@ def global_batch(seed):
 
 
 step = setup.partition_train_step(
-    trainer.make_train_step(setup.model, setup.partitioner, 1e-2, seed=0)
+    steps.make_train_step(setup.model, setup.partitioner, 1e-2, seed=0)
 )
 state, _ = step(setup.init_state(), global_batch(0))
-ckpt = checkpoints.Checkpointer(model_dir)
+ckpt = checkpointer.Checkpointer(model_dir)
 ckpt.save(1, state, None, "config")
 ckpt.close()
 params = multihost_utils.process_allgather(state.params, tiled=True)

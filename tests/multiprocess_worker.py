@@ -13,7 +13,7 @@ jax.distributed.initialize(
 
 import numpy as np  # noqa: E402
 
-from flaxlm.partitioning import Partitioner  # noqa: E402
+from flaxlm.parallel.partitioning import Partitioner  # noqa: E402
 
 out = {"process_index": jax.process_index(), "layouts": {}}
 for shape in [(2, 4, 1), (1, 8, 1), (1, 4, 2), (1, 1, 8)]:

@@ -8,14 +8,14 @@ import os
 import jax
 
 import tasks  # noqa: F401
-from flaxlm import data
+from flaxlm.data import pipeline
 from tasks.text_files import register_text_files_task
 
 RECORD_DIR = os.environ["FLAXLM_TEST_RECORD_DIR"]
 register_text_files_task(
     name="test_tiny_lines", split_files={"train": os.path.join(RECORD_DIR, "part*.txt")}
 )
-_next_numpy = data.DataIterator.next_numpy
+_next_numpy = pipeline.DataIterator.next_numpy
 
 
 def _recording_next_numpy(self):
@@ -25,4 +25,4 @@ def _recording_next_numpy(self):
     return batch
 
 
-data.DataIterator.next_numpy = _recording_next_numpy
+pipeline.DataIterator.next_numpy = _recording_next_numpy

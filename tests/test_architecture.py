@@ -30,30 +30,27 @@ LONG_FILES_ALLOWED = {"flaxlm/models/t5.py"}
 # ---------------------------------------------------------------------------------------------
 # Rings (DESIGN.md, "The house"). Patterns are fnmatch globs on dotted module names.
 
-RUNS = (
-    "flaxlm.train",
-    "flaxlm.grpo",
-    "flaxlm.loop",
-    "flaxlm.evaluation",
-    "flaxlm.infer",
-    "flaxlm.convert",
-    "flaxlm.serve",
-    "flaxlm.serve.*",
-    "flaxlm.harness",
-    "flaxlm.plan",
-    "flaxlm.plan.*",
-)
-SERVICES = ("flaxlm.inference", "flaxlm.checkpoints", "flaxlm.hf", "flaxlm.run_dir")
-# Outside the rings: the entry point and the helpers every ring shares.
-SHARED = (
-    "flaxlm",
-    "flaxlm.main",
-    "flaxlm.gin_utils",
-    "flaxlm.pytrees",
-    "flaxlm.logs",
-    "flaxlm.platforms",
-)
+RUNS = ("flaxlm.runs", "flaxlm.runs.*", "flaxlm.plan", "flaxlm.plan.*")
+SERVICES = ("flaxlm.inference", "flaxlm.inference.*", "flaxlm.checkpoints", "flaxlm.checkpoints.*")
+# The pure decoding loops live beside the generation service (inference/) but import nothing
+# of flaxlm's: the models' decode steps use their config and cache helpers.
+PURE = ("flaxlm.inference.decoding",)
+# Outside the rings: the entry point and what it needs.
+SHARED = ("flaxlm", "flaxlm.main", "flaxlm.gin_utils", "flaxlm.logs")
 MODELS = ("flaxlm.models", "flaxlm.models.*")
+# The folders of DESIGN.md's house; flaxlm/'s root holds only ENTRY_MODULES.
+FOLDERS = (
+    "runs",
+    "inference",
+    "checkpoints",
+    "posttrain",
+    "training",
+    "data",
+    "models",
+    "parallel",
+    "plan",
+)
+ENTRY_MODULES = ("__init__.py", "main.py", "gin_utils.py", "logs.py")
 
 
 def _matches(module: str, patterns: Iterable[str]) -> bool:
@@ -63,6 +60,8 @@ def _matches(module: str, patterns: Iterable[str]) -> bool:
 def _is_core(module: str) -> bool:
     if module == "tasks" or module.startswith("tasks."):
         return True  # SeqIO registrations sit at core level: data, vocabularies, not services
+    if _matches(module, PURE):
+        return True
     return (
         module.startswith("flaxlm.")
         and not _matches(module, RUNS)
@@ -80,28 +79,49 @@ def _anything(module: str) -> bool:
 
 
 CORE = _is_core
-SERVICE = _group(*SERVICES)
+
+
+def SERVICE(module: str) -> bool:  # noqa: N802  (a ring, like CORE and RUN)
+    return _matches(module, SERVICES) and not _matches(module, PURE)
+
+
 RUN = _group(*RUNS)
 
 # (source, target, reason): an import from a source module to a target module is forbidden.
 FORBIDDEN: list[tuple[Callable[[str], bool], Callable[[str], bool], str]] = [
     (
         _group(*MODELS),
-        _group("flaxlm.partitioning"),
+        _group("flaxlm.parallel.partitioning"),
         "a model knows logical axis names only, never the partitioner or a mesh",
     ),
-    (_group("flaxlm.partitioning"), _group(*MODELS), "partitioning never imports a model"),
-    (_group("flaxlm.decoding"), _group(*MODELS), "decoding is pure: it never imports a model"),
+    (_group("flaxlm.parallel.partitioning"), _group(*MODELS), "partitioning never imports a model"),
     (
-        _group("flaxlm.decoding"),
-        _group("flaxlm.partitioning"),
+        _group("flaxlm.inference.decoding"),
+        _group(*MODELS),
+        "decoding is pure: it never imports a model",
+    ),
+    (
+        _group("flaxlm.inference.decoding"),
+        _group("flaxlm.parallel.partitioning"),
         "decoding is pure: no mesh, no partitioner",
     ),
-    (_group("flaxlm.hf"), _group("flaxlm.checkpoints"), "hf.py knows no orbax"),
-    (_group("flaxlm.hf"), _group("flaxlm.lora"), "hf.py knows no LoRA"),
-    (_group("flaxlm.lora"), _group("flaxlm.hf"), "lora.py knows no file format"),
-    (_group("flaxlm.lora"), _group("flaxlm.checkpoints"), "lora.py knows no file format"),
-    (_group("flaxlm.checkpoints"), _group(*MODELS), "checkpoints.py knows no model"),
+    (
+        _group("flaxlm.checkpoints.hf"),
+        _group("flaxlm.checkpoints.checkpointer"),
+        "hf.py knows no orbax",
+    ),
+    (_group("flaxlm.checkpoints.hf"), _group("flaxlm.training.lora"), "hf.py knows no LoRA"),
+    (
+        _group("flaxlm.training.lora"),
+        _group("flaxlm.checkpoints.hf"),
+        "lora.py knows no file format",
+    ),
+    (
+        _group("flaxlm.training.lora"),
+        _group("flaxlm.checkpoints.checkpointer"),
+        "lora.py knows no file format",
+    ),
+    (_group("flaxlm.checkpoints.checkpointer"), _group(*MODELS), "checkpoints.py knows no model"),
     (CORE, SERVICE, "arrows point inward: the core never imports a service"),
     (CORE, RUN, "arrows point inward: the core never imports a run"),
     (SERVICE, RUN, "arrows point inward: a service never imports a run"),
@@ -503,7 +523,9 @@ def repo_graph(repo_sources) -> Graph:
 
 
 def test_sources_are_found(repo_sources, repo_graph):
-    assert {"flaxlm", "flaxlm.partitioning", "flaxlm.models.base", "tasks"} <= set(repo_sources)
+    assert {"flaxlm", "flaxlm.parallel.partitioning", "flaxlm.models.base", "tasks"} <= set(
+        repo_sources
+    )
     assert repo_graph.edges, "no import edges found: the parser is broken"
 
 
@@ -575,8 +597,8 @@ def test_checker_resolves_from_imports_of_submodules_and_packages():
             "flaxlm/__init__.py": "X = 1\n",
             "flaxlm/other.py": "",
             "flaxlm/models/__init__.py": "from . import base\nfrom .base import Model\n",
-            "flaxlm/models/base.py": "from ..partitioning import P\nfrom .. import X\n",
-            "flaxlm/partitioning.py": "",
+            "flaxlm/models/base.py": "from ..parallel.partitioning import P\nfrom .. import X\n",
+            "flaxlm/parallel/partitioning.py": "",
             "flaxlm/user.py": """
                 from flaxlm import other, X
                 import flaxlm.models.base as b
@@ -587,7 +609,7 @@ def test_checker_resolves_from_imports_of_submodules_and_packages():
     edges = {(e.source, e.target) for e in graph.edges}
     assert edges == {
         ("flaxlm.models", "flaxlm.models.base"),
-        ("flaxlm.models.base", "flaxlm.partitioning"),
+        ("flaxlm.models.base", "flaxlm.parallel.partitioning"),
         ("flaxlm.models.base", "flaxlm"),
         ("flaxlm.user", "flaxlm.other"),
         ("flaxlm.user", "flaxlm"),
@@ -596,7 +618,7 @@ def test_checker_resolves_from_imports_of_submodules_and_packages():
     }
     assert find_cycles(graph) == []
     assert find_forbidden_arrows(graph) == [
-        "flaxlm.models.base -> flaxlm.partitioning (flaxlm/models/base.py:1): "
+        "flaxlm.models.base -> flaxlm.parallel.partitioning (flaxlm/models/base.py:1): "
         "a model knows logical axis names only, never the partitioner or a mesh"
     ]
 
@@ -605,38 +627,43 @@ def test_checker_applies_the_rings():
     graph = analyse_texts(
         {
             "flaxlm/__init__.py": "",
-            "flaxlm/main.py": "from flaxlm import train\n",
-            "flaxlm/train.py": "from flaxlm import evaluation, checkpoints, trainer\n",
-            "flaxlm/evaluation.py": "from flaxlm import checkpoints\n",
-            "flaxlm/checkpoints.py": "from flaxlm import trainer\n",
-            "flaxlm/trainer.py": "def f():\n    import flaxlm.checkpoints\n",
-            "flaxlm/serve/__init__.py": "",
-            "flaxlm/serve/api.py": "from flaxlm import main\n",
-            "tasks/__init__.py": "from flaxlm.serve import api\n",
+            "flaxlm/main.py": "from flaxlm.runs import train\n",
+            "flaxlm/runs/train.py": (
+                "from flaxlm.runs import evaluate\nfrom flaxlm.checkpoints import checkpointer\n"
+                "from flaxlm.training import steps\n"
+            ),
+            "flaxlm/runs/evaluate.py": "from flaxlm.checkpoints import checkpointer\n",
+            "flaxlm/checkpoints/checkpointer.py": "from flaxlm.training import steps\n",
+            "flaxlm/training/steps.py": "def f():\n    import flaxlm.checkpoints.checkpointer\n",
+            "flaxlm/inference/decoding.py": "",
+            "flaxlm/models/base.py": "from flaxlm.inference import decoding\n",
+            "flaxlm/runs/serve/__init__.py": "",
+            "flaxlm/runs/serve/api.py": "from flaxlm import main\n",
+            "tasks/__init__.py": "from flaxlm.runs.serve import api\n",
         }
     )
     assert sorted(find_forbidden_arrows(graph)) == [
-        "flaxlm.serve.api -> flaxlm.main (flaxlm/serve/api.py:1): nothing imports main",
-        "flaxlm.trainer -> flaxlm.checkpoints (flaxlm/trainer.py:2): "
+        "flaxlm.runs.serve.api -> flaxlm.main (flaxlm/runs/serve/api.py:1): nothing imports main",
+        "flaxlm.training.steps -> flaxlm.checkpoints.checkpointer (flaxlm/training/steps.py:2): "
         "arrows point inward: the core never imports a service",
-        "tasks -> flaxlm.serve.api (tasks/__init__.py:1): "
+        "tasks -> flaxlm.runs.serve.api (tasks/__init__.py:1): "
         "arrows point inward: the core never imports a run",
     ]
-    assert len(find_cycles(graph)) == 1  # checkpoints <-> trainer
+    assert len(find_cycles(graph)) == 1  # checkpointer <-> steps
 
 
 def test_checker_finds_private_names_of_modules_only():
     graph = analyse_texts(
         {
             "flaxlm/__init__.py": "__version__ = '1'\n",
-            "flaxlm/decoding.py": "def _global_array(x): ...\n",
+            "flaxlm/inference/decoding.py": "def _global_array(x): ...\n",
             "flaxlm/models/__init__.py": "",
             "flaxlm/models/base.py": "class BaseModel: ...\n",
-            "flaxlm/serve.py": """
+            "flaxlm/runs/serve.py": """
                 import flaxlm
                 import flaxlm.models.base
-                from flaxlm import decoding as dec
-                from flaxlm.decoding import _global_array
+                from flaxlm.inference import decoding as dec
+                from flaxlm.inference.decoding import _global_array
                 from flaxlm.models.base import BaseModel
 
                 print(flaxlm.__version__, flaxlm.models.base._helper, BaseModel._boxed_init)
@@ -650,16 +677,16 @@ def test_checker_finds_private_names_of_modules_only():
                     return dec._not_the_module
 
                 def h():
-                    import flaxlm.decoding as d
+                    import flaxlm.inference.decoding as d
                     return d._lazy, [dec._in_comp for dec in ()]
             """,
         }
     )
     assert find_private_uses(graph) == [
-        "flaxlm.serve -> flaxlm.decoding._global_array  (flaxlm/serve.py:5)",
-        "flaxlm.serve -> flaxlm.decoding._global_array  (flaxlm/serve.py:12)",
-        "flaxlm.serve -> flaxlm.decoding._lazy  (flaxlm/serve.py:20)",
-        "flaxlm.serve -> flaxlm.models.base._helper  (flaxlm/serve.py:8)",
+        "flaxlm.runs.serve -> flaxlm.inference.decoding._global_array  (flaxlm/runs/serve.py:5)",
+        "flaxlm.runs.serve -> flaxlm.inference.decoding._global_array  (flaxlm/runs/serve.py:12)",
+        "flaxlm.runs.serve -> flaxlm.inference.decoding._lazy  (flaxlm/runs/serve.py:20)",
+        "flaxlm.runs.serve -> flaxlm.models.base._helper  (flaxlm/runs/serve.py:8)",
     ]
 
 

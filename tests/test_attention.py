@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxlm import inference
-from flaxlm.models import attention
+from flaxlm.inference import generation
+from flaxlm.models import attention, masks
 from tests.helpers import random_batch, tiny_gptj
 
 IMPLEMENTATIONS = ("jax", "chunked")
@@ -29,21 +29,21 @@ def segments(batch, length, cuts, pad):
     return jnp.asarray(ids)
 
 
-def masks():
+def all_masks():
     seg = segments(2, 13, [4, 9], pad=2)
     kv_seg = segments(2, 11, [5], pad=3)
     return {
-        "causal": (attention.attention_mask(None, 2, 13), 13, None),
-        "causal_packed": (attention.attention_mask(seg, 2, 13), 13, None),
-        "bidirectional_packed": (attention.attention_mask(seg, 2, 13, causal=False), 13, None),
-        "sliding_window": (attention.attention_mask(seg, 2, 13, sliding_window=3), 13, None),
+        "causal": (masks.attention_mask(None, 2, 13), 13, None),
+        "causal_packed": (masks.attention_mask(seg, 2, 13), 13, None),
+        "bidirectional_packed": (masks.attention_mask(seg, 2, 13, causal=False), 13, None),
+        "sliding_window": (masks.attention_mask(seg, 2, 13, sliding_window=3), 13, None),
         "sliding_window_unpacked": (
-            attention.attention_mask(None, 2, 13, sliding_window=3),
+            masks.attention_mask(None, 2, 13, sliding_window=3),
             13,
             None,
         ),
         "cross_padded": (
-            attention.attention_mask(
+            masks.attention_mask(
                 segments(2, 13, [6], pad=0),
                 2,
                 13,
@@ -55,18 +55,18 @@ def masks():
             None,
         ),
         "decoding_left_padded": (
-            attention.causal_mask(
+            masks.causal_mask(
                 None,
                 2,
                 3,
-                attention.Decoding(jnp.int32(5), jnp.asarray([0, 4]), 13),
+                masks.Decoding(jnp.int32(5), jnp.asarray([0, 4]), 13),
                 sliding_window=4,
             ),
             13,
             None,
         ),
         "relative_bias": (
-            attention.attention_mask(None, 2, 13, causal=False),
+            masks.attention_mask(None, 2, 13, causal=False),
             13,
             jax.random.normal(jax.random.PRNGKey(9), (1, 4, 13, 13)),
         ),
@@ -75,9 +75,9 @@ def masks():
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("name", sorted(masks()))
+@pytest.mark.parametrize("name", sorted(all_masks()))
 def test_implementations_agree_under_every_mask(implementation, name):
-    mask, kv_len, bias = masks()[name]
+    mask, kv_len, bias = all_masks()[name]
     q_len = mask.q_len if mask is not None else 13
     q, k, v = qkv(q_len=q_len, kv_len=kv_len)
     expected = attention.dot_product_attention(q, k, v, mask, bias=bias, implementation="xla")
@@ -108,8 +108,8 @@ def textbook_attention(q, k, v, mask, bias, softcap):
 
 
 def masks_with_hidden_rows():
-    """masks(), and a cross mask whose padding queries see no key at all."""
-    padded = attention.attention_mask(
+    """all_masks(), and a cross mask whose padding queries see no key at all."""
+    padded = masks.attention_mask(
         segments(2, 13, [6], pad=3),
         2,
         13,
@@ -118,7 +118,7 @@ def masks_with_hidden_rows():
         kv_length=11,
     )
     assert not np.asarray(padded.dense()).any(-1).all()
-    return {**masks(), "padded_queries": (padded, 11, None)}
+    return {**all_masks(), "padded_queries": (padded, 11, None)}
 
 
 @pytest.mark.parametrize("kv_heads,softcap", [(4, None), (2, 3.0)])
@@ -147,7 +147,7 @@ def test_xla_backward_equals_autodiff_of_textbook_attention(name, kv_heads, soft
 
 def test_a_dense_bool_mask_works_in_every_implementation():
     q, k, v = qkv()
-    dense = attention.attention_mask(segments(2, 13, [5], pad=1), 2, 13).dense()
+    dense = masks.attention_mask(segments(2, 13, [5], pad=1), 2, 13).dense()
     expected = attention.dot_product_attention(q, k, v, dense)
     for implementation in IMPLEMENTATIONS:
         got = attention.dot_product_attention(
@@ -160,21 +160,21 @@ def test_plain_causal_attention_reaches_jax_as_is_causal_not_a_mask_tensor():
     """cuDNN skips the hidden blocks only when told `is_causal`; packed or offset masks
     (decoding) stay dense."""
     how = attention.jax_attention_mask
-    assert how(attention.attention_mask(None, 2, 13)) == {
+    assert how(masks.attention_mask(None, 2, 13)) == {
         "is_causal": True,
         "local_window_size": None,
     }
-    window = how(attention.attention_mask(None, 2, 13, sliding_window=3))
+    window = how(masks.attention_mask(None, 2, 13, sliding_window=3))
     assert window == {"is_causal": True, "local_window_size": (2, 0)}
     for name in ("causal_packed", "bidirectional_packed", "decoding_left_padded", "cross_padded"):
-        mask = masks()[name][0]
+        mask = all_masks()[name][0]
         assert set(how(mask)) == {"mask"}, name
         assert how(mask)["mask"].shape == mask.dense().shape
     assert how(None) == {"mask": None}
 
 
 def test_auto_takes_cudnn_on_a_gpu_for_whole_sequence_half_precision_only(monkeypatch):
-    causal = attention.attention_mask(None, 2, 13)
+    causal = masks.attention_mask(None, 2, 13)
     choice = attention.auto_choice
     assert choice(causal, None, None, jnp.bfloat16) == "xla"  # CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -184,9 +184,9 @@ def test_auto_takes_cudnn_on_a_gpu_for_whole_sequence_half_precision_only(monkey
     assert choice(causal, None, 50.0, jnp.bfloat16) == "xla"  # a soft cap (Gemma 2)
     assert choice(causal, jnp.zeros((1, 2, 13, 13)), None, jnp.bfloat16) == "xla"  # T5's bias
     for name in ("causal_packed", "bidirectional_packed", "sliding_window"):
-        assert choice(masks()[name][0], None, None, jnp.bfloat16) == "jax", name  # dense
+        assert choice(all_masks()[name][0], None, None, jnp.bfloat16) == "jax", name  # dense
     for name in ("cross_padded", "decoding_left_padded"):
-        assert choice(masks()[name][0], None, None, jnp.bfloat16) == "xla", name
+        assert choice(all_masks()[name][0], None, None, jnp.bfloat16) == "xla", name
 
 
 @pytest.mark.parametrize("remat", ["none", "dots_with_no_batch_dims_saveable"])
@@ -199,7 +199,7 @@ def test_a_remat_scanned_model_still_takes_cudnn_on_a_gpu(monkeypatch, remat):
     choose = attention.auto_choice
 
     def spy(mask, bias, softcap, dtype):
-        plain.append(attention.plain_causal(mask))
+        plain.append(masks.plain_causal(mask))
         chosen.append(choose(mask, bias, softcap, dtype))
         return chosen[-1]
 
@@ -235,7 +235,7 @@ def test_model_logits_and_gradients_agree_across_implementations(implementation)
 def test_chunked_attention_memory_grows_linearly_with_length_in_training_too():
     def temp_bytes(implementation, length, grad):
         q, k, v = qkv(batch=1, q_len=length, kv_len=length, heads=4, kv_heads=4, head_dim=16)
-        mask = attention.attention_mask(segments(1, length, [length // 3], 0), 1, length)
+        mask = masks.attention_mask(segments(1, length, [length // 3], 0), 1, length)
 
         def attend(q, k, v):
             out = attention.dot_product_attention(
@@ -266,6 +266,6 @@ def test_decoding_gives_the_same_tokens_with_every_implementation(implementation
     params = xla.init_params(jax.random.PRNGKey(1), {"decoder_input_tokens": (1, 16)})
     prompts = {"inputs": np.asarray([[5, 9, 33, 2, 7, 0, 0], [8, 1, 4, 4, 4, 4, 9]], np.int32)}
     np.testing.assert_array_equal(
-        inference.generate(other, params, prompts, max_new_tokens=10, eos_id=None),
-        inference.generate(xla, params, prompts, max_new_tokens=10, eos_id=None),
+        generation.generate(other, params, prompts, max_new_tokens=10, eos_id=None),
+        generation.generate(xla, params, prompts, max_new_tokens=10, eos_id=None),
     )

@@ -2,7 +2,7 @@
 
 Every row runs `python -m flaxlm.main` and checks: exit code 2, the culprit named in stderr,
 no Python traceback, and no checkpoint written (or, for a MODEL_DIR that has one, none
-changed). A malformed JSONL line belongs to the data tests (tasks/ and data.py).
+changed). A malformed JSONL line belongs to the data tests (tasks/ and pipeline.py).
 """
 
 import hashlib
@@ -238,12 +238,13 @@ def test_bad_files_are_named_with_the_line_or_the_fix(tmp_path):
     import numpy as np
     from safetensors.numpy import save_file
 
-    from flaxlm import data, hf_files
+    from flaxlm.checkpoints import hf_files
+    from flaxlm.data import pipeline
 
     jsonl = tmp_path / "data.jsonl"
     jsonl.write_bytes(b'{"in_text": "ok"}\n{"in_text": "caf\xe9"}\n')
     with pytest.raises(ValueError, match=rf"{jsonl}:2: not UTF-8 \(byte 0xe9 at column 17\)"):
-        list(data.read_jsonl(str(jsonl)))
+        list(pipeline.read_jsonl(str(jsonl)))
 
     good, bad = tmp_path / "good", tmp_path / "bad"
     good.mkdir()
@@ -256,14 +257,15 @@ def test_bad_files_are_named_with_the_line_or_the_fix(tmp_path):
         hf_files.SafetensorsReader(str(bad))
 
     with pytest.raises(ValueError, match=r"MIXTURE_OR_TASK_MODULE='no_such_tasks': no such"):
-        data.import_task_module("no_such_tasks")
+        pipeline.import_task_module("no_such_tasks")
 
 
 @pytest.mark.parametrize("name", sorted(BAD_NUMBERS))
 def test_bad_numbers_are_named_before_any_work(name):
     from types import SimpleNamespace
 
-    from flaxlm import optimizers, train
+    from flaxlm.runs import train
+    from flaxlm.training import optimizers
 
     kwargs = dict(total_steps=10, batch_size=8, learning_rate=1e-3)
     kwargs.update(BAD_NUMBERS[name])
@@ -281,7 +283,7 @@ def test_a_misspelled_macro_is_named_with_the_macro_meant(repo_dir):
     """`--gin.TRAIN_STEP=2` used to be accepted and ignored (the file's TRAIN_STEPS ran)."""
     import gin
 
-    import flaxlm.train  # noqa: F401  (the configurables the file binds)
+    import flaxlm.runs.train  # noqa: F401  (the configurables the file binds)
     from flaxlm import gin_utils
 
     # Used by the file; used by another run's file (harmless); used by no file at all.

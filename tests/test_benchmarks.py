@@ -165,7 +165,7 @@ def test_tpu_compile_beside_a_process_holding_libtpu():
     """The ahead-of-time TPU compile passes while another JAX process on this host holds
     libtpu's lockfile (here one that starts JAX's backends the default way, not through
     flaxlm), and without libtpu's TPU start-up errors."""
-    from flaxlm import platforms
+    from flaxlm.parallel import platforms
 
     if platforms.tpu_attached():
         pytest.skip("this host has a TPU: its runtime owns the lockfile")
@@ -401,7 +401,7 @@ def test_accelerator_largest_turns_down_a_model_too_large_without_compiling_it(m
     its first length measures (not planned again)."""
     import jax
 
-    from flaxlm import chips
+    from flaxlm.plan import chips
 
     accelerator = load_benchmark("accelerator")
     args = accelerator.parse_args(

@@ -8,9 +8,11 @@ import pytest
 import seqio
 
 import tasks  # noqa: F401
-from flaxlm import checkpoints, data, trainer
-from flaxlm.partitioning import Partitioner
-from flaxlm.trainer import Setup
+from flaxlm.checkpoints import checkpointer
+from flaxlm.data import pipeline
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.training import steps as train_steps
+from flaxlm.training.steps import Setup
 from tests.helpers import adamw, feature_lengths, random_batch, tiny_gptj
 
 
@@ -21,7 +23,7 @@ def _setup(mesh_shape):
 def _next_loss(setup, state):
     """The loss of one more train step (with dropout-free tiny GPT-J: a pure function)."""
     step = setup.partition_train_step(
-        trainer.make_train_step(setup.model, setup.partitioner, 1e-2, seed=0)
+        train_steps.make_train_step(setup.model, setup.partitioner, 1e-2, seed=0)
     )
     copy = jax.tree.map(lambda x: x.copy(), state)  # the step donates its input
     return float(step(copy, random_batch())[1]["loss"])
@@ -31,14 +33,14 @@ def test_restore_on_other_mesh_gives_same_params_and_next_loss(tmp_path):
     saved = _setup((1, 8, 1))
     state = saved.init_state()
     saved_loss = _next_loss(saved, state)
-    ckpt = checkpoints.Checkpointer(str(tmp_path))
+    ckpt = checkpointer.Checkpointer(str(tmp_path))
     ckpt.save(3, state, None, "config")
     ckpt.close()
     host_state = jax.device_get(state)
 
     for mesh in [(2, 2, 2), (8, 1, 1)]:
         target = _setup(mesh)
-        step, restored = checkpoints.Checkpointer(str(tmp_path)).restore_latest(
+        step, restored = checkpointer.Checkpointer(str(tmp_path)).restore_latest(
             target.abstract_state
         )
         assert step == 3
@@ -67,27 +69,27 @@ def test_restore_on_other_mesh_gives_same_params_and_next_loss(tmp_path):
 
 def test_data_iterator_position_is_restored(tmp_path):
     partitioner = Partitioner(mesh_shape=(2, 1, 4))  # 2 logical input shards
-    cfg = data.DatasetConfig(
+    cfg = pipeline.DatasetConfig(
         mixture_or_task_name="stdlib_py", task_feature_lengths={"targets": 32}, batch_size=8
     )
     layout = partitioner.data_layout(8)
 
     def iterator():
-        ds = data.host_input(cfg, layout, seqio.DecoderFeatureConverter)
-        return data.DataIterator(ds, partitioner, layout)
+        ds = pipeline.host_input(cfg, layout, seqio.DecoderFeatureConverter)
+        return pipeline.DataIterator(ds, partitioner, layout)
 
     setup = _setup((8, 1, 1))
     state = setup.init_state()
     it = iterator()
     for _ in range(3):
         it.next_numpy()
-    ckpt = checkpoints.Checkpointer(str(tmp_path))
+    ckpt = checkpointer.Checkpointer(str(tmp_path))
     ckpt.save(3, state, it, "config")
     ckpt.close()
     expected = [it.next_numpy()["decoder_target_tokens"] for _ in range(2)]
 
     resumed = iterator()
-    checkpoints.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state, resumed)
+    checkpointer.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state, resumed)
     got = [resumed.next_numpy()["decoder_target_tokens"] for _ in range(2)]
     for e, g in zip(expected, got):
         np.testing.assert_array_equal(e, g)
@@ -101,11 +103,11 @@ def test_data_iterator_position_is_restored(tmp_path):
     # cannot resume the data exactly: a clear error, not a fallback to older checkpoints.
     other = Partitioner(mesh_shape=(8, 1, 1))
     other_layout = other.data_layout(8)
-    other_it = data.DataIterator(
-        data.host_input(cfg, other_layout, seqio.DecoderFeatureConverter), other, other_layout
+    other_it = pipeline.DataIterator(
+        pipeline.host_input(cfg, other_layout, seqio.DecoderFeatureConverter), other, other_layout
     )
-    with pytest.raises(checkpoints.DataIteratorMismatchError, match="num_input_shards"):
-        checkpoints.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state, other_it)
+    with pytest.raises(checkpointer.DataIteratorMismatchError, match="num_input_shards"):
+        checkpointer.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state, other_it)
 
 
 def _truncate_an_array_file(step_dir):
@@ -125,14 +127,14 @@ def test_unreadable_latest_checkpoint_is_set_aside_and_its_step_saved_again(
 ):
     setup = _setup((1, 8, 1))
     state = setup.init_state()
-    ckpt = checkpoints.Checkpointer(str(tmp_path))
+    ckpt = checkpointer.Checkpointer(str(tmp_path))
     ckpt.save(1, state, None, "config")
     ckpt.save(2, state, None, "config")
     ckpt.close()
     root = tmp_path / "checkpoints"
     corrupt(root / "2")
 
-    resumed = checkpoints.Checkpointer(str(tmp_path))
+    resumed = checkpointer.Checkpointer(str(tmp_path))
     step, restored = resumed.restore_latest(setup.abstract_state)
     assert step == 1
     # One line naming the checkpoint, where it went and why (not TensorStore's spec).
@@ -147,7 +149,7 @@ def test_unreadable_latest_checkpoint_is_set_aside_and_its_step_saved_again(
     retrained = restored.replace(step=restored.step + 1)
     resumed.save(2, retrained, None, "config")
     resumed.close()
-    step, again = checkpoints.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state)
+    step, again = checkpointer.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state)
     assert step == 2 and int(again.step) == int(retrained.step)
     assert capsys.readouterr().out == ""
     assert (root / "2.unreadable").is_dir()  # kept for inspection
@@ -155,47 +157,47 @@ def test_unreadable_latest_checkpoint_is_set_aside_and_its_step_saved_again(
 
 def test_unreadable_checkpoints_only_is_an_error_not_a_fresh_start(tmp_path):
     setup = _setup((1, 8, 1))
-    ckpt = checkpoints.Checkpointer(str(tmp_path))
+    ckpt = checkpointer.Checkpointer(str(tmp_path))
     ckpt.save(1, setup.init_state(), None, "config")
     ckpt.close()
     for f in (tmp_path / "checkpoints" / "1" / "state").rglob("*"):
         if f.is_file():
             f.write_bytes(b"garbage")
-    with pytest.raises(checkpoints.NoReadableCheckpointError, match="refusing to train"):
-        checkpoints.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state)
-    assert checkpoints.Checkpointer(str(tmp_path)).all_steps() == [1]  # nothing moved
+    with pytest.raises(checkpointer.NoReadableCheckpointError, match="refusing to train"):
+        checkpointer.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state)
+    assert checkpointer.Checkpointer(str(tmp_path)).all_steps() == [1]  # nothing moved
 
 
 def test_checkpoint_of_another_model_names_the_mismatched_params(tmp_path):
-    ckpt = checkpoints.Checkpointer(str(tmp_path))
+    ckpt = checkpointer.Checkpointer(str(tmp_path))
     ckpt.save(2, _setup((1, 8, 1)).init_state(), None, "config")
     ckpt.close()
     wider = Setup(tiny_gptj(hidden_size=64), Partitioner((1, 8, 1)), adamw(), feature_lengths())
-    with pytest.raises(checkpoints.CheckpointMismatchError) as e:
-        checkpoints.Checkpointer(str(tmp_path)).restore_latest(wider.abstract_state)
+    with pytest.raises(checkpointer.CheckpointMismatchError) as e:
+        checkpointer.Checkpointer(str(tmp_path)).restore_latest(wider.abstract_state)
     assert "different model" in str(e.value)
     assert "h_0/fc_in/kernel: (32, 128) in the checkpoint, (64, 256) in this model" in str(e.value)
 
 
 def test_keep_the_newest_k_plus_every_mth_permanently(tmp_path):
     state = _setup((1, 8, 1)).init_state()
-    ckpt = checkpoints.Checkpointer(str(tmp_path), keep=2, keep_period=4)
+    ckpt = checkpointer.Checkpointer(str(tmp_path), keep=2, keep_period=4)
     for step in range(1, 11):
         ckpt.save(step, state, None, "config")
     ckpt.close()
-    assert checkpoints.Checkpointer(str(tmp_path)).all_steps() == [4, 8, 9, 10]
+    assert checkpointer.Checkpointer(str(tmp_path)).all_steps() == [4, 8, 9, 10]
 
 
 def test_a_save_killed_before_its_commit_is_never_restored(tmp_path):
     setup = _setup((1, 8, 1))
-    ckpt = checkpoints.Checkpointer(str(tmp_path))
+    ckpt = checkpointer.Checkpointer(str(tmp_path))
     ckpt.save(1, setup.init_state(), None, "config")
     ckpt.close()
     # What a kill -9 mid-save leaves: step 2 in orbax's temporary directory, never renamed.
     partial = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp-1234"
     (partial / "state").mkdir(parents=True)
     (partial / "state" / "half_written").write_bytes(b"\0" * 10)
-    reopened = checkpoints.Checkpointer(str(tmp_path))
+    reopened = checkpointer.Checkpointer(str(tmp_path))
     assert reopened.all_steps() == [1]
     step, state = reopened.restore_latest(setup.abstract_state)
     assert step == 1
@@ -203,4 +205,4 @@ def test_a_save_killed_before_its_commit_is_never_restored(tmp_path):
     reopened.save(2, state, None, "config")
     reopened.close()
     assert not partial.exists()
-    assert checkpoints.Checkpointer(str(tmp_path)).all_steps() == [1, 2]
+    assert checkpointer.Checkpointer(str(tmp_path)).all_steps() == [1, 2]

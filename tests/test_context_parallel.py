@@ -22,7 +22,7 @@ from flaxlm.models.opt import OPTConfig
 from flaxlm.models.phi3 import Phi3Config
 from flaxlm.models.qwen import QwenConfig
 from flaxlm.models.roberta import RobertaConfig
-from flaxlm.partitioning import Partitioner
+from flaxlm.parallel.partitioning import Partitioner
 
 REPO = Path(__file__).resolve().parents[1]
 AXES = ("data", "fsdp", "sequence", "tensor")

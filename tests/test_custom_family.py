@@ -16,12 +16,15 @@ import numpy as np
 import pytest
 import transformers
 
-from flaxlm import hf, inference, trainer
+from flaxlm.checkpoints import hf
+from flaxlm.inference import generation
 from flaxlm.models import attention, layers, llama
-from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HF_SPECS, HFSpec, HFTensor, register_hf
-from flaxlm.partitioning import Partitioner
+from flaxlm.models.options import ComputeOptions
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.training import steps as train_steps
 from tests.helpers import adamw, feature_lengths, random_batch
 from tests.hf_helpers import (
     decoder_batch,
@@ -223,8 +226,8 @@ TINY = dict(
 def test_training_steps_lower_the_loss():
     model = DecoderOnlyModel(GraniteConfig(**TINY))
     partitioner = Partitioner(mesh_shape=(1, 1, 1), devices=jax.devices()[:1])
-    setup = trainer.Setup(model, partitioner, adamw(), feature_lengths())
-    step = setup.partition_train_step(trainer.make_train_step(model, partitioner, 1e-2))
+    setup = train_steps.Setup(model, partitioner, adamw(), feature_lengths())
+    step = setup.partition_train_step(train_steps.make_train_step(model, partitioner, 1e-2))
     state, batch = setup.init_state(), random_batch()
     losses = []
     for _ in range(5):
@@ -239,7 +242,7 @@ def test_greedy_decoding_with_the_cache_follows_the_full_forward_argmax():
     prompts = np.random.default_rng(0).integers(1, 128, (2, 6)).astype(np.int32)
     lengths = np.array([6, 4], np.int32)
     batch = {"inputs": prompts, "inputs_lengths": lengths}
-    new = inference.generate(model, params, batch, max_new_tokens=8, eos_id=None)
+    new = generation.generate(model, params, batch, max_new_tokens=8, eos_id=None)
     for row, n in enumerate(lengths):
         tokens = np.concatenate([prompts[row, :n], new[row]])[None]
         logits = model.compute_logits(params, {"decoder_input_tokens": tokens})

@@ -8,8 +8,8 @@ import pytest
 import seqio
 
 import tasks  # noqa: F401  (registers the default task)
-from flaxlm import data
-from flaxlm.partitioning import Partitioner
+from flaxlm.data import pipeline
+from flaxlm.parallel.partitioning import Partitioner
 from tasks import stdlib
 from tasks.text_files import register_text_files_task
 
@@ -22,7 +22,7 @@ def _cfg(**kw):
         seed=0,
     )
     base.update(kw)
-    return data.DatasetConfig(**base)
+    return pipeline.DatasetConfig(**base)
 
 
 def test_stdlib_split_is_deterministic_and_disjoint():
@@ -36,8 +36,8 @@ def test_global_batch_is_sharded_over_the_batch_axes():
     partitioner = Partitioner(mesh_shape=(2, 2, 2))
     cfg = _cfg()
     layout = partitioner.data_layout(cfg.batch_size)
-    it = data.DataIterator(
-        data.host_input(cfg, layout, seqio.DecoderFeatureConverter), partitioner, layout
+    it = pipeline.DataIterator(
+        pipeline.host_input(cfg, layout, seqio.DecoderFeatureConverter), partitioner, layout
     )
     batch = next(it)
     tokens = batch["decoder_input_tokens"]
@@ -51,8 +51,8 @@ def test_same_seed_gives_the_same_batches():
     layout = partitioner.data_layout(8)
 
     def first_batches(seed):
-        ds = data.host_input(_cfg(seed=seed), layout, seqio.DecoderFeatureConverter)
-        it = data.DataIterator(ds, partitioner, layout)
+        ds = pipeline.host_input(_cfg(seed=seed), layout, seqio.DecoderFeatureConverter)
+        it = pipeline.DataIterator(ds, partitioner, layout)
         return [it.next_numpy()["decoder_target_tokens"] for _ in range(3)]
 
     a, b, c = first_batches(0), first_batches(0), first_batches(1)
@@ -70,7 +70,7 @@ def test_long_documents_are_cut_into_target_length_chunks():
 
 def test_unregistered_task_is_named_with_suggestions():
     with pytest.raises(ValueError, match="stdlib_pyy.*Did you mean.*stdlib_py"):
-        data.host_batches(
+        pipeline.host_batches(
             _cfg(mixture_or_task_name="stdlib_pyy"),
             Partitioner(mesh_shape=(8, 1, 1)).data_layout(8),
             seqio.DecoderFeatureConverter,
@@ -102,7 +102,7 @@ def _tiny_lines_task(tmp_path, name, files=4, lines=6):
 
 
 def _batches(cfg, layout, n):
-    batches = data.host_batches(cfg, layout, seqio.DecoderFeatureConverter)
+    batches = pipeline.host_batches(cfg, layout, seqio.DecoderFeatureConverter)
     return [b["decoder_target_tokens"] for b in itertools.islice(batches, n)]
 
 
@@ -153,7 +153,7 @@ def test_fewer_input_shards_than_row_blocks_slices_this_hosts_rows(tmp_path):
     for w, h in zip(whole, _batches(cfg, half, 2)):
         np.testing.assert_array_equal(w[4:], h)
     with pytest.raises(ValueError, match="num_input_shards=3 must .* divide the batch size 8"):
-        data.host_batches(
+        pipeline.host_batches(
             dataclasses.replace(cfg, num_input_shards=3), half, seqio.DecoderFeatureConverter
         )
 
@@ -174,8 +174,8 @@ def test_resume_across_an_epoch_boundary_continues_with_the_same_batches(tmp_pat
     layout = partitioner.data_layout(4)
 
     def iterator():
-        ds = data.host_input(cfg, layout, seqio.DecoderFeatureConverter)
-        return data.DataIterator(ds, partitioner, layout)
+        ds = pipeline.host_input(cfg, layout, seqio.DecoderFeatureConverter)
+        return pipeline.DataIterator(ds, partitioner, layout)
 
     straight_it = iterator()
     straight = [straight_it.next_numpy()["decoder_target_tokens"] for _ in range(10)]

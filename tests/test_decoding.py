@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from flaxlm import decoding, hf, inference
-from flaxlm.partitioning import Partitioner
+from flaxlm.checkpoints import hf
+from flaxlm.inference import decoding, generation
+from flaxlm.parallel.partitioning import Partitioner
 from tests.hf_helpers import decoder_batch, padded_batch
 from tests.test_hf_gemma import tiny_hf_gemma
 from tests.test_hf_gpt2 import tiny_hf_gpt2
@@ -98,11 +99,11 @@ def test_greedy_matches_transformers_for_prompts_of_different_lengths(tmp_path, 
     model, params = hf.from_pretrained(path)
     vocab = torch_model.config.vocab_size
     ids, _ = padded_batch(vocab, PROMPT_LENGTHS, seed=1)
-    ours = inference.generate(model, params, {"inputs": ids}, max_new_tokens=NEW_TOKENS)
+    ours = generation.generate(model, params, {"inputs": ids}, max_new_tokens=NEW_TOKENS)
     theirs = hf_greedy(torch_model, ids, PROMPT_LENGTHS)
     np.testing.assert_array_equal(ours, theirs)
     # The padded prompts decoded as a batch, and each alone, agree.
-    alone = inference.generate(model, params, {"inputs": ids[1:2, :12]}, max_new_tokens=NEW_TOKENS)
+    alone = generation.generate(model, params, {"inputs": ids[1:2, :12]}, max_new_tokens=NEW_TOKENS)
     np.testing.assert_array_equal(alone[0], ours[1])
 
 
@@ -110,12 +111,12 @@ def test_eos_stops_a_row_and_pads_after_it(tmp_path):
     torch_model, path = tiny_hf_gpt2(tmp_path, "standard")
     model, params = hf.from_pretrained(path)
     ids, _ = padded_batch(torch_model.config.vocab_size, PROMPT_LENGTHS, seed=1)
-    free = inference.generate(
+    free = generation.generate(
         model, params, {"inputs": ids}, max_new_tokens=NEW_TOKENS, eos_id=None
     )
     # Make the third token of row 0 the EOS: the row stops there, the others go on.
     eos = int(free[0, 2])
-    stopped = inference.generate(
+    stopped = generation.generate(
         model, params, {"inputs": ids}, max_new_tokens=NEW_TOKENS, eos_id=eos
     )
     np.testing.assert_array_equal(stopped[0, :3], free[0, :3])
@@ -130,7 +131,7 @@ def test_cached_decoding_equals_rerunning_the_sequence(tmp_path, family):
     # Scanned layers and a remat policy change neither the params nor the tokens.
     model, params = hf.from_pretrained(path, scan_layers=True, remat_policy="full")
     ids, _ = padded_batch(model.config.real_vocab_size, (6, 2, 10), seed=2)
-    ours = inference.generate(model, params, {"inputs": ids}, max_new_tokens=12)
+    ours = generation.generate(model, params, {"inputs": ids}, max_new_tokens=12)
     np.testing.assert_array_equal(ours, naive_greedy(model, params, ids, (6, 2, 10), 12))
 
 
@@ -139,19 +140,19 @@ def test_sharded_decoding_equals_unsharded(tmp_path, family):
     _, path = SHARDED[family](tmp_path)
     model, params = hf.from_pretrained(path)
     ids, _ = padded_batch(model.config.real_vocab_size, PROMPT_LENGTHS, seed=3)
-    single = inference.generate(model, params, {"inputs": ids}, max_new_tokens=16)
+    single = generation.generate(model, params, {"inputs": ids}, max_new_tokens=16)
     mesh_shape, axis_names = MESHES[family]
     partitioner = Partitioner(mesh_shape=mesh_shape, mesh_axis_names=axis_names)
     sharded_model, sharded_params = hf.from_pretrained(path, partitioner)
     kernel = jax.tree.leaves(sharded_params)[0]
     assert len(kernel.sharding.device_set) == 8
-    sharded = inference.generate(
+    sharded = generation.generate(
         sharded_model, sharded_params, {"inputs": ids}, max_new_tokens=16, partitioner=partitioner
     )
     np.testing.assert_array_equal(sharded, single)
     # Beam search too, under the mesh.
-    beams = inference.generate(model, params, {"inputs": ids}, max_new_tokens=8, num_beams=3)
-    sharded_beams = inference.generate(
+    beams = generation.generate(model, params, {"inputs": ids}, max_new_tokens=8, num_beams=3)
+    sharded_beams = generation.generate(
         sharded_model,
         sharded_params,
         {"inputs": ids},
@@ -170,7 +171,7 @@ def test_t5_greedy_and_beam_search_match_transformers(tmp_path, version):
     ids, mask = padded_batch(torch_model.config.vocab_size, lengths, seed=4)
     batch = {"inputs": ids}
     for num_beams in (1, 4):
-        ours = inference.generate(
+        ours = generation.generate(
             model, params, batch, max_new_tokens=NEW_TOKENS, num_beams=num_beams
         )
         with torch.no_grad():
@@ -196,10 +197,10 @@ def test_beam_search_with_length_penalty_matches_transformers_decoder_only(tmp_p
     model, params = hf.from_pretrained(path)
     ids, _ = padded_batch(torch_model.config.vocab_size, (7,), seed=5)
     # An EOS that the beams meet early, so finished hypotheses compete under the penalty.
-    free = inference.generate(model, params, {"inputs": ids}, max_new_tokens=10, eos_id=None)
+    free = generation.generate(model, params, {"inputs": ids}, max_new_tokens=10, eos_id=None)
     eos = int(free[0, 3])
     for penalty in (0.5, 2.0):
-        ours = inference.generate(
+        ours = generation.generate(
             model,
             params,
             {"inputs": ids},
@@ -220,19 +221,19 @@ def test_sampling_is_seeded_and_respects_top_k(tmp_path):
     ids, _ = padded_batch(model.config.real_vocab_size, PROMPT_LENGTHS, seed=6)
     batch = {"inputs": ids}
     key = jax.random.PRNGKey(7)
-    a = inference.generate(model, params, batch, max_new_tokens=12, temperature=1.0, rng=key)
-    b = inference.generate(model, params, batch, max_new_tokens=12, temperature=1.0, rng=key)
-    c = inference.generate(
+    a = generation.generate(model, params, batch, max_new_tokens=12, temperature=1.0, rng=key)
+    b = generation.generate(model, params, batch, max_new_tokens=12, temperature=1.0, rng=key)
+    c = generation.generate(
         model, params, batch, max_new_tokens=12, temperature=1.0, rng=jax.random.PRNGKey(8)
     )
     np.testing.assert_array_equal(a, b)
     assert (a != c).any()
-    greedy = inference.generate(model, params, batch, max_new_tokens=12)
-    top1 = inference.generate(
+    greedy = generation.generate(model, params, batch, max_new_tokens=12)
+    top1 = generation.generate(
         model, params, batch, max_new_tokens=12, temperature=0.7, top_k=1, rng=key
     )
     np.testing.assert_array_equal(top1, greedy)
-    tiny_p = inference.generate(
+    tiny_p = generation.generate(
         model, params, batch, max_new_tokens=12, temperature=1.3, top_p=1e-6, rng=key
     )
     np.testing.assert_array_equal(tiny_p, greedy)
@@ -282,16 +283,16 @@ def test_bad_generate_requests_fail_before_device_work(tmp_path):
     model, params = hf.from_pretrained(path)
     ids, _ = padded_batch(model.config.real_vocab_size, (5, 3), seed=8)
     with pytest.raises(ValueError, match="max_position_embeddings=64"):
-        inference.generate(model, params, {"inputs": ids}, max_new_tokens=60)
+        generation.generate(model, params, {"inputs": ids}, max_new_tokens=60)
     with pytest.raises(ValueError, match="empty"):
-        inference.generate(model, params, {"inputs": np.zeros((1, 4), np.int32)}, max_new_tokens=4)
+        generation.generate(model, params, {"inputs": np.zeros((1, 4), np.int32)}, max_new_tokens=4)
     with pytest.raises(ValueError, match="batch\\['inputs'\\]"):
-        inference.generate(model, params, {"decoder_input_tokens": ids}, max_new_tokens=4)
+        generation.generate(model, params, {"decoder_input_tokens": ids}, max_new_tokens=4)
     with pytest.raises(ValueError, match="temperature"):
-        inference.generate(
+        generation.generate(
             model, params, {"inputs": ids}, max_new_tokens=4, num_beams=2, temperature=0.5
         )
     with pytest.raises(ValueError, match="top_p"):
-        inference.generate(
+        generation.generate(
             model, params, {"inputs": ids}, max_new_tokens=4, temperature=1.0, top_p=0.0
         )

@@ -13,7 +13,9 @@ import seqio
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from flaxlm import harness, inference, platforms  # noqa: E402
+from flaxlm.inference import generation  # noqa: E402
+from flaxlm.parallel import platforms  # noqa: E402
+from flaxlm.runs import harness  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB = seqio.ByteVocabulary()
@@ -106,12 +108,12 @@ def results(lm, task_dir):
 def _score(lm, inputs, targets):
     """Summed target log-likelihoods straight from `model.score` (flaxlm's score path),
     every batch padded to [8, MAX_LENGTH] so that one program serves all of them."""
-    scorer = inference.Scorer(lm.model, lm.partitioner)
+    scorer = generation.Scorer(lm.model, lm.partitioner)
     out = []
     for start in range(0, len(inputs), 8):
         rows = list(zip(inputs, targets))[start : start + 8]
         rows += [rows[0]] * (8 - len(rows))
-        batch = inference.score_batch_features(lm.model, *zip(*rows))
+        batch = generation.score_batch_features(lm.model, *zip(*rows))
         batch = harness._pad_length(batch, MAX_LENGTH, MAX_LENGTH)
         out += scorer(lm.params, batch)[: min(8, len(inputs) - start)].tolist()
     return out, scorer
@@ -183,21 +185,21 @@ def test_generate_until_equals_model_generate_cut_at_stops(lm, results):
     lengths = np.ones((8,), np.int32)
     for i, p in enumerate(prompts):
         inputs[i, : len(p)], lengths[i] = p, len(p)
-    tokens = inference.generate(
+    tokens = generation.generate(
         lm.model,
         lm.params,
         {"inputs": inputs, "inputs_lengths": lengths},
         max_new_tokens=MAX_GEN_TOKS,
         partitioner=lm.partitioner,
     )
-    texts = [VOCAB.decode(inference.until_eos(tokens[i], lm.model.eos_ids)) for i in range(3)]
+    texts = [VOCAB.decode(generation.until_eos(tokens[i], lm.model.eos_ids)) for i in range(3)]
     expected = [harness.cut_at_stops(t, STOPS) for t in texts]
     samples = sorted(results["samples"]["flaxlm_test_gen"], key=lambda s: s["doc_id"])
     assert [s["resps"][0][0] for s in samples] == expected
     assert any(e != t for e, t in zip(expected, texts))  # a stop string did cut
     assert len(VOCAB.encode(GEN_DOCS[-1]["prompt"])) > room  # the cut prompt ran
     # loglikelihood's is_greedy: true for the greedy continuation, false once it changes.
-    greedy = [int(t) for t in inference.until_eos(tokens[0], lm.model.eos_ids)]
+    greedy = [int(t) for t in generation.until_eos(tokens[0], lm.model.eos_ids)]
     assert greedy
     changed = greedy[:-1] + [(greedy[-1] + 1) % 256 + 3]
     [(_, is_greedy), (_, is_changed_greedy)] = lm.score_tokens(
@@ -231,7 +233,7 @@ def test_cli_runs_lm_eval_with_the_flaxlm_model(tmp_path, trained_gptj, task_dir
         [
             sys.executable,
             "-m",
-            "flaxlm.harness",
+            "flaxlm.runs.harness",
             "--model",
             "flaxlm",
             "--model_args",

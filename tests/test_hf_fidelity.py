@@ -16,7 +16,8 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from flaxlm import hf, inference
+from flaxlm.checkpoints import hf
+from flaxlm.inference import generation
 from flaxlm.models import base
 from tests.hf_helpers import max_abs_diff, padded_batch, torch_logits
 
@@ -167,7 +168,7 @@ def hf_greedy(torch_model, family: str, eos) -> list[int]:
 def flaxlm_greedy(model, params) -> list[int]:
     """flaxlm's greedy continuation of PROMPT with the model's own EOS ids, padding cut."""
     batch = {"inputs": np.array([PROMPT], np.int32), "inputs_lengths": np.array([len(PROMPT)])}
-    out = inference.generate(model, params, batch, max_new_tokens=NEW_TOKENS)[0].tolist()
+    out = generation.generate(model, params, batch, max_new_tokens=NEW_TOKENS)[0].tolist()
     stops = [i for i, t in enumerate(out) if t in model.eos_ids]
     return out[: stops[0] + 1] if stops else out
 

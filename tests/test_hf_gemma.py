@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import transformers
 
-from flaxlm import hf
+from flaxlm.checkpoints import hf
 from flaxlm.models import llama
-from flaxlm.partitioning import Partitioner
+from flaxlm.parallel.partitioning import Partitioner
 from tests.hf_helpers import (
     decoder_batch,
     gin_config,

@@ -8,9 +8,9 @@ import pytest
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from flaxlm import hf
+from flaxlm.checkpoints import hf
 from flaxlm.models import gemma
-from flaxlm.models.base import ComputeOptions
+from flaxlm.models.options import ComputeOptions
 from tests.hf_helpers import (
     check_family,
     decoder_batch,

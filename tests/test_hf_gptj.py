@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
-from flaxlm import hf
-from flaxlm.partitioning import Partitioner
+from flaxlm.checkpoints import hf
+from flaxlm.parallel.partitioning import Partitioner
 from tests.hf_helpers import (
     decoder_batch,
     max_abs_diff,

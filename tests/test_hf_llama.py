@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import transformers
 
-from flaxlm import gin_utils, hf
+from flaxlm import gin_utils
+from flaxlm.checkpoints import hf
 from flaxlm.models import llama
 from flaxlm.models.base import DecoderOnlyModel
-from flaxlm.partitioning import Partitioner
+from flaxlm.parallel.partitioning import Partitioner
 from tests.hf_helpers import (
     check_family,
     decoder_batch,

@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
-from flaxlm import hf
+from flaxlm.checkpoints import hf
 from flaxlm.models import base, opt
-from flaxlm.partitioning import Partitioner
+from flaxlm.parallel.partitioning import Partitioner
 from tests.hf_helpers import (
     bare_base_model_logits,
     decoder_batch,

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import transformers
 
-from flaxlm import decoding, hf
+from flaxlm.checkpoints import hf
+from flaxlm.inference import decoding
 from flaxlm.models import phi3
-from flaxlm.models.base import ComputeOptions
+from flaxlm.models.options import ComputeOptions
 from tests.hf_helpers import (
     check_family,
     decoder_batch,

@@ -7,8 +7,8 @@ import jax
 import pytest
 import transformers
 
-from flaxlm import hf
-from flaxlm.models import base, qwen
+from flaxlm.checkpoints import hf, hf_files
+from flaxlm.models import base, options, qwen
 from tests.hf_helpers import check_family, gin_config, random_hf_model, save_torch_model
 
 VOCAB = 250
@@ -77,7 +77,7 @@ def test_checkpoint_keeps_every_promise(tmp_path, variant):
     torch_model, path = tiny_hf_qwen(tmp_path, **VARIANTS[variant])
     check_family(torch_model, path, VOCAB, tmp_path=tmp_path)
 
-    config = hf.config_from_hf_dict(hf.read_hf_config(path))[1]
+    config = hf.config_from_hf_dict(hf_files.read_hf_config(path))[1]
     assert config.layer_windows == WINDOWS.get(variant, (None,) * config.num_layers)
     model = base.DecoderOnlyModel(config)
     shapes = model.example_batch_shapes(8, 1)
@@ -179,7 +179,7 @@ def test_published_config_json_reads_as_the_gin_file(repo_dir, name):
     read = qwen.config_from_hf(PUBLISHED[name])
     assert read.layer_windows == from_gin.layer_windows == (None,) * read.num_layers
     # The window fields only matter through layer_windows; the compute options are the run's.
-    ignored = {f.name for f in dataclasses.fields(base.ComputeOptions)}
+    ignored = {f.name for f in dataclasses.fields(options.ComputeOptions)}
     ignored |= {"sliding_window", "max_window_layers"}
     for field in dataclasses.fields(qwen.QwenConfig):
         if field.name not in ignored:

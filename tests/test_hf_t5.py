@@ -12,9 +12,9 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from flaxlm import hf
+from flaxlm.checkpoints import hf
 from flaxlm.models import base, t5
-from flaxlm.partitioning import Partitioner
+from flaxlm.parallel.partitioning import Partitioner
 from tests.hf_helpers import (
     max_abs_diff,
     padded_batch,

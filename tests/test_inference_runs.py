@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 import seqio
 
-from flaxlm import data, evaluation, hf, infer, inference, run_dir
+from flaxlm.checkpoints import hf, run_dir
+from flaxlm.data import pipeline
+from flaxlm.inference import generation
 from flaxlm.models import base, t5
-from flaxlm.partitioning import Partitioner
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.runs import evaluate, infer
 from tasks import metrics as task_metrics
 from tests.test_main import run_main
 from tests.test_multiprocess import launch
@@ -36,7 +39,7 @@ def in_process_outputs(model_dir, prompts, max_new_tokens):
         examples,
         vocab,
         partitioner,
-        inference.GenerationSettings(max_new_tokens=max_new_tokens),
+        generation.GenerationSettings(max_new_tokens=max_new_tokens),
         batch_size=4,
     )
 
@@ -193,10 +196,10 @@ def test_bad_jsonl_line_is_named_with_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"in_text": "ok"}\n{"in_text": \n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
-        list(data.read_jsonl(str(path)))
+        list(pipeline.read_jsonl(str(path)))
     path.write_text('{"in_text": "ok"}\n{"text": "no in_text"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: missing string field\(s\) \['in_text'\]"):
-        list(data.read_jsonl(str(path)))
+        list(pipeline.read_jsonl(str(path)))
 
 
 def test_text_metrics():
@@ -216,15 +219,15 @@ def test_task_evaluator_runs_the_tasks_metrics_on_generated_text():
     model = base.EncoderDecoderModel(config)
     partitioner = Partitioner(mesh_shape=(1, 4, 2))
     params = model.init_params(jax.random.PRNGKey(0), model.example_batch_shapes())
-    cfg = data.DatasetConfig(
+    cfg = pipeline.DatasetConfig(
         mixture_or_task_name="stdlib_py_continuation",
         task_feature_lengths={"inputs": 16, "targets": 16},
         split="validation",
         batch_size=4,
         module="tasks",
     )
-    evaluator = evaluation.TaskEvaluator(
-        cfg, model, partitioner, inference.GenerationSettings(max_new_tokens=8), num_examples=6
+    evaluator = evaluate.TaskEvaluator(
+        cfg, model, partitioner, generation.GenerationSettings(max_new_tokens=8), num_examples=6
     )
     assert evaluator.active
     scalars = evaluator.evaluate(params, step=3)
@@ -247,15 +250,15 @@ def test_infer_from_an_hf_directory_equals_generate(tmp_path):
         source=str(jsonl),
         output_dir=str(tmp_path / "out"),
         vocabulary=vocab,
-        settings=inference.GenerationSettings(max_new_tokens=6),
+        settings=generation.GenerationSettings(max_new_tokens=6),
         batch_size=2,
     )
     records = read_jsonl(out)
     model, params = hf.from_pretrained(path)
     for record in records:
         ids = np.asarray([vocab.encode(record["input"])])
-        tokens = inference.generate(model, params, {"inputs": ids}, max_new_tokens=6)[0]
-        assert record["output"] == vocab.decode(inference.until_eos(tokens, model.eos_ids))
+        tokens = generation.generate(model, params, {"inputs": ids}, max_new_tokens=6)[0]
+        assert record["output"] == vocab.decode(generation.until_eos(tokens, model.eos_ids))
 
 
 def test_prompts_from_a_seqio_task_keep_the_tasks_tokens():

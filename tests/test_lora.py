@@ -14,11 +14,14 @@ import transformers
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
-from flaxlm import checkpoints, convert, data, hf, lora, run_dir, train, trainer
+from flaxlm.checkpoints import checkpointer, hf, run_dir
+from flaxlm.data import pipeline
 from flaxlm.models import gemma, layers, llama, phi3
 from flaxlm.models.base import DecoderOnlyModel
-from flaxlm.partitioning import Partitioner
-from flaxlm.pytrees import path_name
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.parallel.pytrees import path_name
+from flaxlm.runs import convert, train
+from flaxlm.training import lora, steps
 from tests.helpers import adamw, feature_lengths, random_batch, tiny_gptj
 from tests.hf_helpers import decoder_batch, max_abs_diff, padded_batch, torch_logits
 from tests.test_hf_llama import tiny_hf_llama
@@ -92,7 +95,7 @@ def test_only_adapters_train_and_base_stays_bit_identical(mesh_shape, scan_layer
     model = tiny_llama(scan_layers)
     partitioner = Partitioner(mesh_shape=mesh_shape)
     cfg = lora.LoraConfig(rules=RULES, alpha=8.0)
-    setup = trainer.Setup(model, partitioner, adamw(3e-2), feature_lengths(), lora=cfg)
+    setup = steps.Setup(model, partitioner, adamw(3e-2), feature_lengths(), lora=cfg)
     base = setup.init_base()
     before = jax.device_get(base)
     state = setup.init_state()
@@ -115,7 +118,7 @@ def test_only_adapters_train_and_base_stays_bit_identical(mesh_shape, scan_layer
     if mesh_shape[2] > 1:
         assert "tensor" in tuple(spec_b)
 
-    step = setup.partition_train_step(trainer.make_train_step(model, partitioner, 3e-2, lora=cfg))
+    step = setup.partition_train_step(steps.make_train_step(model, partitioner, 3e-2, lora=cfg))
     b0 = jax.device_get(state.params)
     losses = []
     for i in range(4):
@@ -135,9 +138,9 @@ def test_only_adapters_train_and_base_stays_bit_identical(mesh_shape, scan_layer
 
     # Eval on the merged params equals eval through the adapters.
     merged = setup.partition_merge()(base, state.params)
-    eval_step = setup.partition_eval_step(trainer.make_eval_step(model, cfg))
+    eval_step = setup.partition_eval_step(steps.make_eval_step(model, cfg))
     via_adapters = eval_step(state.params, random_batch(seed=5), base)
-    via_merged = jax.jit(trainer.make_eval_step(model))(merged, random_batch(seed=5))
+    via_merged = jax.jit(steps.make_eval_step(model))(merged, random_batch(seed=5))
     np.testing.assert_allclose(via_adapters["loss_sum"], via_merged["loss_sum"], rtol=1e-6)
 
 
@@ -182,9 +185,9 @@ def test_lora_trains_the_new_families_scanned_and_rematerialised(family):
     model = DecoderOnlyModel(config)
     partitioner = Partitioner(mesh_shape=(2, 2, 2))
     cfg = lora.LoraConfig(rules=RULES, alpha=8.0)
-    setup = trainer.Setup(model, partitioner, adamw(3e-2), feature_lengths(), lora=cfg)
+    setup = steps.Setup(model, partitioner, adamw(3e-2), feature_lengths(), lora=cfg)
     base, state = setup.init_base(), setup.init_state()
-    step = setup.partition_train_step(trainer.make_train_step(model, partitioner, 3e-2, lora=cfg))
+    step = setup.partition_train_step(steps.make_train_step(model, partitioner, 3e-2, lora=cfg))
     losses = []
     for i in range(4):
         state, metrics = step(state, random_batch(seed=i % 2), base)
@@ -281,7 +284,7 @@ def test_lora_run_checkpoints_adapters_and_exports_merged_to_hf(tmp_path):
     model = run_dir.model_from_record(os.path.join(hf_path, "config.json"), partitioner)
     cfg = lora.LoraConfig(rules=RULES, alpha=8.0)
     model_dir = str(tmp_path / "run")
-    dataset = data.DatasetConfig(
+    dataset = pipeline.DatasetConfig(
         mixture_or_task_name="stdlib_py", task_feature_lengths={"targets": 32}, batch_size=8
     )
     train.train(
@@ -298,7 +301,7 @@ def test_lora_run_checkpoints_adapters_and_exports_merged_to_hf(tmp_path):
     )
     record = json.loads((tmp_path / "run" / "lora.json").read_text())
     assert record["base"] == {"hf": os.path.abspath(hf_path)}
-    ckpt = checkpoints.Checkpointer(model_dir)
+    ckpt = checkpointer.Checkpointer(model_dir)
     saved = ckpt.saved_param_shapes(3)
     ckpt.close()
     assert saved and all(n.endswith(("/lora_a", "/lora_b")) for n in saved)
@@ -314,7 +317,7 @@ def test_lora_run_checkpoints_adapters_and_exports_merged_to_hf(tmp_path):
     base = hf.load_params(model, hf_path, partitioner)
     kernels = lora.plan(cfg, model, model.example_batch_shapes())
     abstract = jax.eval_shape(lambda: lora.init_adapters(jax.random.PRNGKey(0), kernels))
-    ckpt = checkpoints.Checkpointer(model_dir)
+    ckpt = checkpointer.Checkpointer(model_dir)
     adapters = ckpt.restore_params(3, abstract)
     ckpt.close()
     assert float(jnp.abs(adapters["layers_0"]["q_proj"]["lora_b"]).max()) > 0
@@ -354,7 +357,7 @@ def test_llama_lora_gin_trains_adapters_then_generates_and_resumes(tmp_path, rep
     assert record["base"] == {"checkpoint": str(model_dir / "base"), "step": 0}
     assert record["config"]["rules"][0] == ["(q|k|v|o)_proj/kernel$", 8]
     assert record["config"]["dropout"] == 0.0  # recorded with the rules
-    ckpt = checkpoints.Checkpointer(str(model_dir))
+    ckpt = checkpointer.Checkpointer(str(model_dir))
     saved = ckpt.saved_param_shapes(3)
     ckpt.close()
     assert len(saved) == 56 and all(n.endswith(("/lora_a", "/lora_b")) for n in saved)

@@ -13,7 +13,8 @@ import warnings
 import gin
 import pytest
 
-from flaxlm import gin_utils, logs, platforms
+from flaxlm import gin_utils, logs
+from flaxlm.parallel import platforms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -201,7 +202,7 @@ def test_library_use_without_a_tpu_does_not_start_libtpu(repo_dir):
     (which would log TPU start-up errors and hold /tmp/libtpu_lockfile)."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     code = (
-        "import os, flaxlm.partitioning, jax; "
+        "import os, flaxlm.parallel.partitioning, jax; "
         "print(os.environ['JAX_PLATFORMS'], jax.devices()[0].platform)"
     )
     result = subprocess.run(

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental import mesh_utils
 
-from flaxlm.partitioning import (
+from flaxlm.parallel.partitioning import (
     Partitioner,
     build_device_mesh,
     resolve_mesh_shape,

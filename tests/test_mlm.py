@@ -8,11 +8,11 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from flaxlm import data
+from flaxlm.data import pipeline
 from flaxlm.models.base import EncoderOnlyModel
 from flaxlm.models.features import MaskedLMFeatureConverter
 from flaxlm.models.roberta import RobertaConfig
-from flaxlm.partitioning import DataLayout
+from flaxlm.parallel.partitioning import DataLayout
 from tasks.mlm import MASK_ID
 from tasks.preprocessors import mask_tokens
 
@@ -51,7 +51,7 @@ def test_bad_masking_arguments_are_named():
 
 
 def test_stdlib_mlm_task_through_the_converter():
-    cfg = data.DatasetConfig(
+    cfg = pipeline.DatasetConfig(
         mixture_or_task_name="stdlib_py_mlm",
         task_feature_lengths={"inputs": 64, "targets": 64},
         split="validation",
@@ -60,7 +60,7 @@ def test_stdlib_mlm_task_through_the_converter():
         pack=True,
     )
     layout = DataLayout(global_batch_size=4, per_host_batch_size=4, shard_index=0, num_shards=1)
-    batch = next(data.host_batches(cfg, layout, MaskedLMFeatureConverter))
+    batch = next(pipeline.host_batches(cfg, layout, MaskedLMFeatureConverter))
     assert set(batch) == set(
         MaskedLMFeatureConverter(pack=True).get_model_feature_lengths({"inputs": 64})
     )

@@ -7,14 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxlm import trainer
 from flaxlm.models import layers
 from flaxlm.models.base import DecoderOnlyModel, EncoderDecoderModel
 from flaxlm.models.gemma import GemmaConfig
 from flaxlm.models.llama import LlamaConfig
 from flaxlm.models.t5 import T5Config
-from flaxlm.partitioning import Partitioner
-from flaxlm.trainer import Setup
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.training import steps as train_steps
+from flaxlm.training.steps import Setup
 from tests.helpers import adamw, feature_lengths, load_benchmark, random_batch, tiny_gptj
 
 
@@ -184,7 +184,9 @@ def _loss_and_grads(family, mesh_shape):
     rng = jax.random.PRNGKey(0)
 
     def grads_fn(params, batch):
-        return [trainer.accumulate_gradients(m, partitioner, params, batch, rng) for m in models]
+        return [
+            train_steps.accumulate_gradients(m, partitioner, params, batch, rng) for m in models
+        ]
 
     fn = partitioner.partition(grads_fn, (setup.state_shardings.params, setup.batch_axes), None)
     args = (_random_params(family), random_batch())
@@ -228,7 +230,7 @@ def test_chunked_loss_gathers_the_head_and_sums_its_gradient_once_not_per_block(
         setup = Setup(model, partitioner, adamw(), feature_lengths())
         rng = jax.random.PRNGKey(0)
         fn = partitioner.partition(
-            lambda p, b: trainer.accumulate_gradients(model, partitioner, p, b, rng),
+            lambda p, b: train_steps.accumulate_gradients(model, partitioner, p, b, rng),
             (setup.state_shardings.params, setup.batch_axes),
             None,
         )

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from flaxlm import platforms
+from flaxlm.parallel import platforms
 from tests.test_main import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -196,8 +196,9 @@ def test_checkpoint_saved_by_two_processes_restores_in_one_on_other_meshes(tmp_p
     import jax
     import numpy as np
 
-    from flaxlm import checkpoints, trainer
-    from flaxlm.partitioning import Partitioner
+    from flaxlm.checkpoints import checkpointer
+    from flaxlm.parallel.partitioning import Partitioner
+    from flaxlm.training import steps as train_steps
     from tests.helpers import adamw, feature_lengths, random_batch, tiny_gptj
 
     model_dir = str(tmp_path / "run")
@@ -220,13 +221,13 @@ def test_checkpoint_saved_by_two_processes_restores_in_one_on_other_meshes(tmp_p
     saved = np.load(os.path.join(model_dir, "params.npz"))
 
     for mesh in [(2, 2, 2), (8, 1, 1)]:
-        setup = trainer.Setup(tiny_gptj(), Partitioner(mesh), adamw(), feature_lengths())
-        step, state = checkpoints.Checkpointer(model_dir).restore_latest(setup.abstract_state)
+        setup = train_steps.Setup(tiny_gptj(), Partitioner(mesh), adamw(), feature_lengths())
+        step, state = checkpointer.Checkpointer(model_dir).restore_latest(setup.abstract_state)
         assert step == 1
         for path, leaf in jax.tree.leaves_with_path(state.params):
             np.testing.assert_array_equal(np.asarray(leaf), saved[jax.tree_util.keystr(path)])
         train_step = setup.partition_train_step(
-            trainer.make_train_step(setup.model, setup.partitioner, 1e-2, seed=0)
+            train_steps.make_train_step(setup.model, setup.partitioner, 1e-2, seed=0)
         )
         _, metrics = train_step(state, random_batch(seed=1))
         # Other devices and mesh: the same math in another summation order.

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxlm import objectives
+from flaxlm.posttrain import objectives
 
 RNG = np.random.default_rng(0)
 PAIRS = 6

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxlm import metrics, optimizers
+from flaxlm.training import metrics, optimizers
 
 
 def test_warmup_then_cosine_reaches_the_end_ratio():

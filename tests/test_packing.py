@@ -13,7 +13,7 @@ import seqio
 import tensorflow as tf
 
 import tasks  # noqa: F401
-from flaxlm import packing
+from flaxlm.data import packing
 from flaxlm.models.base import EncoderDecoderModel
 from flaxlm.models.t5 import T5Config
 from tasks.jsonl import register_jsonl_task

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.partitioning import Partitioner, resolve_mesh_shape
+from flaxlm.parallel.partitioning import Partitioner, resolve_mesh_shape
 
 
 @pytest.mark.parametrize(

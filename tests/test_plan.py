@@ -18,11 +18,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from flaxlm import chips, gin_utils, hlo, optimizers, platforms
+from flaxlm import gin_utils
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.gptj import GPTJConfig
-from flaxlm.plan import planner, report
+from flaxlm.parallel import platforms
+from flaxlm.plan import chips, hlo, planner, report
 from flaxlm.plan import run as plan_run
+from flaxlm.training import optimizers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LENGTHS = {

@@ -4,8 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from flaxlm import lora, objectives, preference, trainer
-from flaxlm.partitioning import Partitioner
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.posttrain import objectives, preference
+from flaxlm.training import lora
 from tests.helpers import adamw, tiny_gptj
 
 LENGTH = 16
@@ -38,7 +39,7 @@ def run(cfg, mesh_shape=(2, 2, 2), steps=25, lora_cfg=None, num_microbatches=1, 
     model = tiny_gptj(max_position_embeddings=LENGTH)
     partitioner = Partitioner(mesh_shape=mesh_shape)
     needs_reference = cfg.needs_reference
-    setup = trainer.Setup(
+    setup = steps.Setup(
         model, partitioner, adamw(lr), lengths(), lora=lora_cfg, frozen_reference=needs_reference
     )
     state = setup.init_state()
@@ -49,7 +50,7 @@ def run(cfg, mesh_shape=(2, 2, 2), steps=25, lora_cfg=None, num_microbatches=1, 
         frozen = setup.copy_params(state.params)
     extra = () if frozen is None else (frozen,)
     step = setup.partition_train_step(
-        trainer.make_train_step(
+        steps.make_train_step(
             model,
             partitioner,
             lr,
@@ -58,14 +59,14 @@ def run(cfg, mesh_shape=(2, 2, 2), steps=25, lora_cfg=None, num_microbatches=1, 
             num_microbatches=num_microbatches,
         )
     )
-    evaluate = setup.partition_eval_step(trainer.make_eval_step(model, lora_cfg, cfg))
+    evaluate = setup.partition_eval_step(steps.make_eval_step(model, lora_cfg, cfg))
     held_out = pair_batch(seed=1000)
-    before = trainer.eval_scalars(evaluate(state.params, held_out, *extra))
+    before = steps.eval_scalars(evaluate(state.params, held_out, *extra))
     first = None
     for i in range(steps):
         state, metrics = step(state, pair_batch(seed=i % 8), *extra)
         first = first or jax.device_get(metrics)
-    after = trainer.eval_scalars(evaluate(state.params, held_out, *extra))
+    after = steps.eval_scalars(evaluate(state.params, held_out, *extra))
     return setup, state, frozen, first, before, after
 
 

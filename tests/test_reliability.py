@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from flaxlm import platforms
+from flaxlm.parallel import platforms
 from tests.test_main import read_metrics, run_main
 
 TRAIN_STEPS = 10
@@ -250,7 +250,7 @@ def test_sigterm_during_start_up_exits_0_saying_so(tmp_path, repo_dir, where):
 def test_second_signal_exits_at_once_without_saving(repo_dir):
     script = (
         "import os, signal, sys\n"
-        "from flaxlm.preemption import PreemptionHandler\n"
+        "from flaxlm.training.preemption import PreemptionHandler\n"
         "with PreemptionHandler() as h:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    assert h.received == signal.SIGTERM and h.should_stop()\n"

@@ -5,8 +5,9 @@ import json
 import jax
 import pytest
 
-from flaxlm import checkpoints, hf, pytrees, run_dir
-from flaxlm.partitioning import Partitioner
+from flaxlm.checkpoints import checkpointer, hf, run_dir
+from flaxlm.parallel import pytrees
+from flaxlm.parallel.partitioning import Partitioner
 from tests.helpers import tiny_gptj
 
 
@@ -32,7 +33,7 @@ def test_load_model_and_params_reads_a_model_dir_and_an_hf_dir(tmp_path):
     partitioner = Partitioner(mesh_shape=(1, 2, 2), devices=jax.devices()[:4])
     model = tiny_gptj()
     params = model.init_params(jax.random.PRNGKey(1), model.example_batch_shapes())
-    ckpt = checkpoints.Checkpointer(str(tmp_path / "run"))
+    ckpt = checkpointer.Checkpointer(str(tmp_path / "run"))
     ckpt.save_params(7, params)
     ckpt.close()
     run_dir.write_model_record(model, tmp_path / "run")

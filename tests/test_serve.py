@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 import seqio
 
-from flaxlm import inference, platforms, run_dir
-from flaxlm.partitioning import Partitioner
-from flaxlm.serve import api
-from flaxlm.serve.engine import Engine
+from flaxlm.checkpoints import run_dir
+from flaxlm.inference import generation
+from flaxlm.parallel import platforms
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.runs.serve import api
+from flaxlm.runs.serve.engine import Engine
 from tests import cdp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -126,7 +128,7 @@ def server(server_process, trained_gptj):
 
 def expected_text(model, params, prompt, max_tokens):
     ids = np.asarray([VOCAB.encode(prompt)])
-    tokens = inference.generate(model, params, {"inputs": ids}, max_new_tokens=max_tokens)[
+    tokens = generation.generate(model, params, {"inputs": ids}, max_new_tokens=max_tokens)[
         0
     ].tolist()
     out = []

@@ -4,9 +4,9 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.partitioning import Partitioner
-from flaxlm.pytrees import path_name
-from flaxlm.trainer import Setup
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.parallel.pytrees import path_name
+from flaxlm.training.steps import Setup
 from tests.helpers import adamw, feature_lengths, tiny_gptj
 
 
@@ -88,7 +88,7 @@ def test_zero1_replicates_params_and_shards_optimizer_state():
 
 
 def test_adafactor_factored_state_gets_a_valid_sharding():
-    from flaxlm import optimizers
+    from flaxlm.training import optimizers
 
     partitioner = Partitioner(mesh_shape=(1, 4, 2))
     tx = optimizers.create_optimizer(name="adafactor", learning_rate=1e-3)

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from flaxlm import trainer
-from flaxlm.partitioning import Partitioner
-from flaxlm.trainer import Setup
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.training import steps as train_steps
+from flaxlm.training.steps import Setup
 from tests.helpers import adamw, feature_lengths, random_batch, tiny_gptj
 
 MESHES = {
@@ -29,7 +29,7 @@ def _grads_and_step(mesh_shape, optimizer_sharding, num_microbatches=1):
     rng = jax.random.PRNGKey(0)
 
     def grads_fn(params, batch):
-        return trainer.accumulate_gradients(
+        return train_steps.accumulate_gradients(
             model, partitioner, params, batch, rng, num_microbatches
         )
 
@@ -37,7 +37,7 @@ def _grads_and_step(mesh_shape, optimizer_sharding, num_microbatches=1):
         grads_fn, (setup.state_shardings.params, setup.batch_axes), None
     )(state.params, batch)
     step = setup.partition_train_step(
-        trainer.make_train_step(model, partitioner, 1e-2, num_microbatches=num_microbatches)
+        train_steps.make_train_step(model, partitioner, 1e-2, num_microbatches=num_microbatches)
     )
     new_state, metrics = step(state, batch)
     return (
@@ -61,7 +61,7 @@ def _single_device_reference():
     state = setup.init_state()
     batch = random_batch()
     grads, sums = jax.jit(
-        lambda p, b: trainer.accumulate_gradients(
+        lambda p, b: train_steps.accumulate_gradients(
             model, partitioner, p, b, jax.random.PRNGKey(0), 1
         )
     )(state.params, batch)
@@ -94,4 +94,4 @@ def test_four_microbatches_give_the_same_gradients_as_one_batch(mesh):
 def test_batch_size_not_divisible_by_data_degree_times_microbatches_is_an_error():
     partitioner = Partitioner(mesh_shape=(4, 2, 1))
     with pytest.raises(ValueError, match="BATCH_SIZE=24 must be divisible .* 32"):
-        trainer.check_batch_size(partitioner, 24, 4)
+        train_steps.check_batch_size(partitioner, 24, 4)

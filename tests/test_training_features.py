@@ -6,10 +6,11 @@ import numpy as np
 import optax
 import pytest
 
-from flaxlm import inference, optimizers, trainer
-from flaxlm.models import attention, base, gpt2
-from flaxlm.partitioning import Partitioner
-from flaxlm.trainer import Setup
+from flaxlm.inference import generation
+from flaxlm.models import attention, base, gpt2, masks
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.training import optimizers
+from flaxlm.training.steps import Setup
 from tests.helpers import feature_lengths, random_batch, tiny_gptj
 
 
@@ -17,7 +18,7 @@ def train_losses(model, optimizer, steps, mesh_shape=(1, 8, 1), batches=4):
     partitioner = Partitioner(mesh_shape=mesh_shape)
     setup = Setup(model, partitioner, optimizer, feature_lengths())
     state = setup.init_state()
-    step = setup.partition_train_step(trainer.make_train_step(model, partitioner, 3e-3))
+    step = setup.partition_train_step(steps.make_train_step(model, partitioner, 3e-3))
     data = [random_batch(seed=i) for i in range(batches)]
     losses = []
     for i in range(steps):
@@ -81,8 +82,8 @@ def test_forgetful_causal_masking_changes_training_but_not_eval():
 
 def test_forgetful_mask_hides_a_fraction_of_keys_but_never_a_segment_start():
     positions = jnp.tile(jnp.concatenate([jnp.arange(50), jnp.arange(50)])[None], (64, 1))
-    mask = attention.attention_mask(None, 64, 100)
-    fcm = attention.forgetful_causal_mask(mask, jax.random.PRNGKey(0), positions, 0.3, 0.3)
+    mask = masks.attention_mask(None, 64, 100)
+    fcm = masks.forgetful_causal_mask(mask, jax.random.PRNGKey(0), positions, 0.3, 0.3)
     keep = np.asarray(fcm.kv_keep)
     assert keep[:, 0].all() and keep[:, 50].all()
     assert abs(1 - keep.mean() - 0.3) < 0.03
@@ -133,7 +134,7 @@ def test_alibi_model_has_no_position_table_and_extrapolates():
     np.testing.assert_allclose(logits[:, :16], short, atol=1e-5)
     # Decoding with the cache follows the same bias.
     prompts = {"inputs": np.asarray(tokens[:, :5])}
-    out = inference.generate(model, params, prompts, max_new_tokens=6, eos_id=None)
+    out = generation.generate(model, params, prompts, max_new_tokens=6, eos_id=None)
     # (One length for every reference step: causal, so the zeros after position t change
     # nothing at t, and the forward is traced once instead of once per length.)
     seq = np.zeros((2, 11), np.int32)
@@ -145,7 +146,7 @@ def test_alibi_model_has_no_position_table_and_extrapolates():
 
 
 def test_alibi_gpt2_export_is_refused_with_a_reason():
-    from flaxlm import hf
+    from flaxlm.checkpoints import hf
 
     model = alibi_gpt2()
     with pytest.raises(ValueError, match="no HuggingFace"):

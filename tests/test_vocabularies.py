@@ -10,7 +10,7 @@ import tensorflow as tf
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from flaxlm.vocabularies import HuggingFaceVocabulary
+from flaxlm.data.vocabularies import HuggingFaceVocabulary
 from tests.hf_helpers import save_byte_bpe_tokenizer, save_gemma_style_tokenizer
 
 TEXTS = ["the cat sat on the mat", "a dog ate the cat food", "the mat is on the dog"]

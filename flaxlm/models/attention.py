@@ -25,16 +25,9 @@ from flaxlm.models.layers import (
     constrain,
     parallel_dense,
 )
-from flaxlm.models.masks import (  # noqa: F401  (re-exported: attention.Mask, ...)
-    NO_WINDOW,
+from flaxlm.models.masks import (
     Decoding,
     Mask,
-    attention_mask,
-    causal_mask,
-    decoding_positions,
-    default_positions,
-    forgetful_causal_mask,
-    layer_window,
     plain_causal,
     whole_self_attention,
 )

@@ -17,12 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlm import decoding
-from flaxlm.models import attention, batch_shapes, context_parallel, losses
+from flaxlm.inference import decoding
+from flaxlm.models import batch_shapes, context_parallel, losses, masks
 from flaxlm.models.causal_lm import CausalLM
-from flaxlm.models.options import (  # noqa: F401  (re-exported: families import them here)
-    MODEL_EOS,
-    ComputeOptions,
+from flaxlm.models.options import (
     ModuleConfig,
     eos_tuple,
 )
@@ -331,8 +329,8 @@ class DecoderOnlyModel(_SingleStackModel):
     def _run_decoder(
         self, params: Params, tokens: Array, index: Array, state: dict[str, Any], cache_len: int
     ) -> tuple[Array, dict[str, Any]]:
-        where = attention.Decoding(jnp.asarray(index, jnp.int32), state["start"], cache_len)
-        positions = attention.decoding_positions(where, tokens.shape[0], tokens.shape[1])
+        where = masks.Decoding(jnp.asarray(index, jnp.int32), state["start"], cache_len)
+        positions = masks.decoding_positions(where, tokens.shape[0], tokens.shape[1])
         logits, variables = self._decode_module().apply(
             {"params": params, "cache": state["cache"]},
             tokens,
@@ -358,7 +356,7 @@ class DecoderOnlyModel(_SingleStackModel):
         cache_len = prompt_len + config.max_new_tokens
 
         def init_cache() -> Any:
-            where = attention.Decoding(jnp.int32(0), start, cache_len)
+            where = masks.Decoding(jnp.int32(0), start, cache_len)
             dummy = jnp.zeros((rows, cache_len), jnp.int32)
             module = self._decode_module()
             return module.init(jax.random.PRNGKey(0), dummy, None, None, decoding=where)["cache"]
@@ -433,7 +431,7 @@ class EncoderDecoderModel(BaseModel):
         self, params: Params, tokens: Array, index: Array, state: dict[str, Any]
     ) -> tuple[Array, dict[str, Any]]:
         cache_len = decoding.cache_length(state["cache"])
-        where = attention.Decoding(jnp.asarray(index, jnp.int32), state["start"], cache_len)
+        where = masks.Decoding(jnp.asarray(index, jnp.int32), state["start"], cache_len)
         logits, variables = self._decode_module().apply(
             {"params": params, "cache": state["cache"]},
             state["encoded"],
@@ -460,7 +458,7 @@ class EncoderDecoderModel(BaseModel):
         cache_len = config.max_new_tokens  # the start token and all but the last new token
 
         def init_cache() -> Any:
-            where = attention.Decoding(jnp.int32(0), start, cache_len)
+            where = masks.Decoding(jnp.int32(0), start, cache_len)
             dummy = jnp.zeros((rows, cache_len), jnp.int32)
             variables = module.init(
                 jax.random.PRNGKey(0), encoded, dummy, segment_ids, decoding=where, method="decode"

@@ -20,13 +20,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxlm.models import attention, layers
+from flaxlm.models import attention, layers, masks
 
 Array = jax.Array
 
 
 class CausalLMConfig(Protocol):
-    """What the skeleton reads of a family config (a `base.ComputeOptions` subclass)."""
+    """What the skeleton reads of a family config (a `options.ComputeOptions` subclass)."""
 
     vocab_size: int
     hidden_size: int
@@ -75,16 +75,16 @@ class CausalLM(nn.Module):
         self,
         segment_ids: Array | None,
         positions: Array,
-        decoding: attention.Decoding | None,
+        decoding: masks.Decoding | None,
         deterministic: bool,
-    ) -> attention.Mask:
+    ) -> masks.Mask:
         """The blocks' self-attention mask: causal, within segments, over the cache while
         decoding."""
         batch, length = positions.shape
-        return attention.causal_mask(segment_ids, batch, length, decoding)
+        return masks.causal_mask(segment_ids, batch, length, decoding)
 
     def block_inputs(
-        self, x: Array, positions: Array, decoding: attention.Decoding | None
+        self, x: Array, positions: Array, decoding: masks.Decoding | None
     ) -> tuple[Array, tuple[Any, ...]]:
         """The family's touches on the embedded tokens `x` [batch, length, embed_width]
         (position embeddings, scaling, a projection): `(x, extra block arguments)`."""
@@ -104,7 +104,7 @@ class CausalLM(nn.Module):
         segment_ids: Array | None = None,
         *,
         deterministic: bool = True,
-        decoding: attention.Decoding | None = None,
+        decoding: masks.Decoding | None = None,
         return_hidden: bool = False,
         slots: Array | None = None,
     ) -> Array:
@@ -115,7 +115,7 @@ class CausalLM(nn.Module):
         (context parallelism's load-balanced order, `context_parallel.balanced_order`): the
         mask follows the slots. `positions` must then be given in the same order."""
         cfg = self.config
-        positions = attention.default_positions(tokens, positions)
+        positions = masks.default_positions(tokens, positions)
         mask = self.mask(segment_ids, positions, decoding, deterministic)
         if slots is not None:
             mask = mask.replace(slots=slots)

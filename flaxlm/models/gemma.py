@@ -22,10 +22,11 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from flaxlm.models import attention, layers, llama
-from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models import attention, layers, llama, masks
+from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
+from flaxlm.models.options import ComputeOptions
 
 Array = jax.Array
 
@@ -184,8 +185,8 @@ class GemmaBlock(nn.Module):
         self,
         x: Array,
         index: Array,
-        mask: attention.Mask,
-        decoding: attention.Decoding | None,
+        mask: masks.Mask,
+        decoding: masks.Decoding | None,
         sin: Array,
         cos: Array,
         *local_sin_cos: Array,
@@ -211,7 +212,7 @@ class GemmaBlock(nn.Module):
             cos,
             mask,
             decoding,
-            window=attention.layer_window(cfg.layer_windows, index),
+            window=masks.layer_window(cfg.layer_windows, index),
             scale=cfg.query_pre_attn_scalar**-0.5,
             softcap=cfg.attn_logit_softcapping,
             qk_norm=cfg.qk_norm,
@@ -248,7 +249,7 @@ class Gemma(CausalLM):
     layer_index = True
 
     def block_inputs(
-        self, x: Array, positions: Array, decoding: attention.Decoding | None
+        self, x: Array, positions: Array, decoding: masks.Decoding | None
     ) -> tuple[Array, tuple[Array, ...]]:
         cfg = self.config
         # HF rounds the sqrt(width) normaliser to the dtype before multiplying.

@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import attention, layers
-from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models import attention, layers, masks
+from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.options import ComputeOptions
 
 Array = jax.Array
 
@@ -103,7 +104,7 @@ class GPT2Attention(nn.Module):
         x: Array,
         layer_index: Array,
         mask: Array,
-        decoding: attention.Decoding | None = None,
+        decoding: masks.Decoding | None = None,
         bias: Array | None = None,
     ) -> Array:
         cfg = self.config
@@ -178,7 +179,7 @@ class GPT2Block(nn.Module):
         x: Array,
         layer_index: Array,
         mask: Array,
-        decoding: attention.Decoding | None = None,
+        decoding: masks.Decoding | None = None,
         bias: Array | None = None,
     ) -> Array:
         cfg = self.config
@@ -203,7 +204,7 @@ class GPT2(CausalLM):
     layer_index = True  # for scale_attn_by_inverse_layer_idx
 
     def block_inputs(
-        self, x: Array, positions: Array, decoding: attention.Decoding | None
+        self, x: Array, positions: Array, decoding: masks.Decoding | None
     ) -> tuple[Array, tuple[Array | None]]:
         cfg = self.config
         if cfg.position_embedding == "alibi":

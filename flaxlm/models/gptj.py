@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import attention, layers
-from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models import attention, layers, masks
+from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.options import ComputeOptions
 
 Array = jax.Array
 
@@ -86,7 +87,7 @@ class GPTJBlock(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: Array, mask: attention.Mask, decoding: attention.Decoding | None, positions: Array
+        self, x: Array, mask: masks.Mask, decoding: masks.Decoding | None, positions: Array
     ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
@@ -151,19 +152,19 @@ class GPTJ(CausalLM):
         self,
         segment_ids: Array | None,
         positions: Array,
-        decoding: attention.Decoding | None,
+        decoding: masks.Decoding | None,
         deterministic: bool,
-    ) -> attention.Mask:
+    ) -> masks.Mask:
         cfg = self.config
         mask = super().mask(segment_ids, positions, decoding, deterministic)
         if cfg.fcm_max_ratio > 0 and not deterministic and decoding is None:
-            mask = attention.forgetful_causal_mask(
+            mask = masks.forgetful_causal_mask(
                 mask, self.make_rng("dropout"), positions, cfg.fcm_min_ratio, cfg.fcm_max_ratio
             )
         return mask
 
     def block_inputs(
-        self, x: Array, positions: Array, decoding: attention.Decoding | None
+        self, x: Array, positions: Array, decoding: masks.Decoding | None
     ) -> tuple[Array, tuple[Array]]:
         return x, (positions,)  # each block rotates its own queries and keys
 

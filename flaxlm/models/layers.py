@@ -99,8 +99,8 @@ class DenseGeneral(nn.Module):
     `('embed', 'heads', 'head_dim')` for a query projection to `features=(heads, head_dim)`.
 
     When the params hold low-rank adapters beside the kernel (`lora_a`: in dims + [rank],
-    already scaled; `lora_b`: [rank] + out dims; put there by `flaxlm.lora`), the layer adds
-    `(dropout(x) A) B` to its output (`adapt`); the model's own init never creates them.
+    already scaled; `lora_b`: [rank] + out dims; put there by `flaxlm.training.lora`), the layer
+    adds `(dropout(x) A) B` to its output (`adapt`); the model's own init never creates them.
     """
 
     features: int | tuple[int, ...]

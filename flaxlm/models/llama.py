@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlm.models import attention, layers
-from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models import attention, layers, masks
+from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.options import ComputeOptions
 
 Array = jax.Array
 
@@ -173,8 +174,8 @@ class LlamaBlock(nn.Module):
     def __call__(
         self,
         x: Array,
-        mask: attention.Mask,
-        decoding: attention.Decoding | None,
+        mask: masks.Mask,
+        decoding: masks.Decoding | None,
         sin: Array,
         cos: Array,
     ) -> Array:
@@ -229,16 +230,16 @@ class Llama(CausalLM):
         self,
         segment_ids: Array | None,
         positions: Array,
-        decoding: attention.Decoding | None,
+        decoding: masks.Decoding | None,
         deterministic: bool,
-    ) -> attention.Mask:
+    ) -> masks.Mask:
         batch, length = positions.shape
-        return attention.causal_mask(
+        return masks.causal_mask(
             segment_ids, batch, length, decoding, sliding_window=self.config.sliding_window
         )
 
     def block_inputs(
-        self, x: Array, positions: Array, decoding: attention.Decoding | None
+        self, x: Array, positions: Array, decoding: masks.Decoding | None
     ) -> tuple[Array, tuple[Array, Array]]:
         cfg = self.config
         if cfg.scale_embedding:

@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import attention, layers
-from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models import attention, layers, masks
+from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.options import ComputeOptions
 
 Array = jax.Array
 
@@ -122,9 +123,7 @@ class OPTBlock(nn.Module):
         return x
 
     @nn.compact
-    def __call__(
-        self, x: Array, mask: attention.Mask, decoding: attention.Decoding | None
-    ) -> Array:
+    def __call__(self, x: Array, mask: masks.Mask, decoding: masks.Decoding | None) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         pre = cfg.do_layer_norm_before
@@ -199,7 +198,7 @@ class OPT(CausalLM):
         return self.config.embed_dim
 
     def block_inputs(
-        self, x: Array, positions: Array, decoding: attention.Decoding | None
+        self, x: Array, positions: Array, decoding: masks.Decoding | None
     ) -> tuple[Array, tuple[()]]:
         cfg = self.config
         if cfg.projects:

@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlm.models import attention, llama
-from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models import attention, llama, masks
+from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
+from flaxlm.models.options import ComputeOptions
 
 Array = jax.Array
 
@@ -179,7 +180,7 @@ class Phi3(llama.Llama):
         segment_ids: Array | None = None,
         *,
         deterministic: bool = True,
-        decoding: attention.Decoding | None = None,
+        decoding: masks.Decoding | None = None,
         return_hidden: bool = False,
         slots: Array | None = None,
     ) -> Array:
@@ -197,7 +198,7 @@ class Phi3(llama.Llama):
         # long factors; HF's generate then recomputes its whole cache (every layer's keys and
         # values of every earlier token change), and so does this call.
         batch, length = tokens.shape
-        positions = attention.default_positions(tokens, positions)
+        positions = masks.default_positions(tokens, positions)
         read = self.variable(
             "cache", "tokens", jnp.zeros, (batch, decoding.length, 1, 1), jnp.int32
         )
@@ -213,8 +214,8 @@ class Phi3(llama.Llama):
             return CausalLM.__call__(module, tokens, positions, decoding=decoding)
 
         def recompute(module: Phi3, tokens: Array, positions: Array, history: Array) -> Array:
-            whole = attention.Decoding(jnp.int32(0), decoding.start, decoding.length)
-            every = attention.decoding_positions(whole, batch, decoding.length)
+            whole = masks.Decoding(jnp.int32(0), decoding.start, decoding.length)
+            every = masks.decoding_positions(whole, batch, decoding.length)
             # Slots past this call's hold zeros until their own step writes them; masked here.
             logits = CausalLM.__call__(module, history, every, decoding=whole)
             return jax.lax.dynamic_slice_in_dim(logits, decoding.index, length, axis=1)
@@ -222,7 +223,7 @@ class Phi3(llama.Llama):
         return nn.cond(crossing, recompute, step, self, tokens, positions, read.value[..., 0, 0])
 
     def block_inputs(
-        self, x: Array, positions: Array, decoding: attention.Decoding | None
+        self, x: Array, positions: Array, decoding: masks.Decoding | None
     ) -> tuple[Array, tuple[Array, Array]]:
         cfg = self.config
         short, long = rope_inv_freqs(cfg)

@@ -11,17 +11,18 @@ too), RMS-normalises each query and key head (`q_norm`, `k_norm`) before rotary 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
 
-from flaxlm.models import attention, layers, llama
-from flaxlm.models.base import ComputeOptions, DecoderOnlyModel
+from flaxlm.models import attention, layers, llama, masks
+from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
+from flaxlm.models.options import ComputeOptions
 
 Array = jax.Array
 
@@ -65,13 +66,18 @@ class QwenConfig(ComputeOptions):
     activation: str = "silu"  # HF: hidden_act
     model_type: str = "qwen2"  # the HF model_type written on export: one of MODEL_TYPES
 
+    # The model types this config class accepts (a subclass for more families sets its own).
+    supported_model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.layer_types is not None:
             # Gin and JSON give lists; the config stays hashable.
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        if self.model_type not in MODEL_TYPES:
-            raise ValueError(f"model_type {self.model_type!r}: expected one of {MODEL_TYPES}.")
+        if self.model_type not in self.supported_model_types:
+            raise ValueError(
+                f"model_type {self.model_type!r}: expected one of {self.supported_model_types}."
+            )
         attention.check_heads(self.hidden_size, self.num_heads, self.kv_heads, self.head_dim)
         self._check_rope()
         if self.attention_bias and self.model_type == "qwen2":
@@ -134,6 +140,11 @@ class QwenConfig(ComputeOptions):
         return self.model_type == "qwen2" or self.attention_bias
 
     @property
+    def qk_norm(self) -> bool:
+        """Whether each query and key head is RMS-normalised before rotary (Qwen3)."""
+        return self.model_type == "qwen3"
+
+    @property
     def attention_layer_types(self) -> tuple[str, ...]:
         """Every layer's HF layer type: `layer_types`, or as HF derives it from
         `use_sliding_window` and `max_window_layers`."""
@@ -157,7 +168,7 @@ class QwenConfig(ComputeOptions):
         q, kv = self.num_heads * d, self.kv_heads * d
         attn = e * (q + 2 * kv) + q * e
         attn += (q + 2 * kv if self.qkv_bias else 0) + (e if self.attention_bias else 0)
-        attn += 2 * d if self.model_type == "qwen3" else 0  # q_norm, k_norm
+        attn += 2 * d if self.qk_norm else 0  # q_norm, k_norm
         block = attn + 3 * e * f + 2 * e
         head = 0 if self.tie_word_embeddings else v * e
         return v * e + self.num_layers * block + e + head
@@ -189,8 +200,8 @@ class QwenBlock(nn.Module):
         self,
         x: Array,
         index: Array,
-        mask: attention.Mask,
-        decoding: attention.Decoding | None,
+        mask: masks.Mask,
+        decoding: masks.Decoding | None,
         sin: Array,
         cos: Array,
     ) -> Array:
@@ -213,9 +224,9 @@ class QwenBlock(nn.Module):
             attention=cfg.attention,
             chunk_size=cfg.attention_chunk_size,
             context_parallel=cfg.context_parallel,
-            qk_norm="rms" if cfg.model_type == "qwen3" else None,
+            qk_norm="rms" if cfg.qk_norm else None,
             norm_eps=cfg.rms_norm_eps,
-            window=attention.layer_window(cfg.layer_windows, index),
+            window=masks.layer_window(cfg.layer_windows, index),
             **dense,
         )
         x = layers.constrain(x + self.dropped(attn), layers.ACTIVATION_AXES)
@@ -238,7 +249,7 @@ class Qwen(CausalLM):
     layer_index = True  # each block looks up its own sliding window
 
     def block_inputs(
-        self, x: Array, positions: Array, decoding: attention.Decoding | None
+        self, x: Array, positions: Array, decoding: masks.Decoding | None
     ) -> tuple[Array, tuple[Array, Array]]:
         return x, attention.rotary_sin_cos(positions, llama.rope_inv_freq(self.config))
 

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import attention, layers
-from flaxlm.models.base import ComputeOptions, EncoderOnlyModel
+from flaxlm.models import attention, layers, masks
+from flaxlm.models.base import EncoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.options import ComputeOptions
 
 Array = jax.Array
 
@@ -161,8 +162,8 @@ class Roberta(nn.Module):
     ) -> Array:
         cfg = self.config
         batch, length = tokens.shape
-        positions = attention.default_positions(tokens, positions)
-        mask = attention.attention_mask(segment_ids, batch, length, causal=False)
+        positions = masks.default_positions(tokens, positions)
+        mask = masks.attention_mask(segment_ids, batch, length, causal=False)
         embed = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         word = layers.Embed(cfg.vocab_size, cfg.hidden_size, name="word_embeddings", **embed)
         position_table = self.param(

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import attention, layers
-from flaxlm.models.base import ComputeOptions, EncoderDecoderModel
+from flaxlm.models import attention, layers, masks
+from flaxlm.models.base import EncoderDecoderModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.options import ComputeOptions
 
 Array = jax.Array
 
@@ -189,7 +190,7 @@ class T5Attention(nn.Module):
         kv: Array | None,
         mask: Array | None,
         bias: Array | None,
-        decoding: attention.Decoding | None = None,
+        decoding: masks.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
@@ -286,7 +287,7 @@ class T5Block(nn.Module):
         mask: Array | None,
         encoded: Array | None = None,
         cross_mask: Array | None = None,
-        decoding: attention.Decoding | None = None,
+        decoding: masks.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         norm = dict(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
@@ -330,7 +331,7 @@ class T5Stack(nn.Module):
         encoder_segment_ids: Array | None = None,
         *,
         deterministic: bool = True,
-        decoding: attention.Decoding | None = None,
+        decoding: masks.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         batch, length = x.shape[:2]
@@ -360,10 +361,10 @@ class T5Stack(nn.Module):
 
         args: tuple[Array | None, ...]
         if self.is_decoder:
-            mask = attention.causal_mask(segment_ids, batch, length, decoding)
+            mask = masks.causal_mask(segment_ids, batch, length, decoding)
             cross_mask = None
             if encoder_segment_ids is not None:
-                cross_mask = attention.attention_mask(
+                cross_mask = masks.attention_mask(
                     segment_ids,
                     batch,
                     length,
@@ -375,7 +376,7 @@ class T5Stack(nn.Module):
         else:
             mask = None
             if segment_ids is not None:
-                mask = attention.attention_mask(segment_ids, batch, length, causal=False)
+                mask = masks.attention_mask(segment_ids, batch, length, causal=False)
             args = (bias, mask)
 
         if cfg.dropout_rate:
@@ -455,7 +456,7 @@ class T5(nn.Module):
         positions: Array | None = None,
         *,
         deterministic: bool = True,
-        decoding: attention.Decoding | None = None,
+        decoding: masks.Decoding | None = None,
     ) -> Array:
         """Shifted targets `[batch, target_len]` over an encoder output -> float32 logits.
 

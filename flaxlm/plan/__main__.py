@@ -14,7 +14,7 @@ import os
 import re
 import sys
 
-from flaxlm import platforms
+from flaxlm.parallel import platforms
 
 
 def translate(argv: list[str]) -> tuple[list[str], dict[str, str]]:

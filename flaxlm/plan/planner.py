@@ -37,9 +37,10 @@ from typing import Any
 import gin
 import jax
 
-from flaxlm import aot, chips, hlo, pytrees
 from flaxlm.models import layers
-from flaxlm.partitioning import Partitioner
+from flaxlm.parallel import pytrees
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.plan import aot, chips, hlo
 from flaxlm.plan import report as plan_report
 from flaxlm.plan.run import Knobs, Result, Run, pairs, run_from_gin, with_config
 

@@ -69,7 +69,7 @@ def _resolve(value: Any) -> Any:
 
 def run_from_gin() -> Run:
     """The run the parsed Gin files describe (its `train.train` bindings)."""
-    from flaxlm import data
+    from flaxlm.data import pipeline
 
     b = gin.get_bindings("train.train", resolve_references=False)
     missing = [k for k in ("model", "train_dataset_cfg") if k not in b]
@@ -82,7 +82,7 @@ def run_from_gin() -> Run:
     optimizer = factory(learning_rate=learning_rate) if factory else None
     mb = int(_resolve(b.get("num_microbatches", 1)))
     model.check_lengths(cfg.task_feature_lengths)
-    lengths = data.model_feature_lengths(cfg, data.converter_for(cfg, model))
+    lengths = pipeline.model_feature_lengths(cfg, pipeline.converter_for(cfg, model))
     p = gin.get_bindings("partitioning.Partitioner")
     axis_names = tuple(p.get("mesh_axis_names", ("data", "fsdp", "tensor")))
     mesh_shape = tuple(p.get("mesh_shape", (1, -1, 1)))
@@ -119,6 +119,6 @@ def with_config(model: Any, **changes: Any) -> Any:
 
 def pairs(run: Run) -> bool:
     """Whether each example is two rows (a preference objective's chosen and rejected)."""
-    from flaxlm import preference
+    from flaxlm.posttrain import preference
 
     return isinstance(run.objective, preference.PreferenceConfig)

@@ -18,15 +18,16 @@ import optax
 from etils import epath
 from jax.sharding import PartitionSpec as P
 
-from flaxlm import lora as lora_lib
-from flaxlm import preference, pytrees, rl
 from flaxlm.models.base import BaseModel
 from flaxlm.models.batch_shapes import batch_shapes_from
-from flaxlm.partitioning import Partitioner
-from flaxlm.train_state import TrainState
+from flaxlm.parallel import pytrees
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.posttrain import preference, rl
+from flaxlm.training import lora as lora_lib
+from flaxlm.training.train_state import TrainState
 
 if TYPE_CHECKING:  # the input pipeline (seqio, TensorFlow) only where batches are read
-    from flaxlm import data
+    from flaxlm.data import pipeline
 
 Batch = Mapping[str, jax.Array]
 
@@ -346,7 +347,7 @@ class Setup:
 
 
 def evaluate_batches(
-    eval_step: Callable[..., Any], params: Any, iterator: data.DataIterator, steps: int
+    eval_step: Callable[..., Any], params: Any, iterator: pipeline.DataIterator, steps: int
 ) -> dict[str, float]:
     iterator.reset()
     total = None
@@ -375,16 +376,16 @@ def evaluate_split(
     model: BaseModel,
     params: Any,
     partitioner: Partitioner,
-    cfg: data.DatasetConfig,
+    cfg: pipeline.DatasetConfig,
     max_batches: int | None = None,
 ) -> dict[str, float]:
     """Loss, token accuracy and perplexity over one pass of `cfg`'s split (the last
     partial batch left out; at most `max_batches`), with the params as they are sharded."""
-    from flaxlm import data
+    from flaxlm.data import pipeline
 
     cfg = dataclasses.replace(cfg, num_epochs=1, shuffle=False)
     check_batch_size(partitioner, cfg.batch_size, 1)
-    iterator = data.DataIterator.create(cfg, partitioner, data.converter_for(cfg, model))
+    iterator = pipeline.DataIterator.create(cfg, partitioner, pipeline.converter_for(cfg, model))
     step = jax.jit(make_eval_step(model))
     total = None
     for number, batch in enumerate(iterator):
@@ -401,7 +402,7 @@ def evaluate_split(
     return eval_scalars(total)
 
 
-def next_batch(iterator: data.DataIterator, cfg: data.DatasetConfig, step: int) -> Batch:
+def next_batch(iterator: pipeline.DataIterator, cfg: pipeline.DatasetConfig, step: int) -> Batch:
     """The next training batch; running out is an error that names the data."""
     try:
         return next(iterator)

@@ -25,24 +25,17 @@ import optax
 import seqio
 from jax.sharding import PartitionSpec as P
 
-from flaxlm import (
-    checkpoints,
-    data,
-    inference,
-    loop,
-    metrics,
-    objectives,
-    optimizers,
-    preemption,
-    pytrees,
-    rl,
-    run_dir,
-    trainer,
-)
+from flaxlm.checkpoints import checkpointer, run_dir
+from flaxlm.data import pipeline
+from flaxlm.inference import generation
 from flaxlm.models.base import BaseModel
 from flaxlm.models.features import PromptFeatureConverter
-from flaxlm.partitioning import Partitioner
-from flaxlm.train_state import TrainState
+from flaxlm.parallel import pytrees
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.posttrain import objectives, rl
+from flaxlm.runs import loop
+from flaxlm.training import metrics, optimizers, preemption, steps
+from flaxlm.training.train_state import TrainState
 
 
 class Rollouts:
@@ -50,7 +43,7 @@ class Rollouts:
 
     def __init__(
         self,
-        setup: trainer.Setup,
+        setup: steps.Setup,
         cfg: rl.GrpoConfig,
         vocabulary: seqio.Vocabulary,
         frozen: Any,
@@ -71,7 +64,7 @@ class Rollouts:
 
     def decode(self, ids: Any) -> str:
         """Text of token ids up to the first EOS, padding dropped."""
-        ids = [t for t in inference.until_eos(np.asarray(ids), self.setup.model.eos_ids) if t]
+        ids = [t for t in generation.until_eos(np.asarray(ids), self.setup.model.eos_ids) if t]
         return self.vocabulary.decode(ids)
 
     def __call__(
@@ -88,7 +81,7 @@ class Rollouts:
         inputs = np.zeros((len(repeated), prompt_rows.shape[1] + 1), np.int32)
         for i, ids in enumerate(repeated):
             inputs[i, 1 : len(ids) + 1] = ids
-        completions = inference.generate(
+        completions = generation.generate(
             self.setup.model,
             state.params,
             {"inputs": inputs, "inputs_lengths": np.asarray([len(x) + 1 for x in repeated])},
@@ -136,7 +129,7 @@ def grpo(
     *,
     model: BaseModel = gin.REQUIRED,
     partitioner: Partitioner = gin.REQUIRED,
-    train_dataset_cfg: data.DatasetConfig = gin.REQUIRED,
+    train_dataset_cfg: pipeline.DatasetConfig = gin.REQUIRED,
     config: rl.GrpoConfig = gin.REQUIRED,
     learning_rate: optax.ScalarOrSchedule = gin.REQUIRED,
     optimizer_factory: Callable[..., optax.GradientTransformation] = optimizers.create_optimizer,
@@ -169,15 +162,15 @@ def grpo(
     """
     start_time = time.perf_counter()
     batch_size = train_dataset_cfg.batch_size
-    trainer.check_counts(
+    steps.check_counts(
         TRAIN_STEPS=(total_steps, 1),
         BATCH_SIZE=(batch_size, 1),
         LOG_PERIOD=(log_period, 1),
         CHECKPOINT_PERIOD=(checkpoint_period, 1),
     )
-    trainer.check_learning_rate(learning_rate)
-    path = trainer.check_model_dir(model_dir)
-    trainer.check_batch_size(partitioner, batch_size, 1)
+    steps.check_learning_rate(learning_rate)
+    path = steps.check_model_dir(model_dir)
+    steps.check_batch_size(partitioner, batch_size, 1)
     lengths = dict(train_dataset_cfg.task_feature_lengths)
     if "inputs" not in lengths:
         raise ValueError(
@@ -191,8 +184,10 @@ def grpo(
     signals = preemption.PreemptionHandler().install()
     ckpt = writer = None
     try:
-        prompts = data.DataIterator.create(train_dataset_cfg, partitioner, PromptFeatureConverter)
-        setup = trainer.Setup(
+        prompts = pipeline.DataIterator.create(
+            train_dataset_cfg, partitioner, PromptFeatureConverter
+        )
+        setup = steps.Setup(
             model,
             partitioner,
             optimizer_factory(learning_rate=learning_rate),
@@ -201,7 +196,7 @@ def grpo(
             frozen_reference=config.needs_reference,
         )
         setup.batch_axes = rollout_axes()
-        ckpt = checkpoints.Checkpointer(model_dir, keep=keep_checkpoints)
+        ckpt = checkpointer.Checkpointer(model_dir, keep=keep_checkpoints)
         start_step, state = loop.restore(setup, ckpt, prompts)
         # The starting params: the policy's on a fresh start, the reference's always.
         start = None
@@ -221,7 +216,7 @@ def grpo(
                 frozen = setup.init_state().params
         rollouts = Rollouts(setup, config, vocabulary, frozen, seed, lengths["inputs"])
         update = setup.partition_train_step(
-            trainer.make_train_step(model, partitioner, learning_rate, seed=seed, objective=config)
+            steps.make_train_step(model, partitioner, learning_rate, seed=seed, objective=config)
         )
         frozen_args = () if setup.frozen_shardings is None else (frozen,)
 
@@ -249,7 +244,7 @@ def grpo(
             start_step,
             total_steps,
             rollout_step,
-            lambda step: trainer.next_batch(prompts, train_dataset_cfg, step),
+            lambda step: steps.next_batch(prompts, train_dataset_cfg, step),
             hooks,
             nonfinite,
             signals,
@@ -263,7 +258,7 @@ def grpo(
     return state
 
 
-def starting_params(setup: trainer.Setup, init_from: str | None) -> Any:
+def starting_params(setup: steps.Setup, init_from: str | None) -> Any:
     """The params `init_from` names, on the shardings the run holds them with (the LoRA
     base's or the params'), or None."""
     if init_from is None:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from flaxlm import objectives
+from flaxlm.posttrain import objectives
 
 Array = jax.Array
 Batch = Mapping[str, Array]

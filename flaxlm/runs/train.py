@@ -12,35 +12,28 @@ import jax
 import optax
 from jax.sharding import PartitionSpec as P
 
-from flaxlm import (
-    checkpoints,
-    data,
-    hf,
-    loop,
-    metrics,
-    optimizers,
-    preemption,
-    preference,
-    run_dir,
-    trainer,
-)
-from flaxlm import lora as lora_lib
+from flaxlm.checkpoints import checkpointer, hf, run_dir
+from flaxlm.data import pipeline
 from flaxlm.models.base import BaseModel
-from flaxlm.partitioning import Partitioner
-from flaxlm.train_state import TrainState
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.posttrain import preference
+from flaxlm.runs import loop
+from flaxlm.training import lora as lora_lib
+from flaxlm.training import metrics, optimizers, preemption, steps
+from flaxlm.training.train_state import TrainState
 
 StepMetrics = loop.StepMetrics
 
 
 def frozen_params(
-    setup: trainer.Setup,
+    setup: steps.Setup,
     state: TrainState,
     start_step: int,
     model_dir: str,
     init_from_hf: str | None,
     lora_base_checkpoint: str | None,
 ) -> Any:
-    """The steps' frozen params (`trainer.Setup.frozen_shardings`), or None: a LoRA run's
+    """The steps' frozen params (`steps.Setup.frozen_shardings`), or None: a LoRA run's
     base (`run_dir.load_lora_base`), else a preference run's reference (`reference_params`,
     a copy: the steps donate the state)."""
     if setup.lora is not None:
@@ -51,7 +44,7 @@ def frozen_params(
 
 
 def reference_params(
-    setup: trainer.Setup, state: TrainState, start_step: int, init_from_hf: str | None, copy: bool
+    setup: steps.Setup, state: TrainState, start_step: int, init_from_hf: str | None, copy: bool
 ) -> Any:
     """A preference run's reference: the params the run started from (on a resumed run:
     `init_from_hf` again, or the same fresh init)."""
@@ -69,11 +62,11 @@ def reference_params(
 
 
 def precomputed_reference(
-    setup: trainer.Setup,
+    setup: steps.Setup,
     state: TrainState,
     start_step: int,
     init_from_hf: str | None,
-    iterators: tuple[data.DataIterator, data.DataIterator | None],
+    iterators: tuple[pipeline.DataIterator, pipeline.DataIterator | None],
     steps: tuple[int, int],
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """`PreferenceConfig.precompute_reference`: the reference log-probs of the training
@@ -101,9 +94,9 @@ def precomputed_reference(
 
 
 def initial_state(
-    setup: trainer.Setup,
-    ckpt: checkpoints.Checkpointer,
-    train_iter: data.DataIterator,
+    setup: steps.Setup,
+    ckpt: checkpointer.Checkpointer,
+    train_iter: pipeline.DataIterator,
     model_dir: str,
     init_from_hf: str | None,
 ) -> tuple[int, TrainState]:
@@ -123,7 +116,7 @@ def initial_state(
 
 
 def steps_with_frozen(
-    setup: trainer.Setup,
+    setup: steps.Setup,
     train_step: Callable[..., Any],
     eval_step: Callable[..., Any] | None,
     frozen: Any,
@@ -139,7 +132,7 @@ def steps_with_frozen(
         merge = setup.partition_merge()
         eval_params = lambda adapters: merge(frozen, adapters)  # noqa: E731
 
-    def frozen_eval_step(params: Any, batch: trainer.Batch) -> Any:
+    def frozen_eval_step(params: Any, batch: steps.Batch) -> Any:
         return eval_step(params, batch, frozen)
 
     return (
@@ -154,8 +147,8 @@ def train(
     *,
     model: BaseModel = gin.REQUIRED,
     partitioner: Partitioner = gin.REQUIRED,
-    train_dataset_cfg: data.DatasetConfig = gin.REQUIRED,
-    eval_dataset_cfg: data.DatasetConfig | None = None,
+    train_dataset_cfg: pipeline.DatasetConfig = gin.REQUIRED,
+    eval_dataset_cfg: pipeline.DatasetConfig | None = None,
     learning_rate: optax.ScalarOrSchedule = gin.REQUIRED,
     optimizer_factory: Callable[..., optax.GradientTransformation] = optimizers.create_optimizer,
     model_dir: str = gin.REQUIRED,
@@ -174,7 +167,7 @@ def train(
     inject_nonfinite_loss_at_step: int | None = None,
     lora: lora_lib.LoraConfig | None = None,
     lora_base_checkpoint: str | None = None,
-    objective: trainer.Objective | None = None,
+    objective: steps.Objective | None = None,
 ) -> TrainState:
     """Trains `model` on `train_dataset_cfg` for `total_steps`, resuming from `model_dir`.
 
@@ -207,7 +200,7 @@ def train(
     `preemption.py`).
     """
     start_time = time.perf_counter()
-    trainer.check_counts(
+    steps.check_counts(
         TRAIN_STEPS=(total_steps, 1),
         BATCH_SIZE=(train_dataset_cfg.batch_size, 1),
         NUM_MICROBATCHES=(num_microbatches, 1),
@@ -216,29 +209,29 @@ def train(
         EVAL_PERIOD=(eval_period, 0),
         EVAL_STEPS=(eval_steps, 1),
     )
-    trainer.check_learning_rate(learning_rate)
+    steps.check_learning_rate(learning_rate)
     if lora_base_checkpoint and lora is None:
         raise ValueError("lora_base_checkpoint is set but lora is not: bind train.lora too.")
-    path = trainer.check_model_dir(model_dir)
-    trainer.check_batch_size(partitioner, train_dataset_cfg.batch_size, num_microbatches)
+    path = steps.check_model_dir(model_dir)
+    steps.check_batch_size(partitioner, train_dataset_cfg.batch_size, num_microbatches)
     model.check_lengths(train_dataset_cfg.task_feature_lengths)
-    converter = data.converter_for(train_dataset_cfg, model)
+    converter = pipeline.converter_for(train_dataset_cfg, model)
     preference.check_data(objective, converter)
-    feature_lengths = data.model_feature_lengths(train_dataset_cfg, converter)
-    train_dataset_cfg = checkpoints.resumed_input_shards(train_dataset_cfg, partitioner, model_dir)
+    feature_lengths = pipeline.model_feature_lengths(train_dataset_cfg, converter)
+    train_dataset_cfg = checkpointer.resumed_input_shards(train_dataset_cfg, partitioner, model_dir)
     # From here on a first SIGTERM/SIGINT is a request to stop cleanly: during set-up, before
     # the first step; in the loop, after the current step, saving it (see run_steps).
     signals = preemption.PreemptionHandler().install()
     ckpt = writer = None
     try:  # whatever fails from here on, the signals go back and the checkpointer is closed
-        train_iter = data.DataIterator.create(train_dataset_cfg, partitioner, converter)
+        train_iter = pipeline.DataIterator.create(train_dataset_cfg, partitioner, converter)
         eval_iter = None
         if eval_dataset_cfg is not None and eval_period:
-            trainer.check_batch_size(partitioner, eval_dataset_cfg.batch_size, 1)
-            eval_iter = data.DataIterator.create(
-                eval_dataset_cfg, partitioner, data.converter_for(eval_dataset_cfg, model)
+            steps.check_batch_size(partitioner, eval_dataset_cfg.batch_size, 1)
+            eval_iter = pipeline.DataIterator.create(
+                eval_dataset_cfg, partitioner, pipeline.converter_for(eval_dataset_cfg, model)
             )
-        setup = trainer.Setup(
+        setup = steps.Setup(
             model,
             partitioner,
             optimizer_factory(learning_rate=learning_rate),
@@ -247,7 +240,7 @@ def train(
             lora=lora,
             frozen_reference=objective is not None and objective.needs_reference,
         )
-        ckpt = checkpoints.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
+        ckpt = checkpointer.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
         start_step, state = initial_state(setup, ckpt, train_iter, model_dir, init_from_hf)
         frozen = frozen_params(
             setup, state, start_step, model_dir, init_from_hf, lora_base_checkpoint
@@ -256,7 +249,7 @@ def train(
         if getattr(objective, "precompute_reference", False):
             fresh = (train_dataset_cfg, eval_dataset_cfg if eval_iter else None)
             iterators = tuple(
-                data.DataIterator.create(cfg, partitioner, converter) if cfg else None
+                pipeline.DataIterator.create(cfg, partitioner, converter) if cfg else None
                 for cfg in fresh
             )
             references = precomputed_reference(
@@ -267,7 +260,7 @@ def train(
         train_step, eval_step, eval_params = steps_with_frozen(
             setup,
             setup.partition_train_step(
-                trainer.make_train_step(
+                steps.make_train_step(
                     model,
                     partitioner,
                     learning_rate,
@@ -279,7 +272,7 @@ def train(
                     objective=objective,
                 )
             ),
-            setup.partition_eval_step(trainer.make_eval_step(model, lora, objective))
+            setup.partition_eval_step(steps.make_eval_step(model, lora, objective))
             if eval_iter
             else None,
             frozen,
@@ -316,8 +309,8 @@ def train(
                 ),
             )
 
-        def next_batch(step: int) -> trainer.Batch:
-            batch = trainer.next_batch(train_iter, train_dataset_cfg, step)
+        def next_batch(step: int) -> steps.Batch:
+            batch = steps.next_batch(train_iter, train_dataset_cfg, step)
             if references is not None:
                 batch = {**batch, preference.REFERENCE_FEATURE: references[0][step - start_step]}
             return batch

@@ -9,7 +9,7 @@ import jax
 import optax
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.pytrees import path_name
+from flaxlm.parallel.pytrees import path_name
 
 
 class TrainState(flax.struct.PyTreeNode):

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of flaxlm's train step, for devices that need not be attached.
 
-The train state is `trainer.Setup.abstract_state` (ShapeDtypeStructs carrying their
+The train state is `steps.Setup.abstract_state` (ShapeDtypeStructs carrying their
 shardings) and the batch is abstract too, so nothing is allocated at full size: the step is
 flaxlm's own (`make_train_step` partitioned by `Setup.partition_train_step`), lowered and
 compiled. The targets (`target_devices`): a TPU slice by name (libtpu compiles for it on
@@ -20,10 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from flaxlm import hlo, optimizers, platforms, preference, pytrees, trainer
-from flaxlm import lora as lora_lib
 from flaxlm.models.batch_shapes import batch_shapes_from
-from flaxlm.partitioning import Partitioner
+from flaxlm.parallel import platforms, pytrees
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.plan import hlo
+from flaxlm.posttrain import preference
+from flaxlm.training import lora as lora_lib
+from flaxlm.training import optimizers, steps
 
 LIBTPU_HINT = (
     "compiling for a TPU topology needs libtpu, the TPU compiler: pip install 'flaxlm[tpu]' "
@@ -106,7 +109,7 @@ class CompiledStep:
         learning_rate: optax.ScalarOrSchedule = 1e-3,
         num_microbatches: int = 1,
         lora: lora_lib.LoraConfig | None = None,
-        objective: trainer.Objective | None = None,
+        objective: steps.Objective | None = None,
         matmul_precision: str | None = None,
         out_of_memory_ok: bool = False,
         state_limit: float | None = None,
@@ -120,11 +123,11 @@ class CompiledStep:
         if optimizer is None:
             optimizer = optimizers.create_optimizer(learning_rate=learning_rate)
         reference = objective is not None and objective.needs_reference
-        self.setup = setup = trainer.Setup(
+        self.setup = setup = steps.Setup(
             model, partitioner, optimizer, lengths, lora=lora, frozen_reference=reference
         )
         step = setup.partition_train_step(
-            trainer.make_train_step(
+            steps.make_train_step(
                 model,
                 partitioner,
                 learning_rate,

@@ -16,11 +16,11 @@ from typing import Any
 
 from etils import epath
 
-from flaxlm import inference
+from flaxlm.inference import generation
 from flaxlm.models.base import EncoderDecoderModel
-from flaxlm.serve.api import BadRequest, Completion, check_prompt_ids, parse_request
-from flaxlm.serve.engine import Engine
-from flaxlm.serve.stream import TextStream
+from flaxlm.runs.serve.api import BadRequest, Completion, check_prompt_ids, parse_request
+from flaxlm.runs.serve.engine import Engine
+from flaxlm.runs.serve.stream import TextStream
 
 
 def listen(host: str, port: int) -> http.server.ThreadingHTTPServer:
@@ -72,7 +72,7 @@ class Server:
         return f"http://{host}:{port}"
 
     def encode(self, text: str) -> list[int]:
-        return inference.prompt_ids(
+        return generation.prompt_ids(
             self.engine.model, self.engine.vocabulary, text, is_target=False
         )
 

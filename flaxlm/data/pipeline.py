@@ -38,8 +38,8 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from flaxlm import packing
-from flaxlm.partitioning import DataLayout, Partitioner
+from flaxlm.data import packing
+from flaxlm.parallel.partitioning import DataLayout, Partitioner
 
 _TF_CONFIGURED = False
 

@@ -28,13 +28,10 @@ import numpy as np
 from etils import epath
 from flax import traverse_util
 
-import flaxlm.models  # noqa: F401  (registers every family's HFSpec)
-from flaxlm import pytrees
-from flaxlm.hf_files import (  # noqa: F401  (re-exported: hf.read_hf_config, ...)
+from flaxlm.checkpoints.hf_files import (
     GENERATION_FILE,
     INDEX_FILE,
     SINGLE_FILE,
-    TOKENIZER_FILES,
     SafetensorsReader,
     copy_tokenizer,
     read_generation_config,
@@ -43,7 +40,8 @@ from flaxlm.hf_files import (  # noqa: F401  (re-exported: hf.read_hf_config, ..
 from flaxlm.models import hf_spec
 from flaxlm.models.base import BaseModel, EncoderOnlyModel
 from flaxlm.models.hf_spec import HF_SPECS, HFSpec, HFTensor
-from flaxlm.partitioning import Partitioner
+from flaxlm.parallel import pytrees
+from flaxlm.parallel.partitioning import Partitioner
 
 Params = Any
 VOCAB_MULTIPLE = 128

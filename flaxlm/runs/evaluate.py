@@ -16,30 +16,33 @@ import seqio
 import tensorflow as tf
 from etils import epath
 
-from flaxlm import data, inference, metrics, run_dir, trainer
-from flaxlm.inference import GenerationSettings
+from flaxlm.checkpoints import run_dir
+from flaxlm.data import pipeline
+from flaxlm.inference import generation
+from flaxlm.inference.generation import GenerationSettings
 from flaxlm.models.base import BaseModel
-from flaxlm.partitioning import Partitioner
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.training import metrics, steps
 
 Params = Any
 
 
 class TaskEvaluator:
     """seqio evaluation of one task or mixture: its metric functions over predictions
-    (`inference.generate`) and scores (`model.score`) of its split. A task without metric
+    (`generation.generate`) and scores (`model.score`) of its split. A task without metric
     functions evaluates nothing here (its loss, accuracy and perplexity come from the
     eval steps)."""
 
     def __init__(
         self,
-        cfg: data.DatasetConfig,
+        cfg: pipeline.DatasetConfig,
         model: BaseModel,
         partitioner: Partitioner,
-        settings: GenerationSettings = inference.DEFAULT_SETTINGS,
+        settings: GenerationSettings = generation.DEFAULT_SETTINGS,
         num_examples: int | None = None,
     ):
-        data.configure_tensorflow()
-        data.import_task_module(cfg.module)
+        pipeline.configure_tensorflow()
+        pipeline.import_task_module(cfg.module)
         self.model = model
         self.partitioner = partitioner
         self.settings = settings
@@ -52,14 +55,14 @@ class TaskEvaluator:
             num_examples=num_examples,
             use_memory_cache=True,
         )
-        self._scorer: inference.Scorer | None = None
+        self._scorer: generation.Scorer | None = None
 
     @property
     def active(self) -> bool:
         return bool(self.evaluator.eval_tasks)
 
     def _examples(self, ds: tf.data.Dataset) -> list[tuple[int, dict[str, np.ndarray]]]:
-        return [(int(i), ex) for i, ex in data.without_autotune(ds).as_numpy_iterator()]
+        return [(int(i), ex) for i, ex in pipeline.without_autotune(ds).as_numpy_iterator()]
 
     def _prompt(self, ex: Mapping[str, np.ndarray]) -> list[int]:
         if "encoder_input_tokens" in ex:
@@ -75,7 +78,7 @@ class TaskEvaluator:
     def predict_fn(self, ds: tf.data.Dataset, model_feature_shapes: Any = None) -> list:
         indexed = self._examples(ds)
         prompts = [self._prompt(ex) for _, ex in indexed]
-        outputs = inference.generate_ids(
+        outputs = generation.generate_ids(
             self.model,
             self.params,
             prompts,
@@ -87,9 +90,9 @@ class TaskEvaluator:
 
     def score_fn(self, ds: tf.data.Dataset, model_feature_shapes: Any = None) -> list:
         indexed = self._examples(ds)
-        self._scorer = self._scorer or inference.Scorer(self.model, self.partitioner)
+        self._scorer = self._scorer or generation.Scorer(self.model, self.partitioner)
         out = []
-        for _, chunk in inference.chunks(indexed, self.batch_size):
+        for _, chunk in generation.chunks(indexed, self.batch_size):
             padded = chunk + [chunk[0]] * (self.batch_size - len(chunk))
             batch = {
                 k: np.stack([ex[k] for _, ex in padded])
@@ -126,11 +129,11 @@ class TaskEvaluator:
 def evaluate(
     *,
     checkpoint: str = gin.REQUIRED,
-    dataset_cfg: data.DatasetConfig = gin.REQUIRED,
+    dataset_cfg: pipeline.DatasetConfig = gin.REQUIRED,
     output_dir: str = gin.REQUIRED,
     model: BaseModel | None = None,
     partitioner: Partitioner | None = None,
-    settings: GenerationSettings = inference.DEFAULT_SETTINGS,
+    settings: GenerationSettings = generation.DEFAULT_SETTINGS,
     num_examples: int | None = None,
     max_batches: int | None = None,
     step: int | None = None,
@@ -144,7 +147,7 @@ def evaluate(
     model, params, step = run_dir.load_model_and_params(checkpoint, partitioner, step, model)
     out_dir = epath.Path(output_dir)
     metrics.write_config(out_dir)
-    scalars = trainer.evaluate_split(model, params, partitioner, dataset_cfg, max_batches)
+    scalars = steps.evaluate_split(model, params, partitioner, dataset_cfg, max_batches)
     task_evaluator = TaskEvaluator(dataset_cfg, model, partitioner, settings, num_examples)
     scalars.update(task_evaluator.evaluate(params, step))
     writer = metrics.create_writer(str(out_dir))

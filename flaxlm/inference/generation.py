@@ -22,15 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlm import decoding, metrics, pytrees
-from flaxlm.models.base import (
-    MODEL_EOS,
-    BaseModel,
-    DecoderOnlyModel,
-    EncoderDecoderModel,
-    eos_tuple,
-)
-from flaxlm.partitioning import Partitioner
+from flaxlm.inference import decoding
+from flaxlm.models.base import BaseModel, DecoderOnlyModel, EncoderDecoderModel
+from flaxlm.models.options import MODEL_EOS, eos_tuple
+from flaxlm.parallel import pytrees
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.training import metrics
 
 if TYPE_CHECKING:
     import seqio

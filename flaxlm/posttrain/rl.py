@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlm import objectives, rewards
+from flaxlm.posttrain import objectives, rewards
 
 Array = jax.Array
 Batch = Mapping[str, Array]

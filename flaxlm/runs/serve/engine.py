@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import seqio
 
-from flaxlm import decoding, inference
+from flaxlm.inference import decoding, generation
 from flaxlm.models import losses
 from flaxlm.models.base import BaseModel
-from flaxlm.partitioning import Partitioner
-from flaxlm.serve.api import MAX_LOGPROBS, Completion, check_prompt_ids
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.runs.serve.api import MAX_LOGPROBS, Completion, check_prompt_ids
 
 BUCKET = 32  # prompt and generation lengths are rounded up to this (fewer compiles)
 SHUTTING_DOWN = "The server is shutting down."
@@ -138,8 +138,8 @@ class Engine:
             return
         self.batches += 1
         size = self.max_batch_size
-        prompt_len = inference.round_up(max(len(r.prompt_ids) for r in rows), BUCKET)
-        new = inference.round_up(max(r.completion.max_tokens for r in rows), BUCKET)
+        prompt_len = generation.round_up(max(len(r.prompt_ids) for r in rows), BUCKET)
+        new = generation.round_up(max(r.completion.max_tokens for r in rows), BUCKET)
         config = decoding.DecodingConfig(max_new_tokens=new)
         inputs = np.zeros((size, prompt_len), np.int32)
         lengths = np.ones((size,), np.int32)

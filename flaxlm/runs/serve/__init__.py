@@ -20,13 +20,13 @@ import gin
 import seqio
 from etils import epath
 
-from flaxlm import run_dir
+from flaxlm.checkpoints import run_dir
 from flaxlm.models.base import BaseModel
-from flaxlm.partitioning import Partitioner
-from flaxlm.serve.api import BadRequest, Completion, parse_request
-from flaxlm.serve.engine import Engine
-from flaxlm.serve.http import Server, listen
-from flaxlm.serve.stream import TextStream
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.runs.serve.api import BadRequest, Completion, parse_request
+from flaxlm.runs.serve.engine import Engine
+from flaxlm.runs.serve.http import Server, listen
+from flaxlm.runs.serve.stream import TextStream
 
 __all__ = [
     "BadRequest",

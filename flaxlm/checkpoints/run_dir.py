@@ -29,9 +29,13 @@ import jax
 import seqio
 from etils import epath
 
-from flaxlm import checkpoints, hf, lora, pytrees, trainer, vocabularies
-from flaxlm.models.base import BaseModel, eos_tuple
-from flaxlm.partitioning import Partitioner
+from flaxlm.checkpoints import checkpointer, hf, hf_files
+from flaxlm.data import vocabularies
+from flaxlm.models.base import BaseModel
+from flaxlm.models.options import eos_tuple
+from flaxlm.parallel import pytrees
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.training import lora, steps
 
 Params = Any
 MODEL_RECORD = "model_record.json"
@@ -45,7 +49,7 @@ CONFIG_FILE = "config.gin"
 def is_hf_dir(path: str | epath.Path) -> bool:
     """An HF checkpoint directory (config.json, no flaxlm checkpoints)."""
     path = epath.Path(path)
-    return (path / "config.json").exists() and not (path / checkpoints.SUBDIR).exists()
+    return (path / "config.json").exists() and not (path / checkpointer.SUBDIR).exists()
 
 
 # ---------------------------------------------------------------- the model record
@@ -72,12 +76,15 @@ def write_model_record(
     copied to `model_dir/tokenizer/`.
     """
     if hf_dir is not None:
-        hf_config, generation = hf.read_hf_config(hf_dir), hf.read_generation_config(hf_dir)
+        hf_config, generation = (
+            hf_files.read_hf_config(hf_dir),
+            hf_files.read_generation_config(hf_dir),
+        )
         model = copy.copy(model)
         model.special_ids = hf.special_ids(hf_config)
         model.generation_config = generation
         model.eos_ids = eos_tuple(hf.hf_eos_id(hf_config, generation))
-        hf.copy_tokenizer(hf_dir, epath.Path(model_dir) / TOKENIZER_DIR)
+        hf_files.copy_tokenizer(hf_dir, epath.Path(model_dir) / TOKENIZER_DIR)
     if jax.process_index() == 0:
         out = epath.Path(model_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -118,7 +125,7 @@ def model_from_record(
         generation = record.get("flaxlm_generation_config")
     else:  # an HF directory's config.json
         spec, config = hf.config_from_hf_dict(record, partitioner, overrides=overrides)
-        generation = hf.read_generation_config(file.parent)
+        generation = hf_files.read_generation_config(file.parent)
     eos = record.get("flaxlm_eos_ids", None)
     if "flaxlm_eos_ids" not in record:
         eos = hf.hf_eos_id(record, generation)
@@ -170,7 +177,7 @@ def restore_params(
 ) -> tuple[Params, int]:
     """`(params, step)`: the params of `model_dir`'s checkpoint at `step` (the latest if
     None), placed on the shardings `abstract` carries (see `pytrees.abstract_params`)."""
-    ckpt = checkpoints.Checkpointer(str(model_dir))
+    ckpt = checkpointer.Checkpointer(str(model_dir))
     try:
         step = ckpt.latest_step() if step is None else step
         if step is None:
@@ -193,7 +200,7 @@ def restore_lora_base(base: Mapping[str, Any], model: BaseModel, partitioner: Pa
 
 
 def load_lora_base(
-    setup: trainer.Setup, model_dir: str, init_from_hf: str | None, base_checkpoint: str | None
+    setup: steps.Setup, model_dir: str, init_from_hf: str | None, base_checkpoint: str | None
 ) -> Any:
     """The frozen base params of a LoRA run (see `train`), and `model_dir/lora.json`."""
     model, partitioner = setup.model, setup.partitioner
@@ -202,13 +209,13 @@ def load_lora_base(
         params = hf.load_params(model, init_from_hf, shardings=setup.base_shardings)
         write_model_record(model, model_dir, init_from_hf)
     elif base_checkpoint:
-        step = checkpoints.Checkpointer(base_checkpoint).latest_step()
+        step = checkpointer.Checkpointer(base_checkpoint).latest_step()
         source = {"checkpoint": os.path.abspath(base_checkpoint), "step": step}
         params = restore_lora_base(source, model, partitioner)
     else:
         base_dir = os.path.join(os.path.abspath(model_dir), LORA_BASE_DIR)
         source = {"checkpoint": base_dir, "step": 0}
-        base_ckpt = checkpoints.Checkpointer(base_dir)
+        base_ckpt = checkpointer.Checkpointer(base_dir)
         if base_ckpt.latest_step() is None:
             params = setup.init_base()
             base_ckpt.save_params(0, params)

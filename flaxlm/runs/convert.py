@@ -15,9 +15,9 @@ import gin
 import jax.numpy as jnp
 from etils import epath
 
-from flaxlm import checkpoints, hf, run_dir
+from flaxlm.checkpoints import checkpointer, hf, run_dir
 from flaxlm.models.base import BaseModel
-from flaxlm.partitioning import Partitioner
+from flaxlm.parallel.partitioning import Partitioner
 
 
 @gin.configurable
@@ -65,7 +65,7 @@ def import_hf(
     """
     partitioner = partitioner or Partitioner()
     model, params = hf.from_pretrained(hf_dir, partitioner, jnp.dtype(dtype))
-    ckpt = checkpoints.Checkpointer(model_dir)
+    ckpt = checkpointer.Checkpointer(model_dir)
     ckpt.save_params(0, params)
     ckpt.close()
     run_dir.write_model_record(model, epath.Path(model_dir), hf_dir)

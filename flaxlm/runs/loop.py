@@ -17,10 +17,13 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from flaxlm import checkpoints, data, evaluation, metrics, preemption, run_dir, trainer
+from flaxlm.checkpoints import checkpointer, run_dir
+from flaxlm.data import pipeline
 from flaxlm.models.base import BaseModel
-from flaxlm.partitioning import Partitioner
-from flaxlm.train_state import TrainState
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.runs import evaluate
+from flaxlm.training import metrics, preemption, steps
+from flaxlm.training.train_state import TrainState
 
 StepMetrics = dict[str, jax.Array]
 
@@ -47,7 +50,7 @@ class NonFiniteCheck:
     """Stops the run on a NaN/Inf loss or gradient, naming the step and the last good
     checkpoint; with `skip`, counts the skipped updates instead."""
 
-    def __init__(self, ckpt: checkpoints.Checkpointer, skip: bool):
+    def __init__(self, ckpt: checkpointer.Checkpointer, skip: bool):
         self.ckpt, self.skip = ckpt, skip
         self.pending: tuple[int, StepMetrics] | None = None
         self.skipped = jnp.zeros((), jnp.int32)
@@ -76,7 +79,7 @@ class NonFiniteCheck:
 
 
 def restore(
-    setup: trainer.Setup, ckpt: checkpoints.Checkpointer, iterator: data.DataIterator
+    setup: steps.Setup, ckpt: checkpointer.Checkpointer, iterator: pipeline.DataIterator
 ) -> tuple[int, TrainState | None]:
     """The latest checkpoint's step and state, placed on `setup`'s shardings (and the
     iterator's position restored), saying so; else (0, None)."""
@@ -100,8 +103,8 @@ def operative_config(path: Any) -> str:
 
 def checkpoint_hook(
     period: int,
-    ckpt: checkpoints.Checkpointer,
-    iterator: data.DataIterator,
+    ckpt: checkpointer.Checkpointer,
+    iterator: pipeline.DataIterator,
     config_str: str,
     start_step: int,
 ) -> tuple[Hook, dict[str, int]]:
@@ -121,7 +124,7 @@ def log_hook(
     writer: metrics.MultiWriter,
     progress: metrics.Progress,
     tokens_per_step: int,
-    train_iter: data.DataIterator,
+    train_iter: pipeline.DataIterator,
     nonfinite: NonFiniteCheck,
 ) -> Hook:
     """Step metrics, rates and the progress line, every `period` steps."""
@@ -152,10 +155,10 @@ def eval_hook(
     period: int,
     writer: metrics.MultiWriter,
     eval_step: Callable[..., Any],
-    eval_iter: data.DataIterator,
+    eval_iter: pipeline.DataIterator,
     eval_steps: int,
     eval_params: Callable[[Any], Any],
-    task_metrics_of: tuple[data.DatasetConfig, BaseModel, Partitioner] | None,
+    task_metrics_of: tuple[pipeline.DatasetConfig, BaseModel, Partitioner] | None,
 ) -> Hook:
     """Loss, accuracy, perplexity every `period` steps; with `task_metrics_of` (the eval
     dataset, model and partitioner) also the task's own metric functions, if it has any."""
@@ -163,13 +166,11 @@ def eval_hook(
     if task_metrics_of is not None:
         cfg, model, partitioner = task_metrics_of
         num_examples = eval_steps * cfg.batch_size
-        task_evaluator = evaluation.TaskEvaluator(
-            cfg, model, partitioner, num_examples=num_examples
-        )
+        task_evaluator = evaluate.TaskEvaluator(cfg, model, partitioner, num_examples=num_examples)
         task_evaluator = task_evaluator if task_evaluator.active else None
 
     def run(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
-        scalars = trainer.evaluate_batches(eval_step, state.params, eval_iter, eval_steps)
+        scalars = steps.evaluate_batches(eval_step, state.params, eval_iter, eval_steps)
         if task_evaluator is not None:
             scalars.update(task_evaluator.evaluate(eval_params(state.params), step))
         writer.write_scalars(step, scalars)
@@ -183,8 +184,8 @@ def run_steps(
     state: TrainState,
     step: int,
     total_steps: int,
-    train_step: Callable[[TrainState, trainer.Batch], tuple[TrainState, StepMetrics]],
-    next_batch: Callable[[int], trainer.Batch],
+    train_step: Callable[[TrainState, steps.Batch], tuple[TrainState, StepMetrics]],
+    next_batch: Callable[[int], steps.Batch],
     hooks: list[Hook],
     nonfinite: NonFiniteCheck,
     signals: preemption.PreemptionHandler,
@@ -215,7 +216,7 @@ def run_steps(
 
 
 def close(
-    ckpt: checkpoints.Checkpointer | None,
+    ckpt: checkpointer.Checkpointer | None,
     writer: metrics.MultiWriter | None,
     signals: preemption.PreemptionHandler,
 ) -> None:
@@ -234,7 +235,7 @@ def report_end(
     step: int,
     start_step: int,
     total_steps: int,
-    ckpt: checkpoints.Checkpointer,
+    ckpt: checkpointer.Checkpointer,
     last_saved: int,
     path: Any,
     start_time: float,

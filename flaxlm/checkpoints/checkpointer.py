@@ -20,7 +20,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from flaxlm.pytrees import path_name
+from flaxlm.parallel.pytrees import path_name
 
 SUBDIR = "checkpoints"  # of a MODEL_DIR
 # An unreadable step directory is renamed `{step}.unreadable`: orbax's step names are bare

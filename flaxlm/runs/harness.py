@@ -2,10 +2,10 @@
 lm-eval (`loglikelihood`, `loglikelihood_rolling`, `generate_until`), computed directly on
 the model and sharded by a Partitioner (no HTTP hop).
 
-    python -m flaxlm.harness --model flaxlm --tasks hellaswag --batch_size 8 \\
+    python -m flaxlm.runs.harness --model flaxlm --tasks hellaswag --batch_size 8 \\
       --model_args checkpoint=/tmp/flaxlm_gptj,gin_file=partitioning/fsdp.gin
 
-`python -m flaxlm.harness` takes lm-eval's own arguments and runs lm-eval's CLI with this
+`python -m flaxlm.runs.harness` takes lm-eval's own arguments and runs lm-eval's CLI with this
 model registered: lm-eval 0.4.13 finds models only in its built-in table or among classes
 already imported into its registry (it reads no plugin entry points), so the bare `lm_eval`
 command cannot know `flaxlm`. In Python, importing this module registers it:
@@ -32,14 +32,17 @@ try:
     from lm_eval.api.registry import register_model
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "flaxlm.harness needs lm-evaluation-harness: pip install 'flaxlm[lm_eval]' "
+        "flaxlm.runs.harness needs lm-evaluation-harness: pip install 'flaxlm[lm_eval]' "
         "(lm_eval==0.4.13)."
     ) from e
 
-from flaxlm import gin_utils, inference, run_dir, vocabularies
+from flaxlm import gin_utils
+from flaxlm.checkpoints import run_dir
+from flaxlm.data import vocabularies
+from flaxlm.inference import generation
 from flaxlm.models import losses
 from flaxlm.models.base import BaseModel, EncoderDecoderModel
-from flaxlm.partitioning import Partitioner
+from flaxlm.parallel.partitioning import Partitioner
 
 Params = Any
 logger = logging.getLogger(__name__)
@@ -76,7 +79,7 @@ def _pad_length(batch: dict[str, np.ndarray], bucket: int, limit: int) -> dict[s
     out = {}
     for key, x in batch.items():
         length = x.shape[1]
-        target = max(length, min(inference.round_up(length, bucket), limit))
+        target = max(length, min(generation.round_up(length, bucket), limit))
         out[key] = np.pad(x, ((0, 0), (0, target - length)))
     return out
 
@@ -146,7 +149,7 @@ class FlaxLM(TemplateLM):
         self.add_bos_token = bool(add_bos_token)
         self._prefix_token_id = prefix_token_id
         self.length_bucket = int(length_bucket)
-        self._scorer = inference.Scorer(
+        self._scorer = generation.Scorer(
             self.model,
             self.partitioner,
             fn=lambda params, batch: score_and_greedy(self.model, params, batch),
@@ -164,7 +167,7 @@ class FlaxLM(TemplateLM):
                 ) from None
         if size < 1:
             raise ValueError(f"batch_size must be at least 1, got {size}.")
-        return inference.round_up(size, self.partitioner.data_parallel_degree())
+        return generation.round_up(size, self.partitioner.data_parallel_degree())
 
     # ------------------------------------------------------------------ tokens
 
@@ -227,7 +230,7 @@ class FlaxLM(TemplateLM):
         for start in _progress(range(0, len(order), self.batch_size), disable_tqdm, "scoring"):
             rows = order[start : start + self.batch_size]
             padded = rows + [rows[0]] * (self.batch_size - len(rows))
-            batch = inference.score_batch_features(
+            batch = generation.score_batch_features(
                 self.model, [fitted[i][0] for i in padded], [fitted[i][1] for i in padded]
             )
             batch = _pad_length(batch, self.length_bucket, self.max_length)
@@ -274,7 +277,7 @@ class FlaxLM(TemplateLM):
 
     # ------------------------------------------------------------------ generation
 
-    def _settings(self, gen_kwargs: dict[str, Any]) -> tuple[inference.GenerationSettings, list]:
+    def _settings(self, gen_kwargs: dict[str, Any]) -> tuple[generation.GenerationSettings, list]:
         unknown = set(gen_kwargs) - _GENERATION_KEYS
         if unknown:
             logger.warning("flaxlm ignores generation arguments %s.", sorted(unknown))
@@ -284,7 +287,7 @@ class FlaxLM(TemplateLM):
         # do_sample=True without a temperature samples at 1.
         sample = gen_kwargs.get("do_sample")
         temperature = float(gen_kwargs.get("temperature", 1.0 if sample else 0.0))
-        settings = inference.GenerationSettings(
+        settings = generation.GenerationSettings(
             max_new_tokens=int(gen_kwargs.get("max_gen_toks", self.max_gen_toks)),
             temperature=0.0 if sample is False else temperature,
             top_k=int(gen_kwargs.get("top_k") or 0),
@@ -319,14 +322,14 @@ class FlaxLM(TemplateLM):
             ):
                 rows = order[start : start + self.batch_size]
                 longest = max(len(prompts[i]) for i in rows)
-                outputs = inference.generate_ids(
+                outputs = generation.generate_ids(
                     self.model,
                     self.params,
                     [prompts[i] for i in rows],
                     self.partitioner,
                     settings,
                     batch_size=self.batch_size,
-                    input_length=min(inference.round_up(longest, self.length_bucket), room),
+                    input_length=min(generation.round_up(longest, self.length_bucket), room),
                 )
                 for index, ids in zip(rows, outputs):
                     text = cut_at_stops(self.tok_decode(ids), until)

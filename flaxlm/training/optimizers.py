@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from flaxlm.pytrees import path_name
+from flaxlm.parallel.pytrees import path_name
 
 # Parameters whose leaf name is one of these get no weight decay (biases and norm scales).
 NO_DECAY_NAMES = ("bias", "scale")

@@ -17,10 +17,13 @@ import gin
 import seqio
 from etils import epath
 
-from flaxlm import data, inference, metrics, run_dir
-from flaxlm.inference import GenerationSettings
+from flaxlm.checkpoints import run_dir
+from flaxlm.data import pipeline
+from flaxlm.inference import generation
+from flaxlm.inference.generation import GenerationSettings
 from flaxlm.models.base import BaseModel
-from flaxlm.partitioning import Partitioner
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.training import metrics
 
 # ---------------------------------------------------------------------------- examples
 
@@ -47,11 +50,11 @@ def read_examples_from_texts(
     examples = [
         Example(
             text,
-            inference.prompt_ids(model, vocabulary, text, is_target=False),
+            generation.prompt_ids(model, vocabulary, text, is_target=False),
             target,
             None
             if target is None
-            else inference.prompt_ids(model, vocabulary, target, is_target=True),
+            else generation.prompt_ids(model, vocabulary, target, is_target=True),
         )
         for text, target in zip(texts, targets)
     ]
@@ -79,7 +82,9 @@ def read_examples(
         name = epath.Path(source).stem
         if source.endswith(".jsonl"):
             fields = ("in_text", "out_text") if need_targets else ("in_text",)
-            records = [(r["in_text"], r.get("out_text")) for r in data.read_jsonl(source, fields)]
+            records = [
+                (r["in_text"], r.get("out_text")) for r in pipeline.read_jsonl(source, fields)
+            ]
         else:
             if need_targets:
                 raise ValueError(
@@ -93,9 +98,9 @@ def read_examples(
             [r[0] for r in records], model, vocabulary, [r[1] for r in records]
         )
     else:
-        data.import_task_module(task_module)
-        data.check_registered(source)
-        data.configure_tensorflow()
+        pipeline.import_task_module(task_module)
+        pipeline.check_registered(source)
+        pipeline.configure_tensorflow()
         task = seqio.get_mixture_or_task(source)
         features = task.output_features
         key = "inputs" if "inputs" in features else "targets"
@@ -104,7 +109,7 @@ def read_examples(
         if max_examples:
             ds = ds.take(max_examples)
         name = source
-        for ex in data.without_autotune(ds).as_numpy_iterator():
+        for ex in pipeline.without_autotune(ds).as_numpy_iterator():
             ids = [int(i) for i in ex[key]]
             target_ids = [int(i) for i in ex["targets"]] if key == "inputs" else None
             if need_targets and target_ids is None:
@@ -135,7 +140,7 @@ def generate_texts(
     progress: Callable[[str], None] | None = None,
 ) -> list[str]:
     """The decoded continuation of each example, in order (every process gets all)."""
-    ids = inference.generate_ids(
+    ids = generation.generate_ids(
         model,
         params,
         [e.input_ids for e in examples],
@@ -157,7 +162,7 @@ def infer(
     model: BaseModel | None = None,
     partitioner: Partitioner | None = None,
     vocabulary: seqio.Vocabulary | None = None,
-    settings: GenerationSettings = inference.DEFAULT_SETTINGS,
+    settings: GenerationSettings = generation.DEFAULT_SETTINGS,
     split: str = "validation",
     task_module: str | None = None,
     batch_size: int = 8,
@@ -241,7 +246,7 @@ def score(
     out_dir = epath.Path(output_dir)
     metrics.write_config(out_dir)
     metrics.print0(f"Scoring {len(examples)} examples of {name} with step {step} of {checkpoint}.")
-    scores = inference.score_examples(
+    scores = generation.score_examples(
         model,
         params,
         [e.input_ids for e in examples],

@@ -1,0 +1,1 @@
+"""The input pipeline: dataset configs, logical input shards, vocabularies and packing."""

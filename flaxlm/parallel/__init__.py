@@ -1,0 +1,1 @@
+"""The Partitioner (mesh per platform, logical axis rules, shardings), pytrees and platforms."""
