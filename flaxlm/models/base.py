@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxlm.inference import decoding
-from flaxlm.models import batch_shapes, context_parallel, losses, masks
+from flaxlm.models import batch_shapes, context_parallel, losses, masks, moe
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.options import (
     ModuleConfig,
@@ -116,16 +116,48 @@ class BaseModel(abc.ABC):
         """
         batch = self._arranged(batch)
         targets, weights = self.targets_and_weights(batch)
+        if moe.has_experts(self.config):
+            return self._moe_loss_fn(params, batch, rng, normalizer, targets, weights)
         if self.loss_chunk_size is None:
             logits = self._logits(params, batch, rng)
             sums = losses.cross_entropy(logits, targets, weights, self.z_loss)
         else:
             sums = self._chunked_loss_sums(params, batch, rng, targets, weights)
+        return self._loss_and_sums(sums, weights, normalizer)
+
+    def _loss_and_sums(
+        self, sums: tuple[Array, Array, Array], weights: Array, normalizer: Array | float | None
+    ) -> tuple[Array, dict[str, Array]]:
         loss_sum, z_sum, correct_sum = sums
         weight_sum = jnp.sum(weights.astype(jnp.float32))
         normalizer = jnp.maximum(weight_sum, 1.0) if normalizer is None else normalizer
         sums = {"loss_sum": loss_sum, "z_loss_sum": z_sum, "correct_sum": correct_sum}
         return loss_sum / normalizer, {**sums, "weight_sum": weight_sum}
+
+    def _moe_loss_fn(
+        self,
+        params: Params,
+        batch: Batch,
+        rng: Array | None,
+        normalizer: Array | float | None,
+        targets: Array,
+        weights: Array,
+    ) -> tuple[Array, dict[str, Array]]:
+        """`loss_fn` of a mixture of experts: the same cross-entropy plus the router losses
+        (`moe.loss_terms`) from the statistics its layers sow, weighted by this batch's share
+        of the normalizer (so microbatches add up to the whole batch's)."""
+        sow = {"mutable": [moe.ROUTER_COLLECTION]}
+        if self.loss_chunk_size is None:
+            out, sown = self._apply(params, batch, rng=rng, **sow)
+            sums = losses.cross_entropy(self._mask_padded_vocab(out), targets, weights, self.z_loss)
+        else:
+            hidden, sown = self._apply(params, batch, rng=rng, return_hidden=True, **sow)
+            sums = self._chunked_loss_sums(params, batch, rng, targets, weights, hidden=hidden)
+        loss, metrics = self._loss_and_sums(sums, weights, normalizer)
+        weight_sum = metrics["weight_sum"]
+        share = weight_sum / (jnp.maximum(weight_sum, 1.0) if normalizer is None else normalizer)
+        router_loss, router_sums = moe.loss_terms(self.config, sown, weight_sum)
+        return loss + share * router_loss, {**metrics, **router_sums}
 
     def normalizer(self, batch: Batch) -> Array:
         """What `loss_fn`'s sums are divided by: the batch's loss-weight sum (at least 1)."""
@@ -141,8 +173,15 @@ class BaseModel(abc.ABC):
         return False
 
     def _chunked_loss_sums(
-        self, params: Params, batch: Batch, rng: Array | None, targets: Array, weights: Array
+        self,
+        params: Params,
+        batch: Batch,
+        rng: Array | None,
+        targets: Array,
+        weights: Array,
+        hidden: Array | None = None,
     ) -> tuple[Array, Array, Array]:
+        """`hidden`: the final hidden states when already computed."""
         raise NotImplementedError
 
     def compute_logits(self, params: Params, batch: Batch) -> Array:
@@ -312,9 +351,16 @@ class DecoderOnlyModel(_SingleStackModel):
         return batch
 
     def _chunked_loss_sums(
-        self, params: Params, batch: Batch, rng: Array | None, targets: Array, weights: Array
+        self,
+        params: Params,
+        batch: Batch,
+        rng: Array | None,
+        targets: Array,
+        weights: Array,
+        hidden: Array | None = None,
     ) -> tuple[Array, Array, Array]:
-        hidden = self._apply(params, batch, rng=rng, return_hidden=True)
+        if hidden is None:
+            hidden = self._apply(params, batch, rng=rng, return_hidden=True)
 
         def head(head_params: Params, x: Array, block: Array) -> Array:
             # The head has no dropout of its own; a dropout rng per block serves LoRA's.

@@ -412,7 +412,8 @@ def stack_blocks(
         # The index differs per layer, so it is scanned over; the other arguments are shared.
         scanned = nn.scan(
             _ScanBody,
-            variable_axes={"params": 0, "cache": 0},
+            # intermediates: what layers sow (MoE router statistics), stacked per layer.
+            variable_axes={"params": 0, "cache": 0, "intermediates": 0},
             split_rngs={"params": True, "dropout": True},
             in_axes=(0, nn.broadcast),
             length=num_layers,

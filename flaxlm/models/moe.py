@@ -1,0 +1,531 @@
+"""Mixture-of-experts MLP: a router, experts stacked `[expert, embed, mlp]`, three ways to run
+them, the expert-parallel dispatch and the load-balance losses.
+
+`MoEOptions` holds the fields every MoE family config shares; `MoE` is the layer that replaces a
+block's MLP. Each token goes to its `num_experts_per_tok` best experts by the router and comes
+back as their outputs weighted by the router's weights (plus a sigmoid-gated shared expert,
+Qwen2-MoE). The experts run one of three ways (`moe_impl`), equal up to float rounding:
+
+- `dense`: every expert over every token, weighted (zero weight off the token's top k): the
+  reference, at E/k times the FLOPs;
+- `dropless`: the (token, expert) assignments sorted by expert, one grouped matmul
+  (`jax.lax.ragged_dot`) per projection, unsorted and summed; no token dropped;
+- `capacity`: each expert takes at most `capacity_factor * tokens * k / E` assignments (in
+  token order), the rest dropped (their contribution is zero) and counted.
+
+Expert parallelism: under a mesh (JAX's context, as in `context_parallel`: this module never
+sees a Partitioner) with an `expert` axis of size n > 1, the experts' weights are split over it
+(the logical axis `expert`) and `dropless` runs in a `shard_map` over the mesh axes that split
+the batch. The batch rule includes `expert` (tokens enter the layer already split over it): in
+each group of n devices, the tokens are all-gathered over `expert`, each device runs its E/n
+experts on the assignments routed to them, and the partial outputs are summed and scattered
+back with one `psum_scatter` (its transpose, an all-gather, carries the gradient). That is
+2 x tokens x embed bytes per device and layer, against 2 x k x tokens / n x embed for a
+ragged all-to-all; `jax.lax.ragged_all_to_all` has no CPU lowering in JAX 0.10 (the tests' and
+the planner's platform), so the all-gather form is the one kept.
+
+Load balance: every layer sows (Flax `intermediates`, collection `ROUTER_COLLECTION`) its
+router statistics over the real tokens (segment id > 0): the top-k assignment count and the
+probability sum per expert, the token count, the squared log-normaliser sum (router z-loss) and
+the dropped assignments. `router_losses` turns the sown statistics of all layers into
+transformers' `load_balancing_loss_func` (Switch Transformer's auxiliary loss over all layers'
+logits at once) and the telemetry; `DecoderOnlyModel.loss_fn` adds
+`router_aux_loss_coef * aux + router_z_loss_coef * z` to the loss when the config has experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from flaxlm.models import context_parallel, layers
+
+Array = jax.Array
+
+ROUTERS = ("softmax_topk", "topk_softmax")
+IMPLEMENTATIONS = ("dense", "dropless", "capacity")
+EXPERT_AXIS = "expert"  # the mesh axis (and logical axis) that splits the experts
+ROUTER_COLLECTION = "intermediates"
+ROUTER_STATS = "router_stats"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEOptions:
+    """The fields an MoE family's config adds (HF names where they exist). A family config
+    inherits them and calls `check_moe()` in its `__post_init__`."""
+
+    num_experts: int = 8  # HF: num_experts (Mixtral: num_local_experts)
+    num_experts_per_tok: int = 2  # k: experts each token is routed to
+    moe_intermediate_size: int = 1408  # each expert's MLP width
+    # 'softmax_topk': softmax over all experts, then the top k (HF's routers);
+    # 'topk_softmax': the top k logits, then a softmax over them (= softmax_topk renormalised).
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = False  # renormalise the top-k weights to sum to 1 (Mixtral: always)
+    # Qwen2-MoE: a SwiGLU expert every token goes through, scaled by sigmoid(x . w); 0: none.
+    shared_expert_intermediate_size: int = 0
+    moe_impl: str = "dropless"  # one of IMPLEMENTATIONS
+    capacity_factor: float = 1.25  # `capacity` only: assignments an expert takes / fair share
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in training
+    router_z_loss_coef: float = 0.0  # weight of the router z-loss (ST-MoE)
+    # Which layers are sparse: every `decoder_sparse_step`-th (HF: layer i is sparse if
+    # (i + 1) % step == 0), except those in `mlp_only_layers` (dense MLP of intermediate_size).
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def check_moe(self) -> None:
+        """ValueErrors naming the MoE field flaxlm cannot run."""
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.router not in ROUTERS:
+            raise ValueError(f"router {self.router!r}: expected one of {ROUTERS}.")
+        if self.moe_impl not in IMPLEMENTATIONS:
+            raise ValueError(f"moe_impl {self.moe_impl!r}: expected one of {IMPLEMENTATIONS}.")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_experts="
+                f"{self.num_experts}]."
+            )
+        if self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor {self.capacity_factor} must be positive.")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step {self.decoder_sparse_step} must be >= 1.")
+
+    def sparse_layers(self, num_layers: int) -> tuple[bool, ...]:
+        """Whether each layer's MLP is the mixture of experts (HF's rule)."""
+        step = self.decoder_sparse_step
+        return tuple(
+            i not in self.mlp_only_layers and (i + 1) % step == 0 for i in range(num_layers)
+        )
+
+    def moe_params(self, hidden_size: int) -> tuple[int, int]:
+        """(all, active per token) params of one MoE MLP: router, experts, shared expert."""
+        e, f = hidden_size, self.moe_intermediate_size
+        router = e * self.num_experts
+        shared = 3 * e * self.shared_expert_intermediate_size
+        shared += e if self.shared_expert_intermediate_size else 0
+        expert = 3 * e * f
+        return (
+            router + self.num_experts * expert + shared,
+            router + self.num_experts_per_tok * expert + shared,
+        )
+
+
+def has_experts(config: Any) -> bool:
+    """Whether a family config has MoE layers (so its loss adds the router losses)."""
+    return isinstance(config, MoEOptions) and any(config.sparse_layers(config.num_layers))
+
+
+def expert_shards(num_experts: int) -> int:
+    """Into how many shards the mesh in JAX's context splits the experts (1: no `expert`
+    axis); a ValueError naming both numbers if they do not divide."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+        return 1
+    n = int(mesh.shape[EXPERT_AXIS])
+    if num_experts % n:
+        raise ValueError(
+            f"num_experts {num_experts} is not divisible by the mesh's 'expert' axis ({n}): "
+            "change Partitioner.mesh_shape or the model's num_experts."
+        )
+    return n
+
+
+# ------------------------------------------------------------------ routing
+
+
+def route(logits: Array, k: int, router: str, norm_topk_prob: bool) -> tuple[Array, Array]:
+    """float32 router logits `[tokens, experts]` -> (weights float32 `[tokens, k]`, expert
+    ids int32 `[tokens, k]`), the best expert first."""
+    if router == "topk_softmax":
+        top, ids = jax.lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1), ids
+    if router != "softmax_topk":
+        raise ValueError(f"router {router!r}: expected one of {ROUTERS}.")
+    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids
+
+
+def router_stats(
+    logits: Array, ids: Array, real: Array, num_experts: int, dropped: Array | None = None
+) -> dict[str, Array]:
+    """One layer's statistics over the real tokens (`real` float32 `[tokens]`, 0 or 1),
+    summed: what `router_losses` needs, and what adds up across microbatches."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    assigned = jax.nn.one_hot(ids, num_experts, dtype=jnp.float32).sum(1)  # [tokens, experts]
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    return {
+        "expert_counts": jnp.einsum("te,t->e", assigned, real),
+        "prob_sums": jnp.einsum("te,t->e", probs, real),
+        "tokens": jnp.sum(real),
+        "z_sum": jnp.sum(jnp.square(log_z) * real),
+        "dropped": jnp.zeros((), jnp.float32) if dropped is None else jnp.sum(dropped),
+    }
+
+
+def collect_router_stats(intermediates: Mapping[str, Any]) -> dict[str, Array] | None:
+    """The sown statistics of every MoE layer of a `mutable=[ROUTER_COLLECTION]` apply,
+    stacked: `expert_counts`, `prob_sums` `[layers, experts]`, the rest `[layers]` (None if
+    no layer sowed any). Scanned layers sow one stacked entry, unrolled ones one each."""
+    found: list[dict[str, Array]] = []
+
+    def visit(tree: Any) -> None:
+        if isinstance(tree, Mapping):
+            for key in sorted(tree, key=_layer_order):
+                if key == ROUTER_STATS:
+                    found.extend(tree[key])  # sow appends to a tuple
+                else:
+                    visit(tree[key])
+
+    visit(intermediates)
+    if not found:
+        return None
+    experts = found[0]["expert_counts"].shape[-1]
+
+    def stack(name: str) -> Array:
+        per_expert = name in ("expert_counts", "prob_sums")
+        shape = (-1, experts) if per_expert else (-1,)
+        return jnp.concatenate([s[name].reshape(shape) for s in found])
+
+    return {name: stack(name) for name in found[0]}
+
+
+def _layer_order(key: str) -> tuple[str, int]:
+    """Sort key putting `layers_10` after `layers_9`."""
+    stem, _, number = key.rpartition("_")
+    return (stem, int(number)) if number.isdigit() else (key, -1)
+
+
+def router_losses(stats: Mapping[str, Array], num_experts: int, k: int) -> dict[str, Array]:
+    """The load-balance losses and the telemetry from `collect_router_stats`' output.
+
+    `aux`: transformers' `load_balancing_loss_func` on the same logits (with the attention
+    mask): `E * sum_e f_e * p_e`, where f_e is the share of top-k assignments and p_e the
+    mean router probability of expert e, both over all layers' real tokens at once. `z`: the
+    mean squared log-normaliser over layers and tokens. `max_load`, `mean_load`: per layer,
+    the busiest expert's and the mean expert's assignments over the fair share (tokens x k /
+    E), as `[layers]`; `dropped_fraction`: assignments dropped (capacity) / all assignments.
+    """
+    del k  # the counts already hold k assignments a token
+    counts, probs = stats["expert_counts"], stats["prob_sums"]
+    rows = jnp.maximum(jnp.sum(stats["tokens"]), 1.0)
+    aux = num_experts * jnp.sum((counts.sum(0) / rows) * (probs.sum(0) / rows))
+    fair = jnp.maximum(counts.sum(-1, keepdims=True) / num_experts, 1e-9)
+    load = counts / fair
+    return {
+        "aux": aux,
+        "z": jnp.sum(stats["z_sum"]) / rows,
+        "max_load": load.max(-1),
+        "mean_load": load.mean(-1),
+        "dropped_fraction": jnp.sum(stats["dropped"]) / jnp.maximum(jnp.sum(counts), 1.0),
+    }
+
+
+def loss_terms(
+    config: MoEOptions, sown: Mapping[str, Any], weight_sum: Array
+) -> tuple[Array, dict[str, Array]]:
+    """What a mixture of experts adds to its loss, from an apply's mutable variables
+    (`sown[ROUTER_COLLECTION]`): `router_aux_loss_coef * aux + router_z_loss_coef * z`, and
+    metric sums that add across microbatches (`summarize` turns them into the telemetry):
+    the aux and z losses times `weight_sum` (the batch's loss weights), the per-layer expert
+    assignment counts `[layers, experts]` and the dropped assignments."""
+    stats = collect_router_stats(sown.get(ROUTER_COLLECTION, {}))
+    if stats is None:
+        zero = jnp.zeros((), jnp.float32)
+        return zero, {}
+    terms = router_losses(stats, config.num_experts, config.num_experts_per_tok)
+    loss = config.router_aux_loss_coef * terms["aux"] + config.router_z_loss_coef * terms["z"]
+    return loss, {
+        "moe_aux_loss_sum": terms["aux"] * weight_sum,
+        "moe_z_loss_sum": terms["z"] * weight_sum,
+        "moe_expert_counts": stats["expert_counts"],
+        "moe_dropped": jnp.sum(stats["dropped"]),
+    }
+
+
+def summarize(sums: Mapping[str, Array]) -> dict[str, Array]:
+    """The telemetry of `loss_terms`' metric sums (over a batch or a log period): the mean
+    aux and z losses, each layer's busiest and mean expert load over the fair share
+    (`moe_max_load`, `moe_mean_load`, `[layers]`), and the dropped fraction of assignments."""
+    if "moe_expert_counts" not in sums:
+        return {}
+    counts = sums["moe_expert_counts"]
+    denom = jnp.maximum(sums["weight_sum"], 1.0)
+    fair = jnp.maximum(counts.mean(-1), 1e-9)
+    return {
+        "moe_aux_loss": sums["moe_aux_loss_sum"] / denom,
+        "moe_z_loss": sums["moe_z_loss_sum"] / denom,
+        "moe_max_load": counts.max(-1) / fair,
+        "moe_mean_load": counts.mean(-1) / fair,
+        "moe_dropped_fraction": sums["moe_dropped"] / jnp.maximum(counts.sum(), 1.0),
+    }
+
+
+# ------------------------------------------------------------------ the experts
+
+
+def _swiglu(h_gate: Array, h_up: Array, activation: str) -> Array:
+    return layers.ACTIVATIONS[activation](h_gate) * h_up
+
+
+def dense_experts(x: Array, wi: Array, wo: Array, weights: Array, ids: Array, act: str) -> Array:
+    """Every expert over every token: x `[tokens, embed]`, wi `[experts, embed, 2, mlp]`, wo
+    `[experts, mlp, embed]` -> `[tokens, embed]` weighted by the router."""
+    combine = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(ids, wi.shape[0], dtype=x.dtype))
+    h = jnp.einsum("td,edgf->tegf", x, wi)
+    y = jnp.einsum("tef,efd->ted", _swiglu(h[:, :, 0], h[:, :, 1], act), wo)
+    return jnp.einsum("ted,te->td", y, combine.astype(y.dtype))
+
+
+def grouped_experts(
+    x: Array, wi: Array, wo: Array, weights: Array, ids: Array, act: str, first: Array | int = 0
+) -> Array:
+    """Dropless: the assignments to experts `first .. first + wi.shape[0]` (the local ones
+    under expert parallelism; all by default) sorted by expert, one `ragged_dot` per
+    projection, unsorted and weighted; other assignments contribute zero.
+
+    x `[tokens, embed]`, wi `[local experts, embed, 2, mlp]`, wo `[local experts, mlp,
+    embed]`, weights, ids `[tokens, k]` -> `[tokens, embed]`."""
+    tokens, k = ids.shape
+    local = wi.shape[0]
+    # Local experts first, in order; the others after them (their rows are in no group,
+    # and ragged_dot gives them zeros).
+    slot = ids.reshape(-1) - first
+    slot = jnp.where((slot >= 0) & (slot < local), slot, local)
+    order = jnp.argsort(slot, stable=True)
+    sizes = jnp.bincount(slot, length=local + 1)[:local].astype(jnp.int32)
+    xs = x[order // k]  # [tokens * k, embed], grouped by expert
+    gate = jax.lax.ragged_dot(xs, wi[:, :, 0], sizes)
+    up = jax.lax.ragged_dot(xs, wi[:, :, 1], sizes)
+    ys = jax.lax.ragged_dot(_swiglu(gate, up, act), wo, sizes)
+    kept = (jnp.arange(tokens * k) < jnp.sum(sizes))[:, None]
+    ys = jnp.where(kept, ys, 0)  # rows past the groups: zero however ragged_dot leaves them
+    y = jnp.zeros_like(ys).at[order].set(ys).reshape(tokens, k, -1)
+    return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
+
+
+def expert_capacity(tokens: int, k: int, experts: int, factor: float) -> int:
+    """Assignments each expert takes under `capacity`: `factor` times its fair share."""
+    return max(1, math.ceil(factor * tokens * k / experts))
+
+
+def capacity_experts(
+    x: Array, wi: Array, wo: Array, weights: Array, ids: Array, act: str, capacity: int
+) -> tuple[Array, Array]:
+    """Each expert takes its first `capacity` assignments in token order (a token's best
+    expert before its second); the rest are dropped. Returns the output `[tokens, embed]`
+    and float32 `[tokens, k]`: 1 where an assignment was dropped."""
+    tokens, k = ids.shape
+    experts = wi.shape[0]
+    flat = ids.T.reshape(-1)  # rank-major: every token's first choice before any second
+    onehot = jax.nn.one_hot(flat, experts, dtype=jnp.int32)
+    position = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=-1) - 1
+    keep = position < capacity
+    token = jnp.tile(jnp.arange(tokens), k)
+    buffer = jnp.zeros((experts, capacity, x.shape[-1]), x.dtype)
+    buffer = buffer.at[flat, position].set(x[token], mode="drop")  # dropped: out of range
+    h = jnp.einsum("ecd,edgf->ecgf", buffer, wi)
+    out = jnp.einsum("ecf,efd->ecd", _swiglu(h[:, :, 0], h[:, :, 1], act), wo)
+    ys = out.at[flat, jnp.minimum(position, capacity - 1)].get()
+    ys = jnp.where(keep[:, None], ys, 0).reshape(k, tokens, -1)
+    y = jnp.einsum("ktd,tk->td", ys, weights.astype(ys.dtype))
+    return y, (~keep).reshape(k, tokens).T.astype(jnp.float32)
+
+
+def expert_parallel(
+    x: Array, wi: Array, wo: Array, weights: Array, ids: Array, act: str, shards: int
+) -> Array | None:
+    """`grouped_experts` with the experts split over the mesh's `expert` axis, in a
+    `shard_map` over the axes that split the batch (x `[batch, length, embed]`, weights and
+    ids `[batch, length, k]`); None when the batch does not split evenly (a dummy batch),
+    where XLA partitions the plain computation instead."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rows = context_parallel.mesh_axis(mesh, "batch", x.shape[0])
+    rows = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
+    gathered = EXPERT_AXIS in rows
+    manual = rows if gathered else (*rows, EXPERT_AXIS)
+    local = wi.shape[0] // shards
+
+    def body(x: Array, wi: Array, wo: Array, weights: Array, ids: Array) -> Array:
+        if gathered:  # the expert group's tokens, on each of its devices
+            x, weights, ids = (
+                jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x, weights, ids)
+            )
+        first = jax.lax.axis_index(EXPERT_AXIS) * local
+        xt, wt, it = (a.reshape(-1, a.shape[-1]) for a in (x, weights, ids))
+        y = grouped_experts(xt, wi, wo, wt, it, act, first).reshape(x.shape)
+        if gathered:
+            return jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, EXPERT_AXIS)
+
+    token_spec = P(rows or None, None, None)
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(token_spec, P(EXPERT_AXIS), P(EXPERT_AXIS), token_spec, token_spec),
+        out_specs=token_spec,
+        axis_names=frozenset(manual),
+    )(x, wi, wo, weights, ids)
+
+
+# ------------------------------------------------------------------ the layer
+
+
+class MoE(nn.Module):
+    """The mixture-of-experts MLP: `[batch, length, embed]` -> `[batch, length, embed]`.
+
+    Params (HF's module names): `gate/kernel` `[embed, experts]` (the router), `experts/wi`
+    `[experts, embed, 2, mlp]` (each expert's gate and up projections), `experts/wo`
+    `[experts, mlp, embed]`, and with a shared expert `shared_expert/{gate,up,down}_proj` and
+    `shared_expert_gate/kernel` `[embed, 1]`.
+    """
+
+    config: Any  # a family config with MoEOptions' fields, hidden_size, activation
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, real: Array | None = None) -> Array:
+        """`real`: `[batch, length]`, nonzero at real tokens (the statistics' weights)."""
+        cfg = self.config
+        b, length, d = x.shape
+        e, k, f = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        dtype = layers.as_dtype(self.dtype)
+        shards = expert_shards(e)
+        router = layers.DenseGeneral(
+            e, ("embed", None), dtype=self.dtype, param_dtype=self.param_dtype,
+            out_dtype=jnp.float32, name="gate",
+        )  # fmt: skip
+        logits = router(x)  # [batch, length, experts], float32
+        weights, ids = route(logits.reshape(-1, e), k, cfg.router, cfg.norm_topk_prob)
+
+        init = nn.initializers.normal(0.02)
+        pdtype = layers.as_dtype(self.param_dtype)
+        experts = _Experts(e, d, f, pdtype, init, name="experts")
+        wi, wo = (w.astype(dtype) for w in experts())
+        xt = x.reshape(-1, d).astype(dtype)
+        dropped = None
+        act = cfg.activation
+        if cfg.moe_impl == "dense":
+            y = dense_experts(xt, wi, wo, weights, ids, act)
+        elif cfg.moe_impl == "capacity":
+            capacity = expert_capacity(xt.shape[0], k, e, cfg.capacity_factor)
+            y, dropped = capacity_experts(xt, wi, wo, weights, ids, act, capacity)
+        else:
+            y = None
+            if shards > 1:
+                split = lambda a: a.reshape(b, length, -1)  # noqa: E731
+                y = expert_parallel(
+                    x.astype(dtype), wi, wo, split(weights), split(ids), act, shards
+                )
+                y = None if y is None else y.reshape(-1, d)
+            if y is None:
+                y = grouped_experts(xt, wi, wo, weights, ids, act)
+        y = y.reshape(b, length, d)
+
+        if cfg.shared_expert_intermediate_size:
+            dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+            shared = GatedMLP(
+                cfg.shared_expert_intermediate_size, d, act, name="shared_expert", **dense
+            )(x)
+            gate = layers.DenseGeneral(1, ("embed", None), name="shared_expert_gate", **dense)(x)
+            y = y + jax.nn.sigmoid(gate.astype(jnp.float32)).astype(shared.dtype) * shared
+
+        real = jnp.ones((b, length)) if real is None else real
+        real = (real.reshape(-1) > 0).astype(jnp.float32)
+        if dropped is not None:
+            dropped = dropped * real[:, None]
+        stats = router_stats(logits.reshape(-1, e), ids, real, e, dropped)
+        self.sow(ROUTER_COLLECTION, ROUTER_STATS, stats)
+        return checkpoint_name(y.astype(dtype), "mlp_out")
+
+
+class _Experts(nn.Module):
+    """The experts' stacked weights, created with their logical axes."""
+
+    experts: int
+    embed: int
+    mlp: int
+    param_dtype: Any
+    init: Any
+
+    @nn.compact
+    def __call__(self) -> tuple[Array, Array]:
+        wi = self.param(
+            "wi",
+            nn.with_logical_partitioning(self.init, ("expert", "embed", None, "mlp")),
+            (self.experts, self.embed, 2, self.mlp),
+            self.param_dtype,
+        )
+        wo = self.param(
+            "wo",
+            nn.with_logical_partitioning(self.init, ("expert", "mlp", "embed")),
+            (self.experts, self.mlp, self.embed),
+            self.param_dtype,
+        )
+        return wi, wo
+
+
+class GatedMLP(nn.Module):
+    """A SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`) in its own scope: Qwen2-MoE's shared
+    expert, and the dense MLP of an MoE family's dense layers."""
+
+    intermediate_size: int
+    hidden_size: int
+    activation: str
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        return layers.gated_mlp(
+            x,
+            intermediate_size=self.intermediate_size,
+            hidden_size=self.hidden_size,
+            activation=self.activation,
+            use_bias=False,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )
+
+
+def real_tokens(mask: Any, length: int) -> Array | None:
+    """`[batch, length]` nonzero at real tokens, from a block's attention `Mask` (its
+    segment ids; None when it has none or is a decoding step's)."""
+    segments = getattr(mask, "q_segment_ids", None)
+    if segments is None or segments.shape[-1] != length:
+        return None
+    return segments
+
+
+# ------------------------------------------------------------------ HF layouts
+
+
+def wi_to_hf(wi: np.ndarray) -> np.ndarray:
+    """`experts/wi` `[experts, embed, 2, mlp]` -> transformers 5's `experts.gate_up_proj`
+    `[experts, 2 * mlp, embed]` (gate rows, then up rows)."""
+    e, d, _, f = wi.shape
+    return wi.transpose(0, 2, 3, 1).reshape(e, 2 * f, d)
+
+
+def wi_from_hf(gate_up: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    e, d, _, f = shape
+    return gate_up.reshape(e, 2, f, d).transpose(0, 3, 1, 2)
+
+
+def wo_to_hf(wo: np.ndarray) -> np.ndarray:
+    """`experts/wo` `[experts, mlp, embed]` -> `experts.down_proj` `[experts, embed, mlp]`."""
+    return wo.transpose(0, 2, 1)
+
+
+def wo_from_hf(down: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    return down.transpose(0, 2, 1).reshape(shape)

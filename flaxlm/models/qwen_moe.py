@@ -1,0 +1,351 @@
+"""Qwen2-MoE (Qwen1.5-MoE) and Qwen3-MoE: Qwen's attention with a mixture-of-experts MLP.
+
+Qwen3-MoE is Qwen3 (per-head q/k RMSNorms, no biases, its own `head_dim`) whose MLPs are
+`moe.MoE` layers (softmax then top k, `norm_topk_prob`). Qwen2-MoE is Qwen2 (q/k/v biases)
+whose MoE layers add a shared expert scaled by a sigmoid gate. Both keep dense MLPs (of
+`intermediate_size`) on the layers `mlp_only_layers` names and off the `decoder_sparse_step`.
+Follows HuggingFace's `Qwen2MoeForCausalLM` and `Qwen3MoeForCausalLM`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import gin
+import jax
+
+from flaxlm.models import attention, layers, llama, masks, moe, qwen
+from flaxlm.models.base import DecoderOnlyModel
+from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+
+Array = jax.Array
+
+MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+ARCHITECTURES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class QwenMoeConfig(qwen.QwenConfig, moe.MoEOptions):
+    """Qwen2-MoE / Qwen3-MoE hyper-parameters: QwenConfig's and MoEOptions' fields (HF's
+    names); the defaults are Qwen3-30B-A3B's."""
+
+    vocab_size: int = 151936
+    hidden_size: int = 2048
+    num_layers: int = 48
+    num_heads: int = 32
+    num_kv_heads: int | None = 4
+    head_dim: int | None = 128
+    intermediate_size: int = 6144  # the dense layers' MLP (mlp_only_layers), if any
+    max_position_embeddings: int = 40960
+    model_type: str = "qwen3_moe"
+    # Qwen2-MoE: biases on q, k and v (HF's qkv_bias; Qwen3-MoE has none).
+    qkv_bias_qwen2: bool = True
+
+    supported_model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_moe()
+        if self.model_type == "qwen3_moe" and self.shared_expert_intermediate_size:
+            raise ValueError(
+                "shared_expert_intermediate_size is Qwen2-MoE's: set it 0 or model_type="
+                "'qwen2_moe'."
+            )
+        sparse = set(self.sparse_layers(self.num_layers))
+        if self.scan_layers and len(sparse) > 1:
+            raise ValueError(
+                "scan_layers=True needs every layer alike, but decoder_sparse_step / "
+                "mlp_only_layers make some MLPs dense: set scan_layers=False."
+            )
+
+    @property
+    def qkv_bias(self) -> bool:
+        return (self.model_type == "qwen2_moe" and self.qkv_bias_qwen2) or self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type == "qwen3_moe"
+
+    def param_counts(self) -> tuple[int, int]:
+        """(all, active per token) params."""
+        e, v, d = self.hidden_size, self.vocab_size, self.dim_per_head
+        q, kv = self.num_heads * d, self.kv_heads * d
+        attn = e * (q + 2 * kv) + q * e
+        attn += (q + 2 * kv if self.qkv_bias else 0) + (e if self.attention_bias else 0)
+        attn += 2 * d if self.qk_norm else 0
+        total = active = v * e + e + (0 if self.tie_word_embeddings else v * e)
+        moe_all, moe_active = self.moe_params(e)
+        for sparse in self.sparse_layers(self.num_layers):
+            mlp_all, mlp_active = (
+                (moe_all, moe_active) if sparse else (3 * e * self.intermediate_size,) * 2
+            )
+            total += attn + 2 * e + mlp_all
+            active += attn + 2 * e + mlp_active
+        return total, active
+
+    def num_params(self) -> int:
+        """All parameters (every expert)."""
+        return self.param_counts()[0]
+
+    def active_params(self) -> int:
+        """The parameters one token goes through (its k experts)."""
+        return self.param_counts()[1]
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x the active matmul params plus attention scores."""
+        lookup = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        contexts = sum(min(seq_len, w or seq_len) for w in self.layer_windows)
+        matmul = self.active_params() - lookup
+        return 6.0 * matmul + 12.0 * self.num_heads * self.dim_per_head * contexts
+
+    def make_module(self) -> QwenMoe:
+        return QwenMoe(self)
+
+
+def layer_number(module: nn.Module) -> int | None:
+    """The index of an unrolled block (`layers_3` -> 3); None when scanned (`block`)."""
+    _, _, number = (module.name or "").rpartition("_")
+    return int(number) if number.isdigit() else None
+
+
+def mlp_or_experts(module: nn.Module, cfg: Any, h: Array, mask: masks.Mask) -> Array:
+    """A block's MLP scoped `mlp`: `moe.MoE` on its sparse layers, else a SwiGLU of
+    `intermediate_size` (in `module`'s scope, where it is called)."""
+    dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+    sparse = cfg.sparse_layers(cfg.num_layers)
+    i = layer_number(module)
+    if sparse[0 if i is None else i]:  # scanned: all alike (checked by the config)
+        return moe.MoE(cfg, name="mlp", **dense)(h, moe.real_tokens(mask, h.shape[1]))
+    return moe.GatedMLP(
+        cfg.intermediate_size, cfg.hidden_size, cfg.activation, name="mlp", **dense
+    )(h)
+
+
+class QwenMoeBlock(nn.Module):
+    """Pre-RMSNorm block: Qwen attention, then the mixture of experts (or a dense MLP)."""
+
+    config: QwenMoeConfig
+    deterministic: bool = True
+
+    def dropped(self, y: Array) -> Array:
+        if not self.config.dropout_rate:
+            return y
+        return nn.Dropout(self.config.dropout_rate)(y, deterministic=self.deterministic)
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Array,
+        index: Array,
+        mask: masks.Mask,
+        decoding: masks.Decoding | None,
+        sin: Array,
+        cos: Array,
+    ) -> Array:
+        cfg = self.config
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        x = layers.constrain(x, layers.ACTIVATION_AXES)
+        h = layers.RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **dense)(x)
+        attn = attention.rotary_self_attention(
+            h,
+            sin,
+            cos,
+            mask,
+            decoding,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.kv_heads,
+            head_dim=cfg.dim_per_head,
+            hidden_size=cfg.hidden_size,
+            qkv_bias=cfg.qkv_bias,
+            out_bias=cfg.attention_bias,
+            attention=cfg.attention,
+            chunk_size=cfg.attention_chunk_size,
+            context_parallel=cfg.context_parallel,
+            qk_norm="rms" if cfg.qk_norm else None,
+            norm_eps=cfg.rms_norm_eps,
+            window=masks.layer_window(cfg.layer_windows, index),
+            **dense,
+        )
+        x = layers.constrain(x + self.dropped(attn), layers.ACTIVATION_AXES)
+        h = layers.RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **dense)(x)
+        m = mlp_or_experts(self, cfg, h, mask)
+        return layers.constrain(x + self.dropped(m), layers.ACTIVATION_AXES)
+
+
+class QwenMoe(qwen.Qwen):
+    """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
+
+    block_cls = QwenMoeBlock
+
+
+# ------------------------------------------------------------------ HuggingFace
+
+
+def config_from_hf(hf: dict, **overrides: Any) -> QwenMoeConfig:
+    """A QwenMoeConfig from a Qwen2-MoE or Qwen3-MoE config.json dict (+ field overrides)."""
+    qwen3 = hf["model_type"] == "qwen3_moe"
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    kwargs = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads"),
+        head_dim=hf.get("head_dim"),
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf["max_position_embeddings"],
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        attention_bias=hf.get("attention_bias", False) if qwen3 else False,
+        qkv_bias_qwen2=hf.get("qkv_bias", True),
+        use_sliding_window=bool(hf.get("use_sliding_window")) and window is not None,
+        sliding_window=window,
+        # Qwen3-MoE windows every layer when it windows any.
+        max_window_layers=0 if qwen3 else hf.get("max_window_layers", 28),
+        layer_types=tuple(layer_types) if layer_types is not None and not qwen3 else None,
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        activation=hf.get("hidden_act", "silu"),
+        model_type=hf["model_type"],
+        **moe_from_hf(hf),
+        **llama.rope_from_hf(hf),
+    )
+    kwargs.update(overrides)
+    return QwenMoeConfig(**kwargs)
+
+
+def moe_from_hf(hf: dict) -> dict[str, Any]:
+    """MoEOptions' fields from an HF MoE config.json (Qwen / OLMoE names)."""
+    return dict(
+        num_experts=hf["num_experts"],
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        moe_intermediate_size=hf.get("moe_intermediate_size", hf["intermediate_size"]),
+        norm_topk_prob=hf.get("norm_topk_prob", False),
+        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0),
+        router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+        decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+    )
+
+
+def moe_to_hf(cfg: moe.MoEOptions) -> dict[str, Any]:
+    return {
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+        "decoder_sparse_step": cfg.decoder_sparse_step,
+        "mlp_only_layers": list(cfg.mlp_only_layers),
+    }
+
+
+def config_to_hf(cfg: QwenMoeConfig) -> dict:
+    out = {
+        "model_type": cfg.model_type,
+        "architectures": [ARCHITECTURES[cfg.model_type]],
+        **llama.shared_hf_fields(cfg),
+        "head_dim": cfg.dim_per_head,
+        "rope_parameters": llama.rope_to_hf(cfg),
+        "use_sliding_window": cfg.use_sliding_window,
+        "sliding_window": cfg.sliding_window,
+        **moe_to_hf(cfg),
+    }
+    if cfg.model_type == "qwen3_moe":
+        out["attention_bias"] = cfg.attention_bias
+    else:
+        out.update(
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+            qkv_bias=cfg.qkv_bias_qwen2,
+            max_window_layers=cfg.max_window_layers,
+            layer_types=list(cfg.attention_layer_types),
+        )
+    return out
+
+
+def hf_tensors(cfg: QwenMoeConfig) -> list[HFTensor]:
+    """Qwen's attention and norms, then each layer's MLP: the router, the experts (fused as
+    transformers 5 holds them) and the shared expert, or a dense MLP."""
+    table = [
+        t
+        for t in qwen.hf_tensors(
+            qwen.QwenConfig(
+                num_layers=cfg.num_layers,
+                model_type="qwen3" if cfg.qk_norm else "qwen2",
+                attention_bias=cfg.attention_bias,
+                tie_word_embeddings=cfg.tie_word_embeddings,
+            )
+        )
+        if not t.hf.startswith("model.layers.{i}.mlp.")
+    ]
+    if not cfg.qkv_bias and cfg.model_type == "qwen2_moe":
+        table = [t for t in table if not t.param.endswith("/bias")]
+    return table + moe_hf_tensors(cfg, "model.layers.{i}.mlp")
+
+
+def moe_hf_tensors(cfg: Any, prefix: str, gate: str = "gate") -> list[HFTensor]:
+    """Every layer's MLP records under the HF module `prefix` (with `{i}`): unrolled, each
+    layer as it is sparse or dense; scanned (all alike), one stacked record each."""
+    sparse = cfg.sparse_layers(cfg.num_layers)
+    if all(sparse) or not any(sparse):
+        return _mlp_records(cfg, "layers_{i}", prefix, sparse[0], cfg.num_layers, gate)
+    out: list[HFTensor] = []
+    for i, s in enumerate(sparse):
+        out += _mlp_records(cfg, f"layers_{i}", prefix.format(i=i), s, 0, gate)
+    return out
+
+
+def _mlp_records(
+    cfg: Any, scope: str, prefix: str, sparse: bool, n: int, gate: str
+) -> list[HFTensor]:
+    mlp = f"{scope}/mlp"
+    swiglu = ("gate_proj", "up_proj", "down_proj")
+    if not sparse:
+        return [linear(f"{mlp}/{p}/kernel", f"{prefix}.{p}.weight", layers=n) for p in swiglu]
+    out = [
+        linear(f"{mlp}/gate/kernel", f"{prefix}.{gate}.weight", layers=n),
+        HFTensor(
+            f"{mlp}/experts/wi",
+            f"{prefix}.experts.gate_up_proj",
+            layers=n,
+            to_hf=moe.wi_to_hf,
+            to_flax=moe.wi_from_hf,
+        ),
+        HFTensor(
+            f"{mlp}/experts/wo",
+            f"{prefix}.experts.down_proj",
+            layers=n,
+            to_hf=moe.wo_to_hf,
+            to_flax=moe.wo_from_hf,
+        ),
+    ]
+    if cfg.shared_expert_intermediate_size:
+        out += [
+            linear(
+                f"{mlp}/shared_expert/{p}/kernel", f"{prefix}.shared_expert.{p}.weight", layers=n
+            )
+            for p in swiglu
+        ]
+        out.append(
+            linear(
+                f"{mlp}/shared_expert_gate/kernel", f"{prefix}.shared_expert_gate.weight", layers=n
+            )
+        )
+    return out
+
+
+HF_SPEC = register_hf(
+    HFSpec(
+        model_types=MODEL_TYPES,
+        config_cls=QwenMoeConfig,
+        model_cls=DecoderOnlyModel,
+        config_from_hf=config_from_hf,
+        config_to_hf=config_to_hf,
+        tensors=hf_tensors,
+        ignore=llama.HF_SPEC.ignore,
+        base_model_prefix="model",
+        tied_head=llama.HF_SPEC.tied_head,
+    )
+)
