@@ -1,0 +1,199 @@
+"""The mixture-of-experts layer: its three implementations and the expert-parallel dispatch
+give the same loss and gradients, the aux loss is transformers', capacity drops and counts,
+and settings flaxlm cannot run are errors naming them."""
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from flaxlm.models import base, moe, qwen_moe
+
+AXES = ("data", "fsdp", "expert", "tensor")
+RULES = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("expert", "expert"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("vocab", "tensor"),
+)
+CONFIG = qwen_moe.QwenMoeConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    max_position_embeddings=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    router_z_loss_coef=1e-3,
+)
+# float32 sums of ~100 products of O(1) terms, in other orders: rounding grows like
+# sqrt(terms) x eps (1.2e-7) x the magnitude; 1e-5 leaves a 10x margin over what we see.
+TOL = 1e-5
+
+
+def _batch(rows: int = 8, length: int = 16) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, CONFIG.vocab_size, (rows, length)).astype(np.int32)
+    weights = np.ones_like(tokens)
+    weights[1, 10:] = 0  # some padding: the statistics count real tokens only
+    segments = weights.copy()
+    return {
+        "decoder_input_tokens": tokens,
+        "decoder_target_tokens": tokens,
+        "decoder_loss_weights": weights,
+        "decoder_segment_ids": segments,
+        "decoder_positions": np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape),
+    }
+
+
+def _model(**overrides) -> base.DecoderOnlyModel:
+    return base.DecoderOnlyModel(dataclasses.replace(CONFIG, **overrides))
+
+
+@functools.cache
+def _params():
+    return _model().init_params(jax.random.PRNGKey(0), {"decoder_input_tokens": (1, 8)})
+
+
+def _mesh(shape: tuple[int, ...]) -> jax.sharding.Mesh:
+    return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+
+
+def _loss_and_grads(model, params, batch, mesh_shape=None):
+    def fn(params, batch):
+        return jax.value_and_grad(model.loss_fn, has_aux=True)(params, batch, None)
+
+    if mesh_shape is None:
+        return jax.tree.map(np.asarray, jax.jit(fn)(params, batch))
+    mesh = _mesh(mesh_shape)
+    axes = model.params_axes({"decoder_input_tokens": (1, 8)})
+    shardings = nn.logical_to_mesh_sharding(axes, mesh, RULES)
+    rows = NamedSharding(mesh, P(("data", "fsdp", "expert")))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        out = jax.jit(fn, in_shardings=(shardings, {k: rows for k in batch}))(params, batch)
+    return jax.tree.map(np.asarray, out)
+
+
+def _assert_same(got, want):
+    ((loss, sums), grads), ((ref_loss, ref_sums), ref_grads) = got, want
+    np.testing.assert_allclose(loss, ref_loss, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(sums["moe_expert_counts"], ref_sums["moe_expert_counts"])
+    flat = jax.tree_util.tree_leaves_with_path(grads)
+    for (path, g), r in zip(flat, jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=TOL, atol=TOL, err_msg=jax.tree_util.keystr(path))
+
+
+@functools.cache
+def _reference():
+    return _loss_and_grads(_model(moe_impl="dense"), _params(), _batch())
+
+
+@pytest.mark.parametrize("impl", ["dropless", "capacity"])
+def test_implementations_give_the_dense_loss_and_gradients(impl):
+    # A capacity of 4x the fair share holds every assignment of this batch.
+    model = _model(moe_impl=impl, capacity_factor=4.0)
+    got = _loss_and_grads(model, _params(), _batch())
+    _assert_same(got, _reference())
+    assert got[0][1]["moe_dropped"] == 0
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 2, 4, 1), (1, 1, 8, 1)], ids=str)
+def test_expert_parallel_gives_the_unsplit_loss_and_gradients(mesh_shape):
+    model = _model(moe_impl="dropless")
+    got = _loss_and_grads(model, _params(), _batch(), mesh_shape)
+    _assert_same(got, _reference())
+    # The tokens did travel: the experts ran in the shard_map, not partitioned by XLA.
+    with jax.set_mesh(_mesh(mesh_shape)), nn.logical_axis_rules(RULES):
+        jaxpr = str(jax.make_jaxpr(lambda p: model.loss_fn(p, _batch(), None))(_params()))
+    assert "all_gather" in jaxpr and ("psum_scatter" in jaxpr or "reduce_scatter" in jaxpr)
+
+
+def test_aux_loss_is_transformers_load_balancing_loss():
+    torch = pytest.importorskip("torch")
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    layers, tokens, experts, k = 3, 40, 8, 2
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(layers, tokens, experts)).astype(np.float32)
+    mask = (rng.random(tokens) > 0.3).astype(np.float32)
+    stats = [
+        moe.router_stats(
+            jnp.asarray(layer),
+            moe.route(jnp.asarray(layer), k, "softmax_topk", False)[1],
+            jnp.asarray(mask),
+            experts,
+        )  # fmt: skip
+        for layer in logits
+    ]
+    sown = {f"layers_{i}": {moe.ROUTER_STATS: (s,)} for i, s in enumerate(stats)}
+    ours = moe.router_losses(moe.collect_router_stats(sown), experts, k)["aux"]
+    theirs = load_balancing_loss_func(
+        tuple(torch.from_numpy(x) for x in logits),
+        experts,
+        k,
+        torch.from_numpy(mask).reshape(4, 10),
+    )
+    np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-6)
+
+
+def test_routers_agree_when_renormalised():
+    logits = jax.random.normal(jax.random.PRNGKey(2), (16, 8))
+    w1, i1 = moe.route(logits, 3, "softmax_topk", True)
+    w2, i2 = moe.route(logits, 3, "topk_softmax", False)
+    np.testing.assert_array_equal(i1, i2)
+    np.testing.assert_allclose(w1, w2, rtol=1e-6)
+
+
+def test_small_capacity_drops_and_counts_assignments():
+    x = jax.random.normal(jax.random.PRNGKey(0), (32, 8))
+    wi = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 2, 16))
+    wo = jax.random.normal(jax.random.PRNGKey(2), (4, 16, 8))
+    ids = jnp.zeros((32, 1), jnp.int32)  # every token to expert 0
+    weights = jnp.ones((32, 1))
+    capacity = moe.expert_capacity(32, 1, 4, 0.5)  # 4 of 32
+    y, dropped = moe.capacity_experts(x, wi, wo, weights, ids, "silu", capacity)
+    assert capacity == 4 and float(dropped.sum()) == 28
+    want = moe.dense_experts(x, wi, wo, weights, ids, "silu")
+    np.testing.assert_allclose(y[:4], want[:4], rtol=1e-5, atol=1e-5)  # the first 4 kept
+    np.testing.assert_array_equal(y[4:], 0)
+
+
+def test_capacity_telemetry_reports_the_dropped_fraction():
+    model = _model(moe_impl="capacity", capacity_factor=0.25)
+    (_, sums), _ = _loss_and_grads(model, _params(), _batch())
+    stats = moe.summarize(sums)
+    assert 0 < float(stats["moe_dropped_fraction"]) < 1
+    assert stats["moe_max_load"].shape == (CONFIG.num_layers,)
+    np.testing.assert_allclose(stats["moe_mean_load"], 1.0)
+
+
+@pytest.mark.parametrize(
+    "field,value", [("router", "sinkhorn"), ("moe_impl", "megablocks")], ids=str
+)
+def test_unknown_settings_are_errors_naming_them(field, value):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(CONFIG, **{field: value})
+
+
+def test_experts_not_divisible_by_the_expert_axis_is_an_error():
+    model = _model(num_experts=6)
+    params = jax.eval_shape(
+        lambda: model.init_params(jax.random.PRNGKey(0), {"decoder_input_tokens": (1, 8)})
+    )
+    mesh = _mesh((1, 1, 4, 2))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        with pytest.raises(ValueError, match="num_experts 6 .* 'expert' axis \\(4\\)"):
+            jax.eval_shape(lambda p: model.loss_fn(p, _batch(), None), params)
