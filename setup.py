@@ -42,6 +42,8 @@ EXTRAS_REQUIRE = {
         "wandb",
         "lm_eval==0.4.13",
         "datasets==5.2.0",
+        # tests/test_openai_api.py: the official client drives the server.
+        "openai==3.57.0",
         # libtpu, for test_benchmarks' FSDP collectives compiled for a TPU slice (no TPU).
         "jax[tpu]==0.10.2",
     ],

@@ -235,7 +235,10 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "logprobs": -1}, "logprobs must be between 0 and 5"),
     ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop must be"),
     ({"prompt": "hi", "stop": [""]}, "stop must be"),
-    ({"prompt": "hi", "n": 2}, "n=1"),
+    ({"prompt": "hi", "n": 0}, "n must be at least 1"),
+    ({"prompt": ["a"] * 9, "n": 2}, "n x prompts at most 16"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "only allowed when stream"),
+    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty is not supported"),
     ({"prompt": "hi", "stream": "yes"}, "'stream' must be a boolean"),
     ({"prompt": 42}, "'prompt' must be"),
     ({"max_tokens": 3}, "'prompt' is required"),
@@ -391,4 +394,9 @@ def test_sigint_with_decodes_in_flight_cancels_them_and_exits_0(server_process, 
     cancelled = [e for e in ends if "error" in e]
     assert cancelled, ends  # (a stream that reached EOS first ends as usual)
     for end in cancelled:
-        assert end["error"] == {"message": "The server is shutting down.", "code": 503}
+        assert end["error"] == {
+            "message": "The server is shutting down.",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }

@@ -1,5 +1,5 @@
-"""An HTTP server for a checkpoint: OpenAI-style completions (streamed as server-sent
-events), health and model listing, and a small page at `/` to try it.
+"""An HTTP server for a checkpoint: OpenAI's completions and chat completions (streamed as
+server-sent events), health and model listing, and a small page at `/` to try it.
 
 One engine thread owns the model (`engine.py`). Requests wait in a queue; the engine takes
 the first and every other that arrives within `batch_wait_ms` (up to `max_batch_size`),
@@ -58,8 +58,10 @@ def serve(
     ready: Callable[[Server], None] | None = None,
 ) -> None:
     """Run function: serves `checkpoint` (a flaxlm MODEL_DIR or an HF directory) over HTTP
-    until SIGINT (Ctrl-C) or SIGTERM: POST /v1/completions, GET /health, GET /v1/models, and
-    a page at /.
+    until SIGINT (Ctrl-C) or SIGTERM: POST /v1/chat/completions (messages rendered with the
+    checkpoint's chat template), POST /v1/completions, GET /health, GET /v1/models, and a
+    page at /. Sampling settings a request leaves unset come from the checkpoint's
+    generation_config.json.
 
     Requests that arrive within `batch_wait_ms` of each other decode together (up to
     `max_batch_size` prompts per batch). The port is taken before the model loads (a port in

@@ -1,6 +1,6 @@
-"""The HTTP front: OpenAI-style completions (JSON, or server-sent events when `stream`),
-health and model listing, and a small page at `/` to try it. HTTP threads only parse,
-validate and stream; the engine thread decodes."""
+"""The HTTP front: OpenAI's completions and chat completions (JSON, or server-sent events
+when `stream`), health and model listing, and a small page at `/` to try it. HTTP threads
+only parse, validate and stream; the engine thread decodes."""
 
 from __future__ import annotations
 
@@ -18,7 +18,16 @@ from etils import epath
 
 from flaxlm.inference import generation
 from flaxlm.models.base import EncoderDecoderModel
-from flaxlm.runs.serve.api import BadRequest, Completion, check_prompt_ids, parse_request
+from flaxlm.runs.serve.api import (
+    BadRequest,
+    Completion,
+    Defaults,
+    check_prompt_ids,
+    parse_chat_request,
+    parse_request,
+    render_chat,
+    sample_seeds,
+)
 from flaxlm.runs.serve.engine import Engine
 from flaxlm.runs.serve.stream import TextStream
 
@@ -62,6 +71,12 @@ class Server:
         self.max_positions = engine.model.position_limit()
         if isinstance(engine.model, EncoderDecoderModel):
             self.max_positions = None  # relative positions: no hard limit
+        # Where a request leaves a sampling setting unset, the checkpoint's own choice.
+        self.defaults = Defaults.from_generation_config(
+            engine.model.generation_config, max_tokens_limit
+        )
+        tokenizer = getattr(engine.vocabulary, "tokenizer", None)
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
         self.httpd = httpd
         self.httpd.RequestHandlerClass = _make_handler(self)
         self._serving = threading.Thread(target=self.httpd.serve_forever, name="flaxlm-http")
@@ -76,24 +91,55 @@ class Server:
             self.engine.model, self.engine.vocabulary, text, is_target=False
         )
 
+    def prompt_ids(self, request: dict) -> list[list[int]]:
+        """The token ids of each prompt of a parsed request: a chat's messages rendered by
+        the checkpoint's template (which places any BOS itself, as HF's tokenized
+        `apply_chat_template` does), a completion's prompts as `encode` reads them."""
+        if request["chat"]:
+            vocabulary = self.engine.vocabulary
+            return [list(vocabulary.encode(render_chat(vocabulary, request["messages"])))]
+        return [self.encode(prompt) for prompt in request["prompts"]]
+
     def completions(self, request: dict) -> tuple[list[Completion], list[list[int]]]:
-        jobs, prompt_ids = [], []
-        for prompt in request["prompts"]:
-            ids = self.encode(prompt)
-            check_prompt_ids(ids, request["max_tokens"], self.max_positions, self.engine.vocab_size)
-            prompt_ids.append(ids)
-            jobs.append(
-                Completion(
-                    ids,
-                    request["max_tokens"],
-                    request["temperature"],
-                    request["top_p"],
-                    request["stop"],
-                    request["logprobs"],
-                    request["seed"],
+        """The decoding jobs of a parsed request, `n` per prompt (prompt-major, the order of
+        the answer's choices, each sample with its own seed), and each prompt's ids.
+
+        A chat request that sets no max tokens (nor does the checkpoint) gets the room its
+        prompt leaves, up to `max_tokens_limit`."""
+        jobs, prompt_ids = [], self.prompt_ids(request)
+        for ids in prompt_ids:
+            max_tokens = request["max_tokens"]
+            if max_tokens is None:
+                room = self.max_tokens_limit
+                if self.max_positions is not None:
+                    room = min(room, self.max_positions - len(ids))
+                if room < 1:
+                    raise BadRequest(
+                        f"The prompt has {len(ids)} tokens, all of the model's "
+                        f"{self.max_positions} positions; shorten the messages.",
+                        "messages",
+                    )
+                max_tokens = room
+            check_prompt_ids(ids, max_tokens, self.max_positions, self.engine.vocab_size)
+            for seed in sample_seeds(request["seed"], request["n"]):
+                jobs.append(
+                    Completion(
+                        ids,
+                        max_tokens,
+                        request["temperature"],
+                        request["top_p"],
+                        request["stop"],
+                        request["logprobs"],
+                        seed,
+                    )
                 )
-            )
         return jobs, prompt_ids
+
+    def text_stream(self, request: dict) -> TextStream:
+        """A choice's TextStream: a chat answer shows no special tokens (its template's
+        turn markers), a completion shows every token as before."""
+        skip = self.special_ids if request["chat"] else ()
+        return TextStream(self.engine.vocabulary, request["stop"], skip)
 
     def start(self) -> None:
         """Starts the engine, then answers requests (on threads of their own)."""
@@ -154,6 +200,94 @@ class _Failed(Exception):
 
 
 _PAGE = epath.Path(__file__).parent / "page.html"
+_ENDPOINTS = {"/v1/completions": parse_request, "/v1/chat/completions": parse_chat_request}
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error"}
+
+
+class _Answer:
+    """One request's answer in its endpoint's shape: OpenAI's `text_completion` or
+    `chat.completion`, whole or as chunks."""
+
+    def __init__(self, request: dict, model_name: str, prompt_ids: list[list[int]]):
+        self.request, self.chat = request, request["chat"]
+        self.ident = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created, self.model_name = int(time.time()), model_name
+        self.prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once, whatever n is
+        self.completion_tokens = 0
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (
+            ".chunk" if chunk and self.chat else ""
+        )
+        return {
+            "id": self.ident,
+            "object": kind,
+            "created": self.created,
+            "model": self.model_name,
+            "system_fingerprint": None,
+        }
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+    def prompt(self, index: int) -> str:
+        return self.request["prompts"][index // self.request["n"]]
+
+    def logprobs(self, stream: TextStream, start: int = 0, end: int | None = None) -> Any:
+        count = self.request["logprobs"]
+        if self.chat:
+            return stream.chat_logprobs(count, start, end)
+        return stream.logprobs(count, start, end)
+
+    def whole(self, choices: list[tuple[TextStream, str, str]]) -> dict[str, Any]:
+        """The JSON answer: each choice's (stream, text, finish reason)."""
+        out = []
+        for index, (stream, text, reason) in enumerate(choices):
+            choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs(stream)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+            else:
+                choice["text"] = (self.prompt(index) if self.request["echo"] else "") + text
+            choice["finish_reason"] = reason
+            out.append(choice)
+        return {**self._envelope(False), "choices": out, "usage": self.usage()}
+
+    def chunk(
+        self,
+        index: int,
+        text: str | None,
+        reason: str | None = None,
+        logprobs: Any = None,
+        *,
+        role: bool = False,
+    ) -> dict[str, Any]:
+        """One streamed event of choice `index`: its next text (None in the chat chunk that
+        only ends a choice), its first with `role` (chat)."""
+        choice: dict[str, Any] = {"index": index}
+        if self.chat:
+            delta = {} if text is None else {"content": text}
+            choice["delta"] = {"role": "assistant", **delta} if role else delta
+        else:
+            choice["text"] = text or ""
+        choice.update(logprobs=logprobs, finish_reason=reason)
+        chunk = {**self._envelope(True), "choices": [choice]}
+        if self.request["include_usage"]:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last event when `stream_options.include_usage`: no choices, the usage."""
+        return {**self._envelope(True), "choices": [], "usage": self.usage()}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape, which its clients read into their exceptions."""
+    kind = _ERROR_TYPES.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
@@ -171,24 +305,25 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
-        def _error(self, code: int, message: str) -> None:
-            kind = {400: "invalid_request_error", 503: "unavailable"}.get(code, "server_error")
-            self._json(code, {"error": {"message": message, "type": kind, "code": code}})
+        def _error(self, code: int, message: str, param: str | None = None) -> None:
+            self._json(code, error_body(code, message, param))
+
+        def _event(self, payload: Any) -> None:
+            self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
+            self.wfile.flush()
 
         def do_GET(self) -> None:  # noqa: N802
             path = self.path.split("?")[0]
             if path == "/health":
                 self._json(200, {"status": "ok", "batches": server.engine.batches})
             elif path == "/v1/models":
-                self._json(
-                    200,
-                    {
-                        "object": "list",
-                        "data": [
-                            {"id": server.model_name, "object": "model", "owned_by": "flaxlm"}
-                        ],
-                    },
-                )
+                model = {
+                    "id": server.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "flaxlm",
+                }
+                self._json(200, {"object": "list", "data": [model]})
             elif path in ("/", "/index.html"):
                 body = _PAGE.read_text().replace("{{MODEL}}", server.model_name).encode()
                 self.send_response(200)
@@ -197,38 +332,48 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 self.end_headers()
                 self.wfile.write(body)
             else:
-                self._error(404, f"No such path {path!r}; try POST /v1/completions.")
+                self._error(404, f"No such path {path!r}; try GET /v1/models.")
 
         def do_POST(self) -> None:  # noqa: N802
-            if self.path.split("?")[0] != "/v1/completions":
-                self._error(404, f"No such path {self.path!r}; try POST /v1/completions.")
+            parse = _ENDPOINTS.get(self.path.split("?")[0])
+            if parse is None:
+                self._error(
+                    404,
+                    f"No such path {self.path!r}; try POST /v1/chat/completions or "
+                    "/v1/completions.",
+                )
                 return
             try:
                 length = int(self.headers.get("Content-Length") or 0)
                 if length < 0:
                     raise BadRequest(f"Content-Length must not be negative, got {length}.")
-                request = parse_request(
-                    self.rfile.read(length), server.max_positions, server.max_tokens_limit
+                request = parse(
+                    self.rfile.read(length),
+                    server.max_positions,
+                    server.max_tokens_limit,
+                    server.defaults,
                 )
                 jobs, prompt_ids = server.completions(request)
             except BadRequest as e:
-                self._error(400, str(e))
+                self._error(400, str(e), e.param)
                 return
             except ValueError as e:
                 self._error(400, f"Bad request: {e}")
                 return
             for job in jobs:
                 server.engine.submit(job)
+            answer = _Answer(request, server.model_name, prompt_ids)
             try:
                 if request["stream"]:
-                    self._stream(request, jobs)
+                    self._stream(answer, jobs)
                 else:
-                    self._complete(request, jobs, prompt_ids)
+                    self._complete(answer, jobs)
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the client left; the engine finishes the rows on its own
 
-        def _events(self, job: Completion, stream: TextStream) -> Any:
-            """Yields text deltas until the job is done; returns the finish reason."""
+        def _follow(self, job: Completion, stream: TextStream, on_text: Any) -> str:
+            """Feeds `job`'s tokens through `stream`, calling `on_text` with each piece of
+            text that is final; returns the finish reason."""
             while True:
                 try:
                     event = job.events.get(timeout=server.request_timeout)
@@ -239,110 +384,53 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 if event[0] == "cancelled":
                     raise _Failed(503, event[1])
                 if event[0] == "done":
-                    return event[1]
+                    rest = stream.flush()
+                    if rest:
+                        on_text(rest)
+                    return "stop" if stream.stopped else event[1]
                 if stream.stopped:
                     continue  # past a stop string: drain the rest
                 delta = stream.add(*event[1:])
-                yield delta
+                if delta:
+                    on_text(delta)
 
-        def _complete(
-            self, request: dict, jobs: list[Completion], prompt_ids: list[list[int]]
-        ) -> None:
-            choices, completion_tokens = [], 0
+        def _complete(self, answer: _Answer, jobs: list[Completion]) -> None:
+            choices = []
             try:
-                for index, (prompt, job) in enumerate(zip(request["prompts"], jobs)):
-                    stream = TextStream(server.engine.vocabulary, request["stop"])
-                    gen = self._events(job, stream)
-                    text = ""
-                    while True:
-                        try:
-                            text += next(gen)
-                        except StopIteration as done:
-                            reason = done.value
-                            break
-                    text += stream.flush()
-                    reason = "stop" if stream.stopped else reason
-                    completion_tokens += len(stream.ids)
-                    choices.append(
-                        {
-                            "text": (prompt if request["echo"] else "") + text,
-                            "index": index,
-                            "logprobs": stream.logprobs(request["logprobs"]),
-                            "finish_reason": reason,
-                        }
-                    )
+                for job in jobs:
+                    stream, parts = server.text_stream(answer.request), []
+                    reason = self._follow(job, stream, parts.append)
+                    answer.completion_tokens += len(stream.ids)
+                    choices.append((stream, "".join(parts), reason))
             except _Failed as e:
                 self._error(e.status, e.message)
                 return
-            prompt_tokens = sum(len(p) for p in prompt_ids)
-            self._json(
-                200,
-                {
-                    "id": f"cmpl-{uuid.uuid4().hex}",
-                    "object": "text_completion",
-                    "created": int(time.time()),
-                    "model": server.model_name,
-                    "choices": choices,
-                    "usage": {
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": completion_tokens,
-                        "total_tokens": prompt_tokens + completion_tokens,
-                    },
-                },
-            )
+            self._json(200, answer.whole(choices))
 
-        def _stream(self, request: dict, jobs: list[Completion]) -> None:
+        def _stream(self, answer: _Answer, jobs: list[Completion]) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.end_headers()
-            ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-            def send(index: int, text: str, reason: str | None, logprobs: Any = None) -> None:
-                chunk = {
-                    "id": ident,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": server.model_name,
-                    "choices": [
-                        {
-                            "text": text,
-                            "index": index,
-                            "logprobs": logprobs,
-                            "finish_reason": reason,
-                        }
-                    ],
-                }
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                self.wfile.flush()
-
             try:
-                for index, (prompt, job) in enumerate(zip(request["prompts"], jobs)):
-                    stream = TextStream(server.engine.vocabulary, request["stop"])
-                    if request["echo"]:
-                        send(index, prompt, None)
-                    gen = self._events(job, stream)
-                    while True:
-                        try:
-                            delta = next(gen)
-                        except StopIteration as done:
-                            reason = "stop" if stream.stopped else done.value
-                            rest = stream.flush()
-                            if rest:
-                                send(index, rest, None)
-                            break
-                        if delta:
-                            logprobs = None
-                            if request["logprobs"] is not None:
-                                logprobs = {
-                                    "tokens": stream.tokens[-1:],
-                                    "token_logprobs": stream.token_logprobs[-1:],
-                                }
-                            send(index, delta, None, logprobs)
-                    send(index, "", reason)
+                for index, job in enumerate(jobs):
+                    stream = server.text_stream(answer.request)
+                    if answer.chat:
+                        self._event(answer.chunk(index, "", role=True))
+                    elif answer.request["echo"]:
+                        self._event(answer.chunk(index, answer.prompt(index)))
+
+                    def send(text: str, index: int = index, stream: TextStream = stream) -> None:
+                        logprobs = answer.logprobs(stream, *stream.unreported())
+                        self._event(answer.chunk(index, text, None, logprobs))
+
+                    reason = self._follow(job, stream, send)
+                    answer.completion_tokens += len(stream.ids)
+                    self._event(answer.chunk(index, None, reason))
+                if answer.request["include_usage"]:
+                    self._event(answer.usage_chunk())
             except _Failed as e:
-                error = {"message": e.message, "code": e.status}
-                self.wfile.write(f"data: {json.dumps({'error': error})}\n\n".encode())
+                self._event(error_body(e.status, e.message))
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
 

@@ -1,35 +1,43 @@
 """Tokens -> text: the deltas a completion streams, held back while they may still turn
-into a stop string or an unfinished character."""
+into a stop string or an unfinished character, and their log-probabilities as OpenAI's two
+endpoints show them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import seqio
 
 
 class TextStream:
-    """Turns a completion's token events into text deltas, honouring stop strings."""
+    """Turns a completion's token events into text deltas, honouring stop strings.
 
-    def __init__(self, vocabulary: seqio.Vocabulary, stop: Sequence[str]):
+    Tokens in `skip_ids` (a chat template's special tokens) are decoded to nothing, as an
+    OpenAI-style server's chat answers never show them."""
+
+    def __init__(
+        self, vocabulary: seqio.Vocabulary, stop: Sequence[str], skip_ids: Collection[int] = ()
+    ):
         self.vocabulary = vocabulary
         self.stop = list(stop)
+        self.skip_ids = frozenset(skip_ids)
         self.ids: list[int] = []
         self.sent = ""
         self.stopped = False
         self.tokens: list[str] = []
         self.token_logprobs: list[float] = []
-        self.top_logprobs: list[dict[str, float]] = []
+        self.top_logprobs: list[list[tuple[str, float]]] = []  # most likely first
+        self.reported = 0  # tokens whose logprobs a stream has sent
 
     def add(self, token: int, logprob: float, top: Sequence[tuple[int, float]]) -> str:
         """The new text this token makes final (may be ''); sets `stopped` at a stop string."""
-        before = self.vocabulary.decode(self.ids)
+        before = self._decode(self.ids)
         self.ids.append(token)
-        text = self.vocabulary.decode(self.ids)
+        text = self._decode(self.ids)
         self.tokens.append(text[len(before) :])
         self.token_logprobs.append(logprob)
-        self.top_logprobs.append({self.vocabulary.decode([i]): lp for i, lp in top})
+        self.top_logprobs.append([(self.vocabulary.decode([i]), lp) for i, lp in top])
         for s in self.stop:
             at = text.find(s, max(0, len(self.sent) - len(s)))
             if at != -1:
@@ -41,6 +49,9 @@ class TextStream:
         delta = text[len(self.sent) : final]
         self.sent = text[:final] if final > len(self.sent) else self.sent
         return delta
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.vocabulary.decode([i for i in ids if i not in self.skip_ids])
 
     def _stop_prefix(self, text: str) -> int:
         """Length of the longest end of `text` that may begin a stop string (held back)."""
@@ -56,21 +67,61 @@ class TextStream:
         """Whatever text is still held back (an unfinished character) once decoding ends."""
         if self.stopped:
             return ""
-        text = self.vocabulary.decode(self.ids)
+        text = self._decode(self.ids)
         delta, self.sent = text[len(self.sent) :], text
         return delta
 
-    def logprobs(self, count: int | None) -> dict[str, Any] | None:
+    def unreported(self) -> tuple[int, int]:
+        """The tokens (start, end) added since the last call: those a stream chunk's
+        logprobs cover."""
+        start, self.reported = self.reported, len(self.tokens)
+        return start, self.reported
+
+    def logprobs(self, count: int | None, start: int = 0, end: int | None = None) -> Any:
+        """/v1/completions' logprobs of tokens [start, end): tokens, theirs, the `count`
+        most likely at each, character offsets (None when the request asked for none)."""
         if count is None:
             return None
-        offsets, position = [], 0
-        for token in self.tokens:
+        end = len(self.tokens) if end is None else end
+        position = sum(len(t) for t in self.tokens[:start])
+        offsets = []
+        for token in self.tokens[start:end]:
             offsets.append(position)
             position += len(token)
-        top = [dict(sorted(t.items(), key=lambda kv: -kv[1])[:count]) for t in self.top_logprobs]
+        top = [_most_likely_first(t[:count]) for t in self.top_logprobs[start:end]]
         return {
-            "tokens": self.tokens,
-            "token_logprobs": self.token_logprobs,
+            "tokens": self.tokens[start:end],
+            "token_logprobs": self.token_logprobs[start:end],
             "top_logprobs": top if count else None,
             "text_offset": offsets,
         }
+
+    def chat_logprobs(self, count: int | None, start: int = 0, end: int | None = None) -> Any:
+        """/v1/chat/completions' logprobs of tokens [start, end): `{"content": [{token,
+        logprob, bytes, top_logprobs}]}` (None when the request asked for none)."""
+        if count is None:
+            return None
+        end = len(self.tokens) if end is None else end
+        content = []
+        for token, logprob, top in zip(
+            self.tokens[start:end], self.token_logprobs[start:end], self.top_logprobs[start:end]
+        ):
+            content.append(
+                {
+                    **_entry(token, logprob),
+                    "top_logprobs": [_entry(t, lp) for t, lp in top[:count]],
+                }
+            )
+        return {"content": content}
+
+
+def _entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def _most_likely_first(top: Sequence[tuple[str, float]]) -> dict[str, float]:
+    """`top` as a dict, most likely first; two ids that decode alike keep the likelier."""
+    out: dict[str, float] = {}
+    for token, logprob in top:
+        out.setdefault(token, logprob)
+    return out

@@ -1,0 +1,244 @@
+"""The official `openai` client against `serve`'s Server, in-process, over a tiny HF Llama
+whose tokenizer has a ChatML chat template: what a user of any OpenAI-speaking tool sees."""
+
+import json
+
+import numpy as np
+import openai
+import pytest
+import seqio
+import torch
+import transformers
+
+from flaxlm.checkpoints import run_dir
+from flaxlm.data import vocabularies
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.runs.serve import api
+from flaxlm.runs.serve.engine import Engine
+from flaxlm.runs.serve.http import Server, listen
+from tests.hf_helpers import random_hf_model, save_byte_bpe_tokenizer
+
+MODEL = "tiny-chat"
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "def main():"},
+]
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """An HF directory: a tiny Llama, a ChatML tokenizer (<|endoftext|> and <|im_end|> end
+    generation) and a generation_config.json that samples (temperature 0.7, top_p 0.9)."""
+    path = tmp_path_factory.mktemp("tiny_chat")
+    length = save_byte_bpe_tokenizer(path, style="qwen")
+    eos = [length - 3, length - 1]
+    torch_model = random_hf_model(
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        vocab_size=length,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=None,
+        eos_token_id=eos[0],
+    )
+    torch_model.generation_config = transformers.GenerationConfig(
+        eos_token_id=eos, pad_token_id=eos[0], do_sample=True, temperature=0.7, top_p=0.9
+    )
+    torch_model.save_pretrained(str(path))
+    return str(path), torch_model, eos
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    """(Server, openai.OpenAI) over the checkpoint, one for the module."""
+    path, _, _ = checkpoint
+    partitioner = Partitioner((1, 8, 1))
+    model, params, _ = run_dir.load_model_and_params(path, partitioner)
+    engine = Engine(
+        model,
+        params,
+        partitioner,
+        run_dir.checkpoint_vocabulary(path),
+        max_batch_size=8,
+        batch_wait_ms=20,
+    )
+    server = Server(engine, MODEL, listen("127.0.0.1", 0), max_tokens_limit=64)
+    server.start()
+    try:
+        yield (
+            server,
+            openai.OpenAI(base_url=server.address + "/v1", api_key="x", max_retries=0, timeout=120),
+        )
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def greedy(checkpoint):
+    """HF `generate`'s greedy answer to MESSAGES, rendered by the same template: (text,
+    new token ids, prompt ids)."""
+    path, torch_model, eos = checkpoint
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    with torch.no_grad():
+        out = torch_model.generate(
+            torch.tensor([ids]),
+            do_sample=False,
+            max_new_tokens=TOKENS,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+        )
+    new = [t for t in out[0, len(ids) :].tolist() if t not in eos]
+    return tokenizer.decode(new, skip_special_tokens=True), new, ids
+
+
+def chat(client, **kwargs):
+    return client.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
+
+
+def test_models_lists_the_served_model(served):
+    _, client = served
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_greedy_chat_equals_hf_generate_on_the_rendered_prompt(served, greedy):
+    _, client = served
+    text, new, prompt_ids = greedy
+    response = chat(client, temperature=0, max_completion_tokens=TOKENS)
+    (choice,) = response.choices
+    assert choice.message.role == "assistant" and choice.message.content == text
+    assert choice.finish_reason == ("length" if len(new) == TOKENS else "stop")
+    assert response.object == "chat.completion" and response.model == MODEL
+    assert response.usage.prompt_tokens == len(prompt_ids)
+    assert response.usage.completion_tokens == len(new)
+    # max_tokens (the older name) is the same setting.
+    assert chat(client, temperature=0, max_tokens=TOKENS).choices[0].message.content == text
+
+
+def test_chat_n_samples_each_cut_at_the_stop_string(served, greedy):
+    _, client = served
+    text, _, _ = greedy
+    stop = next(text[i : i + 2] for i in range(1, len(text) - 1) if text[i : i + 2].strip())
+    response = chat(client, temperature=0, max_completion_tokens=TOKENS, n=2, stop=[stop])
+    assert [c.index for c in response.choices] == [0, 1]
+    for choice in response.choices:
+        assert choice.message.content == text[: text.find(stop)]
+        assert choice.finish_reason == "stop"
+    # Sampled: each sample its own seed (seed, seed + 1), sample 0 the n=1 answer.
+    sampled = chat(client, temperature=1.0, max_completion_tokens=TOKENS, n=2, seed=7)
+    first, second = (c.message.content for c in sampled.choices)
+    assert first != second
+    alone = chat(client, temperature=1.0, max_completion_tokens=TOKENS, seed=7)
+    assert alone.choices[0].message.content == first
+
+
+def test_streamed_chat_ends_with_a_usage_chunk(served, greedy):
+    _, client = served
+    text, new, prompt_ids = greedy
+    chunks = list(
+        chat(
+            client,
+            temperature=0,
+            max_completion_tokens=TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *parts, last = chunks
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in parts) == text
+    assert parts[-1].choices[0].finish_reason in ("stop", "length")
+    assert all(c.object == "chat.completion.chunk" and c.usage is None for c in parts)
+    assert last.choices == []
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt_ids), len(new))
+
+
+def test_chat_logprobs_give_each_token_and_its_alternatives(served, greedy):
+    _, client = served
+    _, new, _ = greedy
+    response = chat(
+        client, temperature=0, max_completion_tokens=TOKENS, logprobs=True, top_logprobs=2
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == len(new)
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert len(entry.top_logprobs) == 2
+        # Greedy: the chosen token is the likeliest.
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob <= 0.0
+
+
+def test_completions_take_n_stop_and_stream_usage(served):
+    _, client = served
+    whole = client.completions.create(
+        model=MODEL, prompt=["x = ", "def f("], max_tokens=6, temperature=0, n=2
+    )
+    texts = [c.text for c in whole.choices]
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: the samples agree
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="x = ",
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == texts[0]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, param, message",
+    [
+        ({"temperature": 3}, "temperature", "temperature must be between 0 and 2"),
+        ({"n": 40}, "n", "n must be at least 1"),
+        ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "role"),
+        ({"max_completion_tokens": 1000}, "max_completion_tokens", "between 1 and 64"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when"),
+        ({"extra_body": {"frobnicate": 1}}, "frobnicate", "Unknown field 'frobnicate'"),
+    ],
+)
+def test_a_bad_request_is_a_bad_request_error_naming_the_field(served, kwargs, param, message):
+    _, client = served
+    kwargs = {"model": MODEL, "messages": MESSAGES, **kwargs}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(**kwargs)
+    assert raised.value.status_code == 400
+    assert raised.value.param == param and message in raised.value.message
+    assert raised.value.type == "invalid_request_error"
+
+
+def test_a_tokenizer_without_a_chat_template_is_named(tmp_path):
+    save_byte_bpe_tokenizer(tmp_path, style="llama3")  # no chat template
+    for vocabulary in (vocabularies.HuggingFaceVocabulary(str(tmp_path)), seqio.ByteVocabulary()):
+        with pytest.raises(api.BadRequest, match="no chat template") as raised:
+            api.render_chat(vocabulary, MESSAGES)
+        assert raised.value.param == "messages"
+
+
+def test_unset_settings_come_from_the_generation_config(served):
+    server, _ = served
+    assert server.defaults == api.Defaults(temperature=0.7, top_p=0.9, max_tokens=None)
+    parsed = api.parse_chat_request(
+        json.dumps({"messages": MESSAGES, "temperature": None}).encode(), 128, 64, server.defaults
+    )
+    assert (parsed["temperature"], parsed["top_p"], parsed["max_tokens"]) == (0.7, 0.9, None)
+    defaults = api.Defaults.from_generation_config({"max_new_tokens": 500, "top_p": 7}, 64)
+    assert defaults == api.Defaults(temperature=1.0, top_p=1.0, max_tokens=64)
+    parsed = api.parse_request(b'{"prompt": "a"}', 128, 64, defaults)
+    assert parsed["max_tokens"] == 64 and parsed["seed"] is None
+    seeds = api.sample_seeds(2**32 - 1, 3)
+    assert seeds == [2**32 - 1, 0, 1] and len(set(api.sample_seeds(None, 4))) == 4
+    assert np.all(np.asarray(seeds) < api.SEED_LIMIT)
