@@ -7,8 +7,11 @@ Gin (`run.fn = @train`).
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import os
+import platform
 import signal
 import sys
 import traceback
@@ -16,7 +19,7 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from flaxlm import gin_utils, logs
+from flaxlm import gin_utils, logs, startup
 from flaxlm.parallel import platforms
 
 FLAGS = flags.FLAGS
@@ -27,6 +30,23 @@ flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-
 flags.DEFINE_integer("process_count", None, "Number of processes (multi-process).")
 flags.DEFINE_integer("process_index", None, "This process's index (multi-process).")
 flags.DEFINE_string("tasks_module", "tasks", "Module imported to register seqio tasks.")
+flags.DEFINE_string(
+    "compilation_cache_dir",
+    None,
+    "JAX's persistent compilation cache: compiled programs are kept here and reused by the "
+    "next run. '' turns it off. Default: $JAX_COMPILATION_CACHE_DIR if set, else "
+    "$XDG_CACHE_HOME/flaxlm/jax (~/.cache/flaxlm/jax), one folder per CPU kind.",
+)
+flags.DEFINE_bool(
+    "profile_startup",
+    False,
+    "Print where the seconds from the process's start to the first step went (imports, Gin, "
+    "task registration, datasets, state, compiles, first batch, first step).",
+)
+
+# The persistent cache's size in bytes when the user sets none: least recently used entries
+# go first beyond it.
+DEFAULT_CACHE_MAX_SIZE = 2 << 30
 
 
 def _initialize_distributed() -> None:
@@ -94,6 +114,67 @@ def check_process_flags(address: str, count: int, index: int) -> str | None:
     return None
 
 
+def host_kind() -> str:
+    """A short name for this host's CPU kind: its architecture and a hash of its model and
+    instruction-set features. A compiled CPU program may use any feature of the CPU it was
+    compiled on, and JAX's cache key does not say which; a home directory shared by machines
+    of several kinds keeps one cache folder per kind."""
+    model = features = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "CPU part") and not model:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not features:
+                    features = " ".join(sorted(value.split()))
+    except OSError:
+        model = platform.processor()
+    digest = hashlib.sha256(f"{model}|{features}".encode()).hexdigest()[:12]
+    return f"{platform.machine() or 'unknown'}-{digest}"
+
+
+def compilation_cache_dir(flag: str | None, environ: dict[str, str]) -> str | None:
+    """Where JAX's persistent compilation cache lives (None: off): `--compilation_cache_dir`
+    ('' for off), else `JAX_COMPILATION_CACHE_DIR`, else the user's cache directory."""
+    if flag is not None:
+        return flag or None
+    if "JAX_COMPILATION_CACHE_DIR" in environ:
+        return environ["JAX_COMPILATION_CACHE_DIR"] or None
+    cache_home = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache_home, "flaxlm", "jax", host_kind())
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    """Points JAX's persistent compilation cache at `directory` (None: turns it off),
+    caching every program, however small or quick to compile, unless the user's
+    `JAX_PERSISTENT_CACHE_*` variables say otherwise. An entry written by another jax or
+    jaxlib version, backend or set of XLA flags has another key (JAX hashes them into it),
+    and an unreadable one is a miss (JAX warns and compiles): neither is an error. A
+    directory that cannot be written leaves the cache off."""
+    import jax
+
+    if directory is not None:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError:
+            directory = None
+    if directory is None or not os.access(directory, os.W_OK):
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ and importlib.util.find_spec("filelock"):
+        # With a size limit JAX also locks the entries it writes: several runs at once (the
+        # tests' workers, a sweep) never read a half-written one.
+        jax.config.update("jax_compilation_cache_max_size", DEFAULT_CACHE_MAX_SIZE)
+
+
 def _multiprocess() -> bool:
     import jax
 
@@ -130,6 +211,11 @@ def main(argv: list[str]) -> None:
     # Until the run function starts (and `train` takes the signals over to save on them), a
     # scheduler's SIGTERM or a Ctrl-C ends the start-up with a line saying so.
     previous = {s: signal.signal(s, _stop_during_start_up) for s in (signal.SIGTERM, signal.SIGINT)}
+    profile = None
+    if FLAGS.profile_startup:
+        profile = startup.StartupProfile()
+        profile.mark("interpreter, absl, gin, flaxlm.main")
+        profile.time_imports()
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; use --gin.NAME=VALUE for overrides.")
     if not FLAGS.gin_file:
@@ -148,20 +234,31 @@ def main(argv: list[str]) -> None:
         # devices: importing TensorFlow, hiding the accelerators from it, starting JAX's
         # backends. Do all of it here, where that output is hidden.
         _initialize_distributed()
+        enable_compilation_cache(
+            compilation_cache_dir(FLAGS.compilation_cache_dir, dict(os.environ))
+        )
 
         import gin
         import jax
 
-        for module in REGISTERING_MODULES:
-            importlib.import_module(module)
+        if profile:
+            profile.watch_jax()
+            profile.mark("import jax, distributed init, compilation cache")
+        modules = [importlib.import_module(module) for module in REGISTERING_MODULES]
+        if profile:
+            profile.mark("import flaxlm's run modules (configurables)")
         from flaxlm.data import pipeline
 
         try:
             pipeline.import_task_module(FLAGS.tasks_module, "--tasks_module")
         except ValueError as e:
             _fail(str(e))
+        if profile:
+            profile.mark(f"task registration (import {FLAGS.tasks_module})")
         pipeline.configure_tensorflow()
         jax.devices()
+        if profile:
+            profile.mark("TensorFlow set-up, JAX devices")
     try:
         # Gin logs every search-path miss while resolving includes; failures still raise.
         verbosity = logging.get_verbosity()
@@ -178,8 +275,16 @@ def main(argv: list[str]) -> None:
         _fail(f"bad Gin configuration: {e}")
     for sig, handler in previous.items():
         signal.signal(sig, handler)
+    if profile:
+        profile.mark("Gin: parse files and bindings, check macros")
+        startup.instrument_run(
+            profile, [*modules, pipeline, importlib.import_module("flaxlm.runs.loop")]
+        )
     try:
         gin_utils.run()
+        if profile:
+            profile.print_table()  # a run with no step (infer, import_hf): at its end
+            print(profile.compile_summary(), flush=True)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
     except FloatingPointError as e:
