@@ -28,6 +28,7 @@ from flaxlm.models.layers import (
 from flaxlm.models.masks import (
     Decoding,
     Mask,
+    paged_mask,
     plain_causal,
     whole_self_attention,
 )
@@ -113,6 +114,8 @@ class KVCache(nn.Module):
     def __call__(self, key: Array, value: Array, decoding: Decoding | None) -> tuple[Array, Array]:
         if decoding is None:
             return key, value
+        if decoding.paged:
+            return self.paged(key, value, decoding)
         shape = (key.shape[0], decoding.length, *key.shape[2:])
         cached = {
             name: self.variable("cache", name, jnp.zeros, shape, x.dtype)
@@ -126,6 +129,26 @@ class KVCache(nn.Module):
             )
             var.value = constrain(updated, self.axes)
             out.append(var.value)
+        return out[0], out[1]
+
+    def paged(self, key: Array, value: Array, decoding: Decoding) -> tuple[Array, Array]:
+        """Writes each token's key and value into its page of the pool `[num_pages,
+        page_size, kv_heads, head_dim]` and returns every row's pages gathered in order
+        `[batch, length, kv_heads, head_dim]` (what `masks.paged_mask` masks)."""
+        size = decoding.page_size
+        slots = jnp.maximum(decoding.slots, 0)  # [batch, q_len]
+        page = jnp.take_along_axis(decoding.page_table, slots // size, axis=1)
+        page = jnp.where(decoding.slots >= 0, page, 0)  # padding: page 0, never read
+        pool_axes = (None, None, *self.axes[2:])
+        out = []
+        for name, x in (("key", key), ("value", value)):
+            shape = (decoding.num_pages, size, *x.shape[2:])
+            var = self.variable("cache", name, jnp.zeros, shape, x.dtype)
+            pool = var.value.at[page, slots % size].set(x.astype(var.value.dtype))
+            var.value = constrain(pool, pool_axes)
+            rows = pool[decoding.page_table]  # [batch, pages, page_size, kv_heads, head_dim]
+            rows = rows.reshape(x.shape[0], -1, *x.shape[2:])
+            out.append(constrain(rows, self.axes))
         return out[0], out[1]
 
 
@@ -448,6 +471,8 @@ def rotary_self_attention(
     k, v = KVCache(kv_axes, name="cache")(k, v, decoding)
     if isinstance(mask, Mask):
         mask = mask.within(window)
+    elif window is not None and decoding is not None and decoding.paged:
+        mask = mask & paged_mask(decoding, window)
     attn = dot_product_attention(
         q,
         k,

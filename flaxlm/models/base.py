@@ -422,6 +422,67 @@ class DecoderOnlyModel(_SingleStackModel):
         cache_len = decoding.cache_length(state["cache"])
         return self._run_decoder(params, token[:, None], state["prompt_len"] + t, state, cache_len)
 
+    # -------------------------------------------------------------- paged decoding
+
+    def paged_refusal(self) -> str | None:
+        """Why this model cannot decode over a paged KV cache (`paged_logits`), or None.
+        Phi-3 overrides the skeleton's call (its LongRoPE switch recomputes a contiguous
+        cache), so it keeps the contiguous path."""
+        module = self._decode_module()
+        if not isinstance(module, CausalLM) or type(module).__call__ is not CausalLM.__call__:
+            return f"{type(module).__name__} decodes over a contiguous KV cache only."
+        return None
+
+    def paged_cache(self, num_pages: int, page_size: int) -> Any:
+        """Zeros of a paged KV cache (the `cache` collection): `num_pages` pages of
+        `page_size` slots, each leaf `[(layers,) num_pages, page_size, kv_heads, head_dim]`."""
+
+        def init_cache() -> Any:
+            one = jnp.zeros((1, 1), jnp.int32)
+            where = masks.Decoding(jnp.int32(0), one[0], page_size, one, one, num_pages, page_size)
+            module = self._decode_module()
+            return module.init(jax.random.PRNGKey(0), one, None, None, decoding=where)["cache"]
+
+        return decoding.empty_cache(init_cache)
+
+    def paged_logits(
+        self,
+        params: Params,
+        cache: Any,
+        tokens: Array,
+        slots: Array,
+        page_table: Array,
+        last: Array,
+    ) -> tuple[Array, Any]:
+        """Feeds `tokens` int32 `[rows, length]` at `slots` (their positions; -1: padding)
+        of the rows whose pages `page_table` int32 `[rows, pages]` lists, writing their keys
+        and values into the paged `cache`: float32 logits `[rows, vocab]` after the token at
+        index `last` int32 `[rows]` of each row, and the cache."""
+        leaf = jax.tree.leaves(cache)[0]
+        num_pages, page_size = leaf.shape[leaf.ndim - 4], leaf.shape[leaf.ndim - 3]
+        rows = tokens.shape[0]
+        where = masks.Decoding(
+            jnp.int32(0),
+            jnp.zeros((rows,), jnp.int32),
+            page_table.shape[1] * page_size,
+            page_table,
+            slots,
+            num_pages,
+            page_size,
+        )
+        hidden, variables = self._decode_module().apply(
+            {"params": params, "cache": cache},
+            tokens,
+            jnp.maximum(slots, 0),
+            None,
+            decoding=where,
+            return_hidden=True,
+            mutable=["cache"],
+        )
+        hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
+        logits = self.module.head_logits(params, hidden)[:, 0]
+        return self._mask_padded_vocab(logits), variables["cache"]
+
 
 @gin.configurable
 class EncoderDecoderModel(BaseModel):

@@ -191,11 +191,38 @@ def attention_mask(
 class Decoding:
     """Where incremental decoding is: the cache slot of the first query token (`index`), the
     first slot of each row that holds a real token (`start`; prompts are left-padded so
-    every row writes the same slot), and the cache size (`length`, static)."""
+    every row writes the same slot), and the cache size (`length`, static).
+
+    Paged (the serving engine, `inference/pages.py`), when `page_table` is set: the cache is
+    a pool of `num_pages` pages of `page_size` slots shared by all rows; row b's slot s
+    lives in page `page_table[b, s // page_size]` at offset `s % page_size`, and `slots`
+    says the slot (the position) of each query token, -1 for padding (written to page 0,
+    which no row reads). Rows are not padded on the left: `index` is 0, `start` zeros and
+    `length` the slots a row's page table covers."""
 
     index: Array  # int32 scalar
     start: Array  # int32 [batch]
     length: int = flax.struct.field(pytree_node=False, default=0)
+    page_table: Array | None = None  # int32 [batch, pages]
+    slots: Array | None = None  # int32 [batch, q_len]
+    num_pages: int = flax.struct.field(pytree_node=False, default=0)
+    page_size: int = flax.struct.field(pytree_node=False, default=0)
+
+    @property
+    def paged(self) -> bool:
+        return self.page_table is not None
+
+
+def paged_mask(decoding: Decoding, window: Array | int | None = None) -> Array:
+    """bool `[batch, 1, q_len, length]` of a paged `decoding`: each query sees the slots up
+    to its own, within `window` (None: all). A padding query sees slot 0 (its output is
+    dropped; a row that sees nothing would divide by zero)."""
+    q_slot = jnp.maximum(decoding.slots, 0)[:, :, None]
+    k_slot = jnp.arange(decoding.length, dtype=jnp.int32)[None, None, :]
+    keep = k_slot <= q_slot
+    if window is not None:
+        keep = keep & (q_slot - k_slot < window)
+    return keep[:, None]
 
 
 def forgetful_causal_mask(
@@ -226,6 +253,8 @@ def causal_mask(
         return attention_mask(
             segment_ids, batch, length, causal=True, sliding_window=sliding_window
         )
+    if decoding.paged:
+        return paged_mask(decoding, sliding_window)
     return Mask(
         q_segment_ids=None,
         kv_segment_ids=None,

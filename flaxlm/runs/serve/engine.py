@@ -1,7 +1,12 @@
-"""The engine: one thread owns the model. It takes the first queued completion and every
-other that arrives within `batch_wait_ms` (up to `max_batch_size`), decodes them as one batch
-step by step on the mesh (KV cache, per-row temperature and top-p), and hands each request
-its tokens as they come."""
+"""The engine: one thread owns the model and hands each completion its tokens as they come.
+
+`Engine` batches continuously over a paged KV cache (`inference/scheduler.py`): completions
+join the running batch at any dispatch and leave when done, prompts are read in chunks
+between decode dispatches of several tokens each, and completions with a common prompt share
+its pages. A model that cannot page (`BaseModel.paged_refusal`: Phi-3, encoder-decoders)
+decodes as `BatchEngine` does: the first queued completion and every other that arrives
+within `batch_wait_ms` (up to `max_batch_size`) decoded as one batch step by step over a
+contiguous cache, per-row temperature and top-p."""
 
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import numpy as np
 import seqio
 
 from flaxlm.inference import decoding, generation
-from flaxlm.models import losses
+from flaxlm.inference.scheduler import Scheduler, select
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve.api import MAX_LOGPROBS, Completion, check_prompt_ids
@@ -36,7 +41,7 @@ class _Row(NamedTuple):
     seed: np.uint32
 
 
-class Engine:
+class BatchEngine:
     """Decodes queued completions in dynamic batches on one thread.
 
     Events a completion receives: ("token", id, logprob, top) per new token, then
@@ -60,10 +65,11 @@ class Engine:
         self.vocab_size = getattr(model.config, "real_vocab_size", None) or model.config.vocab_size
         self.max_batch_size = max_batch_size
         self.batch_wait = batch_wait_ms / 1000.0
-        self.queue: queue.Queue[Completion | None] = queue.Queue()  # None: wake up, stop
+        # None: wake up, stop; a list: completions admitted together (`Engine.submit_many`).
+        self.queue: queue.Queue[Completion | list[Completion] | None] = queue.Queue()
         self._prefill = jax.jit(model.prefill, static_argnums=(3,))
         self._step = jax.jit(model.decode_step, static_argnums=(4,), donate_argnums=(3,))
-        self._select = jax.jit(_select, static_argnums=(4,))
+        self._select = jax.jit(select, static_argnums=(4,))
         self.batches = 0
         self._stopping = False
         self._lock = threading.Lock()  # orders submit() against stop()
@@ -93,10 +99,10 @@ class Engine:
             self._thread.join()
         while True:
             try:
-                completion = self.queue.get_nowait()
+                item = self.queue.get_nowait()
             except queue.Empty:
                 break
-            if completion is not None:
+            for completion in _completions(item):
                 completion.events.put(("cancelled", SHUTTING_DOWN))
 
     def _loop(self) -> None:
@@ -117,7 +123,7 @@ class Engine:
         first = self.queue.get()
         if first is None:
             return []
-        batch = [first]
+        batch = _completions(first)
         deadline = time.monotonic() + self.batch_wait
         while len(batch) < self.max_batch_size:
             remaining = deadline - time.monotonic()
@@ -127,7 +133,7 @@ class Engine:
                 break
             if c is None:
                 break
-            batch.append(c)
+            batch += _completions(c)
         return batch
 
     def decode(self, batch: Sequence[Completion]) -> None:
@@ -220,21 +226,129 @@ class Engine:
         return _Row(c, ids, temperature, top_p, np.uint32(c.seed))  # OverflowError: seed
 
 
-def _select(
-    logits: jax.Array,
-    keys: jax.Array,
-    temperature: jax.Array,
-    top_p: jax.Array,
-    num_top: int,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Per row: greedy where temperature is 0, else a sample from the top-p nucleus of
-    softmax(logits / temperature); the token's log-probability and the `num_top` most
-    likely tokens with theirs (of the model's distribution, before temperature)."""
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    filtered = decoding.filter_logits(scaled, top_p=top_p[:, None])
-    sampled = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, filtered)
-    token = jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
-    token_lp = losses.select_tokens(log_probs, token)
-    top_lps, top_ids = jax.lax.top_k(log_probs, num_top)
-    return token, token_lp, top_ids, top_lps
+class Engine(BatchEngine):
+    """Continuous batching over a paged KV cache on one thread (`inference/scheduler.py`);
+    a model that cannot page decodes in dynamic batches (`BatchEngine`).
+
+    Events a completion receives: ("token", id, logprob, top) per new token, then
+    ("done", finish_reason), ("error", message) when it cannot be decoded, or
+    ("cancelled", message) when the engine stopped first or `cancel` dropped it."""
+
+    def __init__(
+        self,
+        model: BaseModel,
+        params: Any,
+        partitioner: Partitioner,
+        vocabulary: seqio.Vocabulary,
+        *,
+        max_batch_size: int = 8,
+        batch_wait_ms: float = 10.0,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_seq_len: int | None = None,
+        decode_steps: int = 8,
+        prefill_chunk: int = 64,
+        prefill_rows: int = 2,
+    ):
+        """
+        Args:
+          max_batch_size: sequences decoded together.
+          batch_wait_ms: an idle engine waits this long after a completion arrives for
+            others to start with it.
+          page_size, num_pages, decode_steps, prefill_chunk, prefill_rows: see `Scheduler`.
+          max_seq_len: the longest prompt plus completion (default: the model's positions,
+            at most 2048).
+        """
+        super().__init__(
+            model,
+            params,
+            partitioner,
+            vocabulary,
+            max_batch_size=max_batch_size,
+            batch_wait_ms=batch_wait_ms,
+        )
+        self.scheduler: Scheduler | None = None
+        self._cancels: list[tuple[Completion, str]] = []  # guarded by self._lock
+        if model.paged_refusal() is None:
+            self.scheduler = Scheduler(
+                model,
+                params,
+                partitioner,
+                max_rows=max_batch_size,
+                page_size=page_size,
+                num_pages=num_pages,
+                max_seq_len=max_seq_len or min(model.position_limit() or 2048, 2048),
+                decode_steps=decode_steps,
+                prefill_chunk=prefill_chunk,
+                prefill_rows=prefill_rows,
+                num_top=MAX_LOGPROBS,
+            )
+
+    def submit_many(self, completions: Sequence[Completion]) -> None:
+        """Queues `completions` to be admitted together: those with one prompt (a request's
+        `n` choices) read it once and share its pages."""
+        with self._lock:
+            if not self._stopping:
+                self.queue.put(list(completions))
+                return
+        for c in completions:
+            c.events.put(("cancelled", SHUTTING_DOWN))
+
+    def cancel(self, completion: Completion, message: str = "Cancelled by the client.") -> None:
+        """Drops `completion` after the current dispatch (its pages freed) with a
+        ("cancelled", message) event; nothing when it has ended already."""
+        with self._lock:
+            self._cancels.append((completion, message))
+        self.queue.put(None)  # wakes an idle engine
+
+    def _loop(self) -> None:
+        if self.scheduler is None:
+            return super()._loop()
+        scheduler = self.scheduler
+        while True:
+            self._take(block=not scheduler.busy)
+            if self._stopping:
+                scheduler.cancel_all("cancelled", SHUTTING_DOWN)
+                return
+            try:
+                scheduler.step()
+            except Exception as e:  # noqa: BLE001 - report to the jobs in flight, keep serving
+                scheduler.cancel_all("error", f"{type(e).__name__}: {e}")
+                scheduler.reset()
+            self.batches = scheduler.decode_dispatches
+
+    def _take(self, block: bool) -> None:
+        """Hands the scheduler what was queued (when `block`, waiting for something, then
+        `batch_wait` for more) and the cancellations asked for."""
+        items = []
+        if block:
+            items.append(self.queue.get())
+            deadline = time.monotonic() + self.batch_wait
+            while (remaining := deadline - time.monotonic()) > 0 and items[-1] is not None:
+                try:
+                    items.append(self.queue.get(timeout=remaining))
+                except queue.Empty:
+                    break
+        while True:
+            try:
+                items.append(self.queue.get_nowait())
+            except queue.Empty:
+                break
+        for item in items:
+            for c in _completions(item):
+                try:
+                    self._row(c)  # the settings the batch's arrays hold
+                    self.scheduler.add(c)
+                except Exception as e:  # noqa: BLE001 - this completion alone fails
+                    c.events.put(("error", f"{type(e).__name__}: {e}"))
+        with self._lock:
+            cancels, self._cancels = self._cancels, []
+        for c, message in cancels:
+            self.scheduler.cancel(c, message)
+
+
+def _completions(item: Completion | list[Completion] | None) -> list[Completion]:
+    """The completions a queue item holds."""
+    if item is None:
+        return []
+    return item if isinstance(item, list) else [item]

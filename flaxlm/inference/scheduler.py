@@ -1,0 +1,429 @@
+"""Continuous batching over a paged KV cache (`pages.py`): jobs join the running batch at
+any dispatch and leave when done, their pages freed at once.
+
+Each `step` admits what fits (pages reserved for the prompt and every token it may
+generate; a job that can never fit is refused, one that cannot fit yet waits its turn), runs
+one prefill dispatch (the next chunk of up to `prefill_rows` prompts, so that a long prompt
+never stalls the running streams for more than a chunk) and one decode dispatch
+(`decode_steps` tokens for every running sequence in one `lax.scan` on the device: no host
+round trip per token).
+
+Prefix sharing: a job whose prompt equals one being prefilled follows it (the prompt is
+prefilled once; its full pages are shared, the page it ends in copied before either writes
+there), and a prompt's full pages stay in the prefix cache after their sequence ends, found
+again by later jobs with the same prefix.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from flaxlm.inference import decoding
+from flaxlm.inference.pages import PagePool, pages_for, prefix_keys
+from flaxlm.models import losses
+from flaxlm.models.base import BaseModel
+from flaxlm.parallel.partitioning import Partitioner
+
+Array = jax.Array
+
+
+class Job(Protocol):
+    """What the scheduler reads of a job (the server's `Completion`); it puts ("token", id,
+    logprob, top), then ("done", "stop" | "length") on `events` (or ("cancelled", msg))."""
+
+    prompt_ids: Sequence[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    events: Any
+
+
+@dataclasses.dataclass(eq=False)
+class _Sequence:
+    job: Job
+    prompt: np.ndarray  # int32 [length]
+    pages: list[int]  # a follower's own pages until its leader's prompt is read
+    keys: list[bytes]  # prefix-cache keys of the prompt's full pages
+    computed: int = 0  # prompt tokens whose keys and values are in the cache
+    generated: int = 0
+    last_token: int = 0  # sampled, not yet fed
+    leader: _Sequence | None = None
+    followers: list[_Sequence] = dataclasses.field(default_factory=list)
+
+    @property
+    def decoding(self) -> bool:
+        return self.leader is None and self.computed == len(self.prompt)
+
+
+class Scheduler:
+    """Continuous batching of `Job`s over one paged KV cache; not thread-safe (one thread
+    calls `add`, `cancel` and `step`)."""
+
+    def __init__(
+        self,
+        model: BaseModel,
+        params: Any,
+        partitioner: Partitioner,
+        *,
+        max_rows: int = 8,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_seq_len: int = 2048,
+        decode_steps: int = 8,
+        prefill_chunk: int = 64,
+        prefill_rows: int = 2,
+        num_top: int = 5,
+    ):
+        """
+        Args:
+          max_rows: sequences decoded together (the decode dispatch's rows).
+          page_size: slots per page.
+          num_pages: pages of the pool (page 0 reserved); default: `max_rows` sequences of
+            `max_seq_len` slots.
+          max_seq_len: the longest prompt plus generated tokens a sequence may hold.
+          decode_steps: tokens each decode dispatch generates per sequence.
+          prefill_chunk, prefill_rows: each prefill dispatch reads this many prompt tokens of
+            this many prompts.
+          num_top: the most likely tokens reported with each token.
+        """
+        refusal = model.paged_refusal()
+        if refusal is not None:
+            raise ValueError(refusal)
+        self.model = model
+        self.params = params
+        self.partitioner = partitioner
+        self.max_rows = max_rows
+        self.page_size = page_size
+        self.max_table = pages_for(max_seq_len, page_size)
+        self.max_seq_len = self.max_table * page_size
+        self.num_pages = num_pages or max_rows * self.max_table + 1
+        self.decode_steps = decode_steps
+        self.prefill_chunk = prefill_chunk
+        self.prefill_rows = prefill_rows
+        self.num_top = num_top
+        self.position_limit = model.position_limit()
+        self.eos_ids = tuple(model.eos_ids)
+        self.waiting: collections.deque[_Sequence] = collections.deque()
+        self.running: list[_Sequence] = []
+        self.prefilled_tokens = 0  # prompt tokens read by prefill dispatches
+        self.decode_dispatches = 0
+        self.prefill_dispatches = 0
+        shapes = jax.eval_shape(lambda: model.paged_cache(self.num_pages, page_size))
+        self._shardings = jax.tree.map(self._pool_sharding, shapes)
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
+        self._copy = jax.jit(self._copy_fn, donate_argnums=(0,))
+        self._first = jax.jit(self._first_fn)
+        self.reset()
+
+    # ------------------------------------------------------------ the host's side
+
+    def reset(self) -> None:
+        """A fresh pool and cache (after a failed dispatch: the donated cache is gone)."""
+        self.pool = PagePool(self.num_pages, self.page_size)
+        with self.partitioner.context():
+            make = jax.jit(
+                lambda: self.model.paged_cache(self.num_pages, self.page_size),
+                out_shardings=self._shardings,
+            )
+            self.cache = make()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, job: Job) -> None:
+        """Queues `job`; a ValueError when it could never fit (nothing queued then)."""
+        prompt = np.asarray(job.prompt_ids, np.int32)
+        slots = len(prompt) + job.max_tokens - 1  # the last token is never fed back
+        if len(prompt) < 1 or job.max_tokens < 1:
+            raise ValueError("A job needs a prompt token and max_tokens of at least 1.")
+        if self.position_limit is not None and len(prompt) + job.max_tokens > self.position_limit:
+            raise ValueError(
+                f"The prompt has {len(prompt)} tokens; with max_tokens={job.max_tokens} that is "
+                f"beyond the model's {self.position_limit} positions."
+            )
+        if slots > self.max_seq_len or pages_for(slots, self.page_size) > self.pool.capacity:
+            raise ValueError(
+                f"The prompt has {len(prompt)} tokens; with max_tokens={job.max_tokens} that is "
+                f"beyond the engine's {min(self.max_seq_len, self.pool.capacity * self.page_size)}"
+                " slots per sequence."
+            )
+        keys = prefix_keys(prompt, self.page_size, len(prompt) // self.page_size)
+        self.waiting.append(_Sequence(job, prompt, [], keys))
+
+    def cancel(self, job: Job, message: str) -> bool:
+        """Drops `job` (its pages freed) with a ("cancelled", message) event; False when the
+        scheduler does not hold it."""
+        for seq in [*self.waiting, *self.running]:
+            if seq.job is job:
+                self._end(seq, ("cancelled", message))
+                return True
+        return False
+
+    def cancel_all(self, kind: str, message: str) -> None:
+        """Ends every job held with a (kind, message) event."""
+        for seq in [*self.waiting, *self.running]:
+            self._end(seq, (kind, message))
+
+    def step(self) -> None:
+        """Admits what fits, then one prefill and one decode dispatch where there is work."""
+        self._admit()
+        if any(s.leader is None and s.computed < len(s.prompt) for s in self.running):
+            self._prefill_step()
+        if any(s.decoding for s in self.running):
+            self._decode_step()
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_rows:
+            seq = self.waiting[0]
+            total = pages_for(len(seq.prompt) + seq.job.max_tokens - 1, self.page_size)
+            leader = next(
+                (
+                    s
+                    for s in self.running
+                    if s.leader is None
+                    and s.computed < len(s.prompt)
+                    and np.array_equal(s.prompt, seq.prompt)
+                ),
+                None,
+            )
+            if leader is not None:  # shares the leader's full prompt pages once read
+                need, hits = total - len(seq.keys), []
+            else:  # the last prompt token is always read: its logits start the reply
+                hits = self.pool.lookup(seq.keys[: (len(seq.prompt) - 1) // self.page_size])
+                need = total - len(hits)
+                self.pool.share(hits)
+            if need > self.pool.available():
+                self.pool.release(hits)
+                return
+            self.waiting.popleft()
+            seq.pages = hits + self.pool.allocate(need)
+            seq.computed = len(hits) * self.page_size
+            if leader is not None:
+                seq.leader = leader
+                leader.followers.append(seq)
+            self.running.append(seq)
+
+    def _end(self, seq: _Sequence, event: tuple) -> None:
+        """Puts the last `event` of `seq` and frees its pages; its followers are queued
+        again on their own when it had not read its prompt yet."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+            self.pool.release(seq.pages)
+        seq.pages = []
+        if seq.leader is not None:
+            seq.leader.followers.remove(seq)
+        for f in reversed(seq.followers):
+            self.running.remove(f)
+            self.pool.release(f.pages)
+            f.pages, f.leader = [], None
+            self.waiting.appendleft(f)
+        seq.followers = []
+        seq.job.events.put(event)
+
+    def _emit(self, seq: _Sequence, token: int, logprob: float, top: list) -> bool:
+        """Hands `seq` its sampled token; True while it goes on."""
+        if token in self.eos_ids:
+            self._end(seq, ("done", "stop"))
+            return False
+        seq.job.events.put(("token", token, logprob, top))
+        seq.generated += 1
+        seq.last_token = token
+        if seq.generated >= seq.job.max_tokens:
+            self._end(seq, ("done", "length"))
+            return False
+        return True
+
+    def _bucket(self, pages: int) -> int:
+        """Page-table width for `pages`: a power of two (few compiled programs)."""
+        width = max(1, self.max_table // 8)
+        while width < pages:
+            width *= 2
+        return min(width, self.max_table)
+
+    def _table(self, rows: Sequence[_Sequence], pages: Sequence[int], count: int) -> np.ndarray:
+        table = np.zeros((count, self._bucket(max(pages))), np.int32)
+        for i, (seq, n) in enumerate(zip(rows, pages)):
+            table[i, :n] = seq.pages[:n]
+        return table
+
+    def _prefill_step(self) -> None:
+        rows = [s for s in self.running if s.leader is None and s.computed < len(s.prompt)]
+        rows = rows[: self.prefill_rows]
+        size, chunk = self.prefill_rows, self.prefill_chunk
+        tokens = np.zeros((size, chunk), np.int32)
+        slots = np.full((size, chunk), -1, np.int32)
+        last = np.zeros((size,), np.int32)
+        needed = []
+        for i, seq in enumerate(rows):
+            n = min(chunk, len(seq.prompt) - seq.computed)
+            tokens[i, :n] = seq.prompt[seq.computed : seq.computed + n]
+            slots[i, :n] = np.arange(seq.computed, seq.computed + n)
+            last[i] = n - 1
+            needed.append(pages_for(seq.computed + n, self.page_size))
+        table = self._table(rows, needed, size)
+        with self.partitioner.context():
+            logits, self.cache = self._prefill(self.params, self.cache, tokens, slots, table, last)
+        self.prefill_dispatches += 1
+        finished = []  # (sequence, its logits row)
+        for i, seq in enumerate(rows):
+            n = int(last[i]) + 1
+            self.prefilled_tokens += n
+            seq.computed += n
+            for p in range(min(seq.computed // self.page_size, len(seq.keys))):
+                self.pool.register(seq.keys[p], seq.pages[p])
+            if seq.computed == len(seq.prompt):
+                finished += [(seq, i)] + [(f, i) for f in seq.followers]
+                self._fork(seq)
+        if finished:
+            self._start(logits, finished)
+
+    def _fork(self, leader: _Sequence) -> None:
+        """The leader's prompt is read: each follower takes its full prompt pages and a copy
+        of the page it ends in (written by each of them next)."""
+        full = len(leader.prompt) // self.page_size
+        copies = []
+        for f in leader.followers:
+            self.pool.share(leader.pages[:full])
+            if len(leader.prompt) % self.page_size:
+                copies.append((leader.pages[full], f.pages[0]))
+            f.pages = leader.pages[:full] + f.pages
+            f.computed, f.leader = len(f.prompt), None
+        leader.followers = []
+        if copies:
+            src = np.zeros((self.max_rows,), np.int32)
+            dst = np.zeros((self.max_rows,), np.int32)
+            src[: len(copies)], dst[: len(copies)] = zip(*copies)
+            with self.partitioner.context():
+                self.cache = self._copy(self.cache, src, dst)
+
+    def _start(self, logits: Array, finished: list[tuple[_Sequence, int]]) -> None:
+        """Samples each finished prompt's first token (a follower its own)."""
+        size = self.max_rows
+        index = np.zeros((size,), np.int32)
+        seeds = np.zeros((size,), np.uint32)
+        temperature = np.zeros((size,), np.float32)
+        top_p = np.ones((size,), np.float32)
+        for j, (seq, i) in enumerate(finished):
+            index[j], seeds[j] = i, seq.job.seed
+            temperature[j], top_p[j] = seq.job.temperature, seq.job.top_p
+        counts = np.zeros((size,), np.int32)
+        with self.partitioner.context():
+            out = self._first(logits, index, seeds, counts, temperature, top_p)
+        token, lp, top_ids, top_lps = (np.asarray(x) for x in out)
+        for j, (seq, _) in enumerate(finished):
+            top = list(zip(top_ids[j].tolist(), top_lps[j].tolist()))
+            self._emit(seq, int(token[j]), float(lp[j]), top)
+
+    def _decode_step(self) -> None:
+        rows = [s for s in self.running if s.decoding]
+        size, steps = self.max_rows, self.decode_steps
+        tokens = np.zeros((size,), np.int32)
+        slots = np.zeros((size,), np.int32)
+        remaining = np.zeros((size,), np.int32)
+        seeds = np.zeros((size,), np.uint32)
+        counts = np.zeros((size,), np.int32)
+        temperature = np.zeros((size,), np.float32)
+        top_p = np.ones((size,), np.float32)
+        needed = []
+        for i, seq in enumerate(rows):
+            tokens[i] = seq.last_token
+            slots[i] = len(seq.prompt) + seq.generated - 1
+            remaining[i] = seq.job.max_tokens - seq.generated
+            seeds[i], counts[i] = seq.job.seed, seq.generated
+            temperature[i], top_p[i] = seq.job.temperature, seq.job.top_p
+            needed.append(min(len(seq.pages), pages_for(slots[i] + steps, self.page_size)))
+        table = self._table(rows, needed, size)
+        args = (tokens, slots, table, remaining, seeds, counts, temperature, top_p)
+        with self.partitioner.context():
+            self.cache, *out = self._decode(self.params, self.cache, *args)
+        self.decode_dispatches += 1
+        token, lp, top_ids, top_lps = (np.asarray(x) for x in out)  # [steps, rows, ...]
+        for i, seq in enumerate(rows):
+            for k in range(steps):
+                top = list(zip(top_ids[k, i].tolist(), top_lps[k, i].tolist()))
+                if not self._emit(seq, int(token[k, i]), float(lp[k, i]), top):
+                    break
+
+    # ------------------------------------------------------------ the device's side
+
+    def _pool_sharding(self, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
+        """A pool leaf `[(layers,) pages, page_size, kv_heads, head_dim]`: its heads split as
+        the model splits them where they divide, the rest replicated."""
+        heads = "kv_heads" if leaf.shape[-2] > 1 else None
+        axes = (None,) * (leaf.ndim - 2) + (heads, "head_dim")
+        sharding = NamedSharding(self.partitioner.mesh, self.partitioner.mesh_axes(axes))
+        if not all(d % n == 0 for d, n in zip(leaf.shape, sharding.shard_shape(leaf.shape))):
+            return self.partitioner.replicated()
+        return sharding
+
+    def _prefill_fn(self, params, cache, tokens, slots, table, last):
+        logits, cache = self.model.paged_logits(params, cache, tokens, slots, table, last)
+        return logits, jax.lax.with_sharding_constraint(cache, self._shardings)
+
+    def _first_fn(self, logits, index, seeds, counts, temperature, top_p):
+        keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.PRNGKey)(seeds), counts)
+        return select(logits[index], keys, temperature, top_p, self.num_top)
+
+    def _decode_fn(self, params, cache, tokens, slots, table, remaining, seeds, counts, *sample):
+        """`decode_steps` tokens of every row: feed the last one, sample the next; a row
+        stops writing after an EOS or its last token."""
+        keys = jax.vmap(jax.random.PRNGKey)(seeds)
+        eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
+        last = jnp.zeros_like(tokens)
+
+        def one(carry, _):
+            cache, token, slot, remaining, count = carry
+            active = remaining > 0
+            fed = jnp.where(active, slot, -1)[:, None]
+            logits, cache = self.model.paged_logits(params, cache, token[:, None], fed, table, last)
+            step_keys = jax.vmap(jax.random.fold_in)(keys, count)
+            out = select(logits, step_keys, *sample, self.num_top)
+            stop = (out[0][:, None] == eos[None]).any(-1)
+            remaining = jnp.where(active & ~stop, remaining - 1, 0)
+            return (cache, out[0], slot + 1, remaining, count + 1), out
+
+        init = (cache, tokens, slots, remaining, counts)
+        (cache, *_), out = jax.lax.scan(one, init, None, length=self.decode_steps)
+        return (jax.lax.with_sharding_constraint(cache, self._shardings), *out)
+
+    def _copy_fn(self, cache, src, dst):
+        def copy(leaf):
+            axis = leaf.ndim - 4
+            pages = jnp.take(leaf, src, axis=axis)
+            index = (slice(None),) * axis + (dst,)
+            return leaf.at[index].set(pages)
+
+        return jax.lax.with_sharding_constraint(jax.tree.map(copy, cache), self._shardings)
+
+
+def select(
+    logits: Array,
+    keys: Array,
+    temperature: Array,
+    top_p: Array,
+    num_top: int,
+) -> tuple[Array, Array, Array, Array]:
+    """Per row: greedy where temperature is 0, else a sample from the top-p nucleus of
+    softmax(logits / temperature); the token's log-probability and the `num_top` most
+    likely tokens with theirs (of the model's distribution, before temperature)."""
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    filtered = decoding.filter_logits(scaled, top_p=top_p[:, None])
+    sampled = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, filtered)
+    token = jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+    token_lp = losses.select_tokens(log_probs, token)
+    top_lps, top_ids = jax.lax.top_k(log_probs, num_top)
+    return token, token_lp, top_ids, top_lps

@@ -1,0 +1,215 @@
+"""The serving engine over a paged KV cache (`inference/scheduler.py`, `inference/pages.py`)
+on a tiny HF Llama: continuous batching gives each request what it gets alone and what HF's
+`generate` gives; `n` samples of a prompt read it once; every page comes back."""
+
+import queue
+import time
+
+import numpy as np
+import pytest
+import seqio
+import transformers
+
+from flaxlm.checkpoints import hf
+from flaxlm.inference import generation
+from flaxlm.inference.pages import PagePool, prefix_keys
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.runs.serve.api import Completion
+from flaxlm.runs.serve.engine import Engine
+from tests.hf_helpers import random_hf_model, save_torch_model
+
+VOCAB = 96
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """(torch model, flaxlm model, params) of one tiny random Llama (no EOS: every request
+    decodes its max_tokens). A wide initialisation keeps greedy choices far apart."""
+    torch_model = random_hf_model(
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.3,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    path = save_torch_model(torch_model, tmp_path_factory.mktemp("llama"))
+    model, params = hf.from_pretrained(path, Partitioner())
+    return torch_model, model, params
+
+
+@pytest.fixture(scope="module")
+def engine(llama):
+    """One engine for the file (its programs compiled once): 8 rows, pages of 4 slots, a
+    pool of 40 pages (fewer than 8 rows of 64 slots need)."""
+    _, model, params = llama
+    e = Engine(
+        model,
+        params,
+        Partitioner(),
+        seqio.ByteVocabulary(),
+        max_batch_size=8,
+        page_size=PAGE,
+        num_pages=40,
+        max_seq_len=64,
+        decode_steps=4,
+        prefill_chunk=8,
+        prefill_rows=2,
+    )
+    e.start()
+    yield e
+    e.stop()
+
+
+def job(prompt, max_tokens, temperature=0.0, seed=0):
+    return Completion(list(prompt), max_tokens, temperature, 1.0, [], None, seed)
+
+
+def result(c, timeout=120):
+    """(token ids, final event) of a completion once it has ended."""
+    tokens = []
+    while True:
+        event = c.events.get(timeout=timeout)
+        if event[0] == "token":
+            tokens.append(event[1])
+        else:
+            return tokens, event
+
+
+def prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, VOCAB, int(rng.integers(1, 20))).tolist() for _ in range(n)]
+
+
+def wait_idle(engine, timeout=30):
+    deadline = time.monotonic() + timeout
+    while engine.scheduler.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_concurrent_greedy_requests_equal_each_alone_and_hf_generate(llama, engine):
+    torch_model, model, params = llama
+    cases = [(p, 3 + (i * 5) % 17) for i, p in enumerate(prompts(12))]
+    together = [job(p, n) for p, n in cases]
+    for c in together:
+        engine.submit(c)
+    outputs = [result(c) for c in together]
+    for (p, n), (tokens, last) in zip(cases, outputs):
+        assert last == ("done", "length") and len(tokens) == n
+    for (p, n), (tokens, _) in zip(cases[:4], outputs[:4]):
+        alone = job(p, n)
+        engine.submit(alone)
+        assert result(alone)[0] == tokens
+    import torch
+
+    for (p, n), (tokens, _) in zip(cases, outputs):
+        with torch.no_grad():
+            out = torch_model.generate(
+                torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0
+            )
+        assert tokens == out[0, len(p) :].tolist(), (p, n)
+    # ... and what the contiguous-cache path (`generation.generate`) gives.
+    p, n = cases[0]
+    ours = generation.generate(model, params, {"inputs": np.asarray([p])}, max_new_tokens=n)
+    assert ours[0].tolist() == outputs[0][0]
+
+
+def test_n_samples_of_one_prompt_read_it_once_and_share_its_pages(engine):
+    scheduler = engine.scheduler
+    wait_idle(engine)
+    prompt = prompts(1, seed=7)[0] + list(range(1, 11))  # ends inside a page
+    read, shared = scheduler.prefilled_tokens, scheduler.pool.shared
+    samples = [job(prompt, 6, temperature=1.0, seed=s) for s in range(4)]
+    engine.submit_many(samples)
+    outputs = [result(c)[0] for c in samples]
+    assert scheduler.prefilled_tokens - read == len(prompt)
+    assert scheduler.pool.shared - shared == 3 * (len(prompt) // PAGE)
+    assert len({tuple(o) for o in outputs}) > 1  # own seeds, own samples
+    # The same seed alone samples the same tokens (the copied page holds the same keys).
+    again = job(prompt, 6, temperature=1.0, seed=2)
+    engine.submit(again)
+    assert result(again)[0] == outputs[2]
+    # A later request with the same prefix finds its full pages in the prefix cache.
+    read = scheduler.prefilled_tokens
+    later = job(prompt + [5, 6, 7], 3)
+    engine.submit(later)
+    result(later)
+    assert scheduler.prefilled_tokens - read == len(later.prompt_ids) - (
+        len(prompt) // PAGE * PAGE
+    )
+
+
+def test_after_many_requests_cancelled_and_refused_every_page_is_free(engine):
+    scheduler = engine.scheduler
+    rng = np.random.default_rng(3)
+    jobs = []
+    for i, p in enumerate(prompts(60, seed=11)):
+        if i % 10 == 3:
+            c = job(p, 100)  # beyond 64 slots: refused
+        else:
+            c = job(p, int(rng.integers(1, 30)), temperature=float(i % 2), seed=i)
+        engine.submit(c)
+        jobs.append(c)
+        if i % 7 == 5:
+            engine.cancel(jobs[i - 2])
+    ends = [result(c)[1] for c in jobs]
+    assert all(e[0] == "error" and "slots per sequence" in e[1] for e in ends[3::10])
+    kinds = {e[0] for e in ends}
+    assert kinds <= {"done", "error", "cancelled"} and "cancelled" in kinds
+    wait_idle(engine)
+    pool = scheduler.pool
+    assert pool.in_use() == 0 and pool.available() == pool.capacity
+
+
+def test_a_request_larger_than_the_free_pages_waits_and_others_are_served(engine):
+    wait_idle(engine)
+    scheduler = engine.scheduler
+    # Eight long requests hold 8 * 12 = 96 slots' pages of the pool's 39: some wait.
+    long = [job(p, 40) for p in prompts(8, seed=5)]
+    short = job([1, 2, 3], 2)
+    for c in long:
+        engine.submit(c)
+    time.sleep(0.05)
+    engine.submit(short)
+    assert result(short)[1] == ("done", "length")
+    assert all(result(c)[1] == ("done", "length") for c in long)
+    wait_idle(engine)
+    assert scheduler.pool.in_use() == 0
+
+
+def test_page_pool_shares_caches_and_evicts_prefix_pages():
+    pool = PagePool(5, 2)
+    keys = prefix_keys([1, 2, 3, 4, 5], 2, 2)
+    assert prefix_keys([1, 2, 3, 9], 2, 2)[0] == keys[0] != prefix_keys([1, 2, 3, 9], 2, 2)[1]
+    pages = pool.allocate(3)
+    for key, page in zip(keys, pages):
+        pool.register(key, page)
+    pool.release(pages)
+    assert pool.available() == 4 and pool.in_use() == 0
+    hits = pool.lookup(keys)
+    assert hits == pages[:2]
+    pool.share(hits)
+    assert pool.available() == 2
+    with pytest.raises(ValueError, match="available"):
+        pool.allocate(3)
+    pool.release(hits)
+    pool.allocate(4)  # evicts the cached pages, least recently released first
+    assert pool.lookup(keys) == [] and pool.available() == 0
+
+
+def test_stop_cancels_what_is_queued(llama):
+    _, model, params = llama
+    e = Engine(model, params, Partitioner(), seqio.ByteVocabulary(), max_seq_len=32)
+    c = job([1, 2], 3)
+    e.submit(c)  # not started: stays queued
+    e.stop()
+    assert c.events.get_nowait()[0] == "cancelled"
+    with pytest.raises(queue.Empty):
+        c.events.get_nowait()
