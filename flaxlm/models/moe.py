@@ -21,8 +21,9 @@ each group of n devices, the tokens are all-gathered over `expert`, each device 
 experts on the assignments routed to them, and the partial outputs are summed and scattered
 back with one `psum_scatter` (its transpose, an all-gather, carries the gradient). That is
 2 x tokens x embed bytes per device and layer, against 2 x k x tokens / n x embed for a
-ragged all-to-all; `jax.lax.ragged_all_to_all` has no CPU lowering in JAX 0.10 (the tests' and
-the planner's platform), so the all-gather form is the one kept.
+ragged all-to-all; but `jax.lax.ragged_all_to_all` does not run on CPU (JAX 0.10: "HLO opcode
+`ragged-all-to-all` is not supported by XLA:CPU"), the tests' and the planner's platform, so
+the all-gather form is the one kept (the ragged all-to-all is the step for GPU and TPU).
 
 Load balance: every layer sows (Flax `intermediates`, collection `ROUTER_COLLECTION`) its
 router statistics over the real tokens (segment id > 0): the top-k assignment count and the

@@ -31,11 +31,11 @@ ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 FULL, SLIDING = "full_attention", "sliding_attention"  # HF's layer_types entries
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
-class QwenConfig(ComputeOptions):
+class QwenFields(ComputeOptions):
     """Qwen2 / Qwen2.5 / Qwen3 hyper-parameters (HF names where they exist); the defaults
-    are Qwen2.5-7B's."""
+    are Qwen2.5-7B's. `QwenConfig` is these; the Qwen MoE families (`qwen_moe.py`) build on
+    them without being a QwenConfig (an HF mapping is found by its config's class)."""
 
     vocab_size: int = 152064
     real_vocab_size: int | None = None  # ids from here up are padding (None: all real)
@@ -184,10 +184,17 @@ class QwenConfig(ComputeOptions):
         return Qwen(self)
 
 
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class QwenConfig(QwenFields):
+    """Qwen2 / Qwen2.5 / Qwen3 (dense) hyper-parameters: `QwenFields`; the defaults are
+    Qwen2.5-7B's."""
+
+
 class QwenBlock(nn.Module):
     """Pre-RMSNorm block: Qwen attention (biases, q/k norms, this layer's window), SwiGLU."""
 
-    config: QwenConfig
+    config: QwenFields
     deterministic: bool = True
 
     def dropped(self, y: Array) -> Array:

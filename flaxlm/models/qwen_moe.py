@@ -28,8 +28,8 @@ ARCHITECTURES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCa
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class QwenMoeConfig(qwen.QwenConfig, moe.MoEOptions):
-    """Qwen2-MoE / Qwen3-MoE hyper-parameters: QwenConfig's and MoEOptions' fields (HF's
+class QwenMoeConfig(qwen.QwenFields, moe.MoEOptions):
+    """Qwen2-MoE / Qwen3-MoE hyper-parameters: QwenFields' and MoEOptions' fields (HF's
     names); the defaults are Qwen3-30B-A3B's."""
 
     vocab_size: int = 151936
@@ -187,7 +187,7 @@ class QwenMoe(qwen.Qwen):
 def config_from_hf(hf: dict, **overrides: Any) -> QwenMoeConfig:
     """A QwenMoeConfig from a Qwen2-MoE or Qwen3-MoE config.json dict (+ field overrides)."""
     qwen3 = hf["model_type"] == "qwen3_moe"
-    window = hf.get("sliding_window")
+    window = hf.get("sliding_window") or None  # Qwen2-MoE writes 0 for none
     layer_types = hf.get("layer_types")
     kwargs = dict(
         vocab_size=hf["vocab_size"],
@@ -219,7 +219,8 @@ def config_from_hf(hf: dict, **overrides: Any) -> QwenMoeConfig:
 def moe_from_hf(hf: dict) -> dict[str, Any]:
     """MoEOptions' fields from an HF MoE config.json (Qwen / OLMoE names)."""
     return dict(
-        num_experts=hf["num_experts"],
+        # transformers 5 writes Qwen3-MoE's and Mixtral's as num_local_experts.
+        num_experts=hf.get("num_experts", hf.get("num_local_experts")),
         num_experts_per_tok=hf["num_experts_per_tok"],
         moe_intermediate_size=hf.get("moe_intermediate_size", hf["intermediate_size"]),
         norm_topk_prob=hf.get("norm_topk_prob", False),
@@ -230,9 +231,11 @@ def moe_from_hf(hf: dict) -> dict[str, Any]:
     )
 
 
-def moe_to_hf(cfg: moe.MoEOptions) -> dict[str, Any]:
+def moe_to_hf(cfg: moe.MoEOptions, experts_key: str = "num_experts") -> dict[str, Any]:
+    """MoEOptions' fields as HF names them (`experts_key`: the name of num_experts that
+    transformers 5 writes for the family)."""
     return {
-        "num_experts": cfg.num_experts,
+        experts_key: cfg.num_experts,
         "num_experts_per_tok": cfg.num_experts_per_tok,
         "moe_intermediate_size": cfg.moe_intermediate_size,
         "norm_topk_prob": cfg.norm_topk_prob,
@@ -251,7 +254,7 @@ def config_to_hf(cfg: QwenMoeConfig) -> dict:
         "rope_parameters": llama.rope_to_hf(cfg),
         "use_sliding_window": cfg.use_sliding_window,
         "sliding_window": cfg.sliding_window,
-        **moe_to_hf(cfg),
+        **moe_to_hf(cfg, "num_local_experts" if cfg.model_type == "qwen3_moe" else "num_experts"),
     }
     if cfg.model_type == "qwen3_moe":
         out["attention_bias"] = cfg.attention_bias
