@@ -28,8 +28,10 @@ Preference records (`register_preference_task`), one pair a line:
   plain:          {"prompt": str, "chosen": str, "rejected": str}
   conversational: {"prompt" (or "messages"): [messages...], "chosen": str | [one assistant
                   message], "rejected": the same}
-Plain text is encoded with the vocabulary (no template) and each answer ends with its EOS;
-a conversational prompt is the template's rendering with the generation prompt, and an
+Plain text with an HF tokenizer is tokenized as TRL's DPO does it (`plain_pair_as_trl`:
+the tokenizer's special tokens, EOS appended to an answer only when its text lacks it);
+with a seqio vocabulary it is encoded as is and each answer ends with its EOS; a
+conversational prompt is the template's rendering with the generation prompt, and an
 answer the rendering of prompt + answer minus the prompt (prefix-checked as above, trailing
 whitespace likewise untrained). `chosen` and `rejected` are signed sequences: the prompt
 negative, the answer positive.
@@ -84,6 +86,20 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         specials = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         self.control_ids = frozenset(specials | set(tokenizer.all_special_ids))
+        # The roles a conversation may use: those every chat template renders, and `tool`
+        # where this template renders tool messages.
+        template = str(tokenizer.chat_template)
+        self.roles = ("system", "user", "assistant") + (("tool",) if "tool" in template else ())
+
+    def check_roles(self, messages: Messages, where: str) -> None:
+        """A ValueError naming `where` and the message of a role the template does not know
+        (a misspelt 'asistant' would otherwise be trained as context, silently)."""
+        for n, message in enumerate(messages):
+            if message["role"] not in self.roles:
+                raise ValueError(
+                    f"{where}: message {n} has role {message['role']!r}, which the chat "
+                    f"template does not know; use one of {list(self.roles)}."
+                )
 
     def ids(self, messages: Messages, add_generation_prompt: bool = False) -> list[int]:
         """`apply_chat_template(messages, tokenize=True)`'s token ids, as a plain list."""
@@ -292,6 +308,7 @@ def render_chat_files(
         for number, record in read_numbered_jsonl(path, required=()):
             where = f"{path}:{number}"
             messages = chat_messages(record, where)
+            renderer.check_roles(messages, where)
             if not any(m["role"] == "assistant" for m in messages):
                 raise ValueError(f"{where}: no assistant message, so nothing to train on.")
             ids = renderer.conversation(messages, where)
@@ -387,6 +404,26 @@ def truncate_pair(
     return prompt, chosen[:room], rejected[:room]
 
 
+def plain_pair_as_trl(
+    vocabulary: HuggingFaceVocabulary, prompt: str, chosen: str, rejected: str
+) -> tuple[list[int], list[list[int]]]:
+    """Signed `(prompt ids, [chosen ids, rejected ids])` of a plain-text pair as TRL's DPO
+    tokenizes it: the texts with the tokenizer's special tokens (its BOS, where it adds one),
+    each answer's text ending with the EOS text once (appended only when not already there),
+    prompt + answer tokenized together and the answer taken from where the two renderings
+    part (tokens that merge across the boundary go to the answer)."""
+    eos = vocabulary.tokenizer.eos_token
+    if eos is None:
+        raise ValueError(f"The tokenizer {vocabulary!r} has no EOS to end the answers.")
+    prompt_ids = vocabulary.encode_text(prompt)
+    full = [
+        vocabulary.encode_text(prompt + (a if a.endswith(eos) else a + eos))
+        for a in (chosen, rejected)
+    ]
+    n = min(_first_difference(prompt_ids, f) for f in full)
+    return signed(prompt_ids[:n], False), [signed(f[n:], True) for f in full]
+
+
 def render_preference_files(
     files: Sequence[str],
     vocabulary: seqio.Vocabulary,
@@ -406,7 +443,9 @@ def render_preference_files(
             where = f"{path}:{number}"
             prompt, chosen, rejected = preference_parts(record, where)
             answers = []
-            if isinstance(prompt, str):
+            if isinstance(prompt, str) and isinstance(vocabulary, HuggingFaceVocabulary):
+                ids, answers = plain_pair_as_trl(vocabulary, prompt, chosen, rejected)
+            elif isinstance(prompt, str):
                 if vocabulary.eos_id is None:
                     raise ValueError(f"{where}: the vocabulary has no EOS to end the answers.")
                 ids = signed(vocabulary.encode(prompt), False)
@@ -414,6 +453,7 @@ def render_preference_files(
                     answers.append(signed([*vocabulary.encode(answer), vocabulary.eos_id], True))
             else:
                 chat = renderer()
+                chat.check_roles([*prompt, chosen, rejected], where)
                 for answer in (chosen, rejected):
                     full, spans = chat.spans([*prompt, answer], [len(prompt)], where)
                     (start, end), ids = spans[0], signed(full[: spans[0][0]], False)

@@ -91,16 +91,22 @@ def test_grpo_raises_the_reward_and_resumes_exactly(task, tmp_path):
 
 
 def test_rollout_batch_and_bad_config():
-    batch = rl.rollout_batch([[5, 6], [7]], np.array([[8, 1, 0], [9, 9, 9]]), (1,), 6)
+    # Prompts after seqio's start token 0: rows read [0, prompt, completion].
+    batch = rl.rollout_batch([[0, 5, 6], [0, 7]], np.array([[8, 1, 0], [9, 9, 9]]), (1,), 6)
     np.testing.assert_array_equal(
         batch["decoder_target_tokens"], [[5, 6, 8, 1, 0, 0], [7, 9, 9, 9, 0, 0]]
     )
     np.testing.assert_array_equal(
-        batch["decoder_input_tokens"], [[0, 5, 6, 8, 1, 0], [0, 7, 9, 9, 9, 0]]
+        batch["decoder_input_tokens"], [[0, 5, 6, 8, 0, 0], [0, 7, 9, 9, 0, 0]]
     )
     np.testing.assert_array_equal(
         batch["decoder_loss_weights"], [[0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 0, 0]]
     )
+    # As HF feeds a tokenizer without BOS: nothing inserted, the first token unpredicted.
+    hf = rl.rollout_batch([[5, 6], [7]], np.array([[8, 1, 0], [9, 9, 9]]), (1,), 5)
+    np.testing.assert_array_equal(hf["decoder_input_tokens"], [[5, 6, 8, 0, 0], [7, 9, 9, 0, 0]])
+    np.testing.assert_array_equal(hf["decoder_target_tokens"], [[6, 8, 1, 0, 0], [9, 9, 9, 0, 0]])
+    np.testing.assert_array_equal(hf["decoder_loss_weights"], [[0, 1, 1, 0, 0], [1, 1, 1, 0, 0]])
     with pytest.raises(ValueError, match="num_generations must be at least 2"):
         rl.GrpoConfig(num_generations=1)
     with pytest.raises(ValueError, match="2 reward_weights for 1 reward_fns"):

@@ -109,21 +109,22 @@ def test_loss_is_the_formula_on_the_models_sequence_scores():
     ref = np.asarray(model.score(reference, rows)).reshape(4, 2)
     avg, ref_avg = logps / 3.0, ref / 3.0
     expected = {
-        "dpo": objectives.dpo(*logps.T, *ref.T, beta=0.2, label_smoothing=0.1)[0],
+        "dpo": objectives.dpo(*logps.T, *ref.T, beta=0.2, flip_probability=0.1)[0],
         "ipo": objectives.ipo(*avg.T, *ref_avg.T, beta=0.2)[0],
         "orpo": objectives.orpo(*avg.T, -avg[:, 0], beta=0.2)[0],
-        "simpo": objectives.simpo(*avg.T, beta=0.2, gamma=0.3, label_smoothing=0.1)[0],
+        "simpo": objectives.simpo(*avg.T, beta=0.2, gamma=0.3, flip_probability=0.1)[0],
     }
-    # RPO: DPO plus the chosen answers' per-token NLL, weighted.
-    expected["rpo"] = expected["dpo"] - 0.5 * avg[:, 0]
+    # RPO as TRL's loss_type=['sigmoid', 'sft']: DPO plus the chosen answers' NLL as a
+    # mean over every chosen token of the batch (4 pairs x 3 answer tokens), weighted.
+    expected["rpo"] = np.mean(expected["dpo"]) + 0.5 * -logps[:, 0].sum() / 12
     for name, want in expected.items():
         smoothing = 0.1 if name in ("dpo", "simpo", "rpo") else 0.0
         cfg = preference.PreferenceConfig(
             "dpo" if name == "rpo" else name,
             beta=0.2,
-            label_smoothing=smoothing,
+            label_flip_probability=smoothing,
             gamma=0.3,
-            rpo_alpha=0.5 if name == "rpo" else None,
+            sft_weight=0.5 if name == "rpo" else None,
         )
         objective = preference.PreferenceModel(model, cfg, model, reference)
         loss, sums = objective.loss_fn(params, batch, None)
@@ -179,7 +180,7 @@ def test_other_losses_train_and_need_no_reference_unless_theirs(loss):
     assert after["eval/loss"] < before["eval/loss"]
     assert after["eval/rewards/margins"] > before["eval/rewards/margins"]
     if loss == "orpo":
-        assert np.isfinite(first["nll_loss"])
+        assert np.isfinite(first["chosen_nll"])
 
 
 def test_lora_dpo_keeps_the_base_bit_identical_and_uses_it_as_the_reference():

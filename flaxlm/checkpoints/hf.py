@@ -278,6 +278,7 @@ def model_from_hf_dir(
         eos_id=hf_eos_id(hf_config, generation),
         special_ids=special_ids(hf_config),
         generation_config=generation,
+        decoder_start_id=None,  # the sequences as HF feeds them (its tokenizer's BOS, if any)
     )
 
 

@@ -81,6 +81,7 @@ def write_model_record(
             hf_files.read_generation_config(hf_dir),
         )
         model = copy.copy(model)
+        model.decoder_start_id = None  # an HF checkpoint reads its rows as HF feeds them
         model.special_ids = hf.special_ids(hf_config)
         model.generation_config = generation
         model.eos_ids = eos_tuple(hf.hf_eos_id(hf_config, generation))
@@ -96,6 +97,7 @@ def write_model_record(
         record["flaxlm_config"] = dataclasses.asdict(model.config)
         record["flaxlm_eos_ids"] = list(model.eos_ids)
         record["flaxlm_generation_config"] = model.generation_config
+        record["flaxlm_decoder_start_id"] = getattr(model, "decoder_start_id", 0)
         tmp = out / (MODEL_RECORD + ".tmp")
         tmp.write_text(json.dumps(record, indent=2))
         tmp.rename(out / MODEL_RECORD)
@@ -123,15 +125,43 @@ def model_from_record(
         spec = hf.spec_for_model_type(record.get("model_type", "<missing>"))
         config = dataclasses.replace(spec.config_cls(**record["flaxlm_config"]), **overrides)
         generation = record.get("flaxlm_generation_config")
+        # A record from before the field was kept: its run read seqio's start token.
+        start = record.get("flaxlm_decoder_start_id", 0)
     else:  # an HF directory's config.json
         spec, config = hf.config_from_hf_dict(record, partitioner, overrides=overrides)
         generation = hf_files.read_generation_config(file.parent)
+        start = None
     eos = record.get("flaxlm_eos_ids", None)
     if "flaxlm_eos_ids" not in record:
         eos = hf.hf_eos_id(record, generation)
     return spec.model_cls(
-        config, eos_id=eos, special_ids=hf.special_ids(record), generation_config=generation
+        config,
+        eos_id=eos,
+        special_ids=hf.special_ids(record),
+        generation_config=generation,
+        decoder_start_id=start,
     )
+
+
+def with_decoder_start(
+    model: BaseModel, model_dir: str | epath.Path, init_from_hf: str | None
+) -> BaseModel:
+    """`model` reading its rows as the run at `model_dir` does: as its model record says
+    (a run resumes as it trained), else as HF feeds them for a run that starts from an HF
+    checkpoint (`decoder_start_id=None`), else as bound."""
+    file = model_record_file(model_dir)
+    if file is not None:
+        record = json.loads(file.read_text())
+        start = record.get("flaxlm_decoder_start_id", 0) if "flaxlm_config" in record else None
+    elif init_from_hf:
+        start = None
+    else:
+        return model
+    if getattr(model, "decoder_start_id", 0) == start:
+        return model
+    model = copy.copy(model)
+    model.decoder_start_id = start
+    return model
 
 
 def read_model(model_dir: str | epath.Path, partitioner: Partitioner | None = None) -> BaseModel:

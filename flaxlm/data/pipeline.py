@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
+import inspect
 import json
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import gin
@@ -39,6 +41,7 @@ import seqio
 import tensorflow as tf
 
 from flaxlm.data import packing
+from flaxlm.data.vocabularies import hf_prefix
 from flaxlm.parallel.partitioning import DataLayout, Partitioner
 
 _TF_CONFIGURED = False
@@ -92,9 +95,41 @@ class DatasetConfig:
     feature_converter: type | None = None
 
 
-def converter_for(cfg: DatasetConfig, model: Any) -> type[seqio.FeatureConverter]:
-    """The feature converter class `cfg` is read with: its own, else the model's."""
-    return cfg.feature_converter or model.FEATURE_CONVERTER_CLS
+def converter_for(cfg: DatasetConfig, model: Any) -> Callable[..., seqio.FeatureConverter]:
+    """The feature converter class `cfg` is read with (its own, else the model's), set to
+    read the rows as `model` reads them (`model_converter`)."""
+    if getattr(model, "decoder_start_id", 0) is None:
+        import_task_module(cfg.module)  # the task's vocabulary says what the rows start with
+    return model_converter(
+        cfg.feature_converter or model.FEATURE_CONVERTER_CLS, model, cfg.mixture_or_task_name
+    )
+
+
+def model_converter(
+    converter_cls: type[seqio.FeatureConverter], model: Any, task_name: str
+) -> Callable[..., seqio.FeatureConverter]:
+    """`converter_cls`, or for a decoder-only model that reads HF-form rows
+    (`decoder_start_id=None`), `converter_cls` with `hf_prefix`: the task vocabulary's own
+    prefix (an HF tokenizer's BOS where it adds one), or none where the task renders whole
+    sequences itself (`RENDERED_ROWS`: chat and preference tasks)."""
+    if getattr(model, "decoder_start_id", 0) is not None or "hf_prefix" not in (
+        inspect.signature(converter_cls).parameters
+    ):
+        return converter_cls
+    vocabulary = task_vocabulary(task_name)
+    prefix = () if getattr(converter_cls, "RENDERED_ROWS", False) else hf_prefix(vocabulary)
+    kwargs: dict[str, Any] = {"hf_prefix": prefix}
+    if "eos_id" in inspect.signature(converter_cls).parameters:
+        kwargs["eos_id"] = vocabulary.eos_id
+    return functools.partial(converter_cls, **kwargs)
+
+
+def task_vocabulary(name: str) -> seqio.Vocabulary:
+    """The vocabulary of the `targets` (or first) feature of a registered task or mixture."""
+    check_registered(name)
+    features = seqio.get_mixture_or_task(name).output_features
+    feature = features.get("targets") or next(iter(features.values()))
+    return feature.vocabulary
 
 
 def import_task_module(module: str | None, setting: str = "MIXTURE_OR_TASK_MODULE") -> None:

@@ -50,6 +50,7 @@ class HuggingFaceVocabulary(seqio.Vocabulary):
             )
         self._path = str(path)
         self._tokenizer: Any = None
+        self._prefix: tuple[int, ...] | None = None
         super().__init__(extra_ids=extra_ids)
 
     @property
@@ -73,6 +74,26 @@ class HuggingFaceVocabulary(seqio.Vocabulary):
     @property
     def bos_id(self) -> int | None:
         return self.tokenizer.bos_token_id
+
+    @property
+    def prefix_ids(self) -> tuple[int, ...]:
+        """The tokens the tokenizer adds before a text with its special tokens (Llama's and
+        Gemma's BOS; nothing for Qwen or GPT-2): what an HF model reads first."""
+        if self._prefix is None:
+            probe = "a"
+            plain = list(self.tokenizer(probe, add_special_tokens=False)["input_ids"])
+            full = list(self.tokenizer(probe)["input_ids"])
+            start = next(
+                (i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain),
+                0,
+            )
+            self._prefix = tuple(int(t) for t in full[:start])
+        return self._prefix
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of `text` with the tokenizer's special tokens, as `tokenizer(text)` gives them
+        (what TRL feeds a model for plain text)."""
+        return [int(i) for i in self.tokenizer(text)["input_ids"]]
 
     @property
     def eos_id(self) -> int | None:
@@ -141,3 +162,10 @@ class HuggingFaceVocabulary(seqio.Vocabulary):
 
     def __repr__(self) -> str:
         return f"HuggingFaceVocabulary({self._path!r})"
+
+
+def hf_prefix(vocabulary: seqio.Vocabulary) -> tuple[int, ...]:
+    """What a model reading HF-form rows (`decoder_start_id=None`) reads before a text:
+    an HF tokenizer's own prefix (`HuggingFaceVocabulary.prefix_ids`), nothing for a seqio
+    vocabulary (which adds no special tokens)."""
+    return tuple(getattr(vocabulary, "prefix_ids", ()))

@@ -45,6 +45,6 @@ class ConverterClass:
         return getattr(importlib.import_module(module), name)
 
 
-DECODER_CONVERTER = ConverterClass("seqio:DecoderFeatureConverter")
+DECODER_CONVERTER = ConverterClass("flaxlm.models.features:LMFeatureConverter")
 ENCODER_DECODER_CONVERTER = ConverterClass("seqio:EncDecFeatureConverter")
 MASKED_LM_CONVERTER = ConverterClass("flaxlm.models.features:MaskedLMFeatureConverter")

@@ -65,6 +65,91 @@ def decode_signed(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     return tokens, tf.cast(x > 0, tf.int32)
 
 
+# `hf_prefix`, which the decoder-only converters below take: None reads the rows as seqio
+# does (the decoder start token `bos_id`, 0, first, the targets shifted right); a tuple reads
+# them as HF and TRL feed a causal LM: the tokens `hf_prefix` (what the tokenizer adds in
+# front, e.g. its BOS; empty where it adds nothing, or where the task rendered the whole
+# sequence itself) then the row, of which the model reads all but the last token and
+# predicts all but the first. No token is inserted, so the first token of a row without a
+# BOS has no prediction, as in HF. Packed, each segment starts as an unpacked row would.
+
+
+def shifted_rows(
+    converter: seqio.FeatureConverter, ds: tf.data.Dataset, length: int
+) -> tf.data.Dataset:
+    """HF-form decoder features of `ds`'s signed-offset `targets` rows (see `decode_signed`;
+    each row already holds the whole sequence the model reads, BOS included): inputs
+    `row[:-1]`, targets and loss weights `row[1:]`, packed or padded to `length` as
+    `converter.pack` says (segments and positions from the packing)."""
+
+    def split(features: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+        row = features["targets"][: length + 1]
+        return {"targets": row[1:], "inputs": row[:-1]}
+
+    ds = ds.filter(lambda f: tf.size(f["targets"]) > 1).map(split)
+    ds = converter._pack_or_pad(ds, {"targets": length, "inputs": length})  # noqa: SLF001
+
+    def convert(features: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+        tokens, weights = decode_signed(features["targets"])
+        out = {
+            "decoder_target_tokens": tokens,
+            "decoder_input_tokens": decode_signed(features["inputs"])[0],
+            "decoder_loss_weights": weights,
+        }
+        if converter.pack:
+            out["decoder_segment_ids"] = features["targets_segment_ids"]
+            out["decoder_positions"] = features["targets_positions"]
+        return out
+
+    return ds.map(convert, num_parallel_calls=tf.data.AUTOTUNE)
+
+
+class LMFeatureConverter(seqio.DecoderFeatureConverter):
+    """seqio's decoder-only converter (LM and prefix-LM tasks), or, with `hf_prefix`, the
+    rows as HF feeds them (`hf_prefix`, above). A prefix-LM task's `inputs`
+    join the sequence as context without loss (attended causally, as in HF), its `targets`
+    carry the loss. `eos_id`: a row whose text already ended with EOS does not get a second
+    one (seqio appends EOS to every `targets`).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        hf_prefix: tuple[int, ...] | None = None,
+        eos_id: int | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(*args, **kwargs)
+        self.hf_prefix = None if hf_prefix is None else tuple(int(t) for t in hf_prefix)
+        self.eos_id = eos_id
+
+    def __call__(
+        self, ds: tf.data.Dataset, task_feature_lengths: Mapping[str, int]
+    ) -> tf.data.Dataset:
+        if self.hf_prefix is None:
+            return super().__call__(ds, task_feature_lengths)
+        if "suffixes" in task_feature_lengths:
+            raise ValueError("hf_prefix: prefix-suffix LM tasks are read the seqio way only.")
+        length = self.get_model_feature_lengths(task_feature_lengths)["decoder_target_tokens"]
+        prefix = tf.constant(self.hf_prefix, tf.int32, shape=[len(self.hf_prefix)])
+        eos = self.eos_id
+
+        def signed(features: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+            targets = tf.cast(features["targets"], tf.int32)
+            if eos is not None:  # "...<eos>" + appended EOS: one EOS, as TRL appends it
+                doubled = tf.logical_and(
+                    tf.size(targets) >= 2, tf.reduce_all(tf.equal(targets[-2:], eos))
+                )
+                targets = tf.cond(doubled, lambda: targets[:-1], lambda: targets)
+            context = prefix
+            if "inputs" in features:
+                context = tf.concat([prefix, tf.cast(features["inputs"], tf.int32)], 0)
+            return {"targets": tf.concat([-(context + 1), targets + 1], 0)}
+
+        ds = ds.map(signed, num_parallel_calls=tf.data.AUTOTUNE)
+        return shifted_rows(self, ds, length)
+
+
 class ChatFeatureConverter(seqio.FeatureConverter):
     """Decoder-only LM features from signed-offset `targets` (see `decode_signed`), packed
     or padded as seqio's LM converter does them.
@@ -84,6 +169,12 @@ class ChatFeatureConverter(seqio.FeatureConverter):
         "decoder_loss_weights": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
     }
     PACKING_FEATURE_DTYPES = {"decoder_segment_ids": tf.int32, "decoder_positions": tf.int32}
+    # The task renders each row whole (the template's BOS included): read with hf_prefix ().
+    RENDERED_ROWS = True
+
+    def __init__(self, *args: Any, hf_prefix: tuple[int, ...] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.hf_prefix = None if hf_prefix is None else tuple(int(t) for t in hf_prefix)
 
     def _convert_example(self, features: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         tokens, weights = decode_signed(features["targets"])
@@ -103,6 +194,10 @@ class ChatFeatureConverter(seqio.FeatureConverter):
     def _convert_features(
         self, ds: tf.data.Dataset, task_feature_lengths: Mapping[str, int]
     ) -> tf.data.Dataset:
+        if self.hf_prefix is not None:
+            prefix = tf.constant([-(t + 1) for t in self.hf_prefix], tf.int32)
+            ds = ds.map(lambda f: {**f, "targets": tf.concat([prefix, f["targets"]], 0)})
+            return shifted_rows(self, ds, task_feature_lengths["targets"])
         ds = self._pack_or_pad(ds, task_feature_lengths)
         return ds.map(self._convert_example, num_parallel_calls=tf.data.AUTOTUNE)
 
@@ -140,13 +235,21 @@ class PreferenceFeatureConverter(seqio.FeatureConverter):
         "decoder_loss_weights": _PAIR_SPEC,
     }
     PACKING_FEATURE_DTYPES: Mapping[str, tf.dtypes.DType] = {}
+    RENDERED_ROWS = True  # as ChatFeatureConverter's
 
-    def __init__(self, pack: bool = False, **kwargs: Any):
+    def __init__(self, pack: bool = False, hf_prefix: tuple[int, ...] | None = None, **kwargs: Any):
         del pack  # never packed (see the class docstring)
         super().__init__(pack=False, **kwargs)
+        self.hf_prefix = None if hf_prefix is None else tuple(int(t) for t in hf_prefix)
 
     def _convert_example(self, features: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         tokens, weights = decode_signed(tf.stack([features["chosen"], features["rejected"]]))
+        if self.hf_prefix is not None:  # the HF form: read row[:-1], predict row[1:]
+            return {
+                "decoder_target_tokens": tokens[:, 1:],
+                "decoder_input_tokens": tokens[:, :-1],
+                "decoder_loss_weights": weights[:, 1:],
+            }
         shift = seqio.utils.make_autoregressive_inputs
         inputs = tf.stack([shift(tokens[row], bos_id=self.bos_id) for row in (0, 1)])
         return {
@@ -159,6 +262,10 @@ class PreferenceFeatureConverter(seqio.FeatureConverter):
         self, ds: tf.data.Dataset, task_feature_lengths: Mapping[str, int]
     ) -> tf.data.Dataset:
         length = self._pair_length(task_feature_lengths)
+        if self.hf_prefix is not None:  # one more token, which the shift drops
+            prefix = tf.constant([-(t + 1) for t in self.hf_prefix], tf.int32)
+            ds = ds.map(lambda f: {k: tf.concat([prefix, f[k]], 0) for k in ("chosen", "rejected")})
+            length += 1
         ds = seqio.utils.trim_and_pad_dataset(ds, {"chosen": length, "rejected": length})
         return ds.map(self._convert_example, num_parallel_calls=tf.data.AUTOTUNE)
 

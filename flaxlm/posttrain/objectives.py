@@ -6,7 +6,7 @@ rng)` are built on these (`preference.py`, `rl.py`).
 Each follows its paper, with TRL's conventions where TRL fixed a free choice:
 
 - DPO (Rafailov et al. 2023, eq. 7): `-log sigmoid(beta * (chosen_ratio - rejected_ratio))`,
-  ratios of policy to reference log-probs; `label_smoothing` (cDPO) mixes in the flipped
+  ratios of policy to reference log-probs; `flip_probability` (cDPO) mixes in the flipped
   preference. Rewards are `beta * ratio`, as TRL logs them.
 - IPO (Azar et al. 2023, eq. 17): `(ratio difference - 1 / (2 * beta))**2`; as in TRL, the
   log-probs given are per-token averages.
@@ -32,10 +32,23 @@ def _log_sigmoid(x: Array) -> Array:
     return jax.nn.log_sigmoid(x.astype(jnp.float32))
 
 
-def _sigmoid_loss(logits: Array, label_smoothing: float) -> Array:
-    """`-log sigmoid(logits)` with `label_smoothing` of the flipped preference mixed in
+def log1mexp(x: Array) -> Array:
+    """`log(1 - exp(x))` for `x < 0`, accurate at both ends (Maechler 2012): `log(-expm1(x))`
+    near 0, where `1 - exp(x)` loses its digits, and `log1p(-exp(x))` below `-log 2`."""
+    x = x.astype(jnp.float32)
+    near_zero = x > -jnp.log(2.0)
+    # Each branch sees an argument it is safe for, so neither gradient is NaN.
+    a = jnp.where(near_zero, x, -1.0)
+    b = jnp.where(near_zero, -1.0, x)
+    return jnp.where(near_zero, jnp.log(-jnp.expm1(a)), jnp.log1p(-jnp.exp(b)))
+
+
+def _sigmoid_loss(logits: Array, flip_probability: float) -> Array:
+    """`-log sigmoid(logits)` with `flip_probability` of the flipped preference mixed in
     (cDPO; DPO's and SimPO's loss on their margins)."""
-    return -(1.0 - label_smoothing) * _log_sigmoid(logits) - label_smoothing * _log_sigmoid(-logits)
+    return -(1.0 - flip_probability) * _log_sigmoid(logits) - flip_probability * _log_sigmoid(
+        -logits
+    )
 
 
 def dpo(
@@ -45,13 +58,13 @@ def dpo(
     reference_rejected: Array,
     *,
     beta: float = 0.1,
-    label_smoothing: float = 0.0,
+    flip_probability: float = 0.0,
 ) -> tuple[Array, Array, Array]:
     """DPO per pair: (loss, chosen reward, rejected reward), each `[pairs]`, from the
     sequence log-probs of the policy and the reference."""
     chosen = policy_chosen - reference_chosen
     rejected = policy_rejected - reference_rejected
-    loss = _sigmoid_loss(beta * (chosen - rejected), label_smoothing)
+    loss = _sigmoid_loss(beta * (chosen - rejected), flip_probability)
     return loss, beta * chosen, beta * rejected
 
 
@@ -80,7 +93,7 @@ def orpo(
 
     def log_odds(avg: Array) -> Array:
         # log(p / (1 - p)) with p = exp(avg) < 1
-        return avg - jnp.log1p(-jnp.exp(jnp.minimum(avg, -1e-7)))
+        return avg - log1mexp(jnp.minimum(avg, -1e-7))
 
     odds_ratio = _log_sigmoid(log_odds(chosen_avg) - log_odds(rejected_avg))
     return chosen_nll - beta * odds_ratio, beta * chosen_avg, beta * rejected_avg
@@ -92,11 +105,11 @@ def simpo(
     *,
     beta: float = 2.0,
     gamma: float = 0.5,
-    label_smoothing: float = 0.0,
+    flip_probability: float = 0.0,
 ) -> tuple[Array, Array, Array]:
     """SimPO per pair: (loss, chosen reward, rejected reward) from the policy's per-token
     average log-probs; `gamma` is the target reward margin."""
-    loss = _sigmoid_loss(beta * (chosen_avg - rejected_avg) - gamma, label_smoothing)
+    loss = _sigmoid_loss(beta * (chosen_avg - rejected_avg) - gamma, flip_probability)
     return loss, beta * chosen_avg, beta * rejected_avg
 
 

@@ -35,16 +35,22 @@ REFERENCE_FEATURE = "reference_logps"
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class PreferenceConfig:
-    """Which preference loss, and its settings (TRL's `DPOConfig`/`CPOConfig` names).
+    """Which preference loss, and its settings. A name TRL 1.16 also uses means what TRL
+    means by it (`beta`, `gamma`); flaxlm's own choices carry their own names (the table in
+    docs/posttraining.md gives each one's TRL equivalent).
 
     Attributes:
-      loss: 'dpo' (sigmoid), 'ipo', 'orpo' (no reference) or 'simpo' (no reference).
+      loss: 'dpo' (TRL's `loss_type='sigmoid'`), 'ipo', 'orpo' (no reference) or 'simpo'
+        (no reference).
       beta: DPO/IPO/SimPO's beta; ORPO's weight of the odds-ratio term (the paper's lambda).
-      label_smoothing: cDPO's (and SimPO's) probability that a label is flipped.
+      label_flip_probability: conservative DPO (cDPO) and SimPO's probability that a label
+        is flipped, `-(1-e) log sigmoid(x) - e log sigmoid(-x)`. TRL 1.16's sigmoid loss has
+        no such setting (its `label_smoothing` serves its robust / aot / exo_pair losses).
       gamma: SimPO's target reward margin.
-      rpo_alpha: add this times the chosen answers' per-token NLL to the loss (RPO, Pang et
-        al. 2024; TRL's `rpo_alpha`): keeps the chosen answers' likelihood from falling
-        with the rejected ones'. None: off. (ORPO has this term built in.)
+      sft_weight: add this times the NLL of the chosen answers, a mean over every chosen
+        token of the batch, to the loss (RPO, Pang et al. 2024): TRL 1.16's
+        `loss_type=['sigmoid', 'sft'], loss_weights=[1, sft_weight]`. None: off. (ORPO has
+        its own NLL term built in.)
       precompute_reference: compute the reference log-probs of every training batch (and
         of the evaluation batches) in one pass over the data before training, so the
         reference params are not held during training (DPO and IPO without LoRA).
@@ -52,9 +58,9 @@ class PreferenceConfig:
 
     loss: str = "dpo"
     beta: float = 0.1
-    label_smoothing: float = 0.0
+    label_flip_probability: float = 0.0
     gamma: float = 0.5
-    rpo_alpha: float | None = None
+    sft_weight: float | None = None
     precompute_reference: bool = False
 
     def __post_init__(self) -> None:
@@ -62,18 +68,21 @@ class PreferenceConfig:
             raise ValueError(f"PreferenceConfig.loss={self.loss!r}: choose one of {LOSSES}.")
         if not self.beta > 0:
             raise ValueError(f"PreferenceConfig.beta={self.beta!r} must be positive.")
-        if not 0.0 <= self.label_smoothing < 0.5:
+        if not 0.0 <= self.label_flip_probability < 0.5:
             raise ValueError(
-                f"PreferenceConfig.label_smoothing={self.label_smoothing!r} must be in [0, 0.5)."
+                "PreferenceConfig.label_flip_probability="
+                f"{self.label_flip_probability!r} must be in [0, 0.5)."
             )
-        if self.rpo_alpha is not None and (self.rpo_alpha < 0 or self.loss == "orpo"):
+        if self.sft_weight is not None and (self.sft_weight < 0 or self.loss == "orpo"):
             raise ValueError(
-                f"rpo_alpha={self.rpo_alpha!r}: a weight >= 0, for a loss other than 'orpo'."
+                f"sft_weight={self.sft_weight!r}: a weight >= 0, for a loss other than 'orpo'."
             )
         if self.precompute_reference and self.loss not in ("dpo", "ipo"):
             raise ValueError(f"precompute_reference: {self.loss!r} has no reference model.")
-        if self.label_smoothing and self.loss not in ("dpo", "simpo"):
-            raise ValueError(f"label_smoothing applies to 'dpo' and 'simpo', not {self.loss!r}.")
+        if self.label_flip_probability and self.loss not in ("dpo", "simpo"):
+            raise ValueError(
+                f"label_flip_probability applies to 'dpo' and 'simpo', not {self.loss!r}."
+            )
 
     @property
     def needs_reference(self) -> bool:
@@ -121,9 +130,13 @@ class PreferenceModel:
         self.reference = reference
         self.reference_params = reference_params
 
-    def normalizer(self, batch: Batch) -> Array:
-        """The number of pairs (losses are means over pairs)."""
-        return jnp.float32(next(iter(batch.values())).shape[0])
+    def normalizer(self, batch: Batch) -> dict[str, Array]:
+        """The batch's pairs (the preference losses are means over pairs) and chosen answer
+        tokens (`sft_weight`'s NLL is a mean over them, as TRL's 'sft' loss)."""
+        return {
+            "pairs": jnp.float32(next(iter(batch.values())).shape[0]),
+            "chosen_tokens": batch["decoder_loss_weights"][:, 0].astype(jnp.float32).sum(),
+        }
 
     def reference_logps(self, batch: Batch) -> Array:
         """`[pairs, 2]` summed answer log-probs under the reference (no gradient)."""
@@ -152,7 +165,7 @@ class PreferenceModel:
                 ref[:, 0],
                 ref[:, 1],
                 beta=cfg.beta,
-                label_smoothing=cfg.label_smoothing,
+                flip_probability=cfg.label_flip_probability,
             )
         elif cfg.loss == "ipo":
             ref = self.reference_logps(batch) / jnp.maximum(counts, 1).astype(jnp.float32)
@@ -162,18 +175,23 @@ class PreferenceModel:
         elif cfg.loss == "orpo":
             nll = -avg[:, 0]
             loss, chosen, rejected = objectives.orpo(avg[:, 0], avg[:, 1], nll, beta=cfg.beta)
-            extra["nll_loss"] = nll.sum()
+            extra["chosen_nll"] = nll.sum()
         else:
             loss, chosen, rejected = objectives.simpo(
                 avg[:, 0],
                 avg[:, 1],
                 beta=cfg.beta,
                 gamma=cfg.gamma,
-                label_smoothing=cfg.label_smoothing,
+                flip_probability=cfg.label_flip_probability,
             )
-        if cfg.rpo_alpha is not None:
-            extra["nll_loss"] = -avg[:, 0].sum()
-            loss = loss - cfg.rpo_alpha * avg[:, 0]
+        normalizer = self.normalizer(batch) if normalizer is None else normalizer
+        if cfg.sft_weight is not None:
+            # TRL's 'sft' term: the chosen tokens' NLL summed, over the whole batch's chosen
+            # tokens; as a per-pair loss (pairs x that), so that the mean over pairs adds it.
+            tokens = jnp.maximum(normalizer["chosen_tokens"], 1.0)
+            nll_sum = -logps[:, 0]
+            extra["sft_loss"] = nll_sum.sum() * normalizer["pairs"] / tokens
+            loss = loss + cfg.sft_weight * nll_sum * normalizer["pairs"] / tokens
         sums = {
             "pairs": jnp.float32(loss.shape[0]),
             "loss": loss.sum(),
@@ -185,8 +203,7 @@ class PreferenceModel:
             "logps/rejected": logps[:, 1].sum(),
             **extra,
         }
-        normalizer = self.normalizer(batch) if normalizer is None else normalizer
-        return sums["loss"] / normalizer, sums
+        return sums["loss"] / normalizer["pairs"], sums
 
 
 def summarize(sums: Mapping[str, Array]) -> dict[str, Array]:

@@ -157,21 +157,21 @@ def rollout_batch(
 ) -> dict[str, np.ndarray]:
     """The decoder features of prompt + completion rows, `[rows, length]` int32.
 
-    Row i reads `[0, *prompts[i], *completion]` and predicts `[*prompts[i], *completion]`
-    (the 0 is the decoder's start token, as in training and in the rollout's prompt); the
-    loss weights cover the completion up to and including its first EOS. `completions` is
-    `inference.generate`'s output (0 after EOS).
+    Each prompt starts as the model's training rows do (seqio's start token 0, or the
+    tokenizer's BOS, as in the rollout); row i reads `[*prompts[i], *completion][:-1]` and
+    predicts `[*prompts[i], *completion][1:]`; the loss weights cover the completion up to
+    and including its first EOS. `completions` is `generation.generate`'s output (0 after
+    EOS).
     """
     rows = len(prompts)
+    inputs = np.zeros((rows, length), np.int32)
     targets = np.zeros((rows, length), np.int32)
     weights = np.zeros((rows, length), np.int32)
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
         ids = list(completion)
         end = next((j + 1 for j, t in enumerate(ids) if t in eos_ids), len(ids))
-        ids = [t for t in ids[:end]]
-        n = len(prompt)
-        row = (list(prompt) + ids)[:length]
-        targets[i, : len(row)] = row
-        weights[i, n : len(row)] = 1
-    inputs = np.concatenate([np.zeros((rows, 1), np.int32), targets[:, :-1]], axis=1)
+        row = (list(prompt) + ids[:end])[: length + 1]
+        inputs[i, : len(row) - 1] = row[:-1]
+        targets[i, : len(row) - 1] = row[1:]
+        weights[i, len(prompt) - 1 : len(row) - 1] = 1
     return dict(zip(DECODER_FEATURES, (inputs, targets, weights)))

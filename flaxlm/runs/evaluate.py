@@ -49,7 +49,9 @@ class TaskEvaluator:
         self.batch_size = cfg.batch_size
         self.evaluator = seqio.Evaluator(
             cfg.mixture_or_task_name,
-            feature_converter=model.FEATURE_CONVERTER_CLS(pack=False),
+            feature_converter=pipeline.model_converter(
+                model.FEATURE_CONVERTER_CLS, model, cfg.mixture_or_task_name
+            )(pack=False),
             eval_split=cfg.split,
             sequence_length=dict(cfg.task_feature_lengths),
             num_examples=num_examples,
@@ -67,9 +69,11 @@ class TaskEvaluator:
     def _prompt(self, ex: Mapping[str, np.ndarray]) -> list[int]:
         if "encoder_input_tokens" in ex:
             return [int(t) for t in ex["encoder_input_tokens"] if t]
-        if "decoder_causal_attention" in ex:  # prefix LM: the inputs part of the sequence
-            n = int(ex["decoder_causal_attention"].sum()) - 1
-            return [int(t) for t in ex["decoder_target_tokens"][:n]]
+        if "decoder_causal_attention" in ex or self.model.decoder_start_id is None:
+            # Prefix LM: what the model reads before the first target token, as in training
+            # (seqio's start token 0 or the tokenizer's BOS first, then the inputs).
+            first = int(np.argmax(ex["decoder_loss_weights"] > 0))
+            return [int(t) for t in ex["decoder_input_tokens"][: first + 1]]
         raise ValueError(
             "Predict metrics need inputs: the task's examples have neither encoder inputs nor "
             "a prefix (decoder_causal_attention)."
@@ -125,7 +129,7 @@ class TaskEvaluator:
         return out
 
 
-@gin.configurable
+@gin.configurable(module="evaluation")  # the run name users type: evaluation.evaluate
 def evaluate(
     *,
     checkpoint: str = gin.REQUIRED,

@@ -76,15 +76,18 @@ class Rollouts:
         answer_rows = pytrees.host_array(prompts["answer_tokens"])
         group = cfg.num_generations
         prompt_ids = [[t for t in row.tolist() if t] for row in prompt_rows]
-        repeated = [ids for ids in prompt_ids for _ in range(group)]
-        # Each prompt after the decoder's start token 0, as training reads it.
-        inputs = np.zeros((len(repeated), prompt_rows.shape[1] + 1), np.int32)
+        # Each prompt after what training rows start with (seqio's start token 0, or the
+        # tokenizer's BOS for a model that reads its rows as HF does).
+        start = list(generation.start_ids(self.setup.model, self.vocabulary))
+        texts = [ids for ids in prompt_ids for _ in range(group)]
+        repeated = [start + ids for ids in texts]
+        inputs = np.zeros((len(repeated), prompt_rows.shape[1] + len(start)), np.int32)
         for i, ids in enumerate(repeated):
-            inputs[i, 1 : len(ids) + 1] = ids
+            inputs[i, : len(ids)] = ids
         completions = generation.generate(
             self.setup.model,
             state.params,
-            {"inputs": inputs, "inputs_lengths": np.asarray([len(x) + 1 for x in repeated])},
+            {"inputs": inputs, "inputs_lengths": np.asarray([len(x) for x in repeated])},
             partitioner=partitioner,
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
@@ -93,7 +96,7 @@ class Rollouts:
             rng=jax.random.fold_in(jax.random.PRNGKey(self.seed), step),
         )
         rewards, reward_means = cfg.rewards(
-            [self.decode(ids) for ids in repeated],
+            [self.decode(ids) for ids in texts],
             [self.decode(c) for c in completions],
             [self.decode(row) for row in answer_rows for _ in range(group)],
         )

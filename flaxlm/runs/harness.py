@@ -99,8 +99,9 @@ class FlaxLM(TemplateLM):
       max_length: the longest sequence scored or prompted; default the model's positions.
         Longer contexts lose their beginning (as lm-eval's HF model does).
       max_gen_toks: default generation length (a task's `max_gen_toks` wins).
-      add_bos_token: start every context with `prefix_token_id` (default True: the BOS of an
-        HF tokenizer, else 0, the decoder start a seqio-trained flaxlm model saw).
+      add_bos_token: start every context as the model's training rows started (default True:
+        an HF checkpoint's tokenizer's own BOS, nothing where it adds none; 0, the decoder
+        start, for a seqio-trained flaxlm model).
       length_bucket: lengths are padded to a multiple of this (fewer compiles).
     `--batch_size N` is rounded up to a multiple of the mesh's data-parallel degree.
     """
@@ -179,12 +180,16 @@ class FlaxLM(TemplateLM):
     def prefix_token_id(self) -> int:
         if self._prefix_token_id is not None:
             return int(self._prefix_token_id)
-        bos = getattr(self.vocabulary, "bos_id", None)
-        if bos is not None:
-            return int(bos)
-        if hasattr(self.vocabulary, "tokenizer"):  # an HF tokenizer without BOS (as lm-eval)
-            return self.eot_token_id
-        return 0  # seqio's decoder start token: what a flaxlm-trained model reads first
+        start = self._start_ids()
+        # An HF tokenizer that adds no BOS: an empty context starts with EOS (as lm-eval's).
+        return start[0] if start else self.eot_token_id
+
+    def _start_ids(self) -> list[int]:
+        """What the model's training rows started with (`generation.start_ids`), or the
+        `prefix_token_id` given."""
+        if self._prefix_token_id is not None:
+            return [int(self._prefix_token_id)]
+        return list(generation.start_ids(self.model, self.vocabulary))
 
     @property
     def tokenizer_name(self) -> str:
@@ -200,7 +205,7 @@ class FlaxLM(TemplateLM):
         if self.backend == "seq2seq":
             return ids + [self.eot_token_id] if add_special_tokens is not False else ids
         add = self.add_bos_token if add_special_tokens is None else add_special_tokens
-        return [self.prefix_token_id] + ids if add else ids
+        return [*self._start_ids(), *ids] if add else ids
 
     def tok_decode(self, ids: Sequence[int]) -> str:
         return self.vocabulary.decode([int(i) for i in ids])

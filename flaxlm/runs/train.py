@@ -213,6 +213,7 @@ def train(
     if lora_base_checkpoint and lora is None:
         raise ValueError("lora_base_checkpoint is set but lora is not: bind train.lora too.")
     path = steps.check_model_dir(model_dir)
+    model = run_dir.with_decoder_start(model, model_dir, init_from_hf)
     steps.check_batch_size(partitioner, train_dataset_cfg.batch_size, num_microbatches)
     model.check_lengths(train_dataset_cfg.task_feature_lengths)
     converter = pipeline.converter_for(train_dataset_cfg, model)
