@@ -9,6 +9,17 @@ from flaxlm.models.gptj import GPTJConfig
 from flaxlm.training import optimizers
 
 SEQ_LEN = 16
+FLOAT32_EPS = float(np.finfo(np.float32).eps)
+
+
+def float32_atol(values: np.ndarray, depth: int) -> float:
+    """The absolute tolerance between two float32 computations of `values` that differ only
+    in the order of their sums (packing, a mesh, another CPU's kernels: XLA's CPU backend
+    tiles its reductions differently on AMD and Intel builds). Each of the `depth` rounding
+    stages a value goes through (a matmul, a norm, a softmax, ...) may move it by about
+    float32 epsilon relative to the values' scale, and the errors add up: eps x depth x
+    max|values|. A fixed atol holds only on the CPU it was tuned on."""
+    return FLOAT32_EPS * depth * float(np.max(np.abs(values)))
 
 
 def tiny_gptj(**overrides) -> DecoderOnlyModel:

@@ -13,6 +13,7 @@ from flaxlm.checkpoints import hf
 from flaxlm.models import llama
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
+from tests.helpers import float32_atol
 from tests.hf_helpers import (
     check_family,
     decoder_batch,
@@ -132,10 +133,13 @@ def test_sliding_window_changes_the_logits(tmp_path):
     assert model.config.sliding_window == 8 and model.config.model_type == "mistral"
     unwindowed = DecoderOnlyModel(dataclasses.replace(model.config, sliding_window=None))
     batch = decoder_batch(*padded_batch(VOCAB, LENGTHS))
-    windowed = np.asarray(model.compute_logits(params, batch))
-    full = np.asarray(unwindowed.compute_logits(params, batch))
-    # Identical while the window covers the whole prefix, different after.
-    np.testing.assert_allclose(windowed[:, :8], full[:, :8], atol=1e-5)
+    windowed = np.asarray(model.compute_logits(params, batch))[..., :VOCAB]  # (padding: -max)
+    full = np.asarray(unwindowed.compute_logits(params, batch))[..., :VOCAB]
+    # Identical while the window covers the whole prefix, different after; "identical" to
+    # float32 rounding over the layers' ~10 stages each (another mask may change the order
+    # of the attention's sums).
+    atol = float32_atol(full, depth=10 * model.config.num_layers + 2)
+    np.testing.assert_allclose(windowed[:, :8], full[:, :8], atol=atol)
     assert np.abs(windowed[0, 8:] - full[0, 8:]).max() > 1e-3
 
 

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from flaxlm.checkpoints import hf
 from flaxlm.models import base, t5
 from flaxlm.parallel.partitioning import Partitioner
+from tests.helpers import float32_atol
 from tests.hf_helpers import (
     max_abs_diff,
     padded_batch,
@@ -131,10 +132,15 @@ def test_packed_examples_match_separate_ones(tmp_path):
         "decoder_segment_ids": np.repeat([1, 2], n_out)[None],
         "decoder_positions": np.concatenate([np.arange(n) for n in n_out])[None],
     }
-    packed_logits = our_logits(model, params, packed)[0]
-    separate = our_logits(model, params, ours)
-    np.testing.assert_allclose(packed_logits[:4], separate[0, :4], atol=1e-5)
-    np.testing.assert_allclose(packed_logits[4:10], separate[1, :6], atol=1e-5)
+    packed_logits = our_logits(model, params, packed)[0, :, :VOCAB]  # (padded rows: -max)
+    separate = our_logits(model, params, ours)[:, :, :VOCAB]
+    # Logits of magnitude ~6 through 2 encoder layers (~10 rounding stages each: norm, q/k/v,
+    # scores, softmax, sum, out, norm, gated MLP), 3 decoder layers (~16: cross-attention
+    # too) and the head: a packed and a separate batch sum in other orders, and 1e-5 missed
+    # by 1.3e-5 on an Intel Xeon.
+    atol = float32_atol(separate, depth=2 * 10 + 3 * 16 + 2)
+    np.testing.assert_allclose(packed_logits[:4], separate[0, :4], atol=atol)
+    np.testing.assert_allclose(packed_logits[4:10], separate[1, :6], atol=atol)
 
 
 @pytest.mark.parametrize("version", ["v1_0", "v1_1"])
