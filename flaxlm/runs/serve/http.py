@@ -297,6 +297,12 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
             pass  # quiet; the engine prints its own progress
 
+        def handle_one_request(self) -> None:
+            try:
+                super().handle_one_request()
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True  # the client left mid-answer: nothing to tell
+
         def _json(self, code: int, payload: Any) -> None:
             body = json.dumps(payload).encode()
             self.send_response(code)
