@@ -366,8 +366,9 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
             except ValueError as e:
                 self._error(400, f"Bad request: {e}")
                 return
-            for job in jobs:
-                server.engine.submit(job)
+            n = request["n"]
+            for start in range(0, len(jobs), n):  # a prompt's samples share its pages
+                server.engine.submit_many(jobs[start : start + n])
             answer = _Answer(request, server.model_name, prompt_ids)
             try:
                 if request["stream"]:
@@ -375,7 +376,8 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 else:
                     self._complete(answer, jobs)
             except (BrokenPipeError, ConnectionResetError):
-                pass  # the client left; the engine finishes the rows on its own
+                for job in jobs:  # the client left: free the rows it no longer reads
+                    server.engine.cancel(job, "The client disconnected.")
 
         def _follow(self, job: Completion, stream: TextStream, on_text: Any) -> str:
             """Feeds `job`'s tokens through `stream`, calling `on_text` with each piece of
@@ -387,18 +389,20 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                     raise _Failed(500, "Decoding timed out.") from None
                 if event[0] == "error":
                     raise _Failed(500, f"Decoding failed: {event[1]}")
-                if event[0] == "cancelled":
+                if event[0] == "cancelled" and not stream.stopped:
                     raise _Failed(503, event[1])
-                if event[0] == "done":
+                if event[0] in ("done", "cancelled"):
                     rest = stream.flush()
                     if rest:
                         on_text(rest)
                     return "stop" if stream.stopped else event[1]
                 if stream.stopped:
-                    continue  # past a stop string: drain the rest
+                    continue  # tokens decoded before the engine saw the cancel
                 delta = stream.add(*event[1:])
                 if delta:
                     on_text(delta)
+                if stream.stopped:  # at a stop string: the rest is not wanted
+                    server.engine.cancel(job, "Stopped at a stop string.")
 
         def _complete(self, answer: _Answer, jobs: list[Completion]) -> None:
             choices = []
