@@ -8,6 +8,14 @@ server batches requests that arrive within BATCH_WAIT_MS of each other.
 
     python benchmarks/serve.py                 # the recorded configuration
     python benchmarks/serve.py --seconds 5 --clients 1 4
+
+`--engines` instead measures the engines side by side in one process (no HTTP), alternating
+on the same checkpoint: today's `Engine` (continuous batching over a paged KV cache) against
+`BatchEngine` (dynamic batches over a contiguous cache). Each client sends greedy requests
+of mixed prompt (4-200 bytes) and output (8-64 tokens) lengths back to back; the numbers are
+completion tokens/s and the time to first token (p50 / p99).
+
+    python benchmarks/serve.py --engines --clients 1 8 32 --seconds 10
 """
 
 from __future__ import annotations
@@ -93,6 +101,81 @@ def load(url: str, clients: int, seconds: float, max_tokens: int) -> dict[str, f
     }
 
 
+def engine_load(engine, clients: int, seconds: float, seed: int = 0) -> dict[str, float]:
+    """Completion tokens/s and time-to-first-token percentiles of `clients` threads sending
+    mixed-length greedy completions to `engine` back to back for `seconds`."""
+    import numpy as np
+
+    from flaxlm.runs.serve.api import Completion
+
+    stop = time.monotonic() + seconds
+    tokens, ttft = [0], []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        rng = np.random.default_rng(seed * 1000 + i)
+        while time.monotonic() < stop:
+            prompt = rng.integers(3, 259, int(rng.integers(4, 201))).tolist()
+            c = Completion(prompt, int(rng.integers(8, 65)), 0.0, 1.0, [], None, 0)
+            start = time.monotonic()
+            engine.submit(c)
+            first, n = None, 0
+            while True:
+                event = c.events.get()
+                if event[0] != "token":
+                    break
+                first = first or time.monotonic() - start
+                n += 1
+            with lock:
+                tokens[0] += n
+                if first is not None:
+                    ttft.append(first)
+
+    start = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    elapsed = time.monotonic() - start
+    p50, p99 = np.percentile(ttft, [50, 99])
+    return {"tokens_per_second": tokens[0] / elapsed, "ttft_p50": p50, "ttft_p99": p99}
+
+
+def engines_side_by_side(args: argparse.Namespace) -> dict[str, dict[int, dict[str, float]]]:
+    """{engine name: {clients: engine_load's numbers}}, the engines alternating per count."""
+    import seqio
+
+    from flaxlm.checkpoints import hf
+    from flaxlm.parallel.partitioning import Partitioner
+    from flaxlm.runs.serve.engine import BatchEngine, Engine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(tmp)
+        partitioner = Partitioner()
+        model, params = hf.from_pretrained(tmp, partitioner)
+    vocab = seqio.ByteVocabulary()
+    size = args.max_batch_size
+    engines = {
+        "paged": Engine(model, params, partitioner, vocab, max_batch_size=size, max_seq_len=512),
+        "batch": BatchEngine(model, params, partitioner, vocab, max_batch_size=size),
+    }
+    results: dict[str, dict[int, dict[str, float]]] = {name: {} for name in engines}
+    for engine in engines.values():
+        engine.start()
+        engine_load(engine, size, min(args.seconds, 20.0), seed=99)  # compiles its programs
+    try:
+        for clients in args.clients:
+            for name, engine in engines.items():
+                results[name][clients] = r = engine_load(engine, clients, args.seconds)
+                print(
+                    f"{name:5s} {clients:3d} clients: {r['tokens_per_second']:7.1f} tokens/s, "
+                    f"first token p50 {r['ttft_p50']:.3f} s p99 {r['ttft_p99']:.3f} s",
+                    flush=True,
+                )
+    finally:
+        for engine in engines.values():
+            engine.stop()
+    return results
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
@@ -100,7 +183,16 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--engines", action="store_true", help="the engines side by side in one process"
+    )
     args = parser.parse_args(argv)
+    if args.engines:
+        results = engines_side_by_side(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         build_model(tmp)
