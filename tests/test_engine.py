@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 import seqio
+import torch
 import transformers
 
 from flaxlm.checkpoints import hf
@@ -101,14 +102,12 @@ def test_concurrent_greedy_requests_equal_each_alone_and_hf_generate(llama, engi
     for c in together:
         engine.submit(c)
     outputs = [result(c) for c in together]
-    for (p, n), (tokens, last) in zip(cases, outputs):
+    for (_, n), (tokens, last) in zip(cases, outputs):
         assert last == ("done", "length") and len(tokens) == n
     for (p, n), (tokens, _) in zip(cases[:4], outputs[:4]):
         alone = job(p, n)
         engine.submit(alone)
         assert result(alone)[0] == tokens
-    import torch
-
     for (p, n), (tokens, _) in zip(cases, outputs):
         with torch.no_grad():
             out = torch_model.generate(
@@ -141,9 +140,7 @@ def test_n_samples_of_one_prompt_read_it_once_and_share_its_pages(engine):
     later = job(prompt + [5, 6, 7], 3)
     engine.submit(later)
     result(later)
-    assert scheduler.prefilled_tokens - read == len(later.prompt_ids) - (
-        len(prompt) // PAGE * PAGE
-    )
+    assert scheduler.prefilled_tokens - read == len(later.prompt_ids) - (len(prompt) // PAGE * PAGE)
 
 
 def test_after_many_requests_cancelled_and_refused_every_page_is_free(engine):
