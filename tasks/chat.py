@@ -32,9 +32,9 @@ Plain text with an HF tokenizer is tokenized as TRL's DPO does it (`plain_pair_a
 the tokenizer's special tokens, EOS appended to an answer only when its text lacks it);
 with a seqio vocabulary it is encoded as is and each answer ends with its EOS; a
 conversational prompt is the template's rendering with the generation prompt, and an
-answer the rendering of prompt + answer minus the prompt (prefix-checked as above, trailing
-whitespace likewise untrained). `chosen` and `rejected` are signed sequences: the prompt
-negative, the answer positive.
+answer the rendering of prompt + answer minus the prompt (prefix-checked as above; all of
+it trained, the template's whitespace after the end-of-turn token too, as TRL's DPO does).
+`chosen` and `rejected` are signed sequences: the prompt negative, the answer positive.
 
 Truncation: a conversation longer than `max_length` tokens is cut on the right; a pair
 longer than that first loses the start of its prompt (keeping at least the last
@@ -456,8 +456,10 @@ def render_preference_files(
                 chat.check_roles([*prompt, chosen, rejected], where)
                 for answer in (chosen, rejected):
                     full, spans = chat.spans([*prompt, answer], [len(prompt)], where)
-                    (start, end), ids = spans[0], signed(full[: spans[0][0]], False)
-                    answers.append(signed(full[start:end], True) + signed(full[end:], False))
+                    # As TRL's DPO: the answer is all that follows the prompt (the
+                    # template's newline after the end-of-turn token included).
+                    start, ids = spans[0][0], signed(full[: spans[0][0]], False)
+                    answers.append(signed(full[start:], True))
             stats.examples += 1
             pair = (ids, *answers)
             if len(ids) + max(len(a) for a in answers) > max_length:

@@ -245,10 +245,11 @@ class PreferenceFeatureConverter(seqio.FeatureConverter):
     def _convert_example(self, features: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         tokens, weights = decode_signed(tf.stack([features["chosen"], features["rejected"]]))
         if self.hf_prefix is not None:  # the HF form: read row[:-1], predict row[1:]
+            inputs = tf.stack([features["chosen_inputs"], features["rejected_inputs"]])
             return {
-                "decoder_target_tokens": tokens[:, 1:],
-                "decoder_input_tokens": tokens[:, :-1],
-                "decoder_loss_weights": weights[:, 1:],
+                "decoder_target_tokens": tokens,
+                "decoder_input_tokens": decode_signed(inputs)[0],
+                "decoder_loss_weights": weights,
             }
         shift = seqio.utils.make_autoregressive_inputs
         inputs = tf.stack([shift(tokens[row], bos_id=self.bos_id) for row in (0, 1)])
@@ -262,11 +263,20 @@ class PreferenceFeatureConverter(seqio.FeatureConverter):
         self, ds: tf.data.Dataset, task_feature_lengths: Mapping[str, int]
     ) -> tf.data.Dataset:
         length = self._pair_length(task_feature_lengths)
-        if self.hf_prefix is not None:  # one more token, which the shift drops
+        names: tuple[str, ...] = ("chosen", "rejected")
+        if self.hf_prefix is not None:  # each row split before padding: nothing read past it
             prefix = tf.constant([-(t + 1) for t in self.hf_prefix], tf.int32)
-            ds = ds.map(lambda f: {k: tf.concat([prefix, f[k]], 0) for k in ("chosen", "rejected")})
-            length += 1
-        ds = seqio.utils.trim_and_pad_dataset(ds, {"chosen": length, "rejected": length})
+
+            def split(features: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+                out = {}
+                for name in ("chosen", "rejected"):
+                    row = tf.concat([prefix, features[name]], 0)[: length + 1]
+                    out[name], out[name + "_inputs"] = row[1:], row[:-1]
+                return out
+
+            ds = ds.map(split)
+            names += ("chosen_inputs", "rejected_inputs")
+        ds = seqio.utils.trim_and_pad_dataset(ds, {name: length for name in names})
         return ds.map(self._convert_example, num_parallel_calls=tf.data.AUTOTUNE)
 
     @staticmethod
