@@ -221,6 +221,53 @@ def _used_by_some_file(macro: str, search_paths: Sequence[str]) -> bool:
     return False
 
 
+def _strings_for_callables(value: Any, annotation: str) -> list[str]:
+    """The strings in `value` where `annotation` expects callables (a Callable, or a
+    sequence or mapping of them)."""
+    if "Callable" not in annotation:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [v for v in value if isinstance(v, str)]
+    if isinstance(value, dict):
+        return [v for v in value.values() if isinstance(v, str)]
+    return []
+
+
+def check_callables() -> None:
+    """A ValueError for a string bound where a configurable expects a function
+    (`GrpoConfig.reward_fns = ['exact_match']` for `[@rewards.exact_match]`): Gin passes
+    the string on, and the run would fail only when it calls it, perhaps after an earlier
+    stage has trained. Call after parsing."""
+    registry = gin.config._REGISTRY  # noqa: SLF001 - no public lookup of a selector
+    config = gin.config._CONFIG  # noqa: SLF001
+    for (scope, selector), params in config.items():
+        try:
+            configurable = registry.get_match(selector)
+            signature = inspect.signature(configurable.wrapped)
+        except (KeyError, TypeError, ValueError):
+            continue
+        for name, value in params.items():
+            parameter = signature.parameters.get(name)
+            if parameter is None:
+                continue
+            strings = _strings_for_callables(value, str(parameter.annotation))
+            if not strings:
+                continue
+            where = f"{scope}/" if scope else ""
+            short = ".".join(selector.split(".")[-1:])
+            refs = []
+            for text in strings:
+                matches = sorted(s for s in _registered_configurables() if s.endswith("." + text))
+                refs.append("@" + ".".join(matches[0].split(".")[-2:]) if matches else f"@{text}")
+            fix = f"[{', '.join(refs)}]" if isinstance(value, list | tuple) else refs[0]
+            raise ValueError(
+                f"{where}{short}.{name}={value!r}: a function is a Gin reference, not a "
+                f"string: write {fix}."
+            )
+
+
 @gin.configurable
 def run(fn: Callable[[], Any] = gin.REQUIRED) -> Any:
     """The run function bound in Gin (`run.fn = @train`)."""

@@ -271,6 +271,7 @@ def main(argv: list[str]) -> None:
         _fail(f"bad Gin configuration: {gin_utils.with_suggestion(str(e))}")
     try:
         gin_utils.check_macros(FLAGS.gin_bindings or (), FLAGS.gin_search_paths or ())
+        gin_utils.check_callables()
     except ValueError as e:
         _fail(f"bad Gin configuration: {e}")
     for sig, handler in previous.items():

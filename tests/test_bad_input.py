@@ -7,6 +7,8 @@ changed). A malformed JSONL line belongs to the data tests (tasks/ and pipeline.
 
 import hashlib
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -33,6 +35,11 @@ TEXT_FILES = [
     "--gin.MIXTURE_OR_TASK_NAME=@register_text_files_task()",
     "--gin.register_text_files_task.name='my_text'",
 ]
+
+STRING_REWARDS = ["--gin.rl.GrpoConfig.reward_fns=['exact_match']"]
+# Rows whose MODEL_DIR (and GRPO's SFT_DIR) must stay unwritten: no config.gin, no model
+# record, no checkpoint.
+NOTHING_WRITTEN = {"length_the_sequence_axis_does_not_divide", "reward_fns_that_are_strings"}
 
 # id: (arguments, what stderr must contain). `{name}` is filled in from `paths` below.
 ROWS = {
@@ -78,7 +85,31 @@ ROWS = {
     ),
     "hf_directory_missing_files": (
         [*FINETUNE, "--gin.INIT_FROM_HF='{empty_hf}'"],
-        ["{empty_hf}", "No *.safetensors"],
+        ["INIT_FROM_HF='{empty_hf}'", "no config.json and no *.safetensors"],
+    ),
+    "hf_directory_that_does_not_exist": (
+        [*FINETUNE, "--gin.INIT_FROM_HF='{missing}'"],
+        ["INIT_FROM_HF='{missing}'", "no such directory"],
+    ),
+    "resumed_with_other_task_feature_lengths": (  # was a tf.data InvalidArgumentError
+        [*PRETRAIN, "--gin.MODEL_DIR='{trained}'", "--gin.TASK_FEATURE_LENGTHS={'targets': 128}"],
+        [
+            "TASK_FEATURE_LENGTHS={'targets': 128}",
+            "{trained}/checkpoints/1 was trained with {'targets': 64}",
+        ],
+    ),
+    "length_the_sequence_axis_does_not_divide": (  # refused before config.gin is written
+        [
+            *PRETRAIN,
+            "--gin_file=partitioning/fsdp_cp.gin",
+            "--gin.Partitioner.mesh_shape=(1, -1, 4, 1)",
+            "--gin.TASK_FEATURE_LENGTHS={'targets': 60}",
+        ],
+        ["TASK_FEATURE_LENGTHS", "length 60", "2 x sequence=4 = 8", "56 or 64"],
+    ),
+    "reward_fns_that_are_strings": (  # refused before the SFT stage trains
+        ["--gin_file=gin/grpo.gin", "--gin.SFT_DIR='{sft}'", *STRING_REWARDS],
+        ["GrpoConfig.reward_fns=['exact_match']", "write [@rewards.exact_match]"],
     ),
     "hf_directory_with_mismatched_tensors": (
         [*FINETUNE, "--gin.INIT_FROM_HF='{small_hf}'"],
@@ -141,6 +172,7 @@ def paths(tmp_path_factory, repo_dir):
     return {
         "root": str(root),
         "missing": str(root / "no_such_file.txt"),
+        "sft": str(root / "sft"),
         "empty": str(root / "empty.txt"),
         "under_a_file": str(root / "a_file" / "run"),
         "empty_hf": str(root / "empty_hf"),
@@ -204,11 +236,36 @@ def test_bad_input_fails_naming_the_culprit_without_writing_a_checkpoint(
     for text in expected:
         assert text in result.stderr, (text, result.stderr[-3000:])
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    if row in NOTHING_WRITTEN:
+        assert not os.path.exists(model_dir) or os.listdir(model_dir) == []
+        assert not os.path.exists(paths["sft"])
     if before is not None:
         assert tree_digest(model_dir) == before
     else:
         checkpoints = os.path.join(model_dir, "checkpoints")
         assert not os.path.isdir(checkpoints) or os.listdir(checkpoints) == []
+
+
+def test_plan_for_no_cpu_devices_is_refused_before_jax(repo_dir, monkeypatch):
+    """`--topology=cpu:0` was an XLA traceback; now an error line, before TensorFlow or JAX
+    load (TensorFlow is unimportable here)."""
+    monkeypatch.setenv("PYTHONPATH", NO_TENSORFLOW)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flaxlm.plan",
+            "--gin_file=gin/gptj_pretrain.gin",
+            "--topology=cpu:0",
+        ],
+        cwd=repo_dir,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith("error: --topology='cpu:0'"), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
 
 
 def _fill(text, values):

@@ -8,7 +8,9 @@ A checkpoint that cannot be read is set aside (`{step}.unreadable`) when an olde
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +53,60 @@ def saved_input_shards(model_dir: str) -> int | None:
         if len(counts) == 1:
             return counts.pop()
     return None
+
+
+def _config_value(config: str, selector: str) -> Any:
+    """The literal bound to `selector` (a regular expression) in an operative Gin config,
+    through one macro (`= %NAME`); None if it is not there or not a literal."""
+
+    def bound(pattern: str) -> str | None:
+        # A long value continues on the lines below it, indented.
+        match = re.search(rf"^{pattern} = (.*(?:\n[ \t]+.*)*)", config, re.MULTILINE)
+        return match.group(1) if match else None
+
+    text = bound(selector)
+    if text is not None and text.strip().startswith("%"):
+        text = bound(re.escape(text.strip()[1:]))
+    try:
+        return ast.literal_eval(text) if text is not None else None
+    except (ValueError, SyntaxError):
+        return None
+
+
+def saved_task_feature_lengths(model_dir: str) -> tuple[int, dict[str, int]] | None:
+    """(step, the training data's `task_feature_lengths`) of the newest checkpoint under
+    `model_dir`, read from the operative config saved with it; None if there is none (or
+    its config does not say)."""
+    directory = epath.Path(model_dir) / SUBDIR
+    if not directory.is_dir():
+        return None
+    steps = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True)
+    for step in steps:
+        metadata = directory / str(step) / "config" / "metadata"
+        try:
+            config = json.loads(metadata.read_text())["operative_config"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        lengths = _config_value(config, r"train/(?:[\w.]+\.)?DatasetConfig\.task_feature_lengths")
+        return (step, lengths) if isinstance(lengths, dict) else None
+    return None
+
+
+def check_resumed_lengths(task_feature_lengths: Any, model_dir: str) -> None:
+    """A ValueError naming TASK_FEATURE_LENGTHS when `model_dir`'s checkpoint was trained on
+    other lengths: its data position is one of batches of those (a resumed tf.data iterator
+    of other shapes fails deep in TensorFlow)."""
+    saved = saved_task_feature_lengths(model_dir)
+    if saved is None:
+        return
+    step, lengths = saved
+    if dict(lengths) != dict(task_feature_lengths):
+        raise ValueError(
+            f"TASK_FEATURE_LENGTHS={dict(task_feature_lengths)}, but the checkpoint "
+            f"{epath.Path(model_dir) / SUBDIR / str(step)} was trained with {dict(lengths)}: a "
+            "run resumes with the lengths it started with: set those, or train in a new "
+            "MODEL_DIR."
+        )
 
 
 def resumed_input_shards(cfg: Any, partitioner: Any, model_dir: str) -> Any:

@@ -10,6 +10,7 @@ CPU devices before JAX starts.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import sys
@@ -52,8 +53,27 @@ def translate(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return [*rest, "--gin_file=runs/plan.gin", *bindings], env
 
 
+def check_topology(topology: str) -> str | None:
+    """What is wrong with `--topology`, if anything, said before JAX starts (XLA refuses 0
+    CPU devices with a traceback)."""
+    m = re.fullmatch(r"cpu:(\d+)", topology)
+    if m and int(m.group(1)) < 1:
+        return f"--topology={topology!r}: cpu:N compiles for N >= 1 CPU devices, e.g. cpu:8."
+    if not m and topology != "this" and not re.fullmatch(r"v\d+[a-z]*:\d+(x\d+)*", topology):
+        return (
+            f"--topology={topology!r}: expected a TPU slice as <generation>:<chips per "
+            "dimension> (v5e:2x4, v5p:2x2x2), cpu:N (N >= 1 CPU devices) or `this`."
+        )
+    return None
+
+
 def console_main() -> None:
     args, env = translate(sys.argv[1:])
+    topology = next(a for a in args if a.startswith("--gin.PLAN_TOPOLOGY="))
+    problem = check_topology(ast.literal_eval(topology.partition("=")[2]))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
     os.environ.update(env)
     os.execv(sys.executable, [sys.executable, "-m", "flaxlm.main", *args])
 

@@ -242,10 +242,12 @@ def report_end(
 ) -> None:
     """The run's closing lines: why it stopped and what it wrote where."""
     cause = signals.received.name if signals.received else "a signal to another process"
+    # No step 0 is ever saved: 0 means the run has no checkpoint.
+    latest = f"latest step {last_saved}" if last_saved else "none yet"
     if preempted and step == start_step:
+        where = f"latest checkpoint: step {last_saved}" if last_saved else "no checkpoint yet"
         print(
-            f"Stopped by {cause} before the first step: nothing new to save (latest "
-            f"checkpoint: step {last_saved}).",
+            f"Stopped by {cause} before the first step: nothing new to save ({where}).",
             flush=True,
         )
     elif preempted:
@@ -259,7 +261,7 @@ def report_end(
     print(
         f"Done in {metrics.format_duration(time.perf_counter() - start_time)}. "
         f"Wrote to {path}:\n"
-        f"  checkpoints  {ckpt.directory} (latest step {last_saved})\n"
+        f"  checkpoints  {ckpt.directory} ({latest})\n"
         f"  config       {path / run_dir.CONFIG_FILE}\n"
         f"  metrics      {path / 'metrics.jsonl'}\n"
         f"  tensorboard  {path / 'tensorboard'}",

@@ -17,7 +17,7 @@ from flaxlm.data import pipeline
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.posttrain import preference
-from flaxlm.runs import loop
+from flaxlm.runs import checks, loop
 from flaxlm.training import lora as lora_lib
 from flaxlm.training import metrics, optimizers, preemption, steps
 from flaxlm.training.train_state import TrainState
@@ -213,12 +213,16 @@ def train(
     if lora_base_checkpoint and lora is None:
         raise ValueError("lora_base_checkpoint is set but lora is not: bind train.lora too.")
     path = steps.check_model_dir(model_dir)
+    if not checks.has_checkpoint(model_dir) or lora is not None or objective is not None:
+        checks.check_init_from_hf(init_from_hf)  # (a resumed run may not read it again)
     model = run_dir.with_decoder_start(model, model_dir, init_from_hf)
     steps.check_batch_size(partitioner, train_dataset_cfg.batch_size, num_microbatches)
     model.check_lengths(train_dataset_cfg.task_feature_lengths)
     converter = pipeline.converter_for(train_dataset_cfg, model)
     preference.check_data(objective, converter)
     feature_lengths = pipeline.model_feature_lengths(train_dataset_cfg, converter)
+    checks.check_sequence_split(model, partitioner, feature_lengths)
+    checkpointer.check_resumed_lengths(train_dataset_cfg.task_feature_lengths, model_dir)
     train_dataset_cfg = checkpointer.resumed_input_shards(train_dataset_cfg, partitioner, model_dir)
     # From here on a first SIGTERM/SIGINT is a request to stop cleanly: during set-up, before
     # the first step; in the loop, after the current step, saving it (see run_steps).
