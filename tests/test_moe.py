@@ -14,17 +14,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flaxlm.models import base, moe, qwen_moe
+from flaxlm.parallel.partitioning import standard_logical_axis_rules
 
 AXES = ("data", "fsdp", "expert", "tensor")
-RULES = (
-    ("batch", ("data", "fsdp", "expert")),
-    ("expert", "expert"),
-    ("embed", "fsdp"),
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("vocab", "tensor"),
-)
+# The Partitioner's standard rules for this mesh: batch over (data, fsdp, expert), the experts
+# over expert, the other params' embed over (fsdp, expert).
+RULES = standard_logical_axis_rules(AXES)
 CONFIG = qwen_moe.QwenMoeConfig(
     vocab_size=64,
     hidden_size=32,

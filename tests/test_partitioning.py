@@ -1,11 +1,16 @@
 """The Partitioner's promises on 8 simulated CPU devices."""
 
+import os
+
+import gin
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from flaxlm.parallel.partitioning import Partitioner, resolve_mesh_shape
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize(
@@ -50,8 +55,60 @@ def test_logical_axes_follow_the_standard_rules():
 
 def test_logical_axis_without_a_rule_is_named():
     partitioner = Partitioner(mesh_shape=(1, 8, 1))
-    with pytest.raises(ValueError, match="expert"):
-        partitioner.mesh_axes(("expert", "embed"))
+    with pytest.raises(ValueError, match="router_group"):
+        partitioner.mesh_axes(("router_group", "embed"))
+
+
+def test_experts_are_replicated_without_an_expert_axis():
+    partitioner = Partitioner(mesh_shape=(1, 4, 2))
+    assert partitioner.mesh_axes(("expert", "embed", None, "mlp")) == P(
+        None, "fsdp", None, "tensor"
+    )
+
+
+def test_the_partitioning_file_splits_experts_and_batch_and_keeps_params_sharded():
+    gin.clear_config()
+    try:
+        gin.parse_config_file(os.path.join(REPO, "gin", "partitioning", "fsdp_ep.gin"))
+        partitioner = Partitioner()
+    finally:
+        gin.clear_config()
+    assert dict(zip(partitioner.mesh_axis_names, partitioner.mesh_shape)) == {
+        "data": 1,
+        "fsdp": 1,
+        "expert": 8,
+        "tensor": 1,
+    }
+    # Outside the MoE layers the expert axis splits the batch: no device idles.
+    assert partitioner.batch_mesh_axes() == ("data", "fsdp", "expert")
+    assert partitioner.data_parallel_degree() == 8
+
+
+def test_expert_axis_splits_the_experts_and_the_params_over_every_device():
+    axes = ("data", "fsdp", "expert", "tensor")
+    partitioner = Partitioner(mesh_shape=(1, 2, 2, 2), mesh_axis_names=axes)
+    assert partitioner.mesh_axes(("batch", "length", "embed")) == P(
+        ("data", "fsdp", "expert"), None, None
+    )
+    # The experts over `expert`; their embed dim, whose expert axis is taken, over fsdp.
+    assert partitioner.mesh_axes(("expert", "embed", None, "mlp")) == P(
+        "expert", "fsdp", None, "tensor"
+    )
+    assert partitioner.mesh_axes(("expert", "mlp", "embed")) == P("expert", "tensor", "fsdp")
+    # Every other param sharded over every device, as under fsdp.
+    assert partitioner.mesh_axes(("embed", "mlp")) == P(("fsdp", "expert"), "tensor")
+    assert partitioner.mesh_axes(("vocab", "embed")) == P("tensor", ("fsdp", "expert"))
+    # With context parallelism as well.
+    both = Partitioner(
+        mesh_shape=(1, 2, 2, 2, 1), mesh_axis_names=("data", "fsdp", "sequence", "expert", "tensor")
+    )
+    assert both.mesh_axes(("batch", "length", "embed")) == P(
+        ("data", "fsdp", "expert"), "sequence", None
+    )
+    assert both.mesh_axes(("embed", "mlp")) == P(("fsdp", "sequence", "expert"), "tensor")
+    assert both.mesh_axes(("expert", "embed", None, "mlp")) == P(
+        "expert", ("fsdp", "sequence"), None, "tensor"
+    )
 
 
 def test_data_layout_single_process_reads_the_whole_batch():

@@ -2,8 +2,8 @@
 
 Model code names its dimensions with logical axes (`batch`, `embed`, `mlp`, ...). The
 Partitioner owns the mapping from those names to mesh axes `('data', 'fsdp', 'tensor')` (and
-`'sequence'` for context parallelism), the mesh itself, and this host's share of the global
-batch. It knows no model.
+`'sequence'` for context parallelism, `'expert'` for expert parallelism), the mesh itself,
+and this host's share of the global batch. It knows no model.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 MESH_AXES = ("data", "fsdp", "tensor")
 SEQUENCE_AXIS = "sequence"  # context parallelism: `length` split over this mesh axis
+EXPERT_AXIS = "expert"  # expert parallelism: the experts (and the batch) split over this axis
 
 
 def standard_logical_axis_rules(
@@ -34,20 +35,34 @@ def standard_logical_axis_rules(
 
     Rules are matched in order and a mesh axis is used at most once per array, so an
     activation `[batch, length, embed]` shards only its batch (fsdp is taken by `batch`),
-    while a kernel `[embed, mlp]` is split over both fsdp and tensor.
+    while a kernel `[embed, mlp]` is split over both fsdp and tensor. A logical name with
+    several rules takes the first whose mesh axes are all still free.
 
     With a `sequence` axis among `mesh_axis_names` (context parallelism), `length` is split
     over it, and so is `embed` next to fsdp: the params are not copied on every device of a
     sequence-split replica (as MaxText shards them over its `sequence`/`context` axes).
+
+    With an `expert` axis (expert parallelism), the experts' weights are split over it by
+    their logical axis `expert` (replicated without one), and outside the MoE layers it
+    splits the batch (as MaxText and torchtitan do) and `embed` next to fsdp, so the other
+    params stay sharded over every device as under fsdp; an expert's own `embed` dim, whose
+    `expert` axis is taken, falls back to fsdp.
     """
-    sequence = SEQUENCE_AXIS in tuple(mesh_axis_names)
+    names = tuple(mesh_axis_names)
+    sequence = SEQUENCE_AXIS in names
+    expert = EXPERT_AXIS in names
+    fsdp = ("fsdp", SEQUENCE_AXIS) if sequence else ("fsdp",)
+    embed = fsdp if sequence else "fsdp"
+    embed_with_expert = (("embed", (*fsdp, EXPERT_AXIS)),) if expert else ()
     return (
-        ("batch", ("data", "fsdp")),
+        ("batch", ("data", "fsdp", EXPERT_AXIS) if expert else ("data", "fsdp")),
+        ("expert", EXPERT_AXIS if expert else None),
         ("vocab", "tensor"),
         ("mlp", "tensor"),
         ("heads", "tensor"),
         ("kv_heads", "tensor"),
-        ("embed", ("fsdp", SEQUENCE_AXIS) if sequence else "fsdp"),
+        *embed_with_expert,
+        ("embed", embed),
         ("length", SEQUENCE_AXIS if sequence else None),
         ("head_dim", None),
         ("kv", None),
@@ -201,7 +216,9 @@ class Partitioner:
           mesh_shape: size of each mesh axis; one -1 takes the remaining devices.
           mesh_axis_names: names of the mesh axes, outermost (slowest network) first;
             `('data', 'fsdp', 'sequence', 'tensor')` adds context parallelism (activations
-            split on their length, attention by `models.context_parallel`).
+            split on their length, attention by `models.context_parallel`);
+            `('data', 'fsdp', 'expert', 'tensor')` expert parallelism (the experts split,
+            tokens dispatched by `models.moe`).
           logical_axis_rules: (logical name, mesh axes) pairs; the standard rules if None.
           optimizer_sharding: "params" (optimizer state sharded like the params) or
             "zero1" (optimizer state also split over `data` while params are replicated).
