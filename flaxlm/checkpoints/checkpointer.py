@@ -12,6 +12,8 @@ import ast
 import dataclasses
 import json
 import re
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -208,6 +210,37 @@ def _short_reason(error: BaseException, limit: int = 200) -> str:
     return reason if len(reason) <= limit else reason[: limit - 3] + "..."
 
 
+def _is_abandoned_read(error: BaseException | None, obj: Any = None) -> bool:
+    """Whether an error Python would print as "ignored" comes from the array reads of a
+    restore that already failed: orbax's read coroutines, collected with their error, and
+    TensorStore's callbacks into their event loop, closed since."""
+    if isinstance(obj, types.CoroutineType) and "orbax" in obj.cr_code.co_filename:
+        return True
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    return "Encountered error while reading array index" in str(error)
+
+
+def quiet_abandoned_reads() -> None:
+    """From now on, the errors of a failed restore's other array reads (one traceback of ~60
+    lines of TensorStore spec each, a hundred or more, many after the run has finished) are
+    not printed: the fallback's warning has said what was wrong. Any other error still is."""
+    if getattr(sys.unraisablehook, "flaxlm_quiet", False):
+        return
+    unraisable, excepthook = sys.unraisablehook, sys.excepthook
+
+    def unraisablehook(info: Any) -> None:
+        if not _is_abandoned_read(info.exc_value, info.object):
+            unraisable(info)
+
+    def quiet_excepthook(kind: type, error: BaseException, tb: Any) -> None:
+        if not _is_abandoned_read(error):
+            excepthook(kind, error, tb)
+
+    unraisablehook.flaxlm_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook, sys.excepthook = unraisablehook, quiet_excepthook
+
+
 @ocp.args.register_with_handler(DatasetCheckpointHandler, for_save=True, for_restore=True)
 @dataclasses.dataclass
 class DatasetArgs(ocp.args.CheckpointArgs):
@@ -358,6 +391,7 @@ class Checkpointer:
             # gets one line from `_set_aside` or NoReadableCheckpointError.
             logging.warning("Checkpoint at step %d could not be read (%s).", step, e)
             unreadable.append((step, e))
+            quiet_abandoned_reads()
 
         for step in sorted(self.all_steps(), reverse=True):
             try:
