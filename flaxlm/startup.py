@@ -208,17 +208,14 @@ class StartupProfile:
                 lines.append(f"  import {name:<45} {seconds:7.2f}")
         for category, seconds in self.spent.items():
             lines.append(f"  {category:<52} {seconds:7.2f}")
-        compiles = self.jax_counts.get(_COMPILE, 0)
         hits = self.jax_counts.get(_CACHE_HIT, 0)
-        for event, label in ((_TRACE, "trace"), (_LOWER, "lower to StableHLO")):
-            lines.append(
-                f"  JAX {label} ({self.jax_counts.get(event, 0)}x){'':<{36 - len(label)}}"
-                f" {self.jax_seconds.get(event, 0.0):7.2f}"
-            )
-        lines.append(
-            f"  XLA compile or cache read ({compiles}x: {hits} from the persistent cache, "
-            f"{compiles - hits} compiled) {self.jax_seconds.get(_COMPILE, 0.0):7.2f}"
-        )
+        for event, label in (
+            (_TRACE, "JAX trace"),
+            (_LOWER, "JAX lower to StableHLO"),
+            (_COMPILE, f"XLA compile ({hits} read from the cache instead)"),
+        ):
+            label = f"{label}, {self.jax_counts.get(event, 0)}x"
+            lines.append(f"  {label:<52} {self.jax_seconds.get(event, 0.0):7.2f}")
         if self.compile_log.names:
             lines.append(f"  programs: {', '.join(self.compile_log.names)}")
         print("\n".join(lines) + "\n", flush=True)
