@@ -132,6 +132,45 @@ def test_default_run_trains_with_falling_loss_then_resumes(tmp_path, repo_dir):
     assert os.path.isdir(os.path.join(model_dir, "checkpoints", "40"))
 
 
+@pytest.mark.slow
+def test_moe_pretrains_with_expert_parallelism_and_logs_expert_load(tmp_path, repo_dir):
+    # The command on 4 devices, all on the `expert` axis (2 of the 8 experts each):
+    # it trains, its loss falls, and every log period writes the router's telemetry.
+    model_dir = str(tmp_path / "moe")
+    result = run_main(
+        [
+            "--gin_file=gin/models/qwen3_moe_tiny.gin",
+            "--gin_file=gin/runs/pretrain.gin",
+            "--gin_file=gin/partitioning/fsdp_ep.gin",
+            f"--gin.MODEL_DIR='{model_dir}'",
+            "--gin.MIXTURE_OR_TASK_NAME='stdlib_py'",
+            "--gin.BATCH_SIZE=8",
+            "--gin.TRAIN_STEPS=20",
+            "--gin.WARMUP_STEPS=5",
+            "--gin.LEARNING_RATE=2e-3",
+            "--gin.EVAL_PERIOD=20",
+            "--gin.CHECKPOINT_PERIOD=20",
+            *SMALL,
+        ],
+        cwd=repo_dir,
+        devices=4,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data=1, fsdp=1, expert=4, tensor=1" in result.stdout
+    records = read_metrics(model_dir)
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [5, 10, 15, 20]
+    assert train[0]["loss"] - train[-1]["loss"] > 1.0, [r["loss"] for r in train]
+    layers = 4  # qwen3_moe_tiny.gin: every layer a mixture of experts
+    for r in train:
+        loads = [r[f"moe_max_load_{i}"] for i in range(layers)]
+        assert all(1.0 <= x <= 8 / 2 for x in loads), loads  # between balanced and E/k
+        assert r["moe_max_load"] == max(loads) and 0.0 <= r["moe_min_load"] <= 1.0
+        assert r["moe_aux_loss"] > 0.0
+        assert r["moe_dropped_fraction"] == 0.0  # dropless
+    assert any("eval/moe_aux_loss" in r for r in records)
+
+
 @pytest.mark.parametrize(
     "name", sorted(os.path.basename(f) for f in glob.glob(os.path.join(REPO, "gin", "*.gin")))
 )

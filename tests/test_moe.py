@@ -171,8 +171,11 @@ def test_capacity_telemetry_reports_the_dropped_fraction():
     (_, sums), _ = _loss_and_grads(model, _params(), _batch())
     stats = moe.summarize(sums)
     assert 0 < float(stats["moe_dropped_fraction"]) < 1
-    assert stats["moe_max_load"].shape == (CONFIG.num_layers,)
-    np.testing.assert_allclose(stats["moe_mean_load"], 1.0)
+    # Scalars only (what the metric writers take), one load per MoE layer.
+    assert all(np.ndim(v) == 0 for v in stats.values())
+    per_layer = [float(stats[f"moe_max_load_{i}"]) for i in range(CONFIG.num_layers)]
+    assert float(stats["moe_max_load"]) == max(per_layer) and min(per_layer) >= 1.0
+    assert 0.0 <= float(stats["moe_min_load"]) <= 1.0
 
 
 @pytest.mark.parametrize(

@@ -254,20 +254,26 @@ def loss_terms(
 
 
 def summarize(sums: Mapping[str, Array]) -> dict[str, Array]:
-    """The telemetry of `loss_terms`' metric sums (over a batch or a log period): the mean
-    aux and z losses, each layer's busiest and mean expert load over the fair share
-    (`moe_max_load`, `moe_mean_load`, `[layers]`), and the dropped fraction of assignments."""
+    """The telemetry of `loss_terms`' metric sums (over a batch or a log period), all scalars
+    (what metrics.jsonl and TensorBoard take): the mean aux and z losses; each MoE layer's
+    busiest expert's assignments over the mean expert's (`moe_max_load_{i}`, the i-th MoE
+    layer: 1 is perfect balance, E/k all tokens to k experts; no `/` in the name, which
+    would read as a task's metric); the highest of them
+    (`moe_max_load`) and the idlest expert's over the mean of any layer (`moe_min_load`: 0 is
+    an expert no token reached); the dropped fraction of assignments."""
     if "moe_expert_counts" not in sums:
         return {}
-    counts = sums["moe_expert_counts"]
+    counts = sums["moe_expert_counts"]  # [moe layers, experts]
     denom = jnp.maximum(sums["weight_sum"], 1.0)
-    fair = jnp.maximum(counts.mean(-1), 1e-9)
+    mean = jnp.maximum(counts.mean(-1), 1e-9)
+    max_load = counts.max(-1) / mean  # [moe layers]
     return {
         "moe_aux_loss": sums["moe_aux_loss_sum"] / denom,
         "moe_z_loss": sums["moe_z_loss_sum"] / denom,
-        "moe_max_load": counts.max(-1) / fair,
-        "moe_mean_load": counts.mean(-1) / fair,
+        "moe_max_load": max_load.max(),
+        "moe_min_load": (counts.min(-1) / mean).min(),
         "moe_dropped_fraction": sums["moe_dropped"] / jnp.maximum(counts.sum(), 1.0),
+        **{f"moe_max_load_{i}": load for i, load in enumerate(max_load)},
     }
 
 
