@@ -119,6 +119,7 @@ def _score(lm, inputs, targets):
     return out, scorer
 
 
+@pytest.mark.slow  # (trained_gptj: a training run in a subprocess)
 def test_multiple_choice_accuracy_equals_direct_model_scores(lm, results):
     inputs, targets = [], []
     for doc in MC_DOCS:
@@ -138,6 +139,7 @@ def test_multiple_choice_accuracy_equals_direct_model_scores(lm, results):
     assert len(VOCAB.encode(MC_DOCS[-1]["question"])) > MAX_LENGTH  # the cut case ran
 
 
+@pytest.mark.slow  # (trained_gptj: a training run in a subprocess)
 def test_loglikelihood_rolling_equals_flaxlm_scores_and_eval_path(lm, results):
     docs = [list(VOCAB.encode(d["text"])) for d in ROLLING_DOCS]
     short, partial, full = docs
@@ -178,6 +180,7 @@ def test_loglikelihood_rolling_equals_flaxlm_scores_and_eval_path(lm, results):
     assert expected[0] == pytest.approx(float(scorer(lm.params, eval_batch)[0]), rel=1e-5)
 
 
+@pytest.mark.slow  # (trained_gptj: a training run in a subprocess)
 def test_generate_until_equals_model_generate_cut_at_stops(lm, results):
     room = MAX_LENGTH - MAX_GEN_TOKS
     prompts = [([0] + list(VOCAB.encode(d["prompt"])))[-room:] for d in GEN_DOCS]
@@ -214,6 +217,7 @@ def test_cut_at_stops_takes_the_earliest():
     assert harness.cut_at_stops("abc", ["\n"]) == "abc"
 
 
+@pytest.mark.slow  # (trained_gptj: a training run in a subprocess)
 def test_bad_model_args_are_named(trained_gptj):
     with pytest.raises(ValueError, match="Unknown flaxlm model_args"):
         harness.FlaxLM(checkpoint=trained_gptj, pretrained="gpt2")
