@@ -50,7 +50,8 @@ FOLDERS = (
     "parallel",
     "plan",
 )
-ENTRY_MODULES = ("__init__.py", "main.py", "gin_utils.py", "logs.py")
+# main's flags and Gin, the terminal, and --profile_startup's timeline of main's start.
+ENTRY_MODULES = ("__init__.py", "main.py", "gin_utils.py", "logs.py", "startup.py")
 
 
 def _matches(module: str, patterns: Iterable[str]) -> bool:
@@ -122,6 +123,30 @@ FORBIDDEN: list[tuple[Callable[[str], bool], Callable[[str], bool], str]] = [
         "lora.py knows no file format",
     ),
     (_group("flaxlm.checkpoints.checkpointer"), _group(*MODELS), "checkpoints.py knows no model"),
+    (
+        _group("flaxlm.models", "flaxlm.models.*", "flaxlm.parallel.*", "flaxlm.data.*"),
+        _group(
+            "flaxlm.runs",
+            "flaxlm.runs.*",
+            "flaxlm.inference",
+            "flaxlm.inference.generation",
+            "flaxlm.checkpoints",
+            "flaxlm.checkpoints.*",
+            "flaxlm.posttrain",
+            "flaxlm.posttrain.*",
+        ),
+        "models, parallel and data know no run, generation service, checkpoint or objective",
+    ),
+    (
+        _group("flaxlm.training", "flaxlm.training.*"),
+        _group("flaxlm.posttrain", "flaxlm.posttrain.*"),
+        "objectives plug into the steps through objective.Objective: training knows none of them",
+    ),
+    (
+        lambda m: not _matches(m, ("flaxlm.runs", "flaxlm.runs.*", "flaxlm.main")),
+        _group("flaxlm.runs.*"),
+        "only main (and runs/ itself) imports a run",
+    ),
     (CORE, SERVICE, "arrows point inward: the core never imports a service"),
     (CORE, RUN, "arrows point inward: the core never imports a run"),
     (SERVICE, RUN, "arrows point inward: a service never imports a run"),
@@ -544,6 +569,41 @@ def test_no_private_name_used_outside_its_module(repo_graph):
     assert not uses, _report("private names used outside their module (user -> owner._x)", uses)
 
 
+def test_the_folders_of_the_house_exist_and_the_root_holds_only_the_entry():
+    root = REPO / "flaxlm"
+    assert all((root / folder / "__init__.py").is_file() for folder in FOLDERS)
+    modules = sorted(p.name for p in root.glob("*.py"))
+    assert modules == sorted(ENTRY_MODULES), f"flaxlm/ holds {modules}: move them into a folder"
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == sorted(FOLDERS)
+
+
+def find_reexports(root: Path = REPO) -> list[str]:
+    """`from x import y  # noqa: F401` in flaxlm/: names imported to be used elsewhere."""
+    out = []
+    for path in sorted((root / "flaxlm").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and "noqa: F401" in lines[node.lineno - 1]:
+                out.append(f"{path.relative_to(root).as_posix()}:{node.lineno}")
+    return out
+
+
+def test_no_module_reexports_another_modules_names():
+    found = find_reexports()
+    assert not found, _report("re-exports (import from the defining module instead)", found)
+
+
+def test_no_file_names_collide_across_the_house():
+    """No two modules named `infer`/`inference` or `train`/`trainer`, and no module named
+    after a library it would shadow."""
+    names = {p.stem for p in (REPO / "flaxlm").rglob("*.py")}
+    for pair in ({"infer", "inference"}, {"train", "trainer"}):
+        assert not pair <= names, pair
+    assert not names & {"orbax", "seqio", "jax", "flax", "transformers", "optax"}
+
+
 def test_no_long_file():
     long_files = find_long_files()
     assert not long_files, _report("files under flaxlm/ that are too long", long_files)
@@ -648,6 +708,8 @@ def test_checker_applies_the_rings():
         "arrows point inward: the core never imports a service",
         "tasks -> flaxlm.runs.serve.api (tasks/__init__.py:1): "
         "arrows point inward: the core never imports a run",
+        "tasks -> flaxlm.runs.serve.api (tasks/__init__.py:1): only main (and runs/ itself) "
+        "imports a run",
     ]
     assert len(find_cycles(graph)) == 1  # checkpointer <-> steps
 

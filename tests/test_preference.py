@@ -1,5 +1,7 @@
 """Preference optimisation wired to the trainer: DPO, IPO, ORPO, SimPO on pairs of answers."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -7,6 +9,8 @@ import pytest
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.posttrain import objectives, preference
 from flaxlm.training import lora
+from flaxlm.training import objective as objective_lib
+from flaxlm.training import steps as train_steps
 from tests.helpers import adamw, tiny_gptj
 
 LENGTH = 16
@@ -39,7 +43,7 @@ def run(cfg, mesh_shape=(2, 2, 2), steps=25, lora_cfg=None, num_microbatches=1, 
     model = tiny_gptj(max_position_embeddings=LENGTH)
     partitioner = Partitioner(mesh_shape=mesh_shape)
     needs_reference = cfg.needs_reference
-    setup = steps.Setup(
+    setup = train_steps.Setup(
         model, partitioner, adamw(lr), lengths(), lora=lora_cfg, frozen_reference=needs_reference
     )
     state = setup.init_state()
@@ -50,7 +54,7 @@ def run(cfg, mesh_shape=(2, 2, 2), steps=25, lora_cfg=None, num_microbatches=1, 
         frozen = setup.copy_params(state.params)
     extra = () if frozen is None else (frozen,)
     step = setup.partition_train_step(
-        steps.make_train_step(
+        train_steps.make_train_step(
             model,
             partitioner,
             lr,
@@ -59,14 +63,14 @@ def run(cfg, mesh_shape=(2, 2, 2), steps=25, lora_cfg=None, num_microbatches=1, 
             num_microbatches=num_microbatches,
         )
     )
-    evaluate = setup.partition_eval_step(steps.make_eval_step(model, lora_cfg, cfg))
+    evaluate = setup.partition_eval_step(train_steps.make_eval_step(model, lora_cfg, cfg))
     held_out = pair_batch(seed=1000)
-    before = steps.eval_scalars(evaluate(state.params, held_out, *extra))
+    before = train_steps.eval_scalars(evaluate(state.params, held_out, *extra), cfg)
     first = None
     for i in range(steps):
         state, metrics = step(state, pair_batch(seed=i % 8), *extra)
         first = first or jax.device_get(metrics)
-    after = steps.eval_scalars(evaluate(state.params, held_out, *extra))
+    after = train_steps.eval_scalars(evaluate(state.params, held_out, *extra), cfg)
     return setup, state, frozen, first, before, after
 
 
@@ -203,9 +207,13 @@ def test_a_preference_loss_needs_pairs_and_pairs_need_one():
     from flaxlm.models import features
 
     with pytest.raises(ValueError, match="bind DatasetConfig.feature_converter"):
-        preference.check_data(preference.PreferenceConfig(), features.ChatFeatureConverter)
-    with pytest.raises(ValueError, match="train.objective is not a preference loss"):
-        preference.check_data(None, features.PreferenceFeatureConverter)
-    preference.check_data(preference.PreferenceConfig(), features.PreferenceFeatureConverter)
+        preference.PreferenceConfig().check_data(features.ChatFeatureConverter)
+    with pytest.raises(ValueError, match="whose examples are pairs, but train.objective"):
+        objective_lib.NEXT_TOKEN_PREDICTION.check_data(features.PreferenceFeatureConverter)
+    preference.PreferenceConfig().check_data(features.PreferenceFeatureConverter)
+    # As the run reads them: the converter set to the model's rows (a functools.partial).
+    preference.PreferenceConfig().check_data(
+        functools.partial(features.PreferenceFeatureConverter, hf_prefix=())
+    )
     with pytest.raises(ValueError, match="choose one of"):
         preference.PreferenceConfig(loss="kto")

@@ -10,6 +10,7 @@ from flaxlm.inference import generation
 from flaxlm.models import attention, base, gpt2, masks
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import optimizers
+from flaxlm.training import steps as train_steps
 from flaxlm.training.steps import Setup
 from tests.helpers import feature_lengths, random_batch, tiny_gptj
 
@@ -18,7 +19,7 @@ def train_losses(model, optimizer, steps, mesh_shape=(1, 8, 1), batches=4):
     partitioner = Partitioner(mesh_shape=mesh_shape)
     setup = Setup(model, partitioner, optimizer, feature_lengths())
     state = setup.init_state()
-    step = setup.partition_train_step(steps.make_train_step(model, partitioner, 3e-3))
+    step = setup.partition_train_step(train_steps.make_train_step(model, partitioner, 3e-3))
     data = [random_batch(seed=i) for i in range(batches)]
     losses = []
     for i in range(steps):

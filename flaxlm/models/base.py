@@ -19,6 +19,7 @@ import numpy as np
 
 from flaxlm.inference import decoding
 from flaxlm.models import batch_shapes, context_parallel, losses, masks, moe
+from flaxlm.models.cached_decoding import CachedDecoding
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.options import (
     ModuleConfig,
@@ -324,28 +325,11 @@ class _SingleStackModel(BaseModel):
 
 
 @gin.configurable
-class DecoderOnlyModel(_SingleStackModel):
+class DecoderOnlyModel(CachedDecoding, _SingleStackModel):
     """A causal language model over seqio's decoder-only features."""
 
     FEATURE_CONVERTER_CLS = batch_shapes.DECODER_CONVERTER
     UNPACKED_FEATURES = batch_shapes.DECODER_FEATURES
-
-    def check_decoding(
-        self, inputs: np.ndarray, lengths: np.ndarray, config: decoding.DecodingConfig
-    ) -> None:
-        if (lengths < 1).any():
-            raise ValueError(
-                f"Prompts {np.flatnonzero(lengths < 1).tolist()} are empty; a decoder-only "
-                "model needs at least one prompt token (e.g. a BOS token) to continue from."
-            )
-        limit = self.position_limit()
-        longest = int(lengths.max()) + config.max_new_tokens
-        if limit is not None and longest > limit:
-            raise ValueError(
-                f"The longest prompt ({int(lengths.max())} tokens) plus max_new_tokens "
-                f"({config.max_new_tokens}) is {longest}, beyond the model's "
-                f"max_position_embeddings={limit}; shorten the prompt or max_new_tokens."
-            )
 
     def _chunks_loss(self) -> bool:
         return isinstance(self.module, CausalLM)
@@ -379,117 +363,6 @@ class DecoderOnlyModel(_SingleStackModel):
         return losses.chunked_cross_entropy(
             hidden, head, head_params, targets, weights, chunk, self.z_loss
         )
-
-    def _run_decoder(
-        self, params: Params, tokens: Array, index: Array, state: dict[str, Any], cache_len: int
-    ) -> tuple[Array, dict[str, Any]]:
-        where = masks.Decoding(jnp.asarray(index, jnp.int32), state["start"], cache_len)
-        positions = masks.decoding_positions(where, tokens.shape[0], tokens.shape[1])
-        logits, variables = self._decode_module().apply(
-            {"params": params, "cache": state["cache"]},
-            tokens,
-            positions,
-            None,
-            decoding=where,
-            mutable=["cache"],
-        )
-        return self._mask_padded_vocab(logits[:, -1]), {**state, "cache": variables["cache"]}
-
-    def prefill(
-        self, params: Params, inputs: Array, lengths: Array, config: decoding.DecodingConfig
-    ) -> tuple[Array, dict[str, Any]]:
-        batch, prompt_len = inputs.shape
-        # Left-pad: every row's prompt ends at slot prompt_len - 1, so all rows write the
-        # same cache slot each step; slots before `start` are masked out.
-        start = (prompt_len - lengths).astype(jnp.int32)
-        source = jnp.arange(prompt_len)[None, :] - start[:, None]
-        tokens = jnp.take_along_axis(inputs, jnp.maximum(source, 0), axis=1)
-        tokens = jnp.where(source >= 0, tokens, 0)
-        rows = batch * config.num_beams
-        tokens, start = (jnp.repeat(x, config.num_beams, axis=0) for x in (tokens, start))
-        cache_len = prompt_len + config.max_new_tokens
-
-        def init_cache() -> Any:
-            where = masks.Decoding(jnp.int32(0), start, cache_len)
-            dummy = jnp.zeros((rows, cache_len), jnp.int32)
-            module = self._decode_module()
-            return module.init(jax.random.PRNGKey(0), dummy, None, None, decoding=where)["cache"]
-
-        state = {"cache": decoding.empty_cache(init_cache), "start": start}
-        state["prompt_len"] = jnp.int32(prompt_len)
-        return self._run_decoder(params, tokens, jnp.int32(0), state, cache_len)
-
-    def decode_step(
-        self,
-        params: Params,
-        token: Array,
-        t: Array,
-        state: dict[str, Any],
-        config: decoding.DecodingConfig,
-    ) -> tuple[Array, dict[str, Any]]:
-        cache_len = decoding.cache_length(state["cache"])
-        return self._run_decoder(params, token[:, None], state["prompt_len"] + t, state, cache_len)
-
-    # -------------------------------------------------------------- paged decoding
-
-    def paged_refusal(self) -> str | None:
-        """Why this model cannot decode over a paged KV cache (`paged_logits`), or None.
-        Phi-3 overrides the skeleton's call (its LongRoPE switch recomputes a contiguous
-        cache), so it keeps the contiguous path."""
-        module = self._decode_module()
-        if not isinstance(module, CausalLM) or type(module).__call__ is not CausalLM.__call__:
-            return f"{type(module).__name__} decodes over a contiguous KV cache only."
-        return None
-
-    def paged_cache(self, num_pages: int, page_size: int) -> Any:
-        """Zeros of a paged KV cache (the `cache` collection): `num_pages` pages of
-        `page_size` slots, each leaf `[(layers,) num_pages, page_size, kv_heads, head_dim]`."""
-
-        def init_cache() -> Any:
-            one = jnp.zeros((1, 1), jnp.int32)
-            where = masks.Decoding(jnp.int32(0), one[0], page_size, one, one, num_pages, page_size)
-            module = self._decode_module()
-            return module.init(jax.random.PRNGKey(0), one, None, None, decoding=where)["cache"]
-
-        return decoding.empty_cache(init_cache)
-
-    def paged_logits(
-        self,
-        params: Params,
-        cache: Any,
-        tokens: Array,
-        slots: Array,
-        page_table: Array,
-        last: Array,
-    ) -> tuple[Array, Any]:
-        """Feeds `tokens` int32 `[rows, length]` at `slots` (their positions; -1: padding)
-        of the rows whose pages `page_table` int32 `[rows, pages]` lists, writing their keys
-        and values into the paged `cache`: float32 logits `[rows, vocab]` after the token at
-        index `last` int32 `[rows]` of each row, and the cache."""
-        leaf = jax.tree.leaves(cache)[0]
-        num_pages, page_size = leaf.shape[leaf.ndim - 4], leaf.shape[leaf.ndim - 3]
-        rows = tokens.shape[0]
-        where = masks.Decoding(
-            jnp.int32(0),
-            jnp.zeros((rows,), jnp.int32),
-            page_table.shape[1] * page_size,
-            page_table,
-            slots,
-            num_pages,
-            page_size,
-        )
-        hidden, variables = self._decode_module().apply(
-            {"params": params, "cache": cache},
-            tokens,
-            jnp.maximum(slots, 0),
-            None,
-            decoding=where,
-            return_hidden=True,
-            mutable=["cache"],
-        )
-        hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
-        logits = self.module.head_logits(params, hidden)[:, 0]
-        return self._mask_padded_vocab(logits), variables["cache"]
 
 
 @gin.configurable

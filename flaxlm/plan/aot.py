@@ -24,8 +24,8 @@ from flaxlm.models.batch_shapes import batch_shapes_from
 from flaxlm.parallel import platforms, pytrees
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.plan import hlo
-from flaxlm.posttrain import preference
 from flaxlm.training import lora as lora_lib
+from flaxlm.training import objective as objective_lib
 from flaxlm.training import optimizers, steps
 
 LIBTPU_HINT = (
@@ -109,14 +109,14 @@ class CompiledStep:
         learning_rate: optax.ScalarOrSchedule = 1e-3,
         num_microbatches: int = 1,
         lora: lora_lib.LoraConfig | None = None,
-        objective: steps.Objective | None = None,
+        objective: objective_lib.Objective | None = None,
         matmul_precision: str | None = None,
         out_of_memory_ok: bool = False,
         state_limit: float | None = None,
     ) -> None:
         self.out_of_memory: str | None = None
         self._hlo_text: str | None = None
-        pairs = isinstance(objective, preference.PreferenceConfig)
+        pairs = getattr(objective, "rows_per_example", 1) == 2
         if pairs:
             drop = ("decoder_segment_ids", "decoder_positions")
             lengths = {k: n for k, n in lengths.items() if k not in drop}

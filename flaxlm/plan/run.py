@@ -119,6 +119,4 @@ def with_config(model: Any, **changes: Any) -> Any:
 
 def pairs(run: Run) -> bool:
     """Whether each example is two rows (a preference objective's chosen and rejected)."""
-    from flaxlm.posttrain import preference
-
-    return isinstance(run.objective, preference.PreferenceConfig)
+    return getattr(run.objective, "rows_per_example", 1) == 2

@@ -1,4 +1,4 @@
-"""Preference optimisation as a loss function for `trainer`'s steps: DPO, IPO, ORPO, SimPO.
+"""Preference optimisation as an objective of `training.steps`: DPO, IPO, ORPO, SimPO.
 
 A batch holds pairs: every decoder feature is `[pairs, 2, length]`, row 0 the prompt with
 the chosen answer, row 1 with the rejected one, loss weights on the answers' tokens only
@@ -16,6 +16,7 @@ Metrics carry TRL's names: `rewards/chosen`, `rewards/rejected`, `rewards/accura
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +26,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from flaxlm.posttrain import objectives
+from flaxlm.training import metrics
+from flaxlm.training import objective as objective_lib
 
 Array = jax.Array
 Batch = Mapping[str, Array]
@@ -89,9 +92,57 @@ class PreferenceConfig:
         """Whether the steps need the reference params (not when precomputed)."""
         return self.loss in ("dpo", "ipo") and not self.precompute_reference
 
+    @property
+    def rows_per_example(self) -> int:
+        return 2  # a pair: the chosen and the rejected sequence
+
     def bind(self, policy: Any, model: Any, frozen: Any) -> PreferenceModel:
-        """The loss model a trainer step differentiates (see `trainer.loss_model`)."""
+        """The loss model a train step differentiates (see `steps.loss_model`)."""
         return PreferenceModel(policy, self, model, frozen)
+
+    def summarize(self, sums: Mapping[str, Array]) -> dict[str, Array]:
+        return summarize(sums)
+
+    def check_data(self, converter: Any) -> None:
+        """A ValueError unless the data is read as pairs (before any device work: the shapes
+        would fail deep inside the step)."""
+        if objective_lib.rows_of(converter) != 2:
+            name = getattr(getattr(converter, "func", converter), "__name__", converter)
+            raise ValueError(
+                f"train.objective is a {self.loss!r} preference loss, but the data is read "
+                f"with {name}: bind DatasetConfig.feature_converter = "
+                "@features.PreferenceFeatureConverter and a task of pairs "
+                "(chat.register_preference_task), as gin/dpo.gin does."
+            )
+
+    def prepare(self, run: objective_lib.ObjectiveRun) -> ReferenceFeatures | None:
+        """With `precompute_reference`: the reference log-probs of the training batches of
+        steps `start_step + 1 ...` and of the evaluation batches (fresh iterators over the
+        same data), in one pass before training; the reference params are then let go."""
+        if not self.precompute_reference:
+            return None
+        setup = run.setup
+        if setup.lora is not None:
+            raise ValueError(
+                "precompute_reference with LoRA: the reference is the base params the run "
+                "holds anyway; unset PreferenceConfig.precompute_reference."
+            )
+        table = ReferenceTable(
+            setup.model,
+            setup.partitioner,
+            setup.state_shardings.params,
+            setup.batch_axes,
+            run.reference_params(),
+        )
+        train_iter, eval_iter = run.data()
+        start = time.perf_counter()
+        train = table.compute(train_iter, run.start_step, run.total_steps - run.start_step)
+        evaluation = table.compute(eval_iter, 0, run.eval_steps) if eval_iter else []
+        metrics.print0(
+            f"Reference log-probs of {len(train)} training and {len(evaluation)} evaluation "
+            f"batches precomputed in {time.perf_counter() - start:.1f}s."
+        )
+        return ReferenceFeatures(train, evaluation, run.start_step)
 
 
 def pairs_as_rows(batch: Batch) -> dict[str, Array]:
@@ -214,26 +265,6 @@ def summarize(sums: Mapping[str, Array]) -> dict[str, Array]:
     return out
 
 
-def check_data(objective: Any, converter: type) -> None:
-    """A ValueError unless a preference loss reads pairs and pairs feed a preference loss
-    (before any device work: the shapes would fail deep inside the step)."""
-    from flaxlm.models.features import PreferenceFeatureConverter
-
-    pairs = isinstance(converter, type) and issubclass(converter, PreferenceFeatureConverter)
-    if isinstance(objective, PreferenceConfig) and not pairs:
-        raise ValueError(
-            f"train.objective is a {objective.loss!r} preference loss, but the data is read "
-            f"with {getattr(converter, '__name__', converter)}: bind "
-            "DatasetConfig.feature_converter = @features.PreferenceFeatureConverter and a "
-            "task of pairs (chat.register_preference_task), as gin/dpo.gin does."
-        )
-    if pairs and not isinstance(objective, PreferenceConfig):
-        raise ValueError(
-            "The data is pairs (PreferenceFeatureConverter) but train.objective is not a "
-            "preference loss: bind train.objective = @preference.PreferenceConfig()."
-        )
-
-
 class ReferenceTable:
     """Reference log-probs computed ahead (`PreferenceConfig.precompute_reference`): the
     `[pairs, 2]` answer log-probs of the reference `params` (on `param_shardings`) for the
@@ -260,6 +291,26 @@ class ReferenceTable:
             except StopIteration:
                 break
         return table
+
+
+@dataclasses.dataclass
+class ReferenceFeatures:
+    """Precomputed reference log-probs as batch features (`objective.BatchFeatures`): the
+    training batch of step `start_step + 1 + i` carries `train[i]`, the i-th batch of an
+    evaluation pass `evaluation[i]`."""
+
+    train_table: list[Array]
+    evaluation: list[Array]
+    start_step: int
+    axes: Mapping[str, P] = dataclasses.field(
+        default_factory=lambda: {REFERENCE_FEATURE: P("batch")}
+    )
+
+    def train(self, step: int) -> dict[str, Array]:
+        return {REFERENCE_FEATURE: self.train_table[step - self.start_step]}
+
+    def eval_iterator(self, iterator: Any) -> WithReference | None:
+        return None if iterator is None else WithReference(iterator, self.evaluation)
 
 
 class WithReference:

@@ -83,10 +83,13 @@ class GrpoConfig:
         return self.beta > 0
 
     def bind(self, policy: Any, model: Any, frozen: Any) -> GrpoModel:
-        """The loss model a trainer step differentiates (see `trainer.loss_model`); the
+        """The loss model a train step differentiates (see `steps.loss_model`); the
         reference log-probs come with the batch, so `model` and `frozen` are not needed."""
         del model, frozen
         return GrpoModel(policy, self)
+
+    def summarize(self, sums: Mapping[str, Array]) -> dict[str, Array]:
+        return summarize(sums)
 
     def rewards(
         self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str]

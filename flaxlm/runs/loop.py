@@ -23,6 +23,7 @@ from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import evaluate
 from flaxlm.training import metrics, preemption, steps
+from flaxlm.training import objective as objective_lib
 from flaxlm.training.train_state import TrainState
 
 StepMetrics = dict[str, jax.Array]
@@ -159,9 +160,11 @@ def eval_hook(
     eval_steps: int,
     eval_params: Callable[[Any], Any],
     task_metrics_of: tuple[pipeline.DatasetConfig, BaseModel, Partitioner] | None,
+    objective: objective_lib.Objective | None = None,
 ) -> Hook:
-    """Loss, accuracy, perplexity every `period` steps; with `task_metrics_of` (the eval
-    dataset, model and partitioner) also the task's own metric functions, if it has any."""
+    """Loss, accuracy, perplexity (an objective's own summary of its metric sums) every
+    `period` steps; with `task_metrics_of` (the eval dataset, model and partitioner) also the
+    task's own metric functions, if it has any."""
     task_evaluator = None
     if task_metrics_of is not None:
         cfg, model, partitioner = task_metrics_of
@@ -170,7 +173,7 @@ def eval_hook(
         task_evaluator = task_evaluator if task_evaluator.active else None
 
     def run(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
-        scalars = steps.evaluate_batches(eval_step, state.params, eval_iter, eval_steps)
+        scalars = steps.evaluate_batches(eval_step, state.params, eval_iter, eval_steps, objective)
         if task_evaluator is not None:
             scalars.update(task_evaluator.evaluate(eval_params(state.params), step))
         writer.write_scalars(step, scalars)

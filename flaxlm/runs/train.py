@@ -10,16 +10,15 @@ from typing import Any
 import gin
 import jax
 import optax
-from jax.sharding import PartitionSpec as P
 
 from flaxlm.checkpoints import checkpointer, hf, run_dir
 from flaxlm.data import pipeline
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.posttrain import preference
 from flaxlm.runs import checks, loop
 from flaxlm.training import lora as lora_lib
 from flaxlm.training import metrics, optimizers, preemption, steps
+from flaxlm.training import objective as objective_lib
 from flaxlm.training.train_state import TrainState
 
 StepMetrics = loop.StepMetrics
@@ -34,8 +33,8 @@ def frozen_params(
     lora_base_checkpoint: str | None,
 ) -> Any:
     """The steps' frozen params (`steps.Setup.frozen_shardings`), or None: a LoRA run's
-    base (`run_dir.load_lora_base`), else a preference run's reference (`reference_params`,
-    a copy: the steps donate the state)."""
+    base (`run_dir.load_lora_base`), else the reference of an objective that needs one
+    (`reference_params`, a copy: the steps donate the state)."""
     if setup.lora is not None:
         return run_dir.load_lora_base(setup, model_dir, init_from_hf, lora_base_checkpoint)
     if setup.frozen_shardings is None:
@@ -46,7 +45,7 @@ def frozen_params(
 def reference_params(
     setup: steps.Setup, state: TrainState, start_step: int, init_from_hf: str | None, copy: bool
 ) -> Any:
-    """A preference run's reference: the params the run started from (on a resumed run:
+    """An objective's frozen reference: the params the run started from (on a resumed run:
     `init_from_hf` again, or the same fresh init)."""
     shardings = setup.state_shardings.params
     if start_step == 0:
@@ -59,38 +58,6 @@ def reference_params(
         params, source = setup.init_state().params, "the run's initial params"
     metrics.print0(f"Reference model: {source}, frozen.")
     return params
-
-
-def precomputed_reference(
-    setup: steps.Setup,
-    state: TrainState,
-    start_step: int,
-    init_from_hf: str | None,
-    iterators: tuple[pipeline.DataIterator, pipeline.DataIterator | None],
-    steps: tuple[int, int],
-) -> tuple[list[jax.Array], list[jax.Array]]:
-    """`PreferenceConfig.precompute_reference`: the reference log-probs of the training
-    batches of steps `start_step + 1 ...` and of the evaluation batches (fresh iterators over
-    the same data), in one pass before training; the reference params are then let go."""
-    if setup.lora is not None:
-        raise ValueError(
-            "precompute_reference with LoRA: the reference is the base params the run holds "
-            "anyway; unset PreferenceConfig.precompute_reference."
-        )
-    params = reference_params(setup, state, start_step, init_from_hf, copy=False)
-    model, partitioner = setup.model, setup.partitioner
-    table = preference.ReferenceTable(
-        model, partitioner, setup.state_shardings.params, setup.batch_axes, params
-    )
-    train_iter, eval_iter = iterators
-    start = time.perf_counter()
-    train_table = table.compute(train_iter, start_step, steps[0] - start_step)
-    eval_table = table.compute(eval_iter, 0, steps[1]) if eval_iter is not None else []
-    metrics.print0(
-        f"Reference log-probs of {len(train_table)} training and {len(eval_table)} evaluation "
-        f"batches precomputed in {time.perf_counter() - start:.1f}s."
-    )
-    return train_table, eval_table
 
 
 def initial_state(
@@ -122,7 +89,7 @@ def steps_with_frozen(
     frozen: Any,
 ) -> tuple[Callable[..., Any], Callable[..., Any] | None, Callable[[Any], Any]]:
     """The train and eval steps and `eval_params` (state params -> the model's params): the
-    steps of a run with frozen params (LoRA's base, a preference loss's reference) take them
+    steps of a run with frozen params (LoRA's base, an objective's reference) take them
     as their last argument, and a LoRA run's model params are the base with the adapters
     merged."""
     if setup.frozen_shardings is None:
@@ -167,7 +134,7 @@ def train(
     inject_nonfinite_loss_at_step: int | None = None,
     lora: lora_lib.LoraConfig | None = None,
     lora_base_checkpoint: str | None = None,
-    objective: steps.Objective | None = None,
+    objective: objective_lib.RunObjective = objective_lib.NEXT_TOKEN_PREDICTION,
 ) -> TrainState:
     """Trains `model` on `train_dataset_cfg` for `total_steps`, resuming from `model_dir`.
 
@@ -191,10 +158,11 @@ def train(
         `model_dir/base`. Only the adapters have optimizer state and are checkpointed;
         `model_dir/lora.json` records the config and the base, so infer, eval and
         export_hf merge them.
-      objective: train on pairs of answers with a preference loss
-        (`@preference.PreferenceConfig()`: DPO, IPO, ORPO, SimPO) instead of next-token
-        prediction; the data must be pairs (`features.PreferenceFeatureConverter`). The
-        reference of DPO and IPO is the starting params, frozen (with `lora`: the base).
+      objective: what the run optimises (`objective.RunObjective`): next-token prediction by
+        default, or e.g. a preference loss on pairs of answers
+        (`@preference.PreferenceConfig()`: DPO, IPO, ORPO, SimPO; the data must be pairs,
+        `features.PreferenceFeatureConverter`). An objective that needs a reference gets
+        the starting params, frozen (with `lora`: the base).
 
     SIGTERM or SIGINT saves a checkpoint at the current step and returns (see
     `preemption.py`).
@@ -213,13 +181,13 @@ def train(
     if lora_base_checkpoint and lora is None:
         raise ValueError("lora_base_checkpoint is set but lora is not: bind train.lora too.")
     path = steps.check_model_dir(model_dir)
-    if not checks.has_checkpoint(model_dir) or lora is not None or objective is not None:
+    if not checks.has_checkpoint(model_dir) or lora is not None or objective.needs_reference:
         checks.check_init_from_hf(init_from_hf)  # (a resumed run may not read it again)
     model = run_dir.with_decoder_start(model, model_dir, init_from_hf)
     steps.check_batch_size(partitioner, train_dataset_cfg.batch_size, num_microbatches)
     model.check_lengths(train_dataset_cfg.task_feature_lengths)
     converter = pipeline.converter_for(train_dataset_cfg, model)
-    preference.check_data(objective, converter)
+    objective.check_data(converter)
     feature_lengths = pipeline.model_feature_lengths(train_dataset_cfg, converter)
     checks.check_sequence_split(model, partitioner, feature_lengths)
     checkpointer.check_resumed_lengths(train_dataset_cfg.task_feature_lengths, model_dir)
@@ -243,25 +211,31 @@ def train(
             feature_lengths,
             seed=seed,
             lora=lora,
-            frozen_reference=objective is not None and objective.needs_reference,
+            frozen_reference=objective.needs_reference,
         )
         ckpt = checkpointer.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
         start_step, state = initial_state(setup, ckpt, train_iter, model_dir, init_from_hf)
         frozen = frozen_params(
             setup, state, start_step, model_dir, init_from_hf, lora_base_checkpoint
         )
-        references = None
-        if getattr(objective, "precompute_reference", False):
-            fresh = (train_dataset_cfg, eval_dataset_cfg if eval_iter else None)
-            iterators = tuple(
-                pipeline.DataIterator.create(cfg, partitioner, converter) if cfg else None
-                for cfg in fresh
+        extra = objective.prepare(
+            objective_lib.ObjectiveRun(
+                setup,
+                start_step,
+                reference_params=lambda: reference_params(
+                    setup, state, start_step, init_from_hf, copy=False
+                ),
+                data=lambda: tuple(
+                    pipeline.DataIterator.create(cfg, partitioner, converter) if cfg else None
+                    for cfg in (train_dataset_cfg, eval_dataset_cfg if eval_iter else None)
+                ),
+                total_steps=total_steps,
+                eval_steps=eval_steps,
             )
-            references = precomputed_reference(
-                setup, state, start_step, init_from_hf, iterators, (total_steps, eval_steps)
-            )
-            setup.batch_axes = {**setup.batch_axes, preference.REFERENCE_FEATURE: P("batch")}
-            eval_iter = preference.WithReference(eval_iter, references[1]) if eval_iter else None
+        )
+        if extra is not None:
+            setup.batch_axes = {**setup.batch_axes, **extra.axes}
+            eval_iter = extra.eval_iterator(eval_iter)
         train_step, eval_step, eval_params = steps_with_frozen(
             setup,
             setup.partition_train_step(
@@ -287,7 +261,6 @@ def train(
 
         writer = metrics.create_writer(model_dir)
         longest = max(feature_lengths.values())
-        rows_per_example = 2 if isinstance(objective, preference.PreferenceConfig) else 1
         progress = metrics.Progress(total_steps, start_step, model.flops_per_token(longest))
         nonfinite = loop.NonFiniteCheck(ckpt, skip_nonfinite_updates)
         save, saved = loop.checkpoint_hook(
@@ -299,7 +272,7 @@ def train(
                 log_period,
                 writer,
                 progress,
-                train_dataset_cfg.batch_size * longest * rows_per_example,
+                train_dataset_cfg.batch_size * longest * objective.rows_per_example,
                 train_iter,
                 nonfinite,
             ),
@@ -310,15 +283,20 @@ def train(
             hooks.insert(
                 1,
                 loop.eval_hook(
-                    eval_period, writer, eval_step, eval_iter, eval_steps, eval_params, task
+                    eval_period,
+                    writer,
+                    eval_step,
+                    eval_iter,
+                    eval_steps,
+                    eval_params,
+                    task,
+                    objective,
                 ),
             )
 
         def next_batch(step: int) -> steps.Batch:
             batch = steps.next_batch(train_iter, train_dataset_cfg, step)
-            if references is not None:
-                batch = {**batch, preference.REFERENCE_FEATURE: references[0][step - start_step]}
-            return batch
+            return batch if extra is None else {**batch, **extra.train(step)}
 
         state, step, stop = loop.run_steps(
             state, start_step, total_steps, train_step, next_batch, hooks, nonfinite, signals

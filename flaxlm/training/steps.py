@@ -10,7 +10,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +22,8 @@ from flaxlm.models.base import BaseModel
 from flaxlm.models.batch_shapes import batch_shapes_from
 from flaxlm.parallel import pytrees
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.posttrain import preference, rl
 from flaxlm.training import lora as lora_lib
+from flaxlm.training import objective as objective_lib
 from flaxlm.training.train_state import TrainState
 
 if TYPE_CHECKING:  # the input pipeline (seqio, TensorFlow) only where batches are read
@@ -44,22 +44,6 @@ def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
         return x.reshape((rows, num_microbatches) + x.shape[1:]).swapaxes(0, 1)
 
     return jax.tree.map(split, batch)
-
-
-def summarize(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """Mean loss and accuracy from summed metrics (a preference or GRPO loss's sums: their
-    means over pairs or completions)."""
-    if "pairs" in sums:
-        return preference.summarize(sums)
-    if "completions" in sums:
-        return rl.summarize(sums)
-    denom = jnp.maximum(sums["weight_sum"], 1.0)
-    return {
-        "loss": sums["loss_sum"] / denom,
-        "z_loss": sums["z_loss_sum"] / denom,
-        "accuracy": sums["correct_sum"] / denom,
-        "num_tokens": sums["weight_sum"],
-    }
 
 
 def accumulate_gradients(
@@ -113,7 +97,7 @@ def make_train_step(
     skip_nonfinite_updates: bool = False,
     inject_nonfinite_loss_at_step: int | None = None,
     lora: lora_lib.LoraConfig | None = None,
-    objective: Objective | None = None,
+    objective: objective_lib.Objective | None = None,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
     """The (unjitted) train step: accumulate gradients, apply the optimizer, report metrics.
 
@@ -145,7 +129,7 @@ def make_train_step(
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
             sums = {**sums, "loss_sum": sums["loss_sum"] * scale}
         new_state = state.apply_gradients(grads)
-        out = summarize(sums)
+        out = (objective or objective_lib.NEXT_TOKEN_PREDICTION).summarize(sums)
         out["grad_norm"] = optax.global_norm(grads)
         finite = jnp.isfinite(out["loss"]) & jnp.isfinite(out["grad_norm"])
         out["nonfinite"] = 1 - finite.astype(jnp.int32)
@@ -160,21 +144,10 @@ def make_train_step(
     return train_step
 
 
-class Objective(Protocol):
-    """A training objective other than the model's own loss (`preference.PreferenceConfig`,
-    `rl.GrpoConfig`): whether it compares with a frozen reference, and the loss model it
-    makes of a policy (`model` or a `LoraModel`), the model and the frozen params."""
-
-    @property
-    def needs_reference(self) -> bool: ...
-
-    def bind(self, policy: Any, model: BaseModel, frozen: Any) -> Any: ...
-
-
 def loss_model(
     model: BaseModel,
     lora: lora_lib.LoraConfig | None,
-    objective: Objective | None,
+    objective: objective_lib.Objective | None,
     frozen: Any,
 ) -> Any:
     """What a step differentiates: `model`'s loss; with `lora`, as a function of the
@@ -182,20 +155,20 @@ def loss_model(
     reference is the frozen params (with LoRA: the base without adapters, no second copy of
     the weights)."""
     policy = model if lora is None else lora_lib.LoraModel(model, lora, frozen)
-    return policy if objective is None else objective.bind(policy, model, frozen)
+    return (objective or objective_lib.NEXT_TOKEN_PREDICTION).bind(policy, model, frozen)
 
 
 def make_eval_step(
     model: BaseModel,
     lora: lora_lib.LoraConfig | None = None,
-    objective: Objective | None = None,
+    objective: objective_lib.Objective | None = None,
 ) -> Callable[..., dict[str, jax.Array]]:
     """`eval_step(params, batch)`; `eval_step(params, batch, frozen)` when the train step
     takes frozen params (see `make_train_step`)."""
 
     def eval_step(params: Any, batch: Batch, frozen: Any = None) -> dict[str, jax.Array]:
-        if objective is not None:
-            return loss_model(model, lora, objective, frozen).loss_fn(params, batch, None, 1.0)[1]
+        if objective is not None:  # (its own normalizer: only the metric sums are kept)
+            return loss_model(model, lora, objective, frozen).loss_fn(params, batch, None)[1]
         if lora is not None:
             params = lora_lib.merge(frozen, params, lora)
         _, sums = model.loss_fn(params, batch, None, 1.0)
@@ -347,7 +320,11 @@ class Setup:
 
 
 def evaluate_batches(
-    eval_step: Callable[..., Any], params: Any, iterator: pipeline.DataIterator, steps: int
+    eval_step: Callable[..., Any],
+    params: Any,
+    iterator: pipeline.DataIterator,
+    steps: int,
+    objective: objective_lib.Objective | None = None,
 ) -> dict[str, float]:
     iterator.reset()
     total = None
@@ -359,13 +336,16 @@ def evaluate_batches(
         total = sums if total is None else jax.tree.map(jnp.add, total, sums)
     if total is None:
         raise ValueError("The evaluation dataset produced no batches.")
-    return eval_scalars(total)
+    return eval_scalars(total, objective)
 
 
-def eval_scalars(total: Mapping[str, jax.Array]) -> dict[str, float]:
+def eval_scalars(
+    total: Mapping[str, jax.Array], objective: objective_lib.Objective | None = None
+) -> dict[str, float]:
     """`eval/loss`, `eval/accuracy`, `eval/perplexity` (of the cross-entropy, z-loss
-    excluded), ... from summed eval metrics."""
-    out = {f"eval/{k}": float(v) for k, v in summarize(total).items()}
+    excluded), ... from summed eval metrics (an objective's: its own summary)."""
+    metrics = (objective or objective_lib.NEXT_TOKEN_PREDICTION).summarize(total)
+    out = {f"eval/{k}": float(v) for k, v in metrics.items() if jnp.ndim(v) == 0}
     if "weight_sum" not in total:  # not a next-token loss: no perplexity
         return out
     out["eval/perplexity"] = float(math.exp(min(out["eval/loss"] - out["eval/z_loss"], 700.0)))
