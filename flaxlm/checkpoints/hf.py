@@ -221,7 +221,9 @@ def _place_params(
     flat_abstract = traverse_util.flatten_dict(abstract, sep="/")
     shapes = {k: tuple(v.shape) for k, v in flat_abstract.items()}
     scan = bool(getattr(model.config, "scan_layers", False))
-    expanded = hf_spec.expand(spec.tensors(model.config), scan)
+    tensors = spec.tensors(model.config)
+    expanded = hf_spec.expand(tensors, scan)
+    reader = PiecedReader(reader, hf_spec.pieces_of(tensors))
     real_vocab = model.config.real_vocab_size or model.config.vocab_size
     _check_tensors(spec, expanded, shapes, reader, real_vocab, path)
 
@@ -232,6 +234,40 @@ def _place_params(
         callback = _shard_reader(reader, t, names, aval, stacked, real_vocab)
         flat_params[param] = jax.make_array_from_callback(aval.shape, aval.sharding, callback)
     return traverse_util.unflatten_dict(flat_params, sep="/")
+
+
+class PiecedReader:
+    """A `SafetensorsReader` that also serves each tensor the checkpoint stores in pieces
+    (`HFTensor.pieces`: one set per expert, the Hub's spelling) whole, as if stored so:
+    `file_of` names it in place of its pieces."""
+
+    def __init__(self, reader: SafetensorsReader, pieces: Mapping[str, list[list[str]]]):
+        self._reader = reader
+        self._pieces = {
+            name: experts
+            for name, experts in pieces.items()
+            if name not in reader.file_of
+            and all(p in reader.file_of for names in experts for p in names)
+        }
+        taken = {p for experts in self._pieces.values() for names in experts for p in names}
+        self.file_of = {n: f for n, f in reader.file_of.items() if n not in taken}
+        self.file_of.update({n: reader.file_of[e[0][0]] for n, e in self._pieces.items()})
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._pieces:
+            return self._reader.shape(name)
+        experts = self._pieces[name]
+        shapes = [self._reader.shape(p) for p in experts[0]]
+        return (len(experts), sum(s[0] for s in shapes), *shapes[0][1:])
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        if name not in self._pieces:
+            return self._reader.read(name, rows)
+        if rows is not None:
+            raise ValueError(f"{name}: a tensor stored in pieces has no fused rows.")
+        return np.stack(
+            [np.concatenate([self._reader.read(p) for p in names]) for names in self._pieces[name]]
+        )
 
 
 def head_differs(spec: HFSpec, reader: SafetensorsReader) -> bool:
@@ -322,7 +358,9 @@ def hf_state_dict(model: BaseModel, params: Params) -> Iterator[tuple[str, np.nd
     scan = bool(getattr(model.config, "scan_layers", False))
     flat = traverse_util.flatten_dict(params, sep="/")
     real_vocab = model.config.real_vocab_size or model.config.vocab_size
-    records = hf_spec.expand(spec.tensors(model.config), scan)
+    tensors = spec.tensors(model.config)
+    records = hf_spec.expand(tensors, scan)
+    pieces = hf_spec.pieces_of(tensors)
     # A fused tensor is written once all its parts are in, rows in order.
     parts_left = collections.Counter(n for t, names in records.values() if t.rows for n in names)
     parts: dict[str, list[tuple[int, np.ndarray]]] = collections.defaultdict(list)
@@ -339,6 +377,11 @@ def hf_state_dict(model: BaseModel, params: Params) -> Iterator[tuple[str, np.nd
                 if parts_left[name]:
                     continue
                 tensor = np.concatenate([p for _, p in sorted(parts.pop(name), key=_first)])
+            if name in pieces:  # written as transformers' save_pretrained writes it
+                for names, block in zip(pieces[name], tensor, strict=True):
+                    for piece, part in zip(names, np.split(block, len(names)), strict=True):
+                        yield piece, np.ascontiguousarray(part)
+                continue
             yield name, tensor
             for other in t.copies:
                 yield other, tensor

@@ -398,7 +398,14 @@ def kv_heads_axis(num_kv_heads: int) -> str | None:
     return "kv_heads" if num_kv_heads > 1 else None
 
 
-QK_NORMS = ("rms", "rms_plus_one")
+QK_NORMS = ("rms", "rms_plus_one", "rms_whole")
+
+
+def _whole_rms_norm(x: Array, name: str, options: dict) -> Array:
+    """An RMSNorm over all heads' features at once: `[.., heads, head_dim]`, its scale
+    `[heads * head_dim]` (OLMoE's q_norm and k_norm)."""
+    flat = x.reshape(*x.shape[:-2], -1)
+    return RMSNorm(name=name, **options)(flat).reshape(x.shape)
 
 
 def rotary_self_attention(
@@ -424,6 +431,7 @@ def rotary_self_attention(
     softcap: float | None = None,
     window: Array | None = None,
     context_parallel: str = "ring",
+    clip_qkv: float | None = None,
 ) -> Array:
     """Llama-style attention, built inside the calling block's scope (`q_proj`, `k_proj`,
     `v_proj`, `o_proj`, `cache`): rotary (half-split) queries and keys, grouped-query heads;
@@ -431,7 +439,9 @@ def rotary_self_attention(
     than `head_dim / 2` rotates the first features of each head only (partial rotary).
 
     qk_norm: 'rms' (Qwen3) or 'rms_plus_one' (Gemma 3) normalises each query and key head
-    (`q_norm`, `k_norm`, eps `norm_eps`) before rotary. scale: of the scores (default
+    (`q_norm`, `k_norm`, eps `norm_eps`) before rotary; 'rms_whole' (OLMoE) the whole query
+    and key projections, all heads at once. clip_qkv: q, k and v clipped to [-clip_qkv,
+    clip_qkv] after the norms (OLMoE). scale: of the scores (default
     head_dim**-0.5); softcap: of the scaled scores (Gemma 2); window: this layer's sliding
     window (`layer_window`); context_parallel: see `dot_product_attention`.
 
@@ -464,8 +474,14 @@ def rotary_self_attention(
             dtype=dtype,
             param_dtype=param_dtype,
         )
-        q = RMSNorm(name="q_norm", **norm)(q)
-        k = RMSNorm(name="k_norm", **norm)(k)
+        if qk_norm == "rms_whole":
+            q = _whole_rms_norm(q, "q_norm", {**norm, "axes": ("heads",)})
+            k = _whole_rms_norm(k, "k_norm", {**norm, "axes": (kv_axis,)})
+        else:
+            q = RMSNorm(name="q_norm", **norm)(q)
+            k = RMSNorm(name="k_norm", **norm)(k)
+    if clip_qkv is not None:
+        q, k, v = (jnp.clip(x, -clip_qkv, clip_qkv) for x in (q, k, v))
     q = constrain(apply_rotary(q, sin, cos, interleaved=False), HEAD_AXES)
     k = constrain(apply_rotary(k, sin, cos, interleaved=False), kv_axes)
     k, v = KVCache(kv_axes, name="cache")(k, v, decoding)

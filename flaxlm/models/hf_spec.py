@@ -44,12 +44,20 @@ class HFTensor:
     # The param is rows [start, stop) (HF layout, axis 0) of a fused HF tensor that other
     # records fill too (Phi-3's qkv_proj, gate_up_proj): split on import, joined on export.
     rows: tuple[int, int] | None = None
+    # The HF tensor `[experts, rows, ...]` as checkpoints on the Hub store it (and
+    # transformers' save_pretrained writes it): `experts` x len(pieces) tensors, named by
+    # `pieces` with `{i}` (layer) and `{e}` (expert); expert e's pieces joined on their axis 0
+    # are its row block. Read in either spelling, written as pieces.
+    pieces: tuple[str, ...] = ()
+    experts: int = 0
 
     def __post_init__(self):
         if self.copies and self.layers:
             raise ValueError(f"{self.param}: copies of a per-layer tensor are not supported.")
         if self.rows is not None and (self.copies or self.vocab_axis is not None):
             raise ValueError(f"{self.param}: a fused tensor's rows have no copies or vocab.")
+        if self.pieces and (self.rows is not None or self.copies or not self.experts):
+            raise ValueError(f"{self.param}: pieces need `experts`, and no rows or copies.")
 
     def to_hf_layout(self, array: np.ndarray) -> np.ndarray:
         """A param (one layer, vocabulary unpadded) in HF's layout."""
@@ -86,6 +94,17 @@ def expand(tensors: Sequence[HFTensor], scan: bool) -> dict[str, tuple[HFTensor,
         else:
             for i in range(t.layers):
                 out[t.param.format(i=i)] = (t, [t.hf.format(i=i)])
+    return out
+
+
+def pieces_of(tensors: Sequence[HFTensor]) -> dict[str, list[list[str]]]:
+    """HF name (layer formatted) -> the names of its pieces, a list per expert, for every
+    record stored in pieces (`HFTensor.pieces`); scanned or not, the names are the same."""
+    out: dict[str, list[list[str]]] = {}
+    for t in tensors:
+        for i in range(max(t.layers, 1)) if t.pieces else ():
+            experts = range(t.experts)
+            out[t.hf.format(i=i)] = [[p.format(i=i, e=e) for p in t.pieces] for e in experts]
     return out
 
 

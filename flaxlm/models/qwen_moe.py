@@ -10,6 +10,7 @@ Follows HuggingFace's `Qwen2MoeForCausalLM` and `Qwen3MoeForCausalLM`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import flax.linen as nn
@@ -26,9 +27,52 @@ MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
 ARCHITECTURES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
+class MoESizes:
+    """Parameter counts and FLOPs of a config with QwenFields' and MoEOptions' fields (every
+    MoE family here); a family whose attention has other params overrides
+    `attention_params`."""
+
+    def attention_params(self) -> int:
+        """One block's attention params: q, k, v, o, their biases, per-head q/k norms."""
+        e, d = self.hidden_size, self.dim_per_head
+        q, kv = self.num_heads * d, self.kv_heads * d
+        attn = e * (q + 2 * kv) + q * e
+        attn += (q + 2 * kv if self.qkv_bias else 0) + (e if self.attention_bias else 0)
+        return attn + (2 * d if self.qk_norm else 0)
+
+    def param_counts(self) -> tuple[int, int]:
+        """(all, active per token) params."""
+        e, v = self.hidden_size, self.vocab_size
+        attn = self.attention_params()
+        total = active = v * e + e + (0 if self.tie_word_embeddings else v * e)
+        moe_all, moe_active = self.moe_params(e)
+        for sparse in self.sparse_layers(self.num_layers):
+            mlp_all, mlp_active = (
+                (moe_all, moe_active) if sparse else (3 * e * self.intermediate_size,) * 2
+            )
+            total += attn + 2 * e + mlp_all
+            active += attn + 2 * e + mlp_active
+        return total, active
+
+    def num_params(self) -> int:
+        """All parameters (every expert)."""
+        return self.param_counts()[0]
+
+    def active_params(self) -> int:
+        """The parameters one token goes through (its k experts)."""
+        return self.param_counts()[1]
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x the active matmul params plus attention scores."""
+        lookup = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        contexts = sum(min(seq_len, w or seq_len) for w in self.layer_windows)
+        matmul = self.active_params() - lookup
+        return 6.0 * matmul + 12.0 * self.num_heads * self.dim_per_head * contexts
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class QwenMoeConfig(qwen.QwenFields, moe.MoEOptions):
+class QwenMoeConfig(MoESizes, qwen.QwenFields, moe.MoEOptions):
     """Qwen2-MoE / Qwen3-MoE hyper-parameters: QwenFields' and MoEOptions' fields (HF's
     names); the defaults are Qwen3-30B-A3B's."""
 
@@ -69,38 +113,6 @@ class QwenMoeConfig(qwen.QwenFields, moe.MoEOptions):
     def qk_norm(self) -> bool:
         return self.model_type == "qwen3_moe"
 
-    def param_counts(self) -> tuple[int, int]:
-        """(all, active per token) params."""
-        e, v, d = self.hidden_size, self.vocab_size, self.dim_per_head
-        q, kv = self.num_heads * d, self.kv_heads * d
-        attn = e * (q + 2 * kv) + q * e
-        attn += (q + 2 * kv if self.qkv_bias else 0) + (e if self.attention_bias else 0)
-        attn += 2 * d if self.qk_norm else 0
-        total = active = v * e + e + (0 if self.tie_word_embeddings else v * e)
-        moe_all, moe_active = self.moe_params(e)
-        for sparse in self.sparse_layers(self.num_layers):
-            mlp_all, mlp_active = (
-                (moe_all, moe_active) if sparse else (3 * e * self.intermediate_size,) * 2
-            )
-            total += attn + 2 * e + mlp_all
-            active += attn + 2 * e + mlp_active
-        return total, active
-
-    def num_params(self) -> int:
-        """All parameters (every expert)."""
-        return self.param_counts()[0]
-
-    def active_params(self) -> int:
-        """The parameters one token goes through (its k experts)."""
-        return self.param_counts()[1]
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x the active matmul params plus attention scores."""
-        lookup = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-        contexts = sum(min(seq_len, w or seq_len) for w in self.layer_windows)
-        matmul = self.active_params() - lookup
-        return 6.0 * matmul + 12.0 * self.num_heads * self.dim_per_head * contexts
-
     def make_module(self) -> QwenMoe:
         return QwenMoe(self)
 
@@ -125,10 +137,21 @@ def mlp_or_experts(module: nn.Module, cfg: Any, h: Array, mask: masks.Mask) -> A
 
 
 class QwenMoeBlock(nn.Module):
-    """Pre-RMSNorm block: Qwen attention, then the mixture of experts (or a dense MLP)."""
+    """Pre-RMSNorm block: Qwen attention, then the mixture of experts (or a dense MLP). The
+    block of every MoE family on QwenFields: a family whose attention differs overrides
+    `attention_options`."""
 
-    config: QwenMoeConfig
+    config: Any  # QwenFields + MoEOptions
     deterministic: bool = True
+
+    def attention_options(self) -> dict[str, Any]:
+        """`rotary_self_attention`'s family options: Qwen's biases and per-head q/k norms."""
+        cfg = self.config
+        return dict(
+            qkv_bias=cfg.qkv_bias,
+            out_bias=cfg.attention_bias,
+            qk_norm="rms" if cfg.qk_norm else None,
+        )
 
     def dropped(self, y: Array) -> Array:
         if not self.config.dropout_rate:
@@ -159,14 +182,12 @@ class QwenMoeBlock(nn.Module):
             num_kv_heads=cfg.kv_heads,
             head_dim=cfg.dim_per_head,
             hidden_size=cfg.hidden_size,
-            qkv_bias=cfg.qkv_bias,
-            out_bias=cfg.attention_bias,
             attention=cfg.attention,
             chunk_size=cfg.attention_chunk_size,
             context_parallel=cfg.context_parallel,
-            qk_norm="rms" if cfg.qk_norm else None,
             norm_eps=cfg.rms_norm_eps,
             window=masks.layer_window(cfg.layer_windows, index),
+            **self.attention_options(),
             **dense,
         )
         x = layers.constrain(x + self.dropped(attn), layers.ACTIVATION_AXES)
@@ -288,25 +309,40 @@ def hf_tensors(cfg: QwenMoeConfig) -> list[HFTensor]:
     return table + moe_hf_tensors(cfg, "model.layers.{i}.mlp")
 
 
-def moe_hf_tensors(cfg: Any, prefix: str, gate: str = "gate") -> list[HFTensor]:
+SWIGLU = ("gate_proj", "up_proj", "down_proj")  # HF's names of a SwiGLU's projections
+
+
+def moe_hf_tensors(
+    cfg: Any, prefix: str, gate: str = "gate", expert_names: tuple[str, str, str] = SWIGLU
+) -> list[HFTensor]:
     """Every layer's MLP records under the HF module `prefix` (with `{i}`): unrolled, each
-    layer as it is sparse or dense; scanned (all alike), one stacked record each."""
+    layer as it is sparse or dense; scanned (all alike), one stacked record each.
+    `expert_names`: the Hub's names of each expert's gate, up and down projections
+    (`{prefix}.experts.{e}.<name>.weight`, Mixtral: w1, w3, w2)."""
     sparse = cfg.sparse_layers(cfg.num_layers)
+    records = functools.partial(_mlp_records, cfg, gate=gate, expert_names=expert_names)
     if all(sparse) or not any(sparse):
-        return _mlp_records(cfg, "layers_{i}", prefix, sparse[0], cfg.num_layers, gate)
+        return records("layers_{i}", prefix, sparse[0], cfg.num_layers)
     out: list[HFTensor] = []
     for i, s in enumerate(sparse):
-        out += _mlp_records(cfg, f"layers_{i}", prefix.format(i=i), s, 0, gate)
+        out += records(f"layers_{i}", prefix.format(i=i), s, 0)
     return out
 
 
 def _mlp_records(
-    cfg: Any, scope: str, prefix: str, sparse: bool, n: int, gate: str
+    cfg: Any,
+    scope: str,
+    prefix: str,
+    sparse: bool,
+    n: int,
+    gate: str,
+    expert_names: tuple[str, str, str],
 ) -> list[HFTensor]:
     mlp = f"{scope}/mlp"
-    swiglu = ("gate_proj", "up_proj", "down_proj")
     if not sparse:
-        return [linear(f"{mlp}/{p}/kernel", f"{prefix}.{p}.weight", layers=n) for p in swiglu]
+        return [linear(f"{mlp}/{p}/kernel", f"{prefix}.{p}.weight", layers=n) for p in SWIGLU]
+    piece = f"{prefix}.experts.{{e}}.{{name}}.weight"
+    w_gate, w_up, w_down = (piece.replace("{name}", name) for name in expert_names)
     out = [
         linear(f"{mlp}/gate/kernel", f"{prefix}.{gate}.weight", layers=n),
         HFTensor(
@@ -315,6 +351,8 @@ def _mlp_records(
             layers=n,
             to_hf=moe.wi_to_hf,
             to_flax=moe.wi_from_hf,
+            pieces=(w_gate, w_up),
+            experts=cfg.num_experts,
         ),
         HFTensor(
             f"{mlp}/experts/wo",
@@ -322,6 +360,8 @@ def _mlp_records(
             layers=n,
             to_hf=moe.wo_to_hf,
             to_flax=moe.wo_from_hf,
+            pieces=(w_down,),
+            experts=cfg.num_experts,
         ),
     ]
     if cfg.shared_expert_intermediate_size:
@@ -329,7 +369,7 @@ def _mlp_records(
             linear(
                 f"{mlp}/shared_expert/{p}/kernel", f"{prefix}.shared_expert.{p}.weight", layers=n
             )
-            for p in swiglu
+            for p in SWIGLU
         ]
         out.append(
             linear(
