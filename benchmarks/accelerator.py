@@ -70,6 +70,7 @@ from typing import Any  # noqa: E402
 
 import bench_common  # noqa: E402  (a sibling script; puts the repository on sys.path)
 import numpy as np  # noqa: E402
+import profile_summary  # noqa: E402  (a sibling script)
 
 GIB = 2**30
 SIDES = ("flaxlm", "torch")
@@ -87,6 +88,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="MODEL",
         help="also the first of these gin/models/ names (largest first) whose step the "
         "planner says fits one device at the first length, with full remat",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        metavar="N",
+        help="the model cut to its first N layers (a model too large for one device, e.g. "
+        "qwen3_moe_30b_a3b: MFU is a per-layer rate, the embedding and head aside)",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after timing the first length, trace 2 steps (jax.profiler, perfetto) into DIR "
+        "and print where the step's time goes (profile_summary.py)",
     )
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     p.add_argument("--tokens", type=int, default=32768, help="tokens per step (batch x length)")
@@ -219,6 +233,8 @@ def flaxlm_model(name: str, args: argparse.Namespace, remat: str | None = None) 
         changes["remat_policy"] = remat or args.remat
     if args.scan is not None:
         changes["scan_layers"] = args.scan
+    if args.layers:
+        changes["num_layers"] = args.layers
     bindings = []
     if args.loss_chunk_size is not None:  # what a user binds: gin/models/ import base
         bindings.append(f"base.DecoderOnlyModel.loss_chunk_size = {args.loss_chunk_size}")
@@ -377,6 +393,8 @@ def flaxlm_length(
     runner = FlaxlmRunner(result.step, random_batch(rows, length, vocab))
     try:
         row.update(timed(runner.run, args))
+        if args.profile and length == args.lengths[0]:
+            row["profile"] = profile_summary.trace_steps(runner.run, args.profile, steps=2)
     except Exception as e:  # noqa: BLE001 - an out-of-memory length is a table row
         if not out_of_memory(e):
             raise

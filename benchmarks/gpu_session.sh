@@ -1,32 +1,26 @@
 #!/usr/bin/env bash
-# A lent GPU's minutes in one call (benchmarks/README.md, "accelerator.py"):
+# A lent GPU's minutes in one call, the open accelerator parts in order of value
+# (benchmarks/README.md, "accelerator.py"):
 #
 #   bash benchmarks/gpu_session.sh [SECONDS]      # default 560: a 600 s call, less a margin
 #
-# 1. accelerator.py's default run: the Llama-3.2-1B shape at 2048, 4096 and 8192 against HF
-#    torch (torch.compile), decoding against HF generate, the planner's prediction, and each
-#    compiled step's HLO (hlo/), with at most MAIN seconds (default 340; about 335 on an H200
-#    on 2026-11-26) as its time limit;
-# 2. then the largest shape the issue asks for, Llama-3.2-3B with full remat and the loss 512
-#    positions at a time at 2048, against torch, with fewer steps (the time left less 20 s).
-#    The chunks are the margin on an H100 (73 GiB lent at MEM_FRACTION 0.92): CPU's compiler
-#    puts the 3B step at 100.9 GiB with the whole float32 logits [16, 2048, 128256] and 84.7
-#    with the chunks (2026-11-26); the 1B's GPU step took 0.65x its CPU figure (68.87 GiB on
-#    the H200 against 106.6), which puts the 3B at about 66 and 55 GiB. torch goes straight
-#    to gradient checkpointing (its float32 weights and AdamW state alone are 51 GB: without
-#    it, it would compile only to run out of memory);
-# 3. then, while time is left (about 40 s each), flaxlm alone at 2048 with one of the 3B
-#    row's knobs on the 1B: --loss-chunk-size 512, then --remat full: what each costs the
-#    1B's measured step. (The H200's knobs of 2026-11-26, --remat none and --no-scan, are in
-#    RESULTS.md; --remat none needs 128 GiB, more than an H100 has.)
+# 1. Mixtures of experts (issue 45): the dense Llama-3.2-1B step at 2048 (flaxlm alone; its
+#    torch comparison is in RESULTS.md) with a profile of where its time goes
+#    (accelerator.py --profile, profile_summary.py), then a Qwen3-30B-A3B-shaped model cut to
+#    MOE_LAYERS layers (default 8; 4 when the planner says 8 do not fit) on the same card:
+#    MFU of active-parameter FLOPs against the dense 1B's;
+# 2. the serving engine (issue 47): decode tokens/s of the Llama-3.2-1B shape at batch 1, 16
+#    and 64 with a 1k-token context, the batch path and the paged engine, against the HBM
+#    roofline (decode_roofline.py), with the time left.
 #
 # Everything lands under $OUT (the device tool's; ./gpu_out elsewhere), at most 8 files, as
-# the device tool brings back: session.log (versions and every run's output), acc_1b.json,
-# acc_3b.json, hlo/*.hlo.txt.gz, knob_*.json. Wheels under .whl/ (gin-config: the lent image
-# lacks it) are installed first. ACC_ARGS, if set, is added to every accelerator.py command,
-# and LARGEST replaces the second run's model (the tiny CPU check: ACC_ARGS="--model
-# llama_tiny --lengths 32 --tokens 64 --dtype float32 --no-torch-compile --decode-new 4"
-# LARGEST=llama_tiny).
+# the device tool brings back: session.log (versions and every run's output), dense.json,
+# moe.json, decode.json, profile/ (the trace; only its summary is read). Wheels under .whl/
+# (gin-config: the lent image lacks it) are installed first. ACC_ARGS, if set, is added to
+# every accelerator.py command and DECODE_ARGS to decode_roofline.py's; DENSE and MOE replace
+# the models (the tiny CPU check: DENSE=llama_tiny MOE=qwen3_moe_tiny MOE_LAYERS=2
+# ACC_ARGS="--lengths 32 --tokens 64 --dtype float32" DECODE_ARGS="--model llama_tiny
+# --batches 1 4 --context 32 --new 8 --dtype float32 --repeats 1").
 set -uo pipefail
 budget=${1:-560}
 out=${OUT:-gpu_out}
@@ -43,44 +37,45 @@ fi
 export PYTHONPATH=.:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 read -r -a extra <<<"${ACC_ARGS:-}"
+read -r -a decode_extra <<<"${DECODE_ARGS:-}"
+common=(--no-torch --no-decode --repeats 2 --steps 3 --warmup 1)
 
 {
   date -u
   git log -1 --format='commit %h %s' 2>/dev/null
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
-  python3 -c 'import flaxlm, flax, jax, optax, torch, transformers
-print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__,
-      "torch", torch.__version__, "transformers", transformers.__version__, jax.devices())'
+  python3 -c 'import flaxlm, flax, jax, optax
+print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, jax.devices())'
 } 2>&1 | tee "$log"
 
-limit=$(($(left) - 75))
-limit=$((limit < ${MAIN:-340} ? limit : ${MAIN:-340}))
-echo "== accelerator.py, time limit ${limit} s" | tee -a "$log"
-timeout $((limit + 30)) python3 benchmarks/accelerator.py "${extra[@]}" --time-limit "$limit" \
-  --hlo "$out/hlo" --json "$out/acc_1b.json" 2>&1 | tee -a "$log"
+l=$(($(left) - 380))
+l=$((l < 120 ? l : 120))
+echo "== dense ${DENSE:-llama3_2_1b} at 2048 with a profile, ${l} s" | tee -a "$log"
+timeout $((l + 20)) python3 benchmarks/accelerator.py --model "${DENSE:-llama3_2_1b}" \
+  --lengths 2048 "${common[@]}" "${extra[@]}" --profile "$out/profile" --time-limit "$l" \
+  --json "$out/dense.json" 2>&1 | tee -a "$log"
+rm -rf "$out/profile"  # the summary is in the log and dense.json; the trace is too large
 
-l=$(($(left) - 20))
-if [ "$l" -lt 90 ]; then
-  echo "== ${l} s left: not run: the largest shape" | tee -a "$log"
-else
-  echo "== the largest shape, time limit ${l} s" | tee -a "$log"
-  timeout $((l + 15)) python3 benchmarks/accelerator.py --lengths 2048 --remat full \
-    --loss-chunk-size 512 --torch-checkpointing --no-decode --repeats 2 --steps 3 --warmup 1 \
-    "${extra[@]}" --model "${LARGEST:-llama3_2_3b}" --time-limit "$l" --json "$out/acc_3b.json" \
-    2>&1 | tee -a "$log"
-fi
-
-for knob in "--loss-chunk-size 512" "--remat full"; do
-  l=$(left)
+for layers in "${MOE_LAYERS:-8}" 4; do
+  l=$(($(left) - 200))
+  l=$((l < 200 ? l : 200))
   if [ "$l" -lt 60 ]; then
-    echo "== ${l} s left: not run: $knob" | tee -a "$log"
-    continue
+    echo "== ${l} s left: not run: the MoE at $layers layers" | tee -a "$log"
+    break
   fi
-  name="knob_$(echo "$knob" | tr -dc 'a-z')"
-  echo "== $knob, flaxlm alone, ${l} s left" | tee -a "$log"
-  read -r -a words <<<"$knob"
-  timeout "$l" python3 benchmarks/accelerator.py --lengths 2048 "${extra[@]}" --no-torch \
-    --no-decode --repeats 2 --warmup 1 "${words[@]}" --time-limit $((l - 10)) \
-    --json "$out/$name.json" 2>&1 | tee -a "$log"
+  echo "== ${MOE:-qwen3_moe_30b_a3b} cut to $layers layers at 2048, ${l} s" | tee -a "$log"
+  timeout $((l + 20)) python3 benchmarks/accelerator.py --model "${MOE:-qwen3_moe_30b_a3b}" \
+    --layers "$layers" --lengths 2048 "${common[@]}" "${extra[@]}" --time-limit "$l" \
+    --json "$out/moe.json" 2>&1 | tee -a "$log"
+  grep -q '"step_seconds"' "$out/moe.json" 2>/dev/null && break
 done
+
+l=$(($(left) - 10))
+if [ "$l" -lt 60 ]; then
+  echo "== ${l} s left: not run: decode against the roofline" | tee -a "$log"
+else
+  echo "== decode against the HBM roofline, ${l} s" | tee -a "$log"
+  timeout "$l" python3 benchmarks/decode_roofline.py --repeats 2 "${decode_extra[@]}" \
+    --json "$out/decode.json" 2>&1 | tee -a "$log"
+fi
 echo "== done in $((SECONDS - start)) s" | tee -a "$log"

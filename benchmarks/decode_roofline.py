@@ -1,0 +1,205 @@
+"""Decode throughput against the HBM roofline, for the batch path and the serving engine.
+
+    python benchmarks/decode_roofline.py --model llama3_2_1b --batches 1 16 64 --context 1024
+
+Every decode step reads every parameter and each sequence's keys and values once, so on an
+accelerator a step takes at least `(parameter bytes + KV bytes) / memory bandwidth`: at batch B
+the roofline is `B` tokens per that time. For each batch this times
+
+- `generate`: `inference.generation.generate` (one contiguous KV cache, the decode loop on the
+  device), a prompt of `--context` random tokens then `--new` tokens; the prefill (the same
+  call with one new token) is subtracted, so the rate is of the decode steps alone;
+- `paged`: the serving engine's scheduler (`inference.scheduler`: paged KV cache, continuous
+  batching, `--decode-steps` tokens per dispatch), the same prompts submitted together, timed
+  from the first decode dispatch after every prompt is prefilled to the last token,
+
+and reports tokens/s and the share of the roofline (the chip's datasheet bandwidth,
+`flaxlm.plan.chips`; on CPU there is none). Parameters are cast to `--dtype` as an inference
+server holds them. One process, the paths alternating per batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import queue
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import bench_common  # a sibling script; puts the repository on sys.path
+import numpy as np
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="llama3_2_1b", help="a gin/models/ name")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens")
+    p.add_argument("--new", type=int, default=128, help="tokens generated per sequence")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--paths", nargs="+", choices=("generate", "paged"), default=["generate", "paged"]
+    )
+    p.add_argument("--decode-steps", type=int, default=16, help="the engine's tokens per dispatch")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
+    return p.parse_args(argv)
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """What the scheduler reads of a request (`scheduler.Job`)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    events: Any = dataclasses.field(default_factory=queue.SimpleQueue)
+
+
+def parameter_bytes(params: Any) -> int:
+    import jax
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def kv_bytes_per_token(model: Any, dtype: Any) -> int:
+    """Bytes of keys and values one cached token holds over all layers."""
+    import numpy as np
+
+    config = model.config
+    head_dim = config.dim_per_head
+    layers = config.num_layers
+    return 2 * layers * config.kv_heads * head_dim * np.dtype(dtype).itemsize
+
+
+def roofline(model: Any, params: Any, batch: int, args: argparse.Namespace, chip: Any) -> float:
+    """Tokens/s at the memory roofline: batch tokens per read of the params and the KV of
+    the average context during the decode steps."""
+    if chip is None:
+        return float("nan")
+    context = args.context + args.new / 2
+    step_bytes = parameter_bytes(params) + batch * context * kv_bytes_per_token(model, args.dtype)
+    return batch * chip.memory_bytes_per_s / step_bytes
+
+
+def time_generate(model: Any, params: Any, prompts: np.ndarray, args: argparse.Namespace) -> dict:
+    import jax
+
+    from flaxlm.inference import generation
+
+    def run(new: int) -> float:
+        start = time.perf_counter()
+        out = generation.generate(
+            model, params, {"inputs": prompts}, max_new_tokens=new, eos_id=None
+        )
+        jax.block_until_ready(out)
+        return time.perf_counter() - start
+
+    run(1), run(args.new)  # compiles both
+    prefill = statistics.median(run(1) for _ in range(args.repeats))
+    full = statistics.median(run(args.new) for _ in range(args.repeats))
+    decode = max(full - prefill, 1e-9)
+    return {"tokens_per_second": prompts.shape[0] * (args.new - 1) / decode, "prefill_s": prefill}
+
+
+def time_paged(model: Any, params: Any, prompts: np.ndarray, args: argparse.Namespace) -> dict:
+    """The engine's decode rate: the time of a run to `--new` tokens less that of a run to
+    one (prefill and the first token), fresh prompts each run (the prefix cache would
+    otherwise skip their prefill)."""
+    from flaxlm.inference.scheduler import Scheduler
+    from flaxlm.parallel.partitioning import Partitioner
+
+    batch, context = prompts.shape
+    scheduler = Scheduler(
+        model,
+        params,
+        Partitioner(mesh_shape=(1, 1, 1)),
+        max_rows=batch,
+        page_size=args.page_size,
+        max_seq_len=context + args.new,
+        decode_steps=args.decode_steps,
+        prefill_chunk=min(context, 512),
+        prefill_rows=batch,
+    )
+    rng = np.random.default_rng(batch)
+
+    def run(new: int) -> float:
+        fresh = rng.integers(3, model.config.vocab_size, (batch, context), np.int32)
+        start = time.perf_counter()
+        for i, row in enumerate(fresh):
+            scheduler.add(Job(row.tolist(), new, seed=i))
+        while scheduler.busy:
+            scheduler.step()
+        return time.perf_counter() - start
+
+    run(1), run(args.new)  # compiles
+    first = statistics.median(run(1) for _ in range(args.repeats))
+    full = statistics.median(run(args.new) for _ in range(args.repeats))
+    return {"tokens_per_second": batch * (args.new - 1) / max(full - first, 1e-9)}
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+
+    from flaxlm.plan import chips
+
+    device = jax.devices()[0]
+    chip = chips.chip_for(device)
+    model = bench_common.gin_model(args.model, dtype=args.dtype)
+    dtype = jnp.dtype(args.dtype)
+    shapes = model.example_batch_shapes()
+    params = jax.jit(
+        lambda: jax.tree.map(
+            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+            model.init_params(jax.random.PRNGKey(0), shapes),
+        )
+    )()
+    rng = np.random.default_rng(0)
+    rows = []
+    print(
+        f"{args.model} on {bench_common.machine_description([device])}: "
+        f"{parameter_bytes(params) / 1e9:.2f} GB of params, "
+        f"{kv_bytes_per_token(model, args.dtype)} KV bytes per token"
+    )
+    for batch in args.batches:
+        prompts = rng.integers(3, model.config.vocab_size, (batch, args.context), np.int32)
+        roof = roofline(model, params, batch, args, chip)
+        for path in args.paths:
+            timer = time_generate if path == "generate" else time_paged
+            try:
+                row = {"batch": batch, "path": path, **timer(model, params, prompts, args)}
+            except Exception as e:  # noqa: BLE001 - one failing path must not cost the rest
+                row = {"batch": batch, "path": path, "failed": f"{type(e).__name__}: {e}"[:300]}
+            row["roofline_tokens_per_second"] = roof
+            if "tokens_per_second" in row:
+                row["of_roofline"] = row["tokens_per_second"] / roof
+            rows.append(row)
+            print(row, flush=True)
+    bench_common.print_table(
+        ["batch", "path", "tokens/s", "roofline tokens/s", "of roofline"],
+        [
+            [
+                r["batch"],
+                r["path"],
+                f"{r['tokens_per_second']:,.0f}" if "tokens_per_second" in r else r["failed"],
+                f"{r['roofline_tokens_per_second']:,.0f}",
+                f"{r.get('of_roofline', float('nan')):.1%}",
+            ]
+            for r in rows
+        ],
+    )
+    bench_common.write_json({"rows": rows, "args": vars(args)}, args.json)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
