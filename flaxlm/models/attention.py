@@ -401,13 +401,6 @@ def kv_heads_axis(num_kv_heads: int) -> str | None:
 QK_NORMS = ("rms", "rms_plus_one", "rms_whole")
 
 
-def _whole_rms_norm(x: Array, name: str, options: dict) -> Array:
-    """An RMSNorm over all heads' features at once: `[.., heads, head_dim]`, its scale
-    `[heads * head_dim]` (OLMoE's q_norm and k_norm)."""
-    flat = x.reshape(*x.shape[:-2], -1)
-    return RMSNorm(name=name, **options)(flat).reshape(x.shape)
-
-
 def rotary_self_attention(
     h: Array,
     sin: Array,
@@ -439,11 +432,10 @@ def rotary_self_attention(
     than `head_dim / 2` rotates the first features of each head only (partial rotary).
 
     qk_norm: 'rms' (Qwen3) or 'rms_plus_one' (Gemma 3) normalises each query and key head
-    (`q_norm`, `k_norm`, eps `norm_eps`) before rotary; 'rms_whole' (OLMoE) the whole query
-    and key projections, all heads at once. clip_qkv: q, k and v clipped to [-clip_qkv,
-    clip_qkv] after the norms (OLMoE). scale: of the scores (default
-    head_dim**-0.5); softcap: of the scaled scores (Gemma 2); window: this layer's sliding
-    window (`layer_window`); context_parallel: see `dot_product_attention`.
+    (`q_norm`, `k_norm`, eps `norm_eps`) before rotary, 'rms_whole' all heads at once (OLMoE,
+    then q, k, v clipped to +-`clip_qkv` if set). scale: of the scores (default head_dim**-0.5);
+    softcap: of the scaled scores (Gemma 2); window: this layer's sliding window
+    (`layer_window`); context_parallel: see `dot_product_attention`.
 
     h: [batch, length, embed] -> [batch, length, embed], tagged `attn_out` for remat.
     """
@@ -467,20 +459,11 @@ def rotary_self_attention(
     if qk_norm is not None:
         if qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm {qk_norm!r}: expected None or one of {QK_NORMS}.")
-        norm = dict(
-            epsilon=norm_eps,
-            scale_plus_one=qk_norm == "rms_plus_one",
-            axes=("head_dim",),
-            dtype=dtype,
-            param_dtype=param_dtype,
-        )
-        if qk_norm == "rms_whole":
-            q = _whole_rms_norm(q, "q_norm", {**norm, "axes": ("heads",)})
-            k = _whole_rms_norm(k, "k_norm", {**norm, "axes": (kv_axis,)})
-        else:
-            q = RMSNorm(name="q_norm", **norm)(q)
-            k = RMSNorm(name="k_norm", **norm)(k)
-    if clip_qkv is not None:
+        whole, plus_one = qk_norm == "rms_whole", qk_norm == "rms_plus_one"
+        norm = dict(epsilon=norm_eps, scale_plus_one=plus_one, dtype=dtype, param_dtype=param_dtype)
+        q = RMSNorm(name="q_norm", axes=("heads", "head_dim")[not whole :], **norm)(q)
+        k = RMSNorm(name="k_norm", axes=(kv_axis, "head_dim")[not whole :], **norm)(k)
+    if clip_qkv is not None:  # after the norms, as HF's OLMoE
         q, k, v = (jnp.clip(x, -clip_qkv, clip_qkv) for x in (q, k, v))
     q = constrain(apply_rotary(q, sin, cos, interleaved=False), HEAD_AXES)
     k = constrain(apply_rotary(k, sin, cos, interleaved=False), kv_axes)

@@ -297,7 +297,8 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMS normalisation in float32 (Llama, T5, Gemma): no mean, no bias.
+    """RMS normalisation in float32 (Llama, T5, Gemma): no mean, no bias, over the last
+    `len(axes)` dims (OLMoE's q/k norms: all heads' features at once).
 
     `scale_plus_one` multiplies by `1 + scale` with the param initialised at zero (Gemma).
     """
@@ -306,19 +307,20 @@ class RMSNorm(nn.Module):
     scale_plus_one: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
-    axes: tuple[str, ...] = ("embed",)  # the scale's logical axis (per-head norms: head_dim)
+    axes: tuple[str, ...] = ("embed",)  # the scale's logical axes (per-head norms: head_dim)
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         init = nn.initializers.zeros if self.scale_plus_one else nn.initializers.ones
+        dims = tuple(range(-len(self.axes), 0))
         scale = self.param(
             "scale",
             nn.with_logical_partitioning(init, self.axes),
-            (x.shape[-1],),
+            x.shape[-len(self.axes) :],
             as_dtype(self.param_dtype),
         )
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.epsilon)
+        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(dims, keepdims=True) + self.epsilon)
         scale = scale.astype(jnp.float32)
         y = y * (1.0 + scale if self.scale_plus_one else scale)
         return y.astype(as_dtype(self.dtype))

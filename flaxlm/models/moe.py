@@ -44,7 +44,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
@@ -207,28 +206,16 @@ def _layer_order(key: str) -> tuple[str, int]:
 
 
 def router_losses(stats: Mapping[str, Array], num_experts: int, k: int) -> dict[str, Array]:
-    """The load-balance losses and the telemetry from `collect_router_stats`' output.
-
-    `aux`: transformers' `load_balancing_loss_func` on the same logits (with the attention
-    mask): `E * sum_e f_e * p_e`, where f_e is the share of top-k assignments and p_e the
-    mean router probability of expert e, both over all layers' real tokens at once. `z`: the
-    mean squared log-normaliser over layers and tokens. `max_load`, `mean_load`: per layer,
-    the busiest expert's and the mean expert's assignments over the fair share (tokens x k /
-    E), as `[layers]`; `dropped_fraction`: assignments dropped (capacity) / all assignments.
-    """
+    """The load-balance losses from `collect_router_stats`' output (`summarize` gives the
+    telemetry). `aux`: transformers' `load_balancing_loss_func` on the same logits (with the
+    attention mask): `E * sum_e f_e * p_e`, where f_e is the share of top-k assignments and
+    p_e the mean router probability of expert e, both over all layers' real tokens at once.
+    `z`: the mean squared log-normaliser over layers and tokens."""
     del k  # the counts already hold k assignments a token
     counts, probs = stats["expert_counts"], stats["prob_sums"]
     rows = jnp.maximum(jnp.sum(stats["tokens"]), 1.0)
     aux = num_experts * jnp.sum((counts.sum(0) / rows) * (probs.sum(0) / rows))
-    fair = jnp.maximum(counts.sum(-1, keepdims=True) / num_experts, 1e-9)
-    load = counts / fair
-    return {
-        "aux": aux,
-        "z": jnp.sum(stats["z_sum"]) / rows,
-        "max_load": load.max(-1),
-        "mean_load": load.mean(-1),
-        "dropped_fraction": jnp.sum(stats["dropped"]) / jnp.maximum(jnp.sum(counts), 1.0),
-    }
+    return {"aux": aux, "z": jnp.sum(stats["z_sum"]) / rows}
 
 
 def loss_terms(
@@ -257,10 +244,9 @@ def summarize(sums: Mapping[str, Array]) -> dict[str, Array]:
     """The telemetry of `loss_terms`' metric sums (over a batch or a log period), all scalars
     (what metrics.jsonl and TensorBoard take): the mean aux and z losses; each MoE layer's
     busiest expert's assignments over the mean expert's (`moe_max_load_{i}`, the i-th MoE
-    layer: 1 is perfect balance, E/k all tokens to k experts; no `/` in the name, which
-    would read as a task's metric); the highest of them
-    (`moe_max_load`) and the idlest expert's over the mean of any layer (`moe_min_load`: 0 is
-    an expert no token reached); the dropped fraction of assignments."""
+    layer: 1 is perfect balance, E/k all tokens to k experts; no `/`, which names a task's
+    metric), the highest of them (`moe_max_load`) and the idlest expert's over the mean of
+    any layer (`moe_min_load`: 0 is an expert no token reached); the dropped fraction."""
     if "moe_expert_counts" not in sums:
         return {}
     counts = sums["moe_expert_counts"]  # [moe layers, experts]
@@ -512,27 +498,3 @@ def real_tokens(mask: Any, length: int) -> Array | None:
     if segments is None or segments.shape[-1] != length:
         return None
     return segments
-
-
-# ------------------------------------------------------------------ HF layouts
-
-
-def wi_to_hf(wi: np.ndarray) -> np.ndarray:
-    """`experts/wi` `[experts, embed, 2, mlp]` -> transformers 5's `experts.gate_up_proj`
-    `[experts, 2 * mlp, embed]` (gate rows, then up rows)."""
-    e, d, _, f = wi.shape
-    return wi.transpose(0, 2, 3, 1).reshape(e, 2 * f, d)
-
-
-def wi_from_hf(gate_up: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    e, d, _, f = shape
-    return gate_up.reshape(e, 2, f, d).transpose(0, 3, 1, 2)
-
-
-def wo_to_hf(wo: np.ndarray) -> np.ndarray:
-    """`experts/wo` `[experts, mlp, embed]` -> `experts.down_proj` `[experts, embed, mlp]`."""
-    return wo.transpose(0, 2, 1)
-
-
-def wo_from_hf(down: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    return down.transpose(0, 2, 1).reshape(shape)

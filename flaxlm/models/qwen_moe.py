@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import flax.linen as nn
 import gin
 import jax
+import numpy as np
 
 from flaxlm.models import attention, layers, llama, masks, moe, qwen
 from flaxlm.models.base import DecoderOnlyModel
@@ -309,6 +310,27 @@ def hf_tensors(cfg: QwenMoeConfig) -> list[HFTensor]:
     return table + moe_hf_tensors(cfg, "model.layers.{i}.mlp")
 
 
+def wi_to_hf(wi: np.ndarray) -> np.ndarray:
+    """`experts/wi` `[experts, embed, 2, mlp]` -> transformers 5's `experts.gate_up_proj`
+    `[experts, 2 * mlp, embed]` (gate rows, then up rows)."""
+    e, d, _, f = wi.shape
+    return wi.transpose(0, 2, 3, 1).reshape(e, 2 * f, d)
+
+
+def wi_from_hf(gate_up: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    e, d, _, f = shape
+    return gate_up.reshape(e, 2, f, d).transpose(0, 3, 1, 2)
+
+
+def wo_to_hf(wo: np.ndarray) -> np.ndarray:
+    """`experts/wo` `[experts, mlp, embed]` -> `experts.down_proj` `[experts, embed, mlp]`."""
+    return wo.transpose(0, 2, 1)
+
+
+def wo_from_hf(down: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    return down.transpose(0, 2, 1).reshape(shape)
+
+
 SWIGLU = ("gate_proj", "up_proj", "down_proj")  # HF's names of a SwiGLU's projections
 
 
@@ -349,8 +371,8 @@ def _mlp_records(
             f"{mlp}/experts/wi",
             f"{prefix}.experts.gate_up_proj",
             layers=n,
-            to_hf=moe.wi_to_hf,
-            to_flax=moe.wi_from_hf,
+            to_hf=wi_to_hf,
+            to_flax=wi_from_hf,
             pieces=(w_gate, w_up),
             experts=cfg.num_experts,
         ),
@@ -358,8 +380,8 @@ def _mlp_records(
             f"{mlp}/experts/wo",
             f"{prefix}.experts.down_proj",
             layers=n,
-            to_hf=moe.wo_to_hf,
-            to_flax=moe.wo_from_hf,
+            to_hf=wo_to_hf,
+            to_flax=wo_from_hf,
             pieces=(w_down,),
             experts=cfg.num_experts,
         ),
