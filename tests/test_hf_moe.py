@@ -211,6 +211,21 @@ def test_export_is_what_transformers_saves_and_reloads(family, root, tmp_path):
         assert exported[key] == getattr(torch_model.config, key), key
 
 
+@pytest.mark.parametrize(
+    "config_cls, kwargs, field",
+    [
+        (mixtral.MixtralConfig, dict(norm_topk_prob=False), "norm_topk_prob"),
+        (mixtral.MixtralConfig, dict(mlp_only_layers=(0,)), "mlp_only_layers"),
+        (olmoe.OlmoeConfig, dict(clip_qkv=0.0), "clip_qkv"),
+        (olmoe.OlmoeConfig, dict(shared_expert_intermediate_size=8), "shared_expert"),
+    ],
+    ids=str,
+)
+def test_settings_the_family_lacks_are_errors_naming_them(config_cls, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        config_cls(num_layers=2, **kwargs)
+
+
 def _stored_names(path: str) -> list[str]:
     return list(_stored_shapes(path))
 
