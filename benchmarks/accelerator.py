@@ -97,6 +97,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "qwen3_moe_30b_a3b: MFU is a per-layer rate, the embedding and head aside)",
     )
     p.add_argument(
+        "--moe-impl",
+        choices=("dense", "dropless", "capacity"),
+        help="a mixture of experts' implementation (the config's moe_impl; default: the gin's)",
+    )
+    p.add_argument(
         "--profile",
         metavar="DIR",
         help="after timing the first length, trace 2 steps (jax.profiler, perfetto) into DIR "
@@ -235,6 +240,8 @@ def flaxlm_model(name: str, args: argparse.Namespace, remat: str | None = None) 
         changes["scan_layers"] = args.scan
     if args.layers:
         changes["num_layers"] = args.layers
+    if args.moe_impl:
+        changes["moe_impl"] = args.moe_impl
     bindings = []
     if args.loss_chunk_size is not None:  # what a user binds: gin/models/ import base
         bindings.append(f"base.DecoderOnlyModel.loss_chunk_size = {args.loss_chunk_size}")

@@ -30,6 +30,7 @@ from typing import Any
 
 import bench_common  # a sibling script; puts the repository on sys.path
 import numpy as np
+import profile_summary  # a sibling script
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -46,7 +47,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--paths", nargs="+", choices=("generate", "paged"), default=["generate", "paged"]
     )
     p.add_argument("--decode-steps", type=int, default=16, help="the engine's tokens per dispatch")
+    p.add_argument(
+        "--scan",
+        action=argparse.BooleanOptionalAction,
+        help="the layers scanned (one stacked KV cache) or unrolled; default: the gin's",
+    )
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="trace the batch path's decode at the largest batch into DIR and print where a "
+        "step's time goes (profile_summary.py)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     return p.parse_args(argv)
 
@@ -106,7 +118,12 @@ def time_generate(model: Any, params: Any, prompts: np.ndarray, args: argparse.N
     prefill = statistics.median(run(1) for _ in range(args.repeats))
     full = statistics.median(run(args.new) for _ in range(args.repeats))
     decode = max(full - prefill, 1e-9)
-    return {"tokens_per_second": prompts.shape[0] * (args.new - 1) / decode, "prefill_s": prefill}
+    out = {"tokens_per_second": prompts.shape[0] * (args.new - 1) / decode, "prefill_s": prefill}
+    if args.profile and prompts.shape[0] == max(args.batches):
+        out["profile"] = profile_summary.trace_steps(
+            lambda n: run(args.new), args.profile, args.new
+        )
+    return out
 
 
 def time_paged(model: Any, params: Any, prompts: np.ndarray, args: argparse.Namespace) -> dict:
@@ -154,7 +171,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
 
     device = jax.devices()[0]
     chip = chips.chip_for(device)
-    model = bench_common.gin_model(args.model, dtype=args.dtype)
+    changes = {"dtype": args.dtype}
+    if args.scan is not None:
+        changes["scan_layers"] = args.scan
+    model = bench_common.gin_model(args.model, **changes)
     dtype = jnp.dtype(args.dtype)
     shapes = model.example_batch_shapes()
     params = jax.jit(
