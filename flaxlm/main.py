@@ -7,6 +7,7 @@ Gin (`run.fn = @train`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -15,6 +16,7 @@ import platform
 import signal
 import sys
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 from absl import app, flags, logging
@@ -90,6 +92,28 @@ REGISTERING_MODULES = (
     "flaxlm.runs.serve",
     "flaxlm.runs.train",
 )
+
+
+# Installed modules hidden while flaxlm's run modules load. keras (which TensorFlow imports,
+# and tensorflow_text needs) imports scikit-learn, when it is there, for its scikit-learn
+# wrappers alone: ~1-1.5 s of every start, for a class flaxlm never uses (keras guards the
+# import, so it goes without). They stay importable afterwards: a task module may use them.
+HIDDEN_WHILE_LOADING = ("sklearn",)
+
+
+@contextlib.contextmanager
+def modules_hidden(names: tuple[str, ...]) -> Iterator[None]:
+    """`import name` raises ImportError inside the block for each of `names` not yet imported
+    (Python's own sys.modules convention), and works again after it."""
+    hidden = [name for name in names if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name in hidden:
+            if sys.modules.get(name, "") is None:
+                del sys.modules[name]
 
 
 def check_process_flags(address: str, count: int, index: int) -> str | None:
@@ -244,7 +268,8 @@ def main(argv: list[str]) -> None:
         if profile:
             profile.watch_jax()
             profile.mark("import jax, distributed init, compilation cache")
-        modules = [importlib.import_module(module) for module in REGISTERING_MODULES]
+        with modules_hidden(HIDDEN_WHILE_LOADING):  # (not while the user's tasks load)
+            modules = [importlib.import_module(module) for module in REGISTERING_MODULES]
         if profile:
             profile.mark("import flaxlm's run modules (configurables)")
         from flaxlm.data import pipeline

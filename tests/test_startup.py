@@ -89,3 +89,34 @@ def test_help_takes_under_a_second(repo_dir):
     # Nothing heavy (JAX, TensorFlow) is imported before the flags are parsed; 3 s leaves
     # room for a loaded test machine (it takes ~0.15 s alone).
     assert time.perf_counter() - start < 3.0
+
+
+def test_hidden_modules_fail_to_import_inside_the_block_and_import_after_it(tmp_path, monkeypatch):
+    (tmp_path / "flaxlm_probe_module.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with main.modules_hidden(("flaxlm_probe_module",)):
+        with pytest.raises(ImportError):
+            import flaxlm_probe_module  # noqa: F401
+    import flaxlm_probe_module
+
+    assert flaxlm_probe_module.VALUE == 1
+    monkeypatch.delitem(sys.modules, "flaxlm_probe_module")
+
+
+def test_eval_dataset_checks_its_task_at_once_and_is_built_at_its_first_use(monkeypatch):
+    from flaxlm.data import pipeline
+
+    def config(name):
+        return pipeline.DatasetConfig(
+            mixture_or_task_name=name, task_feature_lengths={"targets": 8}, batch_size=1
+        )
+
+    with pytest.raises(ValueError, match="No seqio task or mixture named 'no_such_task'"):
+        pipeline.DeferredDataIterator(config("no_such_task"), partitioner=None)
+    built = []
+    monkeypatch.setattr(pipeline.DataIterator, "create", lambda *args: built.append(args) or args)
+    import tasks  # noqa: F401  (registers stdlib_py)
+
+    deferred = pipeline.DeferredDataIterator(config("stdlib_py"), partitioner=None)
+    assert not built
+    assert deferred.iterator is deferred.iterator and len(built) == 1

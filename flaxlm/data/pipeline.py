@@ -378,3 +378,30 @@ class DataIterator:
 
     def __next__(self) -> dict[str, jax.Array]:
         return self.to_global(self.next_numpy())
+
+
+class DeferredDataIterator:
+    """A `DataIterator` built at its first use (`reset` or `next`): an evaluation dataset's
+    seqio set-up is paid at the first evaluation, not before the first training step. The
+    task is checked at once, so a misnamed one still fails in seconds."""
+
+    def __init__(self, cfg: DatasetConfig, partitioner: Partitioner, converter: Any = None):
+        import_task_module(cfg.module)
+        check_registered(cfg.mixture_or_task_name)
+        self._create = functools.partial(DataIterator.create, cfg, partitioner, converter)
+        self._iterator: DataIterator | None = None
+
+    @property
+    def iterator(self) -> DataIterator:
+        if self._iterator is None:
+            self._iterator = self._create()
+        return self._iterator
+
+    def reset(self) -> None:
+        self.iterator.reset()
+
+    def __iter__(self) -> Iterator[dict[str, jax.Array]]:
+        return self
+
+    def __next__(self) -> dict[str, jax.Array]:
+        return next(self.iterator)

@@ -156,7 +156,7 @@ def eval_hook(
     period: int,
     writer: metrics.MultiWriter,
     eval_step: Callable[..., Any],
-    eval_iter: pipeline.DataIterator,
+    eval_iter: pipeline.DataIterator | pipeline.DeferredDataIterator,
     eval_steps: int,
     eval_params: Callable[[Any], Any],
     task_metrics_of: tuple[pipeline.DatasetConfig, BaseModel, Partitioner] | None,
@@ -164,18 +164,23 @@ def eval_hook(
 ) -> Hook:
     """Loss, accuracy, perplexity (an objective's own summary of its metric sums) every
     `period` steps; with `task_metrics_of` (the eval dataset, model and partitioner) also the
-    task's own metric functions, if it has any."""
-    task_evaluator = None
-    if task_metrics_of is not None:
-        cfg, model, partitioner = task_metrics_of
-        num_examples = eval_steps * cfg.batch_size
-        task_evaluator = evaluate.TaskEvaluator(cfg, model, partitioner, num_examples=num_examples)
-        task_evaluator = task_evaluator if task_evaluator.active else None
+    task's own metric functions, if it has any. The task's evaluator (seqio builds and caches
+    its examples) is set up at the first evaluation, not before the first step."""
+    evaluators: list[evaluate.TaskEvaluator | None] = []
+
+    def task_evaluator() -> evaluate.TaskEvaluator | None:
+        if task_metrics_of is not None and not evaluators:
+            cfg, model, partitioner = task_metrics_of
+            num_examples = eval_steps * cfg.batch_size
+            evaluator = evaluate.TaskEvaluator(cfg, model, partitioner, num_examples=num_examples)
+            evaluators.append(evaluator if evaluator.active else None)
+        return evaluators[0] if evaluators else None
 
     def run(step: int, state: TrainState, step_metrics: StepMetrics) -> None:
         scalars = steps.evaluate_batches(eval_step, state.params, eval_iter, eval_steps, objective)
-        if task_evaluator is not None:
-            scalars.update(task_evaluator.evaluate(eval_params(state.params), step))
+        evaluator = task_evaluator()
+        if evaluator is not None:
+            scalars.update(evaluator.evaluate(eval_params(state.params), step))
         writer.write_scalars(step, scalars)
         writer.flush()
         metrics.print0(metrics.eval_line(step, scalars))

@@ -201,7 +201,7 @@ def train(
         eval_iter = None
         if eval_dataset_cfg is not None and eval_period:
             steps.check_batch_size(partitioner, eval_dataset_cfg.batch_size, 1)
-            eval_iter = pipeline.DataIterator.create(
+            eval_iter = pipeline.DeferredDataIterator(
                 eval_dataset_cfg, partitioner, pipeline.converter_for(eval_dataset_cfg, model)
             )
         setup = steps.Setup(
