@@ -133,6 +133,12 @@ def test_cached_decoding_equals_rerunning_the_sequence(tmp_path, family):
     ids, _ = padded_batch(model.config.real_vocab_size, (6, 2, 10), seed=2)
     ours = generation.generate(model, params, {"inputs": ids}, max_new_tokens=12)
     np.testing.assert_array_equal(ours, naive_greedy(model, params, ids, (6, 2, 10), 12))
+    # Decoding runs over unrolled layers: the scanned stack laid out as the unrolled model's.
+    _, unrolled = hf.from_pretrained(path)
+    laid_out = model.decoding_params(params)
+    assert jax.tree.structure(laid_out) == jax.tree.structure(unrolled)
+    for a, b in zip(jax.tree.leaves(laid_out), jax.tree.leaves(unrolled)):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("family", sorted(SHARDED))

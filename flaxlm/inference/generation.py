@@ -77,6 +77,7 @@ def decode_tokens(
 ) -> Array:
     """int32 `[batch, max_new_tokens]`: prefill, then `decoding.decode` over decode steps
     (pure: jit it, or run it under a mesh)."""
+    params = model.decoding_params(params)  # once, outside the loop over steps
     first_logits, state = model.prefill(params, inputs, lengths, config)
 
     def step(token: Array, t: Array, state: Any) -> tuple[Array, Any]:

@@ -99,7 +99,7 @@ class Scheduler:
         if refusal is not None:
             raise ValueError(refusal)
         self.model = model
-        self.params = params
+        self.params = model.decoding_params(params)  # unrolled layers, laid out once
         self.partitioner = partitioner
         self.max_rows = max_rows
         self.page_size = page_size

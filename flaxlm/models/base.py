@@ -235,6 +235,11 @@ class BaseModel(abc.ABC):
         """Fails before any device work when a request cannot be decoded."""
         del inputs, lengths, config  # nothing to check in general
 
+    def decoding_params(self, params: Params) -> Params:
+        """`params` as `prefill` and `decode_step` read them (a decoder-only model unrolls a
+        scanned stack: `cached_decoding`); call once before decoding."""
+        return params
+
     def _decode_module(self) -> nn.Module:
         """The module for decoding: the same params, no rematerialisation."""
         if getattr(self.config, "remat_policy", "none") == "none":

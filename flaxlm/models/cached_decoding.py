@@ -6,6 +6,7 @@ reads the model's module, config and vocabulary mask, and holds no state of its 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +25,40 @@ Params = Any
 
 class CachedDecoding:
     """`check_decoding`, `prefill`, `decode_step` and the paged cache's `paged_refusal`,
-    `paged_cache`, `paged_logits` of a decoder-only model (`base.DecoderOnlyModel`)."""
+    `paged_cache`, `paged_logits` of a decoder-only model (`base.DecoderOnlyModel`).
+
+    They decode over the layers unrolled, whatever the model trains with: a scanned stack
+    slices each layer's KV cache out of the stacked cache and writes it back every step (3.4x
+    slower at batch 64 on an H200, benchmarks/RESULTS.md). So they take the params in that
+    layout: `decoding_params(params)`, once before decoding.
+    """
+
+    def _unrolls_for_decoding(self) -> bool:
+        return bool(getattr(self.config, "scan_layers", False)) and isinstance(
+            self.module, CausalLM
+        )
+
+    def _decode_module(self) -> Any:
+        """The module for decoding: the same params (as `decoding_params` lays them out), no
+        rematerialisation, the layers unrolled."""
+        changes: dict[str, Any] = {}
+        if getattr(self.config, "remat_policy", "none") != "none":
+            changes["remat_policy"] = "none"
+        if self._unrolls_for_decoding():
+            changes["scan_layers"] = False
+        return dataclasses.replace(self.config, **changes).make_module() if changes else self.module
+
+    def decoding_params(self, params: Params) -> Params:
+        """`params` as the decoding methods read them: a scanned stack (`<layers>/block`,
+        `[layers, ...]` each) as `<layers>_0`, `<layers>_1`, ...; unchanged when unrolled."""
+        if not self._unrolls_for_decoding():
+            return params
+        name = self.module.layers_name
+        stacked = params[name]["block"]
+        out = {k: v for k, v in params.items() if k != name}
+        for i in range(self.config.num_layers):
+            out[f"{name}_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+        return out
 
     def check_decoding(
         self, inputs: np.ndarray, lengths: np.ndarray, config: decoding.DecodingConfig

@@ -59,7 +59,7 @@ class BatchEngine:
         batch_wait_ms: float = 10.0,
     ):
         self.model = model
-        self.params = params
+        self.params = model.decoding_params(params)  # unrolled layers, laid out once
         self.partitioner = partitioner
         self.vocabulary = vocabulary
         self.vocab_size = getattr(model.config, "real_vocab_size", None) or model.config.vocab_size
