@@ -579,14 +579,27 @@ def test_the_folders_of_the_house_exist_and_the_root_holds_only_the_entry():
 
 
 def find_reexports(root: Path = REPO) -> list[str]:
-    """`from x import y  # noqa: F401` in flaxlm/: names imported to be used elsewhere."""
+    """Names imported in flaxlm/ to be used elsewhere: `from x import y  # noqa: F401`, or
+    an imported name listed in the module's `__all__`."""
     out = []
     for path in sorted((root / "flaxlm").rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         lines = path.read_text(encoding="utf-8").splitlines()
+        where = path.relative_to(root).as_posix()
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and "noqa: F401" in lines[node.lineno - 1]:
-                out.append(f"{path.relative_to(root).as_posix()}:{node.lineno}")
+                out.append(f"{where}:{node.lineno}")
+        imported = {
+            (alias.asname or alias.name).split(".")[0]
+            for node in tree.body
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for alias in node.names
+        }
+        for node in tree.body:
+            targets = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+            if "__all__" in targets and isinstance(node.value, ast.List | ast.Tuple):
+                listed = {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
+                out += [f"{where}:{node.lineno} __all__ {n}" for n in sorted(listed & imported)]
     return out
 
 
@@ -758,3 +771,16 @@ def test_checker_finds_long_files(tmp_path):
     (tmp_path / "flaxlm" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
     (tmp_path / "flaxlm" / "models" / "t5.py").write_text("x = 1\n" * 900)
     assert find_long_files(tmp_path) == [f"flaxlm/long.py: {MAX_LINES + 1} lines (limit 500)"]
+
+
+def test_checker_finds_reexports(tmp_path):
+    (tmp_path / "flaxlm" / "runs").mkdir(parents=True)
+    (tmp_path / "flaxlm" / "shim.py").write_text("from flaxlm.masks import Mask  # noqa: F401\n")
+    (tmp_path / "flaxlm" / "runs" / "__init__.py").write_text(
+        "from flaxlm.runs.api import parse, used\n\n__all__ = ['parse', 'run']\n\n"
+        "def run():\n    return used\n"
+    )
+    assert find_reexports(tmp_path) == [
+        "flaxlm/runs/__init__.py:3 __all__ parse",
+        "flaxlm/shim.py:1",
+    ]

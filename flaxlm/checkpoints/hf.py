@@ -69,23 +69,28 @@ def spec_for_config(config: Any) -> HFSpec:
     raise ValueError(f"No HuggingFace mapping for {type(config).__name__}.")
 
 
-def padded_vocab_size(vocab_size: int, partitioner: Partitioner | None = None) -> int:
-    """`vocab_size` rounded up to a multiple of 128 and of the `tensor` axis size."""
-    multiple = VOCAB_MULTIPLE
-    if partitioner is not None:
-        sizes = dict(zip(partitioner.mesh_axis_names, partitioner.mesh_shape, strict=True))
-        multiple = math.lcm(multiple, sizes.get("tensor", 1))
+def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """`vocab_size` rounded up to a multiple of `multiple`."""
     return -(-vocab_size // multiple) * multiple
+
+
+def vocab_multiple_for(partitioner: Partitioner | None) -> int:
+    """What a vocabulary is padded to a multiple of: 128, and the size of `partitioner`'s
+    `tensor` axis (which splits the embedding and the head)."""
+    if partitioner is None:
+        return VOCAB_MULTIPLE
+    return math.lcm(VOCAB_MULTIPLE, dict(partitioner.mesh.shape).get("tensor", 1))
 
 
 def config_from_hf_dict(
     hf_config: Mapping[str, Any],
-    partitioner: Partitioner | None = None,
+    vocab_multiple: int = VOCAB_MULTIPLE,
     dtype: Any = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> tuple[HFSpec, Any]:
-    """The family spec and its config for an HF config.json dict, vocabulary padded;
-    `dtype` sets the compute and param dtypes, `overrides` any config field after it."""
+    """The family spec and its config for an HF config.json dict, vocabulary padded to a
+    multiple of `vocab_multiple`; `dtype` sets the compute and param dtypes, `overrides` any
+    config field after it."""
     spec = spec_for_model_type(hf_config.get("model_type", "<missing>"))
     config = spec.config_from_hf(dict(hf_config))
     real = config.vocab_size
@@ -93,7 +98,7 @@ def config_from_hf_dict(
     if dtype is not None:
         names = {f.name for f in dataclasses.fields(config)}
         options = {k: jnp.dtype(dtype).name for k in ("dtype", "param_dtype") if k in names}
-    options.update(vocab_size=padded_vocab_size(real, partitioner), real_vocab_size=real)
+    options.update(vocab_size=padded_vocab_size(real, vocab_multiple), real_vocab_size=real)
     options.update(overrides or {})
     return spec, dataclasses.replace(config, **options)
 
@@ -302,7 +307,8 @@ def model_from_hf_dir(
     """
     config_overrides = dict(config_overrides or {})
     hf_config = read_hf_config(path)
-    spec, config = config_from_hf_dict(hf_config, partitioner, dtype, config_overrides)
+    multiple = vocab_multiple_for(partitioner)
+    spec, config = config_from_hf_dict(hf_config, multiple, dtype, config_overrides)
     reader = SafetensorsReader(path, spec.base_model_prefix, spec.own_names, quiet=True)
     if getattr(config, "tie_word_embeddings", False) and head_differs(spec, reader):
         if "tie_word_embeddings" in config_overrides:  # the caller's tying: as load_params

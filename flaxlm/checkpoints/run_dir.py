@@ -128,7 +128,8 @@ def model_from_record(
         # A record from before the field was kept: its run read seqio's start token.
         start = record.get("flaxlm_decoder_start_id", 0)
     else:  # an HF directory's config.json
-        spec, config = hf.config_from_hf_dict(record, partitioner, overrides=overrides)
+        multiple = hf.vocab_multiple_for(partitioner)
+        spec, config = hf.config_from_hf_dict(record, multiple, overrides=overrides)
         generation = hf_files.read_generation_config(file.parent)
         start = None
     eos = record.get("flaxlm_eos_ids", None)

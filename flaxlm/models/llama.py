@@ -4,14 +4,15 @@ grouped-query attention.
 Mistral is Llama with sliding-window attention. Gemma is Llama with its embedding scaled by
 sqrt(hidden_size), (1 + w) RMSNorms, GeGLU (`gelu_pytorch_tanh`), a `head_dim` independent of
 the width and a tied head. Follows HuggingFace's `LlamaForCausalLM`, `MistralForCausalLM` and
-`GemmaForCausalLM` (the PyTorch references our logits must match).
+`GemmaForCausalLM` (the PyTorch references our logits must match). Qwen (`qwen.py`) and Phi-3
+(`phi3.py`) run on the same block, with the options their configs set (`LlamaBlockConfig`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import flax.linen as nn
 import gin
@@ -117,6 +118,18 @@ class LlamaConfig(ComputeOptions):
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
 
+    # LlamaBlock's options that Llama, Mistral and Gemma 1 share: q, k, v biased as o is, no
+    # q/k norms, no per-layer windows (Mistral's window is the whole model's, in its mask).
+    qk_norm: ClassVar[bool] = False
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def layer_windows(self) -> tuple[None, ...]:
+        return (None,) * self.num_layers
+
     def num_params(self) -> int:
         """Parameter count (for FLOP estimates)."""
         e, v, d, f = self.hidden_size, self.vocab_size, self.dim_per_head, self.intermediate_size
@@ -166,14 +179,43 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
     return inv_freq
 
 
+class LlamaBlockConfig(Protocol):
+    """What `LlamaBlock` reads of a family config beyond `ComputeOptions` (Llama, Mistral,
+    Gemma 1, Qwen, Phi-3; what a family does not vary is a constant of its config class)."""
+
+    num_heads: int
+    kv_heads: int
+    dim_per_head: int
+    intermediate_size: int
+    rms_norm_eps: float
+    activation: str
+    attention_bias: bool  # a bias on o (and on q, k, v unless qkv_bias says otherwise)
+    qkv_bias: bool  # biases on q, k and v
+    mlp_bias: bool
+    qk_norm: bool  # each query and key head RMS-normalised before rotary (Qwen3)
+    norm_scale_plus_one: bool  # RMSNorms multiply by (1 + w) (Gemma)
+    # Every layer's own sliding window (None: none beyond the mask's `sliding_window`).
+    layer_windows: tuple[int | None, ...]
+
+
 class LlamaBlock(nn.Module):
-    config: LlamaConfig
+    """Pre-RMSNorm block: grouped-query rotary attention (this layer's window), gated MLP.
+
+    Called `(x, layer_index, mask, decoding, sin, cos)` (`CausalLM.layer_index`)."""
+
+    config: Any  # a LlamaBlockConfig
     deterministic: bool = True
+
+    def dropped(self, y: Array) -> Array:
+        if not self.config.dropout_rate:
+            return y
+        return nn.Dropout(self.config.dropout_rate)(y, deterministic=self.deterministic)
 
     @nn.compact
     def __call__(
         self,
         x: Array,
+        index: Array,
         mask: masks.Mask,
         decoding: masks.Decoding | None,
         sin: Array,
@@ -184,7 +226,6 @@ class LlamaBlock(nn.Module):
         norm = dict(epsilon=cfg.rms_norm_eps, scale_plus_one=cfg.norm_scale_plus_one, **dense)
         x = layers.constrain(x, layers.ACTIVATION_AXES)
         h = layers.RMSNorm(name="input_layernorm", **norm)(x)
-
         attn = attention.rotary_self_attention(
             h,
             sin,
@@ -195,17 +236,17 @@ class LlamaBlock(nn.Module):
             num_kv_heads=cfg.kv_heads,
             head_dim=cfg.dim_per_head,
             hidden_size=cfg.hidden_size,
-            qkv_bias=cfg.attention_bias,
+            qkv_bias=cfg.qkv_bias,
             out_bias=cfg.attention_bias,
             attention=cfg.attention,
             chunk_size=cfg.attention_chunk_size,
             context_parallel=cfg.context_parallel,
+            qk_norm="rms" if cfg.qk_norm else None,
+            norm_eps=cfg.rms_norm_eps,
+            window=masks.layer_window(cfg.layer_windows, index),
             **dense,
         )
-        if cfg.dropout_rate:
-            attn = nn.Dropout(cfg.dropout_rate)(attn, deterministic=self.deterministic)
-        x = layers.constrain(x + attn, layers.ACTIVATION_AXES)
-
+        x = layers.constrain(x + self.dropped(attn), layers.ACTIVATION_AXES)
         # Gated MLP: down(act(gate(h)) * up(h)) (SwiGLU, Gemma's GeGLU)
         h = layers.RMSNorm(name="post_attention_layernorm", **norm)(x)
         m = layers.gated_mlp(
@@ -216,15 +257,14 @@ class LlamaBlock(nn.Module):
             use_bias=cfg.mlp_bias,
             **dense,
         )
-        if cfg.dropout_rate:
-            m = nn.Dropout(cfg.dropout_rate)(m, deterministic=self.deterministic)
-        return layers.constrain(x + m, layers.ACTIVATION_AXES)
+        return layers.constrain(x + self.dropped(m), layers.ACTIVATION_AXES)
 
 
 class Llama(CausalLM):
     """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
 
     block_cls = LlamaBlock
+    layer_index = True  # LlamaBlock takes its index (for Qwen's per-layer windows)
 
     def mask(
         self,

@@ -66,11 +66,14 @@ class Phi3Config(ComputeOptions):
     tie_word_embeddings: bool = False  # the head reuses the token embedding (Phi-4-mini)
     activation: str = "silu"  # HF: hidden_act
 
-    # Where llama.py's block, HF table and counts read a config: Phi-3 has no biases and plain
-    # (w, not 1 + w) RMSNorms.
+    # Where llama.py's block, HF table and counts read a config: Phi-3 has no biases, no q/k
+    # norms and plain (w, not 1 + w) RMSNorms; its window is the whole model's (the mask's).
     attention_bias: ClassVar[bool] = False
+    qkv_bias: ClassVar[bool] = False
     mlp_bias: ClassVar[bool] = False
+    qk_norm: ClassVar[bool] = False
     norm_scale_plus_one: ClassVar[bool] = False
+    layer_windows = llama.LlamaConfig.layer_windows
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
@@ -68,6 +67,9 @@ class QwenFields(ComputeOptions):
 
     # The model types this config class accepts (a subclass for more families sets its own).
     supported_model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
+    # Where llama.LlamaBlock reads a config: no MLP biases, plain (w, not 1 + w) RMSNorms.
+    mlp_bias: ClassVar[bool] = False
+    norm_scale_plus_one: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -157,7 +159,7 @@ class QwenFields(ComputeOptions):
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
-        """Every layer's sliding window (None: global attention), for `layer_window`."""
+        """Every layer's sliding window (None: global attention), for `masks.layer_window`."""
         return tuple(
             self.sliding_window if kind == SLIDING else None for kind in self.attention_layer_types
         )
@@ -191,68 +193,10 @@ class QwenConfig(QwenFields):
     Qwen2.5-7B's."""
 
 
-class QwenBlock(nn.Module):
-    """Pre-RMSNorm block: Qwen attention (biases, q/k norms, this layer's window), SwiGLU."""
-
-    config: QwenFields
-    deterministic: bool = True
-
-    def dropped(self, y: Array) -> Array:
-        if not self.config.dropout_rate:
-            return y
-        return nn.Dropout(self.config.dropout_rate)(y, deterministic=self.deterministic)
-
-    @nn.compact
-    def __call__(
-        self,
-        x: Array,
-        index: Array,
-        mask: masks.Mask,
-        decoding: masks.Decoding | None,
-        sin: Array,
-        cos: Array,
-    ) -> Array:
-        cfg = self.config
-        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-        x = layers.constrain(x, layers.ACTIVATION_AXES)
-        h = layers.RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **dense)(x)
-        attn = attention.rotary_self_attention(
-            h,
-            sin,
-            cos,
-            mask,
-            decoding,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.kv_heads,
-            head_dim=cfg.dim_per_head,
-            hidden_size=cfg.hidden_size,
-            qkv_bias=cfg.qkv_bias,
-            out_bias=cfg.attention_bias,
-            attention=cfg.attention,
-            chunk_size=cfg.attention_chunk_size,
-            context_parallel=cfg.context_parallel,
-            qk_norm="rms" if cfg.qk_norm else None,
-            norm_eps=cfg.rms_norm_eps,
-            window=masks.layer_window(cfg.layer_windows, index),
-            **dense,
-        )
-        x = layers.constrain(x + self.dropped(attn), layers.ACTIVATION_AXES)
-        h = layers.RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **dense)(x)
-        m = layers.gated_mlp(
-            h,
-            intermediate_size=cfg.intermediate_size,
-            hidden_size=cfg.hidden_size,
-            activation=cfg.activation,
-            use_bias=False,
-            **dense,
-        )
-        return layers.constrain(x + self.dropped(m), layers.ACTIVATION_AXES)
-
-
 class Qwen(CausalLM):
     """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
 
-    block_cls = QwenBlock
+    block_cls = llama.LlamaBlock
     layer_index = True  # each block looks up its own sliding window
 
     def block_inputs(

@@ -23,22 +23,8 @@ from etils import epath
 from flaxlm.checkpoints import run_dir
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.runs.serve.api import BadRequest, Completion, parse_request
 from flaxlm.runs.serve.engine import Engine
 from flaxlm.runs.serve.http import Server, listen
-from flaxlm.runs.serve.stream import TextStream
-
-__all__ = [
-    "BadRequest",
-    "Completion",
-    "Engine",
-    "Server",
-    "TextStream",
-    "listen",
-    "parse_request",
-    "serve",
-    "signals_awaited",
-]
 
 
 @gin.configurable
