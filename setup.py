@@ -42,6 +42,9 @@ EXTRAS_REQUIRE = {
         "wandb",
         "lm_eval==0.4.13",
         "datasets==5.2.0",
+        # TRL's tokenization and collators: what an HF checkpoint's rows must equal
+        # (tests/test_trl_parity.py).
+        "trl==1.16.0",
         # tests/test_openai_api.py: the official client drives the server.
         "openai==3.57.0",
         # libtpu, for test_benchmarks' FSDP collectives compiled for a TPU slice (no TPU).

@@ -17,6 +17,10 @@ import numpy as np
 import pytest
 import seqio
 import tensorflow as tf
+import trl.trainer.dpo_trainer as trl_dpo  # noqa: E402  (a test dependency: setup.py test extra)
+import trl.trainer.sft_trainer as trl_sft  # noqa: E402
+from trl.data_utils import _tokenize as trl_tokenize  # noqa: E402
+from trl.trainer.utils import selective_log_softmax  # noqa: E402
 
 from flaxlm.checkpoints import hf, run_dir
 from flaxlm.data import pipeline
@@ -30,11 +34,6 @@ from flaxlm.models.features import (
 from flaxlm.posttrain import preference
 from tasks import chat
 from tests.hf_helpers import TRAINING_TEXT, random_hf_model, save_torch_model
-
-trl_sft = pytest.importorskip("trl.trainer.sft_trainer")
-trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
-from trl.data_utils import _tokenize as trl_tokenize  # noqa: E402
-from trl.trainer.utils import selective_log_softmax  # noqa: E402
 
 STYLES = {
     # specials, BOS (added by the tokenizer, written by the template), EOS, turn start, end
