@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import seqio
 import tensorflow as tf
-import trl.trainer.dpo_trainer as trl_dpo  # noqa: E402  (a test dependency: setup.py test extra)
-import trl.trainer.sft_trainer as trl_sft  # noqa: E402
-from trl.data_utils import _tokenize as trl_tokenize  # noqa: E402
-from trl.trainer.utils import selective_log_softmax  # noqa: E402
+import trl.trainer.dpo_trainer as trl_dpo  # a test dependency (setup.py test extra)
+import trl.trainer.sft_trainer as trl_sft
+from trl.data_utils import _tokenize as trl_tokenize
+from trl.trainer.utils import selective_log_softmax
 
 from flaxlm.checkpoints import hf, run_dir
 from flaxlm.data import pipeline
