@@ -47,6 +47,8 @@ EXTRAS_REQUIRE = {
         "trl==1.16.0",
         # tests/test_openai_api.py: the official client drives the server.
         "openai==3.57.0",
+        # tests/test_peft.py: PEFT itself loads flaxlm's adapter exports and makes its imports.
+        "peft==0.21.2",
         # libtpu, for test_benchmarks' FSDP collectives compiled for a TPU slice (no TPU).
         "jax[tpu]==0.10.2",
     ],

@@ -12,8 +12,9 @@
       metrics.jsonl, tensorboard/
 
 `load_model_and_params` is the one way in for every run that reads a checkpoint: a flaxlm
-MODEL_DIR (its latest or a given step; a LoRA run's adapters merged into its base) or a
-HuggingFace directory, placed on a Partitioner's shardings.
+MODEL_DIR (its latest or a given step; a LoRA run's adapters merged into its base), a
+HuggingFace directory or a PEFT adapter directory over one (`peft_dir.py`), placed on a
+Partitioner's shardings.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import jax
 import seqio
 from etils import epath
 
-from flaxlm.checkpoints import checkpointer, hf, hf_files
+from flaxlm.checkpoints import checkpointer, hf, hf_files, peft_dir
 from flaxlm.data import vocabularies
 from flaxlm.models.base import BaseModel
 from flaxlm.models.options import eos_tuple
@@ -264,6 +265,16 @@ def restore_merged(
 ) -> tuple[Params, int]:
     """`(merged params, step)` of a LoRA run's MODEL_DIR: its adapters at `step` (the
     latest if None) folded into the recorded base params."""
+    cfg, base_source, adapters, step = restore_adapters(model_dir, model, partitioner, step)
+    base = restore_lora_base(base_source, model, partitioner)
+    return merge_adapters(base, adapters, cfg), step
+
+
+def restore_adapters(
+    model_dir: str | epath.Path, model: BaseModel, partitioner: Partitioner, step: int | None = None
+) -> tuple[lora.LoraConfig, dict[str, Any], Params, int]:
+    """`(cfg, base source, adapters, step)` of a LoRA run's MODEL_DIR: its adapters at
+    `step` (the latest if None), on their kernels' shardings."""
     record = read_lora_record(model_dir)
     if record is None:
         raise ValueError(f"{model_dir} has no {LORA_RECORD}: not a LoRA run.")
@@ -272,15 +283,39 @@ def restore_merged(
     abstract = jax.eval_shape(lambda: lora.init_adapters(jax.random.PRNGKey(0), kernels))
     abstract = pytrees.with_shardings(abstract, partitioner.sharding(lora.adapter_axes(kernels)))
     adapters, step = restore_params(model_dir, abstract, step)
-    base = restore_lora_base(base_source, model, partitioner)
+    return cfg, base_source, adapters, step
+
+
+def merge_adapters(base: Params, adapters: Params, cfg: lora.LoraConfig) -> Params:
+    """`lora.merge` on the base params' shardings."""
     merge = jax.jit(lambda b, a: lora.merge(b, a, cfg), out_shardings=pytrees.shardings_of(base))
-    return merge(base, adapters), step
+    return merge(base, adapters)
+
+
+def load_peft(
+    path: str | epath.Path,
+    partitioner: Partitioner,
+    model: BaseModel | None = None,
+    base: str | None = None,
+) -> tuple[BaseModel, Params]:
+    """`(model, merged params)` of a PEFT adapter directory over its HF base (`base`, else
+    its adapter_config.json's `base_model_name_or_path`)."""
+    base = base or peft_dir.base_model_path(path)
+    if model is None:
+        model = hf.model_from_hf_dir(base, partitioner)
+    params = hf.load_params(model, base, partitioner)
+    cfg, adapters = peft_dir.load_adapters(model, path)
+    return model, merge_adapters(params, adapters, cfg)
 
 
 def checkpoint_vocabulary(path: str | epath.Path) -> seqio.Vocabulary | None:
-    """An HF directory's own tokenizer, or the one a MODEL_DIR kept from its HF import."""
+    """An HF directory's own tokenizer, or the one a MODEL_DIR kept from its HF import, or a
+    PEFT directory's (else its base's)."""
     path = epath.Path(path)
-    if not is_hf_dir(path):
+    if peft_dir.is_peft_dir(path) and not (path / "tokenizer_config.json").exists():
+        base = peft_dir.read_adapter_config(path).get("base_model_name_or_path")
+        path = epath.Path(base or path)
+    elif not is_hf_dir(path) and not peft_dir.is_peft_dir(path):
         path = path / TOKENIZER_DIR
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         return vocabularies.HuggingFaceVocabulary(str(path))
@@ -306,14 +341,19 @@ def load_model_and_params(
     partitioner: Partitioner,
     step: int | None = None,
     model: BaseModel | None = None,
+    peft_base: str | None = None,
 ) -> Loaded:
-    """The model and params of a flaxlm MODEL_DIR (a LoRA run's merged) or an HF directory,
-    placed on the partitioner's shardings one shard at a time. `model` (a Gin-bound one)
-    wins over the recorded one; `step` defaults to the latest. The checkpoint's tokenizer, for
-    a run that binds no vocabulary, is `checkpoint_vocabulary`'s."""
+    """The model and params of a flaxlm MODEL_DIR (a LoRA run's merged), an HF directory or
+    a PEFT adapter directory (merged into `peft_base`, else the HF directory its
+    `base_model_name_or_path` names), placed on the partitioner's shardings one shard at a
+    time. `model` (a Gin-bound one) wins over the recorded one; `step` defaults to the
+    latest. The checkpoint's tokenizer, for a run that binds no vocabulary, is
+    `checkpoint_vocabulary`'s."""
     path = epath.Path(checkpoint)
     if not path.exists():
         raise FileNotFoundError(f"CHECKPOINT {str(checkpoint)!r} does not exist.")
+    if peft_dir.is_peft_dir(path):
+        return Loaded(*load_peft(path, partitioner, model, peft_base), 0)
     if is_hf_dir(path):
         if model is None:
             model, params = hf.from_pretrained(path, partitioner)

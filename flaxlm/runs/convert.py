@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import gin
+import jax
 import jax.numpy as jnp
 from etils import epath
 
-from flaxlm.checkpoints import checkpointer, hf, run_dir
+from flaxlm.checkpoints import checkpointer, hf, hf_files, peft_dir, run_dir
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
 
@@ -81,15 +82,22 @@ def export_hf(
     partitioner: Partitioner | None = None,
     step: int | None = None,
     dtype: str | None = None,
+    peft: bool = False,
 ) -> None:
     """Run function: the params of a flaxlm checkpoint -> an HF directory (a LoRA run's
     adapters merged into its base params), with the tokenizer the run started from.
 
     The model is the bound one, else the recorded one; `step` defaults to the latest.
+    `peft`: a LoRA run's adapters alone, as a PEFT adapter directory (`adapter_config.json`
+    + `adapter_model.safetensors`, instead of the merged model) over the HF base the run
+    started from; a base that is no HF directory is exported beside them, to `out_dir/base`.
     """
     partitioner = partitioner or Partitioner()
     if run_dir.is_hf_dir(model_dir):
         raise ValueError(f"MODEL_DIR {model_dir!r} is already a HuggingFace directory.")
+    if peft:
+        export_peft(model_dir, out_dir, model, partitioner, step, dtype)
+        return
     loaded = run_dir.load_model_and_params(model_dir, partitioner, step, model)
     tokenizer_dir = run_dir.tokenizer_dir(model_dir)
     hf.save_pretrained(
@@ -97,3 +105,28 @@ def export_hf(
     )
     merged = " (LoRA adapters merged)" if run_dir.read_lora_record(model_dir) else ""
     print(f"Exported step {loaded.step} of {model_dir}{merged} to {out_dir}.")
+
+
+def export_peft(
+    model_dir: str,
+    out_dir: str,
+    model: BaseModel | None,
+    partitioner: Partitioner,
+    step: int | None,
+    dtype: str | None,
+) -> None:
+    """`export_hf(peft=True)`: a LoRA run's adapters -> a PEFT adapter directory."""
+    if run_dir.read_lora_record(model_dir) is None:
+        raise ValueError(f"export_hf.peft: {model_dir} is not a LoRA run (no lora.json).")
+    model = model or run_dir.read_model(model_dir, partitioner)
+    cfg, source, adapters, step = run_dir.restore_adapters(model_dir, model, partitioner, step)
+    tokenizer_dir = run_dir.tokenizer_dir(model_dir)
+    base = source.get("hf")
+    if base is None:  # a flaxlm base: PEFT needs it as an HF directory
+        base = str(epath.Path(out_dir) / "base")
+        params = run_dir.restore_lora_base(source, model, partitioner)
+        hf.save_pretrained(model, params, base, dtype=dtype, tokenizer_dir=tokenizer_dir)
+    peft_dir.save_adapters(model, adapters, cfg, out_dir, base_model_name_or_path=base, dtype=dtype)
+    if tokenizer_dir is not None and jax.process_index() == 0:
+        hf_files.copy_tokenizer(tokenizer_dir, out_dir)
+    print(f"Exported the LoRA adapters of step {step} of {model_dir} (PEFT) to {out_dir}.")

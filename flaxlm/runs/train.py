@@ -11,7 +11,7 @@ import gin
 import jax
 import optax
 
-from flaxlm.checkpoints import checkpointer, hf, run_dir
+from flaxlm.checkpoints import checkpointer, hf, peft_dir, run_dir
 from flaxlm.data import pipeline
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
@@ -66,13 +66,17 @@ def initial_state(
     train_iter: pipeline.DataIterator,
     model_dir: str,
     init_from_hf: str | None,
+    adapters: Any = None,
 ) -> tuple[int, TrainState]:
     """The latest checkpoint's step and state, else step 0 from `init_from_hf` or a fresh
-    init."""
+    init (a LoRA run's adapters: `adapters`, if given)."""
     model = setup.model
     start_step, state = loop.restore(setup, ckpt, train_iter)
     if state is not None:
         return start_step, state
+    if adapters is not None:
+        print("Initialised the LoRA adapters from the PEFT directory.", flush=True)
+        return 0, setup.state_from_params(adapters)
     if init_from_hf and setup.lora is None:
         params = hf.load_params(model, init_from_hf, shardings=setup.state_shardings.params)
         run_dir.write_model_record(model, model_dir, init_from_hf)
@@ -134,6 +138,7 @@ def train(
     inject_nonfinite_loss_at_step: int | None = None,
     lora: lora_lib.LoraConfig | None = None,
     lora_base_checkpoint: str | None = None,
+    lora_init_from_peft: str | None = None,
     objective: objective_lib.RunObjective = objective_lib.NEXT_TOKEN_PREDICTION,
 ) -> TrainState:
     """Trains `model` on `train_dataset_cfg` for `total_steps`, resuming from `model_dir`.
@@ -158,6 +163,10 @@ def train(
         `model_dir/base`. Only the adapters have optimizer state and are checkpointed;
         `model_dir/lora.json` records the config and the base, so infer, eval and
         export_hf merge them.
+      lora_init_from_peft: a PEFT adapter directory whose adapters start a LoRA run (when
+        `model_dir` has no checkpoint yet). `lora` defaults to its adapter_config.json's
+        (a bound one must adapt the same kernels at the same ranks), and `init_from_hf` to
+        its `base_model_name_or_path`.
       objective: what the run optimises (`objective.RunObjective`): next-token prediction by
         default, or e.g. a preference loss on pairs of answers
         (`@preference.PreferenceConfig()`: DPO, IPO, ORPO, SimPO; the data must be pairs,
@@ -178,6 +187,11 @@ def train(
         EVAL_STEPS=(eval_steps, 1),
     )
     steps.check_learning_rate(learning_rate)
+    peft_adapters = None
+    if lora_init_from_peft:
+        if not lora_base_checkpoint:
+            init_from_hf = init_from_hf or peft_dir.base_model_path(lora_init_from_peft)
+        lora, peft_adapters = peft_dir.load_adapters(model, lora_init_from_peft, lora)
     if lora_base_checkpoint and lora is None:
         raise ValueError("lora_base_checkpoint is set but lora is not: bind train.lora too.")
     path = steps.check_model_dir(model_dir)
@@ -214,7 +228,9 @@ def train(
             frozen_reference=objective.needs_reference,
         )
         ckpt = checkpointer.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
-        start_step, state = initial_state(setup, ckpt, train_iter, model_dir, init_from_hf)
+        start_step, state = initial_state(
+            setup, ckpt, train_iter, model_dir, init_from_hf, peft_adapters
+        )
         frozen = frozen_params(
             setup, state, start_step, model_dir, init_from_hf, lora_base_checkpoint
         )

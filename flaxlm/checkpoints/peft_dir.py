@@ -1,0 +1,340 @@
+"""PEFT adapter directories (`adapter_config.json` + `adapter_model.safetensors`) <-> flaxlm
+LoRA adapters.
+
+    peft_dir.save_adapters(model, adapters, cfg, out_dir, base_model_name_or_path="/hf/base")
+    cfg, adapters = peft_dir.load_adapters(model, "/peft/dir")
+
+A flaxlm adapter pair over kernel `W` (stack + in dims + out dims) is `lora_a` (stack + in dims
++ [r]) and `lora_b` (stack + [r] + out dims), scaled by `alpha / r` (see training/lora.py);
+PEFT's over the torch `Linear` HF stores `W` as (`[out, in]`) is `lora_A.weight` `[r, in]` and
+`lora_B.weight` `[out, r]`, scaled by `lora_alpha / r` (`alpha_pattern` per module,
+`/ sqrt(r)` with rsLoRA). So `lora_A = a.reshape(in, r).T`, `lora_B = b.reshape(r, out).T`,
+and the family's HF mapping (models/hf_spec.py) names the module: flaxlm's
+`layers_0/q_proj/kernel` is PEFT's `base_model.model.model.layers.0.self_attn.q_proj`.
+A kernel HF does not store as a `Linear` of its own (a row block of Phi-3's fused
+`qkv_proj`, MoE experts, the LM head over a padded vocabulary) has no PEFT counterpart here.
+
+flaxlm has one `alpha`; an import with per-module scales (`alpha_pattern`, rsLoRA) folds each
+module's scale ratio into its `lora_a`, so the adapted model is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+from flax import traverse_util
+
+from flaxlm.checkpoints import hf
+from flaxlm.models import hf_spec
+from flaxlm.models.base import BaseModel
+from flaxlm.parallel import pytrees
+from flaxlm.training import lora
+
+Params = Any
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# PeftModel wraps the HF model in a LoraModel (`base_model`) that holds it as `model`.
+PREFIX = "base_model.model."
+_TASK_TYPES = {"AutoModelForCausalLM": "CAUSAL_LM", "AutoModelForSeq2SeqLM": "SEQ_2_SEQ_LM"}
+# adapter_config.json settings whose non-default values flaxlm's LoRA cannot express.
+_UNSUPPORTED = {
+    "use_dora": False,
+    "fan_in_fan_out": False,
+    "modules_to_save": None,
+    "lora_bias": False,
+    "bias": "none",
+    "layer_replication": None,
+    "trainable_token_indices": None,
+    "target_parameters": None,
+}
+
+
+def is_peft_dir(path: str | epath.Path) -> bool:
+    """A PEFT adapter directory (adapter_config.json)."""
+    return (epath.Path(path) / ADAPTER_CONFIG).exists()
+
+
+def hf_modules(model: BaseModel) -> dict[str, tuple[int, list[str]]]:
+    """flaxlm kernel path -> (number of input dims, the HF module name of each layer: one
+    name, or one a layer for a scanned stack) of every kernel HF stores as a torch `Linear`
+    of its own."""
+    spec = hf.spec_for_config(model.config)
+    scan = bool(getattr(model.config, "scan_layers", False))
+    out = {}
+    for param, (t, names) in hf_spec.expand(spec.tensors(model.config), scan).items():
+        own_linear = (
+            t.transpose and t.split is not None and t.to_hf is None and t.rows is None
+        ) and not (t.pieces or t.vocab_axis is not None or t.copies)
+        if param.endswith("/kernel") and own_linear and names[0].endswith(".weight"):
+            out[param] = (t.split, [n.removesuffix(".weight") for n in names])
+    return out
+
+
+def _kernels_for(model: BaseModel, adapters: Params) -> dict[str, tuple[int, list[str]]]:
+    """`hf_modules` of the kernels `adapters` adapt; one PEFT cannot name is an error."""
+    modules = hf_modules(model)
+    flat = traverse_util.flatten_dict(adapters, sep="/")
+    kernels = sorted({k.rsplit("/", 1)[0] + "/kernel" for k in flat})
+    missing = [k for k in kernels if k not in modules]
+    if missing:
+        raise ValueError(
+            f"LoRA kernels {missing[:4]} have no PEFT module: HF does not store them as a torch "
+            "Linear of their own (a fused or expert tensor, or the LM head). Adapt others, or "
+            "export the merged model."
+        )
+    return {k: modules[k] for k in kernels}
+
+
+# ---------------------------------------------------------------- export
+
+
+def adapter_state_dict(
+    model: BaseModel, adapters: Params
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """`(PEFT tensors by name, rank of each HF module)` of flaxlm adapters (unscaled)."""
+    flat = traverse_util.flatten_dict(adapters, sep="/")
+    tensors, ranks = {}, {}
+    for kernel, (num_in, names) in _kernels_for(model, adapters).items():
+        module = kernel.removesuffix("/kernel")
+        a = pytrees.host_array(flat[module + "/lora_a"]).astype(np.float32)
+        b = pytrees.host_array(flat[module + "/lora_b"]).astype(np.float32)
+        stacked = len(names) > 1 or a.ndim > num_in + 1
+        for i, name in enumerate(names):
+            a_i, b_i = (a[i], b[i]) if stacked else (a, b)
+            rank = a_i.shape[-1]
+            a_2d = a_i.reshape(math.prod(a_i.shape[:num_in]), rank)  # [in, r]
+            b_2d = b_i.reshape(rank, -1)  # [r, out]
+            tensors[f"{PREFIX}{name}.lora_A.weight"] = np.ascontiguousarray(a_2d.T)
+            tensors[f"{PREFIX}{name}.lora_B.weight"] = np.ascontiguousarray(b_2d.T)
+            ranks[name] = rank
+    return tensors, ranks
+
+
+def _suffix(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def adapter_config_dict(
+    model: BaseModel,
+    cfg: lora.LoraConfig,
+    ranks: Mapping[str, int],
+    base_model_name_or_path: str | None,
+) -> dict[str, Any]:
+    """adapter_config.json for adapters over the HF modules `ranks` names.
+
+    `target_modules` is the modules' last names where they cover every module of that name
+    (else a regex that PEFT full-matches against module names); `r` is the commonest rank and
+    `rank_pattern` gives the others. flaxlm's one `alpha` over each rank is PEFT's
+    `lora_alpha / r`, so no `alpha_pattern` is needed.
+    """
+    every = [n for _, names in hf_modules(model).values() for n in names]
+    suffixes = sorted({_suffix(n) for n in ranks})
+    if {n for n in every if _suffix(n) in suffixes} == set(ranks):
+        targets: list[str] | str = suffixes
+    else:
+        targets = "(" + "|".join(re.escape(n) for n in sorted(ranks)) + ")"
+    counts: dict[int, int] = {}
+    for rank in ranks.values():
+        counts[rank] = counts.get(rank, 0) + 1
+    r = max(sorted(counts), key=counts.__getitem__)
+    rank_pattern = {}
+    for suffix in suffixes:
+        of_suffix = {ranks[n] for n in ranks if _suffix(n) == suffix}
+        if of_suffix == {r}:
+            continue
+        if len(of_suffix) == 1:
+            rank_pattern[suffix] = of_suffix.pop()
+        else:  # PEFT matches a key as the end of a module name: the full name is exact
+            rank_pattern.update(
+                {re.escape(n): k for n, k in ranks.items() if _suffix(n) == suffix and k != r}
+            )
+    spec = hf.spec_for_config(model.config)
+    return {
+        "peft_type": "LORA",
+        "task_type": _TASK_TYPES.get(spec.auto_class),
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": r,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": targets,
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": {},
+        "use_rslora": False,
+        "use_dora": False,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+
+
+def save_adapters(
+    model: BaseModel,
+    adapters: Params,
+    cfg: lora.LoraConfig,
+    out_dir: str | epath.Path,
+    *,
+    base_model_name_or_path: str | None = None,
+    dtype: Any = None,
+) -> None:
+    """Writes `adapters` (flaxlm's, unscaled) as a PEFT adapter directory that
+    `peft.PeftModel.from_pretrained(hf_base, out_dir)` loads. All processes call it; process
+    0 writes."""
+    from safetensors.numpy import save_file
+
+    tensors, ranks = adapter_state_dict(model, adapters)
+    if dtype is not None:
+        tensors = {k: v.astype(np.dtype(dtype)) for k, v in tensors.items()}
+    config = adapter_config_dict(model, cfg, ranks, base_model_name_or_path)
+    if jax.process_index() != 0:
+        return
+    out = epath.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    umask = os.umask(0)  # safetensors creates its files 0600; exports are shared like any file
+    os.umask(umask)
+    os.chmod(str(out / ADAPTER_WEIGHTS), 0o666 & ~umask)
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+# ---------------------------------------------------------------- import
+
+
+def read_adapter_config(path: str | epath.Path) -> dict[str, Any]:
+    """adapter_config.json of a PEFT directory, checked to be a LoRA flaxlm can express."""
+    file = epath.Path(path) / ADAPTER_CONFIG
+    if not file.exists():
+        raise FileNotFoundError(f"{file} not found: not a PEFT adapter directory.")
+    config = json.loads(file.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{file}: peft_type {config['peft_type']!r}; flaxlm reads LORA only.")
+    for key, default in _UNSUPPORTED.items():
+        if config.get(key, default) not in (default, [], {}):
+            raise ValueError(
+                f"{file}: {key}={config[key]!r} is not expressible as flaxlm LoRA "
+                f"(supported: {default!r})."
+            )
+    return config
+
+
+def base_model_path(path: str | epath.Path) -> str:
+    """The local HF directory a PEFT directory's `base_model_name_or_path` names."""
+    config = read_adapter_config(path)
+    base = config.get("base_model_name_or_path")
+    if not base or not (epath.Path(base) / "config.json").exists():
+        raise ValueError(
+            f"{epath.Path(path) / ADAPTER_CONFIG}: base_model_name_or_path={base!r} is not a local "
+            "HF directory; give the base explicitly (a local HF directory with config.json)."
+        )
+    return str(base)
+
+
+def _scale(config: Mapping[str, Any], module: str, rank: int) -> float:
+    """PEFT's scale of one module's adapter (`alpha_pattern` as PEFT matches it)."""
+    alpha = config.get("lora_alpha", 8)
+    for key, value in (config.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            alpha = value
+            break
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def _rules(model: BaseModel, ranks: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    """LoRA rules adapting exactly the kernels `ranks` names, at their ranks: by module name
+    where that is exact, else by full path."""
+    every = lora.dense_kernels(model, model.example_batch_shapes())
+    rules = []
+    for rank in sorted(set(ranks.values())):
+        chosen = {k for k, r in ranks.items() if r == rank}
+        names = sorted({k.split("/")[-2] for k in chosen})
+        if {k for k in every if k.split("/")[-2] in names} == chosen:
+            rules.append((f"(^|/)({'|'.join(names)})/kernel$", rank))
+        else:
+            rules.append((f"^({'|'.join(re.escape(k) for k in sorted(chosen))})$", rank))
+    return tuple(rules)
+
+
+def load_adapters(
+    model: BaseModel,
+    path: str | epath.Path,
+    cfg: lora.LoraConfig | None = None,
+    shardings: Any = None,
+) -> tuple[lora.LoraConfig, Params]:
+    """`(cfg, adapters)` of a PEFT adapter directory over `model`'s HF base.
+
+    `cfg` (a bound LoraConfig) must adapt the same kernels at the same ranks; its alpha and
+    dropout are kept (the scale difference is folded into `lora_a`). Without it, the config
+    comes from adapter_config.json. The adapters are float32 numpy arrays, or placed on
+    `shardings` (a tree like them).
+    """
+    from safetensors.numpy import load_file
+
+    config = read_adapter_config(path)
+    weights = epath.Path(path) / ADAPTER_WEIGHTS
+    if not weights.exists():
+        raise FileNotFoundError(f"{weights} not found (flaxlm reads PEFT adapters in safetensors).")
+    stored = load_file(str(weights))
+    modules = hf_modules(model)
+    by_module = {
+        name: (kernel, i) for kernel, (_, names) in modules.items() for i, name in enumerate(names)
+    }
+    pairs: dict[str, dict[str, np.ndarray]] = {}
+    for key, tensor in stored.items():
+        match = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.\w+)?\.weight", key)
+        if match is None or match[1] not in by_module:
+            raise ValueError(
+                f"{weights}: tensor {key!r} is not a LoRA adapter of a "
+                f"{type(model.config).__name__} module flaxlm maps (e.g. "
+                f"{PREFIX}{next(iter(by_module))}.lora_A.weight)."
+            )
+        pairs.setdefault(match[1], {})[match[2]] = tensor.astype(np.float32)
+    ranks: dict[str, int] = {}
+    for name, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"{weights}: module {name} has lora_{set('AB') - set(pair)} missing.")
+        kernel = by_module[name][0]
+        rank = pair["A"].shape[0]
+        if ranks.setdefault(kernel, rank) != rank:
+            raise ValueError(
+                f"{weights}: the layers of scanned kernel {kernel} have different ranks; load "
+                "the model with scan_layers=False."
+            )
+    if cfg is None:
+        cfg = lora.LoraConfig(
+            rules=_rules(model, ranks),
+            alpha=float(config.get("lora_alpha", 8)),
+            dropout=float(config.get("lora_dropout", 0.0)),
+        )
+    planned = lora.plan(cfg, model, model.example_batch_shapes())
+    if {k: p.rank for k, p in planned.items()} != ranks:
+        raise ValueError(
+            f"LoraConfig {cfg.rules} adapts other kernels or ranks than {path} "
+            f"({sorted(ranks.items())[:4]} ...)."
+        )
+    flat = {}
+    for kernel, plan in planned.items():
+        a = np.zeros(plan.a_shape, np.float32)  # a scanned layer PEFT leaves alone: zeros
+        b = np.zeros(plan.b_shape, np.float32)
+        for name in modules[kernel][1]:
+            if name not in pairs:
+                continue
+            i = by_module[name][1]
+            index = (i,) if plan.num_stacked else ()
+            ratio = _scale(config, name, plan.rank) / (cfg.alpha / plan.rank)
+            a[index] = pairs[name]["A"].T.reshape(a.shape[len(index) :]) * ratio
+            b[index] = pairs[name]["B"].T.reshape(b.shape[len(index) :])
+        module = kernel.removesuffix("/kernel")
+        flat[module + "/lora_a"], flat[module + "/lora_b"] = a, b
+    adapters = traverse_util.unflatten_dict(flat, sep="/")
+    if shardings is not None:
+        adapters = jax.device_put(adapters, shardings)
+    return cfg, adapters
