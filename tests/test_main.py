@@ -1,6 +1,7 @@
 """`python -m flaxlm.main` end to end, as users run it (subprocesses)."""
 
 import glob
+import importlib
 import importlib.util
 import json
 import logging
@@ -181,6 +182,26 @@ def test_every_ready_to_run_file_parses(name):
     try:
         gin_utils.parse_gin([name], finalize=False)
         assert gin.query_parameter("gin_utils.run.fn") is not None
+    finally:
+        gin.clear_config()
+
+
+def test_a_gin_file_importing_a_moved_module_is_told_its_new_path(tmp_path):
+    """A user's own gin file from before the house in folders fails naming the new import,
+    not with a bare ImportError; the run names users type still resolve."""
+    old = tmp_path / "old.gin"
+    old.write_text(
+        "from __gin__ import dynamic_registration\nfrom flaxlm import partitioning\n"
+        "partitioning.Partitioner.mesh_shape = (1, -1, 1)\n"
+    )
+    gin.clear_config()
+    try:
+        with pytest.raises(ImportError, match=r"flaxlm\.partitioning moved to flaxlm\.parallel"):
+            gin_utils.parse_gin([str(old)], finalize=False)
+        gin.clear_config()
+        importlib.import_module("flaxlm.runs.infer")  # registers infer.infer, infer.score
+        bindings = ["evaluation.evaluate.output_dir = 'x'", "infer.score.output_dir = 'y'"]
+        gin_utils.parse_gin(["runs/eval.gin"], bindings, finalize=False)
     finally:
         gin.clear_config()
 
