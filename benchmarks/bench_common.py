@@ -174,11 +174,14 @@ def gin_model(name: str, bindings: Sequence[str] = (), **changes: Any) -> Any:
     return with_config(model, **changes) if changes else model
 
 
-def make_partitioner(name: str, devices: Sequence[Any] | None = None, sequence: int = 1) -> Any:
+def make_partitioner(
+    name: str, devices: Sequence[Any] | None = None, sequence: int = 1, expert: int = 1
+) -> Any:
     """The Partitioner of `gin/partitioning/<name>.gin`; with `sequence` > 1 a `sequence` mesh
     axis of that size (context parallelism, as gin/partitioning/fsdp_cp.gin) is added before
-    `tensor`, its devices taken from the -1 axis (fsdp: `(1, -1, sequence, 1)`)."""
-    from flaxlm.parallel.partitioning import MESH_AXES, SEQUENCE_AXIS, Partitioner
+    `tensor`, its devices taken from the -1 axis (fsdp: `(1, -1, sequence, 1)`); `expert` > 1
+    likewise adds an `expert` axis (expert parallelism, as gin/partitioning/fsdp_ep.gin)."""
+    from flaxlm.parallel.partitioning import EXPERT_AXIS, MESH_AXES, SEQUENCE_AXIS, Partitioner
 
     if name not in PARTITIONINGS:
         raise ValueError(f"partitioning {name!r}: expected one of {sorted(PARTITIONINGS)}.")
@@ -187,6 +190,9 @@ def make_partitioner(name: str, devices: Sequence[Any] | None = None, sequence: 
     if sequence > 1:
         mesh_shape = (*mesh_shape[:2], sequence, mesh_shape[2])
         axes = (*MESH_AXES[:2], SEQUENCE_AXIS, MESH_AXES[2])
+    if expert > 1:
+        mesh_shape = (*mesh_shape[:-1], expert, mesh_shape[-1])
+        axes = (*axes[:-1], EXPERT_AXIS, axes[-1])
     return Partitioner(
         mesh_shape=mesh_shape,
         mesh_axis_names=axes,
@@ -205,6 +211,19 @@ def add_sequence_arg(parser: Any) -> None:
         help="context parallelism: split each sequence over a 'sequence' mesh axis of N "
         "devices (taken from the partitioning's -1 axis; ring attention); lengths must be "
         "a multiple of 2 N",
+    )
+
+
+def add_expert_arg(parser: Any) -> None:
+    """`--expert N` (see `make_partitioner`)."""
+    parser.add_argument(
+        "--expert",
+        type=int,
+        default=1,
+        metavar="N",
+        help="expert parallelism: split each MoE layer's experts over an 'expert' mesh axis "
+        "of N devices (taken from the partitioning's -1 axis; the batch and the other params "
+        "split over it too); the models' expert counts must be multiples of N",
     )
 
 

@@ -30,6 +30,8 @@ sequence split N ways, ring attention) and `--attention-chunk-size N` sets
 `attention='chunked'` in blocks of N (the ring's blocks under `--sequence`; without it,
 flash-style blocks on each device, also linear in the length). `--collectives` adds the
 bytes each device's step moves by collective (e.g. the chunked loss's head traffic).
+`--expert N` adds an `expert` mesh axis of N devices (expert parallelism, fsdp becomes
+(1, 8/N, N, 1)) for the MoE models (benchmarks/moe.py compares fsdp with fsdp + expert).
 `--preference dpo` measures the DPO step on pairs (the reference params a frozen argument,
 "frozen GiB/dev"); with `--lora-rank R` the frozen params are the LoRA base, no second copy:
 
@@ -121,6 +123,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "under --sequence; default: the models' own attention)",
     )
     bench_common.add_sequence_arg(p)
+    bench_common.add_expert_arg(p)
     p.add_argument(
         "--scan-layers",
         action=argparse.BooleanOptionalAction,
@@ -162,6 +165,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1.")
     if args.sequence < 1 or 8 % args.sequence or args.seq_len % (2 * args.sequence):
         p.error("--sequence must divide 8 (the devices), --seq-len be a multiple of 2 x it.")
+    if args.expert < 1 or 8 % (args.expert * args.sequence):
+        p.error("--expert x --sequence must divide 8 (the devices).")
     if args.hidden is not None and (args.hidden < 128 or args.hidden % 128):
         p.error("--hidden must be a multiple of 128 (heads of 128 / 256 features).")
     if args.batch_size % (8 // args.sequence):
@@ -237,7 +242,7 @@ def measure(
     devices: Sequence[Any],
 ) -> dict[str, Any]:
     model = build_model(model_name, args, remat)
-    partitioner = bench_common.make_partitioner(partitioning, devices, args.sequence)
+    partitioner = bench_common.make_partitioner(partitioning, devices, args.sequence, args.expert)
     start = time.perf_counter()
     step = bench_common.CompiledStep(
         model,
@@ -263,6 +268,7 @@ def measure(
         "loss_chunk_size": args.loss_chunk_size,
         "attention_chunk_size": args.attention_chunk_size,
         "sequence": args.sequence,
+        "expert": args.expert,
         "num_params": sum(x.size for x in jax.tree.leaves(state.params)),
         "params_total_bytes": params_total,
         "opt_total_bytes": opt_total,
@@ -358,7 +364,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         table.append(
             [
                 r["model"],
-                r["partitioning"] + (f" + sequence {r['sequence']}" if r["sequence"] > 1 else ""),
+                r["partitioning"]
+                + (f" + sequence {r['sequence']}" if r["sequence"] > 1 else "")
+                + (f" + expert {r['expert']}" if r["expert"] > 1 else ""),
                 r["remat_policy"],
                 gib(r["params_bytes"]),
                 gib(r["opt_bytes"]),

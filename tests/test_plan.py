@@ -306,3 +306,82 @@ def test_command_line_on_a_tpu_topology_says_what_the_compiler_could_not_fit():
     assert proc.stdout.count("does not fit: RESOURCE_EXHAUSTED") == 2
     assert "exceeds available HBM" in proc.stdout
     assert "Nothing fits: the smallest candidate" in proc.stdout
+
+
+def tiny_moe_run() -> plan_run.Run:
+    """A two-layer Qwen3-MoE of 4 experts (2 per token) planned over (data, fsdp, tensor),
+    which the planner extends with an `expert` axis."""
+    from flaxlm.models.qwen_moe import QwenMoeConfig
+
+    config = QwenMoeConfig(
+        model_type="qwen3_moe",
+        vocab_size=128,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        max_position_embeddings=64,
+        dtype="float32",
+        param_dtype="float32",
+        remat_policy="none",
+        scan_layers=False,
+    )
+    axes, mesh = plan_run.with_expert_axis(("data", "fsdp", "tensor"), (1, -1, 1))
+    run = tiny_run()
+    return dataclasses.replace(
+        run,
+        model=DecoderOnlyModel(config),
+        axis_names=axes,
+        base=dataclasses.replace(run.base, mesh_shape=mesh),
+    )
+
+
+def test_an_moe_model_is_planned_over_an_expert_axis():
+    """For a model with experts the planner enumerates an `expert` axis (before tensor);
+    an expert split the experts do not divide is rejected naming it, one they divide
+    compiles (its dispatch's collectives counted), and the overrides name the axes."""
+    assert plan_run.with_expert_axis(("data", "fsdp", "tensor"), (1, -1, 1)) == (
+        ("data", "fsdp", "expert", "tensor"),
+        (1, -1, 1, 1),
+    )
+    assert plan_run.with_expert_axis(("fsdp", "expert"), (2, 4)) == (("fsdp", "expert"), (2, 4))
+    p = planner.Planner(tiny_moe_run(), jax.devices(), CHIP)
+    shapes = {k.mesh_shape for k in p.first_stage()}
+    assert (1, 2, 4, 1) in shapes and (1, 1, 8, 1) in shapes
+    reason = p.reject_reason(dataclasses.replace(p.run.base, mesh_shape=(1, 1, 8, 1)))
+    assert "experts" in reason and "not divisible by expert=8" in reason
+    ep = p.evaluate(dataclasses.replace(p.run.base, mesh_shape=(1, 2, 4, 1)))
+    assert ep.status == "fits" and ep.predicted_s > 0 and ep.collective_bytes > 0
+    assert report.overrides(p.run, ep.knobs)[0] == (
+        "--gin.Partitioner.mesh_axis_names=\"('data', 'fsdp', 'expert', 'tensor')\""
+    )
+
+
+def test_a_gin_run_of_an_moe_model_gets_an_expert_axis():
+    """run_from_gin: qwen3_moe_tiny under fsdp.gin is planned over (data, fsdp, expert,
+    tensor), the bound mesh with expert = 1."""
+    gin.clear_config()
+    try:
+        files = (
+            "gin/models/qwen3_moe_tiny.gin",
+            "gin/partitioning/fsdp.gin",
+            "gin/runs/pretrain.gin",
+        )
+        macros = [
+            "MODEL_DIR='/tmp/unused'",
+            "MIXTURE_OR_TASK_NAME='stdlib_py'",
+            "TASK_FEATURE_LENGTHS={'targets': 32}",
+            "BATCH_SIZE=8",
+            "TRAIN_STEPS=1",
+        ]
+        gin_utils.parse_gin([os.path.join(REPO, f) for f in files], macros, [])
+        run = plan_run.run_from_gin()
+    finally:
+        gin.clear_config()
+    assert run.axis_names == ("data", "fsdp", "expert", "tensor")
+    assert run.base.mesh_shape == (1, -1, 1, 1)

@@ -76,6 +76,8 @@ def overrides(run: Any, k: Any) -> list[str]:
         f"--gin.{config}.scan_layers={k.scan_layers}",
         f"--gin.train.num_microbatches={k.num_microbatches}",
     ]
+    if "expert" in run.axis_names:  # the planner may have added it (run.with_expert_axis)
+        out.insert(0, f'--gin.Partitioner.mesh_axis_names="{tuple(run.axis_names)}"')
     return out
 
 

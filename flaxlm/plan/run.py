@@ -10,6 +10,8 @@ from typing import Any
 
 import gin
 
+from flaxlm.models import moe
+
 
 @dataclasses.dataclass(frozen=True)
 class Knobs:
@@ -86,6 +88,8 @@ def run_from_gin() -> Run:
     p = gin.get_bindings("partitioning.Partitioner")
     axis_names = tuple(p.get("mesh_axis_names", ("data", "fsdp", "tensor")))
     mesh_shape = tuple(p.get("mesh_shape", (1, -1, 1)))
+    if moe.has_experts(model.config) and "logical_axis_rules" not in p:
+        axis_names, mesh_shape = with_expert_axis(axis_names, mesh_shape)
     base = Knobs(
         mesh_shape,
         p.get("optimizer_sharding", "params"),
@@ -106,6 +110,21 @@ def run_from_gin() -> Run:
         axis_names=axis_names,
         base=base,
         partitioner_kwargs=kwargs,
+    )
+
+
+def with_expert_axis(
+    axis_names: tuple[str, ...], mesh_shape: tuple[int, ...]
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The mesh with an `expert` axis of size 1 before `tensor` (or last) if it has none, so
+    the planner enumerates expert parallelism for a model with experts (the standard rules
+    split the experts, the batch and the params over it, as gin/partitioning/fsdp_ep.gin)."""
+    if moe.EXPERT_AXIS in axis_names:
+        return axis_names, mesh_shape
+    at = axis_names.index("tensor") if "tensor" in axis_names else len(axis_names)
+    return (
+        (*axis_names[:at], moe.EXPERT_AXIS, *axis_names[at:]),
+        (*mesh_shape[:at], 1, *mesh_shape[at:]),
     )
 
 
