@@ -96,7 +96,7 @@ def test_checkpoint_keeps_every_promise(tmp_path, variant):
         (dict(use_sliding_window=True), "sliding_window"),
         (dict(num_layers=2, layer_types=("full_attention",)), "layer_types"),
         (dict(num_layers=1, layer_types=["sliding_attention"]), "use_sliding_window"),
-        (dict(rope_scaling_type="yarn"), "rope_scaling_type"),
+        (dict(rope_scaling_type="dynamic"), "rope_scaling_type"),
         (dict(model_type="qwen"), "model_type"),
     ],
 )

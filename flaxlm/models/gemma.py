@@ -22,7 +22,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from flaxlm.models import attention, layers, llama, masks
+from flaxlm.models import attention, layers, llama, masks, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
@@ -254,7 +254,7 @@ class Gemma(CausalLM):
         cfg = self.config
         # HF rounds the sqrt(width) normaliser to the dtype before multiplying.
         x = x * jnp.asarray(cfg.hidden_size**0.5, layers.as_dtype(cfg.dtype))
-        tables = attention.rotary_sin_cos(positions, llama.rope_inv_freq(cfg))
+        tables = attention.rotary_sin_cos(positions, rope.inv_freq(cfg))
         if cfg.rope_local_base_freq is not None and SLIDING in cfg.per_layer_types:
             local = attention.rotary_inv_freq(cfg.head_dim, cfg.rope_local_base_freq)
             tables += attention.rotary_sin_cos(positions, local)
@@ -303,7 +303,7 @@ def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     `rope_parameters` (Gemma 3: one per layer type) or transformers 4's `rope_theta`,
     `rope_scaling` and (Gemma 3) `rope_local_base_freq`."""
     if hf["model_type"] == "gemma2":
-        out = llama.rope_from_hf(hf)
+        out = rope.from_hf(hf)
     else:
         params = hf.get("rope_parameters") or {}
         if any(t in params for t in LAYER_TYPES):
@@ -314,8 +314,8 @@ def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
                 **(params or hf.get("rope_scaling") or {}),
             }
             local = {"rope_theta": hf.get("rope_local_base_freq", 1e4)}
-        out = llama.rope_from_hf({"rope_parameters": {"rope_theta": 1e6, **full}})
-        local_rope = llama.rope_from_hf({"rope_parameters": {"rope_theta": 1e4, **local}})
+        out = rope.from_hf({"rope_parameters": {"rope_theta": 1e6, **full}})
+        local_rope = rope.from_hf({"rope_parameters": {"rope_theta": 1e4, **local}})
         if len(local_rope) > 1:
             raise ValueError(
                 f"config.json scales the rope of sliding layers ({local}): not supported."
@@ -375,17 +375,17 @@ def config_from_hf(hf: dict, **overrides) -> GemmaConfig:
 
 def config_to_hf(cfg: GemmaConfig) -> dict:
     """A Gemma2ForCausalLM or Gemma3ForCausalLM config.json (layer types spelled out)."""
-    rope = llama.rope_to_hf(cfg)
+    rope_parameters = rope.to_hf(cfg)
     if cfg.model_type == "gemma3_text":
         local = {"rope_type": "default", "rope_theta": cfg.rope_local_base_freq}
-        rope = {GLOBAL: rope, SLIDING: local}
+        rope_parameters = {GLOBAL: rope_parameters, SLIDING: local}
     out = {theirs: getattr(cfg, ours) for theirs, ours in HF_FIELDS.items()}
     del out["sliding_window_pattern"]  # layer_types says it all
     out.update(
         model_type=cfg.model_type,
         architectures=[ARCHITECTURES[cfg.model_type]],
         vocab_size=cfg.real_vocab_size or cfg.vocab_size,
-        rope_parameters=rope,
+        rope_parameters=rope_parameters,
         sliding_window=cfg.sliding_window,
         layer_types=list(cfg.per_layer_types),
         attention_dropout=0.0,

@@ -11,20 +11,17 @@ the width and a tied head. Follows HuggingFace's `LlamaForCausalLM`, `MistralFor
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, ClassVar, Protocol
 
 import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from flaxlm.models import attention, layers, masks
+from flaxlm.models import attention, layers, masks, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
-from flaxlm.models.options import ComputeOptions
 
 Array = jax.Array
 
@@ -34,13 +31,13 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "gemma": "GemmaForCausalLM",
 }
-ROPE_SCALING_TYPES = ("linear", "llama3")
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig(ComputeOptions):
-    """Llama / Mistral / Gemma hyper-parameters (HF names where they exist)."""
+class LlamaConfig(rope.RopeScaling):
+    """Llama / Mistral / Gemma hyper-parameters (HF names where they exist; rope scaling's
+    in `rope.RopeScaling`)."""
 
     vocab_size: int = 32000
     real_vocab_size: int | None = None  # ids from here up are padding (None: all real)
@@ -53,11 +50,6 @@ class LlamaConfig(ComputeOptions):
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling_type: str | None = None  # None, 'linear' or 'llama3'
-    rope_scaling_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0  # llama3 scaling only
-    rope_high_freq_factor: float = 4.0  # llama3 scaling only
-    rope_original_max_position_embeddings: int = 8192  # llama3 scaling only
     sliding_window: int | None = None  # a query sees this many latest positions (Mistral)
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -72,20 +64,6 @@ class LlamaConfig(ComputeOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         attention.check_heads(self.hidden_size, self.num_heads, self.kv_heads, self.head_dim)
-        if self.rope_scaling_type not in (None, *ROPE_SCALING_TYPES):
-            raise ValueError(
-                f"rope_scaling_type {self.rope_scaling_type!r}: expected None or one of "
-                f"{ROPE_SCALING_TYPES}."
-            )
-        if self.rope_scaling_type and self.rope_scaling_factor <= 0:
-            raise ValueError(f"rope_scaling_factor {self.rope_scaling_factor} must be positive.")
-        if self.rope_scaling_type == "llama3" and not (
-            self.rope_high_freq_factor > self.rope_low_freq_factor > 0
-        ):
-            raise ValueError(
-                f"llama3 rope scaling needs rope_high_freq_factor ({self.rope_high_freq_factor}) "
-                f"> rope_low_freq_factor ({self.rope_low_freq_factor}) > 0."
-            )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window {self.sliding_window} must be None or positive.")
         if self.model_type not in MODEL_TYPES:
@@ -157,26 +135,6 @@ def matmul_params(config: Any) -> int:
     (Llama, Qwen, Gemma configs)."""
     lookup = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     return config.num_params() - lookup
-
-
-def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
-    """float32 inverse frequencies `[head_dim // 2]`, scaled as `rope_scaling_type` says."""
-    inv_freq = attention.rotary_inv_freq(cfg.dim_per_head, cfg.rope_theta)
-    factor = cfg.rope_scaling_factor
-    if cfg.rope_scaling_type == "linear":
-        # Dividing the frequencies is dividing the positions by `factor`.
-        return inv_freq / np.float32(factor)
-    if cfg.rope_scaling_type == "llama3":
-        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-        context = cfg.rope_original_max_position_embeddings
-        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-        wavelen = np.float32(2 * math.pi) / inv_freq
-        scaled = np.where(wavelen > context / low, inv_freq / np.float32(factor), inv_freq)
-        smooth = (np.float32(context) / wavelen - np.float32(low)) / np.float32(high - low)
-        blended = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
-        medium = (wavelen >= context / high) & (wavelen <= context / low)
-        return np.where(medium, blended, scaled).astype(np.float32)
-    return inv_freq
 
 
 class LlamaBlockConfig(Protocol):
@@ -285,7 +243,7 @@ class Llama(CausalLM):
         if cfg.scale_embedding:
             # HF rounds the sqrt(width) normaliser to the compute dtype before multiplying.
             x = x * jnp.asarray(cfg.hidden_size**0.5, layers.as_dtype(cfg.dtype))
-        return x, attention.rotary_sin_cos(positions, rope_inv_freq(cfg))
+        return x, rope.sin_cos(positions, cfg)
 
     def final_norm(self, x: Array) -> Array:
         cfg = self.config
@@ -299,44 +257,6 @@ class Llama(CausalLM):
 
 
 # ------------------------------------------------------------------ HuggingFace
-
-
-def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """LlamaConfig's rope fields from `rope_parameters` (transformers 5) or the older
-    top-level `rope_theta` + `rope_scaling`."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    kind = params.get("rope_type", params.get("type", "default"))
-    out: dict[str, Any] = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 1e4)))}
-    if kind == "default":
-        return out
-    if kind not in ROPE_SCALING_TYPES:
-        raise ValueError(
-            f"config.json has rope type {kind!r}; flaxlm supports 'default' and "
-            f"{ROPE_SCALING_TYPES} ('dynamic' NTK scaling changes with the sequence length and "
-            "is not supported)."
-        )
-    out.update(rope_scaling_type=kind, rope_scaling_factor=float(params["factor"]))
-    if kind == "llama3":
-        out.update(
-            rope_low_freq_factor=float(params["low_freq_factor"]),
-            rope_high_freq_factor=float(params["high_freq_factor"]),
-            rope_original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        )
-    return out
-
-
-def rope_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
-    params: dict[str, Any] = {"rope_type": cfg.rope_scaling_type or "default"}
-    params["rope_theta"] = cfg.rope_theta
-    if cfg.rope_scaling_type:
-        params["factor"] = cfg.rope_scaling_factor
-    if cfg.rope_scaling_type == "llama3":
-        params.update(
-            low_freq_factor=cfg.rope_low_freq_factor,
-            high_freq_factor=cfg.rope_high_freq_factor,
-            original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
-        )
-    return params
 
 
 def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
@@ -363,7 +283,7 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
         scale_embedding=gemma,
         norm_scale_plus_one=gemma,
         model_type=hf["model_type"],
-        **rope_from_hf(hf),
+        **rope.from_hf(hf),
     )
     kwargs.update(overrides)
     return LlamaConfig(**kwargs)
@@ -393,7 +313,7 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
         "architectures": [ARCHITECTURES[cfg.model_type]],
         **shared_hf_fields(cfg),
         "head_dim": cfg.dim_per_head,
-        "rope_parameters": rope_to_hf(cfg),
+        "rope_parameters": rope.to_hf(cfg),
     }
     if cfg.model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import gin
 
-from flaxlm.models import llama, moe, qwen, qwen_moe
+from flaxlm.models import llama, moe, qwen, qwen_moe, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
 
@@ -99,7 +99,7 @@ def config_from_hf(hf: dict, **overrides: Any) -> MixtralConfig:
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         activation=hf.get("hidden_act", "silu"),
         **moe_fields,
-        **llama.rope_from_hf(hf),
+        **rope.from_hf(hf),
     )
     kwargs.update(overrides)
     return MixtralConfig(**kwargs)
@@ -112,7 +112,7 @@ def config_to_hf(cfg: MixtralConfig) -> dict:
         **llama.shared_hf_fields(cfg),
         "intermediate_size": cfg.moe_intermediate_size,
         "head_dim": cfg.dim_per_head,
-        "rope_parameters": llama.rope_to_hf(cfg),
+        "rope_parameters": rope.to_hf(cfg),
         "sliding_window": cfg.sliding_window,
         "num_local_experts": cfg.num_experts,
         "num_experts_per_tok": cfg.num_experts_per_tok,

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import gin
 
-from flaxlm.models import llama, moe, qwen, qwen_moe
+from flaxlm.models import llama, moe, qwen, qwen_moe, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
 
@@ -114,7 +114,7 @@ def config_from_hf(hf: dict, **overrides: Any) -> OlmoeConfig:
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         activation=hf.get("hidden_act", "silu"),
         **{**qwen_moe.moe_from_hf(hf), "moe_intermediate_size": hf["intermediate_size"]},
-        **llama.rope_from_hf(hf),
+        **rope.from_hf(hf),
     )
     kwargs.update(overrides)
     return OlmoeConfig(**kwargs)
@@ -126,7 +126,7 @@ def config_to_hf(cfg: OlmoeConfig) -> dict:
         "architectures": ["OlmoeForCausalLM"],
         **llama.shared_hf_fields(cfg),
         "intermediate_size": cfg.moe_intermediate_size,
-        "rope_parameters": llama.rope_to_hf(cfg),
+        "rope_parameters": rope.to_hf(cfg),
         "attention_bias": cfg.attention_bias,
         "clip_qkv": cfg.clip_qkv,
         "num_experts": cfg.num_experts,

@@ -17,11 +17,10 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from flaxlm.models import attention, layers, llama, masks
+from flaxlm.models import attention, layers, llama, masks, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
-from flaxlm.models.options import ComputeOptions
 
 Array = jax.Array
 
@@ -31,7 +30,7 @@ FULL, SLIDING = "full_attention", "sliding_attention"  # HF's layer_types entrie
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenFields(ComputeOptions):
+class QwenFields(rope.RopeScaling):
     """Qwen2 / Qwen2.5 / Qwen3 hyper-parameters (HF names where they exist); the defaults
     are Qwen2.5-7B's. `QwenConfig` is these; the Qwen MoE families (`qwen_moe.py`) build on
     them without being a QwenConfig (an HF mapping is found by its config's class)."""
@@ -47,12 +46,6 @@ class QwenFields(ComputeOptions):
     max_position_embeddings: int = 32768
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
-    # Rope scaling as LlamaConfig reads it (HF's rope_parameters): None, 'linear' or 'llama3'.
-    rope_scaling_type: str | None = None
-    rope_scaling_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0  # llama3 scaling only
-    rope_high_freq_factor: float = 4.0  # llama3 scaling only
-    rope_original_max_position_embeddings: int = 8192  # llama3 scaling only
     # Qwen3: biases on q, k, v and o. Qwen2 always has them on q, k and v, never on o.
     attention_bias: bool = False
     # The windowed layers see only the `sliding_window` latest positions; without
@@ -81,7 +74,6 @@ class QwenFields(ComputeOptions):
                 f"model_type {self.model_type!r}: expected one of {self.supported_model_types}."
             )
         attention.check_heads(self.hidden_size, self.num_heads, self.kv_heads, self.head_dim)
-        self._check_rope()
         if self.attention_bias and self.model_type == "qwen2":
             raise ValueError(
                 "attention_bias=True is Qwen3's (biases on q, k, v and o): HF Qwen2 always has "
@@ -89,22 +81,6 @@ class QwenFields(ComputeOptions):
                 "model_type='qwen3'."
             )
         self._check_windows()
-
-    def _check_rope(self) -> None:
-        """ValueErrors naming the rope scaling field that HF would not accept."""
-        kind, factor = self.rope_scaling_type, self.rope_scaling_factor
-        if kind not in (None, *llama.ROPE_SCALING_TYPES):
-            raise ValueError(
-                f"rope_scaling_type {kind!r}: expected None or one of {llama.ROPE_SCALING_TYPES}."
-            )
-        if kind is not None and not factor > 0:
-            raise ValueError(f"rope_scaling_factor {factor} must be positive.")
-        low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
-        if kind == "llama3" and not high > low > 0:
-            raise ValueError(
-                f"rope_high_freq_factor {high} must exceed rope_low_freq_factor {low} > 0 for "
-                "llama3 rope scaling."
-            )
 
     def _check_windows(self) -> None:
         """ValueErrors naming the sliding-window field that does not fit the others."""
@@ -202,7 +178,7 @@ class Qwen(CausalLM):
     def block_inputs(
         self, x: Array, positions: Array, decoding: masks.Decoding | None
     ) -> tuple[Array, tuple[Array, Array]]:
-        return x, attention.rotary_sin_cos(positions, llama.rope_inv_freq(self.config))
+        return x, rope.sin_cos(positions, self.config)
 
     def final_norm(self, x: Array) -> Array:
         cfg = self.config
@@ -238,7 +214,7 @@ def config_from_hf(hf: dict, **overrides: Any) -> QwenConfig:
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         activation=hf.get("hidden_act", "silu"),
         model_type=hf["model_type"],
-        **llama.rope_from_hf(hf),
+        **rope.from_hf(hf),
     )
     kwargs.update(overrides)
     return QwenConfig(**kwargs)
@@ -252,7 +228,7 @@ def config_to_hf(cfg: QwenConfig) -> dict:
         "architectures": [ARCHITECTURES[cfg.model_type]],
         **llama.shared_hf_fields(cfg),
         "head_dim": cfg.dim_per_head,
-        "rope_parameters": llama.rope_to_hf(cfg),
+        "rope_parameters": rope.to_hf(cfg),
         "use_sliding_window": cfg.use_sliding_window,
         "sliding_window": cfg.sliding_window,
         "max_window_layers": cfg.max_window_layers,

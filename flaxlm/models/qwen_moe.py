@@ -18,7 +18,7 @@ import gin
 import jax
 import numpy as np
 
-from flaxlm.models import attention, layers, llama, masks, moe, qwen
+from flaxlm.models import attention, layers, llama, masks, moe, qwen, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
@@ -232,7 +232,7 @@ def config_from_hf(hf: dict, **overrides: Any) -> QwenMoeConfig:
         activation=hf.get("hidden_act", "silu"),
         model_type=hf["model_type"],
         **moe_from_hf(hf),
-        **llama.rope_from_hf(hf),
+        **rope.from_hf(hf),
     )
     kwargs.update(overrides)
     return QwenMoeConfig(**kwargs)
@@ -273,7 +273,7 @@ def config_to_hf(cfg: QwenMoeConfig) -> dict:
         "architectures": [ARCHITECTURES[cfg.model_type]],
         **llama.shared_hf_fields(cfg),
         "head_dim": cfg.dim_per_head,
-        "rope_parameters": llama.rope_to_hf(cfg),
+        "rope_parameters": rope.to_hf(cfg),
         "use_sliding_window": cfg.use_sliding_window,
         "sliding_window": cfg.sliding_window,
         **moe_to_hf(cfg, "num_local_experts" if cfg.model_type == "qwen3_moe" else "num_experts"),
