@@ -169,6 +169,23 @@ class DenseGeneral(nn.Module):
         return y + update.astype(y.dtype)
 
 
+def with_lora(module: nn.Module, name: str, w: Array) -> Array:
+    """Param `w` (`[stack, in, out...]`, e.g. the experts' `[expert, embed, 2, mlp]`) plus
+    its low-rank update when the params hold adapters `{name}_lora_a` `[stack, in, r]` and
+    `{name}_lora_b` `[stack, r, out...]` beside it (one pair per leading index: per expert);
+    `w` unchanged otherwise. The update is built weight-sized (the stacked weights feed a
+    grouped matmul), so LoRA dropout does not apply to it."""
+    if not module.has_variable("params", f"{name}_lora_a"):
+        return w
+    a = module.get_variable("params", f"{name}_lora_a").astype(jnp.float32)
+    b = module.get_variable("params", f"{name}_lora_b").astype(jnp.float32)
+    stack, rank = a.shape[0], a.shape[-1]
+    update = jnp.einsum(
+        "sir,sro->sio", a.reshape(stack, -1, rank), b.reshape(stack, rank, -1)
+    ).reshape(w.shape)
+    return (w.astype(jnp.float32) + update).astype(w.dtype)
+
+
 # Dropout rate on the input of LoRA's low-rank path while a train step is traced (a stack:
 # `lora_dropout` nests); empty, i.e. no dropout, otherwise.
 _LORA_DROPOUT: list[float] = []

@@ -465,7 +465,7 @@ class _Experts(nn.Module):
             (self.experts, self.mlp, self.embed),
             self.param_dtype,
         )
-        return wi, wo
+        return layers.with_lora(self, "wi", wi), layers.with_lora(self, "wo", wo)
 
 
 class GatedMLP(nn.Module):

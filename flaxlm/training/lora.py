@@ -13,6 +13,11 @@ into the kernels (`W + (alpha / r) A @ B`) once, for evaluation, inference and e
 The adapter tree mirrors the kernels' module paths (`.../q_proj/lora_a`), and the adapter
 axes are the kernel's logical axes (the rank dim unsharded), so adapters shard under any
 mesh as their kernels do.
+
+The experts of an MoE layer (`.../mlp/experts/wi` `[expert, embed, 2, mlp]`, `wo`
+`[expert, mlp, embed]`; rules such as `experts/(wi|wo)$`) get one pair per expert, the
+expert dim stacked like a scanned layer's: `wi_lora_a` `[expert, embed, r]`, `wi_lora_b`
+`[expert, r, 2, mlp]`, added to the weights inside the layer (`layers.with_lora`).
 """
 
 from __future__ import annotations
@@ -117,7 +122,8 @@ class AdaptedKernel:
 
 def dense_kernels(model: Any, batch_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
     """`{"a/b/kernel": (shape, logical_axes, num_in)}` for every `layers.DenseGeneral` kernel
-    of `model`, found by tracing its init (nothing is allocated)."""
+    of `model`, and every weight stacked over experts (`.../experts/wi`), found by tracing
+    its init (nothing is allocated)."""
     num_in: dict[tuple[str, ...], int] = {}
 
     def record(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
@@ -134,9 +140,12 @@ def dense_kernels(model: Any, batch_shapes: Mapping[str, tuple[int, ...]]) -> di
     flat_axes = traverse_util.flatten_dict(axes_tree, is_leaf=lambda _, x: isinstance(x, P))
     found = {}
     for path, leaf in flat_shapes.items():
-        if path[-1] != "kernel" or path[:-1] not in num_in:
-            continue
-        found["/".join(path)] = (path, tuple(leaf.shape), tuple(flat_axes[path]), num_in[path[:-1]])
+        axes = tuple(flat_axes[path])
+        if path[-1] == "kernel" and path[:-1] in num_in:
+            found["/".join(path)] = (path, tuple(leaf.shape), axes, num_in[path[:-1]])
+        elif "expert" in axes and len(axes) - axes.index("expert") >= 3:
+            # Experts' stacked weights ([expert, in, out...], models/moe.py): one pair each.
+            found["/".join(path)] = (path, tuple(leaf.shape), axes, 1)
     return found
 
 
@@ -155,7 +164,10 @@ def plan(
                 # Stacked (scanned) dims lead: the kernel has more dims than in + out.
                 num_out = len(axes) - num_in
                 num_stacked = 0
-                if "layers" in axes:
+                if "expert" in axes:  # one adapter pair per expert (and per scanned layer)
+                    num_stacked = axes.index("expert") + 1
+                    num_out = len(axes) - num_stacked - num_in
+                elif "layers" in axes:
                     num_stacked = axes.index("layers") + 1
                     num_out = len(axes) - num_stacked - num_in
                 fan_in = math.prod(shape[num_stacked : num_stacked + num_in])
@@ -177,8 +189,19 @@ def plan(
     return chosen
 
 
-def _module_path(kernel: AdaptedKernel) -> tuple[str, ...]:
-    return kernel.path[:-1]
+def _adapter_paths(kernel: AdaptedKernel) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Where A and B of `kernel` sit: beside it, `lora_a`/`lora_b` for a dense `kernel`
+    (what `layers.DenseGeneral.adapt` reads), `wi_lora_a`/`wi_lora_b` for another weight
+    (`layers.with_lora`)."""
+    module, name = kernel.path[:-1], kernel.path[-1]
+    prefix = "" if name == "kernel" else f"{name}_"
+    return module + (f"{prefix}lora_a",), module + (f"{prefix}lora_b",)
+
+
+def _kernel_path(adapter_path: tuple[str, ...]) -> tuple[str, ...]:
+    """The weight an adapter (`.../lora_a`, `.../wi_lora_b`) belongs to."""
+    name = adapter_path[-1].removesuffix("lora_a").removesuffix("lora_b").removesuffix("_")
+    return adapter_path[:-1] + (name or "kernel",)
 
 
 def init_adapters(rng: jax.Array, kernels: Mapping[str, AdaptedKernel]) -> Params:
@@ -188,8 +211,9 @@ def init_adapters(rng: jax.Array, kernels: Mapping[str, AdaptedKernel]) -> Param
     for i, (_, k) in enumerate(sorted(kernels.items())):
         fan_in = math.prod(k.shape[k.num_stacked : k.num_stacked + k.num_in])
         a = jax.random.normal(jax.random.fold_in(rng, i), k.a_shape, jnp.float32)
-        flat[_module_path(k) + ("lora_a",)] = a / math.sqrt(fan_in)
-        flat[_module_path(k) + ("lora_b",)] = jnp.zeros(k.b_shape, jnp.float32)
+        a_path, b_path = _adapter_paths(k)
+        flat[a_path] = a / math.sqrt(fan_in)
+        flat[b_path] = jnp.zeros(k.b_shape, jnp.float32)
     return traverse_util.unflatten_dict(flat)
 
 
@@ -197,8 +221,8 @@ def adapter_axes(kernels: Mapping[str, AdaptedKernel]) -> Params:
     """The adapters' logical axes (the same tree as `init_adapters`)."""
     flat = {}
     for k in kernels.values():
-        flat[_module_path(k) + ("lora_a",)] = k.a_axes
-        flat[_module_path(k) + ("lora_b",)] = k.b_axes
+        a_path, b_path = _adapter_paths(k)
+        flat[a_path], flat[b_path] = k.a_axes, k.b_axes
     return traverse_util.unflatten_dict(flat)
 
 
@@ -222,12 +246,11 @@ def apply_adapters(base: Params, adapters: Params, alpha: float) -> Params:
     flat_base = traverse_util.flatten_dict(base)
     flat_ad = traverse_util.flatten_dict(adapters)
     out = dict(flat_base)
-    modules = {path[:-1] for path in flat_ad}
-    for module in modules:
-        a, b = flat_ad[module + ("lora_a",)], flat_ad[module + ("lora_b",)]
-        key = module + ("kernel",)
+    for path in [p for p in flat_ad if p[-1].endswith("lora_a")]:
+        a, b = flat_ad[path], flat_ad[path[:-1] + (path[-1][: -len("a")] + "b",)]
+        key = _kernel_path(path)
         if key not in flat_base:
-            raise ValueError(f"Adapter {'/'.join(module)} has no kernel in the base params.")
+            raise ValueError(f"Adapter {'/'.join(path)} has no kernel in the base params.")
         w = flat_base[key]
         rank = a.shape[-1]
         d = delta(a, b, w.ndim, alpha / rank)
@@ -240,9 +263,9 @@ def with_adapters(base: Params, adapters: Params, alpha: float) -> Params:
     params under which `layers.DenseGeneral` computes `x W + (dropout(x) A) B`."""
     flat = traverse_util.flatten_dict(base)
     for path, x in traverse_util.flatten_dict(adapters).items():
-        if path[:-1] + ("kernel",) not in flat:
-            raise ValueError(f"Adapter {'/'.join(path[:-1])} has no kernel in the base params.")
-        if path[-1] == "lora_a":
+        if _kernel_path(path) not in flat:
+            raise ValueError(f"Adapter {'/'.join(path)} has no kernel in the base params.")
+        if path[-1].endswith("lora_a"):
             x = x * (alpha / x.shape[-1])
         flat[path] = x
     return traverse_util.unflatten_dict(flat)
