@@ -194,28 +194,43 @@ class LlamaBlock(nn.Module):
             num_kv_heads=cfg.kv_heads,
             head_dim=cfg.dim_per_head,
             hidden_size=cfg.hidden_size,
-            qkv_bias=cfg.qkv_bias,
-            out_bias=cfg.attention_bias,
             attention=cfg.attention,
             chunk_size=cfg.attention_chunk_size,
             context_parallel=cfg.context_parallel,
-            qk_norm="rms" if cfg.qk_norm else None,
             norm_eps=cfg.rms_norm_eps,
             window=masks.layer_window(cfg.layer_windows, index),
+            **self.attention_options(),
             **dense,
         )
         x = layers.constrain(x + self.dropped(attn), layers.ACTIVATION_AXES)
-        # Gated MLP: down(act(gate(h)) * up(h)) (SwiGLU, Gemma's GeGLU)
         h = layers.RMSNorm(name="post_attention_layernorm", **norm)(x)
-        m = layers.gated_mlp(
+        return layers.constrain(
+            x + self.dropped(self.feed_forward(h, mask)), layers.ACTIVATION_AXES
+        )
+
+    def attention_options(self) -> dict[str, Any]:
+        """`rotary_self_attention`'s family options: biases and per-head q/k norms (OLMoE
+        overrides them with its whole-projection norm)."""
+        cfg = self.config
+        return dict(
+            qkv_bias=cfg.qkv_bias,
+            out_bias=cfg.attention_bias,
+            qk_norm="rms" if cfg.qk_norm else None,
+        )
+
+    def feed_forward(self, h: Array, mask: masks.Mask) -> Array:
+        """The gated MLP, down(act(gate(h)) * up(h)) (SwiGLU, Gemma's GeGLU); a mixture of
+        experts overrides it (`qwen_moe.QwenMoeBlock`). Called inside `__call__`."""
+        cfg = self.config
+        return layers.gated_mlp(
             h,
             intermediate_size=cfg.intermediate_size,
             hidden_size=cfg.hidden_size,
             activation=cfg.activation,
             use_bias=cfg.mlp_bias,
-            **dense,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
         )
-        return layers.constrain(x + self.dropped(m), layers.ACTIVATION_AXES)
 
 
 class Llama(CausalLM):

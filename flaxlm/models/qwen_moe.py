@@ -18,7 +18,7 @@ import gin
 import jax
 import numpy as np
 
-from flaxlm.models import attention, layers, llama, masks, moe, qwen, rope
+from flaxlm.models import llama, masks, moe, qwen, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
@@ -137,64 +137,15 @@ def mlp_or_experts(module: nn.Module, cfg: Any, h: Array, mask: masks.Mask) -> A
     )(h)
 
 
-class QwenMoeBlock(nn.Module):
-    """Pre-RMSNorm block: Qwen attention, then the mixture of experts (or a dense MLP). The
-    block of every MoE family on QwenFields: a family whose attention differs overrides
-    `attention_options`."""
+class QwenMoeBlock(llama.LlamaBlock):
+    """Llama's block with the mixture of experts (or a dense MLP, `mlp_only_layers`) as its
+    feed-forward: the block of every MoE family on QwenFields (a family whose attention
+    differs overrides `attention_options`, as OLMoE)."""
 
     config: Any  # QwenFields + MoEOptions
-    deterministic: bool = True
 
-    def attention_options(self) -> dict[str, Any]:
-        """`rotary_self_attention`'s family options: Qwen's biases and per-head q/k norms."""
-        cfg = self.config
-        return dict(
-            qkv_bias=cfg.qkv_bias,
-            out_bias=cfg.attention_bias,
-            qk_norm="rms" if cfg.qk_norm else None,
-        )
-
-    def dropped(self, y: Array) -> Array:
-        if not self.config.dropout_rate:
-            return y
-        return nn.Dropout(self.config.dropout_rate)(y, deterministic=self.deterministic)
-
-    @nn.compact
-    def __call__(
-        self,
-        x: Array,
-        index: Array,
-        mask: masks.Mask,
-        decoding: masks.Decoding | None,
-        sin: Array,
-        cos: Array,
-    ) -> Array:
-        cfg = self.config
-        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-        x = layers.constrain(x, layers.ACTIVATION_AXES)
-        h = layers.RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **dense)(x)
-        attn = attention.rotary_self_attention(
-            h,
-            sin,
-            cos,
-            mask,
-            decoding,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.kv_heads,
-            head_dim=cfg.dim_per_head,
-            hidden_size=cfg.hidden_size,
-            attention=cfg.attention,
-            chunk_size=cfg.attention_chunk_size,
-            context_parallel=cfg.context_parallel,
-            norm_eps=cfg.rms_norm_eps,
-            window=masks.layer_window(cfg.layer_windows, index),
-            **self.attention_options(),
-            **dense,
-        )
-        x = layers.constrain(x + self.dropped(attn), layers.ACTIVATION_AXES)
-        h = layers.RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **dense)(x)
-        m = mlp_or_experts(self, cfg, h, mask)
-        return layers.constrain(x + self.dropped(m), layers.ACTIVATION_AXES)
+    def feed_forward(self, h: Array, mask: masks.Mask) -> Array:
+        return mlp_or_experts(self, self.config, h, mask)
 
 
 class QwenMoe(qwen.Qwen):
