@@ -41,12 +41,12 @@ elif WHERE == "eval":
         _last_logged[0] = step
         _write(self, step, scalars)
 
-    def _evaluate_then_die(eval_step, params, iterator, steps):
+    def _evaluate_then_die(eval_step, params, iterator, count, *rest):
         if str(_last_logged[0]) == STEP:
             iterator.reset()
             eval_step(params, next(iterator))  # one batch in, then die
             _die()  # (SIGTERM: the evaluation goes on, from its first batch)
-        return _evaluate(eval_step, params, iterator, steps)
+        return _evaluate(eval_step, params, iterator, count, *rest)
 
     metrics.JsonlWriter.write_scalars = _write_and_remember
     steps.evaluate_batches = _evaluate_then_die

@@ -252,7 +252,10 @@ def test_preference_task_plain_and_conversational(tmp_path, tokenizer, tokenizer
         tokens = conv["decoder_target_tokens"][row]
         assert tokens[: len(full)].tolist() == full and not tokens[len(full) :].any()
         trained = tokens[conv["decoder_loss_weights"][row] == 1].tolist()
-        assert trained == enc(answer) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        # As TRL's DPO: all that follows the prompt, the template's newline after the
+        # end-of-turn token included.
+        end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        assert trained == enc(answer) + [end_of_turn] + enc("\n")
         assert np.flatnonzero(conv["decoder_loss_weights"][row])[0] == n_prompt
     np.testing.assert_array_equal(  # the same prompt in both rows
         conv["decoder_target_tokens"][0, :n_prompt], conv["decoder_target_tokens"][1, :n_prompt]

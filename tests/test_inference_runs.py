@@ -87,17 +87,20 @@ def test_infer_score_and_eval_runs_from_a_training_run(trained_gptj, tmp_path, r
     scores = read_jsonl(score_dir / "pairs.jsonl")
     assert [(r["input"], r["target"]) for r in scores] == PAIRS
     assert [r["num_tokens"] for r in scores] == [len(o.encode()) for _, o in PAIRS]
-    # Each score is the target's log-likelihood from the model's logits.
+    # Each score is the target's log-likelihood from the model's logits, the input read as
+    # the training rows were: after seqio's start token 0 (a model trained from scratch).
     partitioner = Partitioner(mesh_shape=(1, 8, 1))
     model, params, _ = run_dir.load_model_and_params(trained_gptj, partitioner)
+    assert model.decoder_start_id == 0
     vocab = seqio.ByteVocabulary()
     for record, (i, o) in zip(scores, PAIRS):
-        seq = vocab.encode(i) + vocab.encode(o)
+        i_ids = [0, *vocab.encode(i)]
+        seq = i_ids + vocab.encode(o)
         logits = np.asarray(
             model.compute_logits(params, {"decoder_input_tokens": np.asarray([seq[:-1]])})
         )[0].astype(np.float64)
         log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        target = [log_probs[t, seq[t + 1]] for t in range(len(vocab.encode(i)) - 1, len(seq) - 1)]
+        target = [log_probs[t, seq[t + 1]] for t in range(len(i_ids) - 1, len(seq) - 1)]
         assert record["score"] == pytest.approx(sum(target), rel=1e-4)
 
     eval_dir = tmp_path / "eval"

@@ -11,8 +11,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import logging as std_logging
 import re
 import sys
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -237,8 +239,26 @@ def quiet_abandoned_reads() -> None:
         if not _is_abandoned_read(error):
             excepthook(kind, error, tb)
 
+    thread_hook = threading.excepthook
+
+    def quiet_thread_hook(args: Any) -> None:  # a read's error in orbax's own thread
+        if not _is_abandoned_read(args.exc_value):
+            thread_hook(args)
+
     unraisablehook.flaxlm_quiet = True  # type: ignore[attr-defined]
     sys.unraisablehook, sys.excepthook = unraisablehook, quiet_excepthook
+    threading.excepthook = quiet_thread_hook
+    # asyncio reports a read task whose error nobody retrieved through its logger.
+    std_logging.getLogger("asyncio").addFilter(_AbandonedReadFilter())
+
+
+class _AbandonedReadFilter(std_logging.Filter):
+    """Drops the asyncio logger's records of a failed restore's abandoned reads."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        context = getattr(record, "msg", "")
+        return not (_is_abandoned_read(error) or "Encountered error while reading" in str(context))
 
 
 @ocp.args.register_with_handler(DatasetCheckpointHandler, for_save=True, for_restore=True)
