@@ -20,7 +20,7 @@ import transformers
 from safetensors.torch import save_file
 
 from flaxlm.checkpoints import hf
-from flaxlm.models import mixtral, moe, olmoe, qwen_moe
+from flaxlm.models import mixtral, olmoe, qwen_moe, routing
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
 from tests.hf_helpers import (
@@ -156,11 +156,11 @@ def test_router_chooses_hf_experts_and_aux_loss(family, root):
         batch["decoder_input_tokens"],
         batch["decoder_positions"],
         batch["decoder_segment_ids"],
-        mutable=[moe.ROUTER_COLLECTION],
+        mutable=[routing.ROUTER_COLLECTION],
     )
-    stats = moe.collect_router_stats(sown[moe.ROUTER_COLLECTION])
+    stats = routing.collect_router_stats(sown[routing.ROUTER_COLLECTION])
     k, experts = model.config.num_experts_per_tok, model.config.num_experts
-    aux = moe.router_losses(stats, experts, k)["aux"]
+    aux = routing.router_losses(stats, experts, k)["aux"]
     # A sum of E products of O(1/E) means over ~40 tokens: float32 rounding ~1e-7.
     np.testing.assert_allclose(float(aux), float(out.aux_loss), rtol=1e-5)
 

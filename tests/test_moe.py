@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.models import base, moe, qwen_moe
+from flaxlm.models import base, moe, qwen_moe, routing
 from flaxlm.parallel.partitioning import standard_logical_axis_rules
 
 AXES = ("data", "fsdp", "expert", "tensor")
@@ -125,16 +125,16 @@ def test_aux_loss_is_transformers_load_balancing_loss():
     logits = rng.normal(size=(layers, tokens, experts)).astype(np.float32)
     mask = (rng.random(tokens) > 0.3).astype(np.float32)
     stats = [
-        moe.router_stats(
+        routing.router_stats(
             jnp.asarray(layer),
-            moe.route(jnp.asarray(layer), k, "softmax_topk", False)[1],
+            routing.route(jnp.asarray(layer), k, "softmax_topk", False)[1],
             jnp.asarray(mask),
             experts,
         )  # fmt: skip
         for layer in logits
     ]
-    sown = {f"layers_{i}": {moe.ROUTER_STATS: (s,)} for i, s in enumerate(stats)}
-    ours = moe.router_losses(moe.collect_router_stats(sown), experts, k)["aux"]
+    sown = {f"layers_{i}": {routing.ROUTER_STATS: (s,)} for i, s in enumerate(stats)}
+    ours = routing.router_losses(routing.collect_router_stats(sown), experts, k)["aux"]
     theirs = load_balancing_loss_func(
         tuple(torch.from_numpy(x) for x in logits),
         experts,
@@ -146,8 +146,8 @@ def test_aux_loss_is_transformers_load_balancing_loss():
 
 def test_routers_agree_when_renormalised():
     logits = jax.random.normal(jax.random.PRNGKey(2), (16, 8))
-    w1, i1 = moe.route(logits, 3, "softmax_topk", True)
-    w2, i2 = moe.route(logits, 3, "topk_softmax", False)
+    w1, i1 = routing.route(logits, 3, "softmax_topk", True)
+    w2, i2 = routing.route(logits, 3, "topk_softmax", False)
     np.testing.assert_array_equal(i1, i2)
     np.testing.assert_allclose(w1, w2, rtol=1e-6)
 
@@ -169,7 +169,7 @@ def test_small_capacity_drops_and_counts_assignments():
 def test_capacity_telemetry_reports_the_dropped_fraction():
     model = _model(moe_impl="capacity", capacity_factor=0.25)
     (_, sums), _ = _loss_and_grads(model, _params(), _batch())
-    stats = moe.summarize(sums)
+    stats = routing.summarize(sums)
     assert 0 < float(stats["moe_dropped_fraction"]) < 1
     # Scalars only (what the metric writers take), one load per MoE layer.
     assert all(np.ndim(v) == 0 for v in stats.values())

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxlm.inference import decoding
-from flaxlm.models import batch_shapes, context_parallel, losses, masks, moe
+from flaxlm.models import batch_shapes, context_parallel, losses, masks, moe, routing
 from flaxlm.models.cached_decoding import CachedDecoding
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.options import (
@@ -153,9 +153,9 @@ class BaseModel(abc.ABC):
         weights: Array,
     ) -> tuple[Array, dict[str, Array]]:
         """`loss_fn` of a mixture of experts: the same cross-entropy plus the router losses
-        (`moe.loss_terms`) from the statistics its layers sow, weighted by this batch's share
+        (`routing.loss_terms`) from the statistics its layers sow, weighted by this batch's share
         of the normalizer (so microbatches add up to the whole batch's)."""
-        sow = {"mutable": [moe.ROUTER_COLLECTION]}
+        sow = {"mutable": [routing.ROUTER_COLLECTION]}
         if self.loss_chunk_size is None:
             out, sown = self._apply(params, batch, rng=rng, **sow)
             sums = losses.cross_entropy(self._mask_padded_vocab(out), targets, weights, self.z_loss)
@@ -165,7 +165,7 @@ class BaseModel(abc.ABC):
         loss, metrics = self._loss_and_sums(sums, weights, normalizer)
         weight_sum = metrics["weight_sum"]
         share = weight_sum / (jnp.maximum(weight_sum, 1.0) if normalizer is None else normalizer)
-        router_loss, router_sums = moe.loss_terms(self.config, sown, weight_sum)
+        router_loss, router_sums = routing.loss_terms(self.config, sown, weight_sum)
         return loss + share * router_loss, {**metrics, **router_sums}
 
     def normalizer(self, batch: Batch) -> Array:

@@ -25,20 +25,13 @@ ragged all-to-all; but `jax.lax.ragged_all_to_all` does not run on CPU (JAX 0.10
 `ragged-all-to-all` is not supported by XLA:CPU"), the tests' and the planner's platform, so
 the all-gather form is the one kept (the ragged all-to-all is the step for GPU and TPU).
 
-Load balance: every layer sows (Flax `intermediates`, collection `ROUTER_COLLECTION`) its
-router statistics over the real tokens (segment id > 0): the top-k assignment count and the
-probability sum per expert, the token count, the squared log-normaliser sum (router z-loss) and
-the dropped assignments. `router_losses` turns the sown statistics of all layers into
-transformers' `load_balancing_loss_func` (Switch Transformer's auxiliary loss over all layers'
-logits at once) and the telemetry; `DecoderOnlyModel.loss_fn` adds
-`router_aux_loss_coef * aux + router_z_loss_coef * z` to the loss when the config has experts.
+Routing, the router statistics every layer sows and the load-balance losses are in `routing`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -47,15 +40,12 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.models import context_parallel, layers
+from flaxlm.models import context_parallel, layers, routing
 
 Array = jax.Array
 
-ROUTERS = ("softmax_topk", "topk_softmax")
 IMPLEMENTATIONS = ("dense", "dropless", "capacity")
 EXPERT_AXIS = "expert"  # the mesh axis (and logical axis) that splits the experts
-ROUTER_COLLECTION = "intermediates"
-ROUTER_STATS = "router_stats"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,8 +74,8 @@ class MoEOptions:
     def check_moe(self) -> None:
         """ValueErrors naming the MoE field flaxlm cannot run."""
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
-        if self.router not in ROUTERS:
-            raise ValueError(f"router {self.router!r}: expected one of {ROUTERS}.")
+        if self.router not in routing.ROUTERS:
+            raise ValueError(f"router {self.router!r}: expected one of {routing.ROUTERS}.")
         if self.moe_impl not in IMPLEMENTATIONS:
             raise ValueError(f"moe_impl {self.moe_impl!r}: expected one of {IMPLEMENTATIONS}.")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -136,131 +126,6 @@ def expert_shards(num_experts: int) -> int:
             "change Partitioner.mesh_shape or the model's num_experts."
         )
     return n
-
-
-# ------------------------------------------------------------------ routing
-
-
-def route(logits: Array, k: int, router: str, norm_topk_prob: bool) -> tuple[Array, Array]:
-    """float32 router logits `[tokens, experts]` -> (weights float32 `[tokens, k]`, expert
-    ids int32 `[tokens, k]`), the best expert first."""
-    if router == "topk_softmax":
-        top, ids = jax.lax.top_k(logits, k)
-        return jax.nn.softmax(top, axis=-1), ids
-    if router != "softmax_topk":
-        raise ValueError(f"router {router!r}: expected one of {ROUTERS}.")
-    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
-    if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids
-
-
-def router_stats(
-    logits: Array, ids: Array, real: Array, num_experts: int, dropped: Array | None = None
-) -> dict[str, Array]:
-    """One layer's statistics over the real tokens (`real` float32 `[tokens]`, 0 or 1),
-    summed: what `router_losses` needs, and what adds up across microbatches."""
-    probs = jax.nn.softmax(logits, axis=-1)
-    assigned = jax.nn.one_hot(ids, num_experts, dtype=jnp.float32).sum(1)  # [tokens, experts]
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    return {
-        "expert_counts": jnp.einsum("te,t->e", assigned, real),
-        "prob_sums": jnp.einsum("te,t->e", probs, real),
-        "tokens": jnp.sum(real),
-        "z_sum": jnp.sum(jnp.square(log_z) * real),
-        "dropped": jnp.zeros((), jnp.float32) if dropped is None else jnp.sum(dropped),
-    }
-
-
-def collect_router_stats(intermediates: Mapping[str, Any]) -> dict[str, Array] | None:
-    """The sown statistics of every MoE layer of a `mutable=[ROUTER_COLLECTION]` apply,
-    stacked: `expert_counts`, `prob_sums` `[layers, experts]`, the rest `[layers]` (None if
-    no layer sowed any). Scanned layers sow one stacked entry, unrolled ones one each."""
-    found: list[dict[str, Array]] = []
-
-    def visit(tree: Any) -> None:
-        if isinstance(tree, Mapping):
-            for key in sorted(tree, key=_layer_order):
-                if key == ROUTER_STATS:
-                    found.extend(tree[key])  # sow appends to a tuple
-                else:
-                    visit(tree[key])
-
-    visit(intermediates)
-    if not found:
-        return None
-    experts = found[0]["expert_counts"].shape[-1]
-
-    def stack(name: str) -> Array:
-        per_expert = name in ("expert_counts", "prob_sums")
-        shape = (-1, experts) if per_expert else (-1,)
-        return jnp.concatenate([s[name].reshape(shape) for s in found])
-
-    return {name: stack(name) for name in found[0]}
-
-
-def _layer_order(key: str) -> tuple[str, int]:
-    """Sort key putting `layers_10` after `layers_9`."""
-    stem, _, number = key.rpartition("_")
-    return (stem, int(number)) if number.isdigit() else (key, -1)
-
-
-def router_losses(stats: Mapping[str, Array], num_experts: int, k: int) -> dict[str, Array]:
-    """The load-balance losses from `collect_router_stats`' output (`summarize` gives the
-    telemetry). `aux`: transformers' `load_balancing_loss_func` on the same logits (with the
-    attention mask): `E * sum_e f_e * p_e`, where f_e is the share of top-k assignments and
-    p_e the mean router probability of expert e, both over all layers' real tokens at once.
-    `z`: the mean squared log-normaliser over layers and tokens."""
-    del k  # the counts already hold k assignments a token
-    counts, probs = stats["expert_counts"], stats["prob_sums"]
-    rows = jnp.maximum(jnp.sum(stats["tokens"]), 1.0)
-    aux = num_experts * jnp.sum((counts.sum(0) / rows) * (probs.sum(0) / rows))
-    return {"aux": aux, "z": jnp.sum(stats["z_sum"]) / rows}
-
-
-def loss_terms(
-    config: MoEOptions, sown: Mapping[str, Any], weight_sum: Array
-) -> tuple[Array, dict[str, Array]]:
-    """What a mixture of experts adds to its loss, from an apply's mutable variables
-    (`sown[ROUTER_COLLECTION]`): `router_aux_loss_coef * aux + router_z_loss_coef * z`, and
-    metric sums that add across microbatches (`summarize` turns them into the telemetry):
-    the aux and z losses times `weight_sum` (the batch's loss weights), the per-layer expert
-    assignment counts `[layers, experts]` and the dropped assignments."""
-    stats = collect_router_stats(sown.get(ROUTER_COLLECTION, {}))
-    if stats is None:
-        zero = jnp.zeros((), jnp.float32)
-        return zero, {}
-    terms = router_losses(stats, config.num_experts, config.num_experts_per_tok)
-    loss = config.router_aux_loss_coef * terms["aux"] + config.router_z_loss_coef * terms["z"]
-    return loss, {
-        "moe_aux_loss_sum": terms["aux"] * weight_sum,
-        "moe_z_loss_sum": terms["z"] * weight_sum,
-        "moe_expert_counts": stats["expert_counts"],
-        "moe_dropped": jnp.sum(stats["dropped"]),
-    }
-
-
-def summarize(sums: Mapping[str, Array]) -> dict[str, Array]:
-    """The telemetry of `loss_terms`' metric sums (over a batch or a log period), all scalars
-    (what metrics.jsonl and TensorBoard take): the mean aux and z losses; each MoE layer's
-    busiest expert's assignments over the mean expert's (`moe_max_load_{i}`, the i-th MoE
-    layer: 1 is perfect balance, E/k all tokens to k experts; no `/`, which names a task's
-    metric), the highest of them (`moe_max_load`) and the idlest expert's over the mean of
-    any layer (`moe_min_load`: 0 is an expert no token reached); the dropped fraction."""
-    if "moe_expert_counts" not in sums:
-        return {}
-    counts = sums["moe_expert_counts"]  # [moe layers, experts]
-    denom = jnp.maximum(sums["weight_sum"], 1.0)
-    mean = jnp.maximum(counts.mean(-1), 1e-9)
-    max_load = counts.max(-1) / mean  # [moe layers]
-    return {
-        "moe_aux_loss": sums["moe_aux_loss_sum"] / denom,
-        "moe_z_loss": sums["moe_z_loss_sum"] / denom,
-        "moe_max_load": max_load.max(),
-        "moe_min_load": (counts.min(-1) / mean).min(),
-        "moe_dropped_fraction": sums["moe_dropped"] / jnp.maximum(counts.sum(), 1.0),
-        **{f"moe_max_load_{i}": load for i, load in enumerate(max_load)},
-    }
 
 
 # ------------------------------------------------------------------ the experts
@@ -399,7 +264,7 @@ class MoE(nn.Module):
             out_dtype=jnp.float32, name="gate",
         )  # fmt: skip
         logits = router(x)  # [batch, length, experts], float32
-        weights, ids = route(logits.reshape(-1, e), k, cfg.router, cfg.norm_topk_prob)
+        weights, ids = routing.route(logits.reshape(-1, e), k, cfg.router, cfg.norm_topk_prob)
 
         init = nn.initializers.normal(0.02)
         pdtype = layers.as_dtype(self.param_dtype)
@@ -437,8 +302,8 @@ class MoE(nn.Module):
         real = (real.reshape(-1) > 0).astype(jnp.float32)
         if dropped is not None:
             dropped = dropped * real[:, None]
-        stats = router_stats(logits.reshape(-1, e), ids, real, e, dropped)
-        self.sow(ROUTER_COLLECTION, ROUTER_STATS, stats)
+        stats = routing.router_stats(logits.reshape(-1, e), ids, real, e, dropped)
+        self.sow(routing.ROUTER_COLLECTION, routing.ROUTER_STATS, stats)
         return checkpoint_name(y.astype(dtype), "mlp_out")
 
 

@@ -15,20 +15,20 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.models import moe
+from flaxlm.models import routing
 from flaxlm.models.base import BaseModel
 
 
 def summarize(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """Mean loss and accuracy of next-token prediction from summed metrics (and a mixture
-    of experts' router telemetry, `moe.summarize`)."""
+    of experts' router telemetry, `routing.summarize`)."""
     denom = jnp.maximum(sums["weight_sum"], 1.0)
     return {
         "loss": sums["loss_sum"] / denom,
         "z_loss": sums["z_loss_sum"] / denom,
         "accuracy": sums["correct_sum"] / denom,
         "num_tokens": sums["weight_sum"],
-        **moe.summarize(sums),
+        **routing.summarize(sums),
     }
 
 
