@@ -4,7 +4,8 @@ them, the expert-parallel dispatch and the load-balance losses.
 `MoEOptions` holds the fields every MoE family config shares; `MoE` is the layer that replaces a
 block's MLP. Each token goes to its `num_experts_per_tok` best experts by the router and comes
 back as their outputs weighted by the router's weights (plus a sigmoid-gated shared expert,
-Qwen2-MoE). The experts run one of three ways (`moe_impl`), equal up to float rounding:
+Qwen2-MoE, or DeepSeek-V3's ungated shared experts). The experts run one of three ways
+(`moe_impl`), equal up to float rounding:
 
 - `dense`: every expert over every token, weighted (zero weight off the token's top k): the
   reference, at E/k times the FLOPs;
@@ -57,11 +58,23 @@ class MoEOptions:
     num_experts_per_tok: int = 2  # k: experts each token is routed to
     moe_intermediate_size: int = 1408  # each expert's MLP width
     # 'softmax_topk': softmax over all experts, then the top k (HF's routers);
-    # 'topk_softmax': the top k logits, then a softmax over them (= softmax_topk renormalised).
+    # 'topk_softmax': the top k logits, then a softmax over them (= softmax_topk renormalised);
+    # 'sigmoid_topk': a sigmoid per expert, then the top k (DeepSeek-V3). See routing.route.
     router: str = "softmax_topk"
     norm_topk_prob: bool = False  # renormalise the top-k weights to sum to 1 (Mixtral: always)
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this (DeepSeek-V3)
+    # DeepSeek-V3: a float32 per-expert bias (`e_score_correction_bias`, outside the
+    # optimizer) added to the scores to choose the experts, not to weight them.
+    score_correction_bias: bool = False
+    # Group-limited routing (DeepSeek-V3): experts in `n_group` equal groups, a token's k
+    # chosen from its `topk_group` best groups only (topk_group == n_group: no limit).
+    n_group: int = 1
+    topk_group: int = 1
     # Qwen2-MoE: a SwiGLU expert every token goes through, scaled by sigmoid(x . w); 0: none.
     shared_expert_intermediate_size: int = 0
+    # DeepSeek-V3: a SwiGLU of n_shared_experts x moe_intermediate_size every token goes
+    # through, ungated (HF's `shared_experts`); 0: none.
+    n_shared_experts: int = 0
     moe_impl: str = "dropless"  # one of IMPLEMENTATIONS
     capacity_factor: float = 1.25  # `capacity` only: assignments an expert takes / fair share
     router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in training
@@ -87,6 +100,26 @@ class MoEOptions:
             raise ValueError(f"capacity_factor {self.capacity_factor} must be positive.")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step {self.decoder_sparse_step} must be >= 1.")
+        self._check_choice()
+
+    def _check_choice(self) -> None:
+        """ValueErrors naming the group-routing or correction-bias field that cannot be."""
+        e, k = self.num_experts, self.num_experts_per_tok
+        groups, best = self.n_group, self.topk_group
+        if groups < 1 or e % groups:
+            raise ValueError(f"n_group {groups} must be >= 1 and divide num_experts {e}.")
+        if not 1 <= best <= groups or best * (e // groups) < k:
+            raise ValueError(
+                f"topk_group {best} must be in [1, n_group={groups}] and its groups hold at "
+                f"least num_experts_per_tok={k} experts ({e // groups} a group)."
+            )
+        if self.router == "topk_softmax" and (self.score_correction_bias or best < groups):
+            raise ValueError(
+                "router='topk_softmax' chooses by the logits: score_correction_bias and "
+                "topk_group < n_group need router='softmax_topk' or 'sigmoid_topk'."
+            )
+        if self.n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts {self.n_shared_experts} must be >= 0.")
 
     def sparse_layers(self, num_layers: int) -> tuple[bool, ...]:
         """Whether each layer's MLP is the mixture of experts (HF's rule)."""
@@ -96,10 +129,11 @@ class MoEOptions:
         )
 
     def moe_params(self, hidden_size: int) -> tuple[int, int]:
-        """(all, active per token) params of one MoE MLP: router, experts, shared expert."""
+        """(all, active per token) params of one MoE MLP: router (and its correction bias),
+        experts, shared experts."""
         e, f = hidden_size, self.moe_intermediate_size
-        router = e * self.num_experts
-        shared = 3 * e * self.shared_expert_intermediate_size
+        router = e * self.num_experts + (self.num_experts if self.score_correction_bias else 0)
+        shared = 3 * e * (self.shared_expert_intermediate_size + self.n_shared_experts * f)
         shared += e if self.shared_expert_intermediate_size else 0
         expert = 3 * e * f
         return (
@@ -244,7 +278,8 @@ class MoE(nn.Module):
     Params (HF's module names): `gate/kernel` `[embed, experts]` (the router), `experts/wi`
     `[experts, embed, 2, mlp]` (each expert's gate and up projections), `experts/wo`
     `[experts, mlp, embed]`, and with a shared expert `shared_expert/{gate,up,down}_proj` and
-    `shared_expert_gate/kernel` `[embed, 1]`.
+    `shared_expert_gate/kernel` `[embed, 1]`; DeepSeek-V3's ungated `shared_experts/{gate,up,
+    down}_proj` and the router's float32 `e_score_correction_bias` `[experts]`.
     """
 
     config: Any  # a family config with MoEOptions' fields, hidden_size, activation
@@ -264,7 +299,20 @@ class MoE(nn.Module):
             out_dtype=jnp.float32, name="gate",
         )  # fmt: skip
         logits = router(x)  # [batch, length, experts], float32
-        weights, ids = routing.route(logits.reshape(-1, e), k, cfg.router, cfg.norm_topk_prob)
+        bias = None
+        if cfg.score_correction_bias:  # float32 whatever param_dtype: small steps move it
+            bias = self.param(
+                "e_score_correction_bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
+                (e,),
+                jnp.float32,
+            )
+            bias = jax.lax.stop_gradient(bias)  # chooses, never weights: no gradient
+        weights, ids = routing.route(
+            logits.reshape(-1, e), k, cfg.router, cfg.norm_topk_prob,
+            correction_bias=bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
+            scaling_factor=cfg.routed_scaling_factor,
+        )  # fmt: skip
 
         init = nn.initializers.normal(0.02)
         pdtype = layers.as_dtype(self.param_dtype)
@@ -297,12 +345,18 @@ class MoE(nn.Module):
             )(x)
             gate = layers.DenseGeneral(1, ("embed", None), name="shared_expert_gate", **dense)(x)
             y = y + jax.nn.sigmoid(gate.astype(jnp.float32)).astype(shared.dtype) * shared
+        if cfg.n_shared_experts:
+            shared_experts = GatedMLP(
+                cfg.n_shared_experts * f, d, act, name="shared_experts",
+                dtype=self.dtype, param_dtype=self.param_dtype,
+            )  # fmt: skip
+            y = y + shared_experts(x)
 
         real = jnp.ones((b, length)) if real is None else real
         real = (real.reshape(-1) > 0).astype(jnp.float32)
         if dropped is not None:
             dropped = dropped * real[:, None]
-        stats = routing.router_stats(logits.reshape(-1, e), ids, real, e, dropped)
+        stats = routing.router_stats(logits.reshape(-1, e), ids, real, e, dropped, cfg.router)
         self.sow(routing.ROUTER_COLLECTION, routing.ROUTER_STATS, stats)
         return checkpoint_name(y.astype(dtype), "mlp_out")
 

@@ -1,6 +1,15 @@
 """Routing for the mixture of experts (`moe.MoE`): the router's top-k choice, the statistics
 each MoE layer sows, and the load-balance losses and telemetry made from them.
 
+The choice: scores from the router's logits (a softmax over the experts, or DeepSeek-V3's
+independent sigmoids), the top k of them, their scores the weights (renormalised with
+`norm_topk_prob`, times `routed_scaling_factor`); or Mixtral's top-k logits then a softmax
+over them. DeepSeek-V3 adds two things that change which experts are chosen, never the
+weights: a per-expert `e_score_correction_bias` (the aux-loss-free load balance moves it)
+added to the scores before the top k, and group-limited routing: the experts fall into
+`n_group` groups, each group rated by the sum of its two best scores, and only the
+`topk_group` best groups' experts may be chosen.
+
 Load balance: every layer sows (Flax `intermediates`, collection `ROUTER_COLLECTION`) its
 router statistics over the real tokens (segment id > 0): the top-k assignment count and the
 probability sum per expert, the token count, the squared log-normaliser sum (router z-loss) and
@@ -20,31 +29,82 @@ import jax.numpy as jnp
 
 Array = jax.Array
 
-ROUTERS = ("softmax_topk", "topk_softmax")
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
 ROUTER_COLLECTION = "intermediates"
 ROUTER_STATS = "router_stats"
 
 
-def route(logits: Array, k: int, router: str, norm_topk_prob: bool) -> tuple[Array, Array]:
+def route(
+    logits: Array,
+    k: int,
+    router: str,
+    norm_topk_prob: bool,
+    *,
+    correction_bias: Array | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scaling_factor: float = 1.0,
+) -> tuple[Array, Array]:
     """float32 router logits `[tokens, experts]` -> (weights float32 `[tokens, k]`, expert
-    ids int32 `[tokens, k]`), the best expert first."""
+    ids int32 `[tokens, k]`).
+
+    router: 'softmax_topk' (softmax over the experts, the top k: HF's Qwen/OLMoE routers),
+    'sigmoid_topk' (a sigmoid per expert, the top k: DeepSeek-V3's) or 'topk_softmax' (the
+    top k logits, then a softmax over them: Mixtral's, = softmax_topk renormalised).
+    correction_bias `[experts]`, n_group / topk_group: what changes the choice only (the
+    module docstring); the weights are the chosen experts' own scores.
+    """
     if router == "topk_softmax":
         top, ids = jax.lax.top_k(logits, k)
-        return jax.nn.softmax(top, axis=-1), ids
-    if router != "softmax_topk":
-        raise ValueError(f"router {router!r}: expected one of {ROUTERS}.")
-    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+        return jax.nn.softmax(top, axis=-1) * scaling_factor, ids
+    scores = router_scores(logits, router)
+    choice = scores if correction_bias is None else scores + correction_bias
+    if topk_group < n_group:
+        choice = limit_to_groups(choice, n_group, topk_group)
+    _, ids = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
     if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids
+        # HF's guard (DeepSeek-V3): below float32's resolution for any real sum of scores.
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scaling_factor, ids
+
+
+def router_scores(logits: Array, router: str) -> Array:
+    """The scores `[tokens, experts]` a router chooses by: softmax or per-expert sigmoid."""
+    if router == "sigmoid_topk":
+        return jax.nn.sigmoid(logits)
+    if router in ("softmax_topk", "topk_softmax"):
+        return jax.nn.softmax(logits, axis=-1)
+    raise ValueError(f"router {router!r}: expected one of {ROUTERS}.")
+
+
+def limit_to_groups(choice: Array, n_group: int, topk_group: int) -> Array:
+    """`choice` `[tokens, experts]` with -inf outside each token's `topk_group` best groups
+    of experts (a group rated by the sum of its two best scores, DeepSeek-V3's rule)."""
+    tokens, experts = choice.shape
+    grouped = choice.reshape(tokens, n_group, experts // n_group)
+    best = jax.lax.top_k(grouped, min(2, experts // n_group))[0].sum(-1)  # [tokens, groups]
+    _, groups = jax.lax.top_k(best, topk_group)
+    keep = jax.nn.one_hot(groups, n_group, dtype=jnp.int32).sum(1) > 0  # [tokens, groups]
+    keep = jnp.repeat(keep, experts // n_group, axis=1)
+    return jnp.where(keep, choice, -jnp.inf)
 
 
 def router_stats(
-    logits: Array, ids: Array, real: Array, num_experts: int, dropped: Array | None = None
+    logits: Array,
+    ids: Array,
+    real: Array,
+    num_experts: int,
+    dropped: Array | None = None,
+    router: str = "softmax_topk",
 ) -> dict[str, Array]:
     """One layer's statistics over the real tokens (`real` float32 `[tokens]`, 0 or 1),
-    summed: what `router_losses` needs, and what adds up across microbatches."""
-    probs = jax.nn.softmax(logits, axis=-1)
+    summed: what `router_losses` needs, and what adds up across microbatches. The
+    probabilities of a sigmoid router are its scores normalised to sum to 1 per token (as
+    DeepSeek-V3's sequence-wise balance loss takes them)."""
+    probs = router_scores(logits, router)
+    if router == "sigmoid_topk":
+        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
     assigned = jax.nn.one_hot(ids, num_experts, dtype=jnp.float32).sum(1)  # [tokens, experts]
     log_z = jax.nn.logsumexp(logits, axis=-1)
     return {
