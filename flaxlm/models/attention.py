@@ -1,6 +1,7 @@
-"""Attention: positions (rotary, ALiBi), the KV cache, `dot_product_attention` (xla, whose
-kernel is `xla_attention.py` / jax / chunked, soft-capping) and the rotary self-attention
-block; the masks live in `masks.py` and are re-exported here.
+"""Attention: positions (rotary, ALiBi), the KV cache, `dot_product_attention` (xla / jax /
+chunked, whose kernels are `xla_attention.py` and `chunked_attention.py`; soft-capping,
+attention sinks) and the rotary self-attention block; the masks live in `masks.py` and are
+re-exported here.
 
 Nothing here knows a mesh: activations carry logical axis names only.
 """
@@ -16,6 +17,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from flaxlm.models import context_parallel as cp
+from flaxlm.models.chunked_attention import chunked_attention
 from flaxlm.models.layers import (
     HEAD_AXES,
     DenseGeneral,
@@ -185,8 +187,8 @@ def dot_product_attention(
     elsewhere) or 'chunked' (blocks of `chunk_size` queries and keys with an online
     softmax: memory linear in the length, in training too: whole-sequence self-attention
     under a `Mask` goes to `context_parallel.attention`, whose custom VJP recomputes each
-    block's scores; other masks and a bias take `_chunked_attention`, whose backward is
-    JAX's own).
+    block's scores; other masks and a bias take `chunked_attention.chunked_attention`, whose
+    backward is JAX's own).
 
     context_parallel: how self-attention over a sequence split on the mesh's `sequence` axis
     gathers the other shards' keys: 'ring' or 'all_gather' (`context_parallel.attention`,
@@ -209,7 +211,9 @@ def dot_product_attention(
             strategy=context_parallel,
         )
     if implementation == "chunked":
-        return _chunked_attention(query, key, value, mask, bias, scale, softcap, dtype, chunk_size)
+        return chunked_attention(
+            query, key, value, mask, bias, scale, softcap, as_dtype(dtype), chunk_size
+        )
     if implementation == "jax":
         return _jax_attention(query, key, value, mask, bias, scale, dtype)
     if isinstance(mask, Mask):
@@ -300,79 +304,6 @@ def _jax_attention(query, key, value, mask, bias, scale, dtype) -> Array:
             _CUDNN_DECLINED.add(reason)
             print(f"attention='jax': no cuDNN ({reason}); XLA's attention.", file=sys.stderr)
     return jax.nn.dot_product_attention(*args, bias=bias, scale=scale, implementation="xla", **how)
-
-
-def _chunked_attention(query, key, value, mask, bias, scale, softcap, dtype, chunk_size) -> Array:
-    """Flash-attention-style blocks: for each block of queries, scan over blocks of keys
-    keeping the running max, normaliser and weighted sum in float32."""
-    dtype = as_dtype(dtype)
-    b, q_len, heads, head_dim = query.shape
-    kv_len, kv_heads = key.shape[1], key.shape[2]
-    groups = heads // kv_heads
-    scale = head_dim**-0.5 if scale is None else scale
-    qc, kc = min(chunk_size, q_len), min(chunk_size, kv_len)
-    q_blocks, k_blocks = -(-q_len // qc), -(-kv_len // kc)
-
-    def pad(x: Array, size: int, axis: int) -> Array:
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, size - x.shape[axis])
-        return jnp.pad(x, widths)
-
-    q = pad(query, q_blocks * qc, 1).reshape(b, q_blocks * qc, kv_heads, groups, head_dim)
-    k = pad(key, k_blocks * kc, 1)
-    v = pad(value.astype(dtype), k_blocks * kc, 1)
-    if bias is not None:
-        bias = jnp.broadcast_to(bias.astype(jnp.float32), (b, heads, q_len, kv_len))
-        bias = pad(pad(bias, q_blocks * qc, 2), k_blocks * kc, 3)
-    dense_mask = None
-    if mask is not None and not isinstance(mask, Mask):
-        dense_mask = jnp.broadcast_to(mask, (b, heads, q_len, kv_len))
-        dense_mask = pad(pad(dense_mask, q_blocks * qc, 2), k_blocks * kc, 3)
-    neg = jnp.finfo(jnp.float32).min
-
-    def query_block(qi: Array) -> Array:
-        q_blk = jax.lax.dynamic_slice_in_dim(q, qi * qc, qc, axis=1)
-
-        def key_block(carry, ki):
-            m, norm, acc = carry
-            k_blk = jax.lax.dynamic_slice_in_dim(k, ki * kc, kc, axis=1)
-            v_blk = jax.lax.dynamic_slice_in_dim(v, ki * kc, kc, axis=1)
-            s = jnp.einsum("bqhgd,bkhd->bhgqk", q_blk, k_blk, preferred_element_type=jnp.float32)
-            s = capped(s.astype(jnp.float32) * scale, softcap)
-            if bias is not None:
-                blk = jax.lax.dynamic_slice(bias, (0, 0, qi * qc, ki * kc), (b, heads, qc, kc))
-                s = s + blk.reshape(b, kv_heads, groups, qc, kc)
-            if isinstance(mask, Mask):
-                keep = jnp.broadcast_to(mask.block(qi * qc, qc, ki * kc, kc), (b, heads, qc, kc))
-            elif dense_mask is not None:
-                keep = jax.lax.dynamic_slice(
-                    dense_mask, (0, 0, qi * qc, ki * kc), (b, heads, qc, kc)
-                )
-            else:
-                keep = jnp.broadcast_to((ki * kc + jnp.arange(kc)) < kv_len, (b, heads, qc, kc))
-            keep = keep.reshape(b, kv_heads, groups, qc, kc)
-            s = jnp.where(keep, s, neg)
-            m_new = jnp.maximum(m, s.max(-1))
-            correction = jnp.exp(m - m_new)
-            p = jnp.exp(s - m_new[..., None])
-            norm_new = norm * correction + p.sum(-1)
-            acc = acc * correction[..., None] + jnp.einsum(
-                "bhgqk,bkhd->bhgqd", p.astype(dtype), v_blk, preferred_element_type=jnp.float32
-            )
-            return (m_new, norm_new, acc), None
-
-        init = (
-            jnp.full((b, kv_heads, groups, qc), neg, jnp.float32),
-            jnp.zeros((b, kv_heads, groups, qc), jnp.float32),
-            jnp.zeros((b, kv_heads, groups, qc, head_dim), jnp.float32),
-        )
-        (_, norm, acc), _ = jax.lax.scan(key_block, init, jnp.arange(k_blocks))
-        out = acc / norm[..., None]  # [b, kv_heads, groups, qc, head_dim]
-        return out.transpose(0, 3, 1, 2, 4).reshape(b, qc, heads, head_dim)
-
-    blocks = jax.lax.map(query_block, jnp.arange(q_blocks))  # [q_blocks, b, qc, heads, hd]
-    out = blocks.transpose(1, 0, 2, 3, 4).reshape(b, q_blocks * qc, heads, head_dim)
-    return out[:, :q_len].astype(dtype)
 
 
 def check_heads(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int | None) -> None:
