@@ -184,7 +184,28 @@ class LlamaBlock(nn.Module):
         norm = dict(epsilon=cfg.rms_norm_eps, scale_plus_one=cfg.norm_scale_plus_one, **dense)
         x = layers.constrain(x, layers.ACTIVATION_AXES)
         h = layers.RMSNorm(name="input_layernorm", **norm)(x)
-        attn = attention.rotary_self_attention(
+        attn = self.self_attention(h, index, mask, decoding, sin, cos)
+        x = layers.constrain(x + self.dropped(attn), layers.ACTIVATION_AXES)
+        h = layers.RMSNorm(name="post_attention_layernorm", **norm)(x)
+        return layers.constrain(
+            x + self.dropped(self.feed_forward(h, mask)), layers.ACTIVATION_AXES
+        )
+
+    def self_attention(
+        self,
+        h: Array,
+        index: Array,
+        mask: masks.Mask,
+        decoding: masks.Decoding | None,
+        sin: Array,
+        cos: Array,
+    ) -> Array:
+        """Grouped-query rotary attention with this layer's window and the family's
+        `attention_options`; DeepSeek-V3 overrides it with latent attention. Called inside
+        `__call__`."""
+        cfg = self.config
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        return attention.rotary_self_attention(
             h,
             sin,
             cos,
@@ -201,11 +222,6 @@ class LlamaBlock(nn.Module):
             window=masks.layer_window(cfg.layer_windows, index),
             **self.attention_options(),
             **dense,
-        )
-        x = layers.constrain(x + self.dropped(attn), layers.ACTIVATION_AXES)
-        h = layers.RMSNorm(name="post_attention_layernorm", **norm)(x)
-        return layers.constrain(
-            x + self.dropped(self.feed_forward(h, mask)), layers.ACTIVATION_AXES
         )
 
     def attention_options(self) -> dict[str, Any]:
