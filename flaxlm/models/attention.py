@@ -171,6 +171,7 @@ def dot_product_attention(
     implementation: str = "auto",
     chunk_size: int = 512,
     context_parallel: str = "ring",
+    sinks: Array | None = None,
 ) -> Array:
     """Softmax attention in float32; grouped-query when key has fewer heads than query.
 
@@ -178,8 +179,9 @@ def dot_product_attention(
     mask: a `Mask` or bool broadcastable to [batch, heads, q_len, kv_len]; bias: added to
     the scaled scores, broadcastable to [batch, heads, q_len, kv_len] (T5's relative
     positions); scale: default head_dim**-0.5 (T5 uses 1.0); softcap: scaled scores become
-    `softcap * tanh(scores / softcap)` (Gemma 2). Returns [batch, q_len, heads, head_dim] in
-    `dtype`.
+    `softcap * tanh(scores / softcap)` (Gemma 2); sinks: float [heads], a logit per head
+    that joins each row's softmax and is then dropped (gpt-oss's attention sinks; 'jax'
+    cannot take them, 'auto' runs 'xla'). Returns [batch, q_len, heads, head_dim] in `dtype`.
 
     implementation: 'auto' (the default: 'jax' where cuDNN computes it, `auto_choice`,
     else 'xla'), 'xla' (einsums with a flash-style backward), 'jax'
@@ -195,9 +197,9 @@ def dot_product_attention(
     blocks of `chunk_size` whatever the implementation). Decoding, cross-attention and a
     `bias` keep the kernels above.
     """
-    check_implementation(implementation, softcap)
+    check_implementation(implementation, softcap, sinks is not None)
     if implementation == "auto":
-        implementation = auto_choice(mask, bias, softcap, dtype)
+        implementation = "xla" if sinks is not None else auto_choice(mask, bias, softcap, dtype)
     if cp.applies(mask, bias) or (implementation == "chunked" and cp.whole_sequence(mask, bias)):
         return cp.attention(
             query,
@@ -209,17 +211,18 @@ def dot_product_attention(
             dtype=as_dtype(dtype),
             chunk_size=chunk_size,
             strategy=context_parallel,
+            sinks=sinks,
         )
     if implementation == "chunked":
         return chunked_attention(
-            query, key, value, mask, bias, scale, softcap, as_dtype(dtype), chunk_size
+            query, key, value, mask, bias, scale, softcap, as_dtype(dtype), chunk_size, sinks
         )
     if implementation == "jax":
         return _jax_attention(query, key, value, mask, bias, scale, dtype)
     if isinstance(mask, Mask):
         mask = mask.dense()
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    return xla_attention(query, key, value, mask, bias, scale, softcap, as_dtype(dtype))
+    return xla_attention(query, key, value, mask, bias, scale, softcap, as_dtype(dtype), sinks)
 
 
 def auto_choice(
@@ -238,7 +241,9 @@ def auto_choice(
     return "jax" if half and whole_self_attention(mask) else "xla"
 
 
-def check_implementation(implementation: str, softcap: float | None = None) -> None:
+def check_implementation(
+    implementation: str, softcap: float | None = None, sinks: bool = False
+) -> None:
     """A ValueError naming what to change when `implementation` cannot compute the
     attention asked for (a config calls this when it is built)."""
     if implementation not in ATTENTION_IMPLEMENTATIONS:
@@ -250,6 +255,11 @@ def check_implementation(implementation: str, softcap: float | None = None) -> N
         raise ValueError(
             "attention='jax' (jax.nn.dot_product_attention, cuDNN) cannot soft-cap the "
             "attention scores this model needs: choose attention='xla' or 'chunked'."
+        )
+    if sinks and implementation == "jax":
+        raise ValueError(
+            "attention='jax' (jax.nn.dot_product_attention, cuDNN) cannot add the attention "
+            "sinks this model needs: choose attention='xla' or 'chunked'."
         )
 
 
@@ -332,6 +342,20 @@ def kv_heads_axis(num_kv_heads: int) -> str | None:
 QK_NORMS = ("rms", "rms_plus_one", "rms_whole")
 
 
+class AttentionSinks(nn.Module):
+    """gpt-oss's attention sinks: a learned logit per query head (`logits` [heads]) that
+    joins every row's softmax beside the keys and takes no value, so a head can give the
+    keys less than all of its weight (`dot_product_attention(sinks=...)`)."""
+
+    num_heads: int
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self) -> Array:
+        init = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("heads",))
+        return self.param("logits", init, (self.num_heads,), as_dtype(self.param_dtype))
+
+
 def rotary_self_attention(
     h: Array,
     sin: Array,
@@ -356,17 +380,20 @@ def rotary_self_attention(
     window: Array | None = None,
     context_parallel: str = "ring",
     clip_qkv: float | None = None,
+    sinks: bool = False,
 ) -> Array:
     """Llama-style attention, built inside the calling block's scope (`q_proj`, `k_proj`,
-    `v_proj`, `o_proj`, `cache`): rotary (half-split) queries and keys, grouped-query heads;
-    `qkv_bias` / `out_bias`: biases on the q, k, v / o projections. A `sin`/`cos` narrower
-    than `head_dim / 2` rotates the first features of each head only (partial rotary).
+    `v_proj`, `o_proj`, `cache`, `sinks`): rotary (half-split) queries and keys,
+    grouped-query heads; `qkv_bias` / `out_bias`: biases on the q, k, v / o projections. A
+    `sin`/`cos` narrower than `head_dim / 2` rotates the first features of each head only
+    (partial rotary).
 
     qk_norm: 'rms' (Qwen3) or 'rms_plus_one' (Gemma 3) normalises each query and key head
     (`q_norm`, `k_norm`, eps `norm_eps`) before rotary, 'rms_whole' all heads at once (OLMoE,
     then q, k, v clipped to +-`clip_qkv` if set). scale: of the scores (default head_dim**-0.5);
     softcap: of the scaled scores (Gemma 2); window: this layer's sliding window
-    (`layer_window`); context_parallel: see `dot_product_attention`.
+    (`layer_window`); context_parallel: see `dot_product_attention`; sinks: a learned
+    sink logit per head (`AttentionSinks`, gpt-oss).
 
     h: [batch, length, embed] -> [batch, length, embed], tagged `attn_out` for remat.
     """
@@ -414,6 +441,7 @@ def rotary_self_attention(
         implementation=attention,
         chunk_size=chunk_size,
         context_parallel=context_parallel,
+        sinks=AttentionSinks(num_heads, param_dtype, name="sinks")() if sinks else None,
     )
     attn = DenseGeneral(
         hidden_size,

@@ -135,6 +135,7 @@ def attention(
     dtype: jnp.dtype = jnp.float32,
     chunk_size: int = 512,
     strategy: str = "ring",
+    sinks: Array | None = None,
 ) -> Array:
     """`attention.dot_product_attention` of a sequence split over the `sequence` mesh axis,
     or, without one, of the whole sequence on each device (`attention='chunked'`): blocks of
@@ -142,8 +143,10 @@ def attention(
 
     query: [batch, length, heads, head_dim]; key, value: [batch, length, kv_heads,
     head_dim], split on `length` (and as the rules say on batch and heads); mask: the
-    self-attention `Mask` (segments, causality, windows, FCM's `kv_keep`, `slots`).
-    Returns [batch, length, heads, head_dim] in `dtype`, split like `query`.
+    self-attention `Mask` (segments, causality, windows, FCM's `kv_keep`, `slots`); sinks:
+    float [heads], gpt-oss's per-head logit in every row's softmax (each query's running
+    state starts from it; its gradient is summed on each device and over the mesh by the
+    shard_map's transpose). Returns [batch, length, heads, head_dim] in `dtype`, split like `query`.
     """
     check_strategy(strategy)
     shards = sequence_shards()
@@ -168,7 +171,8 @@ def attention(
         dtype=jnp.dtype(dtype),
     )
     if shards == 1:
-        return _attend(cfg, query, key, value, (slots, segments), (slots, segments, keep), window)
+        q_meta, k_meta = (slots, segments), (slots, segments, keep)
+        return _attend(cfg, query, key, value, q_meta, k_meta, window, sinks)
 
     mesh = jax.sharding.get_abstract_mesh()
     rule = functools.partial(mesh_axis, mesh)
@@ -181,7 +185,7 @@ def attention(
     kv_spec = P(batch_axes, SEQUENCE_AXIS, kv_axes, None)
     row_spec = P(batch_axes, SEQUENCE_AXIS)
 
-    def local(q, k, v, slot, seg, kkeep, win):
+    def local(q, k, v, slot, seg, kkeep, win, *sink):
         if strategy == "all_gather":
             k, v, kslot, kseg, kkeep = (
                 jax.lax.all_gather(x, SEQUENCE_AXIS, axis=1 if x.ndim > 1 else 0, tiled=True)
@@ -189,15 +193,17 @@ def attention(
             )
         else:
             kslot, kseg = slot, seg
-        return _attend(cfg, q, k, v, (slot, seg), (kslot, kseg, kkeep), win)
+        return _attend(cfg, q, k, v, (slot, seg), (kslot, kseg, kkeep), win, *sink)
 
+    sink_args = () if sinks is None else (sinks,)
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(q_spec, kv_spec, kv_spec, P(SEQUENCE_AXIS), row_spec, row_spec, P()),
+        in_specs=(q_spec, kv_spec, kv_spec, P(SEQUENCE_AXIS), row_spec, row_spec, P())
+        + (P(heads_axes),) * len(sink_args),
         out_specs=q_spec,
         check_vma=False,
-    )(query, key, value, slots, segments, keep, window)
+    )(query, key, value, slots, segments, keep, window, *sink_args)
 
 
 def mesh_axis(mesh, logical: str, size: int) -> str | tuple[str, ...] | None:
@@ -377,11 +383,11 @@ def _layout(cfg: _Config, q, k, v, q_meta, k_meta):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(cfg: _Config, q, k, v, q_meta, k_meta, window):
-    return _attend_fwd(cfg, q, k, v, q_meta, k_meta, window)[0]
+def _attend(cfg: _Config, q, k, v, q_meta, k_meta, window, sinks=None):
+    return _attend_fwd(cfg, q, k, v, q_meta, k_meta, window, sinks)[0]
 
 
-def _attend_fwd(cfg: _Config, q, k, v, q_meta, k_meta, window):
+def _attend_fwd(cfg: _Config, q, k, v, q_meta, k_meta, window, sinks=None):
     # Differentiating a scan over layers (`scan_layers`), JAX evaluates ahead of the loop all
     # that depends on its constants alone, such as every block pair's mask from the slots
     # and segments, and keeps it for every block pair at once (quadratic in the length).
@@ -391,11 +397,14 @@ def _attend_fwd(cfg: _Config, q, k, v, q_meta, k_meta, window):
     kv_heads = k.shape[2]
     chunk, qc, kc, vc, q_meta_c, k_meta_c = _layout(cfg, q, k, v, q_meta, k_meta)
     stats = (qc.shape[0], b, kv_heads, heads // kv_heads, chunk)
-    state = (
-        jnp.full(stats, _NEG, jnp.float32),
-        jnp.zeros(stats, jnp.float32),
-        jnp.zeros((*stats, d), jnp.float32),
-    )
+    if sinks is None:
+        m, norm = jnp.full(stats, _NEG, jnp.float32), jnp.zeros(stats, jnp.float32)
+    else:  # the sink is the first column seen: max = sink, normaliser = exp(0)
+        m, norm = (
+            jnp.broadcast_to(_sink_logits(sinks, kv_heads), stats),
+            jnp.ones(stats, jnp.float32),
+        )
+    state = (m, norm, jnp.zeros((*stats, d), jnp.float32))
     keys = (kc, vc, k_meta_c)
 
     def step(carry, _):
@@ -410,11 +419,16 @@ def _attend_fwd(cfg: _Config, q, k, v, q_meta, k_meta, window):
     lse = jnp.where(norm > 0, m + jnp.log(jnp.where(norm > 0, norm, 1.0)), jnp.inf)
     out = _unchunk(jnp.moveaxis(out, 4, 2), 1, length).reshape(b, length, heads, d)
     out = out.astype(cfg.dtype)
-    return out, (q, k, v, q_meta, k_meta, window, out, lse)
+    return out, (q, k, v, q_meta, k_meta, window, out, lse, sinks)
+
+
+def _sink_logits(sinks: Array, kv_heads: int) -> Array:
+    """float32 `sinks` [heads] as [1, 1, kv_heads, groups, 1] (the softmax state's layout)."""
+    return sinks.astype(jnp.float32).reshape(1, 1, kv_heads, -1, 1)
 
 
 def _attend_bwd(cfg: _Config, residuals, dout):
-    q, k, v, q_meta, k_meta, window, out, lse = residuals
+    q, k, v, q_meta, k_meta, window, out, lse, sinks = residuals
     b, length, heads, d = q.shape
     kv_heads = k.shape[2]
     chunk, qc, kc, vc, q_meta_c, k_meta_c = _layout(cfg, q, k, v, q_meta, k_meta)
@@ -442,7 +456,12 @@ def _attend_bwd(cfg: _Config, residuals, dout):
     dq = _unchunk(dq, 1, length).reshape(q.shape).astype(q.dtype)
     dk, dv = (_unchunk(g, 1, k.shape[1]).astype(x.dtype) for g, x in zip(grads, (k, v)))
     zeros = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), (q_meta, k_meta, window))
-    return dq, dk, dv, *zeros
+    d_sinks = None
+    if sinks is not None:  # the sink's column: its probability times (0 - delta)
+        sink_probs = jnp.exp(_sink_logits(sinks, kv_heads) - lse)  # [nq, b, K, G, C]
+        d_sinks = -jnp.sum(sink_probs * delta, axis=(0, 1, 4)).reshape(sinks.shape)
+        d_sinks = d_sinks.astype(sinks.dtype)
+    return dq, dk, dv, *zeros, d_sinks
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

@@ -45,9 +45,16 @@ def _grouped(query: Array, key: Array) -> Array:
     return query.reshape(b, q_len, key.shape[2], heads // key.shape[2], head_dim)
 
 
-def _xla_forward(query, key, value, mask, bias, scale, softcap, dtype, grouped):
-    """Outputs, probabilities (in `dtype`, in `_einsum_specs(grouped)`'s scores layout) and,
-    under a soft cap, `tanh(scores / cap)`."""
+def _sink_logits(sinks: Array, scores_shape: tuple[int, ...]) -> Array:
+    """float32 per-head `sinks` [heads] broadcastable to the scores' shape, last axis 1."""
+    _, *heads, _, _ = scores_shape
+    return sinks.astype(jnp.float32).reshape(1, *heads, 1, 1)
+
+
+def _xla_forward(query, key, value, mask, bias, scale, softcap, dtype, grouped, sinks):
+    """Outputs, probabilities (in `dtype`, in `_einsum_specs(grouped)`'s scores layout),
+    under a soft cap `tanh(scores / cap)`, and with `sinks` each row's float32 sink
+    probability (the scores' layout without the keys)."""
     qs, ks, ss = _einsum_specs(grouped)
     q = _grouped(query, key) if grouped else query
     scores = jnp.einsum(f"{qs},{ks}->{ss}", q, key, preferred_element_type=jnp.float32)
@@ -60,9 +67,18 @@ def _xla_forward(query, key, value, mask, bias, scale, softcap, dtype, grouped):
         scores = scores + _as_scores(bias.astype(jnp.float32), scores.shape)
     if mask is not None:
         scores = jnp.where(_as_scores(mask, scores.shape), scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    sink_probs = None
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # a softmax over the keys and the sink, whose column is then dropped
+        sink = _sink_logits(sinks, scores.shape)
+        top = jax.lax.stop_gradient(jnp.maximum(scores.max(-1, keepdims=True), sink))
+        weights, sink_weight = jnp.exp(scores - top), jnp.exp(sink - top)
+        total = weights.sum(-1, keepdims=True) + sink_weight
+        probs, sink_probs = weights / total, (sink_weight / total)[..., 0]
+    probs = probs.astype(dtype)
     out = jnp.einsum(f"{ss},{ks}->{qs}", probs, value.astype(dtype))
-    return out.reshape(query.shape), probs, tanh
+    return out.reshape(query.shape), probs, tanh, sink_probs
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -75,10 +91,13 @@ def xla_attention(
     scale: float,
     softcap: float | None,
     dtype: Any,
+    sinks: Array | None = None,
 ) -> Array:
     """Softmax attention of `query` [batch, q_len, heads, head_dim] over `key` and `value`
     [batch, kv_len, kv_heads, head_dim]: bool `mask` and float `bias` broadcastable to
     [batch, heads, q_len, kv_len], scores scaled by `scale` then soft-capped by `softcap`;
+    `sinks` float [heads]: a logit per head that joins every row's softmax and takes no value
+    (gpt-oss's attention sinks: a row may give the keys less than all of its weight);
     probabilities and outputs in `dtype`.
 
     Not differentiated (inference, eval), it computes grouped scores [batch, kv_heads,
@@ -90,17 +109,19 @@ def xla_attention(
     4-7% faster and cut the attention gradient's temporaries by 30-46%; the 4-D forward
     alone ran 1.6x slower (YNNPACK fused the softmax into the second matmul), hence the
     grouped one when not differentiated (benchmarks/RESULTS.md)."""
-    return _xla_forward(query, key, value, mask, bias, scale, softcap, dtype, True)[0]
+    return _xla_forward(query, key, value, mask, bias, scale, softcap, dtype, True, sinks)[0]
 
 
-def _xla_attention_fwd(query, key, value, mask, bias, scale, softcap, dtype):
+def _xla_attention_fwd(query, key, value, mask, bias, scale, softcap, dtype, sinks):
     grouped = query.shape[2] != key.shape[2]
-    out, probs, tanh = _xla_forward(query, key, value, mask, bias, scale, softcap, dtype, grouped)
-    return out, (query, key, value, mask, bias, probs, tanh, out)
+    out, probs, tanh, sink_probs = _xla_forward(
+        query, key, value, mask, bias, scale, softcap, dtype, grouped, sinks
+    )
+    return out, (query, key, value, mask, bias, probs, tanh, out, sinks, sink_probs)
 
 
 def _xla_attention_bwd(scale, softcap, dtype, residuals, d_out):
-    query, key, value, mask, bias, probs, tanh, out = residuals
+    query, key, value, mask, bias, probs, tanh, out, sinks, sink_probs = residuals
     grouped = probs.ndim == 5
     qs, ks, ss = _einsum_specs(grouped)
     q, d_out, out = (_grouped(x, key) if grouped else x for x in (query, d_out, out))
@@ -111,6 +132,10 @@ def _xla_attention_bwd(scale, softcap, dtype, residuals, d_out):
     # sum over keys of probs * d_probs, which is sum over head_dim of out * d_out.
     rows = jnp.einsum(f"{qs},{qs}->{ss[:-1]}", d_out.astype(jnp.float32), out.astype(jnp.float32))
     d_scores = probs.astype(jnp.float32) * (d_probs.astype(jnp.float32) - rows[..., None])
+    d_sinks = None
+    if sinks is not None:  # the sink's column: its probability times (0 - rows)
+        per_head = -jnp.sum(sink_probs * rows, axis=(0, rows.ndim - 1))
+        d_sinks = per_head.reshape(sinks.shape).astype(sinks.dtype)
     if mask is not None:  # a row with every key hidden has uniform probs and no gradient
         d_scores = jnp.where(_as_scores(mask, d_scores.shape), d_scores, 0.0)
     d_bias = None
@@ -129,6 +154,7 @@ def _xla_attention_bwd(scale, softcap, dtype, residuals, d_out):
         d_value.astype(value.dtype),
         None,
         d_bias,
+        d_sinks,
     )
 
 
