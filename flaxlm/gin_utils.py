@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import glob
+import importlib
 import inspect
 import os
 import re
@@ -124,17 +125,40 @@ def _find_file(name: str, search_paths: Sequence[str]) -> str:
     raise FileNotFoundError(f"Gin file {name!r} not found in {list(search_paths)}.{hint}")
 
 
+# Gin's message for a name that no imported module has registered.
+_UNREGISTERED = re.compile(r"^No configurable matching ")
+
+
 def parse_gin(
     gin_files: Sequence[str],
     gin_bindings: Sequence[str] = (),
     search_paths: Sequence[str] = (),
     finalize: bool = True,
+    registering_modules: Sequence[str] = (),
 ) -> None:
-    """Parses files and bindings; raises with Gin's own message on any mistake."""
+    """Parses files and bindings; raises with Gin's own message on any mistake.
+
+    The modules a file imports (`from __gin__ import dynamic_registration`) register what it
+    names, so a run loads the modules it uses and no others (an `infer` never imports the
+    training input pipeline). A name that nothing imported has registered (a file without
+    imports, a binding of a module no file imports) has `registering_modules` imported and
+    everything parsed again; a name still unknown after that is the error."""
     paths = list(search_paths) + default_search_paths()
     for p in paths:
         gin.add_config_file_search_path(p)
     files = find_gin_files(gin_files, search_paths)
+    try:
+        _parse(files, gin_bindings, finalize)
+    except ValueError as e:
+        if not registering_modules or not _UNREGISTERED.match(str(e)):
+            raise
+        gin.clear_config()
+        for module in registering_modules:
+            importlib.import_module(module)
+        _parse(files, gin_bindings, finalize)
+
+
+def _parse(files: Sequence[str], gin_bindings: Sequence[str], finalize: bool) -> None:
     try:
         gin.parse_config_files_and_bindings(files, list(gin_bindings), finalize_config=finalize)
     except ImportError as e:

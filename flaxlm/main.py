@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import importlib.abc
 import importlib.util
 import os
 import platform
 import signal
 import sys
 import traceback
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -80,8 +82,11 @@ def _initialize_distributed() -> None:
         pass
 
 
-# Imported before the Gin files are parsed: they register the configurables that the
-# run names (`train.train`, `infer.infer`, the model families, ...).
+# Imported when the Gin files name a configurable that their own imports have not
+# registered (a file without `from __gin__ import dynamic_registration`, a binding of a
+# module no file imports): every run's configurables (`train.train`, `infer.infer`, the
+# model families, ...). The ready-to-run files import what they use, so a run loads only
+# its own modules: `infer` and `serve` never load the training input pipeline.
 REGISTERING_MODULES = (
     "flaxlm.models",
     "flaxlm.data.pipeline",
@@ -94,11 +99,12 @@ REGISTERING_MODULES = (
 )
 
 
-# Installed modules hidden while flaxlm's run modules load. keras (which TensorFlow imports,
-# and tensorflow_text needs) imports scikit-learn, when it is there, for its scikit-learn
-# wrappers alone: ~1-1.5 s of every start, for a class flaxlm never uses (keras guards the
-# import, so it goes without). They stay importable afterwards: a task module may use them.
-HIDDEN_WHILE_LOADING = ("sklearn",)
+# Installed modules hidden while TensorFlow loads. keras (which TensorFlow imports, and
+# tensorflow_text needs) imports scikit-learn, when it is there, for its scikit-learn
+# wrappers alone: ~1-1.5 s of every start that reads data, for a class flaxlm never uses
+# (keras guards the import, so it goes without). They stay importable otherwise: a task
+# module may use them.
+HIDDEN_WHILE_TENSORFLOW_LOADS = ("sklearn",)
 
 
 @contextlib.contextmanager
@@ -114,6 +120,38 @@ def modules_hidden(names: tuple[str, ...]) -> Iterator[None]:
         for name in hidden:
             if sys.modules.get(name, "") is None:
                 del sys.modules[name]
+
+
+class HiddenWhileLoading(importlib.abc.MetaPathFinder):
+    """An import hook: the first import of `module`, whoever asks for it (a Gin file's
+    import, a task module, seqio), runs with `hidden` hidden (`modules_hidden`). Finds
+    nothing itself and leaves `sys.meta_path` once `module` is found."""
+
+    def __init__(self, module: str, hidden: tuple[str, ...]):
+        self.module = module
+        self.hidden = hidden
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.module:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+        hidden = self.hidden
+
+        def exec_hidden(module: types.ModuleType) -> None:
+            with modules_hidden(hidden):
+                exec_module(module)
+
+        spec.loader.exec_module = exec_hidden  # type: ignore[method-assign]
+        return spec
+
+    def install(self) -> None:
+        """Puts the hook first in `sys.meta_path` (unless `module` is already imported)."""
+        if self.module not in sys.modules and self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
 
 
 def check_process_flags(address: str, count: int, index: int) -> str | None:
@@ -253,10 +291,11 @@ def main(argv: list[str]) -> None:
     quiet = not FLAGS["verbosity"].present
     logs.configure(quiet)
     platforms.exclude_absent_tpu()  # (also done by `import flaxlm`; a no-op once done)
+    HiddenWhileLoading("tensorflow", HIDDEN_WHILE_TENSORFLOW_LOADS).install()
     with logs.native_stderr_hidden(quiet):
         # The libraries write their C++ start-up lines while they load and first touch the
-        # devices: importing TensorFlow, hiding the accelerators from it, starting JAX's
-        # backends. Do all of it here, where that output is hidden.
+        # devices: importing TensorFlow (a Gin file's imports may), hiding the accelerators
+        # from it, starting JAX's backends. Do all of it here, where that output is hidden.
         _initialize_distributed()
         enable_compilation_cache(
             compilation_cache_dir(FLAGS.compilation_cache_dir, dict(os.environ))
@@ -268,48 +307,42 @@ def main(argv: list[str]) -> None:
         if profile:
             profile.watch_jax()
             profile.mark("import jax, distributed init, compilation cache")
-        with modules_hidden(HIDDEN_WHILE_LOADING):  # (not while the user's tasks load)
-            modules = [importlib.import_module(module) for module in REGISTERING_MODULES]
+        _parse_gin()
         if profile:
-            profile.mark("import flaxlm's run modules (configurables)")
-        from flaxlm.data import pipeline
+            profile.mark("Gin: parse (imports the modules the files name)")
+        if FLAGS["tasks_module"].present or "seqio" in sys.modules:
+            # The tasks register where the run reads data (its Gin files loaded seqio), and a
+            # module the user names (it may hook the run) always. Elsewhere, the input
+            # pipeline registers them when a run first looks a task up.
+            from flaxlm.data import pipeline
 
-        try:
-            pipeline.import_task_module(FLAGS.tasks_module, "--tasks_module")
-        except ValueError as e:
-            _fail(str(e))
-        if profile:
-            profile.mark(f"task registration (import {FLAGS.tasks_module})")
-        pipeline.configure_tensorflow()
+            try:
+                pipeline.import_task_module(FLAGS.tasks_module, "--tasks_module")
+            except ValueError as e:
+                _fail(str(e))
+            if profile:
+                profile.mark(f"task registration (import {FLAGS.tasks_module})")
+        if "tensorflow" in sys.modules:  # the run reads data: TensorFlow stays off devices
+            importlib.import_module("flaxlm.data.pipeline").configure_tensorflow()
         jax.devices()
-        if profile:
-            profile.mark("TensorFlow set-up, JAX devices")
-    try:
-        # Gin logs every search-path miss while resolving includes; failures still raise.
-        verbosity = logging.get_verbosity()
-        logging.set_verbosity(logging.FATAL)
         try:
-            gin_utils.parse_gin(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.gin_search_paths)
-        finally:
-            logging.set_verbosity(verbosity)
-    except Exception as e:  # noqa: BLE001 - any Gin mistake is a usage error
-        _fail(f"bad Gin configuration: {gin_utils.with_suggestion(str(e))}")
-    try:
-        gin_utils.check_macros(FLAGS.gin_bindings or (), FLAGS.gin_search_paths or ())
-        gin_utils.check_callables()
-    except ValueError as e:
-        _fail(f"bad Gin configuration: {e}")
+            gin_utils.check_macros(FLAGS.gin_bindings or (), FLAGS.gin_search_paths or ())
+            gin_utils.check_callables()
+        except ValueError as e:
+            _fail(f"bad Gin configuration: {e}")
+        if profile:
+            profile.mark("TensorFlow set-up, JAX devices, Gin checks")
     for sig, handler in previous.items():
         signal.signal(sig, handler)
     if profile:
-        profile.mark("Gin: parse files and bindings, check macros")
-        startup.instrument_run(
-            profile, [*modules, pipeline, importlib.import_module("flaxlm.runs.loop")]
-        )
+        run_modules = (*REGISTERING_MODULES, "flaxlm.runs.loop")
+        startup.instrument_run(profile, [sys.modules[m] for m in run_modules if m in sys.modules])
     try:
         gin_utils.run()
         if profile:
-            profile.print_table()  # a run with no step (infer, import_hf): at its end
+            if not profile.printed:  # a run with no step (infer, import_hf): at its end
+                profile.mark("the run (no training step)")
+                profile.print_table()
             print(profile.compile_summary(), flush=True)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -325,6 +358,25 @@ def main(argv: list[str]) -> None:
         traceback.print_exc()
         _exit(1)
     del gin
+
+
+def _parse_gin() -> None:
+    """Parses the Gin files and bindings (`gin_utils.parse_gin`); a mistake is a usage error."""
+    try:
+        # Gin logs every search-path miss while resolving includes; failures still raise.
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity(logging.FATAL)
+        try:
+            gin_utils.parse_gin(
+                FLAGS.gin_file,
+                FLAGS.gin_bindings,
+                FLAGS.gin_search_paths,
+                registering_modules=(*REGISTERING_MODULES, FLAGS.tasks_module),
+            )
+        finally:
+            logging.set_verbosity(verbosity)
+    except Exception as e:  # noqa: BLE001 - any Gin mistake is a usage error
+        _fail(f"bad Gin configuration: {gin_utils.with_suggestion(str(e))}")
 
 
 def console_main() -> None:

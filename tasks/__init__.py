@@ -1,8 +1,8 @@
 """SeqIO tasks and mixtures; importing this package registers them."""
 
-# Vocabularies the task factories take, bindable in Gin: @HuggingFaceVocabulary(),
-# @seqio.SentencePieceVocabulary(), @seqio.ByteVocabulary().
-from flaxlm.data import vocabularies  # noqa: F401
+# Vocabularies the task factories take, bindable in Gin: @HuggingFaceVocabulary()
+# (vocabularies), @seqio.SentencePieceVocabulary() and @seqio.ByteVocabulary() (pipeline).
+from flaxlm.data import pipeline, vocabularies  # noqa: F401
 from tasks import (  # noqa: F401
     chat,
     hf_datasets,

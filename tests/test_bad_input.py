@@ -297,11 +297,12 @@ def test_bad_files_are_named_with_the_line_or_the_fix(tmp_path):
 
     from flaxlm.checkpoints import hf_files
     from flaxlm.data import pipeline
+    from flaxlm.data.jsonl import read_jsonl
 
     jsonl = tmp_path / "data.jsonl"
     jsonl.write_bytes(b'{"in_text": "ok"}\n{"in_text": "caf\xe9"}\n')
     with pytest.raises(ValueError, match=rf"{jsonl}:2: not UTF-8 \(byte 0xe9 at column 17\)"):
-        list(pipeline.read_jsonl(str(jsonl)))
+        list(read_jsonl(str(jsonl)))
 
     good, bad = tmp_path / "good", tmp_path / "bad"
     good.mkdir()

@@ -10,6 +10,7 @@ import pytest
 import seqio
 
 from flaxlm.checkpoints import hf, run_dir
+from flaxlm.data import jsonl as jsonl_files
 from flaxlm.data import pipeline
 from flaxlm.inference import generation
 from flaxlm.models import base, t5
@@ -199,10 +200,10 @@ def test_bad_jsonl_line_is_named_with_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"in_text": "ok"}\n{"in_text": \n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
-        list(pipeline.read_jsonl(str(path)))
+        list(jsonl_files.read_jsonl(str(path)))
     path.write_text('{"in_text": "ok"}\n{"text": "no in_text"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: missing string field\(s\) \['in_text'\]"):
-        list(pipeline.read_jsonl(str(path)))
+        list(jsonl_files.read_jsonl(str(path)))
 
 
 def test_text_metrics():

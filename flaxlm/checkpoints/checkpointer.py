@@ -21,7 +21,6 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-import tensorflow as tf
 from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
@@ -143,11 +142,11 @@ def check_dataset_state(directory: epath.Path, data_iterator: Any) -> None:
     missing = [
         r
         for r in data_iterator.shard_iterators
-        if not tf.io.gfile.exists(f"{directory / _shard_file(r, num_shards)}.index")
+        if not (directory / f"{_shard_file(r, num_shards)}.index").exists()
     ]
     if not missing:
         return
-    found = sorted({f.split(".")[0] for f in tf.io.gfile.listdir(str(directory)) if "-of-" in f})
+    found = sorted({f.name.split(".")[0] for f in directory.iterdir() if "-of-" in f.name})
     raise DataIteratorMismatchError(
         f"{directory} holds no data-iterator state for logical input shard(s) {missing} of "
         f"{num_shards} (it has {found}). The checkpoint was written with another "
@@ -161,9 +160,12 @@ def check_dataset_state(directory: epath.Path, data_iterator: Any) -> None:
 class DatasetCheckpointHandler(ocp.CheckpointHandler):
     """Saves the data iterator's position per logical input shard (`shard_{r}-of-{R}`, each
     written by the lowest-numbered process that reads it), so a run restores onto any
-    process count that keeps R."""
+    process count that keeps R. TensorFlow is imported here, by a run that reads data
+    (it has loaded it): a run that only restores params never does."""
 
     def save(self, directory: epath.Path, args: DatasetArgs) -> None:
+        import tensorflow as tf
+
         directory.mkdir(parents=True, exist_ok=True)
         it = args.iterator
         for r in sorted(it.saved_shards):
@@ -171,6 +173,8 @@ class DatasetCheckpointHandler(ocp.CheckpointHandler):
             tf.train.Checkpoint(iterator=it.shard_iterators[r]).write(path)
 
     def restore(self, directory: epath.Path, args: DatasetArgs) -> Any:
+        import tensorflow as tf
+
         # `Checkpointer.restore` has checked that every shard's state is there.
         it = args.iterator
         for r, tf_iterator in it.shard_iterators.items():

@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
-import seqio
 from etils import epath
 
 from flaxlm.checkpoints import checkpointer, hf, hf_files, peft_dir
@@ -308,7 +307,7 @@ def load_peft(
     return model, merge_adapters(params, adapters, cfg)
 
 
-def checkpoint_vocabulary(path: str | epath.Path) -> seqio.Vocabulary | None:
+def checkpoint_vocabulary(path: str | epath.Path) -> vocabularies.HuggingFaceVocabulary | None:
     """An HF directory's own tokenizer, or the one a MODEL_DIR kept from its HF import, or a
     PEFT directory's (else its base's)."""
     path = epath.Path(path)

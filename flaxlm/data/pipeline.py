@@ -28,8 +28,8 @@ import dataclasses
 import difflib
 import functools
 import importlib
+import importlib.util
 import inspect
-import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -40,9 +40,20 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from flaxlm.data import packing
-from flaxlm.data.vocabularies import hf_prefix
+from flaxlm.data import packing, vocabularies
 from flaxlm.parallel.partitioning import DataLayout, Partitioner
+
+# seqio's own vocabularies, bindable in Gin files as `@seqio.SentencePieceVocabulary()`
+# (`seqio.SentencePieceVocabulary.sentencepiece_model_file = '/path/spm.model'`) and
+# `@seqio.ByteVocabulary()`; flaxlm's (computed in Python, seqio-free for inference) are
+# seqio Vocabularies too.
+gin.external_configurable(seqio.SentencePieceVocabulary, module="seqio")
+gin.external_configurable(seqio.ByteVocabulary, module="seqio")
+seqio.Vocabulary.register(vocabularies.PythonVocabulary)
+
+# The repository's task registry: imported the first time a run looks up a task or mixture
+# that is not registered, so a run that reads none (infer of a file, serve) never loads it.
+BUILTIN_TASKS_MODULE = "tasks"
 
 _TF_CONFIGURED = False
 
@@ -117,7 +128,9 @@ def model_converter(
     ):
         return converter_cls
     vocabulary = task_vocabulary(task_name)
-    prefix = () if getattr(converter_cls, "RENDERED_ROWS", False) else hf_prefix(vocabulary)
+    prefix = (
+        () if getattr(converter_cls, "RENDERED_ROWS", False) else vocabularies.hf_prefix(vocabulary)
+    )
     kwargs: dict[str, Any] = {"hf_prefix": prefix}
     if "eos_id" in inspect.signature(converter_cls).parameters:
         kwargs["eos_id"] = vocabulary.eos_id
@@ -138,7 +151,10 @@ def import_task_module(module: str | None, setting: str = "MIXTURE_OR_TASK_MODUL
     if not module:
         return
     try:
-        importlib.import_module(module)
+        # A run imports task modules after Gin's config is locked; they register tasks and
+        # configurables, and bind nothing.
+        with gin.unlock_config():
+            importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name is not None and module.startswith(e.name):
             raise ValueError(
@@ -148,9 +164,19 @@ def import_task_module(module: str | None, setting: str = "MIXTURE_OR_TASK_MODUL
         raise ValueError(f"{setting}={module!r} failed to import: {e}.") from e
 
 
+def _is_registered(name: str) -> bool:
+    return name in seqio.TaskRegistry.names() or name in seqio.MixtureRegistry.names()
+
+
 def check_registered(name: str) -> None:
-    if name in seqio.TaskRegistry.names() or name in seqio.MixtureRegistry.names():
+    """A ValueError naming the registered tasks if `name` is none of them, once the
+    built-in tasks (`BUILTIN_TASKS_MODULE`, where it can be imported) are registered."""
+    if _is_registered(name):
         return
+    if importlib.util.find_spec(BUILTIN_TASKS_MODULE) is not None:
+        import_task_module(BUILTIN_TASKS_MODULE)
+        if _is_registered(name):
+            return
     known = sorted(set(seqio.TaskRegistry.names()) | set(seqio.MixtureRegistry.names()))
     close = difflib.get_close_matches(name, known, n=3)
     hint = f" Did you mean {close}?" if close else ""
@@ -161,37 +187,19 @@ def check_registered(name: str) -> None:
     )
 
 
-def read_jsonl(path: str, required: Sequence[str] = ("in_text",)) -> Iterator[dict[str, Any]]:
-    """The JSON objects of a JSONL file; a bad line fails naming the file and line."""
-    return (record for _, record in read_numbered_jsonl(path, required))
-
-
-def read_numbered_jsonl(
-    path: str, required: Sequence[str] = ("in_text",)
-) -> Iterator[tuple[int, dict[str, Any]]]:
-    """`(line number, object)` of each JSON object of a JSONL file (blank lines skipped); a
-    bad line fails naming the file and line. `required`: keys whose values must be strings."""
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(
-                    f"{path}:{number}: not UTF-8 (byte {raw[e.start]:#x} at column "
-                    f"{e.start + 1}); save the file as UTF-8."
-                ) from e
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: not valid JSON ({e.msg}).") from e
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object, got {line[:60]!r}.")
-            missing = [k for k in required if not isinstance(record.get(k), str)]
-            if missing:
-                raise ValueError(f"{path}:{number}: missing string field(s) {missing}.")
-            yield number, record
+def task_examples(
+    name: str, split: str, *, module: str | None = None, max_examples: int | None = None
+) -> tuple[Mapping[str, seqio.Feature], Iterator[dict[str, np.ndarray]]]:
+    """The output features of task or mixture `name` and the examples of its `split` in
+    order, preprocessed and not cut to any length (what inference reads of a task)."""
+    import_task_module(module)
+    check_registered(name)
+    configure_tensorflow()
+    task = seqio.get_mixture_or_task(name)
+    ds = task.get_dataset(None, split=split, shuffle=False, num_epochs=1)
+    if max_examples:
+        ds = ds.take(max_examples)
+    return task.output_features, without_autotune(ds).as_numpy_iterator()
 
 
 def input_shard_count(cfg: DatasetConfig, layout: DataLayout) -> int:

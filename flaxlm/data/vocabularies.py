@@ -1,7 +1,11 @@
-"""seqio Vocabularies over HuggingFace tokenizers loaded from a local directory.
+"""Vocabularies in Python: an HF checkpoint's tokenizer and seqio's bytes, without seqio.
 
-seqio ships `ByteVocabulary` and `SentencePieceVocabulary`; this adds the tokenizer that
-comes with an HF checkpoint, so a task can feed a model its own ids:
+Inference (`infer`, `score`, `serve`) only turns text into ids and back, so it reads a
+checkpoint's tokenizer (`HuggingFaceVocabulary`) or flaxlm's default bytes (`ByteVocabulary`)
+without importing seqio or TensorFlow: seconds of every start. A seqio task takes the same
+objects: they keep `seqio.Vocabulary`'s contract (below) and its `encode_tf`/`decode_tf`,
+which load TensorFlow when a pipeline first calls them; `data/pipeline.py` registers them as
+`seqio.Vocabulary`s.
 
     vocab = HuggingFaceVocabulary("/path/to/hf_dir")
     seqio.Feature(vocabulary=vocab, add_eos=True)
@@ -14,29 +18,174 @@ weight. `pad_id` is therefore seqio's 0, whatever the tokenizer's own pad token 
 
 from __future__ import annotations
 
+import abc
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import gin
 import numpy as np
-import seqio
-import tensorflow as tf
 from etils import epath
 
-# seqio's own vocabularies, bindable in Gin files as `@seqio.SentencePieceVocabulary()`
-# (`seqio.SentencePieceVocabulary.sentencepiece_model_file = '/path/spm.model'`) and
-# `@seqio.ByteVocabulary()`.
-gin.external_configurable(seqio.SentencePieceVocabulary, module="seqio")
-gin.external_configurable(seqio.ByteVocabulary, module="seqio")
+PAD_ID = 0  # seqio's padding id, the same for every vocabulary
+
+
+class Vocabulary(Protocol):
+    """What flaxlm reads and writes text with: seqio's vocabularies and this module's."""
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int | None: ...
+
+    @property
+    def unk_id(self) -> int | None: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, s: str) -> Sequence[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class PythonVocabulary(abc.ABC):
+    """`seqio.Vocabulary`'s contract computed in Python: id 0 pads, `extra_ids` ids follow
+    the base vocabulary, ids past the base vocabulary decode as UNK, and decoding stops at
+    the first EOS. Subclasses give `_encode`, `_decode`, `eos_id`, `unk_id` and
+    `_base_vocab_size`; the tf.data forms run them through `tf.numpy_function`."""
+
+    def __init__(self, extra_ids: int = 0):
+        self._extra_ids = extra_ids or 0
+
+    @property
+    def bos_id(self) -> int | None:
+        return None
+
+    @property
+    def pad_id(self) -> int:
+        return PAD_ID
+
+    @property
+    @abc.abstractmethod
+    def eos_id(self) -> int | None: ...
+
+    @property
+    @abc.abstractmethod
+    def unk_id(self) -> int | None: ...
+
+    @property
+    @abc.abstractmethod
+    def _base_vocab_size(self) -> int:
+        """Ids without `extra_ids`, padding, EOS and UNK included."""
+
+    @property
+    def extra_ids(self) -> int:
+        return self._extra_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self._base_vocab_size + self.extra_ids
+
+    @abc.abstractmethod
+    def _encode(self, s: str) -> Sequence[int]: ...
+
+    @abc.abstractmethod
+    def _decode(self, ids: list[int]) -> str: ...
+
+    def encode(self, s: str) -> Sequence[int]:
+        """The ids of `s`, without EOS."""
+        return self._encode(s)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of `ids` up to the first EOS (ids past the vocabulary read as UNK)."""
+        clean = [int(i) for i in ids]
+        if self.unk_id is not None:
+            size = self._base_vocab_size
+            clean = [self.unk_id if i >= size else i for i in clean]
+        if self.eos_id is not None and self.eos_id in clean:
+            clean = clean[: clean.index(self.eos_id) + 1]
+        return self._decode(clean)
+
+    def encode_tf(self, s: Any) -> Any:
+        """`encode` of one tf.string scalar, as an int32 tensor (in a tf.data map)."""
+        # TensorFlow only where a pipeline runs: inference never calls this.
+        import tensorflow as tf
+
+        def encode(x: np.ndarray) -> np.ndarray:
+            text = np.asarray(x)
+            if text.ndim:
+                raise ValueError(f"{type(self).__name__}.encode_tf takes one string at a time.")
+            return np.asarray(self.encode(text.item().decode("utf-8")), np.int32)
+
+        ids = tf.numpy_function(encode, [s], tf.int32, stateful=False)
+        ids.set_shape([None])
+        return ids
+
+    def decode_tf(self, ids: Any) -> Any:
+        """`decode` of each row of an int tensor `[..., length]`, as tf.string `[...]`."""
+        import tensorflow as tf
+
+        if ids.shape == (0,):
+            return tf.constant(b"", dtype=tf.string)
+
+        def decode(x: np.ndarray) -> np.ndarray:
+            x = np.asarray(x)
+            if x.ndim == 1:
+                return np.asarray(self.decode(x).encode("utf-8"), dtype=object)
+            rows = [self.decode(r).encode("utf-8") for r in x.reshape(-1, x.shape[-1])]
+            return np.asarray(rows, dtype=object).reshape(x.shape[:-1])
+
+        out = tf.numpy_function(decode, [ids], tf.string, stateful=False)
+        out.set_shape(ids.shape[:-1])
+        return out
+
+
+class ByteVocabulary(PythonVocabulary):
+    """`seqio.ByteVocabulary`'s ids (a UTF-8 byte is its value + 3; 0 pads, 1 is EOS, 2
+    UNK): what flaxlm's default runs train with, for reading their checkpoints without
+    seqio. Invalid UTF-8 and the special ids decode to nothing, as in seqio."""
+
+    NUM_SPECIAL = 3
+
+    @property
+    def eos_id(self) -> int:
+        return 1
+
+    @property
+    def unk_id(self) -> int:
+        return 2
+
+    @property
+    def _base_vocab_size(self) -> int:
+        return 256 + self.NUM_SPECIAL
+
+    def _encode(self, s: str) -> list[int]:
+        s = s.decode() if isinstance(s, bytes) else s
+        return [b + self.NUM_SPECIAL for b in s.encode("utf-8")]
+
+    def _decode(self, ids: list[int]) -> str:
+        special, size = self.NUM_SPECIAL, self._base_vocab_size
+        data = bytes(i - special for i in ids if special <= i < size)
+        return data.decode("utf-8", errors="ignore")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ByteVocabulary) and self.extra_ids == other.extra_ids
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.extra_ids))
+
+    def __repr__(self) -> str:
+        return f"ByteVocabulary(extra_ids={self.extra_ids})"
 
 
 _LOAD_LOCK = threading.Lock()
 
 
 @gin.configurable
-class HuggingFaceVocabulary(seqio.Vocabulary):
-    """A seqio Vocabulary backed by `transformers.AutoTokenizer` from a local directory.
+class HuggingFaceVocabulary(PythonVocabulary):
+    """A Vocabulary backed by `transformers.AutoTokenizer` from a local directory.
 
     Encoding adds no special tokens (seqio appends EOS itself when a feature asks for it).
     The tokenizer is loaded on first use, so the object pickles cheaply (seqio caching).
@@ -56,7 +205,7 @@ class HuggingFaceVocabulary(seqio.Vocabulary):
     @property
     def tokenizer(self) -> Any:
         # tf.data calls this from several threads at once: one loads, and transformers' lazy
-        # imports are not thread-safe, so the tf ops load it first in the tracing thread.
+        # imports are not thread-safe, so the tf forms load it first in the tracing thread.
         with _LOAD_LOCK:
             if self._tokenizer is None:
                 from transformers import AutoTokenizer
@@ -112,9 +261,8 @@ class HuggingFaceVocabulary(seqio.Vocabulary):
     def _encode(self, s: str) -> Sequence[int]:
         return self.tokenizer.encode(s, add_special_tokens=False)
 
-    def _decode(self, ids: Iterable[int]) -> str:
+    def _decode(self, ids: list[int]) -> str:
         # seqio pads with 0; drop that padding, keep everything else (special tokens too).
-        ids = [int(i) for i in ids]
         while ids and ids[-1] == self.pad_id:
             ids.pop()
         if self.eos_id is not None and ids and ids[-1] == self.eos_id:
@@ -123,32 +271,13 @@ class HuggingFaceVocabulary(seqio.Vocabulary):
 
     # ------------------------------------------------------------------ tf.data
 
-    def _encode_tf(self, s: tf.Tensor) -> tf.Tensor:
+    def encode_tf(self, s: Any) -> Any:
         self.tokenizer  # noqa: B018  (loaded here, not in a tf.data thread)
+        return super().encode_tf(s)
 
-        def encode(x: np.ndarray) -> np.ndarray:
-            texts = np.asarray(x)
-            if texts.ndim:
-                raise ValueError("HuggingFaceVocabulary.encode_tf takes one string at a time.")
-            return np.asarray(self._encode(texts.item().decode("utf-8")), np.int32)
-
-        ids = tf.numpy_function(encode, [s], tf.int32, stateful=False)
-        ids.set_shape([None])
-        return ids
-
-    def _decode_tf(self, ids: tf.Tensor) -> tf.Tensor:
+    def decode_tf(self, ids: Any) -> Any:
         self.tokenizer  # noqa: B018  (loaded here, not in a tf.data thread)
-
-        def decode(x: np.ndarray) -> np.ndarray:
-            x = np.asarray(x)
-            if x.ndim == 1:
-                return np.asarray(self._decode(x).encode("utf-8"), dtype=object)
-            rows = [self._decode(r).encode("utf-8") for r in x.reshape(-1, x.shape[-1])]
-            return np.asarray(rows, dtype=object).reshape(x.shape[:-1])
-
-        out = tf.numpy_function(decode, [ids], tf.string, stateful=False)
-        out.set_shape(ids.shape[:-1])
-        return out
+        return super().decode_tf(ids)
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -164,7 +293,7 @@ class HuggingFaceVocabulary(seqio.Vocabulary):
         return f"HuggingFaceVocabulary({self._path!r})"
 
 
-def hf_prefix(vocabulary: seqio.Vocabulary) -> tuple[int, ...]:
+def hf_prefix(vocabulary: Vocabulary) -> tuple[int, ...]:
     """What a model reading HF-form rows (`decoder_start_id=None`) reads before a text:
     an HF tokenizer's own prefix (`HuggingFaceVocabulary.prefix_ids`), nothing for a seqio
     vocabulary (which adds no special tokens)."""

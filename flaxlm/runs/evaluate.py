@@ -43,6 +43,7 @@ class TaskEvaluator:
     ):
         pipeline.configure_tensorflow()
         pipeline.import_task_module(cfg.module)
+        pipeline.check_registered(cfg.mixture_or_task_name)
         self.model = model
         self.partitioner = partitioner
         self.settings = settings

@@ -14,11 +14,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import gin
-import seqio
 from etils import epath
 
 from flaxlm.checkpoints import run_dir
-from flaxlm.data import pipeline
+from flaxlm.data import vocabularies
+from flaxlm.data.jsonl import read_jsonl
+from flaxlm.data.vocabularies import Vocabulary
 from flaxlm.inference import generation
 from flaxlm.inference.generation import GenerationSettings
 from flaxlm.models.base import BaseModel
@@ -41,11 +42,11 @@ class Example:
 def read_examples_from_texts(
     texts: Sequence[str],
     model: BaseModel,
-    vocabulary: seqio.Vocabulary | None = None,
+    vocabulary: Vocabulary | None = None,
     targets: Sequence[str | None] | None = None,
-) -> tuple[list[Example], seqio.Vocabulary, str]:
+) -> tuple[list[Example], Vocabulary, str]:
     """`(examples, vocabulary, "texts")` for input strings (and optional target strings)."""
-    vocabulary = vocabulary or seqio.ByteVocabulary()
+    vocabulary = vocabulary or vocabularies.ByteVocabulary()
     targets = list(targets) if targets is not None else [None] * len(texts)
     examples = [
         Example(
@@ -64,27 +65,25 @@ def read_examples_from_texts(
 def read_examples(
     source: str,
     model: BaseModel,
-    vocabulary: seqio.Vocabulary | None,
+    vocabulary: Vocabulary | None,
     *,
     split: str = "validation",
     task_module: str | None = None,
     need_targets: bool = False,
     max_examples: int | None = None,
-) -> tuple[list[Example], seqio.Vocabulary, str]:
+) -> tuple[list[Example], Vocabulary, str]:
     """`(examples, vocabulary, name)` from a JSONL file (`in_text`, `out_text`), a text
     file (one input per line) or a registered seqio task or mixture (its `inputs`, else its
-    `targets`, as the task tokenizes them)."""
+    `targets`, as the task tokenizes them). Only a task loads seqio and TensorFlow."""
     examples: list[Example] = []
     if source.endswith(".jsonl") or source.endswith(".txt") or epath.Path(source).exists():
         if not epath.Path(source).exists():
             raise FileNotFoundError(f"Input file {source!r} does not exist.")
-        vocabulary = vocabulary or seqio.ByteVocabulary()
+        vocabulary = vocabulary or vocabularies.ByteVocabulary()
         name = epath.Path(source).stem
         if source.endswith(".jsonl"):
             fields = ("in_text", "out_text") if need_targets else ("in_text",)
-            records = [
-                (r["in_text"], r.get("out_text")) for r in pipeline.read_jsonl(source, fields)
-            ]
+            records = [(r["in_text"], r.get("out_text")) for r in read_jsonl(source, fields)]
         else:
             if need_targets:
                 raise ValueError(
@@ -98,18 +97,18 @@ def read_examples(
             [r[0] for r in records], model, vocabulary, [r[1] for r in records]
         )
     else:
-        pipeline.import_task_module(task_module)
-        pipeline.check_registered(source)
-        pipeline.configure_tensorflow()
-        task = seqio.get_mixture_or_task(source)
-        features = task.output_features
+        # The input pipeline (seqio, TensorFlow) loads where a run reads a task only, after
+        # Gin's config is locked: it registers configurables, and binds nothing.
+        with gin.unlock_config():
+            from flaxlm.data import pipeline
+
+        features, rows = pipeline.task_examples(
+            source, split, module=task_module, max_examples=max_examples
+        )
         key = "inputs" if "inputs" in features else "targets"
         vocabulary = vocabulary or features[key].vocabulary
-        ds = task.get_dataset(None, split=split, shuffle=False, num_epochs=1)
-        if max_examples:
-            ds = ds.take(max_examples)
         name = source
-        for ex in pipeline.without_autotune(ds).as_numpy_iterator():
+        for ex in rows:
             ids = [int(i) for i in ex[key]]
             target_ids = [int(i) for i in ex["targets"]] if key == "inputs" else None
             if need_targets and target_ids is None:
@@ -131,7 +130,7 @@ def generate_texts(
     model: BaseModel,
     params: Any,
     examples: Sequence[Example],
-    vocabulary: seqio.Vocabulary,
+    vocabulary: Vocabulary,
     partitioner: Partitioner,
     settings: GenerationSettings,
     *,
@@ -161,7 +160,7 @@ def infer(
     output_dir: str = gin.REQUIRED,
     model: BaseModel | None = None,
     partitioner: Partitioner | None = None,
-    vocabulary: seqio.Vocabulary | None = None,
+    vocabulary: Vocabulary | None = None,
     settings: GenerationSettings = generation.DEFAULT_SETTINGS,
     split: str = "validation",
     task_module: str | None = None,
@@ -179,7 +178,7 @@ def infer(
       source: a `.jsonl` file (`{"in_text": ...}` per line), a text file (one input per
         line) or a registered seqio task or mixture (its `split`).
       vocabulary: how text becomes tokens; default the task's, else the HF directory's
-        tokenizer, else seqio's ByteVocabulary.
+        tokenizer, else the byte vocabulary (`vocabularies.ByteVocabulary`, seqio's ids).
       input_length: prompts are padded (and cut) to this many tokens; the longest if None.
     """
     partitioner = partitioner or Partitioner()
@@ -220,7 +219,7 @@ def score(
     output_dir: str = gin.REQUIRED,
     model: BaseModel | None = None,
     partitioner: Partitioner | None = None,
-    vocabulary: seqio.Vocabulary | None = None,
+    vocabulary: Vocabulary | None = None,
     split: str = "validation",
     task_module: str | None = None,
     batch_size: int = 8,
