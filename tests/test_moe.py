@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.models import base, moe, qwen_moe, routing
+from flaxlm.models import base, experts, qwen_moe, routing
 from flaxlm.parallel.partitioning import standard_logical_axis_rules
 
 AXES = ("data", "fsdp", "expert", "tensor")
@@ -158,10 +158,10 @@ def test_small_capacity_drops_and_counts_assignments():
     wo = jax.random.normal(jax.random.PRNGKey(2), (4, 16, 8))
     ids = jnp.zeros((32, 1), jnp.int32)  # every token to expert 0
     weights = jnp.ones((32, 1))
-    capacity = moe.expert_capacity(32, 1, 4, 0.5)  # 4 of 32
-    y, dropped = moe.capacity_experts(x, wi, wo, weights, ids, "silu", capacity)
+    capacity = experts.expert_capacity(32, 1, 4, 0.5)  # 4 of 32
+    y, dropped = experts.capacity_experts(x, wi, wo, weights, ids, "silu", capacity)
     assert capacity == 4 and float(dropped.sum()) == 28
-    want = moe.dense_experts(x, wi, wo, weights, ids, "silu")
+    want = experts.dense_experts(x, wi, wo, weights, ids, "silu")
     np.testing.assert_allclose(y[:4], want[:4], rtol=1e-5, atol=1e-5)  # the first 4 kept
     np.testing.assert_array_equal(y[4:], 0)
 

@@ -1,18 +1,10 @@
-"""Mixture-of-experts MLP: a router, experts stacked `[expert, embed, mlp]`, three ways to run
-them, the expert-parallel dispatch and the load-balance losses.
+"""Mixture-of-experts MLP: its options, the layer and the expert-parallel dispatch.
 
 `MoEOptions` holds the fields every MoE family config shares; `MoE` is the layer that replaces a
 block's MLP. Each token goes to its `num_experts_per_tok` best experts by the router and comes
 back as their outputs weighted by the router's weights (plus a sigmoid-gated shared expert,
-Qwen2-MoE, or DeepSeek-V3's ungated shared experts). The experts run one of three ways
-(`moe_impl`), equal up to float rounding:
-
-- `dense`: every expert over every token, weighted (zero weight off the token's top k): the
-  reference, at E/k times the FLOPs;
-- `dropless`: the (token, expert) assignments sorted by expert, one grouped matmul
-  (`jax.lax.ragged_dot`) per projection, unsorted and summed; no token dropped;
-- `capacity`: each expert takes at most `capacity_factor * tokens * k / E` assignments (in
-  token order), the rest dropped (their contribution is zero) and counted.
+Qwen2-MoE, or DeepSeek-V3's ungated shared experts). The experts, stacked `[expert, embed,
+mlp]`, run one of three ways (`moe_impl`: dense, dropless, capacity; `experts.py`).
 
 Expert parallelism: under a mesh (JAX's context, as in `context_parallel`: this module never
 sees a Partitioner) with an `expert` axis of size n > 1, the experts' weights are split over it
@@ -32,7 +24,6 @@ Routing, the router statistics every layer sows and the load-balance losses are 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -41,7 +32,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.models import context_parallel, layers, routing
+from flaxlm.models import context_parallel, experts, layers, routing
 
 Array = jax.Array
 
@@ -83,6 +74,13 @@ class MoEOptions:
     # (i + 1) % step == 0), except those in `mlp_only_layers` (dense MLP of intermediate_size).
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # gpt-oss: biases on the router's logits (`gate/bias`) and on each expert's projections
+    # (`experts/bi` [experts, 2, mlp], `experts/bo` [experts, embed]); its clamped SwiGLU
+    # (`clamped_swiglu`) in the experts when `swiglu_limit` is set (None: `activation`).
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def check_moe(self) -> None:
         """ValueErrors naming the MoE field flaxlm cannot run."""
@@ -100,6 +98,8 @@ class MoEOptions:
             raise ValueError(f"capacity_factor {self.capacity_factor} must be positive.")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step {self.decoder_sparse_step} must be >= 1.")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit {self.swiglu_limit} must be None or positive.")
         self._check_choice()
 
     def _check_choice(self) -> None:
@@ -133,9 +133,10 @@ class MoEOptions:
         experts, shared experts."""
         e, f = hidden_size, self.moe_intermediate_size
         router = e * self.num_experts + (self.num_experts if self.score_correction_bias else 0)
+        router += self.num_experts if self.router_bias else 0
         shared = 3 * e * (self.shared_expert_intermediate_size + self.n_shared_experts * f)
         shared += e if self.shared_expert_intermediate_size else 0
-        expert = 3 * e * f
+        expert = 3 * e * f + (2 * f + e if self.expert_bias else 0)
         return (
             router + self.num_experts * expert + shared,
             router + self.num_experts_per_tok * expert + shared,
@@ -162,81 +163,20 @@ def expert_shards(num_experts: int) -> int:
     return n
 
 
-# ------------------------------------------------------------------ the experts
-
-
-def _swiglu(h_gate: Array, h_up: Array, activation: str) -> Array:
-    return layers.ACTIVATIONS[activation](h_gate) * h_up
-
-
-def dense_experts(x: Array, wi: Array, wo: Array, weights: Array, ids: Array, act: str) -> Array:
-    """Every expert over every token: x `[tokens, embed]`, wi `[experts, embed, 2, mlp]`, wo
-    `[experts, mlp, embed]` -> `[tokens, embed]` weighted by the router."""
-    combine = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(ids, wi.shape[0], dtype=x.dtype))
-    h = jnp.einsum("td,edgf->tegf", x, wi)
-    y = jnp.einsum("tef,efd->ted", _swiglu(h[:, :, 0], h[:, :, 1], act), wo)
-    return jnp.einsum("ted,te->td", y, combine.astype(y.dtype))
-
-
-def grouped_experts(
-    x: Array, wi: Array, wo: Array, weights: Array, ids: Array, act: str, first: Array | int = 0
-) -> Array:
-    """Dropless: the assignments to experts `first .. first + wi.shape[0]` (the local ones
-    under expert parallelism; all by default) sorted by expert, one `ragged_dot` per
-    projection, unsorted and weighted; other assignments contribute zero.
-
-    x `[tokens, embed]`, wi `[local experts, embed, 2, mlp]`, wo `[local experts, mlp,
-    embed]`, weights, ids `[tokens, k]` -> `[tokens, embed]`."""
-    tokens, k = ids.shape
-    local = wi.shape[0]
-    # Local experts first, in order; the others after them (their rows are in no group,
-    # and ragged_dot gives them zeros).
-    slot = ids.reshape(-1) - first
-    slot = jnp.where((slot >= 0) & (slot < local), slot, local)
-    order = jnp.argsort(slot, stable=True)
-    sizes = jnp.bincount(slot, length=local + 1)[:local].astype(jnp.int32)
-    xs = x[order // k]  # [tokens * k, embed], grouped by expert
-    gate = jax.lax.ragged_dot(xs, wi[:, :, 0], sizes)
-    up = jax.lax.ragged_dot(xs, wi[:, :, 1], sizes)
-    ys = jax.lax.ragged_dot(_swiglu(gate, up, act), wo, sizes)
-    kept = (jnp.arange(tokens * k) < jnp.sum(sizes))[:, None]
-    ys = jnp.where(kept, ys, 0)  # rows past the groups: zero however ragged_dot leaves them
-    y = jnp.zeros_like(ys).at[order].set(ys).reshape(tokens, k, -1)
-    return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
-
-
-def expert_capacity(tokens: int, k: int, experts: int, factor: float) -> int:
-    """Assignments each expert takes under `capacity`: `factor` times its fair share."""
-    return max(1, math.ceil(factor * tokens * k / experts))
-
-
-def capacity_experts(
-    x: Array, wi: Array, wo: Array, weights: Array, ids: Array, act: str, capacity: int
-) -> tuple[Array, Array]:
-    """Each expert takes its first `capacity` assignments in token order (a token's best
-    expert before its second); the rest are dropped. Returns the output `[tokens, embed]`
-    and float32 `[tokens, k]`: 1 where an assignment was dropped."""
-    tokens, k = ids.shape
-    experts = wi.shape[0]
-    flat = ids.T.reshape(-1)  # rank-major: every token's first choice before any second
-    onehot = jax.nn.one_hot(flat, experts, dtype=jnp.int32)
-    position = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=-1) - 1
-    keep = position < capacity
-    token = jnp.tile(jnp.arange(tokens), k)
-    buffer = jnp.zeros((experts, capacity, x.shape[-1]), x.dtype)
-    buffer = buffer.at[flat, position].set(x[token], mode="drop")  # dropped: out of range
-    h = jnp.einsum("ecd,edgf->ecgf", buffer, wi)
-    out = jnp.einsum("ecf,efd->ecd", _swiglu(h[:, :, 0], h[:, :, 1], act), wo)
-    ys = out.at[flat, jnp.minimum(position, capacity - 1)].get()
-    ys = jnp.where(keep[:, None], ys, 0).reshape(k, tokens, -1)
-    y = jnp.einsum("ktd,tk->td", ys, weights.astype(ys.dtype))
-    return y, (~keep).reshape(k, tokens).T.astype(jnp.float32)
+# ------------------------------------------------------------------ expert parallelism
 
 
 def expert_parallel(
-    x: Array, wi: Array, wo: Array, weights: Array, ids: Array, act: str, shards: int
+    x: Array,
+    wi: Array,
+    wo: Array,
+    weights: Array,
+    ids: Array,
+    act: experts.Glu,
+    shards: int,
+    bias: experts.Bias = None,
 ) -> Array | None:
-    """`grouped_experts` with the experts split over the mesh's `expert` axis, in a
+    """`experts.grouped_experts` with the experts split over the mesh's `expert` axis, in a
     `shard_map` over the axes that split the batch (x `[batch, length, embed]`, weights and
     ids `[batch, length, k]`); None when the batch does not split evenly (a dummy batch),
     where XLA partitions the plain computation instead."""
@@ -247,14 +187,14 @@ def expert_parallel(
     manual = rows if gathered else (*rows, EXPERT_AXIS)
     local = wi.shape[0] // shards
 
-    def body(x: Array, wi: Array, wo: Array, weights: Array, ids: Array) -> Array:
+    def body(x: Array, wi: Array, wo: Array, weights: Array, ids: Array, bias: Any) -> Array:
         if gathered:  # the expert group's tokens, on each of its devices
             x, weights, ids = (
                 jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x, weights, ids)
             )
         first = jax.lax.axis_index(EXPERT_AXIS) * local
         xt, wt, it = (a.reshape(-1, a.shape[-1]) for a in (x, weights, ids))
-        y = grouped_experts(xt, wi, wo, wt, it, act, first).reshape(x.shape)
+        y = experts.grouped_experts(xt, wi, wo, wt, it, act, first, bias).reshape(x.shape)
         if gathered:
             return jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
         return jax.lax.psum(y, EXPERT_AXIS)
@@ -263,10 +203,11 @@ def expert_parallel(
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(token_spec, P(EXPERT_AXIS), P(EXPERT_AXIS), token_spec, token_spec),
+        in_specs=(token_spec, P(EXPERT_AXIS), P(EXPERT_AXIS), token_spec, token_spec)
+        + (P(EXPERT_AXIS),),
         out_specs=token_spec,
         axis_names=frozenset(manual),
-    )(x, wi, wo, weights, ids)
+    )(x, wi, wo, weights, ids, bias)
 
 
 # ------------------------------------------------------------------ the layer
@@ -275,11 +216,12 @@ def expert_parallel(
 class MoE(nn.Module):
     """The mixture-of-experts MLP: `[batch, length, embed]` -> `[batch, length, embed]`.
 
-    Params (HF's module names): `gate/kernel` `[embed, experts]` (the router), `experts/wi`
-    `[experts, embed, 2, mlp]` (each expert's gate and up projections), `experts/wo`
-    `[experts, mlp, embed]`, and with a shared expert `shared_expert/{gate,up,down}_proj` and
-    `shared_expert_gate/kernel` `[embed, 1]`; DeepSeek-V3's ungated `shared_experts/{gate,up,
-    down}_proj` and the router's float32 `e_score_correction_bias` `[experts]`.
+    Params (HF's module names): `gate/kernel` `[embed, experts]` (the router; `gate/bias`
+    with `router_bias`), the experts' (`experts.Experts`: `experts/wi` `[experts, embed, 2,
+    mlp]`, `experts/wo` `[experts, mlp, embed]`, with `expert_bias` `bi`, `bo`), and with a
+    shared expert `shared_expert/{gate,up,down}_proj` and `shared_expert_gate/kernel`
+    `[embed, 1]`; DeepSeek-V3's ungated `shared_experts/{gate,up,down}_proj` and the
+    router's float32 `e_score_correction_bias` `[experts]`.
     """
 
     config: Any  # a family config with MoEOptions' fields, hidden_size, activation
@@ -295,8 +237,8 @@ class MoE(nn.Module):
         dtype = layers.as_dtype(self.dtype)
         shards = expert_shards(e)
         router = layers.DenseGeneral(
-            e, ("embed", None), dtype=self.dtype, param_dtype=self.param_dtype,
-            out_dtype=jnp.float32, name="gate",
+            e, ("embed", None), use_bias=cfg.router_bias, dtype=self.dtype,
+            param_dtype=self.param_dtype, out_dtype=jnp.float32, name="gate",
         )  # fmt: skip
         logits = router(x)  # [batch, length, experts], float32
         bias = None
@@ -316,26 +258,29 @@ class MoE(nn.Module):
 
         init = nn.initializers.normal(0.02)
         pdtype = layers.as_dtype(self.param_dtype)
-        experts = _Experts(e, d, f, pdtype, init, name="experts")
-        wi, wo = (w.astype(dtype) for w in experts())
+        weights_of = experts.Experts(e, d, f, pdtype, init, cfg.expert_bias, name="experts")
+        wi, wo, expert_bias = weights_of()
+        wi, wo, expert_bias = jax.tree.map(lambda w: w.astype(dtype), (wi, wo, expert_bias))
         xt = x.reshape(-1, d).astype(dtype)
         dropped = None
-        act = cfg.activation
+        act, glu = cfg.activation, experts.expert_glu(cfg)
         if cfg.moe_impl == "dense":
-            y = dense_experts(xt, wi, wo, weights, ids, act)
+            y = experts.dense_experts(xt, wi, wo, weights, ids, glu, expert_bias)
         elif cfg.moe_impl == "capacity":
-            capacity = expert_capacity(xt.shape[0], k, e, cfg.capacity_factor)
-            y, dropped = capacity_experts(xt, wi, wo, weights, ids, act, capacity)
+            capacity = experts.expert_capacity(xt.shape[0], k, e, cfg.capacity_factor)
+            y, dropped = experts.capacity_experts(
+                xt, wi, wo, weights, ids, glu, capacity, expert_bias
+            )
         else:
             y = None
             if shards > 1:
                 split = lambda a: a.reshape(b, length, -1)  # noqa: E731
                 y = expert_parallel(
-                    x.astype(dtype), wi, wo, split(weights), split(ids), act, shards
+                    x.astype(dtype), wi, wo, split(weights), split(ids), glu, shards, expert_bias
                 )
                 y = None if y is None else y.reshape(-1, d)
             if y is None:
-                y = grouped_experts(xt, wi, wo, weights, ids, act)
+                y = experts.grouped_experts(xt, wi, wo, weights, ids, glu, bias=expert_bias)
         y = y.reshape(b, length, d)
 
         if cfg.shared_expert_intermediate_size:
@@ -359,32 +304,6 @@ class MoE(nn.Module):
         stats = routing.router_stats(logits.reshape(-1, e), ids, real, e, dropped, cfg.router)
         self.sow(routing.ROUTER_COLLECTION, routing.ROUTER_STATS, stats)
         return checkpoint_name(y.astype(dtype), "mlp_out")
-
-
-class _Experts(nn.Module):
-    """The experts' stacked weights, created with their logical axes."""
-
-    experts: int
-    embed: int
-    mlp: int
-    param_dtype: Any
-    init: Any
-
-    @nn.compact
-    def __call__(self) -> tuple[Array, Array]:
-        wi = self.param(
-            "wi",
-            nn.with_logical_partitioning(self.init, ("expert", "embed", None, "mlp")),
-            (self.experts, self.embed, 2, self.mlp),
-            self.param_dtype,
-        )
-        wo = self.param(
-            "wo",
-            nn.with_logical_partitioning(self.init, ("expert", "mlp", "embed")),
-            (self.experts, self.mlp, self.embed),
-            self.param_dtype,
-        )
-        return layers.with_lora(self, "wi", wi), layers.with_lora(self, "wo", wo)
 
 
 class GatedMLP(nn.Module):
