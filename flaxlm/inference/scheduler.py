@@ -12,12 +12,18 @@ Prefix sharing: a job whose prompt equals one being prefilled follows it (the pr
 prefilled once; its full pages are shared, the page it ends in copied before either writes
 there), and a prompt's full pages stay in the prefix cache after their sequence ends, found
 again by later jobs with the same prefix.
+
+Many LoRA adapters: params that hold stacked adapters (`lora.with_row_adapters`) serve each
+job with its own (`Job.adapter`; 0 the base) in the same dispatches, the adapter index of
+each row an argument of the compiled programs (`lora.adapters_per_row`). Keys and values
+depend on the adapter, so only jobs with the same adapter share pages.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -31,13 +37,16 @@ from flaxlm.inference.pages import PagePool, pages_for, prefix_keys
 from flaxlm.models import losses
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.training import lora
 
 Array = jax.Array
 
 
 class Job(Protocol):
     """What the scheduler reads of a job (the server's `Completion`); it puts ("token", id,
-    logprob, top), then ("done", "stop" | "length") on `events` (or ("cancelled", msg))."""
+    logprob, top), then ("done", "stop" | "length") on `events` (or ("cancelled", msg)).
+    A job may also have `adapter`: the index of its LoRA adapter in the params' stacked
+    adapters (0, the base, when it has none)."""
 
     prompt_ids: Sequence[int]
     max_tokens: int
@@ -53,6 +62,7 @@ class _Sequence:
     prompt: np.ndarray  # int32 [length]
     pages: list[int]  # a follower's own pages until its leader's prompt is read
     keys: list[bytes]  # prefix-cache keys of the prompt's full pages
+    adapter: int = 0  # its LoRA adapter's index (0: the base)
     computed: int = 0  # prompt tokens whose keys and values are in the cache
     generated: int = 0
     last_token: int = 0  # sampled, not yet fed
@@ -158,8 +168,12 @@ class Scheduler:
                 f"beyond the engine's {min(self.max_seq_len, self.pool.capacity * self.page_size)}"
                 " slots per sequence."
             )
+        adapter = int(getattr(job, "adapter", 0))
         keys = prefix_keys(prompt, self.page_size, len(prompt) // self.page_size)
-        self.waiting.append(_Sequence(job, prompt, [], keys))
+        if adapter:  # another adapter's keys and values: other pages
+            salt = adapter.to_bytes(8, "little")
+            keys = [hashlib.sha1(salt + key).digest() for key in keys]
+        self.waiting.append(_Sequence(job, prompt, [], keys, adapter=adapter))
 
     def cancel(self, job: Job, message: str) -> bool:
         """Drops `job` (its pages freed) with a ("cancelled", message) event; False when the
@@ -193,6 +207,7 @@ class Scheduler:
                     for s in self.running
                     if s.leader is None
                     and s.computed < len(s.prompt)
+                    and s.adapter == seq.adapter
                     and np.array_equal(s.prompt, seq.prompt)
                 ),
                 None,
@@ -266,8 +281,10 @@ class Scheduler:
         tokens = np.zeros((size, chunk), np.int32)
         slots = np.full((size, chunk), -1, np.int32)
         last = np.zeros((size,), np.int32)
+        adapters = np.zeros((size,), np.int32)
         needed = []
         for i, seq in enumerate(rows):
+            adapters[i] = seq.adapter
             n = min(chunk, len(seq.prompt) - seq.computed)
             tokens[i, :n] = seq.prompt[seq.computed : seq.computed + n]
             slots[i, :n] = np.arange(seq.computed, seq.computed + n)
@@ -275,7 +292,9 @@ class Scheduler:
             needed.append(pages_for(seq.computed + n, self.page_size))
         table = self._table(rows, needed, size)
         with self.partitioner.context():
-            logits, self.cache = self._prefill(self.params, self.cache, tokens, slots, table, last)
+            logits, self.cache = self._prefill(
+                self.params, self.cache, tokens, slots, table, last, adapters
+            )
         self.prefill_dispatches += 1
         finished = []  # (sequence, its logits row)
         for i, seq in enumerate(rows):
@@ -337,8 +356,10 @@ class Scheduler:
         counts = np.zeros((size,), np.int32)
         temperature = np.zeros((size,), np.float32)
         top_p = np.ones((size,), np.float32)
+        adapters = np.zeros((size,), np.int32)
         needed = []
         for i, seq in enumerate(rows):
+            adapters[i] = seq.adapter
             tokens[i] = seq.last_token
             slots[i] = len(seq.prompt) + seq.generated - 1
             remaining[i] = seq.job.max_tokens - seq.generated
@@ -346,7 +367,7 @@ class Scheduler:
             temperature[i], top_p[i] = seq.job.temperature, seq.job.top_p
             needed.append(min(len(seq.pages), pages_for(slots[i] + steps, self.page_size)))
         table = self._table(rows, needed, size)
-        args = (tokens, slots, table, remaining, seeds, counts, temperature, top_p)
+        args = (tokens, slots, table, adapters, remaining, seeds, counts, temperature, top_p)
         with self.partitioner.context():
             self.cache, *out = self._decode(self.params, self.cache, *args)
         self.decode_dispatches += 1
@@ -369,15 +390,18 @@ class Scheduler:
             return self.partitioner.replicated()
         return sharding
 
-    def _prefill_fn(self, params, cache, tokens, slots, table, last):
-        logits, cache = self.model.paged_logits(params, cache, tokens, slots, table, last)
+    def _prefill_fn(self, params, cache, tokens, slots, table, last, adapters):
+        with lora.adapters_per_row(adapters):
+            logits, cache = self.model.paged_logits(params, cache, tokens, slots, table, last)
         return logits, jax.lax.with_sharding_constraint(cache, self._shardings)
 
     def _first_fn(self, logits, index, seeds, counts, temperature, top_p):
         keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.PRNGKey)(seeds), counts)
         return select(logits[index], keys, temperature, top_p, self.num_top)
 
-    def _decode_fn(self, params, cache, tokens, slots, table, remaining, seeds, counts, *sample):
+    def _decode_fn(
+        self, params, cache, tokens, slots, table, adapters, remaining, seeds, counts, *sample
+    ):
         """`decode_steps` tokens of every row: feed the last one, sample the next; a row
         stops writing after an EOS or its last token."""
         keys = jax.vmap(jax.random.PRNGKey)(seeds)
@@ -388,7 +412,10 @@ class Scheduler:
             cache, token, slot, remaining, count = carry
             active = remaining > 0
             fed = jnp.where(active, slot, -1)[:, None]
-            logits, cache = self.model.paged_logits(params, cache, token[:, None], fed, table, last)
+            with lora.adapters_per_row(adapters):
+                logits, cache = self.model.paged_logits(
+                    params, cache, token[:, None], fed, table, last
+                )
             step_keys = jax.vmap(jax.random.fold_in)(keys, count)
             out = select(logits, step_keys, *sample, self.num_top)
             stop = (out[0][:, None] == eos[None]).any(-1)

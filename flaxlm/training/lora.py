@@ -22,11 +22,12 @@ expert dim stacked like a scanned layer's: `wi_lora_a` `[expert, embed, r]`, `wi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
 import string
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -305,3 +306,115 @@ class LoraModel:
         rate = self.cfg.dropout if rng is not None else 0.0
         with layers.lora_dropout(rate):
             return fn(params, *args)
+
+
+# ---------------------------------------------------------------- many adapters, one batch
+#
+# Serving several adapters over one base at once: each adapted kernel gets every adapter's
+# pair stacked beside it (`lora_a_rows` `[stack..., adapters + 1, in..., R]`, `lora_b_rows`
+# `[stack..., adapters + 1, R, out...]`; index 0 the base's zeros, each A already scaled, ranks
+# zero-padded to the largest R: exact, the padded components add 0), and within
+# `adapters_per_row(index)` each row `i` of a batch adds `x[i] A[index[i]] B[index[i]]` to its
+# layer's output. The base is not merged into nor copied; the index is data, so one compiled
+# program serves any mix of adapters.
+
+ROWS_A, ROWS_B = "lora_a_rows", "lora_b_rows"
+
+
+def stack_adapters(
+    kernels: Mapping[str, AdaptedKernel], adapter_sets: Sequence[tuple[Params, float]]
+) -> Params:
+    """Each `(adapters, alpha)` of `adapter_sets` at index 1, 2, ... of every kernel in
+    `kernels` (the union of the sets' kernels; their ranks are not read), beside index 0's
+    zeros: the tree `with_row_adapters` puts beside the base's kernels. A set that leaves a
+    kernel alone has zeros there. Adapters on a weight stacked over experts cannot be
+    gathered per row (`layers.with_lora` adds them weight-sized): an error."""
+    flat_sets = [(traverse_util.flatten_dict(a), alpha) for a, alpha in adapter_sets]
+    out = {}
+    for name, k in sorted(kernels.items()):
+        if k.path[-1] != "kernel":
+            raise ValueError(
+                f"Adapters on {name} (a weight stacked over experts) cannot be served per row; "
+                "merge the adapter into the base and serve that instead."
+            )
+        a_path, b_path = _adapter_paths(k)
+        pairs = [(f.get(a_path), f.get(b_path), alpha) for f, alpha in flat_sets]
+        rank = max(a.shape[-1] for a, _, _ in pairs if a is not None)
+        s = k.num_stacked
+        a_rows = [jnp.zeros(k.a_shape[:-1] + (rank,), jnp.float32)]
+        b_rows = [jnp.zeros(k.b_shape[:s] + (rank,) + k.b_shape[s + 1 :], jnp.float32)]
+        for a, b, alpha in pairs:
+            if a is None:
+                a_rows.append(a_rows[0])
+                b_rows.append(b_rows[0])
+                continue
+            r = a.shape[-1]
+            pad = rank - r
+            a = a.astype(jnp.float32) * (alpha / r)
+            a_rows.append(jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]))
+            b = b.astype(jnp.float32)
+            b_rows.append(jnp.pad(b, [(0, 0)] * s + [(0, pad)] + [(0, 0)] * (b.ndim - s - 1)))
+        module = k.path[:-1]
+        out[module + (ROWS_A,)] = jnp.stack(a_rows, axis=s)
+        out[module + (ROWS_B,)] = jnp.stack(b_rows, axis=s)
+    return traverse_util.unflatten_dict(out)
+
+
+def stacked_adapter_axes(kernels: Mapping[str, AdaptedKernel]) -> Params:
+    """The logical axes of `stack_adapters`' tree: the kernel's, the adapter and rank dims
+    unsharded."""
+    flat = {}
+    for k in kernels.values():
+        s = k.num_stacked
+        module = k.path[:-1]
+        flat[module + (ROWS_A,)] = P(*k.a_axes[:s], None, *k.a_axes[s:])
+        flat[module + (ROWS_B,)] = P(*k.b_axes[:s], None, *k.b_axes[s:])
+    return traverse_util.unflatten_dict(flat)
+
+
+def with_row_adapters(base: Params, stacked: Params) -> Params:
+    """`base` with `stack_adapters`' tree beside its kernels (the base's own arrays, no
+    copy): the params under which `adapters_per_row` adapts each row."""
+    flat = traverse_util.flatten_dict(base)
+    for path, x in traverse_util.flatten_dict(stacked).items():
+        if path[:-1] + ("kernel",) not in flat:
+            raise ValueError(f"Adapter {'/'.join(path)} has no kernel in the base params.")
+        flat[path] = x
+    return traverse_util.unflatten_dict(flat)
+
+
+@contextlib.contextmanager
+def adapters_per_row(index: jax.Array) -> Iterator[None]:
+    """Within, every `layers.DenseGeneral` whose params hold stacked adapters
+    (`with_row_adapters`) adds to row `i` of its output (the batch dim leads) the update of
+    adapter `index[i]` (int32 `[rows]`; 0: none). Traced inside the caller's jit: the
+    gather is part of its program, `index` an argument like any other."""
+
+    def add_rows(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+        y = next_fun(*args, **kwargs)
+        module = context.module
+        if (
+            context.method_name != "adapt"
+            or not isinstance(module, layers.DenseGeneral)
+            or not module.has_variable("params", ROWS_A)
+        ):
+            return y
+        x = args[0]
+        axis = module.contracted(x.ndim)
+        if 0 in axis or x.shape[0] != index.shape[0]:
+            raise ValueError(
+                f"{'/'.join(module.path)}: input {x.shape} has no leading dim of the "
+                f"{index.shape[0]} rows that adapters_per_row indexes."
+            )
+        dtype = layers.as_dtype(module.dtype)
+        a = module.get_variable("params", ROWS_A)[index].astype(dtype)  # [rows, in..., R]
+        b = module.get_variable("params", ROWS_B)[index].astype(dtype)  # [rows, R, out...]
+        batch = ((0,), (0,))
+        xa = jax.lax.dot_general(
+            x.astype(dtype), a, ((axis, tuple(range(1, len(axis) + 1))), batch)
+        )  # [rows, free..., R]
+        update = jax.lax.dot_general(xa, b, (((xa.ndim - 1,), (1,)), batch))
+        return y + update.astype(y.dtype)
+
+    with nn.intercept_methods(add_rows):
+        yield

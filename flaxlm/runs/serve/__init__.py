@@ -5,7 +5,8 @@ One engine thread owns the model (`engine.py`). Requests wait in a queue; the en
 the first and every other that arrives within `batch_wait_ms` (up to `max_batch_size`),
 decodes them as one batch step by step on the mesh (KV cache, per-row temperature and top-p),
 and hands each request its tokens as they come. HTTP threads (`http.py`) only parse
-(`api.py`), validate and stream (`stream.py`).
+(`api.py`), validate and stream (`stream.py`). LoRA adapters (`adapters.py`) are served
+beside the base, a request's `model` picking one.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import contextlib
 import signal
 import socket
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import gin
 import seqio
@@ -23,6 +24,7 @@ from etils import epath
 from flaxlm.checkpoints import run_dir
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.runs.serve.adapters import load_adapters
 from flaxlm.runs.serve.engine import Engine
 from flaxlm.runs.serve.http import Server, listen
 
@@ -41,6 +43,7 @@ def serve(
     batch_wait_ms: float = 10.0,
     max_tokens_limit: int = 512,
     step: int | None = None,
+    lora_adapters: Mapping[str, str] | None = None,
     ready: Callable[[Server], None] | None = None,
 ) -> None:
     """Run function: serves `checkpoint` (a flaxlm MODEL_DIR or an HF directory) over HTTP
@@ -52,11 +55,18 @@ def serve(
     Requests that arrive within `batch_wait_ms` of each other decode together (up to
     `max_batch_size` prompts per batch). The port is taken before the model loads (a port in
     use fails at once); on a signal, decodes in flight are cancelled after their current
-    step, their requests answered, and the function returns."""
+    step, their requests answered, and the function returns.
+
+    `lora_adapters` (`{'name': '/path', ...}`: flaxlm LoRA run directories or PEFT adapter
+    directories trained over this base) are served beside it: GET /v1/models lists them, a
+    request's `model` picks one (the base by its own name), and one batch mixes rows of
+    different adapters and of the base (vLLM's `--lora-modules name=path`)."""
     httpd = listen(host, port)
     try:
         partitioner = partitioner or Partitioner()
         model, params, step = run_dir.load_model_and_params(checkpoint, partitioner, step, model)
+        name = model_name or epath.Path(checkpoint).name
+        params, adapters = load_adapters(lora_adapters, model, params, partitioner, name)
         vocabulary = (
             vocabulary or run_dir.checkpoint_vocabulary(checkpoint) or seqio.ByteVocabulary()
         )
@@ -67,16 +77,17 @@ def serve(
             vocabulary,
             max_batch_size=max_batch_size,
             batch_wait_ms=batch_wait_ms,
+            adapters=adapters,
         )
-        name = model_name or epath.Path(checkpoint).name
         server = Server(engine, name, httpd, max_tokens_limit=max_tokens_limit)
         with signals_awaited((signal.SIGINT, signal.SIGTERM)) as next_signal:
             server.start()
             try:
                 print(
                     f"Serving {name} (step {step}, {type(model.config).__name__}) on "
-                    f"{server.address} with batches of up to {max_batch_size}; open "
-                    f"{server.address}/ to try it.",
+                    f"{server.address} with batches of up to {max_batch_size}"
+                    + (f" and LoRA adapters {list(adapters)}" if adapters else "")
+                    + f"; open {server.address}/ to try it.",
                     flush=True,
                 )
                 if ready is not None:

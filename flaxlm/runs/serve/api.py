@@ -22,12 +22,15 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class BadRequest(ValueError):
-    """A request the server answers with 400 and a message; `param` names the field at
-    fault (OpenAI's error `param`), None when it is the body as a whole."""
+    """A request the server answers with `status` (400) and a message; `param` names the
+    field at fault (OpenAI's error `param`), None when it is the body as a whole; `code` is
+    OpenAI's error `code` where it has one."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ):
         super().__init__(message)
-        self.param = param
+        self.param, self.status, self.code = param, status, code
 
 
 @dataclasses.dataclass
@@ -42,6 +45,7 @@ class Completion:
     logprobs: int | None
     seed: int
     events: queue.Queue = dataclasses.field(default_factory=queue.Queue)
+    adapter: int = 0  # the LoRA adapter the request's `model` names (0: the base)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +311,7 @@ def _sampling(
                 "stream_options supports only include_usage (a boolean).", "stream_options"
             )
     return {
+        "model": request.get("model"),
         "n": n,
         "max_tokens": value,
         "temperature": temperature,

@@ -6,7 +6,11 @@ between decode dispatches of several tokens each, and completions with a common 
 its pages. A model that cannot page (`BaseModel.paged_refusal`: Phi-3, encoder-decoders)
 decodes as `BatchEngine` does: the first queued completion and every other that arrives
 within `batch_wait_ms` (up to `max_batch_size`) decoded as one batch step by step over a
-contiguous cache, per-row temperature and top-p."""
+contiguous cache, per-row temperature and top-p.
+
+LoRA adapters stacked in the params (`serve/adapters.py`) are served by `Engine` only: each
+completion's `adapter` picks its own, rows of different adapters and of the base in one
+dispatch; `BatchEngine` serves the params as they are, one model."""
 
 from __future__ import annotations
 
@@ -65,6 +69,7 @@ class BatchEngine:
         self.vocab_size = getattr(model.config, "real_vocab_size", None) or model.config.vocab_size
         self.max_batch_size = max_batch_size
         self.batch_wait = batch_wait_ms / 1000.0
+        self.adapters: tuple[str, ...] = ()  # the names of the LoRA adapters served (Engine)
         # None: wake up, stop; a list: completions admitted together (`Engine.submit_many`).
         self.queue: queue.Queue[Completion | list[Completion] | None] = queue.Queue()
         self._prefill = jax.jit(model.prefill, static_argnums=(3,))
@@ -223,6 +228,8 @@ class BatchEngine:
         temperature, top_p = np.float32(c.temperature), np.float32(c.top_p)
         if not (0 <= temperature < np.inf and 0 < top_p <= 1):
             raise ValueError(f"temperature {c.temperature} or top_p {c.top_p} out of range")
+        if not 0 <= c.adapter <= len(self.adapters):
+            raise ValueError(f"adapter {c.adapter}: this engine serves {len(self.adapters)}")
         return _Row(c, ids, temperature, top_p, np.uint32(c.seed))  # OverflowError: seed
 
 
@@ -249,6 +256,7 @@ class Engine(BatchEngine):
         decode_steps: int = 8,
         prefill_chunk: int = 64,
         prefill_rows: int = 2,
+        adapters: Sequence[str] = (),
     ):
         """
         Args:
@@ -258,6 +266,9 @@ class Engine(BatchEngine):
           page_size, num_pages, decode_steps, prefill_chunk, prefill_rows: see `Scheduler`.
           max_seq_len: the longest prompt plus completion (default: the model's positions,
             at most 2048).
+          adapters: the names of the LoRA adapters stacked in `params`
+            (`serve.adapters.load_adapters`); a completion's `adapter` i > 0 is
+            `adapters[i - 1]`. A model that cannot page refuses them.
         """
         super().__init__(
             model,
@@ -269,7 +280,14 @@ class Engine(BatchEngine):
         )
         self.scheduler: Scheduler | None = None
         self._cancels: list[tuple[Completion, str]] = []  # guarded by self._lock
-        if model.paged_refusal() is None:
+        self.adapters = tuple(adapters)
+        refusal = model.paged_refusal()
+        if self.adapters and refusal is not None:
+            raise ValueError(
+                f"LORA_ADAPTERS: {refusal} Adapters are served per row over the paged cache "
+                "only; serve each adapter merged (its own CHECKPOINT) instead."
+            )
+        if refusal is None:
             self.scheduler = Scheduler(
                 model,
                 params,

@@ -1,6 +1,9 @@
 """The HTTP front: OpenAI's completions and chat completions (JSON, or server-sent events
 when `stream`), health and model listing, and a small page at `/` to try it. HTTP threads
-only parse, validate and stream; the engine thread decodes."""
+only parse, validate and stream; the engine thread decodes.
+
+The models served are the base, by its own name, and each LoRA adapter the engine holds by
+its name (`/v1/models` lists them; a request's `model` picks one, none the base)."""
 
 from __future__ import annotations
 
@@ -66,6 +69,9 @@ class Server:
         """
         self.engine = engine
         self.model_name = model_name
+        # A request's `model` -> the engine's adapter index (0: the base).
+        self.models = {model_name: 0}
+        self.models.update({name: i + 1 for i, name in enumerate(engine.adapters)})
         self.max_tokens_limit = max_tokens_limit
         self.request_timeout = request_timeout_s
         self.max_positions = engine.model.position_limit()
@@ -85,6 +91,31 @@ class Server:
     def address(self) -> str:
         host, port = self.httpd.server_address[:2]
         return f"http://{host}:{port}"
+
+    def model_list(self) -> dict[str, Any]:
+        """GET /v1/models: the base, then each adapter with the base as its `parent` (as
+        vLLM lists LoRA modules)."""
+        data = []
+        for name, index in self.models.items():
+            model = {"id": name, "object": "model", "created": 0, "owned_by": "flaxlm"}
+            data.append({**model, "parent": self.model_name} if index else model)
+        return {"object": "list", "data": data}
+
+    def adapter(self, request: dict) -> int:
+        """The adapter index of the model a parsed request names (none: the base); an
+        unknown name is a 404, as OpenAI answers it."""
+        name = request["model"]
+        if name is None:
+            return 0
+        if name not in self.models:
+            raise BadRequest(
+                f"The model `{name}` does not exist; GET /v1/models lists those served: "
+                f"{list(self.models)}.",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
+        return self.models[name]
 
     def encode(self, text: str) -> list[int]:
         return generation.prompt_ids(
@@ -106,6 +137,7 @@ class Server:
 
         A chat request that sets no max tokens (nor does the checkpoint) gets the room its
         prompt leaves, up to `max_tokens_limit`."""
+        adapter = self.adapter(request)
         jobs, prompt_ids = [], self.prompt_ids(request)
         for ids in prompt_ids:
             max_tokens = request["max_tokens"]
@@ -131,6 +163,7 @@ class Server:
                         request["stop"],
                         request["logprobs"],
                         seed,
+                        adapter=adapter,
                     )
                 )
         return jobs, prompt_ids
@@ -284,10 +317,12 @@ class _Answer:
         return {**self._envelope(True), "choices": [], "usage": self.usage()}
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """OpenAI's error shape, which its clients read into their exceptions."""
     kind = _ERROR_TYPES.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
@@ -311,8 +346,10 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
-        def _error(self, code: int, message: str, param: str | None = None) -> None:
-            self._json(code, error_body(code, message, param))
+        def _error(
+            self, status: int, message: str, param: str | None = None, code: str | None = None
+        ) -> None:
+            self._json(status, error_body(status, message, param, code))
 
         def _event(self, payload: Any) -> None:
             self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
@@ -323,13 +360,7 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
             if path == "/health":
                 self._json(200, {"status": "ok", "batches": server.engine.batches})
             elif path == "/v1/models":
-                model = {
-                    "id": server.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "flaxlm",
-                }
-                self._json(200, {"object": "list", "data": [model]})
+                self._json(200, server.model_list())
             elif path in ("/", "/index.html"):
                 body = _PAGE.read_text().replace("{{MODEL}}", server.model_name).encode()
                 self.send_response(200)
@@ -361,7 +392,7 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 )
                 jobs, prompt_ids = server.completions(request)
             except BadRequest as e:
-                self._error(400, str(e), e.param)
+                self._error(e.status, str(e), e.param, e.code)
                 return
             except ValueError as e:
                 self._error(400, f"Bad request: {e}")
@@ -369,7 +400,7 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
             n = request["n"]
             for start in range(0, len(jobs), n):  # a prompt's samples share its pages
                 server.engine.submit_many(jobs[start : start + n])
-            answer = _Answer(request, server.model_name, prompt_ids)
+            answer = _Answer(request, request["model"] or server.model_name, prompt_ids)
             try:
                 if request["stream"]:
                     self._stream(answer, jobs)
