@@ -16,17 +16,21 @@ import signal
 import socket
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import gin
-import seqio
 from etils import epath
 
 from flaxlm.checkpoints import run_dir
+from flaxlm.data import vocabularies
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve.adapters import load_adapters
 from flaxlm.runs.serve.engine import Engine
 from flaxlm.runs.serve.http import Server, listen
+
+if TYPE_CHECKING:  # (serving loads neither seqio nor TensorFlow)
+    import seqio
 
 
 @gin.configurable
@@ -68,7 +72,7 @@ def serve(
         name = model_name or epath.Path(checkpoint).name
         params, adapters = load_adapters(lora_adapters, model, params, partitioner, name)
         vocabulary = (
-            vocabulary or run_dir.checkpoint_vocabulary(checkpoint) or seqio.ByteVocabulary()
+            vocabulary or run_dir.checkpoint_vocabulary(checkpoint) or vocabularies.ByteVocabulary()
         )
         engine = Engine(
             model,

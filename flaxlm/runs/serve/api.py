@@ -10,9 +10,10 @@ import math
 import queue
 import secrets
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import seqio
+if TYPE_CHECKING:  # (serving loads neither seqio nor TensorFlow)
+    import seqio
 
 MAX_LOGPROBS = 5
 MAX_CHOICES = 16  # n x prompts of one request: each is a row of the engine's batches

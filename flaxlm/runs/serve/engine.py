@@ -18,18 +18,20 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import seqio
 
 from flaxlm.inference import decoding, generation
 from flaxlm.inference.scheduler import Scheduler, select
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve.api import MAX_LOGPROBS, Completion, check_prompt_ids
+
+if TYPE_CHECKING:  # (serving loads neither seqio nor TensorFlow)
+    import seqio
 
 BUCKET = 32  # prompt and generation lengths are rounded up to this (fewer compiles)
 SHUTTING_DOWN = "The server is shutting down."

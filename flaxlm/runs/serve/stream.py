@@ -5,9 +5,10 @@ endpoints show them."""
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import seqio
+if TYPE_CHECKING:  # (serving loads neither seqio nor TensorFlow)
+    import seqio
 
 
 class TextStream:
