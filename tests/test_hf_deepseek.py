@@ -1,0 +1,312 @@
+"""DeepSeek-V3 (and Kimi K2) from and to HuggingFace: logits, the router's choices, greedy
+generation from the latent KV cache, export, the latent cache's size, and the published sizes.
+
+Two tiny random models of transformers' `DeepseekV3ForCausalLM`: one with every DeepSeek-V3
+feature on (a query latent, interleaved rotary with YaRN's mscale, a dense first layer,
+group-limited sigmoid routing with a nonzero correction bias, a shared expert, value heads
+narrower than query/key heads) and one with the other branches (plain `q_proj`, attention
+biases, half-split rotary, every layer sparse so the layers scan).
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from flaxlm.checkpoints import hf
+from flaxlm.models import deepseek, masks, mla, routing
+from flaxlm.models.base import DecoderOnlyModel
+from flaxlm.parallel.partitioning import Partitioner
+from tests.hf_helpers import (
+    decoder_batch,
+    flaxlm_greedy_batch,
+    gin_config,
+    hf_greedy_batch,
+    max_abs_diff,
+    padded_batch,
+    random_hf_model,
+    torch_logits,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 120
+GREEDY_TOKENS = 8
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=12,
+    v_head_dim=10,
+    max_position_embeddings=96,
+    initializer_range=0.1,
+    n_shared_experts=1,
+    bos_token_id=None,
+    eos_token_id=None,  # no EOS: HF's min_new_tokens would otherwise forbid one
+)
+FULL = dict(
+    COMMON,
+    num_hidden_layers=2,
+    first_k_dense_replace=1,
+    q_lora_rank=24,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    # Past the original 32 positions, with mscale_all_dim != mscale: both YaRN factors count.
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=3.0,
+        original_max_position_embeddings=32,
+        mscale=1.0,
+        mscale_all_dim=0.8,
+    ),
+)
+PLAIN = dict(
+    COMMON,
+    num_hidden_layers=2,
+    first_k_dense_replace=0,
+    q_lora_rank=None,
+    attention_bias=True,
+    rope_interleave=False,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.5,
+)
+# float32 logits of a 2-layer model whose values are O(1): rounding in other summation orders
+# is ~eps (1.2e-7) x sqrt(width) x depth ~ 1e-6 (1.1e-6 seen); 1e-4 leaves a margin (and is
+# what every family meets).
+LOGITS_TOL = 1e-4
+
+
+def tiny_hf_deepseek(**kwargs):
+    """A random tiny `DeepseekV3ForCausalLM` whose norms, biases and correction biases are
+    perturbed too (HF starts them at 1 and 0); the correction bias (a buffer) at the scale of
+    the sigmoid scores, so it changes which experts are chosen."""
+    model = random_hf_model(
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForCausalLM,
+        ("norm.weight", "layernorm.weight", ".bias"),
+        **kwargs,
+    )
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn_like(buffer))
+    return model
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """(torch model, its save_pretrained directory, flaxlm model, params)."""
+    torch_model = tiny_hf_deepseek(**FULL)
+    path = str(tmp_path_factory.mktemp("deepseek_full"))
+    torch_model.save_pretrained(path)
+    model, params = hf.from_pretrained(path)
+    return torch_model, path, model, params
+
+
+def test_logits_are_hf_logits(full):
+    torch_model, _, model, params = full
+    assert isinstance(model.config, deepseek.DeepseekV3Config)
+    assert model.config.sparse_layers(2) == (False, True)
+    ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
+    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+    ours = model.compute_logits(params, decoder_batch(ids, mask))
+    assert max_abs_diff(ours, theirs, mask) < LOGITS_TOL
+
+
+def test_other_branches_scanned_on_a_mesh_give_hf_logits(tmp_path):
+    torch_model = tiny_hf_deepseek(**PLAIN)
+    torch_model.save_pretrained(tmp_path)
+    ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
+    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+    model, params = hf.from_pretrained(
+        str(tmp_path), Partitioner(mesh_shape=(2, 2, 2)), scan_layers=True
+    )
+    assert model.config.q_lora_rank is None and not model.config.rope_interleave
+    assert "q_proj" in params["layers"]["block"]["self_attn"]
+    got = model.compute_logits(params, decoder_batch(ids, mask))
+    assert max_abs_diff(got, theirs, mask) < LOGITS_TOL
+
+
+def test_router_chooses_hf_experts_with_hf_weights(full):
+    """`routing.route` on HF's router logits picks the experts HF's `DeepseekV3TopkRouter`
+    picks (the correction bias and the expert groups moving the choice) with its weights."""
+    torch_model, _, model, params = full
+    captured = []
+    gate = torch_model.model.layers[1].mlp.gate
+    handle = gate.register_forward_hook(lambda m, i, out: captured.append(out))
+    ids, mask = padded_batch(VOCAB, (12, 7, 12, 3))
+    torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+    handle.remove()
+    logits, hf_weights, hf_ids = (t.numpy() for t in captured[0])
+    cfg = model.config
+    bias = params["layers_1"]["mlp"]["e_score_correction_bias"]
+    np.testing.assert_array_equal(bias, gate.e_score_correction_bias.numpy())
+    weights, chosen = routing.route(
+        jnp.asarray(logits), cfg.num_experts_per_tok, cfg.router, cfg.norm_topk_prob,
+        correction_bias=bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
+        scaling_factor=cfg.routed_scaling_factor,
+    )  # fmt: skip
+    # Without the bias (or the groups), some tokens would choose other experts.
+    plain = routing.route(jnp.asarray(logits), cfg.num_experts_per_tok, cfg.router, True)[1]
+    assert (np.sort(plain, -1) != np.sort(chosen, -1)).any()
+    order, hf_order = np.argsort(chosen, -1), np.argsort(hf_ids, -1)
+    np.testing.assert_array_equal(
+        np.take_along_axis(np.asarray(chosen), order, -1), np.take_along_axis(hf_ids, hf_order, -1)
+    )
+    # Sigmoid scores of O(1) renormalised and scaled by 2.5: float32 rounding ~1e-7.
+    np.testing.assert_allclose(
+        np.take_along_axis(np.asarray(weights), order, -1),
+        np.take_along_axis(hf_weights, hf_order, -1),
+        rtol=1e-6,
+    )
+
+
+def test_greedy_from_the_latent_cache_is_hf_generate_and_the_full_cache(full):
+    torch_model, _, model, params = full
+    rng = np.random.default_rng(3)
+    # The longest runs to 31 positions past the original context of 32 (YaRN's range).
+    prompts = [rng.integers(1, VOCAB, n).tolist() for n in (11, 4, 23)]
+    latent = flaxlm_greedy_batch(model, params, prompts, GREEDY_TOKENS)
+    assert latent == hf_greedy_batch(torch_model, prompts, GREEDY_TOKENS)
+    full_cache = type(model)(dataclasses.replace(model.config, mla_cache="full"))
+    assert flaxlm_greedy_batch(full_cache, params, prompts, GREEDY_TOKENS) == latent
+
+
+def test_latent_cache_holds_576_values_per_token_against_40960(full):
+    """DeepSeek-V3's decoding cache per token and layer from the cache's shapes (one layer
+    of the 671B gin's attention): 512 + 64 latent values against 128 heads x (192 + 128) for
+    full keys and values, 71x fewer bytes; and the tiny model's cache has the latent's
+    shapes."""
+    cfg = gin_config(REPO, "deepseek_v3", deepseek.DeepseekV3Config)
+    cfg = dataclasses.replace(cfg, num_layers=1, mlp_only_layers=(0,))
+    batch, slots = 2, 16
+
+    def cache_shapes(config):
+        where = masks.Decoding(jnp.int32(0), jnp.zeros((batch,), jnp.int32), slots)
+        tokens = jnp.zeros((batch, slots), jnp.int32)
+        init = lambda: config.make_module().init(  # noqa: E731
+            jax.random.PRNGKey(0), tokens, None, None, decoding=where
+        )["cache"]
+        return jax.tree.leaves(jax.eval_shape(init))
+
+    per_token = {}
+    for kind in mla.MLA_CACHES:
+        leaves = cache_shapes(dataclasses.replace(cfg, mla_cache=kind))
+        values = sum(int(np.prod(leaf.shape)) for leaf in leaves) // (batch * slots)
+        per_token[kind] = (values, sum(leaf.size * leaf.dtype.itemsize for leaf in leaves))
+        assert values == mla.cache_values_per_token(dataclasses.replace(cfg, mla_cache=kind))
+    assert per_token["latent"][0] == 576 and per_token["full"][0] == 40960
+    assert per_token["full"][1] / per_token["latent"][1] == pytest.approx(40960 / 576)
+
+    _, _, model, _ = full
+    leaves = cache_shapes(model.config)
+    tiny = model.config
+    assert sorted(leaf.shape for leaf in leaves) == sorted(
+        [(batch, slots, 1, tiny.kv_lora_rank), (batch, slots, 1, tiny.qk_rope_head_dim)] * 2
+    )
+
+
+def test_export_is_what_transformers_reloads(full, tmp_path):
+    torch_model, path, model, params = full
+    hf.save_pretrained(model, params, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "np") as f:
+        names = set(f.keys())
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in names  # the Hub's spelling
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert type(reloaded) is type(torch_model)
+    ids, mask = padded_batch(VOCAB, (12, 7, 12, 3))
+    again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
+    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(again, theirs, mask) <= 1e-6 * max(1.0, np.abs(theirs).max())
+    exported = json.loads((tmp_path / "config.json").read_text())
+    for key in ("n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace"):
+        assert exported[key] == getattr(torch_model.config, key), key
+
+
+def test_kimi_k2_and_mtp_layers_load_as_deepseek_v3(full, tmp_path):
+    """Kimi K2's config.json names `kimi_k2`; DeepSeek-V3's files carry a multi-token-
+    prediction layer `model.layers.61` that is skipped. Both only change the reading."""
+    _, path, model, params = full
+    config = json.loads(open(os.path.join(path, "config.json")).read())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["model.layers.61.eh_proj.weight"] = torch.zeros(4, 4)
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    kimi, kimi_params = hf.from_pretrained(str(tmp_path))
+    assert kimi.config == model.config
+    assert jax.tree.all(jax.tree.map(np.array_equal, kimi_params, params))
+
+
+# Published sizes (model cards): (all, active) params in billions and the tolerances their
+# rounding allows: DeepSeek-V3's 671B and 37B; Kimi K2's "1T" and "32B" (1.03T and 32.9B).
+PUBLISHED = {"deepseek_v3": (671.0, 37.0, 0.01), "kimi_k2": (1000.0, 32.0, 0.03)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_gin_sizes_match_the_model_cards(name):
+    total, active, tol = PUBLISHED[name]
+    cfg = gin_config(REPO, name, deepseek.DeepseekV3Config)
+    assert abs(cfg.num_params() / 1e9 - total) / total < tol, cfg.num_params()
+    # The cards round the active count to two digits.
+    assert abs(cfg.active_params() / 1e9 - active) / active < 0.035, cfg.active_params()
+    assert cfg.flops_per_token(4096) > 6 * (cfg.active_params() - cfg.vocab_size * cfg.hidden_size)
+
+
+def test_tiny_gin_model_counts_its_params():
+    model = DecoderOnlyModel(gin_config(REPO, "deepseek_v3_tiny", deepseek.DeepseekV3Config))
+    shapes = jax.eval_shape(
+        lambda: model.init_params(jax.random.PRNGKey(0), {"decoder_input_tokens": (1, 8)})
+    )
+    assert sum(x.size for x in jax.tree.leaves(shapes)) == model.config.num_params()
+    moe = shapes["layers_1"]["mlp"]
+    assert moe["experts"]["wi"].shape[0] == 8 and moe["e_score_correction_bias"].dtype == "float32"
+    assert "experts" not in shapes["layers_0"]["mlp"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(n_group=3), "n_group"),
+        (dict(topk_group=5), "topk_group"),
+        (dict(n_group=8, topk_group=1, num_experts_per_tok=2), "topk_group"),
+        (dict(mlp_only_layers=(1,)), "mlp_only_layers"),
+        (dict(scan_layers=True), "scan_layers"),
+        (dict(mla_cache="compressed"), "mla_cache"),
+        (dict(router="topk_softmax"), "router"),
+    ],
+    ids=str,
+)
+def test_settings_that_cannot_be_are_errors_naming_them(kwargs, field):
+    base = dict(num_layers=4, num_experts=8, num_experts_per_tok=2, mlp_only_layers=(0,))
+    base.update(n_group=4, topk_group=2)
+    with pytest.raises(ValueError, match=field):
+        deepseek.DeepseekV3Config(**{**base, **kwargs})
+
+
+def test_key_value_heads_unlike_query_heads_are_refused():
+    config = {**transformers.DeepseekV3Config(**FULL).to_dict(), "num_key_value_heads": 2}
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        deepseek.config_from_hf(config)
