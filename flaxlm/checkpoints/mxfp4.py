@@ -1,0 +1,90 @@
+"""MXFP4 tensors of a HuggingFace checkpoint, read as the plain tensors they stand for.
+
+The Hub's gpt-oss files store each layer's expert weights in MXFP4 (OCP microscaling, 4-bit
+floats): `<name>_blocks` uint8 `[..., rows, groups, 16]` packs 32 e2m1 values per group, two a
+byte (the low nibble first), and `<name>_scales` uint8 `[..., rows, groups]` holds each
+group's e8m0 exponent (biased by 127). The tensor `<name>` is their product `[..., groups *
+32, rows]` (the last two axes swapped, as transformers' `convert_moe_packed_tensors` lays it
+out for `GptOssExperts`). Every such value is exact in bfloat16 (a 2-bit significand times a
+power of two), which `dequantize` returns and the import casts to the run's dtype: the same
+numbers as transformers' dequantization in any dtype.
+
+`DequantizedReader` serves a checkpoint's pairs under their plain names, so a family's tensor
+table names `mlp.experts.gate_up_proj` whichever way the file stores it. flaxlm writes plain
+tensors back (`hf.save_pretrained`), never MXFP4.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+BLOCKS, SCALES = "_blocks", "_scales"
+# The 16 e2m1 codes: sign bit, 2 exponent bits, 1 mantissa bit.
+FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    np.float32,
+)
+# Each byte's two values (low nibble, high nibble): one gather per byte.
+_PAIRS = np.stack([FP4_VALUES[np.arange(256) & 0x0F], FP4_VALUES[np.arange(256) >> 4]], -1)
+# 2 ** (e - 127) for each exponent byte, as float32 (255 overflows to inf, as torch's does).
+with np.errstate(over="ignore"):
+    _POWERS = np.ldexp(np.ones(256, np.float32), np.arange(256) - 127).astype(np.float32)
+
+
+def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """bfloat16 `[..., groups * 32, rows]` from MXFP4 `blocks` uint8 `[..., rows, groups, 16]`
+    and `scales` uint8 `[..., rows, groups]`, one leading index at a time (the temporaries
+    stay one expert's size)."""
+    *lead, rows, groups, width = blocks.shape
+    if tuple(scales.shape) != (*lead, rows, groups):
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair: "
+            "the scales must be the blocks' shape without the last axis."
+        )
+    flat_blocks = np.asarray(blocks, np.uint8).reshape(-1, rows, groups, width)
+    flat_scales = np.asarray(scales, np.uint8).reshape(-1, rows, groups)
+    out = np.empty((flat_blocks.shape[0], rows, groups * width * 2), jnp.bfloat16)
+    for i, (b, s) in enumerate(zip(flat_blocks, flat_scales, strict=True)):
+        values = _PAIRS[b] * _POWERS[s][..., None, None]  # [rows, groups, width, 2]
+        out[i] = values.reshape(rows, -1).astype(jnp.bfloat16)
+    return np.swapaxes(out.reshape(*lead, rows, -1), -1, -2)
+
+
+class DequantizedReader:
+    """A checkpoint reader (`file_of`, `shape`, `read`, as `hf_files.SafetensorsReader`'s)
+    that serves each MXFP4 pair `<name>_blocks` + `<name>_scales` as `<name>`, dequantized,
+    in place of the pair; other tensors pass through.
+
+    The last tensor dequantized is kept: every device shard of a param reads its whole
+    tensor, and dequantizing one of gpt-oss-120b's layers takes seconds."""
+
+    def __init__(self, reader: Any):
+        self._reader = reader
+        stored = reader.file_of
+        self._pairs = {
+            name[: -len(BLOCKS)]
+            for name in stored
+            if name.endswith(BLOCKS) and name[: -len(BLOCKS)] + SCALES in stored
+        }
+        taken = {p + suffix for p in self._pairs for suffix in (BLOCKS, SCALES)}
+        self.file_of = {n: f for n, f in stored.items() if n not in taken}
+        self.file_of.update({p: stored[p + BLOCKS] for p in self._pairs})
+        self._last: tuple[str | None, np.ndarray | None] = (None, None)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._pairs:
+            return self._reader.shape(name)
+        *lead, rows, groups, width = self._reader.shape(name + BLOCKS)
+        return (*lead, groups * width * 2, rows)
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        if name not in self._pairs:
+            return self._reader.read(name, rows)
+        if self._last[0] != name:
+            blocks, scales = (self._reader.read(name + s) for s in (BLOCKS, SCALES))
+            self._last = (name, dequantize(blocks, scales))
+        tensor = self._last[1]
+        return tensor if rows is None else tensor[rows[0] : rows[1]]
