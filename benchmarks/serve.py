@@ -16,6 +16,14 @@ of mixed prompt (4-200 bytes) and output (8-64 tokens) lengths back to back; the
 completion tokens/s and the time to first token (p50 / p99).
 
     python benchmarks/serve.py --engines --clients 1 8 32 --seconds 10
+
+`--adapters N` instead measures many LoRA adapters at once against one merged model, in one
+process, alternating: the paged `Engine` over the base with N random adapters stacked beside
+it (ranks 4, 8, 16, ... on every attention and MLP kernel), client i asking for adapter
+i mod N (every batch mixes them), against the same engine over the first adapter merged into
+the base. The ratio of their tokens/s is the price of the per-row adapter gather.
+
+    python benchmarks/serve.py --adapters 3 --clients 8 --seconds 20
 """
 
 from __future__ import annotations
@@ -101,9 +109,12 @@ def load(url: str, clients: int, seconds: float, max_tokens: int) -> dict[str, f
     }
 
 
-def engine_load(engine, clients: int, seconds: float, seed: int = 0) -> dict[str, float]:
+def engine_load(
+    engine, clients: int, seconds: float, seed: int = 0, adapters: int = 0
+) -> dict[str, float]:
     """Completion tokens/s and time-to-first-token percentiles of `clients` threads sending
-    mixed-length greedy completions to `engine` back to back for `seconds`."""
+    mixed-length greedy completions to `engine` back to back for `seconds` (client i to
+    adapter `i % adapters + 1` when `adapters`)."""
     import numpy as np
 
     from flaxlm.runs.serve.api import Completion
@@ -116,7 +127,8 @@ def engine_load(engine, clients: int, seconds: float, seed: int = 0) -> dict[str
         rng = np.random.default_rng(seed * 1000 + i)
         while time.monotonic() < stop:
             prompt = rng.integers(3, 259, int(rng.integers(4, 201))).tolist()
-            c = Completion(prompt, int(rng.integers(8, 65)), 0.0, 1.0, [], None, 0)
+            adapter = i % adapters + 1 if adapters else 0
+            c = Completion(prompt, int(rng.integers(8, 65)), 0.0, 1.0, [], None, 0, adapter=adapter)
             start = time.monotonic()
             engine.submit(c)
             first, n = None, 0
@@ -176,6 +188,77 @@ def engines_side_by_side(args: argparse.Namespace) -> dict[str, dict[int, dict[s
     return results
 
 
+def adapters_vs_merged(args: argparse.Namespace) -> dict[str, dict[int, dict[str, float]]]:
+    """{"adapters" | "merged": {clients: engine_load's numbers}}, alternating per count."""
+    import jax
+    import numpy as np
+    import seqio
+    from flax import traverse_util
+
+    from flaxlm.checkpoints import hf
+    from flaxlm.parallel.partitioning import Partitioner
+    from flaxlm.runs.serve.engine import Engine
+    from flaxlm.training import lora
+
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(tmp)
+        partitioner = Partitioner()
+        model, params = hf.from_pretrained(tmp, partitioner)
+    shapes = model.example_batch_shapes()
+    sets, kernels = [], {}
+    for i in range(args.adapters):
+        rank = 4 * 2 ** (i % 3)
+        cfg = lora.LoraConfig(
+            rules=((r"(q|k|v|out)_proj/kernel$", rank), (r"fc_(in|out)/kernel", rank))
+        )
+        planned = lora.plan(cfg, model, shapes)
+        tree = lora.init_adapters(jax.random.PRNGKey(i), planned)
+        rng = np.random.default_rng(i)  # B nonzero: the adapters change the answers
+        flat = traverse_util.flatten_dict(tree)
+        tree = traverse_util.unflatten_dict(
+            {
+                k: v + 0.02 * rng.standard_normal(v.shape, np.float32) if k[-1] == "lora_b" else v
+                for k, v in flat.items()
+            }
+        )
+        kernels.update(planned)
+        sets.append((tree, cfg.alpha))
+    stacked = lora.with_row_adapters(params, lora.stack_adapters(kernels, sets))
+    merged = lora.apply_adapters(params, sets[0][0], sets[0][1])
+    vocab, size = seqio.ByteVocabulary(), args.max_batch_size
+    names = tuple(f"adapter{i}" for i in range(args.adapters))
+    engines = {
+        "adapters": Engine(
+            model, stacked, partitioner, vocab, max_batch_size=size, max_seq_len=512, adapters=names
+        ),
+        "merged": Engine(model, merged, partitioner, vocab, max_batch_size=size, max_seq_len=512),
+    }
+    counts = {"adapters": args.adapters, "merged": 0}
+    results: dict[str, dict[int, dict[str, float]]] = {name: {} for name in engines}
+    for name, engine in engines.items():
+        engine.start()
+        engine_load(engine, size, min(args.seconds, 20.0), seed=99, adapters=counts[name])
+    try:
+        for clients in args.clients:
+            for name, engine in engines.items():
+                r = engine_load(engine, clients, args.seconds, adapters=counts[name])
+                results[name][clients] = r
+                print(
+                    f"{name:8s} {clients:3d} clients: {r['tokens_per_second']:7.1f} tokens/s, "
+                    f"first token p50 {r['ttft_p50']:.3f} s p99 {r['ttft_p99']:.3f} s",
+                    flush=True,
+                )
+            ratio = (
+                results["adapters"][clients]["tokens_per_second"]
+                / results["merged"][clients]["tokens_per_second"]
+            )
+            print(f"{clients} clients over {args.adapters} adapters / merged: {ratio:.2f}")
+    finally:
+        for engine in engines.values():
+            engine.stop()
+    return results
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
@@ -186,9 +269,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--engines", action="store_true", help="the engines side by side in one process"
     )
+    parser.add_argument(
+        "--adapters", type=int, default=0, help="N LoRA adapters at once against one merged model"
+    )
     args = parser.parse_args(argv)
-    if args.engines:
-        results = engines_side_by_side(args)
+    if args.engines or args.adapters:
+        results = (adapters_vs_merged if args.adapters else engines_side_by_side)(args)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2)
