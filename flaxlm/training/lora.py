@@ -18,6 +18,9 @@ The experts of an MoE layer (`.../mlp/experts/wi` `[expert, embed, 2, mlp]`, `wo
 `[expert, mlp, embed]`; rules such as `experts/(wi|wo)$`) get one pair per expert, the
 expert dim stacked like a scanned layer's: `wi_lora_a` `[expert, embed, r]`, `wi_lora_b`
 `[expert, r, 2, mlp]`, added to the weights inside the layer (`layers.with_lora`).
+
+Serving many adapters over one base at once (`stack_adapters`, `adapters_per_row`): every
+adapter's pair stacked beside its kernel, each row of a batch adding its own adapter's update.
 """
 
 from __future__ import annotations
