@@ -324,6 +324,7 @@ def main(argv: list[str]) -> None:
                 profile.mark(f"task registration (import {FLAGS.tasks_module})")
         if "tensorflow" in sys.modules:  # the run reads data: TensorFlow stays off devices
             importlib.import_module("flaxlm.data.pipeline").configure_tensorflow()
+        gin.finalize()  # (all that registers configurables at start-up is in)
         jax.devices()
         try:
             gin_utils.check_macros(FLAGS.gin_bindings or (), FLAGS.gin_search_paths or ())
@@ -335,7 +336,7 @@ def main(argv: list[str]) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)
     if profile:
-        run_modules = (*REGISTERING_MODULES, "flaxlm.runs.loop")
+        run_modules = (*REGISTERING_MODULES, "flaxlm.runs.loop", "flaxlm.checkpoints.run_dir")
         startup.instrument_run(profile, [sys.modules[m] for m in run_modules if m in sys.modules])
     try:
         gin_utils.run()
@@ -361,7 +362,8 @@ def main(argv: list[str]) -> None:
 
 
 def _parse_gin() -> None:
-    """Parses the Gin files and bindings (`gin_utils.parse_gin`); a mistake is a usage error."""
+    """Parses the Gin files and bindings (`gin_utils.parse_gin`), leaving the config open
+    for the task modules to register in; a mistake is a usage error."""
     try:
         # Gin logs every search-path miss while resolving includes; failures still raise.
         verbosity = logging.get_verbosity()
@@ -371,6 +373,7 @@ def _parse_gin() -> None:
                 FLAGS.gin_file,
                 FLAGS.gin_bindings,
                 FLAGS.gin_search_paths,
+                finalize=False,
                 registering_modules=(*REGISTERING_MODULES, FLAGS.tasks_module),
             )
         finally:

@@ -232,11 +232,18 @@ class StartupProfile:
 
 
 def instrument_run(profile: StartupProfile, modules: list[Any]) -> None:
-    """Times the run's set-up seams in `modules` (those they have): dataset build, state
-    init or restore, and the step loop's first batch and step."""
+    """Times the run's set-up seams in `modules` (those they have): task registration,
+    dataset build, state init or restore, a checkpoint's load for inference, and the step
+    loop's first batch and step."""
     for module in dict.fromkeys(modules):
+        if hasattr(module, "import_task_module"):
+            profile.timed(module, "import_task_module", "task registration (import_task_module)")
         if hasattr(module, "DataIterator"):
             profile.timed(module.DataIterator, "create", "dataset build (DataIterator.create)")
+        if hasattr(module, "load_model_and_params"):
+            profile.timed(
+                module, "load_model_and_params", "checkpoint load (load_model_and_params)"
+            )
         if hasattr(module, "initial_state"):
             profile.timed(module, "initial_state", "state: init or restore (initial_state)")
         if hasattr(module, "run_steps"):
