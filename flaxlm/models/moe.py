@@ -57,6 +57,10 @@ class MoEOptions:
     # DeepSeek-V3: a float32 per-expert bias (`e_score_correction_bias`, outside the
     # optimizer) added to the scores to choose the experts, not to weight them.
     score_correction_bias: bool = False
+    # Aux-loss-free load balance (DeepSeek-V3's gamma, 0.001 in its pre-training): after each
+    # train step every layer's bias moves by this x sign(mean load - load), the loads counted
+    # over the global batch (`routing.update_correction_bias`); 0: the bias stays.
+    correction_bias_update_rate: float = 0.0
     # Group-limited routing (DeepSeek-V3): experts in `n_group` equal groups, a token's k
     # chosen from its `topk_group` best groups only (topk_group == n_group: no limit).
     n_group: int = 1
@@ -117,6 +121,12 @@ class MoEOptions:
             raise ValueError(
                 "router='topk_softmax' chooses by the logits: score_correction_bias and "
                 "topk_group < n_group need router='softmax_topk' or 'sigmoid_topk'."
+            )
+        rate = self.correction_bias_update_rate
+        if rate < 0 or (rate and not self.score_correction_bias):
+            raise ValueError(
+                f"correction_bias_update_rate {rate} must be >= 0, and > 0 only with "
+                "score_correction_bias=True (the bias it moves)."
             )
         if self.n_shared_experts < 0:
             raise ValueError(f"n_shared_experts {self.n_shared_experts} must be >= 0.")

@@ -143,6 +143,49 @@ def collect_router_stats(intermediates: Mapping[str, Any]) -> dict[str, Array] |
     return {name: stack(name) for name in found[0]}
 
 
+CORRECTION_BIAS = "e_score_correction_bias"  # the MoE layer's param (`moe.MoE`)
+
+
+def update_correction_bias(old: Any, new: Any, counts: Array, rate: float) -> Any:
+    """`new` params with every MoE layer's `e_score_correction_bias` set to its value in
+    `old` (before the optimizer's step: the bias has no gradient, and no weight decay or
+    other optimizer rule may move it) plus `rate * sign(mean load - load)`: an expert that
+    got fewer than the mean assignments rises, a busier one falls (DeepSeek-V3's
+    aux-loss-free balance).
+
+    `counts`: float32 `[moe layers, experts]`, the assignments of the whole batch (the
+    summed `moe_expert_counts` of `loss_terms`, microbatches added), in the order
+    `collect_router_stats` stacks the layers, which this walk of the params follows (a
+    scanned stack's bias `[layers, experts]` takes that many rows)."""
+    step = rate * jnp.sign(counts.mean(-1, keepdims=True) - counts)
+    used = 0
+
+    def visit(before: Any, after: Any) -> Any:
+        nonlocal used
+        if not isinstance(after, Mapping):
+            return after
+        out = dict(after)
+        for key in sorted(after, key=_layer_order):
+            if key == CORRECTION_BIAS:
+                bias = before[key]
+                rows = 1 if bias.ndim == 1 else bias.shape[0]
+                moved = step[used : used + rows].reshape(bias.shape).astype(bias.dtype)
+                out[key] = bias + moved
+                used += rows
+            else:
+                out[key] = visit(before[key], after[key])
+        return out
+
+    updated = visit(old, new)
+    if used != counts.shape[0]:
+        raise ValueError(
+            f"{used} layers hold {CORRECTION_BIAS} but the router statistics count "
+            f"{counts.shape[0]} MoE layers: the bias update needs score_correction_bias on "
+            "every MoE layer."
+        )
+    return updated
+
+
 def _layer_order(key: str) -> tuple[str, int]:
     """Sort key putting `layers_10` after `layers_9`."""
     stem, _, number = key.rpartition("_")

@@ -18,6 +18,7 @@ import optax
 from etils import epath
 from jax.sharding import PartitionSpec as P
 
+from flaxlm.models import routing
 from flaxlm.models.base import BaseModel
 from flaxlm.models.batch_shapes import batch_shapes_from
 from flaxlm.parallel import pytrees
@@ -101,6 +102,10 @@ def make_train_step(
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
     """The (unjitted) train step: accumulate gradients, apply the optimizer, report metrics.
 
+    A mixture of experts with `correction_bias_update_rate` (DeepSeek-V3's aux-loss-free
+    balance) then moves its routers' correction biases by the step's expert loads
+    (`routing.update_correction_bias`), outside the optimizer.
+
     `metrics["nonfinite"]` is 1 when the loss or the gradient norm is NaN/Inf. With
     `skip_nonfinite_updates` such an update leaves params and optimizer state unchanged (the
     step still advances). `inject_nonfinite_loss_at_step=k` (testing only) scales the loss and
@@ -129,6 +134,11 @@ def make_train_step(
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
             sums = {**sums, "loss_sum": sums["loss_sum"] * scale}
         new_state = state.apply_gradients(grads)
+        rate = getattr(model.config, "correction_bias_update_rate", 0.0)
+        if rate and lora is None and "moe_expert_counts" in sums:  # LoRA: the base stays
+            counts = sums["moe_expert_counts"]  # the global batch's, microbatches summed
+            params = routing.update_correction_bias(state.params, new_state.params, counts, rate)
+            new_state = new_state.replace(params=params)
         out = (objective or objective_lib.NEXT_TOKEN_PREDICTION).summarize(sums)
         out["grad_norm"] = optax.global_norm(grads)
         finite = jnp.isfinite(out["loss"]) & jnp.isfinite(out["grad_norm"])
