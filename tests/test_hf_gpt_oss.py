@@ -25,6 +25,7 @@ from flaxlm.checkpoints import hf, mxfp4
 from flaxlm.models import attention, experts, gpt_oss, masks, routing
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.training import lora
 from tests.hf_helpers import (
     decoder_batch,
     flaxlm_greedy_batch,
@@ -372,11 +373,17 @@ def test_gin_sizes_match_the_model_card(name):
     assert cfg.layer_windows[:2] == (128, None)  # sliding, then full
 
 
-def test_tiny_gin_model_builds():
+def test_tiny_gin_model_builds_and_lora_adapts_attention_and_experts():
+    """LoRA finds the attention's and the experts' weights, not the sinks or the biases (a
+    LoRA run on them trains as any family's: the same dense kernels and stacked experts)."""
     model = DecoderOnlyModel(gin_config(REPO, "gpt_oss_tiny", gpt_oss.GptOssConfig))
-    shapes = jax.eval_shape(
-        lambda: model.init_params(jax.random.PRNGKey(0), {"decoder_input_tokens": (1, 8)})
-    )
-    block = shapes["layers"]["block"] if model.config.scan_layers else shapes["layers_0"]
-    assert block["sinks"]["logits"].shape[-1] == model.config.num_heads
-    assert block["mlp"]["experts"]["bi"].shape[-3:] == (model.config.num_experts, 2, 192)
+    batch_shapes = {"decoder_input_tokens": (1, 8)}
+    shapes = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0), batch_shapes))
+    block = shapes["layers_0"]
+    assert block["sinks"]["logits"].shape == (model.config.num_heads,)
+    assert block["mlp"]["experts"]["bi"].shape == (model.config.num_experts, 2, 192)
+    rules = ((r"(q|k|v|o)_proj/kernel$", 4), (r"experts/", 2))
+    kernels = lora.plan(lora.LoraConfig(rules=rules), model, batch_shapes)
+    adapted = {name.split("/", 1)[1] for name in kernels}
+    want = {f"{p}_proj/kernel" for p in "qkvo"} | {"mlp/experts/wi", "mlp/experts/wo"}
+    assert adapted == want

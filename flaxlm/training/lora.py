@@ -147,8 +147,9 @@ def dense_kernels(model: Any, batch_shapes: Mapping[str, tuple[int, ...]]) -> di
         axes = tuple(flat_axes[path])
         if path[-1] == "kernel" and path[:-1] in num_in:
             found["/".join(path)] = (path, tuple(leaf.shape), axes, num_in[path[:-1]])
-        elif "expert" in axes and len(axes) - axes.index("expert") >= 3:
-            # Experts' stacked weights ([expert, in, out...], models/moe.py): one pair each.
+        elif "expert" in axes and len(axes) - axes.index("expert") >= 3 and path[-1] != "bi":
+            # Experts' stacked weights ([expert, in, out...], models/experts.py): one pair
+            # each; not gpt-oss's expert biases (bi [expert, 2, mlp]).
             found["/".join(path)] = (path, tuple(leaf.shape), axes, 1)
     return found
 
