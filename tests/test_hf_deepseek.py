@@ -24,6 +24,8 @@ from flaxlm.checkpoints import hf
 from flaxlm.models import deepseek, masks, mla, routing
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.runs.serve.api import Completion
+from flaxlm.runs.serve.engine import Engine
 from tests.hf_helpers import (
     decoder_batch,
     flaxlm_greedy_batch,
@@ -90,6 +92,7 @@ PLAIN = dict(
 # is ~eps (1.2e-7) x sqrt(width) x depth ~ 1e-6 (1.1e-6 seen); 1e-4 leaves a margin (and is
 # what every family meets).
 LOGITS_TOL = 1e-4
+ONE = Partitioner(devices=jax.devices()[:1])
 
 
 def tiny_hf_deepseek(**kwargs):
@@ -111,11 +114,13 @@ def tiny_hf_deepseek(**kwargs):
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory):
-    """(torch model, its save_pretrained directory, flaxlm model, params)."""
+    """(torch model, its save_pretrained directory, flaxlm model, params), the params
+    placed by a one-device `ONE` partitioner (as the serving engine takes them; sharding
+    tiny arrays over 8 CPU devices would only slow decoding)."""
     torch_model = tiny_hf_deepseek(**FULL)
     path = str(tmp_path_factory.mktemp("deepseek_full"))
     torch_model.save_pretrained(path)
-    model, params = hf.from_pretrained(path)
+    model, params = hf.from_pretrained(path, ONE)
     return torch_model, path, model, params
 
 
@@ -130,12 +135,13 @@ def test_logits_are_hf_logits(full):
 
 
 def test_other_branches_scanned_on_a_mesh_give_hf_logits(tmp_path):
+    # FSDP x tensor: the latents' `embed`-named dims split, the heads split.
     torch_model = tiny_hf_deepseek(**PLAIN)
     torch_model.save_pretrained(tmp_path)
     ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
     model, params = hf.from_pretrained(
-        str(tmp_path), Partitioner(mesh_shape=(2, 2, 2)), scan_layers=True
+        str(tmp_path), Partitioner((1, 2, 2), devices=jax.devices()[:4]), scan_layers=True
     )
     assert model.config.q_lora_rank is None and not model.config.rope_interleave
     assert "q_proj" in params["layers"]["block"]["self_attn"]
@@ -177,7 +183,10 @@ def test_router_chooses_hf_experts_with_hf_weights(full):
     )
 
 
-def test_greedy_from_the_latent_cache_is_hf_generate_and_the_full_cache(full):
+def test_greedy_from_the_latent_cache_is_hf_generate_the_full_cache_and_the_engine(full):
+    """Decoding steps attend over the cached latents with kv_b_proj absorbed; the same
+    tokens as HF's generate, as a cache of full keys and values, and as the serving engine's
+    paged latent cache (pages of the latent and the rotary key: the engine pages MLA)."""
     torch_model, _, model, params = full
     rng = np.random.default_rng(3)
     # The longest runs to 31 positions past the original context of 32 (YaRN's range).
@@ -186,6 +195,29 @@ def test_greedy_from_the_latent_cache_is_hf_generate_and_the_full_cache(full):
     assert latent == hf_greedy_batch(torch_model, prompts, GREEDY_TOKENS)
     full_cache = type(model)(dataclasses.replace(model.config, mla_cache="full"))
     assert flaxlm_greedy_batch(full_cache, params, prompts, GREEDY_TOKENS) == latent
+
+    assert model.paged_refusal() is None
+    engine = Engine(
+        model, params, ONE, None, max_batch_size=4, page_size=4,  # (ids only: no vocabulary)
+        num_pages=32, max_seq_len=48, decode_steps=4, prefill_chunk=8, prefill_rows=2,
+    )  # fmt: skip
+    engine.start()
+    try:
+        jobs = [Completion(p, GREEDY_TOKENS, 0.0, 1.0, [], None, 0) for p in prompts]
+        for job in jobs:
+            engine.submit(job)
+        assert [engine_tokens(job) for job in jobs] == latent
+    finally:
+        engine.stop()
+
+
+def engine_tokens(job: Completion) -> list[int]:
+    """The tokens of a completion once it has ended (all of them: the model has no EOS)."""
+    tokens = []
+    while (event := job.events.get(timeout=120))[0] == "token":
+        tokens.append(event[1])
+    assert event[:2] == ("done", "length"), event
+    return tokens
 
 
 def test_latent_cache_holds_576_values_per_token_against_40960(full):
