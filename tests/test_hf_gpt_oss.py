@@ -117,6 +117,9 @@ def checkpoints(tmp_path_factory):
         json.dump(config, f)
     save_file(state, os.path.join(mx_dir, "model.safetensors"), metadata={"format": "pt"})
     reference = transformers.AutoModelForCausalLM.from_pretrained(mx_dir, dtype=torch.float32)
+    for ours, theirs in zip(model.model.layers, reference.model.layers, strict=True):
+        for proj in ("gate_up_proj", "down_proj"):  # transformers dequantized the MXFP4 files
+            assert torch.equal(getattr(ours.mlp.experts, proj), getattr(theirs.mlp.experts, proj))
     return reference.eval(), mx_dir, float_dir
 
 
