@@ -338,7 +338,15 @@ def test_settings_that_cannot_be_are_errors_naming_them(kwargs, field):
         deepseek.DeepseekV3Config(**{**base, **kwargs})
 
 
-def test_key_value_heads_unlike_query_heads_are_refused():
-    config = {**transformers.DeepseekV3Config(**FULL).to_dict(), "num_key_value_heads": 2}
-    with pytest.raises(ValueError, match="num_key_value_heads"):
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(num_key_value_heads=2), "num_key_value_heads"),
+        (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    ],
+    ids=str,
+)
+def test_configs_flaxlm_cannot_read_are_refused_naming_the_field(change, field):
+    config = {**transformers.DeepseekV3Config(**FULL).to_dict(), **change}
+    with pytest.raises(ValueError, match=field):
         deepseek.config_from_hf(config)

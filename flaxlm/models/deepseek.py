@@ -206,6 +206,13 @@ def config_from_hf(hf: dict, **overrides: Any) -> DeepseekV3Config:
             f"num_key_value_heads {hf['num_key_value_heads']} != num_attention_heads {heads}: "
             "latent attention expands keys and values for every query head."
         )
+    quant = (hf.get("quantization_config") or {}).get("quant_method")
+    if quant is not None:
+        raise ValueError(
+            f"config.json's quantization_config is {quant!r} (the Hub's DeepSeek-V3 and Kimi K2 "
+            "files hold float8 weights with block scales): flaxlm reads unquantized tensors; "
+            "load a bf16 copy (e.g. converted with DeepSeek's fp8_cast_bf16.py)."
+        )
     if hf.get("moe_layer_freq", 1) != 1:
         raise ValueError(
             f"moe_layer_freq {hf['moe_layer_freq']}: transformers' DeepSeek-V3 (and flaxlm) "
