@@ -91,10 +91,10 @@ class MultiHeadLatentAttention(nn.Module):
 
     Called `(h, sin, cos, mask, decoding)` with sin/cos of the rotary width
     (`qk_rope_head_dim // 2`). Params (HF's names): `q_proj` or `q_a_proj`, `q_a_layernorm`,
-    `q_b_proj`; `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`; the cache
-    `cache/key` is the latent `[batch, slots, 1, kv_lora_rank]` and `cache/value` the
-    rotated shared key `[batch, slots, 1, qk_rope_head_dim]` (`mla_cache='full'`: keys and
-    values per head).
+    `q_b_proj`; `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`. The decoding
+    cache: `cache/latent` `[batch, slots, 1, kv_lora_rank]` and `cache/rope_key` `[batch,
+    slots, 1, qk_rope_head_dim]` (`mla_cache='full'`: `cache/key` and `cache/value` per
+    head).
     """
 
     config: Any  # a DeepseekV3Config (the MLA fields, ComputeOptions, rms_norm_eps)
