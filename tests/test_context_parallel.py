@@ -1,7 +1,8 @@
 """Context parallelism: a sequence split over the mesh's `sequence` axis gives the loss and the
 gradients of the same model unsplit, by ring and by all-gather attention, packed or not, with
-windows shorter than a shard, for every decoder family (with the chunked loss); the
-load-balanced order gives every shard the same share of the causal work."""
+windows shorter than a shard, for every decoder family (with the chunked loss) and a mixture of
+experts (its router statistics too, with and without an `expert` axis); the load-balanced order
+gives every shard the same share of the causal work."""
 
 import dataclasses
 from pathlib import Path
@@ -21,6 +22,7 @@ from flaxlm.models.llama import LlamaConfig
 from flaxlm.models.opt import OPTConfig
 from flaxlm.models.phi3 import Phi3Config
 from flaxlm.models.qwen import QwenConfig
+from flaxlm.models.qwen_moe import QwenMoeConfig
 from flaxlm.models.roberta import RobertaConfig
 from flaxlm.parallel.partitioning import Partitioner
 
@@ -220,6 +222,76 @@ def test_every_family_splits_its_sequence_and_its_chunked_loss(family):
     want = _loss_and_grads(model, params, batch)
     chunked = DecoderOnlyModel(FAMILIES[family](), loss_chunk_size=5)
     _assert_same(_loss_and_grads(chunked, params, batch, (1, 1, 4, 2)), want)
+
+
+# A Qwen3-MoE (8 experts, 2 a token, dropless, layers scanned so the block compiles once) whose
+# router losses weigh enough that their gradients stand well above the tolerance.
+MOE = QwenMoeConfig(
+    **SMALL,
+    model_type="qwen3_moe",
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.1,
+    router_z_loss_coef=0.01,
+    scan_layers=True,
+)
+EP_AXES = ("data", "fsdp", "sequence", "expert", "tensor")
+
+
+def _moe_run(model, params, batch, mesh_shape=None, axis_names=AXES):
+    """(loss, metric sums), gradients, and the compiled program's text (None unsplit)."""
+
+    def fn(params, batch):
+        return jax.value_and_grad(lambda p: model.loss_fn(p, batch, None), has_aux=True)(params)
+
+    if mesh_shape is None:
+        return jax.tree.map(np.asarray, jax.jit(fn)(params, batch)), None
+    partitioner = Partitioner(mesh_shape=mesh_shape, mesh_axis_names=axis_names)
+    axes = model.params_axes({"decoder_input_tokens": (1, 8)})
+    rows = {k: P("batch", None) for k in batch}
+    compiled = partitioner.partition(fn, (axes, rows), (None, axes)).lower(params, batch).compile()
+    return jax.tree.map(np.asarray, compiled(params, batch)), compiled.as_text()
+
+
+@pytest.fixture(scope="module")
+def moe_unsplit():
+    """Four packed rows (two expert-split ones on (1, 2, 2, 2, 1)), the whole sequence on one
+    device."""
+    model = DecoderOnlyModel(MOE)
+    params = _random_params(model, {"decoder_input_tokens": (1, 8)}, scale=0.2)
+    rows = [_batches(64, seed=seed)["packed"] for seed in (2, 3)]
+    batch = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+    return params, batch, _moe_run(model, params, batch)[0]
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,axis_names", [((1, 1, 4, 2), AXES), ((1, 2, 2, 2, 1), EP_AXES)], ids=str
+)
+def test_a_mixture_of_experts_splits_its_sequence_and_its_router_statistics(
+    moe_unsplit, mesh_shape, axis_names
+):
+    """Split over `sequence` (heads and experts' widths on `tensor`; then also the experts
+    over an `expert` axis beside fsdp), the loss chunked: the unsplit loss and gradients,
+    and the router statistics (sums over the real tokens: the split rows add up to them),
+    the same experts chosen for every token."""
+    params, batch, want = moe_unsplit
+    model = DecoderOnlyModel(MOE, loss_chunk_size=5)
+    got, _ = _moe_run(model, params, batch, mesh_shape, axis_names)
+    ((loss, sums), grads), ((ref_loss, ref_sums), ref_grads) = got, want
+    _assert_same((loss, grads), (ref_loss, ref_grads))
+    np.testing.assert_array_equal(sums["moe_expert_counts"], ref_sums["moe_expert_counts"])
+    assert ref_sums["moe_expert_counts"].shape == (MOE.num_layers, MOE.num_experts)
+    # k assignments a real token and layer: the padding was not counted.
+    k_per_token = MOE.num_layers * MOE.num_experts_per_tok
+    assert sums["moe_expert_counts"].sum() == k_per_token * sums["weight_sum"]
+    for name in ("moe_aux_loss_sum", "moe_z_loss_sum", "weight_sum"):
+        np.testing.assert_allclose(sums[name], ref_sums[name], rtol=1e-5, err_msg=name)
 
 
 def test_a_bidirectional_encoder_splits_its_sequence():
