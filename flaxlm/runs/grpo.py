@@ -3,16 +3,20 @@
 Each step takes a batch of prompts from a seqio task (`inputs`: the prompt, `targets`: the
 reference answer, read by `features.PromptFeatureConverter`), samples `num_generations`
 completions per prompt with the KV-cache generator on the training mesh, scores them with
-the Gin-bound reward functions, normalises the rewards within each prompt's group, and takes
-`num_iterations` optimizer steps on the clipped objective with a KL penalty to the frozen
-reference (`rl.GrpoModel` through `trainer`'s step). The loop, logging, checkpointing and
-preemption are `loop.py`'s (as `train`'s); a checkpoint holds the state and the prompt
-iterator, and the sampling key of step k is `fold_in(seed, k)`, so a resumed run samples
-what it would have.
+the Gin-bound reward functions, normalises the rewards within each prompt's group, and
+takes `num_iterations` optimizer steps on the clipped objective with a KL penalty to the
+frozen reference (`rl.GrpoModel` through `trainer`'s step). The loop, logging,
+checkpointing and preemption are `loop.py`'s (as `train`'s); a checkpoint holds the state
+and the prompt iterator, and the sampling key of step k is `fold_in(seed, k)`, so a resumed
+run samples what it would have.
+
+With `lora`, only the adapters train; the policy samples with them beside the base's
+kernels and the KL reference is the base without them (no second copy of the weights).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +29,7 @@ import optax
 import seqio
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.checkpoints import checkpointer, run_dir
+from flaxlm.checkpoints import checkpointer, peft_dir, run_dir
 from flaxlm.data import pipeline
 from flaxlm.inference import generation
 from flaxlm.models.base import BaseModel
@@ -34,6 +38,7 @@ from flaxlm.parallel import pytrees
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.posttrain import objectives, rl
 from flaxlm.runs import loop
+from flaxlm.training import lora as lora_lib
 from flaxlm.training import metrics, optimizers, preemption, steps
 from flaxlm.training.train_state import TrainState
 
@@ -49,23 +54,71 @@ class Rollouts:
         frozen: Any,
         seed: int,
         prompt_length: int,
+        prompts: int,
     ):
         self.setup, self.cfg, self.vocabulary = setup, cfg, vocabulary
         self.frozen, self.seed = frozen, seed
         self.length = prompt_length + 1 + cfg.max_new_tokens
-        model, partitioner = setup.model, setup.partitioner
-        # Token log-probs under given params: the policy's (before the updates) and the
-        # reference's (frozen, on the same shardings).
-        self.logps = partitioner.partition(
+        model, partitioner, lora = setup.model, setup.partitioner, setup.lora
+        decoder_axes = {k: P("batch", None) for k in rl.DECODER_FEATURES}
+        # Token log-probs under a model's params (the reference's: a copy of the starting
+        # params, or LoRA's base), and under the policy's (the adapters over the base).
+        model_params = setup.state_shardings.params if lora is None else setup.base_shardings
+        self.model_logps = partitioner.partition(
             lambda params, batch: model.token_logps(params, batch)[0],
-            (setup.state_shardings.params, {k: P("batch", None) for k in rl.DECODER_FEATURES}),
+            (model_params, decoder_axes),
             P("batch", None),
         )
+        self.adapted_logps = None
+        if lora is not None:
+            self.adapted_logps = partitioner.partition(
+                lambda adapters, base, batch: lora_lib.LoraModel(model, lora, base).token_logps(
+                    adapters, batch
+                )[0],
+                (setup.state_shardings.params, setup.base_shardings, decoder_axes),
+                P("batch", None),
+            )
+        # The longest prompt as the model reads it.
+        self.prompt_width = len(generation.start_ids(model, vocabulary)) + prompt_length
 
     def decode(self, ids: Any) -> str:
         """Text of token ids up to the first EOS, padding dropped."""
         ids = [t for t in generation.until_eos(np.asarray(ids), self.setup.model.eos_ids) if t]
         return self.vocabulary.decode(ids)
+
+    def policy_params(self, state: TrainState) -> Any:
+        """The params the policy samples with: the state's, or with LoRA the base with the
+        adapters beside its kernels (computed in the forward, as training does: no merge)."""
+        if self.setup.lora is None:
+            return state.params
+        return lora_lib.with_adapters(self.frozen, state.params, self.setup.lora.alpha)
+
+    def policy_logps(self, state: TrainState, decoder: dict[str, jax.Array]) -> jax.Array:
+        """The policy's log-probs of the rollout tokens, as the update computes them."""
+        if self.adapted_logps is None:
+            return self.model_logps(state.params, decoder)
+        return self.adapted_logps(state.params, self.frozen, decoder)
+
+    def sample(self, state: TrainState, prompts: list[list[int]], step: int) -> np.ndarray:
+        """Completions of `prompts` (one row each)."""
+        cfg = self.cfg
+        params = self.policy_params(state)
+        rng = jax.random.fold_in(jax.random.PRNGKey(self.seed), step)
+        inputs = np.zeros((len(prompts), self.prompt_width), np.int32)
+        for i, ids in enumerate(prompts):
+            inputs[i, : len(ids)] = ids
+        completions = generation.generate(
+            self.setup.model,
+            params,
+            {"inputs": inputs, "inputs_lengths": np.asarray([len(p) for p in prompts])},
+            partitioner=self.setup.partitioner,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            rng=rng,
+        )
+        return completions
 
     def __call__(
         self, state: TrainState, prompts: dict[str, jax.Array], step: int
@@ -81,32 +134,20 @@ class Rollouts:
         start = list(generation.start_ids(self.setup.model, self.vocabulary))
         texts = [ids for ids in prompt_ids for _ in range(group)]
         repeated = [start + ids for ids in texts]
-        inputs = np.zeros((len(repeated), prompt_rows.shape[1] + len(start)), np.int32)
-        for i, ids in enumerate(repeated):
-            inputs[i, : len(ids)] = ids
-        completions = generation.generate(
-            self.setup.model,
-            state.params,
-            {"inputs": inputs, "inputs_lengths": np.asarray([len(x) for x in repeated])},
-            partitioner=partitioner,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
-            rng=jax.random.fold_in(jax.random.PRNGKey(self.seed), step),
-        )
+        completions = self.sample(state, repeated, step)
         rewards, reward_means = cfg.rewards(
             [self.decode(ids) for ids in texts],
             [self.decode(c) for c in completions],
             [self.decode(row) for row in answer_rows for _ in range(group)],
         )
         advantages = objectives.group_advantages(jnp.asarray(rewards.reshape(-1, group)))
-        host = rl.rollout_batch(repeated, completions, self.setup.model.eos_ids, self.length)
+        eos_ids = self.setup.model.eos_ids
+        host = rl.rollout_batch(repeated, completions, eos_ids, self.length)
         decoder = {k: partitioner.global_array(v) for k, v in host.items()}
-        batch = dict(decoder, old_logps=self.logps(state.params, decoder))
+        batch = dict(decoder, old_logps=self.policy_logps(state, decoder))
         batch["reference_logps"] = batch["old_logps"]  # unused with beta 0
         if cfg.needs_reference:
-            batch["reference_logps"] = self.logps(self.frozen, decoder)
+            batch["reference_logps"] = self.model_logps(self.frozen, decoder)
         batch["advantages"] = partitioner.global_array(np.asarray(advantages).reshape(-1))
         by_prompt = rewards.reshape(-1, group)
         host_metrics = {
@@ -144,6 +185,7 @@ def grpo(
     checkpoint_period: int = 100,
     keep_checkpoints: int | None = 3,
     seed: int = 0,
+    lora: lora_lib.LoraConfig | None = None,
 ) -> TrainState:
     """GRPO on the prompts of `train_dataset_cfg` for `total_steps` rollout steps.
 
@@ -154,8 +196,12 @@ def grpo(
         prompt (longer ones are cut by seqio).
       config: `@rl.GrpoConfig()`: group size, sampling, reward functions, epsilon, beta.
       init_from: the policy's starting params: a HuggingFace directory or a flaxlm MODEL_DIR
-        (its latest checkpoint; a LoRA run's merged). None: a fresh init from `seed`. The
-        reference (for `beta > 0`) is these params, frozen. (LoRA is not supported yet.)
+        (its latest checkpoint; a LoRA run's merged) or a PEFT directory (merged). None: a
+        fresh init from `seed`. The reference (for `beta > 0`) is these params, frozen.
+      lora: train low-rank adapters (`@lora.LoraConfig()`) over `init_from`'s params, frozen
+        (as `train.train(lora=...)`: only the adapters have optimizer state and are
+        checkpointed; `MODEL_DIR/lora.json` records the base, so infer, eval and export_hf
+        merge them). The reference is then the base without the adapters: no second copy.
       vocabulary: decodes prompts, completions and answers for the reward functions
         (default: the task's `targets` vocabulary).
 
@@ -196,30 +242,23 @@ def grpo(
             optimizer_factory(learning_rate=learning_rate),
             {k: length for k in rl.DECODER_FEATURES},
             seed=seed,
+            lora=lora,
             frozen_reference=config.needs_reference,
         )
         setup.batch_axes = rollout_axes()
         ckpt = checkpointer.Checkpointer(model_dir, keep=keep_checkpoints)
         start_step, state = loop.restore(setup, ckpt, prompts)
-        # The starting params: the policy's on a fresh start, the reference's always.
-        start = None
-        if init_from is not None and (state is None or config.needs_reference):
-            start = starting_params(setup, init_from)
-        if state is None and start is None:
-            state = setup.init_state()
-        elif state is None:  # a copy of `start`: the train step donates the state's buffers
-            state = setup.state_from_params(setup.copy_params(start))
-        frozen = None
-        if config.needs_reference:
-            if start is not None:
-                frozen = start
-            elif start_step == 0:
-                frozen = setup.copy_params(state.params)
-            else:  # resumed from a fresh init: the same init again
-                frozen = setup.init_state().params
-        rollouts = Rollouts(setup, config, vocabulary, frozen, seed, lengths["inputs"])
+        if lora is not None:  # the base, frozen: the steps' third argument and the reference
+            frozen = lora_base(setup, model_dir, init_from)
+            state = setup.init_state() if state is None else state
+        else:
+            state, frozen = policy_and_reference(setup, config, state, start_step, init_from)
+        run_dir.record_if_known(model, model_dir)
+        rollouts = Rollouts(setup, config, vocabulary, frozen, seed, lengths["inputs"], batch_size)
         update = setup.partition_train_step(
-            steps.make_train_step(model, partitioner, learning_rate, seed=seed, objective=config)
+            steps.make_train_step(
+                model, partitioner, learning_rate, seed=seed, lora=lora, objective=config
+            )
         )
         frozen_args = () if setup.frozen_shardings is None else (frozen,)
 
@@ -261,11 +300,62 @@ def grpo(
     return state
 
 
+def policy_and_reference(
+    setup: steps.Setup,
+    config: rl.GrpoConfig,
+    state: TrainState | None,
+    start_step: int,
+    init_from: str | None,
+) -> tuple[TrainState, Any]:
+    """The state (restored, else from `init_from`, else a fresh init) and the frozen
+    reference (None for `beta` 0): `init_from`'s params, else the run's initial ones."""
+    start = None  # the starting params: the policy's on a fresh start, the reference's always
+    if init_from is not None and (state is None or config.needs_reference):
+        start = starting_params(setup, init_from)
+    if state is None and start is None:
+        state = setup.init_state()
+    elif state is None:  # a copy of `start`: the train step donates the state's buffers
+        state = setup.state_from_params(setup.copy_params(start))
+    frozen = None
+    if config.needs_reference:
+        if start is not None:
+            frozen = start
+        elif start_step == 0:
+            frozen = setup.copy_params(state.params)
+        else:  # resumed from a fresh init: the same init again
+            frozen = setup.init_state().params
+    return state, frozen
+
+
 def starting_params(setup: steps.Setup, init_from: str | None) -> Any:
-    """The params `init_from` names, on the shardings the run holds them with (the LoRA
-    base's or the params'), or None."""
+    """The params `init_from` names, on the shardings the run holds them with, or None."""
     if init_from is None:
         return None
     loaded = run_dir.load_model_and_params(init_from, setup.partitioner, model=setup.model)
     print(f"Policy and reference from {init_from}.", flush=True)
     return loaded.params
+
+
+def lora_base(setup: steps.Setup, model_dir: str, init_from: str | None) -> Any:
+    """The frozen base of a GRPO run with LoRA, recorded in `MODEL_DIR/lora.json` as a LoRA
+    fine-tune records its own (`run_dir.load_lora_base`): an HF directory's params, a
+    flaxlm MODEL_DIR's latest checkpoint, a random init (saved to `MODEL_DIR/base`), or a
+    LoRA run's or PEFT directory's params merged (saved there once)."""
+    if init_from is None or run_dir.is_hf_dir(init_from):
+        return run_dir.load_lora_base(setup, model_dir, init_from, None)
+    if not peft_dir.is_peft_dir(init_from) and run_dir.read_lora_record(init_from) is None:
+        return run_dir.load_lora_base(setup, model_dir, None, init_from)
+    base_dir = os.path.join(os.path.abspath(model_dir), run_dir.LORA_BASE_DIR)
+    source = {"checkpoint": base_dir, "step": 0}
+    base_ckpt = checkpointer.Checkpointer(base_dir)
+    try:
+        if base_ckpt.latest_step() is None:
+            params = starting_params(setup, init_from)
+            base_ckpt.save_params(0, params)
+        else:
+            params = run_dir.restore_lora_base(source, setup.model, setup.partitioner)
+    finally:
+        base_ckpt.close()
+    run_dir.write_lora_record(model_dir, setup.lora, source)
+    print(f"LoRA on {len(setup.lora_kernels)} kernels; frozen base: {init_from}, merged.")
+    return params
