@@ -5,6 +5,7 @@ experts (its router statistics too, with and without an `expert` axis); the load
 gives every shard the same share of the causal work."""
 
 import dataclasses
+import re
 from pathlib import Path
 
 import gin
@@ -282,7 +283,7 @@ def test_a_mixture_of_experts_splits_its_sequence_and_its_router_statistics(
     the same experts chosen for every token."""
     params, batch, want = moe_unsplit
     model = DecoderOnlyModel(MOE, loss_chunk_size=5)
-    got, _ = _moe_run(model, params, batch, mesh_shape, axis_names)
+    got, hlo = _moe_run(model, params, batch, mesh_shape, axis_names)
     ((loss, sums), grads), ((ref_loss, ref_sums), ref_grads) = got, want
     _assert_same((loss, grads), (ref_loss, ref_grads))
     np.testing.assert_array_equal(sums["moe_expert_counts"], ref_sums["moe_expert_counts"])
@@ -292,6 +293,12 @@ def test_a_mixture_of_experts_splits_its_sequence_and_its_router_statistics(
     assert sums["moe_expert_counts"].sum() == k_per_token * sums["weight_sum"]
     for name in ("moe_aux_loss_sum", "moe_z_loss_sum", "weight_sum"):
         np.testing.assert_allclose(sums[name], ref_sums[name], rtol=1e-5, err_msg=name)
+    # Each device sorts the assignments of its own tokens by expert (with an `expert` axis,
+    # its expert group's, gathered over it), not the whole batch's gathered onto it.
+    sizes = dict(zip(axis_names, mesh_shape))
+    shards = sizes["data"] * sizes["fsdp"] * sizes["sequence"]
+    sorted_rows = {int(n) for n in re.findall(r"\(s32\[(\d+)\]\S* s32\[\d+\]\S*\) sort\(", hlo)}
+    assert sorted_rows == {batch["decoder_input_tokens"].size * MOE.num_experts_per_tok // shards}
 
 
 def test_a_bidirectional_encoder_splits_its_sequence():

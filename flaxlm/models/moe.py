@@ -9,10 +9,12 @@ mlp]`, run one of three ways (`moe_impl`: dense, dropless, capacity; `experts.py
 Expert parallelism: under a mesh (JAX's context, as in `context_parallel`: this module never
 sees a Partitioner) with an `expert` axis of size n > 1, the experts' weights are split over it
 (the logical axis `expert`) and `dropless` runs in a `shard_map` over the mesh axes that split
-the batch. The batch rule includes `expert` (tokens enter the layer already split over it): in
-each group of n devices, the tokens are all-gathered over `expert`, each device runs its E/n
-experts on the assignments routed to them, and the partial outputs are summed and scattered
-back with one `psum_scatter` (its transpose, an all-gather, carries the gradient). That is
+the tokens (the batch's, and `sequence` under context parallelism; without an `expert` axis
+too, so that each device runs its own tokens rather than XLA gathering them all). The batch
+rule includes `expert` (tokens enter the layer already split over it): in each group of n
+devices, the tokens are all-gathered over `expert`, each device runs its E/n experts on the
+assignments routed to them, and the partial outputs are summed and scattered back with one
+`psum_scatter` (its transpose, an all-gather, carries the gradient). That is
 2 x tokens x embed bytes per device and layer, against 2 x k x tokens / n x embed for a
 ragged all-to-all; but `jax.lax.ragged_all_to_all` does not run on CPU (JAX 0.10: "HLO opcode
 `ragged-all-to-all` is not supported by XLA:CPU"), the tests' and the planner's platform, so
@@ -186,15 +188,23 @@ def expert_parallel(
     shards: int,
     bias: experts.Bias = None,
 ) -> Array | None:
-    """`experts.grouped_experts` with the experts split over the mesh's `expert` axis, in a
-    `shard_map` over the axes that split the batch (x `[batch, length, embed]`, weights and
-    ids `[batch, length, k]`); None when the batch does not split evenly (a dummy batch),
-    where XLA partitions the plain computation instead."""
+    """`experts.grouped_experts` on each device's tokens, in a `shard_map` over the mesh axes
+    that split them (the batch's, and `sequence` under context parallelism), with the experts
+    split over the mesh's `expert` axis when `shards` > 1 (x `[batch, length, embed]`,
+    weights and ids `[batch, length, k]`). Left to XLA, the sort by expert over tokens split
+    across devices gathers every token onto every device, which then runs them all. None
+    when no mesh splits the tokens or the experts (or the batch does not split evenly: a
+    dummy batch), where XLA partitions the plain computation instead."""
     mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
     rows = context_parallel.mesh_axis(mesh, "batch", x.shape[0])
     rows = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
-    gathered = EXPERT_AXIS in rows
-    manual = rows if gathered else (*rows, EXPERT_AXIS)
+    length = _length_axis(mesh, x.shape[1])
+    gathered = shards > 1 and EXPERT_AXIS in rows
+    manual = {*rows, *([length] if length else []), *([EXPERT_AXIS] if shards > 1 else [])}
+    if not manual:
+        return None
     local = wi.shape[0] // shards
 
     def body(x: Array, wi: Array, wo: Array, weights: Array, ids: Array, bias: Any) -> Array:
@@ -202,22 +212,32 @@ def expert_parallel(
             x, weights, ids = (
                 jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x, weights, ids)
             )
-        first = jax.lax.axis_index(EXPERT_AXIS) * local
+        first = jax.lax.axis_index(EXPERT_AXIS) * local if shards > 1 else 0
         xt, wt, it = (a.reshape(-1, a.shape[-1]) for a in (x, weights, ids))
         y = experts.grouped_experts(xt, wi, wo, wt, it, act, first, bias).reshape(x.shape)
         if gathered:
             return jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
-        return jax.lax.psum(y, EXPERT_AXIS)
+        return jax.lax.psum(y, EXPERT_AXIS) if shards > 1 else y
 
-    token_spec = P(rows or None, None, None)
+    token_spec = P(rows or None, length, None)
+    expert_spec = P(EXPERT_AXIS) if shards > 1 else P()
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(token_spec, P(EXPERT_AXIS), P(EXPERT_AXIS), token_spec, token_spec)
-        + (P(EXPERT_AXIS),),
+        in_specs=(token_spec, expert_spec, expert_spec, token_spec, token_spec, expert_spec),
         out_specs=token_spec,
         axis_names=frozenset(manual),
     )(x, wi, wo, weights, ids, bias)
+
+
+def _length_axis(mesh: Any, length: int) -> str | None:
+    """`sequence` if the rules in force split `length` over it and it divides `length`
+    (context parallelism), else None."""
+    axis = context_parallel.SEQUENCE_AXIS
+    if context_parallel.sequence_shards() == 1 or length % int(mesh.shape[axis]):
+        return None
+    (axes,) = nn.logical_to_mesh_axes(("length",))
+    return axis if axes in (axis, (axis,)) else None
 
 
 # ------------------------------------------------------------------ the layer
@@ -282,13 +302,11 @@ class MoE(nn.Module):
                 xt, wi, wo, weights, ids, glu, capacity, expert_bias
             )
         else:
-            y = None
-            if shards > 1:
-                split = lambda a: a.reshape(b, length, -1)  # noqa: E731
-                y = expert_parallel(
-                    x.astype(dtype), wi, wo, split(weights), split(ids), glu, shards, expert_bias
-                )
-                y = None if y is None else y.reshape(-1, d)
+            split = lambda a: a.reshape(b, length, -1)  # noqa: E731
+            y = expert_parallel(
+                x.astype(dtype), wi, wo, split(weights), split(ids), glu, shards, expert_bias
+            )
+            y = None if y is None else y.reshape(-1, d)
             if y is None:
                 y = experts.grouped_experts(xt, wi, wo, weights, ids, glu, bias=expert_bias)
         y = y.reshape(b, length, d)
