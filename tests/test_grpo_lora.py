@@ -1,12 +1,15 @@
-"""GRPO with LoRA: only the adapters train (the base bit for bit as it started), the reward
-rises, export and infer read the merged model."""
+"""GRPO with LoRA, and its rollouts through the paged engine: only the adapters train (the
+base bit for bit as it started), the reward rises, the reference is the base without the
+adapters, the engine's sampled log-probs are the trainer's, a group's prompt is read once."""
 
+import dataclasses
 import os
 
 import jax
 import numpy as np
 import optax
 import pytest
+import seqio
 from flax import traverse_util
 
 from flaxlm.checkpoints import run_dir
@@ -20,10 +23,11 @@ from tests.test_grpo import digit_share, read
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RULES = ((r"(q|v)_proj/kernel$", 4), (r"(fc_in|fc_out|lm_head)/kernel$", 4))
-GROUP, NEW, PROMPT = 4, 4, 8
+GROUP, NEW, PROMPT = 8, 4, 8
 
 
 def model():
+    """A scanned stack: the engine lays its params out for decoding inside its programs."""
     return tiny_gptj(vocab_size=384, max_position_embeddings=32, scan_layers=True)
 
 
@@ -39,7 +43,7 @@ def task():
 
 @pytest.fixture(scope="module")
 def lora_run(task, tmp_path_factory):
-    """8 steps of GRPO with LoRA from a random base (saved to MODEL_DIR/base); the head is
+    """10 steps of GRPO with LoRA from a random base (saved to MODEL_DIR/base); the head is
     adapted too, as a random base's tiny head hides what the layers below it do."""
     model_dir = tmp_path_factory.mktemp("grpo_lora")
     state = grpo.grpo(
@@ -58,11 +62,11 @@ def lora_run(task, tmp_path_factory):
             reward_fns=(digit_share, rewards.exact_match),
             reward_weights=(1.0, 0.0),
         ),
-        learning_rate=3e-2,
+        learning_rate=5e-2,
         model_dir=str(model_dir),
-        total_steps=8,
+        total_steps=10,
         log_period=1,
-        checkpoint_period=8,
+        checkpoint_period=10,
         lora=lora.LoraConfig(rules=RULES),
     )
     return model_dir, state
@@ -72,9 +76,9 @@ def test_grpo_with_lora_trains_only_the_adapters_and_raises_the_reward(lora_run)
     model_dir, state = lora_run
     by_step = {r["step"]: r for r in read(model_dir) if "reward" in r}
     first = np.mean([by_step[s]["reward"] for s in (1, 2, 3)])
-    last = np.mean([by_step[s]["reward"] for s in (6, 7, 8)])
+    last = np.mean([by_step[s]["reward"] for s in (8, 9, 10)])
     assert last > first + 0.2, (first, last)
-    assert by_step[8]["kl"] > 0  # the policy moved away from the base, its reference
+    assert by_step[10]["kl"] > 0  # the policy moved away from the base, its reference
     # The state holds the adapters alone (so do the optimizer and the checkpoints).
     names = {path[-1] for path in traverse_util.flatten_dict(state.params)}
     assert names == {"lora_a", "lora_b"}
@@ -94,3 +98,58 @@ def test_grpo_with_lora_trains_only_the_adapters_and_raises_the_reward(lora_run)
     adapted = {k.path for k in lora.plan(cfg, model(), model().example_batch_shapes()).values()}
     changed = {p for p in flat_base if not np.array_equal(flat_base[p], flat_merged[p])}
     assert changed == adapted
+
+
+def test_engine_rollouts_give_the_trainers_logps_and_read_each_prompt_once(lora_run):
+    """The trained adapters over the base (the adapters added in the engine's forward, the
+    scanned params laid out for decoding inside its programs): the engine's sampled
+    log-probs equal the update's recomputation, the reference's are the base's alone, and
+    each prompt is prefilled once for its group of GROUP samples."""
+    _, state = lora_run
+    partitioner = Partitioner(mesh_shape=(2, 2, 2))
+    setup = steps.Setup(
+        model(),
+        partitioner,
+        optax.sgd(0.0),
+        {k: PROMPT + 1 + NEW for k in rl.DECODER_FEATURES},
+        lora=lora.LoraConfig(rules=RULES),
+        frozen_reference=True,
+    )
+    setup.batch_axes = grpo.rollout_axes()
+    base = setup.init_base()
+    vocab = seqio.ByteVocabulary()
+    config = rl.GrpoConfig(num_generations=GROUP, max_new_tokens=NEW, reward_fns=(digit_share,))
+    rollouts = grpo.Rollouts(setup, config, vocab, base, 0, PROMPT, 4)
+    texts = ["1+2=", "3+4=", "12+7=", "9+9="]
+    tokens = np.zeros((4, PROMPT), np.int32)
+    for i, t in enumerate(texts):
+        tokens[i, : len(t)] = vocab.encode(t)
+    prompts = {f"{k}_tokens": partitioner.global_array(tokens) for k in ("prompt", "answer")}
+    batch, _ = rollouts(state, prompts, 0)
+    decoder = {k: batch[k] for k in rl.DECODER_FEATURES}
+    weights = np.asarray(batch["decoder_loss_weights"])
+    assert weights.sum() > 0
+    # float32 log-probs of magnitude ~6 (log 384) after two layers: the paged and the
+    # training forward differ in summation order only, a few ulps (~1e-6) of that scale.
+    recomputed = np.asarray(rollouts.policy_logps(state, decoder))
+    gap = np.abs(np.asarray(batch["old_logps"]) - recomputed).max()
+    assert gap < 1e-5, gap
+    # The reference: the base's log-probs (the adapters switched off), not the policy's.
+    base_logps = jax.jit(lambda p, b: model().token_logps(p, b)[0])(base, decoder)
+    # (two compilations of the same forward: a few ulps of the log-probs' scale ~6 apart)
+    np.testing.assert_allclose(batch["reference_logps"], base_logps, rtol=0, atol=2e-6)
+    assert np.abs(recomputed - np.asarray(base_logps)).max() > 0.01
+    # A group's prompt prefilled once: the engine read 1/GROUP of the rows' prompt tokens.
+    sampler = rollouts.sampler
+    read_once = sum(1 + len(t) for t in texts)  # the start token, then the prompt
+    assert sampler.prompt_tokens == GROUP * read_once
+    assert sampler.prefilled_tokens == read_once
+    # The static-batch generator stays selectable (the families the engine cannot serve):
+    # it samples with the same adapters, and the update's params recompute the log-probs.
+    batch_engine = dataclasses.replace(config, rollout_engine="batch")
+    rollouts = grpo.Rollouts(setup, batch_engine, vocab, base, 0, PROMPT, 4)
+    assert rollouts.sampler is None
+    batch, _ = rollouts(state, prompts, 0)
+    assert np.asarray(batch["decoder_loss_weights"]).sum() > 0
+    decoder = {k: batch[k] for k in rl.DECODER_FEATURES}
+    np.testing.assert_array_equal(batch["old_logps"], rollouts.policy_logps(state, decoder))

@@ -44,7 +44,8 @@ Array = jax.Array
 
 class Job(Protocol):
     """What the scheduler reads of a job (the server's `Completion`); it puts ("token", id,
-    logprob, top), then ("done", "stop" | "length") on `events` (or ("cancelled", msg)).
+    logprob, top), then ("done", "stop" | "length") on `events` (or ("cancelled", msg));
+    ("done", "stop") carries the EOS id and its log-prob as its third and fourth items.
     A job may also have `adapter`: the index of its LoRA adapter in the params' stacked
     adapters (0, the base, when it has none)."""
 
@@ -92,6 +93,7 @@ class Scheduler:
         prefill_chunk: int = 64,
         prefill_rows: int = 2,
         num_top: int = 5,
+        layout_in_program: bool = False,
     ):
         """
         Args:
@@ -104,12 +106,19 @@ class Scheduler:
           prefill_chunk, prefill_rows: each prefill dispatch reads this many prompt tokens of
             this many prompts.
           num_top: the most likely tokens reported with each token.
+          layout_in_program: keep `params` as given (a trainer's, which `set_params` hands
+            over after each update) and lay them out for decoding (`decoding_params`) inside
+            each dispatch's program, not once here: no second copy of the weights outside
+            the programs.
         """
         refusal = model.paged_refusal()
         if refusal is not None:
             raise ValueError(refusal)
         self.model = model
-        self.params = model.decoding_params(params)  # unrolled layers, laid out once
+        # Unrolled layers: laid out once here, or inside each program.
+        self._layout_once = (lambda p: p) if layout_in_program else model.decoding_params
+        self._layout = model.decoding_params if layout_in_program else (lambda p: p)
+        self.params = self._layout_once(params)
         self.partitioner = partitioner
         self.max_rows = max_rows
         self.page_size = page_size
@@ -146,6 +155,21 @@ class Scheduler:
                 out_shardings=self._shardings,
             )
             self.cache = make()
+
+    def set_params(self, params: Any) -> None:
+        """Decodes with `params` from now on (a trainer's after an update), on a fresh pool
+        and cache: the prefix cache holds keys and values of the old ones."""
+        if self.busy:
+            raise ValueError("set_params while jobs are held: let them finish first.")
+        self.params = self._layout_once(params)
+        self.reset()
+
+    def release(self) -> None:
+        """Frees the KV cache while the scheduler is idle (a trainer's update needs the
+        memory); `set_params` or `reset` makes a new one."""
+        if self.busy:
+            raise ValueError("release while jobs are held: let them finish first.")
+        self.cache = None
 
     @property
     def busy(self) -> bool:
@@ -251,7 +275,7 @@ class Scheduler:
     def _emit(self, seq: _Sequence, token: int, logprob: float, top: list) -> bool:
         """Hands `seq` its sampled token; True while it goes on."""
         if token in self.eos_ids:
-            self._end(seq, ("done", "stop"))
+            self._end(seq, ("done", "stop", token, logprob))
             return False
         seq.job.events.put(("token", token, logprob, top))
         seq.generated += 1
@@ -391,6 +415,7 @@ class Scheduler:
         return sharding
 
     def _prefill_fn(self, params, cache, tokens, slots, table, last, adapters):
+        params = self._layout(params)
         with lora.adapters_per_row(adapters):
             logits, cache = self.model.paged_logits(params, cache, tokens, slots, table, last)
         return logits, jax.lax.with_sharding_constraint(cache, self._shardings)
@@ -404,6 +429,7 @@ class Scheduler:
     ):
         """`decode_steps` tokens of every row: feed the last one, sample the next; a row
         stops writing after an EOS or its last token."""
+        params = self._layout(params)
         keys = jax.vmap(jax.random.PRNGKey)(seeds)
         eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
         last = jnp.zeros_like(tokens)

@@ -26,6 +26,7 @@ Array = jax.Array
 Batch = Mapping[str, Array]
 DECODER_FEATURES = ("decoder_input_tokens", "decoder_target_tokens", "decoder_loss_weights")
 ROLLOUT_FEATURES = ("old_logps", "reference_logps", "advantages")
+ROLLOUT_ENGINES = ("paged", "batch")
 
 
 @gin.configurable
@@ -43,6 +44,11 @@ class GrpoConfig:
       reward_fns: `fn(prompts, completions, answers) -> [float]` (see `rewards.py`).
       reward_weights: one per reward function (default all 1); the reward is the weighted
         sum.
+      rollout_engine: what samples the completions: 'paged', the serving engine's
+        continuous batching over a paged KV cache (a group's completions read their prompt
+        once, and the sampled tokens' log-probs are the policy's, so none are recomputed),
+        or 'batch', the static-batch generator (each row prefilled; the families the paged
+        engine cannot serve use it whatever is set).
     """
 
     num_generations: int = 8
@@ -55,6 +61,7 @@ class GrpoConfig:
     beta: float = 0.04
     reward_fns: Sequence[Callable[..., Sequence[float]]] = (rewards.exact_match,)
     reward_weights: Sequence[float] | None = None
+    rollout_engine: str = "paged"
 
     def __post_init__(self) -> None:
         for name in ("num_generations", "max_new_tokens", "num_iterations"):
@@ -70,6 +77,16 @@ class GrpoConfig:
             raise ValueError(f"GrpoConfig.temperature={self.temperature!r}: GRPO samples, > 0.")
         if not 0 < self.epsilon < 1 or self.beta < 0:
             raise ValueError(f"GrpoConfig: epsilon in (0, 1) and beta >= 0, got {self}.")
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            raise ValueError(
+                f"GrpoConfig.rollout_engine={self.rollout_engine!r}: expected one of "
+                f"{ROLLOUT_ENGINES}."
+            )
+        if self.top_k and self.rollout_engine == "paged":
+            raise ValueError(
+                f"GrpoConfig.top_k={self.top_k}: the paged engine samples from the top-p set "
+                "only; set top_k=0, or rollout_engine='batch'."
+            )
         if not self.reward_fns or not all(callable(f) for f in self.reward_fns):
             raise ValueError("GrpoConfig.reward_fns must be a non-empty list of callables.")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_fns):
@@ -157,8 +174,11 @@ def rollout_batch(
     completions: np.ndarray,
     eos_ids: Sequence[int],
     length: int,
+    completion_logps: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """The decoder features of prompt + completion rows, `[rows, length]` int32.
+    """The decoder features of prompt + completion rows, `[rows, length]` int32, and with
+    `completion_logps` (float32 `[rows, max_new_tokens]`: each sampled token's log-prob)
+    their `old_logps` `[rows, length]`, where `token_logps` puts them.
 
     Each prompt starts as the model's training rows do (seqio's start token 0, or the
     tokenizer's BOS, as in the rollout); row i reads `[*prompts[i], *completion][:-1]` and
@@ -170,6 +190,7 @@ def rollout_batch(
     inputs = np.zeros((rows, length), np.int32)
     targets = np.zeros((rows, length), np.int32)
     weights = np.zeros((rows, length), np.int32)
+    old_logps = np.zeros((rows, length), np.float32)
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
         ids = list(completion)
         end = next((j + 1 for j, t in enumerate(ids) if t in eos_ids), len(ids))
@@ -177,4 +198,10 @@ def rollout_batch(
         inputs[i, : len(row) - 1] = row[:-1]
         targets[i, : len(row) - 1] = row[1:]
         weights[i, len(prompt) - 1 : len(row) - 1] = 1
-    return dict(zip(DECODER_FEATURES, (inputs, targets, weights)))
+        if completion_logps is not None:
+            kept = len(row) - len(prompt)
+            old_logps[i, len(prompt) - 1 : len(row) - 1] = completion_logps[i, :kept]
+    batch = dict(zip(DECODER_FEATURES, (inputs, targets, weights)))
+    if completion_logps is not None:
+        batch["old_logps"] = old_logps
+    return batch

@@ -2,23 +2,27 @@
 
 Each step takes a batch of prompts from a seqio task (`inputs`: the prompt, `targets`: the
 reference answer, read by `features.PromptFeatureConverter`), samples `num_generations`
-completions per prompt with the KV-cache generator on the training mesh, scores them with
-the Gin-bound reward functions, normalises the rewards within each prompt's group, and
-takes `num_iterations` optimizer steps on the clipped objective with a KL penalty to the
-frozen reference (`rl.GrpoModel` through `trainer`'s step). The loop, logging,
-checkpointing and preemption are `loop.py`'s (as `train`'s); a checkpoint holds the state
-and the prompt iterator, and the sampling key of step k is `fold_in(seed, k)`, so a resumed
-run samples what it would have.
+completions per prompt on the training mesh, scores them with the Gin-bound reward
+functions, normalises the rewards within each prompt's group, and takes `num_iterations`
+optimizer steps on the clipped objective with a KL penalty to the frozen reference
+(`rl.GrpoModel` through `trainer`'s step). The loop, logging, checkpointing and preemption
+are `loop.py`'s (as `train`'s); a checkpoint holds the state and the prompt iterator, and
+the sampling key of step k is `fold_in(seed, k)`, so a resumed run samples what it would
+have.
 
-With `lora`, only the adapters train; the policy samples with them beside the base's
-kernels and the KL reference is the base without them (no second copy of the weights).
+The rollouts go through the serving engine (`PagedSampler`: continuous batching over a
+paged KV cache, each prompt prefilled once for its group, the sampled tokens' log-probs
+the policy's own) or, for the families it cannot serve, the static-batch generator. With
+`lora`, only the adapters train; the policy samples with them beside the base's kernels
+and the KL reference is the base without them (no second copy of the weights).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import gin
@@ -32,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from flaxlm.checkpoints import checkpointer, peft_dir, run_dir
 from flaxlm.data import pipeline
 from flaxlm.inference import generation
+from flaxlm.inference.scheduler import Scheduler
 from flaxlm.models.base import BaseModel
 from flaxlm.models.features import PromptFeatureConverter
 from flaxlm.parallel import pytrees
@@ -41,6 +46,96 @@ from flaxlm.runs import loop
 from flaxlm.training import lora as lora_lib
 from flaxlm.training import metrics, optimizers, preemption, steps
 from flaxlm.training.train_state import TrainState
+
+DECODE_STEPS = 32  # the most tokens a row generates in one engine dispatch
+
+
+@dataclasses.dataclass(eq=False)
+class RolloutJob:
+    """One completion to sample (a `scheduler.Job`): its tokens and their log-probs, the
+    EOS that ended it included, as the scheduler hands them back."""
+
+    prompt_ids: Sequence[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logps: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def events(self) -> RolloutJob:
+        return self
+
+    def put(self, event: tuple) -> None:
+        if event[0] == "token" or event[:2] == ("done", "stop"):
+            token, logp = (event[1], event[2]) if event[0] == "token" else event[2:4]
+            self.tokens.append(int(token))
+            self.logps.append(float(logp))
+        elif event[0] != "done":
+            raise RuntimeError(f"A rollout was {event[0]}: {event[1:]}")
+
+
+class PagedSampler:
+    """A step's completions through the serving engine (`scheduler.Scheduler`) on the
+    training mesh: every row in one decode batch, each prompt prefilled once and its pages
+    shared by its group's samples, the trainer's params handed over as they are (laid out
+    for decoding inside the engine's programs: no copy). Returns each sampled token's
+    log-prob beside it: the policy's, which the update would otherwise recompute."""
+
+    def __init__(
+        self,
+        model: BaseModel,
+        partitioner: Partitioner,
+        cfg: rl.GrpoConfig,
+        prompts: int,
+        prompt_length: int,
+    ):
+        self.cfg = cfg
+        self.scheduler = Scheduler(
+            model,
+            None,
+            partitioner,
+            max_rows=prompts * cfg.num_generations,
+            max_seq_len=prompt_length + cfg.max_new_tokens,
+            # The first token comes with the prefill; a dispatch of at most DECODE_STEPS
+            # tokens lets the host stop once every row has ended.
+            decode_steps=max(1, min(cfg.max_new_tokens - 1, DECODE_STEPS)),
+            prefill_chunk=prompt_length,
+            prefill_rows=prompts,
+            num_top=1,
+            layout_in_program=True,
+        )
+        self.scheduler.release()
+        self.prompt_tokens = 0  # of every row: what prefilling each row would read
+        self.prefilled_tokens = 0  # what the engine read
+
+    def __call__(
+        self, params: Any, prompts: Sequence[Sequence[int]], rng: jax.Array
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """int32 `[rows, max_new_tokens]` completions of `prompts` (one row each; 0 after
+        EOS, which is kept) and float32 their tokens' log-probs, sampled with `rng`."""
+        cfg, scheduler = self.cfg, self.scheduler
+        seeds = np.asarray(jax.random.bits(rng, (len(prompts),), jnp.uint32))
+        jobs = [
+            RolloutJob(p, cfg.max_new_tokens, cfg.temperature, cfg.top_p, int(seed))
+            for p, seed in zip(prompts, seeds)
+        ]
+        scheduler.set_params(params)
+        read = scheduler.prefilled_tokens
+        for job in jobs:
+            scheduler.add(job)
+        while scheduler.busy:
+            scheduler.step()
+        scheduler.release()
+        self.prefilled_tokens += scheduler.prefilled_tokens - read
+        self.prompt_tokens += sum(len(p) for p in prompts)
+        tokens = np.zeros((len(jobs), cfg.max_new_tokens), np.int32)
+        logps = np.zeros((len(jobs), cfg.max_new_tokens), np.float32)
+        for i, job in enumerate(jobs):
+            tokens[i, : len(job.tokens)] = job.tokens
+            logps[i, : len(job.logps)] = job.logps
+        return tokens, logps
 
 
 class Rollouts:
@@ -80,6 +175,13 @@ class Rollouts:
             )
         # The longest prompt as the model reads it.
         self.prompt_width = len(generation.start_ids(model, vocabulary)) + prompt_length
+        self.sampler = None
+        if cfg.rollout_engine == "paged":
+            refusal = model.paged_refusal()
+            if refusal is None:
+                self.sampler = PagedSampler(model, partitioner, cfg, prompts, self.prompt_width)
+            else:
+                metrics.print0(f"{refusal} GRPO's rollouts use the batch engine.")
 
     def decode(self, ids: Any) -> str:
         """Text of token ids up to the first EOS, padding dropped."""
@@ -99,11 +201,16 @@ class Rollouts:
             return self.model_logps(state.params, decoder)
         return self.adapted_logps(state.params, self.frozen, decoder)
 
-    def sample(self, state: TrainState, prompts: list[list[int]], step: int) -> np.ndarray:
-        """Completions of `prompts` (one row each)."""
+    def sample(
+        self, state: TrainState, prompts: list[list[int]], step: int
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Completions of `prompts` (one row each) and, from the engine, their tokens'
+        log-probs (None: the update's params recompute them)."""
         cfg = self.cfg
         params = self.policy_params(state)
         rng = jax.random.fold_in(jax.random.PRNGKey(self.seed), step)
+        if self.sampler is not None:
+            return self.sampler(params, prompts, rng)
         inputs = np.zeros((len(prompts), self.prompt_width), np.int32)
         for i, ids in enumerate(prompts):
             inputs[i, : len(ids)] = ids
@@ -118,7 +225,7 @@ class Rollouts:
             top_p=cfg.top_p,
             rng=rng,
         )
-        return completions
+        return completions, None
 
     def __call__(
         self, state: TrainState, prompts: dict[str, jax.Array], step: int
@@ -134,7 +241,7 @@ class Rollouts:
         start = list(generation.start_ids(self.setup.model, self.vocabulary))
         texts = [ids for ids in prompt_ids for _ in range(group)]
         repeated = [start + ids for ids in texts]
-        completions = self.sample(state, repeated, step)
+        completions, sampled_logps = self.sample(state, repeated, step)
         rewards, reward_means = cfg.rewards(
             [self.decode(ids) for ids in texts],
             [self.decode(c) for c in completions],
@@ -142,9 +249,13 @@ class Rollouts:
         )
         advantages = objectives.group_advantages(jnp.asarray(rewards.reshape(-1, group)))
         eos_ids = self.setup.model.eos_ids
-        host = rl.rollout_batch(repeated, completions, eos_ids, self.length)
-        decoder = {k: partitioner.global_array(v) for k, v in host.items()}
-        batch = dict(decoder, old_logps=self.policy_logps(state, decoder))
+        host = rl.rollout_batch(repeated, completions, eos_ids, self.length, sampled_logps)
+        decoder = {k: partitioner.global_array(host[k]) for k in rl.DECODER_FEATURES}
+        if sampled_logps is None:
+            old_logps = self.policy_logps(state, decoder)
+        else:  # the sampling policy's own: equal to the recomputation (tests/test_grpo.py)
+            old_logps = partitioner.global_array(host["old_logps"])
+        batch = dict(decoder, old_logps=old_logps)
         batch["reference_logps"] = batch["old_logps"]  # unused with beta 0
         if cfg.needs_reference:
             batch["reference_logps"] = self.model_logps(self.frozen, decoder)
