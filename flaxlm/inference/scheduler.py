@@ -142,6 +142,9 @@ class Scheduler:
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,))
         self._first = jax.jit(self._first_fn)
+        self._make_cache = jax.jit(  # one program, traced once (`reset` runs every rollout)
+            lambda: model.paged_cache(self.num_pages, page_size), out_shardings=self._shardings
+        )
         self.reset()
 
     # ------------------------------------------------------------ the host's side
@@ -150,15 +153,11 @@ class Scheduler:
         """A fresh pool and cache (after a failed dispatch: the donated cache is gone)."""
         self.pool = PagePool(self.num_pages, self.page_size)
         with self.partitioner.context():
-            make = jax.jit(
-                lambda: self.model.paged_cache(self.num_pages, self.page_size),
-                out_shardings=self._shardings,
-            )
-            self.cache = make()
+            self.cache = self._make_cache()
 
     def set_params(self, params: Any) -> None:
         """Decodes with `params` from now on (a trainer's after an update), on a fresh pool
-        and cache: the prefix cache holds keys and values of the old ones."""
+        and cache (`reset`): the prefix cache holds keys and values of the old ones."""
         if self.busy:
             raise ValueError("set_params while jobs are held: let them finish first.")
         self.params = self._layout_once(params)
