@@ -1,8 +1,9 @@
 """Entry point: `python -m flaxlm.main --gin_file=gin/gptj_pretrain.gin --gin.X=Y`.
 
-Parses Gin files and overrides, joins the multi-process runtime when asked (or when the
-cluster is one JAX detects), imports the task registry, and calls the run function bound in
-Gin (`run.fn = @train`).
+Parses Gin files and overrides (their imports load the run's modules, and no others: an
+`infer` never loads TensorFlow), joins the multi-process runtime when asked (or when the
+cluster is one JAX detects), imports the task registry when the run reads data, and calls
+the run function bound in Gin (`run.fn = @train`).
 """
 
 from __future__ import annotations
