@@ -1,4 +1,6 @@
-"""Run by test_multiprocess.py as one of several processes joined by jax.distributed."""
+"""Run by test_multiprocess.py as one of several processes joined by jax.distributed: which
+rows of a batch each host feeds on several meshes, and the mixture of experts with its
+`expert` axis spanning the processes (its results saved by process 0 to moe.npz)."""
 
 import json
 import os
@@ -14,10 +16,14 @@ jax.distributed.initialize(
 import numpy as np  # noqa: E402
 
 from flaxlm.parallel.partitioning import Partitioner  # noqa: E402
+from tests.test_moe import fsdp_ep_loss_and_grads  # noqa: E402
+
+EXPERT_AXES = ("data", "fsdp", "expert", "tensor")
 
 out = {"process_index": jax.process_index(), "layouts": {}}
-for shape in [(2, 4, 1), (1, 8, 1), (1, 4, 2), (1, 1, 8)]:
-    partitioner = Partitioner(mesh_shape=shape)
+for shape in [(2, 4, 1), (1, 8, 1), (1, 4, 2), (1, 1, 8), (1, 1, 8, 1)]:
+    names = EXPERT_AXES if len(shape) == 4 else ("data", "fsdp", "tensor")
+    partitioner = Partitioner(mesh_shape=shape, mesh_axis_names=names)
     layout = partitioner.data_layout(16)
     # Each host feeds rows that identify its shard; the global array must hold them in order.
     local = np.full((layout.per_host_batch_size, 4), layout.shard_index, np.int32)
@@ -30,5 +36,11 @@ for shape in [(2, 4, 1), (1, 8, 1), (1, 4, 2), (1, 1, 8)]:
         "num_shards": layout.num_shards,
         "sum": total,
     }
+
+(loss, sums), grads = fsdp_ep_loss_and_grads()
+if jax.process_index() == 0:
+    leaves = jax.tree_util.tree_leaves_with_path(grads)
+    arrays = {f"grad{jax.tree_util.keystr(path)}": g for path, g in leaves}
+    np.savez("moe.npz", loss=loss, **{f"sums/{k}": v for k, v in sums.items()}, **arrays)
 print("RESULT " + json.dumps(out), flush=True)
 os._exit(0)

@@ -4,8 +4,10 @@ and settings flaxlm cannot run are errors naming them."""
 
 import dataclasses
 import functools
+import os
 
 import flax.linen as nn
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from flaxlm.models import base, experts, qwen_moe, routing
 from flaxlm.parallel.partitioning import standard_logical_axis_rules
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AXES = ("data", "fsdp", "expert", "tensor")
 # The Partitioner's standard rules for this mesh: batch over (data, fsdp, expert), the experts
 # over expert, the other params' embed over (fsdp, expert).
@@ -60,7 +63,9 @@ def _model(**overrides) -> base.DecoderOnlyModel:
 
 @functools.cache
 def _params():
-    return _model().init_params(jax.random.PRNGKey(0), {"decoder_input_tokens": (1, 8)})
+    # Jitted: one program, not one per operation (10 s of compiling on a 2-core host).
+    shapes = {"decoder_input_tokens": (1, 8)}
+    return jax.jit(lambda: _model().init_params(jax.random.PRNGKey(0), shapes))()
 
 
 def _mesh(shape: tuple[int, ...]) -> jax.sharding.Mesh:
@@ -89,6 +94,45 @@ def _assert_same(got, want):
     flat = jax.tree_util.tree_leaves_with_path(grads)
     for (path, g), r in zip(flat, jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, rtol=TOL, atol=TOL, err_msg=jax.tree_util.keystr(path))
+
+
+def fsdp_ep_loss_and_grads() -> tuple:
+    """`((loss, metric sums), gradients)` of the dropless model on the mesh of
+    gin/partitioning/fsdp_ep.gin (every device on `expert`, one of the 8 experts each on 8
+    devices), as numpy, every process feeding its own rows of the batch (its
+    `data_layout`): what tests/multiprocess_worker.py computes with the `expert` axis
+    spanning two processes, and test_multiprocess compares with one process."""
+    from flaxlm.parallel.partitioning import Partitioner
+
+    gin.clear_config()
+    try:
+        gin.parse_config_file(os.path.join(REPO, "gin", "partitioning", "fsdp_ep.gin"))
+        partitioner = Partitioner()
+    finally:
+        gin.clear_config()
+    model = _model(moe_impl="dropless")
+    axes = model.params_axes({"decoder_input_tokens": (1, 8)})
+    # The same values on every process (one seed), each placing the shards it holds.
+    params = jax.tree.map(
+        lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: np.asarray(a)[i]),
+        _params(),
+        partitioner.sharding(axes),
+    )
+    full = _batch()
+    layout = partitioner.data_layout(len(full["decoder_input_tokens"]))
+    rows = slice(layout.row_start, layout.row_start + layout.per_host_batch_size)
+    sharding = partitioner.batch_sharding(2)
+    batch = {
+        k: jax.make_array_from_process_local_data(sharding, v[rows], v.shape)
+        for k, v in full.items()
+    }
+
+    def fn(params, batch):
+        return jax.value_and_grad(model.loss_fn, has_aux=True)(params, batch, None)
+
+    rows_axes = {k: P("batch", None) for k in batch}
+    out = partitioner.partition(fn, (axes, rows_axes), (None, None))(params, batch)
+    return jax.tree.map(np.asarray, out)
 
 
 @functools.cache

@@ -9,6 +9,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
 import numpy as np
 import pytest
 
@@ -65,20 +66,30 @@ def launch(args_for, num_processes, devices_per_process, cwd, timeout=300, grace
     return results
 
 
-@pytest.mark.slow
-def test_hosts_holding_the_same_batch_rows_read_the_same_shard(tmp_path):
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    """tests/multiprocess_worker.py on two processes of 4 devices: each one's `RESULT` line,
+    and the directory where process 0 saved the mixture of experts' results."""
+    cwd = tmp_path_factory.mktemp("worker")
     results = launch(
         lambda addr, i: [os.path.join(HERE, "multiprocess_worker.py"), addr, "2", str(i)],
         num_processes=2,
         devices_per_process=4,
-        cwd=str(tmp_path),
+        cwd=str(cwd),
     )
-    layouts = []
+    out = []
     for code, stdout, stderr in results:
         assert code == 0, stderr[-3000:]
         line = next(x for x in stdout.splitlines() if x.startswith("RESULT "))
-        layouts.append(json.loads(line[len("RESULT ") :])["layouts"])
-    for shape in ["(2, 4, 1)", "(1, 8, 1)", "(1, 4, 2)"]:
+        out.append(json.loads(line[len("RESULT ") :]))
+    return out, cwd
+
+
+@pytest.mark.slow
+def test_hosts_holding_the_same_batch_rows_read_the_same_shard(worker):
+    layouts = [result["layouts"] for result in worker[0]]
+    # (1, 1, 8, 1): ('data', 'fsdp', 'expert', 'tensor'), the batch split over `expert`.
+    for shape in ["(2, 4, 1)", "(1, 8, 1)", "(1, 4, 2)", "(1, 1, 8, 1)"]:
         # The batch is split across the hosts: each reads half, a shard of its own.
         assert [lay[shape]["shard"] for lay in layouts] == [0, 1]
         assert all(lay[shape]["num_shards"] == 2 and lay[shape]["per_host"] == 8 for lay in layouts)
@@ -88,6 +99,31 @@ def test_hosts_holding_the_same_batch_rows_read_the_same_shard(tmp_path):
         lay["(1, 1, 8)"] == {"per_host": 16, "shard": 0, "num_shards": 1, "sum": 0}
         for lay in layouts
     )
+
+
+@pytest.mark.slow
+def test_experts_split_across_two_processes_give_the_one_process_loss_and_gradients(worker):
+    """gin/partitioning/fsdp_ep.gin on two processes of 4 devices: the `expert` axis (one of
+    the 8 experts a device) spans both, so tokens reach the other process's experts and come
+    back through the cross-process collectives (gloo), each host feeding its half of the
+    rows. The loss, router statistics and gradients of the same mesh in one process.
+
+    The same program on the same mesh; only the collectives' sums may add in another order:
+    a sum of 8 float32 terms rounds within ~8 eps (1e-6) of its size, and a gradient entry
+    near zero within that of the largest terms it sums (atol at 1e-6 of the largest)."""
+    from tests.test_moe import fsdp_ep_loss_and_grads
+
+    saved = np.load(worker[1] / "moe.npz")
+    (loss, sums), grads = fsdp_ep_loss_and_grads()
+    np.testing.assert_allclose(saved["loss"], loss, rtol=1e-6)
+    for name, value in sums.items():
+        np.testing.assert_allclose(saved[f"sums/{name}"], value, rtol=1e-6, err_msg=name)
+    leaves = jax.tree_util.tree_leaves_with_path(grads)
+    assert len(leaves) == len([k for k in saved.files if k.startswith("grad")])
+    for path, g in leaves:
+        got = saved[f"grad{jax.tree_util.keystr(path)}"]
+        atol = 1e-6 * np.abs(g).max()
+        np.testing.assert_allclose(got, g, rtol=1e-6, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.slow
