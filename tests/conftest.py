@@ -83,3 +83,41 @@ def trained_gptj(tmp_path_factory, repo_dir) -> str:
     assert result.returncode == 0, result.stderr[-3000:]
     assert os.path.exists(os.path.join(model_dir, "model_record.json"))
     return model_dir
+
+
+# The files that take longest, longest first (pytest --junitxml's times summed per file on
+# the 2-core machine, 2026-11-26; the newest files placed by their own runs). pytest.ini runs
+# whole files per worker (`--dist loadfile`) in collection order (`--no-loadscope-reorder`:
+# xdist's default order, most tests first, put these few-test, many-second files last, where
+# one worker ran them alone while the other idled); these go first, every other file after
+# them as collected, so the short ones fill the tail.
+LONGEST_FILES = (
+    "test_multiprocess.py",
+    "test_lora.py",
+    "test_reliability.py",
+    "test_main.py",
+    "test_benchmarks.py",
+    "test_context_parallel.py",
+    "test_hf_phi3.py",
+    "test_hf_deepseek.py",
+    "test_plan.py",
+    "test_decoding.py",
+    "test_training_features.py",
+    "test_moe.py",
+    "test_data.py",
+    "test_inference_runs.py",
+    "test_hf_t5.py",
+    "test_preference.py",
+    "test_hf_gpt_oss.py",
+    "test_tasks_jsonl.py",
+    "test_hf_runs.py",
+    "test_serve.py",
+    "test_bad_input.py",
+    "test_grpo.py",
+    "test_grpo_lora.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(rank)))
