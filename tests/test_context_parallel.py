@@ -293,12 +293,16 @@ def test_a_mixture_of_experts_splits_its_sequence_and_its_router_statistics(
     assert sums["moe_expert_counts"].sum() == k_per_token * sums["weight_sum"]
     for name in ("moe_aux_loss_sum", "moe_z_loss_sum", "weight_sum"):
         np.testing.assert_allclose(sums[name], ref_sums[name], rtol=1e-5, err_msg=name)
-    # Each device sorts the assignments of its own tokens by expert (with an `expert` axis,
-    # its expert group's, gathered over it), not the whole batch's gathered onto it.
-    sizes = dict(zip(axis_names, mesh_shape))
-    shards = sizes["data"] * sizes["fsdp"] * sizes["sequence"]
+    # Each device routes its own tokens (XLA:CPU's top-k: one row a token) and sorts the
+    # assignments of its expert group's tokens (gathered over `expert`; its own without one)
+    # by expert: not the whole batch's gathered onto it.
+    sizes = {"expert": 1, **dict(zip(axis_names, mesh_shape))}
+    own = batch["decoder_input_tokens"].size
+    own //= sizes["data"] * sizes["fsdp"] * sizes["sequence"] * sizes["expert"]
+    routed = {int(n) for n in re.findall(r"\(f32\[(\d+),2\]\S* s32\S*\) custom-call\(", hlo)}
+    assert routed == {own}
     sorted_rows = {int(n) for n in re.findall(r"\(s32\[(\d+)\]\S* s32\[\d+\]\S*\) sort\(", hlo)}
-    assert sorted_rows == {batch["decoder_input_tokens"].size * MOE.num_experts_per_tok // shards}
+    assert sorted_rows == {own * sizes["expert"] * MOE.num_experts_per_tok}
 
 
 def test_a_bidirectional_encoder_splits_its_sequence():

@@ -10,15 +10,16 @@ Expert parallelism: under a mesh (JAX's context, as in `context_parallel`: this 
 sees a Partitioner) with an `expert` axis of size n > 1, the experts' weights are split over it
 (the logical axis `expert`) and `dropless` runs in a `shard_map` over the mesh axes that split
 the tokens (the batch's, and `sequence` under context parallelism; without an `expert` axis
-too, so that each device runs its own tokens rather than XLA gathering them all). The batch
-rule includes `expert` (tokens enter the layer already split over it): in each group of n
-devices, the tokens are all-gathered over `expert`, each device runs its E/n experts on the
-assignments routed to them, and the partial outputs are summed and scattered back with one
-`psum_scatter` (its transpose, an all-gather, carries the gradient). That is
-2 x tokens x embed bytes per device and layer, against 2 x k x tokens / n x embed for a
-ragged all-to-all; but `jax.lax.ragged_all_to_all` does not run on CPU (JAX 0.10: "HLO opcode
-`ragged-all-to-all` is not supported by XLA:CPU"), the tests' and the planner's platform, so
-the all-gather form is the one kept (the ragged all-to-all is the step for GPU and TPU).
+too, so that each device runs its own tokens rather than XLA gathering them all; the routing
+and the router statistics likewise, `on_own_tokens`). The batch rule includes `expert`
+(tokens enter the layer already split over it): in each group of n devices, the tokens are
+all-gathered over `expert`, each device runs its E/n experts on the assignments routed to
+them, and the partial outputs are summed and scattered back with one `psum_scatter` (its
+transpose, an all-gather, carries the gradient). That is 2 x tokens x embed bytes per device
+and layer, against 2 x k x tokens / n x embed for a ragged all-to-all; but
+`jax.lax.ragged_all_to_all` does not run on CPU (JAX 0.10: "HLO opcode `ragged-all-to-all` is
+not supported by XLA:CPU"), the tests' and the planner's platform, so the all-gather form is
+the one kept (the ragged all-to-all is the step for GPU and TPU).
 
 Routing, the router statistics every layer sows and the load-balance losses are in `routing`.
 """
@@ -26,6 +27,7 @@ Routing, the router statistics every layer sows and the load-balance losses are 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -198,9 +200,7 @@ def expert_parallel(
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
-    rows = context_parallel.mesh_axis(mesh, "batch", x.shape[0])
-    rows = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
-    length = _length_axis(mesh, x.shape[1])
+    rows, length = token_axes(mesh, x.shape[0], x.shape[1])
     gathered = shards > 1 and EXPERT_AXIS in rows
     manual = {*rows, *([length] if length else []), *([EXPERT_AXIS] if shards > 1 else [])}
     if not manual:
@@ -230,14 +230,52 @@ def expert_parallel(
     )(x, wi, wo, weights, ids, bias)
 
 
-def _length_axis(mesh: Any, length: int) -> str | None:
-    """`sequence` if the rules in force split `length` over it and it divides `length`
-    (context parallelism), else None."""
+def token_axes(mesh: Any, batch: int, length: int) -> tuple[tuple[str, ...], str | None]:
+    """The mesh axes that split `[batch, length]` tokens under the rules in force: the
+    batch's (none if they do not divide `batch`), and `sequence` if it splits `length`
+    (context parallelism) and divides it (else None)."""
+    rows = context_parallel.mesh_axis(mesh, "batch", batch)
+    rows = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
     axis = context_parallel.SEQUENCE_AXIS
     if context_parallel.sequence_shards() == 1 or length % int(mesh.shape[axis]):
-        return None
+        return rows, None
     (axes,) = nn.logical_to_mesh_axes(("length",))
-    return axis if axes in (axis, (axis,)) else None
+    return rows, axis if axes in (axis, (axis,)) else None
+
+
+def on_own_tokens(
+    fn: Callable[..., Any],
+    tokens: tuple[Array, ...],
+    shared: tuple[Any, ...] = (),
+    *,
+    summed: bool = False,
+) -> Any:
+    """`fn(*tokens, *shared)`, `tokens` `[batch, length, ...]` alike, on each device's own
+    tokens in a `shard_map` over the mesh axes that split them (`token_axes`), `shared`
+    whole on every device. fn's outputs are `[batch, length, ...]` split like the tokens,
+    or with `summed` sums over the tokens (added over the devices). Without a mesh that
+    splits the tokens, fn of the whole arrays. XLA left alone gathers a top-k over split
+    rows (XLA:CPU), and a row-major flattening of a sequence split over `sequence`, onto
+    every device, which then works on every token."""
+    mesh = jax.sharding.get_abstract_mesh()
+    b, length = tokens[0].shape[:2]
+    rows, seq = ((), None) if mesh.empty else token_axes(mesh, b, length)
+    manual = (*rows, *([seq] if seq else []))
+    if not manual:
+        return fn(*tokens, *shared)
+
+    def body(*args: Any) -> Any:
+        out = fn(*args)
+        return jax.tree.map(lambda a: jax.lax.psum(a, manual), out) if summed else out
+
+    spec = P(rows or None, seq)  # a prefix: the trailing dims whole
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(spec,) * len(tokens) + (P(),) * len(shared),
+        out_specs=P() if summed else spec,
+        axis_names=frozenset(manual),
+    )(*tokens, *shared)
 
 
 # ------------------------------------------------------------------ the layer
@@ -280,11 +318,18 @@ class MoE(nn.Module):
                 jnp.float32,
             )
             bias = jax.lax.stop_gradient(bias)  # chooses, never weights: no gradient
-        weights, ids = routing.route(
-            logits.reshape(-1, e), k, cfg.router, cfg.norm_topk_prob,
-            correction_bias=bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
-            scaling_factor=cfg.routed_scaling_factor,
-        )  # fmt: skip
+
+        def choose(z: Array, bias: Array | None) -> tuple[Array, Array]:
+            out = routing.route(
+                z.reshape(-1, e), k, cfg.router, cfg.norm_topk_prob,
+                correction_bias=bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                scaling_factor=cfg.routed_scaling_factor,
+            )  # fmt: skip
+            return tuple(a.reshape(*z.shape[:2], k) for a in out)
+
+        # [batch, length, k], each device routing its own tokens
+        weights3, ids3 = on_own_tokens(choose, (logits,), (bias,))
+        weights, ids = weights3.reshape(-1, k), ids3.reshape(-1, k)
 
         init = nn.initializers.normal(0.02)
         pdtype = layers.as_dtype(self.param_dtype)
@@ -302,10 +347,7 @@ class MoE(nn.Module):
                 xt, wi, wo, weights, ids, glu, capacity, expert_bias
             )
         else:
-            split = lambda a: a.reshape(b, length, -1)  # noqa: E731
-            y = expert_parallel(
-                x.astype(dtype), wi, wo, split(weights), split(ids), glu, shards, expert_bias
-            )
+            y = expert_parallel(x.astype(dtype), wi, wo, weights3, ids3, glu, shards, expert_bias)
             y = None if y is None else y.reshape(-1, d)
             if y is None:
                 y = experts.grouped_experts(xt, wi, wo, weights, ids, glu, bias=expert_bias)
@@ -326,10 +368,15 @@ class MoE(nn.Module):
             y = y + shared_experts(x)
 
         real = jnp.ones((b, length)) if real is None else real
-        real = (real.reshape(-1) > 0).astype(jnp.float32)
-        if dropped is not None:
-            dropped = dropped * real[:, None]
-        stats = routing.router_stats(logits.reshape(-1, e), ids, real, e, dropped, cfg.router)
+        real = (real > 0).astype(jnp.float32)  # [batch, length]
+
+        def count(logits: Array, ids: Array, real: Array) -> dict[str, Array]:
+            flat = (a.reshape(-1, *a.shape[2:]) for a in (logits, ids, real))
+            return routing.router_stats(*flat, e, router=cfg.router)
+
+        stats = on_own_tokens(count, (logits, ids3, real), summed=True)
+        if dropped is not None:  # capacity's, over the whole batch
+            stats["dropped"] = jnp.sum(dropped * real.reshape(-1, 1))
         self.sow(routing.ROUTER_COLLECTION, routing.ROUTER_STATS, stats)
         return checkpoint_name(y.astype(dtype), "mlp_out")
 
