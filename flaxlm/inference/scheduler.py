@@ -421,7 +421,7 @@ class Scheduler:
 
     def _first_fn(self, logits, index, seeds, counts, temperature, top_p):
         keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.PRNGKey)(seeds), counts)
-        return select(logits[index], keys, temperature, top_p, self.num_top)
+        return self._on_every_host(select(logits[index], keys, temperature, top_p, self.num_top))
 
     def _decode_fn(
         self, params, cache, tokens, slots, table, adapters, remaining, seeds, counts, *sample
@@ -449,7 +449,12 @@ class Scheduler:
 
         init = (cache, tokens, slots, remaining, counts)
         (cache, *_), out = jax.lax.scan(one, init, None, length=self.decode_steps)
-        return (jax.lax.with_sharding_constraint(cache, self._shardings), *out)
+        return (jax.lax.with_sharding_constraint(cache, self._shardings), *self._on_every_host(out))
+
+    def _on_every_host(self, tree: Any) -> Any:
+        """`tree` replicated: what the host reads back, whole on every process (a trainer's
+        rollouts on a mesh that spans processes)."""
+        return jax.lax.with_sharding_constraint(tree, self.partitioner.replicated())
 
     def _copy_fn(self, cache, src, dst):
         def copy(leaf):

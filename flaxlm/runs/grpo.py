@@ -253,7 +253,7 @@ class Rollouts:
         decoder = {k: partitioner.global_array(host[k]) for k in rl.DECODER_FEATURES}
         if sampled_logps is None:
             old_logps = self.policy_logps(state, decoder)
-        else:  # the sampling policy's own: equal to the recomputation (tests/test_grpo.py)
+        else:  # the sampling policy's own: the recomputation's (tests/test_grpo_lora.py)
             old_logps = partitioner.global_array(host["old_logps"])
         batch = dict(decoder, old_logps=old_logps)
         batch["reference_logps"] = batch["old_logps"]  # unused with beta 0
