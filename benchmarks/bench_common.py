@@ -174,6 +174,36 @@ def gin_model(name: str, bindings: Sequence[str] = (), **changes: Any) -> Any:
     return with_config(model, **changes) if changes else model
 
 
+def reduce_layers(model: Any, layers: int, first_dense: int | None = None) -> Any:
+    """`model` cut to its first `layers` layers, a mixture of experts with dense first layers
+    (DeepSeek-V3's `first_k_dense_replace`, `mlp_only_layers` = (0, ..., k - 1)) keeping
+    `first_dense` of them (default: its own k, at most `layers` - 1, so at least one MoE layer
+    is left); layers unrolled (`scan_layers=False`) where dense and MoE layers are then mixed,
+    since a scan needs every layer alike. Per-layer attention kinds (`layer_types`: sliding
+    or full) are those of the first `layers`. `model.config.sparse_layers` tells what was
+    kept."""
+    from flaxlm.plan.run import with_config
+
+    c = model.config
+    changes: dict[str, Any] = {"num_layers": layers}
+    if getattr(c, "layer_types", None) is not None:  # gpt-oss, Qwen: the first layers' kinds
+        changes["layer_types"] = tuple(c.layer_types[:layers])
+    dense = tuple(getattr(c, "mlp_only_layers", ()))
+    if dense and dense == tuple(range(len(dense))):
+        keep = min(len(dense), layers - 1) if first_dense is None else first_dense
+        if not 0 <= keep <= min(len(dense), layers - 1):
+            raise ValueError(
+                f"--first-dense {first_dense}: {len(dense)} dense first layers in the model, "
+                f"and at least one of --layers {layers} must be a MoE layer."
+            )
+        changes["mlp_only_layers"] = tuple(range(keep))
+        if 0 < keep < layers:
+            changes["scan_layers"] = False
+    elif first_dense:
+        raise ValueError("--first-dense: this model has no dense first layers (mlp_only_layers).")
+    return with_config(model, **changes)
+
+
 def make_partitioner(
     name: str, devices: Sequence[Any] | None = None, sequence: int = 1, expert: int = 1
 ) -> Any:

@@ -31,7 +31,9 @@ sequence split N ways, ring attention) and `--attention-chunk-size N` sets
 flash-style blocks on each device, also linear in the length). `--collectives` adds the
 bytes each device's step moves by collective (e.g. the chunked loss's head traffic).
 `--expert N` adds an `expert` mesh axis of N devices (expert parallelism, fsdp becomes
-(1, 8/N, N, 1)) for the MoE models (benchmarks/moe.py compares fsdp with fsdp + expert).
+(1, 8/N, N, 1)) for the MoE models (benchmarks/moe.py compares fsdp with fsdp + expert);
+`--first-dense K` keeps K of DeepSeek-V3's dense first layers under `--layers` (default: its
+3, at most all but one layer), and a model mixing dense and MoE layers runs unscanned.
 `--preference dpo` measures the DPO step on pairs (the reference params a frozen argument,
 "frozen GiB/dev"); with `--lora-rank R` the frozen params are the LoRA base, no second copy:
 
@@ -106,6 +108,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--layers", type=int, default=None, help="override the layer count (28 / 32)")
     p.add_argument("--hidden", type=int, default=None, help="override the width (4096)")
+    p.add_argument(
+        "--first-dense",
+        type=int,
+        default=None,
+        metavar="K",
+        help="of a gin model with dense first layers (DeepSeek-V3's 3), keep K (default: its "
+        "own, at most --layers - 1: one MoE layer at least)",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument(
@@ -186,12 +196,19 @@ def attention_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def gin_model(name: str, args: argparse.Namespace, remat: str) -> DecoderOnlyModel:
     """The decoder-only model of gin/models/<name>.gin, with `remat` and `args`' scan_layers
-    (and layer count, if given)."""
+    (and layer count, if given: `bench_common.reduce_layers`, which keeps `--first-dense` of
+    DeepSeek-V3's dense first layers). A model whose dense and MoE layers are mixed runs
+    unscanned whatever `--scan-layers` says: a scan needs every layer alike."""
     model = bench_common.gin_model(name)
-    changes = dict(remat_policy=remat, scan_layers=args.scan_layers, **attention_options(args))
-    if args.layers:
-        changes["num_layers"] = args.layers
-    config = dataclasses.replace(model.config, **changes)
+    if args.layers or args.first_dense is not None:
+        layers = args.layers or model.config.num_layers
+        model = bench_common.reduce_layers(model, layers, args.first_dense)
+    c = model.config
+    mixed = hasattr(c, "sparse_layers") and len(set(c.sparse_layers(c.num_layers))) > 1
+    changes = dict(
+        remat_policy=remat, scan_layers=args.scan_layers and not mixed, **attention_options(args)
+    )
+    config = dataclasses.replace(c, **changes)
     return DecoderOnlyModel(config, loss_chunk_size=args.loss_chunk_size)
 
 
@@ -269,6 +286,8 @@ def measure(
         "attention_chunk_size": args.attention_chunk_size,
         "sequence": args.sequence,
         "expert": args.expert,
+        "num_layers": model.config.num_layers,
+        "scan_layers": model.config.scan_layers,
         "num_params": sum(x.size for x in jax.tree.leaves(state.params)),
         "params_total_bytes": params_total,
         "opt_total_bytes": opt_total,
@@ -383,7 +402,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for m in args.models:
         first = next(r for r in rows if r["model"] == m)
         print(
-            f"{m}: {first['num_params'] / 1e9:.3f}B params, "
+            f"{m}: {first['num_params'] / 1e9:.3f}B params in {first['num_layers']} layers"
+            f"{'' if first['scan_layers'] == args.scan_layers else ' (unscanned)'}, "
             f"params {gib(first['params_total_bytes'])} GiB, "
             f"optimizer {gib(first['opt_total_bytes'])} GiB in all"
         )

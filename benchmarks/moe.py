@@ -12,17 +12,22 @@ Three parts, each a subcommand:
   (libtpu, no TPU attached); beside it the ratio if the experts cost k/E of dense (the rest
   of the step unchanged): a backend that runs `ragged_dot` natively lands there, one that
   expands it densely lands near 1.
-- `memory`: Qwen3-30B-A3B and Mixtral 8x7B (gin/models/, cut to `--layers`) on 8 devices
-  (`--tpu-topology v5p:2x2x2`) under fsdp and fsdp + expert (`--expert`): params + optimizer
-  per device against total / 8 (target <= 1.05x), and the bytes the MoE layers' collectives
-  move per step (the ops inside the expert-parallel `shard_map`: all-gather of the tokens
-  over `expert`, reduce-scatter of their outputs; all-to-all where a backend has it) against
-  the all-to-all's 2 x k x d x bytes x tokens x MoE layers per device, x2 with the backward.
+- `memory`: Qwen3-30B-A3B and Mixtral 8x7B (or `--models`: any gin/models/ MoE, e.g.
+  gpt_oss_120b, deepseek_v3), cut to `--layers` (DeepSeek-V3's dense first layers: to
+  `--first-dense`, by default all but one of `--layers`, the layers then unscanned), on 8
+  devices (`--tpu-topology v5p:2x2x2`) under fsdp and fsdp + expert (`--expert`): params +
+  optimizer per device against total / 8 (target <= 1.05x), and the bytes the MoE layers'
+  collectives move per step (the ops inside the expert-parallel `shard_map`: all-gather of
+  the tokens over `expert`, reduce-scatter of their outputs; all-to-all where a backend has
+  it) against the all-to-all's 2 x k x d x bytes x tokens x MoE layers per device, x2 with
+  the backward.
 
     python benchmarks/moe.py time --json /tmp/moe_time.json
     python benchmarks/moe.py flops                           # this host (CPU)
     python benchmarks/moe.py flops --tpu-topology v5e:2x4    # TPU, ahead of time
     python benchmarks/moe.py memory --tpu-topology v5p:2x2x2 --layers 2
+    python benchmarks/moe.py memory --tpu-topology v5p:2x2x2 --layers 2 \
+      --models gpt_oss_120b deepseek_v3           # DeepSeek: 1 dense + 1 MoE layer
 """
 
 from __future__ import annotations
@@ -68,8 +73,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         q.add_argument("--seq-len", type=int, default=128)
     timing.add_argument("--rounds", type=int, default=5)
     timing.add_argument("--steps", type=int, default=3, help="steps per timed call")
-    memory.add_argument("--models", nargs="+", default=list(MEMORY_MODELS))
+    memory.add_argument(
+        "--models",
+        nargs="+",
+        default=list(MEMORY_MODELS),
+        choices=bench_common.gin_model_names(),
+        metavar="MODEL",
+        help="gin/models/ files with experts (e.g. gpt_oss_120b deepseek_v3)",
+    )
     memory.add_argument("--layers", type=int, default=2, help="layers kept of each model")
+    memory.add_argument(
+        "--first-dense",
+        type=int,
+        default=None,
+        metavar="K",
+        help="of a model with dense first layers (DeepSeek-V3's 3), keep K (default: its "
+        "own, at most --layers - 1: one MoE layer at least); such a mix runs unscanned",
+    )
     memory.add_argument("--batch-size", type=int, default=8)
     memory.add_argument("--seq-len", type=int, default=2048)
     bench_common.add_expert_arg(memory)
@@ -297,16 +317,27 @@ def moe_collectives(text: str, n: int) -> dict[str, dict[str, float]]:
     return hlo.parse_hlo("\n".join(keep(x) for x in text.splitlines()), n)["by_kind"]
 
 
+def layer_description(layers: int, moe_layers: int) -> str:
+    """'2 layers' where all are MoE layers, else '1 dense + 1 MoE layers'."""
+    if moe_layers == layers:
+        return f"{layers} layers"
+    return f"{layers - moe_layers} dense + {moe_layers} MoE layers"
+
+
 def run_memory(args: argparse.Namespace) -> dict[str, Any]:
     devices = bench_common.target_devices(args)
     n = len(devices)
     rows = []
     for name in args.models:
-        model = bench_common.gin_model(name, num_layers=args.layers)
+        model = bench_common.reduce_layers(
+            bench_common.gin_model(name), args.layers, args.first_dense
+        )
         c = model.config
+        sparse = sum(c.sparse_layers(c.num_layers))
+        kept = layer_description(c.num_layers, sparse)
         for expert in (1, args.expert):
             label = "fsdp" if expert == 1 else f"fsdp + expert {expert}"
-            print(f"compiling {name} ({args.layers} layers) / {label} ...", flush=True)
+            print(f"compiling {name} ({kept}) / {label} ...", flush=True)
             partitioner = bench_common.make_partitioner("fsdp", devices, expert=expert)
             step = bench_common.CompiledStep(
                 model,
@@ -326,6 +357,8 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
             row = {
                 "model": name,
                 "layers": args.layers,
+                "moe_layers": sparse,
+                "scan_layers": c.scan_layers,
                 "partitioning": label,
                 "num_params": sum(x.size for x in jax.tree.leaves(state.params)),
                 "state_total_bytes": total,
@@ -341,7 +374,6 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
                 row["moe_collectives"] = moe_collectives(text, n)
                 tokens = args.batch_size * args.seq_len / n
                 itemsize = np.dtype(c.dtype).itemsize
-                sparse = sum(c.sparse_layers(c.num_layers))
                 forward = 2 * c.num_experts_per_tok * c.hidden_size * itemsize * tokens * sparse
                 row["all_to_all_theory_bytes"] = 2 * forward
             rows.append(row)
@@ -360,7 +392,7 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
         ring = sum(v["ring_bytes"] for k, v in moe.items() if "/" not in k)
         table.append(
             [
-                f"{r['model']} ({r['layers']} layers)",
+                f"{r['model']} ({layer_description(r['layers'], r['moe_layers'])})",
                 r["partitioning"],
                 f"{r['state_bytes'] / GIB:.2f}",
                 f"{r['state_total_bytes'] / n / GIB:.2f}",

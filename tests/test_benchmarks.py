@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import load_benchmark
+from tests.helpers import adamw, load_benchmark
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO, "benchmarks")
@@ -442,3 +442,28 @@ def test_attention_cpu_times_every_implementation_and_torch():
         "torch einsum",
     ]
     assert all(r["forward_ms"] > 0 and r["forward_backward_ms"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss_120b", "deepseek_v3"])
+def test_published_moe_shapes_split_their_state_evenly_over_expert_and_fsdp(name):
+    """The memory rows' first column without compiling (benchmarks/moe.py `memory`): the gin
+    files' full-size shapes cut to 2 layers (DeepSeek-V3: 1 dense + 1 MoE layer, unrolled),
+    their params + AdamW state per device = total / 8 under fsdp + expert 8 (1, 1, 8, 1), as
+    under fsdp (1, 8, 1). Only shapes are traced (`Setup.abstract_state`), nothing allocated."""
+    from flaxlm.training import steps
+
+    bench_common = load_benchmark("bench_common")
+    model = bench_common.reduce_layers(bench_common.gin_model(name), 2)
+    c = model.config
+    assert c.sparse_layers(2) == ((False, True) if name == "deepseek_v3" else (True, True))
+    assert c.scan_layers == (name == "gpt_oss_120b")
+    lengths = bench_common.feature_lengths(model, 128)
+    for expert in (1, 8):
+        partitioner = bench_common.make_partitioner("fsdp", expert=expert)
+        state = steps.Setup(model, partitioner, adamw(), lengths).abstract_state
+        total = bench_common.total_bytes(state.params) + bench_common.total_bytes(state.opt_state)
+        per_device = bench_common.per_device_bytes(state.params)
+        per_device += bench_common.per_device_bytes(state.opt_state)
+        # Every large array splits 8 ways; only scalars and small vectors (norm scales, the
+        # router's biases, AdamW's count) are whole on each device, well under 1%.
+        assert total / 8 <= per_device <= 1.01 * total / 8, (expert, per_device / (total / 8))
