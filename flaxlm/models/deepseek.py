@@ -219,13 +219,7 @@ def config_from_hf(hf: dict, **overrides: Any) -> DeepseekV3Config:
             "make every layer from first_k_dense_replace on sparse; 1 only."
         )
     kwargs = dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"],
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        llama.shared_fields_from_hf(hf),
         q_lora_rank=get("q_lora_rank"),
         kv_lora_rank=get("kv_lora_rank"),
         qk_nope_head_dim=get("qk_nope_head_dim"),
@@ -233,8 +227,6 @@ def config_from_hf(hf: dict, **overrides: Any) -> DeepseekV3Config:
         v_head_dim=get("v_head_dim"),
         rope_interleave=bool(get("rope_interleave")),
         attention_bias=hf.get("attention_bias", False),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        activation=hf.get("hidden_act", "silu"),
         num_experts=hf.get("n_routed_experts", hf.get("num_local_experts", 256)),
         num_experts_per_tok=hf.get("num_experts_per_tok", 8),
         moe_intermediate_size=hf.get("moe_intermediate_size", 2048),
@@ -246,6 +238,7 @@ def config_from_hf(hf: dict, **overrides: Any) -> DeepseekV3Config:
         mlp_only_layers=tuple(range(get("first_k_dense_replace") or 0)),
         **rope_from_hf(hf),
     )
+    del kwargs["num_kv_heads"]  # latent attention: every head has its own (checked above)
     kwargs.update(overrides)
     return DeepseekV3Config(**kwargs)
 
@@ -290,15 +283,7 @@ def config_to_hf(cfg: DeepseekV3Config) -> dict:
 def hf_tensors(cfg: DeepseekV3Config) -> list[HFTensor]:
     """Llama's embedding, norms and head; each layer's latent attention; the MLPs as the
     Qwen-line MoEs map them, plus the shared experts and the router's correction bias."""
-    table = [
-        t
-        for t in llama.hf_tensors(
-            llama.LlamaConfig(
-                num_layers=cfg.num_layers, tie_word_embeddings=cfg.tie_word_embeddings
-            )
-        )
-        if ".mlp." not in t.hf and ".self_attn." not in t.hf
-    ]
+    table = [t for t in llama.hf_tensors_but_mlp(cfg) if ".self_attn." not in t.hf]
     n = cfg.num_layers
     scope, attn = "layers_{i}/self_attn", "model.layers.{i}.self_attn"
     names = ["kv_a_proj_with_mqa"] + (["q_a_proj"] if cfg.q_lora_rank else [])

@@ -150,21 +150,12 @@ def config_from_hf(hf: dict, **overrides: Any) -> GptOssConfig:
     if window is None and layer_types is not None:  # HF windows no layer then
         layer_types = [qwen.FULL] * len(layer_types)
     kwargs = dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads"),
+        llama.shared_fields_from_hf(hf, rms_norm_eps=1e-5),
         head_dim=hf.get("head_dim"),
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"],
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
         attention_bias=hf.get("attention_bias", True),
         use_sliding_window=window is not None,
         sliding_window=window,
         layer_types=tuple(layer_types) if layer_types is not None else None,
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        activation=hf.get("hidden_act", "silu"),
         num_experts=hf.get("num_local_experts", hf.get("num_experts")),
         num_experts_per_tok=hf["num_experts_per_tok"],
         moe_intermediate_size=hf["intermediate_size"],
@@ -230,17 +221,6 @@ def as_is(array: np.ndarray, shape: tuple[int, ...] | None = None) -> np.ndarray
 def hf_tensors(cfg: GptOssConfig) -> list[HFTensor]:
     """Llama's attention (with its biases) and norms, each head's sink, each layer's router
     (and its bias) and experts (fused, with their biases)."""
-    table = [
-        t
-        for t in llama.hf_tensors(
-            llama.LlamaConfig(
-                num_layers=cfg.num_layers,
-                attention_bias=cfg.attention_bias,
-                tie_word_embeddings=cfg.tie_word_embeddings,
-            )
-        )
-        if ".mlp." not in t.hf
-    ]
     n, mlp = cfg.num_layers, "model.layers.{i}.mlp"
 
     def experts(param: str, hf: str, to_flax: Any, to_hf: Any) -> HFTensor:
@@ -252,7 +232,7 @@ def hf_tensors(cfg: GptOssConfig) -> list[HFTensor]:
             to_hf=to_hf,
         )
 
-    return table + [
+    return llama.hf_tensors_but_mlp(cfg) + [
         HFTensor("layers_{i}/sinks/logits", "model.layers.{i}.self_attn.sinks", layers=n),
         linear("layers_{i}/mlp/gate/kernel", f"{mlp}.router.weight", layers=n),
         HFTensor("layers_{i}/mlp/gate/bias", f"{mlp}.router.bias", layers=n),

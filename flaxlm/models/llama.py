@@ -296,20 +296,14 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
         raise ValueError("use_bidirectional_attention=True is not supported: Gemma is causal here.")
     default_activation = "gelu_pytorch_tanh" if gemma else "silu"
     kwargs = dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads"),
+        shared_fields_from_hf(hf),
         head_dim=hf.get("head_dim"),
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"],
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         sliding_window=hf.get("sliding_window") if hf["model_type"] == "mistral" else None,
         attention_bias=hf.get("attention_bias", False),
         mlp_bias=hf.get("mlp_bias", False),
+        # Read apart from the shared fields: Gemma ties its head unless config.json says
+        # otherwise, and older Gemma configs name the activation hidden_activation.
         tie_word_embeddings=hf.get("tie_word_embeddings", gemma),
-        # Older Gemma configs name it hidden_activation.
         activation=hf.get("hidden_activation") or hf.get("hidden_act") or default_activation,
         scale_embedding=gemma,
         norm_scale_plus_one=gemma,
@@ -318,6 +312,25 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
     )
     kwargs.update(overrides)
     return LlamaConfig(**kwargs)
+
+
+def shared_fields_from_hf(hf: dict, rms_norm_eps: float = 1e-6) -> dict[str, Any]:
+    """The config fields (LlamaConfig's names) that the families built on Llama's block
+    (Llama, Mistral, Gemma 1, Qwen and its MoEs, Mixtral, OLMoE, gpt-oss, DeepSeek-V3) read
+    alike from a config.json dict: the import twin of `shared_hf_fields`. `rms_norm_eps` is
+    the family's when config.json has none (its transformers config class's default)."""
+    return dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads"),
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf["max_position_embeddings"],
+        rms_norm_eps=hf.get("rms_norm_eps", rms_norm_eps),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        activation=hf.get("hidden_act", "silu"),
+    )
 
 
 def shared_hf_fields(cfg: Any) -> dict[str, Any]:
@@ -398,6 +411,20 @@ def hf_tensors(cfg: LlamaConfig) -> list[HFTensor]:
         HFTensor("norm/scale", "model.norm.weight"),
         *head,
     ]
+
+
+def hf_tensors_but_mlp(cfg: Any) -> list[HFTensor]:
+    """`hf_tensors`' records but the MLP's (the embedding, attention with its biases, norms
+    and head) for a config with LlamaConfig's `num_layers`, `attention_bias` and
+    `tie_word_embeddings`: what the mixture-of-experts families keep of Llama's table."""
+    table = hf_tensors(
+        LlamaConfig(
+            num_layers=cfg.num_layers,
+            attention_bias=cfg.attention_bias,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+        )
+    )
+    return [t for t in table if ".mlp." not in t.hf]
 
 
 HF_SPEC = register_hf(

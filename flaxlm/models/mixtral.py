@@ -78,28 +78,19 @@ class MixtralConfig(qwen_moe.MoESizes, qwen.QwenFields, moe.MoEOptions):
 
 def config_from_hf(hf: dict, **overrides: Any) -> MixtralConfig:
     """A MixtralConfig from a Mixtral config.json dict (+ field overrides)."""
-    moe_fields = qwen_moe.moe_from_hf(hf)
-    moe_fields.update(
+    kwargs = dict(
+        llama.shared_fields_from_hf(hf, rms_norm_eps=1e-5),
+        head_dim=hf.get("head_dim"),
+        sliding_window=hf.get("sliding_window"),
+        **rope.from_hf(hf),
+    )
+    # The experts are HF's intermediate_size wide, always renormalised, on every layer.
+    kwargs.update(
+        moe.options_from_hf(hf),
         moe_intermediate_size=hf["intermediate_size"],
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=(),
-    )
-    kwargs = dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads"),
-        head_dim=hf.get("head_dim"),
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"],
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-        sliding_window=hf.get("sliding_window"),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        activation=hf.get("hidden_act", "silu"),
-        **moe_fields,
-        **rope.from_hf(hf),
     )
     kwargs.update(overrides)
     return MixtralConfig(**kwargs)
@@ -122,17 +113,10 @@ def config_to_hf(cfg: MixtralConfig) -> dict:
 
 def hf_tensors(cfg: MixtralConfig) -> list[HFTensor]:
     """Llama's attention and norms, then each layer's router and experts."""
-    table = [
-        t
-        for t in llama.hf_tensors(
-            llama.LlamaConfig(
-                num_layers=cfg.num_layers, tie_word_embeddings=cfg.tie_word_embeddings
-            )
-        )
-        if ".mlp." not in t.hf
-    ]
     prefix = "model.layers.{i}.block_sparse_moe"
-    return table + qwen_moe.moe_hf_tensors(cfg, prefix, expert_names=EXPERT_NAMES)
+    return llama.hf_tensors_but_mlp(cfg) + qwen_moe.moe_hf_tensors(
+        cfg, prefix, expert_names=EXPERT_NAMES
+    )
 
 
 HF_SPEC = register_hf(

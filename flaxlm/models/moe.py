@@ -1,8 +1,9 @@
 """Mixture-of-experts MLP: its options, the layer and the expert-parallel dispatch.
 
-`MoEOptions` holds the fields every MoE family config shares; `MoE` is the layer that replaces a
-block's MLP. Each token goes to its `num_experts_per_tok` best experts by the router and comes
-back as their outputs weighted by the router's weights (plus a sigmoid-gated shared expert,
+`MoEOptions` holds the fields every MoE family config shares (`options_from_hf` /
+`options_to_hf`: as config.json names them); `MoE` is the layer that replaces a block's MLP.
+Each token goes to its `num_experts_per_tok` best experts by the router and comes back as
+their outputs weighted by the router's weights (plus a sigmoid-gated shared expert,
 Qwen2-MoE, or DeepSeek-V3's ungated shared experts). The experts, stacked `[expert, embed,
 mlp]`, run one of three ways (`moe_impl`: dense, dropless, capacity; `experts.py`).
 
@@ -155,6 +156,38 @@ class MoEOptions:
             router + self.num_experts * expert + shared,
             router + self.num_experts_per_tok * expert + shared,
         )
+
+
+def options_from_hf(hf: dict) -> dict[str, Any]:
+    """MoEOptions' fields from an HF MoE config.json dict, as the Qwen-MoE line names them
+    (Qwen2-MoE, Qwen3-MoE; Mixtral and OLMoE read the experts' width from
+    `intermediate_size`)."""
+    return dict(
+        # transformers 5 writes Qwen3-MoE's and Mixtral's as num_local_experts.
+        num_experts=hf.get("num_experts", hf.get("num_local_experts")),
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        moe_intermediate_size=hf.get("moe_intermediate_size", hf["intermediate_size"]),
+        norm_topk_prob=hf.get("norm_topk_prob", False),
+        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0),
+        router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+        decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+    )
+
+
+def options_to_hf(cfg: MoEOptions, experts_key: str = "num_experts") -> dict[str, Any]:
+    """MoEOptions' fields as the Qwen-MoE line names them in config.json (`experts_key`: the
+    name of num_experts that transformers 5 writes for the family): `options_from_hf`'s
+    twin."""
+    return {
+        experts_key: cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+        "decoder_sparse_step": cfg.decoder_sparse_step,
+        "mlp_only_layers": list(cfg.mlp_only_layers),
+    }
 
 
 def has_experts(config: Any) -> bool:

@@ -101,19 +101,10 @@ class Olmoe(qwen_moe.QwenMoe):
 def config_from_hf(hf: dict, **overrides: Any) -> OlmoeConfig:
     """An OlmoeConfig from an OLMoE config.json dict (+ field overrides)."""
     kwargs = dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads"),
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"],
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+        llama.shared_fields_from_hf(hf, rms_norm_eps=1e-5),
         attention_bias=hf.get("attention_bias", False),
         clip_qkv=hf.get("clip_qkv"),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        activation=hf.get("hidden_act", "silu"),
-        **{**qwen_moe.moe_from_hf(hf), "moe_intermediate_size": hf["intermediate_size"]},
+        **{**moe.options_from_hf(hf), "moe_intermediate_size": hf["intermediate_size"]},
         **rope.from_hf(hf),
     )
     kwargs.update(overrides)
@@ -139,19 +130,8 @@ def config_to_hf(cfg: OlmoeConfig) -> dict:
 def hf_tensors(cfg: OlmoeConfig) -> list[HFTensor]:
     """Llama's attention (and its biases) and norms, the q/k norms, each layer's router and
     experts."""
-    table = [
-        t
-        for t in llama.hf_tensors(
-            llama.LlamaConfig(
-                num_layers=cfg.num_layers,
-                attention_bias=cfg.attention_bias,
-                tie_word_embeddings=cfg.tie_word_embeddings,
-            )
-        )
-        if ".mlp." not in t.hf
-    ]
     n, attn = cfg.num_layers, "model.layers.{i}.self_attn"
-    table += [
+    table = llama.hf_tensors_but_mlp(cfg) + [
         HFTensor(f"layers_{{i}}/{p}/scale", f"{attn}.{p}.weight", layers=n)
         for p in ("q_norm", "k_norm")
     ]

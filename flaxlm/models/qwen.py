@@ -196,23 +196,14 @@ def config_from_hf(hf: dict, **overrides: Any) -> QwenConfig:
     layer_types = hf.get("layer_types")
     window = hf.get("sliding_window")
     kwargs = dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads"),
+        llama.shared_fields_from_hf(hf),
         head_dim=hf.get("head_dim"),
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"],
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         attention_bias=hf.get("attention_bias", False) if hf["model_type"] == "qwen3" else False,
         # HF windows no layer when the size is missing, whatever use_sliding_window says.
         use_sliding_window=bool(hf.get("use_sliding_window")) and window is not None,
         sliding_window=window,
         max_window_layers=hf.get("max_window_layers", 28),
         layer_types=tuple(layer_types) if layer_types is not None else None,
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        activation=hf.get("hidden_act", "silu"),
         model_type=hf["model_type"],
         **rope.from_hf(hf),
     )

@@ -163,15 +163,8 @@ def config_from_hf(hf: dict, **overrides: Any) -> QwenMoeConfig:
     window = hf.get("sliding_window") or None  # Qwen2-MoE writes 0 for none
     layer_types = hf.get("layer_types")
     kwargs = dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads"),
+        llama.shared_fields_from_hf(hf),
         head_dim=hf.get("head_dim"),
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"],
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         attention_bias=hf.get("attention_bias", False) if qwen3 else False,
         qkv_bias_qwen2=hf.get("qkv_bias", True),
         use_sliding_window=bool(hf.get("use_sliding_window")) and window is not None,
@@ -179,43 +172,12 @@ def config_from_hf(hf: dict, **overrides: Any) -> QwenMoeConfig:
         # Qwen3-MoE windows every layer when it windows any.
         max_window_layers=0 if qwen3 else hf.get("max_window_layers", 28),
         layer_types=tuple(layer_types) if layer_types is not None and not qwen3 else None,
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        activation=hf.get("hidden_act", "silu"),
         model_type=hf["model_type"],
-        **moe_from_hf(hf),
+        **moe.options_from_hf(hf),
         **rope.from_hf(hf),
     )
     kwargs.update(overrides)
     return QwenMoeConfig(**kwargs)
-
-
-def moe_from_hf(hf: dict) -> dict[str, Any]:
-    """MoEOptions' fields from an HF MoE config.json (Qwen / OLMoE names)."""
-    return dict(
-        # transformers 5 writes Qwen3-MoE's and Mixtral's as num_local_experts.
-        num_experts=hf.get("num_experts", hf.get("num_local_experts")),
-        num_experts_per_tok=hf["num_experts_per_tok"],
-        moe_intermediate_size=hf.get("moe_intermediate_size", hf["intermediate_size"]),
-        norm_topk_prob=hf.get("norm_topk_prob", False),
-        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0),
-        router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
-        decoder_sparse_step=hf.get("decoder_sparse_step", 1),
-        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-    )
-
-
-def moe_to_hf(cfg: moe.MoEOptions, experts_key: str = "num_experts") -> dict[str, Any]:
-    """MoEOptions' fields as HF names them (`experts_key`: the name of num_experts that
-    transformers 5 writes for the family)."""
-    return {
-        experts_key: cfg.num_experts,
-        "num_experts_per_tok": cfg.num_experts_per_tok,
-        "moe_intermediate_size": cfg.moe_intermediate_size,
-        "norm_topk_prob": cfg.norm_topk_prob,
-        "router_aux_loss_coef": cfg.router_aux_loss_coef,
-        "decoder_sparse_step": cfg.decoder_sparse_step,
-        "mlp_only_layers": list(cfg.mlp_only_layers),
-    }
 
 
 def config_to_hf(cfg: QwenMoeConfig) -> dict:
@@ -227,7 +189,9 @@ def config_to_hf(cfg: QwenMoeConfig) -> dict:
         "rope_parameters": rope.to_hf(cfg),
         "use_sliding_window": cfg.use_sliding_window,
         "sliding_window": cfg.sliding_window,
-        **moe_to_hf(cfg, "num_local_experts" if cfg.model_type == "qwen3_moe" else "num_experts"),
+        **moe.options_to_hf(
+            cfg, "num_local_experts" if cfg.model_type == "qwen3_moe" else "num_experts"
+        ),
     }
     if cfg.model_type == "qwen3_moe":
         out["attention_bias"] = cfg.attention_bias
