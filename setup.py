@@ -37,6 +37,8 @@ EXTRAS_REQUIRE = {
     "test": [
         "pytest",
         "pytest-xdist==3.8.0",
+        # tests/conftest.py: the pytest workers share one trained tiny checkpoint.
+        "filelock",
         "ruff",
         "torch==2.13.0",
         "wandb",

@@ -63,25 +63,37 @@ def repo_dir() -> str:
 @pytest.fixture(scope="session")
 def trained_gptj(tmp_path_factory, repo_dir) -> str:
     """A tiny GPT-J MODEL_DIR (byte vocabulary) after 8 steps of the default run; shared by
-    the inference and serving tests."""
+    the inference and serving tests, which only read it. Trained once per session: under
+    pytest-xdist the workers share it through their common temp directory, the first to
+    need it training while the others wait on the lock."""
+    from filelock import FileLock
+
     from tests.test_main import run_main
 
-    model_dir = str(tmp_path_factory.mktemp("trained_gptj") / "run")
-    result = run_main(
-        [
-            "--gin_file=gin/gptj_pretrain.gin",
-            f"--gin.MODEL_DIR='{model_dir}'",
-            "--gin.TRAIN_STEPS=8",
-            "--gin.EVAL_PERIOD=0",
-            "--gin.CHECKPOINT_PERIOD=8",
-            "--gin.BATCH_SIZE=8",
-            "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
-        ],
-        repo_dir,
-        devices=8,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert os.path.exists(os.path.join(model_dir, "model_record.json"))
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # every worker's basetemp sits in the session's one directory
+    model_dir = os.path.join(str(root), "trained_gptj", "run")
+    done = os.path.join(os.path.dirname(model_dir), "trained")
+    with FileLock(os.path.join(str(root), "trained_gptj.lock")):
+        if not os.path.exists(done):
+            shutil.rmtree(os.path.dirname(model_dir), ignore_errors=True)
+            result = run_main(
+                [
+                    "--gin_file=gin/gptj_pretrain.gin",
+                    f"--gin.MODEL_DIR='{model_dir}'",
+                    "--gin.TRAIN_STEPS=8",
+                    "--gin.EVAL_PERIOD=0",
+                    "--gin.CHECKPOINT_PERIOD=8",
+                    "--gin.BATCH_SIZE=8",
+                    "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+                ],
+                repo_dir,
+                devices=8,
+            )
+            assert result.returncode == 0, result.stderr[-3000:]
+            assert os.path.exists(os.path.join(model_dir, "model_record.json"))
+            open(done, "w").close()
     return model_dir
 
 

@@ -11,11 +11,8 @@ from safetensors.numpy import load_file
 
 from tests.hf_helpers import (
     QWEN_CHAT_TEMPLATE,
-    max_abs_diff,
-    padded_batch,
     save_byte_bpe_tokenizer,
     save_torch_model,
-    torch_logits,
 )
 from tests.test_hf_fidelity import CHAT_TEMPLATE, save_tokenizer
 from tests.test_main import read_metrics, run_main
@@ -89,7 +86,7 @@ def same_tensors(dir_a, dir_b):
 
 @pytest.mark.slow
 def test_import_then_train_then_export(tmp_path, repo_dir, hf_dir):
-    torch_model, path = hf_dir
+    _, path = hf_dir
     model_dir = str(tmp_path / "run")
     result = run_main(
         [
@@ -102,30 +99,6 @@ def test_import_then_train_then_export(tmp_path, repo_dir, hf_dir):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert os.path.isdir(os.path.join(model_dir, "checkpoints", "0", "params"))
-
-    # Exported straight away: the same model as HF's.
-    out0 = str(tmp_path / "exported0")
-    result = run_main(
-        [
-            "--gin_file=runs/export_hf.gin",
-            f"--gin.MODEL_DIR='{model_dir}'",
-            f"--gin.HF_OUT_DIR='{out0}'",
-        ],
-        cwd=str(tmp_path),
-        devices=8,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert_keeps_what_makes_it_usable(path, out0)
-    ids, mask = padded_batch(384)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out0).eval()
-    assert (
-        max_abs_diff(
-            torch_logits(reloaded, input_ids=ids, attention_mask=mask),
-            torch_logits(torch_model, input_ids=ids, attention_mask=mask),
-            mask,
-        )
-        < 1e-5
-    )
 
     # Training over the imported MODEL_DIR starts from step 0 with a fresh optimizer.
     result = run_main(
@@ -153,7 +126,11 @@ def test_import_then_train_then_export(tmp_path, repo_dir, hf_dir):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Exported step 4" in result.stdout
+    # Trained, so other tensors; the names, ids, generation config and tokenizer are the
+    # source's. (That an export of the import alone is HF's model, logits and all, is
+    # test_hf_fidelity's and test_hf_gptj's, in process; and this file's other test's.)
     assert 0.0 < same_tensors(path, out) < 1.0
+    assert_keeps_what_makes_it_usable(path, out)
     assert json.loads(open(os.path.join(out, "config.json")).read())["model_type"] == "gptj"
 
 

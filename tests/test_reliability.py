@@ -219,7 +219,9 @@ def test_sigterm_saves_at_the_current_step_exits_0_at_once_and_resumes_exactly(
     assert proc.returncode == 0, err[-3000:]
     aside = f"{model_dir}/checkpoints/{stopped}.unreadable"
     assert "could not be read" in out and f"moved it to {aside}" in out, out
-    assert "Traceback" not in err, err[-3000:]
+    # The warning line says it all: the failed restore's other array reads used to print
+    # 100-250 TensorStore tracebacks (~8,000 lines), most of them after "Done in".
+    assert err == "", err[-3000:]
     assert f"Resumed from checkpoint step {previous}" in out
     assert_same_losses(model_dir, reference)
     assert os.path.isdir(aside) and checkpoint_steps(model_dir)[-1] == TRAIN_STEPS
@@ -229,24 +231,6 @@ def test_sigterm_saves_at_the_current_step_exits_0_at_once_and_resumes_exactly(
     out, err = finish(proc)
     assert proc.returncode == 0, err[-3000:]
     assert f"Already trained to step {TRAIN_STEPS}" in out
-
-
-@pytest.mark.slow
-def test_fallback_from_a_truncated_array_file_prints_a_few_clean_lines(tmp_path, repo_dir):
-    """The failed restore's other array reads used to print 100-250 TensorStore tracebacks
-    (~8,000 lines), most after "Done in"; the warning line says it all."""
-    from tests.test_checkpoints import _truncate_an_array_file
-
-    model_dir = str(tmp_path / "run")
-    args = [*args_for(model_dir), "--gin.CHECKPOINT_PERIOD=1", "--gin.EVAL_PERIOD=0"]
-    first = run_main([*args, "--gin.TRAIN_STEPS=2"], cwd=repo_dir)
-    assert first.returncode == 0, first.stderr[-3000:]
-    _truncate_an_array_file(pathlib.Path(model_dir, "checkpoints", "2"))
-    result = run_main([*args, "--gin.TRAIN_STEPS=3"], cwd=repo_dir)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"{model_dir}/checkpoints/2 could not be read" in result.stdout, result.stdout
-    assert "Resumed from checkpoint step 1" in result.stdout
-    assert result.stderr == "", result.stderr[-3000:]
 
 
 @pytest.mark.slow
