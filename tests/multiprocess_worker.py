@@ -1,6 +1,8 @@
 """Run by test_multiprocess.py as one of several processes joined by jax.distributed: which
-rows of a batch each host feeds on several meshes, and the mixture of experts with its
-`expert` axis spanning the processes (its results saved by process 0 to moe.npz)."""
+rows of a batch each host feeds on several meshes, and on meshes spanning the processes the
+mixture of experts with its `expert` axis, GRPO with LoRA through the paged engine, and the
+aux-loss-free bias update (their results saved by process 0 to moe.npz, grpo.npz and
+balance.npz)."""
 
 import json
 import os
@@ -16,6 +18,7 @@ jax.distributed.initialize(
 import numpy as np  # noqa: E402
 
 from flaxlm.parallel.partitioning import Partitioner  # noqa: E402
+from tests import multiprocess_cases  # noqa: E402
 from tests.test_moe import fsdp_ep_loss_and_grads  # noqa: E402
 
 EXPERT_AXES = ("data", "fsdp", "expert", "tensor")
@@ -42,5 +45,12 @@ if jax.process_index() == 0:
     leaves = jax.tree_util.tree_leaves_with_path(grads)
     arrays = {f"grad{jax.tree_util.keystr(path)}": g for path, g in leaves}
     np.savez("moe.npz", loss=loss, **{f"sums/{k}": v for k, v in sums.items()}, **arrays)
+for name, case in [
+    ("grpo", multiprocess_cases.grpo_lora_steps),
+    ("balance", multiprocess_cases.aux_free_balance_steps),
+]:
+    result = case()  # on every process: its collectives need them all
+    if jax.process_index() == 0:
+        np.savez(f"{name}.npz", **result)
 print("RESULT " + json.dumps(out), flush=True)
 os._exit(0)
