@@ -94,6 +94,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     memory.add_argument("--seq-len", type=int, default=2048)
     bench_common.add_expert_arg(memory)
     memory.set_defaults(expert=8)
+    memory.add_argument(
+        "--expert-only",
+        action="store_true",
+        help="compile only the fsdp + expert row (on a large slice the fsdp row, every "
+        "expert's weights gathered onto every device, costs as long again)",
+    )
     for q in (flops, memory):
         bench_common.add_target_args(q)
     for q in (timing, flops, memory):
@@ -335,7 +341,7 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
         c = model.config
         sparse = sum(c.sparse_layers(c.num_layers))
         kept = layer_description(c.num_layers, sparse)
-        for expert in (1, args.expert):
+        for expert in (args.expert,) if args.expert_only else (1, args.expert):
             label = "fsdp" if expert == 1 else f"fsdp + expert {expert}"
             print(f"compiling {name} ({kept}) / {label} ...", flush=True)
             partitioner = bench_common.make_partitioner("fsdp", devices, expert=expert)
