@@ -1,5 +1,6 @@
 """DeepSeek-V3 (and Kimi K2) from and to HuggingFace: logits, the router's choices, greedy
-generation from the latent KV cache, export, the latent cache's size, and the published sizes.
+generation from the latent KV cache, export, the Hub's block-FP8 files, the latent cache's
+size, and the published sizes.
 
 Two tiny random models of transformers' `DeepseekV3ForCausalLM`: one with every DeepSeek-V3
 feature on (a query latent, interleaved rotary with YaRN's mscale, a dense first layer,
@@ -10,6 +11,7 @@ biases, half-split rotary, every layer sparse so the layers scan).
 
 import dataclasses
 import json
+import math
 import os
 
 import jax
@@ -19,8 +21,10 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-from flaxlm.checkpoints import hf
+from flaxlm.checkpoints import fp8, hf, hf_files
 from flaxlm.models import deepseek, masks, mla, routing
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
@@ -284,12 +288,131 @@ def test_kimi_k2_and_mtp_layers_load_as_deepseek_v3(full, tmp_path):
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     tensors["model.layers.61.eh_proj.weight"] = torch.zeros(4, 4)
-    from safetensors.torch import save_file
-
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     kimi, kimi_params = hf.from_pretrained(str(tmp_path))
     assert kimi.config == model.config
     assert jax.tree.all(jax.tree.map(np.array_equal, kimi_params, params))
+
+
+# Smaller than the tiny shapes and not square; 16 does not divide q_a_proj's 24 rows nor
+# kv_b_proj's 88, 12 not o_proj's 40 columns: the far blocks are cut short both ways.
+FP8_BLOCK = (16, 12)
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` as the Hub's DeepSeek-V3 files store it: float8_e4m3fn values and a float32
+    `weight_scale_inv` per FP8_BLOCK block, each block's largest |value| mapped to 448."""
+    (rows, cols), (br, bc) = weight.shape, FP8_BLOCK
+    scales = torch.empty(math.ceil(rows / br), math.ceil(cols / bc))
+    values = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            part = weight[i * br : (i + 1) * br, j * bc : (j + 1) * bc]
+            scales[i, j] = part.abs().max() / E4M3_MAX
+            values[i * br : (i + 1) * br, j * bc : (j + 1) * bc] = part / scales[i, j]
+    return values, scales
+
+
+def is_fp8_in_the_hub_files(name: str, tensor: torch.Tensor) -> bool:
+    """Every Linear's weight but the head's and the router's (`mlp.gate`)."""
+    keep = ("model.embed_tokens.", "lm_head.")
+    return tensor.ndim == 2 and not name.startswith(keep) and not name.endswith("mlp.gate.weight")
+
+
+@pytest.fixture(scope="module")
+def hub_fp8(full, tmp_path_factory):
+    """The `full` model's weights block-quantized to FP8 and saved as the Hub stores them
+    (weight + weight_scale_inv, quantization_config in config.json): (that directory, the
+    transformers model whose weights are their `_dequantize_fp8_weight`, those tensors)."""
+    _, path, _, _ = full
+    config = json.loads(open(os.path.join(path, "config.json")).read())
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    stored, dequantized = dict(tensors), {}
+    for name, tensor in tensors.items():
+        if is_fp8_in_the_hub_files(name, tensor):
+            values, scales = fp8_blocks(tensor)
+            stored[name], stored[name + "_scale_inv"] = values, scales
+            dequantized[name] = _dequantize_fp8_weight(values, scales, FP8_BLOCK, torch.float32)
+    quantization = dict(
+        quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=FP8_BLOCK
+    )
+    fp8_dir, plain_dir = (tmp_path_factory.mktemp(n) for n in ("deepseek_fp8", "dequantized"))
+    for out, config_json, weights in (
+        (fp8_dir, {**config, "quantization_config": quantization}, stored),
+        (plain_dir, config, {**tensors, **dequantized}),
+    ):
+        (out / "config.json").write_text(json.dumps(config_json))
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(plain_dir), attn_implementation="eager"
+    ).eval()
+    return fp8_dir, reference, dequantized
+
+
+def test_fp8_weights_import_as_transformers_dequantizes_them(hub_fp8):
+    """float32 params are `_dequantize_fp8_weight`'s float32 tensors bit for bit (the same
+    product of an exact e4m3 value and a float32 scale, rounded once). bfloat16 params are
+    that product rounded to bfloat16, as transformers' dequantize-on-load casts it, which is
+    within one bfloat16 rounding of `_dequantize_fp8_weight` in bfloat16 (that rounds the
+    scale to bfloat16 before the product)."""
+    path, _, dequantized = hub_fp8
+    ragged = [t.shape for t in dequantized.values() if t.shape[0] % 16 and t.shape[1] % 12]
+    # 2 x 5 attention projections, the dense MLP's 3, 8 experts' 3 and the shared expert's 3.
+    assert ragged and len(dequantized) == 40
+    model, params = hf.from_pretrained(str(path), ONE)
+    ours = dict(hf.hf_state_dict(model, params))
+    for name, theirs in dequantized.items():
+        np.testing.assert_array_equal(ours[name], theirs.numpy(), err_msg=name)
+
+    model, params = hf.from_pretrained(str(path), ONE, dtype=jnp.bfloat16)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        for name, got in hf.hf_state_dict(model, params):
+            if name not in dequantized:
+                continue
+            want = dequantized[name].to(torch.bfloat16).float().numpy()
+            np.testing.assert_array_equal(got.astype(np.float32), want, err_msg=name)
+            weight, scale = (f.get_tensor(name + s) for s in ("", "_scale_inv"))
+            in_bf16 = _dequantize_fp8_weight(weight, scale, FP8_BLOCK, torch.bfloat16)
+            ulp = np.spacing(np.abs(want).astype(jnp.bfloat16)).astype(np.float32)
+            assert (np.abs(in_bf16.float().numpy() - want) <= ulp).all(), name
+
+
+def test_fp8_import_gives_the_logits_of_its_dequantized_weights(full, hub_fp8):
+    path, reference, _ = hub_fp8
+    model, params = hf.from_pretrained(str(path), ONE)
+    assert model.config == full[2].config  # the quantization changes the reading only
+    ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
+    theirs = torch_logits(reference, input_ids=ids, attention_mask=mask)
+    ours = full[2].compute_logits(params, decoder_batch(ids, mask))  # its compiled logits
+    assert max_abs_diff(ours, theirs, mask) < LOGITS_TOL
+
+
+def test_fp8_rows_of_a_fused_tensor_are_those_of_the_whole(hub_fp8):
+    """A part of a fused tensor (rows 5 to 21, across a block edge) reads dequantized with
+    its blocks' scales, as the whole tensor's rows."""
+    path, _, dequantized = hub_fp8
+    reader = fp8.dequantized(hf_files.SafetensorsReader(path), path)
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    assert name + "_scale_inv" not in reader.file_of
+    np.testing.assert_array_equal(reader.read(name), dequantized[name].numpy())
+    np.testing.assert_array_equal(reader.read(name, (5, 21)), dequantized[name][5:21].numpy())
+
+
+@pytest.mark.parametrize(
+    "change", [dict(fmt="e5m2"), dict(activation_scheme="static")], ids=lambda c: next(iter(c))
+)
+def test_fp8_settings_flaxlm_cannot_read_are_refused_naming_them(hub_fp8, tmp_path, change):
+    path, _, _ = hub_fp8
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"].update(change)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    os.symlink(path / "model.safetensors", tmp_path / "model.safetensors")
+    with pytest.raises(
+        ValueError, match=f"{next(iter(change))} is {next(iter(change.values()))!r}"
+    ):
+        hf.from_pretrained(str(tmp_path), ONE)
 
 
 # Published sizes (model cards): (all, active) params in billions and the tolerances their
@@ -342,7 +465,7 @@ def test_settings_that_cannot_be_are_errors_naming_them(kwargs, field):
     "change, field",
     [
         (dict(num_key_value_heads=2), "num_key_value_heads"),
-        (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+        (dict(quantization_config={"quant_method": "gptq"}), "quant_method is 'gptq'"),
     ],
     ids=str,
 )

@@ -28,7 +28,7 @@ import numpy as np
 from etils import epath
 from flax import traverse_util
 
-from flaxlm.checkpoints import mxfp4
+from flaxlm.checkpoints import fp8, mxfp4
 from flaxlm.checkpoints.hf_files import (
     GENERATION_FILE,
     INDEX_FILE,
@@ -229,8 +229,10 @@ def _place_params(
     scan = bool(getattr(model.config, "scan_layers", False))
     tensors = spec.tensors(model.config)
     expanded = hf_spec.expand(tensors, scan)
-    # MXFP4 pairs (gpt-oss's experts) read dequantized; experts stored in pieces read whole.
-    reader = PiecedReader(mxfp4.DequantizedReader(reader), hf_spec.pieces_of(tensors))
+    # FP8 weights (DeepSeek-V3's, Kimi K2's) and MXFP4 pairs (gpt-oss's experts) read
+    # dequantized; experts stored in pieces read whole.
+    reader = mxfp4.DequantizedReader(fp8.dequantized(reader, path))
+    reader = PiecedReader(reader, hf_spec.pieces_of(tensors))
     real_vocab = model.config.real_vocab_size or model.config.vocab_size
     _check_tensors(spec, expanded, shapes, reader, real_vocab, path)
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 from etils import epath
 
@@ -33,6 +34,9 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+# Stored dtypes that safetensors' numpy reader cannot name (it looks for numpy.float8_*):
+# read from the file's bytes (the Hub's FP8 DeepSeek-V3 and Kimi K2 weights).
+RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
 def read_hf_config(path: str | epath.Path) -> dict[str, Any]:
@@ -101,6 +105,7 @@ class SafetensorsReader:
         self.file_of: dict[str, str] = {n: stored[s] for n, s in self._stored.items()}
 
         self._root = root
+        self._headers: dict[str, tuple[int, dict[str, Any]]] = {}
 
     def shape(self, name: str) -> tuple[int, ...]:
         handle = self._handles[self.file_of[name]]
@@ -110,6 +115,10 @@ class SafetensorsReader:
         """The tensor, or only its rows [start, stop) (a part of a fused tensor)."""
         handle = self._handles[self.file_of[name]]
         try:
+            raw = RAW_DTYPES.get(handle.get_slice(self._stored[name]).get_dtype())
+            if raw is not None:
+                tensor = self._raw(name, raw)
+                return np.array(tensor if rows is None else tensor[rows[0] : rows[1]])
             if rows is None:
                 return handle.get_tensor(self._stored[name])
             return handle.get_slice(self._stored[name])[rows[0] : rows[1]]
@@ -118,6 +127,20 @@ class SafetensorsReader:
                 f"{self._root / self.file_of[name]}: tensor {self._stored[name]!r} cannot be "
                 f"read ({e}); the file may be truncated: copy or download it again."
             ) from e
+
+    def _raw(self, name: str, dtype: Any) -> np.ndarray:
+        """The tensor memory-mapped from its file's header offsets (safetensors' layout: an
+        8-byte little-endian header size, the JSON header, then the data)."""
+        file = self.file_of[name]
+        if file not in self._headers:
+            with open(str(self._root / file), "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self._headers[file] = (8 + size, json.loads(f.read(size)))
+        start, header = self._headers[file]
+        entry = header[self._stored[name]]
+        first, last = entry["data_offsets"]
+        data = np.memmap(str(self._root / file), np.uint8, "r", start + first, (last - first,))
+        return data.view(dtype).reshape(entry["shape"])
 
 
 def _open_safetensors(path: epath.Path, safe_open: Any) -> Any:

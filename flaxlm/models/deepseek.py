@@ -10,7 +10,9 @@ ungated shared experts every token goes through. The first layers have a dense S
 `intermediate_size`. Rotary embeddings cover `qk_rope_head_dim` features (YaRN with
 DeepSeek's mscale for the 128k-context checkpoints). Follows HuggingFace's
 `DeepseekV3ForCausalLM`; the multi-token-prediction layer that the Hub's DeepSeek-V3 files
-carry (`model.layers.61`) is skipped on import, as transformers skips it.
+carry (`model.layers.61`) is skipped on import, as transformers skips it, and their FP8
+weights (128 x 128 blocks of float8 with a scale each) are dequantized to the param dtype
+(`checkpoints/fp8.py`).
 """
 
 from __future__ import annotations
@@ -207,11 +209,11 @@ def config_from_hf(hf: dict, **overrides: Any) -> DeepseekV3Config:
             "latent attention expands keys and values for every query head."
         )
     quant = (hf.get("quantization_config") or {}).get("quant_method")
-    if quant is not None:
+    if quant not in (None, "fp8"):
         raise ValueError(
-            f"config.json's quantization_config is {quant!r} (the Hub's DeepSeek-V3 and Kimi K2 "
-            "files hold float8 weights with block scales): flaxlm reads unquantized tensors; "
-            "load a bf16 copy (e.g. converted with DeepSeek's fp8_cast_bf16.py)."
+            f"config.json's quantization_config quant_method is {quant!r}: flaxlm reads "
+            "DeepSeek-V3 and Kimi K2 files unquantized or in block FP8 ('fp8', the Hub's "
+            "files, dequantized on import); load an unquantized copy."
         )
     if hf.get("moe_layer_freq", 1) != 1:
         raise ValueError(

@@ -1,0 +1,145 @@
+"""Block-quantized FP8 tensors of a HuggingFace checkpoint, read as the plain tensors they
+stand for.
+
+The Hub's DeepSeek-V3/R1 and Kimi K2 files say in config.json `quantization_config =
+{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size":
+[128, 128]}`: each quantized Linear's `<name>.weight` is float8_e4m3fn `[out, in]` and
+`<name>.weight_scale_inv` float32 `[ceil(out / 128), ceil(in / 128)]` holds one scale per
+128 x 128 block (the last row and column of blocks cut short where 128 does not divide the
+shape); the weight is each fp8 value times its block's scale. Norms, embeddings, the router
+and `lm_head` are stored unquantized.
+
+`dequantize` forms that product in float32, one rounding (an e4m3 value is exact in float32),
+and the import casts it to the run's param dtype: what transformers' dequantize-on-load
+(`Fp8Dequantize`) gives, its float32 product cast to the param's dtype, and in float32 its
+`_dequantize_fp8_weight` bit for bit. `DequantizedReader` serves every weight that has a
+`_scale_inv` beside it dequantized, the scales consumed; flaxlm writes plain tensors back
+(`hf.save_pretrained`), never FP8.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+from flaxlm.checkpoints.hf_files import read_hf_config
+
+SCALE = "_scale_inv"
+
+
+def is_fp8(hf_config: Mapping[str, Any]) -> bool:
+    """Whether config.json's `quantization_config` is block FP8's (`quant_method: fp8`)."""
+    return (hf_config.get("quantization_config") or {}).get("quant_method") == "fp8"
+
+
+def block_size(hf_config: Mapping[str, Any]) -> tuple[int, int] | None:
+    """An FP8 config.json's `weight_block_size` as `(rows, cols)` (None: one scale a
+    tensor). A setting flaxlm cannot read (an `fmt` other than e4m3, static activation
+    scales, a malformed block size) is a ValueError naming it."""
+    quant = hf_config["quantization_config"]
+    fmt = quant.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(
+            f"config.json's quantization_config fmt is {fmt!r}: flaxlm reads FP8 weights in "
+            "'e4m3' (float8_e4m3fn, the Hub's DeepSeek-V3 and Kimi K2 files) only."
+        )
+    scheme = quant.get("activation_scheme", "dynamic")
+    if str(scheme).lower() != "dynamic":
+        raise ValueError(
+            f"config.json's quantization_config activation_scheme is {scheme!r}: flaxlm "
+            "dequantizes the weights and computes in the param dtype, which needs 'dynamic' "
+            "(no stored activation scales)."
+        )
+    block = quant.get("weight_block_size", (128, 128))
+    if block is None:
+        return None
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise ValueError(
+            f"config.json's quantization_config weight_block_size is {block!r}: two positive "
+            "integers [rows, cols], or null for one scale a tensor."
+        )
+    return (block[0], block[1])
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[int, ...]:
+    """The `_scale_inv` shape of a weight of `shape`: one scale per block of its last two
+    axes (the blocks at the far edges cut short), or per leading index with no blocks."""
+    if block is None:
+        return tuple(shape[:-2])
+    *lead, rows, cols = shape
+    return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+
+
+def dequantize(
+    weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] | None, first_row: int = 0
+) -> np.ndarray:
+    """float32 `weight x scale_inv`: `weight` `[..., rows, cols]` (rows `first_row` on of the
+    stored tensor: a part of a fused one), each value times its block's scale."""
+    values = np.asarray(weight).astype(np.float32)
+    scale = np.asarray(scale_inv).astype(np.float32)
+    if block is None:
+        return values * scale.reshape(*scale.shape, 1, 1)
+    *_, rows, cols = values.shape
+    row_scale = np.take(scale, (first_row + np.arange(rows)) // block[0], axis=-2)
+    return values * np.take(row_scale, np.arange(cols) // block[1], axis=-1)
+
+
+class DequantizedReader:
+    """A checkpoint reader (`file_of`, `shape`, `read`, as `hf_files.SafetensorsReader`'s)
+    that serves each FP8 weight `<name>` with a `<name>_scale_inv` dequantized to float32,
+    the scales taken out of `file_of`; other tensors pass through.
+
+    The last tensor dequantized is kept: every device shard of a param reads its whole
+    tensor."""
+
+    def __init__(self, reader: Any, block: tuple[int, int] | None):
+        self._reader = reader
+        self._block = block
+        stored = reader.file_of
+        self._quantized = {
+            name[: -len(SCALE)]
+            for name in stored
+            if name.endswith(SCALE) and name[: -len(SCALE)] in stored
+        }
+        for name in sorted(self._quantized):
+            want = scale_shape(reader.shape(name), block)
+            got = reader.shape(name + SCALE)
+            if math.prod(got) != math.prod(want) or (block is not None and got != want):
+                raise ValueError(
+                    f"{name + SCALE!r} has shape {got}, but a weight of {reader.shape(name)} "
+                    f"with config.json's weight_block_size {list(block or []) or None} has "
+                    f"{want}."
+                )
+        scales = {name + SCALE for name in self._quantized}
+        self.file_of = {n: f for n, f in stored.items() if n not in scales}
+        self._last: tuple[Any, np.ndarray | None] = (None, None)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._reader.shape(name)
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        if name not in self._quantized:
+            return self._reader.read(name, rows)
+        if self._last[0] != (name, rows):
+            weight = self._reader.read(name, rows)
+            scale = self._reader.read(name + SCALE)
+            if scale.dtype.kind in "iub":  # e8m0 exponent bytes, not the scales themselves
+                raise ValueError(
+                    f"{name + SCALE!r} holds {scale.dtype}: flaxlm reads float scales."
+                )
+            tensor = dequantize(weight, scale, self._block, rows[0] if rows else 0)
+            self._last = ((name, rows), tensor)
+        return self._last[1]
+
+
+def dequantized(reader: Any, path: str | epath.Path) -> Any:
+    """`reader`, its FP8 weights served dequantized (`DequantizedReader`) where the
+    checkpoint's config.json says `quant_method: fp8`."""
+    if not (epath.Path(path) / "config.json").exists():
+        return reader
+    hf_config = read_hf_config(path)
+    return DequantizedReader(reader, block_size(hf_config)) if is_fp8(hf_config) else reader
