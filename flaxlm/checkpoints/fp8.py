@@ -82,7 +82,7 @@ def dequantize(
     values = np.asarray(weight).astype(np.float32)
     scale = np.asarray(scale_inv).astype(np.float32)
     if block is None:
-        return values * scale.reshape(*scale.shape, 1, 1)
+        return values * scale.reshape(*values.shape[:-2], 1, 1)
     *_, rows, cols = values.shape
     row_scale = np.take(scale, (first_row + np.arange(rows)) // block[0], axis=-2)
     return values * np.take(row_scale, np.arange(cols) // block[1], axis=-1)
@@ -111,8 +111,7 @@ class DequantizedReader:
             if math.prod(got) != math.prod(want) or (block is not None and got != want):
                 raise ValueError(
                     f"{name + SCALE!r} has shape {got}, but a weight of {reader.shape(name)} "
-                    f"with config.json's weight_block_size {list(block or []) or None} has "
-                    f"{want}."
+                    f"with config.json's weight_block_size {block and list(block)} has {want}."
                 )
         scales = {name + SCALE for name in self._quantized}
         self.file_of = {n: f for n, f in stored.items() if n not in scales}
