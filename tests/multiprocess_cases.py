@@ -26,21 +26,22 @@ GRPO_GROUP, GRPO_NEW, GRPO_PROMPT = 4, 4, 8  # 16 rows: the batch splits over 8 
 
 def decoded_length(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
     """The characters a completion decodes to: a reward that already differs within every
-    group of a random policy's samples (ids past the bytes decode to nothing, EOS ends it),
+    group of a random policy's samples (ids past the bytes and invalid UTF-8 decode to
+    nothing, EOS ends it),
     so the first update has advantages to learn from. (A reward that is the same across a
     group leaves only the gradient's rounding noise, which Adam scales up to a full step.)"""
     return [float(len(c)) for c in completions]
 
 
-def grpo_lora_steps(mesh_shape: tuple[int, ...] = (1, 8, 1), num_steps: int = 2) -> dict:
-    """`num_steps` GRPO steps with LoRA and the paged engine, as `grpo.grpo`'s rollout_step
-    takes them (its Rollouts and partitioned update, two passes over each step's rollouts,
-    the KL to the base), on prompts given as ids rather than read by seqio.
+def grpo_lora_steps(num_steps: int = 2) -> dict:
+    """`num_steps` GRPO steps with LoRA and the paged engine on fsdp 8, as `grpo.grpo`'s
+    rollout_step takes them (its Rollouts and partitioned update, two passes over each
+    step's rollouts, the KL to the base), on prompts given as ids rather than read by seqio.
 
     Returns `[steps, rows, length]` the rollouts' target tokens (prompt and sampled
     completion), `[steps, rows, length]` the engine's sampled log-probs, `[steps]` the mean
     reward, and `[steps, passes]` each update's loss, KL and gradient norm."""
-    partitioner = Partitioner(mesh_shape=mesh_shape)
+    partitioner = Partitioner(mesh_shape=(1, 8, 1))
     config = rl.GrpoConfig(
         num_generations=GRPO_GROUP,
         max_new_tokens=GRPO_NEW,
@@ -48,8 +49,8 @@ def grpo_lora_steps(mesh_shape: tuple[int, ...] = (1, 8, 1), num_steps: int = 2)
         reward_fns=(decoded_length,),
     )
     cfg = lora.LoraConfig(rules=RULES)
-    # One unscanned layer: a third of the compile time of test_grpo_lora's scanned two,
-    # the same collectives across the processes (the scanned layout is the engine's own).
+    # One unscanned layer: half the compile time of test_grpo_lora's scanned two, the same
+    # collectives across the processes (the scanned layout is the engine's own matter).
     model = tiny_gptj(vocab_size=384, max_position_embeddings=32, num_layers=1)
     length = GRPO_PROMPT + 1 + GRPO_NEW
     setup = steps.Setup(
@@ -91,7 +92,7 @@ def grpo_lora_steps(mesh_shape: tuple[int, ...] = (1, 8, 1), num_steps: int = 2)
 
 def aux_free_balance_steps(num_steps: int = 2) -> dict:
     """tests/test_aux_free_balance.py's expert-parallel case made cheap: DeepSeek-V3's MoE
-    (its CONFIG with one layer, unscanned, one microbatch: a third of the compile time) on
+    (its CONFIG with one layer, unscanned, one microbatch: under half the compile time) on
     (1, 2, 4, 1) with an `expert` axis, `num_steps` train steps on its batch from the
     model's init. Returns `[steps, experts]` the layer's correction bias after each step and
     `[steps]` the losses."""
