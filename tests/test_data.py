@@ -115,7 +115,9 @@ def test_global_batches_do_not_depend_on_the_number_of_hosts(tmp_path, mesh):
     name = _tiny_lines_task(tmp_path, f"test_hosts_{'_'.join(map(str, mesh))}")
     cfg = _cfg(mixture_or_task_name=name, task_feature_lengths={"targets": 16}, batch_size=8)
     reference = None
-    for hosts in (1, 2, 4):
+    # (8, 1, 1): every host count reads 8 logical shards, 24 pipelines for (1, 2, 4) hosts;
+    # 1 and 4 make the point there. The other meshes' replicas span hosts at 2.
+    for hosts in (1, 4) if mesh == (8, 1, 1) else (1, 2, 4):
         partitioner = Partitioner(mesh_shape=mesh, devices=gpu_hosts(hosts, 8 // hosts))
         layouts = [partitioner.data_layout(8, process_index=p) for p in range(hosts)]
         read = {}
