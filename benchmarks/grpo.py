@@ -51,7 +51,6 @@ import seqio  # noqa: E402
 from flaxlm.data import pipeline  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
 from flaxlm.models.features import PromptFeatureConverter  # noqa: E402
-from flaxlm.models.gptj import GPTJConfig  # noqa: E402
 from flaxlm.parallel.partitioning import Partitioner  # noqa: E402
 from flaxlm.posttrain import rl  # noqa: E402
 from flaxlm.runs import grpo  # noqa: E402
@@ -63,16 +62,7 @@ PROMPTS, GROUP, PROMPT_LEN, NEW, PASSES = 16, 8, 8, 3, 2  # gin/grpo.gin
 
 def tiny_gptj(scan_layers: bool = False) -> DecoderOnlyModel:
     """gin/models/gptj_tiny.gin's model."""
-    config = GPTJConfig(
-        vocab_size=384,
-        hidden_size=256,
-        num_layers=4,
-        num_heads=4,
-        rotary_dim=32,
-        max_position_embeddings=2048,
-        scan_layers=scan_layers,
-    )
-    return DecoderOnlyModel(config, z_loss=1e-4)
+    return bench_common.gin_model("gptj_tiny", scan_layers=scan_layers)
 
 
 def prompt_iterator(partitioner: Partitioner) -> tuple[Any, pipeline.DatasetConfig]:
@@ -250,9 +240,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result.update(step_times(args))
     result["loadavg_after"] = list(os.getloadavg())
     print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    bench_common.write_json(result, args.json)
     return result
 
 

@@ -92,3 +92,21 @@ def load_benchmark(name: str):
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def partitioner_from_gin(name: str):
+    """The `Partitioner` that gin/partitioning/<name>.gin binds (Gin cleared before and
+    after)."""
+    import os
+
+    import gin
+
+    from flaxlm.parallel.partitioning import Partitioner
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    gin.clear_config()
+    try:
+        gin.parse_config_file(os.path.join(repo, "gin", "partitioning", f"{name}.gin"))
+        return Partitioner()
+    finally:
+        gin.clear_config()

@@ -7,7 +7,6 @@ import functools
 import os
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,14 +101,9 @@ def fsdp_ep_loss_and_grads() -> tuple:
     devices), as numpy, every process feeding its own rows of the batch (its
     `data_layout`): what tests/multiprocess_worker.py computes with the `expert` axis
     spanning two processes, and test_multiprocess compares with one process."""
-    from flaxlm.parallel.partitioning import Partitioner
+    from tests.helpers import partitioner_from_gin
 
-    gin.clear_config()
-    try:
-        gin.parse_config_file(os.path.join(REPO, "gin", "partitioning", "fsdp_ep.gin"))
-        partitioner = Partitioner()
-    finally:
-        gin.clear_config()
+    partitioner = partitioner_from_gin("fsdp_ep")
     model = _model(moe_impl="dropless")
     axes = model.params_axes({"decoder_input_tokens": (1, 8)})
     # The same values on every process (one seed), each placing the shards it holds.

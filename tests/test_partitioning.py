@@ -2,7 +2,6 @@
 
 import os
 
-import gin
 import jax
 import numpy as np
 import pytest
@@ -67,12 +66,9 @@ def test_experts_are_replicated_without_an_expert_axis():
 
 
 def test_the_partitioning_file_splits_experts_and_batch_and_keeps_params_sharded():
-    gin.clear_config()
-    try:
-        gin.parse_config_file(os.path.join(REPO, "gin", "partitioning", "fsdp_ep.gin"))
-        partitioner = Partitioner()
-    finally:
-        gin.clear_config()
+    from tests.helpers import partitioner_from_gin
+
+    partitioner = partitioner_from_gin("fsdp_ep")
     assert dict(zip(partitioner.mesh_axis_names, partitioner.mesh_shape)) == {
         "data": 1,
         "fsdp": 1,
