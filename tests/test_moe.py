@@ -4,6 +4,7 @@ and settings flaxlm cannot run are errors naming them."""
 
 import dataclasses
 import functools
+import math
 import os
 
 import flax.linen as nn
@@ -16,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from flaxlm.models import base, experts, qwen_moe, routing
 from flaxlm.parallel.partitioning import standard_logical_axis_rules
+from flaxlm.plan import hlo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AXES = ("data", "fsdp", "expert", "tensor")
@@ -67,23 +69,34 @@ def _params():
     return jax.jit(lambda: _model().init_params(jax.random.PRNGKey(0), shapes))()
 
 
-def _mesh(shape: tuple[int, ...]) -> jax.sharding.Mesh:
-    return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+def _mesh(shape: tuple[int, ...], axes: tuple[str, ...] = AXES) -> jax.sharding.Mesh:
+    return jax.make_mesh(shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
 
 
 def _loss_and_grads(model, params, batch, mesh_shape=None):
+    if mesh_shape is None:
+        fn = jax.value_and_grad(model.loss_fn, has_aux=True)
+        return jax.tree.map(np.asarray, jax.jit(lambda p, b: fn(p, b, None))(params, batch))
+    return _on_mesh(model, params, batch, mesh_shape)[0]
+
+
+def _on_mesh(model, params, batch, mesh_shape, axes=AXES):
+    """`((loss, metric sums), gradients)` as numpy on a mesh of `axes` under the
+    Partitioner's standard rules for them (params split as those rules say, the batch's
+    rows over `batch`'s axes), and the compiled program's HLO text."""
+
     def fn(params, batch):
         return jax.value_and_grad(model.loss_fn, has_aux=True)(params, batch, None)
 
-    if mesh_shape is None:
-        return jax.tree.map(np.asarray, jax.jit(fn)(params, batch))
-    mesh = _mesh(mesh_shape)
-    axes = model.params_axes({"decoder_input_tokens": (1, 8)})
-    shardings = nn.logical_to_mesh_sharding(axes, mesh, RULES)
-    rows = NamedSharding(mesh, P(("data", "fsdp", "expert")))
-    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-        out = jax.jit(fn, in_shardings=(shardings, {k: rows for k in batch}))(params, batch)
-    return jax.tree.map(np.asarray, out)
+    mesh, rules = _mesh(mesh_shape, axes), standard_logical_axis_rules(axes)
+    params_axes = model.params_axes({"decoder_input_tokens": (1, 8)})
+    shardings = nn.logical_to_mesh_sharding(params_axes, mesh, rules)
+    rows = NamedSharding(mesh, nn.logical_to_mesh_axes(("batch",), rules))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        jitted = jax.jit(fn, in_shardings=(shardings, {k: rows for k in batch}))
+        compiled = jitted.lower(params, batch).compile()
+        out = compiled(jax.device_put(params, shardings), jax.device_put(batch, rows))
+    return jax.tree.map(np.asarray, out), compiled.as_text()
 
 
 def _assert_same(got, want):
@@ -152,6 +165,41 @@ def test_expert_parallel_gives_the_unsplit_loss_and_gradients(mesh_shape):
     with jax.set_mesh(_mesh(mesh_shape)), nn.logical_axis_rules(RULES):
         jaxpr = str(jax.make_jaxpr(lambda p: model.loss_fn(p, _batch(), None))(_params()))
     assert "all_gather" in jaxpr and ("psum_scatter" in jaxpr or "reduce_scatter" in jaxpr)
+
+
+def _collective_arrays(text: str, kind: str) -> list[int]:
+    """Element counts of the arrays each `kind` op (all-reduce, reduce-scatter) of an HLO
+    text returns, one entry per array of a tuple-shaped (combined) op."""
+    sizes = []
+    for line in text.splitlines():
+        m = hlo.INSTRUCTION_RE.match(line)
+        if not m:
+            continue
+        type_str, opcode, _ = hlo.split_type(m.group(2))
+        if opcode in (kind, f"{kind}-start"):
+            for _, dims in hlo.SHAPE_RE.findall(type_str):
+                sizes.append(math.prod(int(d) for d in dims.split(",") if d))
+    return sizes
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 4, 1)], ids=str)
+def test_fsdp_reduce_scatters_the_experts_gradient(mesh_shape):
+    """Under fsdp the experts' weights enter the MoE shard_map split over fsdp on `embed`,
+    as their params lie, and are gathered inside: their gradient comes back as a
+    reduce-scatter onto each device's shard, where taken whole it was all-reduced whole;
+    over `data` (replicas) only the shard is all-reduced. The same loss and gradients."""
+    model = _model(moe_impl="dropless")
+    got, text = _on_mesh(model, _params(), _batch(), mesh_shape, ("data", "fsdp", "tensor"))
+    _assert_same(got, _reference())
+    e, d, f = CONFIG.num_experts, CONFIG.hidden_size, CONFIG.moe_intermediate_size
+    fsdp = mesh_shape[1]
+    shards = _collective_arrays(text, "reduce-scatter")
+    # Each layer's wi [experts, embed, 2, mlp] and wo [experts, mlp, embed], embed / fsdp.
+    for size in (e * d * 2 * f // fsdp, e * f * d // fsdp):
+        assert shards.count(size) >= CONFIG.num_layers, (size, shards)
+    # No all-reduce of a whole expert's-size weight (its gate or up half, or wo, is the
+    # smallest: e * d * f elements; every other param of this model is smaller).
+    assert max(_collective_arrays(text, "all-reduce")) < e * d * f
 
 
 def test_aux_loss_is_transformers_load_balancing_loss():

@@ -32,6 +32,13 @@ Array = jax.Array
 Glu = str | Callable[[Array, Array], Array]  # an activation's name, or (gate, up) -> hidden
 Bias = tuple[Array, Array] | None  # the experts' (bi [experts, 2, mlp], bo [experts, embed])
 
+# The stacked weights' logical axes: how their params are split, and so how
+# `moe.expert_parallel` passes them into its shard_map.
+WI_AXES = ("expert", "embed", None, "mlp")
+WO_AXES = ("expert", "mlp", "embed")
+BI_AXES = ("expert", None, "mlp")
+BO_AXES = ("expert", "embed")
+
 
 def _swiglu(h_gate: Array, h_up: Array, activation: Glu) -> Array:
     if callable(activation):
@@ -160,13 +167,13 @@ class Experts(nn.Module):
     def __call__(self) -> tuple[Array, Array, Bias]:
         wi = self.param(
             "wi",
-            nn.with_logical_partitioning(self.init, ("expert", "embed", None, "mlp")),
+            nn.with_logical_partitioning(self.init, WI_AXES),
             (self.experts, self.embed, 2, self.mlp),
             self.param_dtype,
         )
         wo = self.param(
             "wo",
-            nn.with_logical_partitioning(self.init, ("expert", "mlp", "embed")),
+            nn.with_logical_partitioning(self.init, WO_AXES),
             (self.experts, self.mlp, self.embed),
             self.param_dtype,
         )
@@ -175,13 +182,13 @@ class Experts(nn.Module):
             zeros = nn.initializers.zeros
             bi = self.param(
                 "bi",
-                nn.with_logical_partitioning(zeros, ("expert", None, "mlp")),
+                nn.with_logical_partitioning(zeros, BI_AXES),
                 (self.experts, 2, self.mlp),
                 self.param_dtype,
             )
             bo = self.param(
                 "bo",
-                nn.with_logical_partitioning(zeros, ("expert", "embed")),
+                nn.with_logical_partitioning(zeros, BO_AXES),
                 (self.experts, self.embed),
                 self.param_dtype,
             )

@@ -16,11 +16,15 @@ and the router statistics likewise, `on_own_tokens`). The batch rule includes `e
 (tokens enter the layer already split over it): in each group of n devices, the tokens are
 all-gathered over `expert`, each device runs its E/n experts on the assignments routed to
 them, and the partial outputs are summed and scattered back with one `psum_scatter` (its
-transpose, an all-gather, carries the gradient). That is 2 x tokens x embed bytes per device
-and layer, against 2 x k x tokens / n x embed for a ragged all-to-all; but
-`jax.lax.ragged_all_to_all` does not run on CPU (JAX 0.10: "HLO opcode `ragged-all-to-all` is
-not supported by XLA:CPU"), the tests' and the planner's platform, so the all-gather form is
-the one kept (the ragged all-to-all is the step for GPU and TPU).
+transpose, an all-gather, carries the gradient). The experts' weights enter the shard_map
+split as their params lie (`expert` on the experts, fsdp on `embed`: `weight_spec`) and are
+all-gathered over fsdp inside it, fsdp's forward; the gathers' transpose reduce-scatters
+their gradient back onto the shards, where weights taken whole would have it all-reduced
+whole (twice the bytes over the ring; benchmarks/RESULTS.md, issue 45). The token dispatch
+is 2 x tokens x embed bytes per device and layer, against 2 x k x tokens / n x embed for a
+ragged all-to-all; but `jax.lax.ragged_all_to_all` does not run on CPU (JAX 0.10: "HLO opcode
+`ragged-all-to-all` is not supported by XLA:CPU"), the tests' and the planner's platform, so
+the all-gather form is the one kept (the ragged all-to-all is the step for GPU and TPU).
 
 Routing, the router statistics every layer sows and the load-balance losses are in `routing`.
 """
@@ -28,6 +32,7 @@ Routing, the router statistics every layer sows and the load-balance losses are 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -227,9 +232,10 @@ def expert_parallel(
     that split them (the batch's, and `sequence` under context parallelism), with the experts
     split over the mesh's `expert` axis when `shards` > 1 (x `[batch, length, embed]`,
     weights and ids `[batch, length, k]`). Left to XLA, the sort by expert over tokens split
-    across devices gathers every token onto every device, which then runs them all. None
-    when no mesh splits the tokens or the experts (or the batch does not split evenly: a
-    dummy batch), where XLA partitions the plain computation instead."""
+    across devices gathers every token onto every device, which then runs them all. The
+    experts' weights enter split as their params are (`weight_spec`) and are all-gathered
+    inside. None when no mesh splits the tokens or the experts (or the batch does not split
+    evenly: a dummy batch), where XLA partitions the plain computation instead."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
@@ -239,28 +245,70 @@ def expert_parallel(
     if not manual:
         return None
     local = wi.shape[0] // shards
+    logical = (experts.WI_AXES, experts.WO_AXES)
+    if bias is not None:
+        logical += (experts.BI_AXES, experts.BO_AXES)
+    params = (wi, wo, *(bias or ()))
+    specs = tuple(weight_spec(w.shape, a, manual, shards) for w, a in zip(params, logical))
 
-    def body(x: Array, wi: Array, wo: Array, weights: Array, ids: Array, bias: Any) -> Array:
+    def body(x: Array, weights: Array, ids: Array, *params: Array) -> Array:
         if gathered:  # the expert group's tokens, on each of its devices
             x, weights, ids = (
                 jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x, weights, ids)
             )
+        wi, wo, *b = (local_experts(w, s, manual) for w, s in zip(params, specs, strict=True))
         first = jax.lax.axis_index(EXPERT_AXIS) * local if shards > 1 else 0
         xt, wt, it = (a.reshape(-1, a.shape[-1]) for a in (x, weights, ids))
-        y = experts.grouped_experts(xt, wi, wo, wt, it, act, first, bias).reshape(x.shape)
+        y = experts.grouped_experts(xt, wi, wo, wt, it, act, first, tuple(b) or None)
+        y = y.reshape(x.shape)
         if gathered:
             return jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
         return jax.lax.psum(y, EXPERT_AXIS) if shards > 1 else y
 
     token_spec = P(rows or None, length, None)
-    expert_spec = P(EXPERT_AXIS) if shards > 1 else P()
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(token_spec, expert_spec, expert_spec, token_spec, token_spec, expert_spec),
+        in_specs=(token_spec,) * 3 + specs,
         out_specs=token_spec,
         axis_names=frozenset(manual),
-    )(x, wi, wo, weights, ids, bias)
+    )(x, weights, ids, *params)
+
+
+def weight_spec(
+    shape: tuple[int, ...], logical: tuple[str | None, ...], manual: set[str], shards: int
+) -> P:
+    """How `expert_parallel`'s `shard_map` takes a stacked expert weight of logical axes
+    `logical`: as its param lies under the rules in force, `expert` on dim 0 when `shards` >
+    1 and each other dim over the mesh axes that split it (fsdp on `embed`) where all of
+    them are the shard_map's (`manual`) and divide it; the body gathers them
+    (`local_experts`). Taken whole (`P()`) instead, the weight's gradient would leave the
+    shard_map summed over the fsdp axes: an all-reduce of every expert's weights where a
+    reduce-scatter onto the shards is enough."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = [EXPERT_AXIS if shards > 1 else None]
+    for dim, axes in enumerate(tuple(nn.logical_to_mesh_axes(logical))[1:], start=1):
+        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        split = bool(names) and set(names) <= manual
+        split = split and not shape[dim] % math.prod(int(mesh.shape[a]) for a in names)
+        spec.append((names[0] if len(names) == 1 else names) if split else None)
+    return P(*spec)
+
+
+def local_experts(w: Array, spec: P, manual: set[str]) -> Array:
+    """Inside `expert_parallel`'s body: this device's experts of a weight taken as `spec`
+    (`weight_spec`), whole. Its gradient, per device, is summed back onto the shards by the
+    transposes: the gathers' (a reduce-scatter over fsdp), then the cast's (an all-reduce of
+    the shard over the axes it is replicated on, `data`), in that order so that the
+    all-reduce moves the shard and not the whole weight."""
+    named = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+    replicated = tuple(sorted(manual - named))
+    if replicated:
+        w = jax.lax.pcast(w, replicated, to="varying")
+    for dim, axes in enumerate(spec):
+        if dim and axes:
+            w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
+    return w
 
 
 def token_axes(mesh: Any, batch: int, length: int) -> tuple[tuple[str, ...], str | None]:
