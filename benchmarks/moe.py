@@ -17,10 +17,12 @@ Three parts, each a subcommand:
   `--first-dense`, by default all but one of `--layers`, the layers then unscanned), on 8
   devices (`--tpu-topology v5p:2x2x2`) under fsdp and fsdp + expert (`--expert`): params +
   optimizer per device against total / 8 (target <= 1.05x), and the bytes the MoE layers'
-  collectives move per step (the ops inside the expert-parallel `shard_map`: all-gather of
-  the tokens over `expert`, reduce-scatter of their outputs; all-to-all where a backend has
-  it) against the all-to-all's 2 x k x d x bytes x tokens x MoE layers per device, x2 with
-  the backward.
+  collectives move per step over the ring (the ops inside the expert-parallel `shard_map`:
+  all-gather of the tokens over `expert` and of the experts' weights over fsdp,
+  reduce-scatter of their outputs and of the weights' gradient, all-reduce where a psum is
+  left; all-to-all where a backend has it) against the all-to-all's 2 x k x d x bytes x
+  tokens x MoE layers per device, x2 with the backward. `--dispatch all_to_all` compiles
+  the capacity-bounded all-to-all dispatch instead of the all-gather one.
 
     python benchmarks/moe.py time --json /tmp/moe_time.json
     python benchmarks/moe.py flops                           # this host (CPU)
@@ -28,6 +30,8 @@ Three parts, each a subcommand:
     python benchmarks/moe.py memory --tpu-topology v5p:2x2x2 --layers 2
     python benchmarks/moe.py memory --tpu-topology v5p:2x2x2 --layers 2 \
       --models gpt_oss_120b deepseek_v3           # DeepSeek: 1 dense + 1 MoE layer
+    python benchmarks/moe.py memory --tpu-topology v5p:4x4x4 --layers 2 --expert 64 \
+      --batch-size 64 --expert-only --models deepseek_v3 --dispatch all_to_all
 """
 
 from __future__ import annotations
@@ -94,6 +98,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     memory.add_argument("--seq-len", type=int, default=2048)
     bench_common.add_expert_arg(memory)
     memory.set_defaults(expert=8)
+    memory.add_argument(
+        "--dispatch",
+        choices=("all_gather", "all_to_all"),
+        default="all_gather",
+        help="moe_dispatch: how the tokens reach their experts' devices under --expert",
+    )
+    memory.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=None,
+        help="capacity_factor (the all_to_all dispatch's buffers); default: the model's",
+    )
     memory.add_argument(
         "--expert-only",
         action="store_true",
@@ -335,14 +351,19 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
     n = len(devices)
     rows = []
     for name in args.models:
+        changes: dict[str, Any] = {"moe_dispatch": args.dispatch}
+        if args.capacity_factor is not None:
+            changes["capacity_factor"] = args.capacity_factor
         model = bench_common.reduce_layers(
-            bench_common.gin_model(name), args.layers, args.first_dense
+            bench_common.gin_model(name, **changes), args.layers, args.first_dense
         )
         c = model.config
         sparse = sum(c.sparse_layers(c.num_layers))
         kept = layer_description(c.num_layers, sparse)
         for expert in (args.expert,) if args.expert_only else (1, args.expert):
             label = "fsdp" if expert == 1 else f"fsdp + expert {expert}"
+            if expert > 1 and args.dispatch != "all_gather":
+                label += f" ({args.dispatch}, capacity x{c.capacity_factor:g})"
             print(f"compiling {name} ({kept}) / {label} ...", flush=True)
             partitioner = bench_common.make_partitioner("fsdp", devices, expert=expert)
             step = bench_common.CompiledStep(
@@ -366,6 +387,8 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
                 "moe_layers": sparse,
                 "scan_layers": c.scan_layers,
                 "partitioning": label,
+                "moe_dispatch": c.moe_dispatch,
+                "capacity_factor": c.capacity_factor,
                 "num_params": sum(x.size for x in jax.tree.leaves(state.params)),
                 "state_total_bytes": total,
                 "state_bytes": per_device,
@@ -406,6 +429,7 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
                 f"{r['temp_bytes'] / GIB:.2f}" if "temp_bytes" in r else "does not fit",
                 moved("all-gather"),
                 moved("reduce-scatter"),
+                moved("all-reduce"),
                 moved("all-to-all"),
                 "-" if theory is None else f"{theory / GIB:.3f}",
                 "-" if not theory or not ring else f"{ring / theory:.2f}",
@@ -421,6 +445,7 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
             "temp GiB/dev",
             "MoE all-gather GiB",
             "MoE reduce-scatter GiB",
+            "MoE all-reduce GiB",
             "MoE all-to-all GiB",
             "all-to-all theory GiB",
             "MoE / theory",

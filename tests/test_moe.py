@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.models import base, experts, qwen_moe, routing
+from flaxlm.models import base, expert_parallel, experts, qwen_moe, routing
 from flaxlm.parallel.partitioning import standard_logical_axis_rules
 from flaxlm.plan import hlo
 
@@ -167,6 +167,56 @@ def test_expert_parallel_gives_the_unsplit_loss_and_gradients(mesh_shape):
     assert "all_gather" in jaxpr and ("psum_scatter" in jaxpr or "reduce_scatter" in jaxpr)
 
 
+def test_all_to_all_dispatch_gives_the_dropless_loss_and_gradients():
+    """`moe_dispatch='all_to_all'` on (1, 1, 8, 1): each device's 16 tokens sent to their
+    experts' devices in buffers of capacity_factor x the fair share (4 x 2 x 16 / 8 = 16
+    rows a device: an expert takes a token at most once, so nothing drops) give the
+    unsplit loss and gradients."""
+    model = _model(moe_impl="dropless", moe_dispatch="all_to_all", capacity_factor=4.0)
+    got = _loss_and_grads(model, _params(), _batch(), (1, 1, 8, 1))
+    _assert_same(got, _reference())
+    assert got[0][1]["moe_dropped"] == 0
+    with jax.set_mesh(_mesh((1, 1, 8, 1))), nn.logical_axis_rules(RULES):
+        jaxpr = str(jax.make_jaxpr(lambda p: model.loss_fn(p, _batch(), None))(_params()))
+    assert "all_to_all" in jaxpr
+
+
+def test_all_to_all_dispatch_drops_past_capacity_and_counts():
+    """Each device sends each device of its expert group at most `capacity` assignments, a
+    token's best expert before its second, then in token order; the rest contribute zero
+    and are counted: the dense experts with the dropped assignments' weights zeroed."""
+    n, tokens, k, d, f = 8, 4, 2, 8, 16  # tokens a device; one expert a device
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(n * tokens, d)).astype(np.float32)
+    wi = rng.normal(size=(n, d, 2, f)).astype(np.float32)
+    wo = rng.normal(size=(n, f, d)).astype(np.float32)
+    ids = np.stack([rng.choice(n, k, replace=False) for _ in range(n * tokens)]).astype(np.int32)
+    ids[:tokens] = [0, 1]  # device 0's tokens all to experts 0 and 1: 3 of 4 drop on each
+    weights = rng.random((n * tokens, k)).astype(np.float32)
+    capacity = 1
+
+    def body(x, wi, wo, weights, ids):
+        return expert_parallel.all_to_all_experts(x, wi, wo, weights, ids, "silu", capacity)
+
+    spec = P("expert")
+    with jax.set_mesh(_mesh((1, 1, 8, 1))):
+        y, dropped = jax.jit(jax.shard_map(body, in_specs=(spec,) * 5, out_specs=(spec, spec)))(
+            x, wi, wo, weights, ids
+        )
+    want = np.zeros((n * tokens, k), np.float32)
+    for device in range(n):
+        sent = np.zeros(n, int)
+        for rank in range(k):
+            for t in range(device * tokens, (device + 1) * tokens):
+                sent[ids[t, rank]] += 1
+                want[t, rank] = sent[ids[t, rank]] > capacity
+    assert want[:tokens].sum() == 6
+    np.testing.assert_array_equal(dropped, want)
+    kept = experts.dense_experts(x, wi, wo, weights * (1 - want), ids, "silu")
+    # float32 sums of d x f products of O(1) normals: rounding ~sqrt(terms) x eps x |y|.
+    np.testing.assert_allclose(y, kept, rtol=1e-5, atol=1e-4)
+
+
 def _collective_arrays(text: str, kind: str) -> list[int]:
     """Element counts of the arrays each `kind` op (all-reduce, reduce-scatter) of an HLO
     text returns, one entry per array of a tuple-shaped (combined) op."""
@@ -265,7 +315,9 @@ def test_capacity_telemetry_reports_the_dropped_fraction():
 
 
 @pytest.mark.parametrize(
-    "field,value", [("router", "sinkhorn"), ("moe_impl", "megablocks")], ids=str
+    "field,value",
+    [("router", "sinkhorn"), ("moe_impl", "megablocks"), ("moe_dispatch", "ragged")],
+    ids=str,
 )
 def test_unknown_settings_are_errors_naming_them(field, value):
     with pytest.raises(ValueError, match=field):

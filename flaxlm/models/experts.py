@@ -11,7 +11,7 @@ to float rounding:
   token order), the rest dropped (their contribution is zero) and counted.
 
 Biases (gpt-oss) are added after each projection, each expert its own. The expert-parallel
-dispatch that runs `grouped_experts` on a mesh's `expert` axis is `moe.expert_parallel`.
+dispatch that runs `grouped_experts` on a mesh's `expert` axis is `expert_parallel.run_experts`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ Glu = str | Callable[[Array, Array], Array]  # an activation's name, or (gate, u
 Bias = tuple[Array, Array] | None  # the experts' (bi [experts, 2, mlp], bo [experts, embed])
 
 # The stacked weights' logical axes: how their params are split, and so how
-# `moe.expert_parallel` passes them into its shard_map.
+# `expert_parallel.run_experts` passes them into its shard_map.
 WI_AXES = ("expert", "embed", None, "mlp")
 WO_AXES = ("expert", "mlp", "embed")
 BI_AXES = ("expert", None, "mlp")

@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP: its options, the layer and the expert-parallel dispatch.
+"""Mixture-of-experts MLP: its options and the layer.
 
 `MoEOptions` holds the fields every MoE family config shares (`options_from_hf` /
 `options_to_hf`: as config.json names them); `MoE` is the layer that replaces a block's MLP.
@@ -7,24 +7,9 @@ their outputs weighted by the router's weights (plus a sigmoid-gated shared expe
 Qwen2-MoE, or DeepSeek-V3's ungated shared experts). The experts, stacked `[expert, embed,
 mlp]`, run one of three ways (`moe_impl`: dense, dropless, capacity; `experts.py`).
 
-Expert parallelism: under a mesh (JAX's context, as in `context_parallel`: this module never
-sees a Partitioner) with an `expert` axis of size n > 1, the experts' weights are split over it
-(the logical axis `expert`) and `dropless` runs in a `shard_map` over the mesh axes that split
-the tokens (the batch's, and `sequence` under context parallelism; without an `expert` axis
-too, so that each device runs its own tokens rather than XLA gathering them all; the routing
-and the router statistics likewise, `on_own_tokens`). The batch rule includes `expert`
-(tokens enter the layer already split over it): in each group of n devices, the tokens are
-all-gathered over `expert`, each device runs its E/n experts on the assignments routed to
-them, and the partial outputs are summed and scattered back with one `psum_scatter` (its
-transpose, an all-gather, carries the gradient). The experts' weights enter the shard_map
-split as their params lie (`expert` on the experts, fsdp on `embed`: `weight_spec`) and are
-all-gathered over fsdp inside it, fsdp's forward; the gathers' transpose reduce-scatters
-their gradient back onto the shards, where weights taken whole would have it all-reduced
-whole (twice the bytes over the ring; benchmarks/RESULTS.md, issue 45). The token dispatch
-is 2 x tokens x embed bytes per device and layer, against 2 x k x tokens / n x embed for a
-ragged all-to-all; but `jax.lax.ragged_all_to_all` does not run on CPU (JAX 0.10: "HLO opcode
-`ragged-all-to-all` is not supported by XLA:CPU"), the tests' and the planner's platform, so
-the all-gather form is the one kept (the ragged all-to-all is the step for GPU and TPU).
+Under a mesh with an `expert` axis the experts are split over it, and `dropless` runs on each
+device's own tokens in a `shard_map`, the tokens sent to their experts' devices by
+`moe_dispatch` ('all_gather' or the capacity-bounded 'all_to_all'): `expert_parallel`.
 
 Routing, the router statistics every layer sows and the load-balance losses are in `routing`.
 """
@@ -32,22 +17,18 @@ Routing, the router statistics every layer sows and the load-balance losses are 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
 
-from flaxlm.models import context_parallel, experts, layers, routing
+from flaxlm.models import expert_parallel, experts, layers, routing
 
 Array = jax.Array
 
 IMPLEMENTATIONS = ("dense", "dropless", "capacity")
-EXPERT_AXIS = "expert"  # the mesh axis (and logical axis) that splits the experts
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,7 +62,13 @@ class MoEOptions:
     # through, ungated (HF's `shared_experts`); 0: none.
     n_shared_experts: int = 0
     moe_impl: str = "dropless"  # one of IMPLEMENTATIONS
-    capacity_factor: float = 1.25  # `capacity` only: assignments an expert takes / fair share
+    # How `dropless` tokens reach their experts' devices under an `expert` mesh axis
+    # (expert_parallel.DISPATCHES): 'all_gather' (no drops, buffers grow with the axis) or
+    # 'all_to_all' (buffers of capacity_factor x the fair share, the rest dropped).
+    moe_dispatch: str = "all_gather"
+    # `capacity`: assignments an expert takes / its fair share; the `all_to_all` dispatch:
+    # assignments a device sends each device of its expert group / the fair share.
+    capacity_factor: float = 1.25
     router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in training
     router_z_loss_coef: float = 0.0  # weight of the router z-loss (ST-MoE)
     # Which layers are sparse: every `decoder_sparse_step`-th (HF: layer i is sparse if
@@ -107,6 +94,10 @@ class MoEOptions:
             raise ValueError(
                 f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_experts="
                 f"{self.num_experts}]."
+            )
+        if self.moe_dispatch not in expert_parallel.DISPATCHES:
+            raise ValueError(
+                f"moe_dispatch {self.moe_dispatch!r}: expected one of {expert_parallel.DISPATCHES}."
             )
         if self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor {self.capacity_factor} must be positive.")
@@ -200,165 +191,6 @@ def has_experts(config: Any) -> bool:
     return isinstance(config, MoEOptions) and any(config.sparse_layers(config.num_layers))
 
 
-def expert_shards(num_experts: int) -> int:
-    """Into how many shards the mesh in JAX's context splits the experts (1: no `expert`
-    axis); a ValueError naming both numbers if they do not divide."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
-        return 1
-    n = int(mesh.shape[EXPERT_AXIS])
-    if num_experts % n:
-        raise ValueError(
-            f"num_experts {num_experts} is not divisible by the mesh's 'expert' axis ({n}): "
-            "change Partitioner.mesh_shape or the model's num_experts."
-        )
-    return n
-
-
-# ------------------------------------------------------------------ expert parallelism
-
-
-def expert_parallel(
-    x: Array,
-    wi: Array,
-    wo: Array,
-    weights: Array,
-    ids: Array,
-    act: experts.Glu,
-    shards: int,
-    bias: experts.Bias = None,
-) -> Array | None:
-    """`experts.grouped_experts` on each device's tokens, in a `shard_map` over the mesh axes
-    that split them (the batch's, and `sequence` under context parallelism), with the experts
-    split over the mesh's `expert` axis when `shards` > 1 (x `[batch, length, embed]`,
-    weights and ids `[batch, length, k]`). Left to XLA, the sort by expert over tokens split
-    across devices gathers every token onto every device, which then runs them all. The
-    experts' weights enter split as their params are (`weight_spec`) and are all-gathered
-    inside. None when no mesh splits the tokens or the experts (or the batch does not split
-    evenly: a dummy batch), where XLA partitions the plain computation instead."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return None
-    rows, length = token_axes(mesh, x.shape[0], x.shape[1])
-    gathered = shards > 1 and EXPERT_AXIS in rows
-    manual = {*rows, *([length] if length else []), *([EXPERT_AXIS] if shards > 1 else [])}
-    if not manual:
-        return None
-    local = wi.shape[0] // shards
-    logical = (experts.WI_AXES, experts.WO_AXES)
-    if bias is not None:
-        logical += (experts.BI_AXES, experts.BO_AXES)
-    params = (wi, wo, *(bias or ()))
-    specs = tuple(weight_spec(w.shape, a, manual, shards) for w, a in zip(params, logical))
-
-    def body(x: Array, weights: Array, ids: Array, *params: Array) -> Array:
-        if gathered:  # the expert group's tokens, on each of its devices
-            x, weights, ids = (
-                jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x, weights, ids)
-            )
-        wi, wo, *b = (local_experts(w, s, manual) for w, s in zip(params, specs, strict=True))
-        first = jax.lax.axis_index(EXPERT_AXIS) * local if shards > 1 else 0
-        xt, wt, it = (a.reshape(-1, a.shape[-1]) for a in (x, weights, ids))
-        y = experts.grouped_experts(xt, wi, wo, wt, it, act, first, tuple(b) or None)
-        y = y.reshape(x.shape)
-        if gathered:
-            return jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
-        return jax.lax.psum(y, EXPERT_AXIS) if shards > 1 else y
-
-    token_spec = P(rows or None, length, None)
-    return jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(token_spec,) * 3 + specs,
-        out_specs=token_spec,
-        axis_names=frozenset(manual),
-    )(x, weights, ids, *params)
-
-
-def weight_spec(
-    shape: tuple[int, ...], logical: tuple[str | None, ...], manual: set[str], shards: int
-) -> P:
-    """How `expert_parallel`'s `shard_map` takes a stacked expert weight of logical axes
-    `logical`: as its param lies under the rules in force, `expert` on dim 0 when `shards` >
-    1 and each other dim over the mesh axes that split it (fsdp on `embed`) where all of
-    them are the shard_map's (`manual`) and divide it; the body gathers them
-    (`local_experts`). Taken whole (`P()`) instead, the weight's gradient would leave the
-    shard_map summed over the fsdp axes: an all-reduce of every expert's weights where a
-    reduce-scatter onto the shards is enough."""
-    mesh = jax.sharding.get_abstract_mesh()
-    spec = [EXPERT_AXIS if shards > 1 else None]
-    for dim, axes in enumerate(tuple(nn.logical_to_mesh_axes(logical))[1:], start=1):
-        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        split = bool(names) and set(names) <= manual
-        split = split and not shape[dim] % math.prod(int(mesh.shape[a]) for a in names)
-        spec.append((names[0] if len(names) == 1 else names) if split else None)
-    return P(*spec)
-
-
-def local_experts(w: Array, spec: P, manual: set[str]) -> Array:
-    """Inside `expert_parallel`'s body: this device's experts of a weight taken as `spec`
-    (`weight_spec`), whole. Its gradient, per device, is summed back onto the shards by the
-    transposes: the gathers' (a reduce-scatter over fsdp), then the cast's (an all-reduce of
-    the shard over the axes it is replicated on, `data`), in that order so that the
-    all-reduce moves the shard and not the whole weight."""
-    named = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
-    replicated = tuple(sorted(manual - named))
-    if replicated:
-        w = jax.lax.pcast(w, replicated, to="varying")
-    for dim, axes in enumerate(spec):
-        if dim and axes:
-            w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
-    return w
-
-
-def token_axes(mesh: Any, batch: int, length: int) -> tuple[tuple[str, ...], str | None]:
-    """The mesh axes that split `[batch, length]` tokens under the rules in force: the
-    batch's (none if they do not divide `batch`), and `sequence` if it splits `length`
-    (context parallelism) and divides it (else None)."""
-    rows = context_parallel.mesh_axis(mesh, "batch", batch)
-    rows = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
-    axis = context_parallel.SEQUENCE_AXIS
-    if context_parallel.sequence_shards() == 1 or length % int(mesh.shape[axis]):
-        return rows, None
-    (axes,) = nn.logical_to_mesh_axes(("length",))
-    return rows, axis if axes in (axis, (axis,)) else None
-
-
-def on_own_tokens(
-    fn: Callable[..., Any],
-    tokens: tuple[Array, ...],
-    shared: tuple[Any, ...] = (),
-    *,
-    summed: bool = False,
-) -> Any:
-    """`fn(*tokens, *shared)`, `tokens` `[batch, length, ...]` alike, on each device's own
-    tokens in a `shard_map` over the mesh axes that split them (`token_axes`), `shared`
-    whole on every device. fn's outputs are `[batch, length, ...]` split like the tokens,
-    or with `summed` sums over the tokens (added over the devices). Without a mesh that
-    splits the tokens, fn of the whole arrays. XLA left alone gathers a top-k over split
-    rows (XLA:CPU), and a row-major flattening of a sequence split over `sequence`, onto
-    every device, which then works on every token."""
-    mesh = jax.sharding.get_abstract_mesh()
-    b, length = tokens[0].shape[:2]
-    rows, seq = ((), None) if mesh.empty else token_axes(mesh, b, length)
-    manual = (*rows, *([seq] if seq else []))
-    if not manual:
-        return fn(*tokens, *shared)
-
-    def body(*args: Any) -> Any:
-        out = fn(*args)
-        return jax.tree.map(lambda a: jax.lax.psum(a, manual), out) if summed else out
-
-    spec = P(rows or None, seq)  # a prefix: the trailing dims whole
-    return jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(spec,) * len(tokens) + (P(),) * len(shared),
-        out_specs=P() if summed else spec,
-        axis_names=frozenset(manual),
-    )(*tokens, *shared)
-
-
 # ------------------------------------------------------------------ the layer
 
 
@@ -384,7 +216,7 @@ class MoE(nn.Module):
         b, length, d = x.shape
         e, k, f = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
         dtype = layers.as_dtype(self.dtype)
-        shards = expert_shards(e)
+        shards = expert_parallel.expert_shards(e)
         router = layers.DenseGeneral(
             e, ("embed", None), use_bias=cfg.router_bias, dtype=self.dtype,
             param_dtype=self.param_dtype, out_dtype=jnp.float32, name="gate",
@@ -409,7 +241,7 @@ class MoE(nn.Module):
             return tuple(a.reshape(*z.shape[:2], k) for a in out)
 
         # [batch, length, k], each device routing its own tokens
-        weights3, ids3 = on_own_tokens(choose, (logits,), (bias,))
+        weights3, ids3 = expert_parallel.on_own_tokens(choose, (logits,), (bias,))
         weights, ids = weights3.reshape(-1, k), ids3.reshape(-1, k)
 
         init = nn.initializers.normal(0.02)
@@ -428,10 +260,15 @@ class MoE(nn.Module):
                 xt, wi, wo, weights, ids, glu, capacity, expert_bias
             )
         else:
-            y = expert_parallel(x.astype(dtype), wi, wo, weights3, ids3, glu, shards, expert_bias)
-            y = None if y is None else y.reshape(-1, d)
-            if y is None:
+            out = expert_parallel.run_experts(
+                x.astype(dtype), wi, wo, weights3, ids3, glu, shards, expert_bias,
+                dispatch=cfg.moe_dispatch, capacity_factor=cfg.capacity_factor,
+            )  # fmt: skip
+            if out is None:
                 y = experts.grouped_experts(xt, wi, wo, weights, ids, glu, bias=expert_bias)
+            else:
+                y, dropped = out
+                dropped = None if dropped is None else dropped.reshape(-1, k)
         y = y.reshape(b, length, d)
 
         if cfg.shared_expert_intermediate_size:
@@ -455,8 +292,8 @@ class MoE(nn.Module):
             flat = (a.reshape(-1, *a.shape[2:]) for a in (logits, ids, real))
             return routing.router_stats(*flat, e, router=cfg.router)
 
-        stats = on_own_tokens(count, (logits, ids3, real), summed=True)
-        if dropped is not None:  # capacity's, over the whole batch
+        stats = expert_parallel.on_own_tokens(count, (logits, ids3, real), summed=True)
+        if dropped is not None:  # capacity's, or the all-to-all dispatch's
             stats["dropped"] = jnp.sum(dropped * real.reshape(-1, 1))
         self.sow(routing.ROUTER_COLLECTION, routing.ROUTER_STATS, stats)
         return checkpoint_name(y.astype(dtype), "mlp_out")

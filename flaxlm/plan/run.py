@@ -10,7 +10,7 @@ from typing import Any
 
 import gin
 
-from flaxlm.models import moe
+from flaxlm.models import expert_parallel, moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,11 +119,11 @@ def with_expert_axis(
     """The mesh with an `expert` axis of size 1 before `tensor` (or last) if it has none, so
     the planner enumerates expert parallelism for a model with experts (the standard rules
     split the experts, the batch and the params over it, as gin/partitioning/fsdp_ep.gin)."""
-    if moe.EXPERT_AXIS in axis_names:
+    if expert_parallel.EXPERT_AXIS in axis_names:
         return axis_names, mesh_shape
     at = axis_names.index("tensor") if "tensor" in axis_names else len(axis_names)
     return (
-        (*axis_names[:at], moe.EXPERT_AXIS, *axis_names[at:]),
+        (*axis_names[:at], expert_parallel.EXPERT_AXIS, *axis_names[at:]),
         (*mesh_shape[:at], 1, *mesh_shape[at:]),
     )
 
