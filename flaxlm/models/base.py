@@ -235,6 +235,10 @@ class BaseModel(abc.ABC):
         """Fails before any device work when a request cannot be decoded."""
         del inputs, lengths, config  # nothing to check in general
 
+    def paged_refusal(self) -> str | None:
+        """Why this model cannot decode over a paged KV cache, or None (`CachedDecoding`'s)."""
+        return f"{type(self).__name__} decodes over a contiguous KV cache only."
+
     def decoding_params(self, params: Params) -> Params:
         """`params` as `prefill` and `decode_step` read them (a decoder-only model unrolls a
         scanned stack: `cached_decoding`); call once before decoding."""

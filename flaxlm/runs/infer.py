@@ -3,17 +3,27 @@ after, every input of a file or a seqio task with a checkpoint.
 
 A checkpoint is a flaxlm `MODEL_DIR` (its latest or a given step) or a HuggingFace
 directory (`run_dir.load_model_and_params`). Every process reads every example, so batches
-are identical on all processes; the batch is split over the mesh's batch axes and process 0
-writes the results, one line per example in input order.
+are identical on all processes; process 0 writes the results, one line per example in input
+order.
+
+`infer` decodes through the serving engine's scheduler (`inference/scheduler.py`: every
+prompt queued at once, rows joining the running batch as others end, a paged KV cache) where
+it can, and in fixed batches (`generation.generate_ids`, split over the mesh's batch axes)
+where it cannot: beam search, top-k sampling, and the models that decode over a contiguous
+cache only (Phi-3, encoder-decoders). benchmarks/infer.py measures the two.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
 from etils import epath
 
 from flaxlm.checkpoints import run_dir
@@ -22,6 +32,7 @@ from flaxlm.data.jsonl import read_jsonl
 from flaxlm.data.vocabularies import Vocabulary
 from flaxlm.inference import generation
 from flaxlm.inference.generation import GenerationSettings
+from flaxlm.inference.scheduler import Scheduler
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import metrics
@@ -126,6 +137,163 @@ def read_examples(
     return examples, vocabulary, name
 
 
+# ---------------------------------------------------------------------------- engines
+
+ENGINES = ("auto", "paged", "batch")
+# 'auto' takes the paged engine where fixed batches would make the average sequence this
+# many times longer (`padding_ratio`): on the 2-core CPU the engine ran 0.58-0.79x the fixed
+# batches' speed at ratios 1.4-1.6 (prompts of 9-121 tokens), 1.13x at 2.7 and 3.2x at 6.7
+# (benchmarks/RESULTS.md, issue 47), and its first run compiles ~2x longer.
+PADDING_RATIO = 3.0
+DECODE_STEPS = 16  # tokens a row generates per engine dispatch
+PREFILL_ROWS = 2  # prompts each engine prefill dispatch reads
+PREFILL_CHUNK = 128  # of this many tokens each
+PAGE_SIZE = 16  # KV-cache slots per page
+
+
+def check_engine(engine: str) -> None:
+    """Refuses an `engine` setting that is none of `ENGINES`, before any device work."""
+    if engine not in ENGINES:
+        raise ValueError(f"infer.engine must be one of {list(ENGINES)}, got {engine!r}.")
+
+
+def paged_refusal(model: BaseModel, settings: GenerationSettings) -> str | None:
+    """Why the paged engine cannot decode `settings` for `model`, or None."""
+    if settings.num_beams > 1:
+        return "Beam search (NUM_BEAMS > 1) decodes in fixed batches."
+    if settings.top_k:
+        return "The paged engine samples from the top-p set only (TOP_K > 0 needs fixed batches)."
+    return model.paged_refusal()
+
+
+def padding_ratio(
+    prompt_lengths: Sequence[int], max_new_tokens: int, input_length: int | None = None
+) -> float:
+    """How many times longer than the average sequence (prompt and new tokens) fixed
+    batches make each: they pad every prompt to `input_length`, else to the longest."""
+    length = input_length or max(prompt_lengths)
+    mean = sum(min(n, length) for n in prompt_lengths) / len(prompt_lengths)
+    return (length + max_new_tokens) / (mean + max_new_tokens)
+
+
+def choose_engine(
+    engine: str,
+    model: BaseModel,
+    settings: GenerationSettings,
+    prompt_lengths: Sequence[int],
+    input_length: int | None = None,
+) -> str:
+    """'paged' or 'batch': `engine` itself, or for 'auto' the paged engine where it can
+    decode and fixed batches would pad the prompts `PADDING_RATIO` times or more (a
+    ValueError naming the setting when 'paged' is asked for where it cannot decode)."""
+    check_engine(engine)
+    refusal = paged_refusal(model, settings)
+    if engine == "paged" and refusal is not None:
+        raise ValueError(f"infer.engine='paged': {refusal} Use 'batch' or 'auto'.")
+    if engine == "auto":
+        ratio = padding_ratio(prompt_lengths, settings.max_new_tokens, input_length)
+        return "paged" if refusal is None and ratio >= PADDING_RATIO else "batch"
+    return engine
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+    """One example as the scheduler reads it (a `scheduler.Job`), collecting its tokens."""
+
+    prompt_ids: Sequence[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    done: bool = False
+
+    @property
+    def events(self) -> _Job:
+        return self
+
+    def put(self, event: tuple) -> None:
+        if event[0] == "token":
+            self.tokens.append(int(event[1]))
+        elif event[0] == "done":
+            self.done = True
+        else:
+            raise RuntimeError(f"Decoding an example was {event[0]}: {event[1:]}")
+
+
+def example_seeds(seed: int, count: int) -> np.ndarray:
+    """uint32 `[count]`: example i's sampling seed, from `seed` and i alone (so its sample
+    is the same whatever else the file holds and however rows are batched)."""
+    key = jax.random.PRNGKey(seed)
+    bits = jax.vmap(lambda i: jax.random.bits(jax.random.fold_in(key, i), (), jnp.uint32))
+    return np.asarray(bits(jnp.arange(count)))
+
+
+def paged_generate_ids(
+    model: BaseModel,
+    params: Any,
+    prompts: Sequence[list[int]],
+    partitioner: Partitioner,
+    settings: GenerationSettings,
+    *,
+    max_rows: int,
+    input_length: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    decode_steps: int = DECODE_STEPS,
+    prefill_rows: int = PREFILL_ROWS,
+    prefill_chunk: int = PREFILL_CHUNK,
+    page_size: int = PAGE_SIZE,
+) -> list[list[int]]:
+    """The new token ids after each prompt (up to EOS), in order, through the paged engine:
+    every prompt queued at once, `max_rows` decoded together, a row's place taken by the
+    next prompt as soon as it ends. Prompts longer than `input_length` keep their end, as
+    `generation.generate_ids` cuts them. Greedy decoding gives `generate_ids`' tokens;
+    a sampled example draws from its own seed (`example_seeds`). Every process must pass
+    the same prompts: each runs the same dispatches and reads every result."""
+    length = input_length or max(len(p) for p in prompts)
+    cut = sum(len(p) > length for p in prompts)
+    if cut and progress:
+        progress(f"{cut} prompt(s) longer than {length} tokens are cut to {length}.")
+    new = settings.max_new_tokens
+    seeds = example_seeds(settings.seed, len(prompts))
+    jobs = [
+        _Job(p[-length:], new, settings.temperature, settings.top_p, int(seed))
+        for p, seed in zip(prompts, seeds)
+    ]
+    longest = max(len(j.prompt_ids) for j in jobs)
+    scheduler = Scheduler(
+        model,
+        params,
+        partitioner,
+        max_rows=max_rows,
+        page_size=page_size,
+        max_seq_len=longest + new,
+        # The first token comes with the prefill; a dispatch makes at most the rest.
+        decode_steps=max(1, min(new - 1, decode_steps)),
+        prefill_chunk=min(prefill_chunk, generation.round_up(longest, 16)),
+        prefill_rows=prefill_rows,
+        num_top=1,
+    )
+    for job in jobs:
+        scheduler.add(job)
+    start_time, finished, report = time.perf_counter(), 0, max_rows
+    while scheduler.busy:
+        scheduler.step()
+        while finished < len(jobs) and jobs[finished].done:
+            finished += 1
+        if progress and (finished >= report or not scheduler.busy):
+            report = finished + max_rows
+            elapsed = time.perf_counter() - start_time
+            generated = sum(len(j.tokens) + (len(j.tokens) < new) for j in jobs if j.done)
+            rate = generated / max(elapsed, 1e-9)
+            eta = elapsed / max(finished, 1) * (len(jobs) - finished)
+            progress(
+                f"{finished}/{len(jobs)} examples | decode {rate:,.0f} tokens/s | "
+                f"ETA {metrics.format_duration(eta)}"
+            )
+    return [j.tokens for j in jobs]
+
+
 def generate_texts(
     model: BaseModel,
     params: Any,
@@ -137,18 +305,35 @@ def generate_texts(
     batch_size: int,
     input_length: int | None = None,
     progress: Callable[[str], None] | None = None,
+    engine: str = "auto",
 ) -> list[str]:
-    """The decoded continuation of each example, in order (every process gets all)."""
-    ids = generation.generate_ids(
-        model,
-        params,
-        [e.input_ids for e in examples],
-        partitioner,
-        settings,
-        batch_size=batch_size,
-        input_length=input_length,
-        progress=progress,
-    )
+    """The decoded continuation of each example, in order (every process gets all), from
+    the paged engine (`batch_size` rows decoded together) or fixed batches of `batch_size`
+    (`choose_engine`)."""
+    prompts = [e.input_ids for e in examples]
+    lengths = [len(p) for p in prompts]
+    if choose_engine(engine, model, settings, lengths, input_length) == "paged":
+        ids = paged_generate_ids(
+            model,
+            params,
+            prompts,
+            partitioner,
+            settings,
+            max_rows=batch_size,
+            input_length=input_length,
+            progress=progress,
+        )
+    else:
+        ids = generation.generate_ids(
+            model,
+            params,
+            prompts,
+            partitioner,
+            settings,
+            batch_size=batch_size,
+            input_length=input_length,
+            progress=progress,
+        )
     return [vocabulary.decode(i) for i in ids]
 
 
@@ -168,6 +353,7 @@ def infer(
     input_length: int | None = None,
     max_examples: int | None = None,
     step: int | None = None,
+    engine: str = "auto",
 ) -> str:
     """Run function: generates a continuation of every input of `source` and writes
     `output_dir/<name>.jsonl` (`{"input": ..., "output": ...}` per line, input order) and
@@ -179,18 +365,29 @@ def infer(
         line) or a registered seqio task or mixture (its `split`).
       vocabulary: how text becomes tokens; default the task's, else the HF directory's
         tokenizer, else the byte vocabulary (`vocabularies.ByteVocabulary`, seqio's ids).
-      input_length: prompts are padded (and cut) to this many tokens; the longest if None.
+      batch_size: prompts decoded together.
+      input_length: prompts are cut to this many tokens (and on the batch path padded to
+        it); the longest if None.
+      engine: 'paged' (the serving engine's continuous batching over a paged KV cache),
+        'batch' (fixed batches, split over the mesh's batch axes) or 'auto': paged where it
+        can decode (`choose_engine`), which is faster (docs/generation.md).
     """
+    check_engine(engine)
     partitioner = partitioner or Partitioner()
     model, params, step = run_dir.load_model_and_params(checkpoint, partitioner, step, model)
     vocabulary = vocabulary or run_dir.checkpoint_vocabulary(checkpoint)
     examples, vocabulary, name = read_examples(
         source, model, vocabulary, split=split, task_module=task_module, max_examples=max_examples
     )
+    lengths = [len(e.input_ids) for e in examples]
+    engine = choose_engine(engine, model, settings, lengths, input_length)
     out_dir = epath.Path(output_dir)
     metrics.write_config(out_dir)
+    ratio = padding_ratio(lengths, settings.max_new_tokens, input_length)
     metrics.print0(
-        f"Generating for {len(examples)} examples of {name} with step {step} of {checkpoint}."
+        f"Generating for {len(examples)} examples of {name} with step {step} of {checkpoint} "
+        f"({'the paged engine' if engine == 'paged' else 'fixed batches'}; fixed batches "
+        f"pad the sequences {ratio:.1f}x)."
     )
     outputs = generate_texts(
         model,
@@ -202,6 +399,7 @@ def infer(
         batch_size=batch_size,
         input_length=input_length,
         progress=metrics.print0,
+        engine=engine,
     )
     path = out_dir / f"{name}.jsonl"
     metrics.write_jsonl(
