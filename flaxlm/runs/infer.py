@@ -141,9 +141,9 @@ def read_examples(
 
 ENGINES = ("auto", "paged", "batch")
 # 'auto' takes the paged engine where fixed batches would make the average sequence this
-# many times longer (`padding_ratio`): on the 2-core CPU the engine ran 0.58-0.79x the fixed
-# batches' speed at ratios 1.4-1.6 (prompts of 9-121 tokens), 1.13x at 2.7 and 3.2x at 6.7
-# (benchmarks/RESULTS.md, issue 47), and its first run compiles ~2x longer.
+# many times longer (`padding_ratio`): on the 2-core CPU the engine ran 0.48-0.79x the fixed
+# batches' speed at a ratio of 1.4 (prompts of 9-121 tokens), 1.13x at 2.6, 1.4-1.6x at 3.5
+# and 3.2x at 6.5 (benchmarks/RESULTS.md, issue 47), and its first run compiles ~2x longer.
 PADDING_RATIO = 3.0
 DECODE_STEPS = 16  # tokens a row generates per engine dispatch
 PREFILL_ROWS = 2  # prompts each engine prefill dispatch reads
@@ -198,15 +198,16 @@ def choose_engine(
 
 @dataclasses.dataclass(eq=False)
 class _Job:
-    """One example as the scheduler reads it (a `scheduler.Job`), collecting its tokens."""
+    """One example as the scheduler reads it (a `scheduler.Job`), collecting its tokens;
+    appended to `ended` when it ends."""
 
     prompt_ids: Sequence[int]
     max_tokens: int
     temperature: float
     top_p: float
     seed: int
+    ended: list[_Job] = dataclasses.field(repr=False)
     tokens: list[int] = dataclasses.field(default_factory=list)
-    done: bool = False
 
     @property
     def events(self) -> _Job:
@@ -216,7 +217,7 @@ class _Job:
         if event[0] == "token":
             self.tokens.append(int(event[1]))
         elif event[0] == "done":
-            self.done = True
+            self.ended.append(self)
         else:
             raise RuntimeError(f"Decoding an example was {event[0]}: {event[1:]}")
 
@@ -256,16 +257,18 @@ def paged_generate_ids(
         progress(f"{cut} prompt(s) longer than {length} tokens are cut to {length}.")
     new = settings.max_new_tokens
     seeds = example_seeds(settings.seed, len(prompts))
+    ended: list[_Job] = []
     jobs = [
-        _Job(p[-length:], new, settings.temperature, settings.top_p, int(seed))
+        _Job(p[-length:], new, settings.temperature, settings.top_p, int(seed), ended)
         for p, seed in zip(prompts, seeds)
     ]
     longest = max(len(j.prompt_ids) for j in jobs)
+    rows = min(max_rows, len(jobs))
     scheduler = Scheduler(
         model,
         params,
         partitioner,
-        max_rows=max_rows,
+        max_rows=rows,
         page_size=page_size,
         max_seq_len=longest + new,
         # The first token comes with the prefill; a dispatch makes at most the rest.
@@ -276,19 +279,19 @@ def paged_generate_ids(
     )
     for job in jobs:
         scheduler.add(job)
-    start_time, finished, report = time.perf_counter(), 0, max_rows
+    start_time, counted, generated, report = time.perf_counter(), 0, 0, rows
     while scheduler.busy:
         scheduler.step()
-        while finished < len(jobs) and jobs[finished].done:
-            finished += 1
-        if progress and (finished >= report or not scheduler.busy):
-            report = finished + max_rows
+        for job in ended[counted:]:  # EOS counted as generated
+            generated += len(job.tokens) + (len(job.tokens) < new)
+        counted = len(ended)
+        if progress and (counted >= report or not scheduler.busy):
+            report = counted + rows
             elapsed = time.perf_counter() - start_time
-            generated = sum(len(j.tokens) + (len(j.tokens) < new) for j in jobs if j.done)
             rate = generated / max(elapsed, 1e-9)
-            eta = elapsed / max(finished, 1) * (len(jobs) - finished)
+            eta = elapsed / max(counted, 1) * (len(jobs) - counted)
             progress(
-                f"{finished}/{len(jobs)} examples | decode {rate:,.0f} tokens/s | "
+                f"{counted}/{len(jobs)} examples | decode {rate:,.0f} tokens/s | "
                 f"ETA {metrics.format_duration(eta)}"
             )
     return [j.tokens for j in jobs]
