@@ -23,10 +23,12 @@ token-identical.
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import glob
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -94,6 +96,7 @@ def main(argv: list[str]) -> None:
     # side's first call compiles (an infer run on a new machine); the later ones read its
     # programs back (every infer run after it).
     cache_dir = tempfile.mkdtemp(prefix="infer_bench_cache_")
+    atexit.register(shutil.rmtree, cache_dir, True)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
