@@ -105,6 +105,40 @@ ENTRY %main (a: f32[2,8]) -> f32[2,8] {
     assert "all-reduce" not in out["by_kind"]
 
 
+def test_parse_hlo_counts_each_shard_map_collective_of_channel_1():
+    """Every collective a shard_map emits keeps channel_id 1 in TPU's compiled HLO: pieces
+    of one op (same kind and shape) count once, distinct ops (the experts' two weights
+    gathered, their two gradients reduce-scattered) each once."""
+    collectives = load_benchmark("collectives")
+    attrs = "channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}"
+    hlo = f"""HloModule m
+
+%piece.1 (p0: bf16[2,8]) -> bf16[16,8] {{
+  ROOT %ag.1 = bf16[16,8]{{1,0}} all-gather(%p0), {attrs}
+}}
+
+%piece.2 (p0: bf16[2,8]) -> bf16[16,8] {{
+  ROOT %ag.2 = bf16[16,8]{{1,0}} all-gather(%p0), {attrs}
+}}
+
+%other (p0: bf16[1,8]) -> bf16[8,8] {{
+  ROOT %ag.3 = bf16[8,8]{{1,0}} all-gather(%p0), {attrs}
+}}
+
+ENTRY %main (a: bf16[2,8]) -> bf16[2,8] {{
+  %s = bf16[16,8]{{1,0}} fusion(%a), kind=kCustom, calls=%piece.1
+  %c = bf16[16,8]{{1,0}} fusion(%a), kind=kLoop, calls=%piece.2
+  %o = bf16[8,8]{{1,0}} fusion(%a), kind=kLoop, calls=%other
+  %rs.1 = bf16[2,8]{{1,0}} reduce-scatter(%s), {attrs}
+  ROOT %rs.2 = bf16[1,8]{{1,0}} reduce-scatter(%o), {attrs}
+}}
+"""
+    by_kind = collectives.parse_hlo(hlo, 8)["by_kind"]
+    assert by_kind["all-gather"]["count"] == 2
+    assert by_kind["all-gather"]["array_bytes"] == 16 * 8 * 2 + 8 * 8 * 2
+    assert by_kind["reduce-scatter"]["count"] == 2
+
+
 @pytest.mark.slow
 def test_collectives_fsdp_reduce_scatters_on_tpu(tmp_path):
     """FSDP's collectives as the TPU compiler emits them (libtpu compiles for a v5e 2x4

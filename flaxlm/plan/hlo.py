@@ -272,19 +272,29 @@ def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
 
     def one_per_channel(ops: list[tuple[Op, int]]) -> list[tuple[Op, int]]:
         """TPU splits an async collective into a start, continuation fusions overlapping
-        compute and a done, each holding the op with one channel_id: count it once (as the
-        reduce-scatter where one of them is). Other ops are distinct whatever their
-        channel_id (every collective-permute has channel 1)."""
-        first: dict[int, int] = {}
+        compute and a done, each holding the op (its kind and shape) with one channel_id:
+        count it once (as the reduce-scatter where one of them is, in place of the
+        all-reduce of the whole it cuts). Ops of another kind or size are distinct whatever
+        their channel_id: every collective a `shard_map` emits has channel 1, as has every
+        collective-permute; unfused ops are all distinct."""
+        first: dict[tuple[int, str, int], int] = {}
         out: list[tuple[Op, int]] = []
         for op, count in ops:
             if op.channel is None or not (op.fused or op.kind == "reduce-scatter"):
                 out.append((op, count))
-            elif op.channel not in first:
-                first[op.channel] = len(out)
-                out.append((op, count))
-            elif op.kind == "reduce-scatter":
-                out[first[op.channel]] = (op, count)
+                continue
+            key = (op.channel, op.kind, op.result_bytes)
+            whole = (op.channel, "all-reduce", op.array_bytes)
+            if key in first:
+                continue
+            if op.kind == "reduce-scatter" and whole in first:
+                out[first[whole]] = (op, count)
+                first[key] = first[whole]
+                continue
+            first[key] = len(out)
+            if op.kind == "reduce-scatter":  # its all-reduce pieces, if any come later
+                first[whole] = len(out)
+            out.append((op, count))
         return out
 
     def ops_of(name: str) -> list[tuple[Op, int]]:
