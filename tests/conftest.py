@@ -45,6 +45,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 IN_PROCESS_MIN_COMPILE_SECS = 0.2
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(1 << 30))
 
+# The environment is set: the processes the tests start fork from a Python that has imported
+# TensorFlow, seqio and JAX in it (tests/zygote.py), where their environment is this one.
+from tests import zygote  # noqa: E402, F401
+
 
 def pytest_configure(config: pytest.Config) -> None:
     assert jax.device_count() == 8, "tests expect 8 simulated CPU devices"

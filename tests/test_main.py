@@ -16,6 +16,7 @@ import pytest
 
 from flaxlm import gin_utils, logs
 from flaxlm.parallel import platforms
+from tests import zygote
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,14 +63,9 @@ def run_main(args, cwd, devices=1, timeout=600, user_env=False):
         del env["JAX_PLATFORMS"]
         env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [sys.executable, "-m", "flaxlm.main", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    # Forked from the tests' zygote (TensorFlow, seqio and JAX imported once) where the
+    # environment allows; as a user runs it (`user_env`), a fresh process.
+    return zygote.run(args, cwd, env, timeout=timeout)
 
 
 def read_metrics(model_dir):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from flaxlm.parallel import platforms
+from tests import zygote
 from tests.helpers import float32_atol
 from tests.test_main import read_metrics
 
@@ -26,6 +27,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_process(args, cwd, env, stdout, stderr):
+    """`python *args`: `-m flaxlm.main ...` forked from the tests' zygote where it can be (see
+    tests/zygote.py), a script in a fresh process."""
+    if args[:2] == ["-m", "flaxlm.main"]:
+        return zygote.start(args[2:], cwd, env, stdout=stdout, stderr=stderr)
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=True
+    )
+
+
 def launch(args_for, num_processes, devices_per_process, cwd, timeout=300, grace=120):
     """Runs the processes to completion; once one fails, the rest get `grace` seconds."""
     env = dict(os.environ)
@@ -35,14 +46,7 @@ def launch(args_for, num_processes, devices_per_process, cwd, timeout=300, grace
     address = f"127.0.0.1:{free_port()}"
     logs = [tempfile.TemporaryFile("w+") for _ in range(2 * num_processes)]
     procs = [
-        subprocess.Popen(
-            [sys.executable, *args_for(address, i)],
-            cwd=cwd,
-            env=env,
-            stdout=logs[2 * i],
-            stderr=logs[2 * i + 1],
-            text=True,
-        )
+        start_process(args_for(address, i), cwd, env, logs[2 * i], logs[2 * i + 1])
         for i in range(num_processes)
     ]
     start = time.monotonic()
@@ -343,9 +347,8 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step_with_a_checkpoint(tmp
     env["PYTHONPATH"] = os.pathsep.join([repo_dir, env.get("PYTHONPATH", "")])
     address = f"127.0.0.1:{free_port()}"
     procs = [
-        subprocess.Popen(
+        start_process(
             [
-                sys.executable,
                 "-m",
                 "flaxlm.main",
                 "--gin_file=gin/gptj_pretrain.gin",
@@ -361,11 +364,10 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step_with_a_checkpoint(tmp
                 "--process_count=2",
                 f"--process_index={i}",
             ],
-            cwd=repo_dir,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            repo_dir,
+            env,
+            subprocess.PIPE,
+            subprocess.PIPE,
         )
         for i in range(2)
     ]

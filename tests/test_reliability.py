@@ -17,6 +17,7 @@ import time
 import pytest
 
 from flaxlm.parallel import platforms
+from tests import zygote
 from tests.test_main import read_metrics, run_main
 
 TRAIN_STEPS = 10
@@ -59,14 +60,7 @@ def start_main(args, cwd, env_extra=None):
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([cwd, env.get("PYTHONPATH", "")])
     env.update(env_extra or {})
-    return subprocess.Popen(
-        [sys.executable, "-m", "flaxlm.main", *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return zygote.start(args, cwd, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def finish(proc, timeout=300, within=10.0):

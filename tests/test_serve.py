@@ -22,7 +22,7 @@ from flaxlm.parallel import platforms
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve import api
 from flaxlm.runs.serve.engine import Engine
-from tests import cdp
+from tests import cdp, zygote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARTIFACTS = os.environ.get("FLAXLM_TEST_ARTIFACTS", os.path.join(HERE, "..", "test-artifacts"))
@@ -74,11 +74,8 @@ def server_process(tmp_path_factory, repo_dir, trained_gptj):
     port = free_port()
     log_path = tmp / "server.log"
     log = open(log_path, "w+")
-    proc = subprocess.Popen(
+    proc = zygote.start(
         [
-            sys.executable,
-            "-m",
-            "flaxlm.main",
             "--gin_file=gin/runs/serve.gin",
             f"--gin.CHECKPOINT='{trained_gptj}'",
             f"--gin.PORT={port}",

@@ -1,0 +1,90 @@
+"""tests/zygote.py: a forked `flaxlm.main` behaves as a fresh process, and the tests use it."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+from flaxlm.parallel import platforms
+from tests import zygote
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+ADDRESS = re.compile(r" at 0x[0-9a-f]+")
+
+
+def _env(devices=8):
+    """The environment tests/test_main.run_main gives `flaxlm.main`."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = platforms.host_device_flags(devices)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_the_tests_environment_is_served_after_torch_and_flaxlm_are_imported():
+    """The end-to-end tests' processes fork from the zygote (a variable some import sets in
+    this process must not silently send them all back to fresh processes)."""
+    import torch  # noqa: F401 - sets KMP_* and TORCHINDUCTOR_* here
+    import transformers  # noqa: F401
+
+    import flaxlm.runs.train  # noqa: F401 - TensorFlow and its variables
+
+    proc = zygote.start(["--helpfull"], REPO, _env(), stdout=subprocess.PIPE)
+    out, _ = proc.communicate(timeout=120)
+    assert isinstance(proc, zygote.Forked), zygote._get().refusals
+    assert "--gin_file" in out
+
+
+def test_a_forked_run_prints_and_exits_as_a_fresh_one(tmp_path):
+    """A run stopped before its first step by a mesh its devices do not fit (flaxlm's error
+    line, exit 2): the same streams and status, forked or fresh; the child's own arguments
+    and devices (8 here, though the zygote has none)."""
+    args = [
+        "--gin_file=gin/gptj_pretrain.gin",
+        f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
+        "--gin.Partitioner.mesh_shape=(3, -1, 1)",
+    ]
+    forked = zygote.run(args, REPO, _env(), timeout=300)
+    fresh = subprocess.run(
+        [sys.executable, "-m", "flaxlm.main", *args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert forked.returncode == fresh.returncode == 2, (forked.stderr, fresh.stderr)
+    # (Gin's messages name functions with their addresses, which differ.)
+    assert ADDRESS.sub("", forked.stderr) == ADDRESS.sub("", fresh.stderr)
+    assert forked.stdout == fresh.stdout
+    assert "(3, -1, 1)" in forked.stderr and "8" in forked.stderr
+
+
+def test_signals_reach_the_child_and_its_status_comes_back():
+    proc = zygote.start(
+        ["--gin_file=gin/gptj_pretrain.gin", "--gin.TRAIN_STEPS=100000"],
+        REPO,
+        _env(1),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    assert isinstance(proc, zygote.Forked) and proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_an_environment_that_changes_what_imports_see_gets_a_fresh_process():
+    """A PYTHONPATH with its own `tensorflow` (tests/no_tensorflow: the bad-input rows
+    refused before TensorFlow loads), or another JAX setting read at import."""
+    env = _env()
+    env["PYTHONPATH"] = os.path.join(HERE, "no_tensorflow")
+    proc = zygote.start(["--helpshort"], REPO, env, stdout=subprocess.DEVNULL)
+    assert isinstance(proc, subprocess.Popen)
+    proc.wait(timeout=120)
+    env = _env()
+    env["JAX_ENABLE_X64"] = "1"
+    proc = zygote.start(["--helpshort"], REPO, env, stdout=subprocess.DEVNULL)
+    assert isinstance(proc, subprocess.Popen)
+    proc.wait(timeout=120)
