@@ -112,3 +112,15 @@ def test_flops_per_token_is_three_forwards_as_xla_counts_them_tied_head_included
         cost = cost[0] if isinstance(cost, list) else cost
         per_token = 3 * cost["flops"] / (2 * length)
         assert per_token == pytest.approx(config.flops_per_token(length), rel=0.02), tie
+
+
+def test_write_jsonl_replaces_an_earlier_runs_file(tmp_path):
+    """infer/score into an OUTPUT_DIR that already holds `<name>.jsonl` (a rerun) replaced it;
+    it was a FileExistsError after all the generation work."""
+    from etils import epath
+
+    path = epath.Path(tmp_path) / "out.jsonl"
+    metrics.write_jsonl(path, [{"a": 1}])
+    metrics.write_jsonl(path, [{"b": 2}])
+    assert path.read_text() == '{"b": 2}\n'
+    assert not (epath.Path(tmp_path) / "out.jsonl.tmp").exists()

@@ -230,7 +230,7 @@ def write_jsonl(path: epath.Path, records: Sequence[Mapping[str, Any]]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / (path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-        tmp.rename(path)
+        tmp.replace(path)  # over an earlier run's file (rename refuses)
 
 
 def write_config(output_dir: epath.Path) -> None:
