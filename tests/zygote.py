@@ -55,7 +55,16 @@ PRELOAD = (
 # which the zygote never imports, reads them; nor are transformers and torch, which set
 # KMP_* and TORCHINDUCTOR_* when a test process imports them).
 PER_RUN = ("XLA_FLAGS", "PYTHONPATH")
-PER_RUN_PREFIXES = ("FLAXLM_", "PYTEST_", "HF_", "TRANSFORMERS_", "WANDB_", "KMP_", "TORCH")
+PER_RUN_PREFIXES = (
+    "FLAXLM_",
+    "PYTEST_",
+    "HF_",
+    "TRANSFORMERS_",
+    "WANDB_",
+    "KMP_",
+    "TORCH",
+    "XLA_PYTHON_CLIENT_",  # read when a GPU backend starts (benchmarks/accelerator.py sets one)
+)
 MAX_MESSAGE = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The environment the zygote imports in: the test process's once tests/conftest.py has set it
