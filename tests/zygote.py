@@ -132,10 +132,8 @@ def _serve(path: str) -> None:
 def _child(request: dict[str, Any], fds: list[int], conn: socket.socket) -> None:
     """In the forked child: become `python -m flaxlm.main <args>` in the request's directory,
     environment and streams, run it, and exit as the interpreter would."""
-    import atexit as child_atexit
     import runpy
     import signal
-    import threading as child_threading
 
     conn.close()
     for target, fd in enumerate(fds):
@@ -166,8 +164,8 @@ def _child(request: dict[str, Any], fds: list[int], conn: socket.socket) -> None
         print(code, file=sys.stderr)
         code = 1
     try:
-        child_threading._shutdown()  # the interpreter's exit: join non-daemon threads,
-        child_atexit._run_exitfuncs()  # then the atexit handlers (jax.distributed's)
+        threading._shutdown()  # the interpreter's exit: join non-daemon threads,
+        atexit._run_exitfuncs()  # then the atexit handlers (jax.distributed's)
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -289,8 +287,8 @@ class _Zygote:
 
     def serves(self, env: dict[str, str], cwd: str) -> bool:
         """Whether a child in `env` sees what a fresh process would: every variable read at
-        import time as the zygote's, and a PYTHONPATH of directories without a module that
-        could stand in for a preloaded one."""
+        import time as the zygote's, no PYTHONPATH entry beyond the repo's and the zygote's,
+        and no package of a preloaded name in `cwd` or the repo."""
         if not self.ready or self.proc.poll() is not None:
             return self._refuse("the zygote is not running")
         for key in set(env) | set(self.env) | set(self.imported):
