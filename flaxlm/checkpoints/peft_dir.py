@@ -11,8 +11,11 @@ PEFT's over the torch `Linear` HF stores `W` as (`[out, in]`) is `lora_A.weight`
 `/ sqrt(r)` with rsLoRA). So `lora_A = a.reshape(in, r).T`, `lora_B = b.reshape(r, out).T`,
 and the family's HF mapping (models/hf_spec.py) names the module: flaxlm's
 `layers_0/q_proj/kernel` is PEFT's `base_model.model.model.layers.0.self_attn.q_proj`.
-A kernel HF does not store as a `Linear` of its own (a row block of Phi-3's fused
-`qkv_proj`, MoE experts, the LM head over a padded vocabulary) has no PEFT counterpart here.
+An MoE layer's expert weights (`experts/wi`, `experts/wo`: one pair per expert) are PEFT's
+`target_parameters` over transformers' fused `mlp.experts.gate_up_proj` / `down_proj`
+(`peft_experts.py` maps them, for the layouts it names). A kernel HF does not store as a
+`Linear` of its own (a row block of Phi-3's fused `qkv_proj`, the LM head over a padded
+vocabulary) has no PEFT counterpart here.
 
 flaxlm has one `alpha`; an import with per-module scales (`alpha_pattern`, rsLoRA) folds each
 module's scale ratio into its `lora_a`, so the adapted model is the same.
@@ -32,7 +35,7 @@ import numpy as np
 from etils import epath
 from flax import traverse_util
 
-from flaxlm.checkpoints import hf
+from flaxlm.checkpoints import hf, peft_experts
 from flaxlm.models import hf_spec
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel import pytrees
@@ -53,7 +56,6 @@ _UNSUPPORTED = {
     "bias": "none",
     "layer_replication": None,
     "trainable_token_indices": None,
-    "target_parameters": None,
 }
 
 
@@ -78,19 +80,52 @@ def hf_modules(model: BaseModel) -> dict[str, tuple[int, list[str]]]:
     return out
 
 
-def _kernels_for(model: BaseModel, adapters: Params) -> dict[str, tuple[int, list[str]]]:
-    """`hf_modules` of the kernels `adapters` adapt; one PEFT cannot name is an error."""
-    modules = hf_modules(model)
+def _targets(model: BaseModel) -> dict[str, tuple[int, list[str], bool]]:
+    """flaxlm kernel path -> (number of input dims, PEFT's name of it in each layer, whether
+    it is an expert weight: a parameter PEFT adapts, `target_parameters`, not a module)."""
+    spec = hf.spec_for_config(model.config)
+    out = {k: (num_in, names, False) for k, (num_in, names) in hf_modules(model).items()}
+    for kernel, names in peft_experts.expert_weights(model, spec).items():
+        out[kernel] = (1, names, True)
+    return out
+
+
+def _kernel_of(adapter: str) -> str:
+    """The kernel an adapter key belongs to (training/lora.py's names: `q_proj/lora_a` is
+    `q_proj/kernel`'s, `experts/wi_lora_a` is `experts/wi`'s)."""
+    module, leaf = adapter.rsplit("/", 1)
+    name = leaf.removesuffix("lora_a").removesuffix("lora_b").removesuffix("_")
+    return f"{module}/{name or 'kernel'}"
+
+
+def _pair_keys(kernel: str) -> tuple[str, str]:
+    """The adapter keys of a kernel (the inverse of `_kernel_of`)."""
+    module, name = kernel.rsplit("/", 1)
+    prefix = "" if name == "kernel" else f"{name}_"
+    return f"{module}/{prefix}lora_a", f"{module}/{prefix}lora_b"
+
+
+def _kernels_for(model: BaseModel, adapters: Params) -> dict[str, tuple[int, list[str], bool]]:
+    """`_targets` of the kernels `adapters` adapt; one PEFT cannot name is an error."""
+    targets = _targets(model)
     flat = traverse_util.flatten_dict(adapters, sep="/")
-    kernels = sorted({k.rsplit("/", 1)[0] + "/kernel" for k in flat})
-    missing = [k for k in kernels if k not in modules]
+    kernels = sorted({_kernel_of(k) for k in flat})
+    missing = [k for k in kernels if k not in targets]
+    experts = [k for k in missing if not k.endswith("/kernel")]
+    if experts:
+        raise ValueError(
+            f"LoRA on the expert weights {experts[:4]} has no PEFT counterpart flaxlm maps: "
+            "PEFT's target_parameters are mapped for experts transformers holds as per-expert "
+            "Linear weights [expert, out, in] (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3), not "
+            f"{type(model.config).__name__}'s. Adapt other kernels, or export the merged model."
+        )
     if missing:
         raise ValueError(
             f"LoRA kernels {missing[:4]} have no PEFT module: HF does not store them as a torch "
-            "Linear of their own (a fused or expert tensor, or the LM head). Adapt others, or "
-            "export the merged model."
+            "Linear of their own (a fused tensor, or the LM head). Adapt others, or export the "
+            "merged model."
         )
-    return {k: modules[k] for k in kernels}
+    return {k: targets[k] for k in kernels}
 
 
 # ---------------------------------------------------------------- export
@@ -99,21 +134,31 @@ def _kernels_for(model: BaseModel, adapters: Params) -> dict[str, tuple[int, lis
 def adapter_state_dict(
     model: BaseModel, adapters: Params
 ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    """`(PEFT tensors by name, rank of each HF module)` of flaxlm adapters (unscaled)."""
+    """`(PEFT tensors by name, rank of each HF module or expert parameter)` of flaxlm
+    adapters (unscaled)."""
     flat = traverse_util.flatten_dict(adapters, sep="/")
+    chosen = _kernels_for(model, adapters)
+    pair_modules = peft_experts.pair_modules(
+        name for _, names, expert in chosen.values() if expert for name in names
+    )
     tensors, ranks = {}, {}
-    for kernel, (num_in, names) in _kernels_for(model, adapters).items():
-        module = kernel.removesuffix("/kernel")
-        a = pytrees.host_array(flat[module + "/lora_a"]).astype(np.float32)
-        b = pytrees.host_array(flat[module + "/lora_b"]).astype(np.float32)
-        stacked = len(names) > 1 or a.ndim > num_in + 1
+    for kernel, (num_in, names, expert) in chosen.items():
+        a_key, b_key = _pair_keys(kernel)
+        a = pytrees.host_array(flat[a_key]).astype(np.float32)
+        b = pytrees.host_array(flat[b_key]).astype(np.float32)
+        stacked = len(names) > 1 or a.ndim > num_in + 1 + expert  # + the expert dim
         for i, name in enumerate(names):
             a_i, b_i = (a[i], b[i]) if stacked else (a, b)
             rank = a_i.shape[-1]
-            a_2d = a_i.reshape(math.prod(a_i.shape[:num_in]), rank)  # [in, r]
-            b_2d = b_i.reshape(rank, -1)  # [r, out]
-            tensors[f"{PREFIX}{name}.lora_A.weight"] = np.ascontiguousarray(a_2d.T)
-            tensors[f"{PREFIX}{name}.lora_B.weight"] = np.ascontiguousarray(b_2d.T)
+            if expert:
+                lora_a, lora_b = peft_experts.to_peft(a_i, b_i)
+                module = pair_modules[name]
+            else:
+                lora_a = a_i.reshape(math.prod(a_i.shape[:num_in]), rank).T  # [r, in]
+                lora_b = b_i.reshape(rank, -1).T  # [out, r]
+                module = name
+            tensors[f"{PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(lora_a)
+            tensors[f"{PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(lora_b)
             ranks[name] = rank
     return tensors, ranks
 
@@ -128,25 +173,38 @@ def adapter_config_dict(
     ranks: Mapping[str, int],
     base_model_name_or_path: str | None,
 ) -> dict[str, Any]:
-    """adapter_config.json for adapters over the HF modules `ranks` names.
+    """adapter_config.json for adapters over the HF modules and expert parameters `ranks`
+    names.
 
     `target_modules` is the modules' last names where they cover every module of that name
-    (else a regex that PEFT full-matches against module names); `r` is the commonest rank and
-    `rank_pattern` gives the others. flaxlm's one `alpha` over each rank is PEFT's
-    `lora_alpha / r`, so no `alpha_pattern` is needed.
+    (else a regex that PEFT full-matches against module names); `target_parameters` the
+    expert parameters' names below the layer (`mlp.experts.gate_up_proj`) where they cover
+    every layer, else their full names; `r` is the commonest rank and `rank_pattern` gives
+    the others. flaxlm's one `alpha` over each rank is PEFT's `lora_alpha / r`, so no
+    `alpha_pattern` is needed. PEFT's expert parameters take no dropout, so an adapter with
+    them says `lora_dropout` 0 (the dropout of training; the weights are the same).
     """
+    spec = hf.spec_for_config(model.config)
     every = [n for _, names in hf_modules(model).values() for n in names]
-    suffixes = sorted({_suffix(n) for n in ranks})
-    if {n for n in every if _suffix(n) in suffixes} == set(ranks):
+    every_param = [n for ns in peft_experts.expert_weights(model, spec).values() for n in ns]
+    params = sorted(n for n in ranks if n in set(every_param))
+    modules = sorted(n for n in ranks if n not in set(params))
+    suffixes = sorted({_suffix(n) for n in modules})
+    if {n for n in every if _suffix(n) in suffixes} == set(modules):
         targets: list[str] | str = suffixes
     else:
-        targets = "(" + "|".join(re.escape(n) for n in sorted(ranks)) + ")"
+        targets = "(" + "|".join(re.escape(n) for n in modules) + ")"
+    below = sorted({re.sub(r"^(.*\.)?layers\.\d+\.", "", n) for n in params})
+    if {n for n in every_param if n.endswith(tuple(f".{b}" for b in below))} == set(params):
+        target_parameters = below
+    else:
+        target_parameters = params
     counts: dict[int, int] = {}
     for rank in ranks.values():
         counts[rank] = counts.get(rank, 0) + 1
     r = max(sorted(counts), key=counts.__getitem__)
     rank_pattern = {}
-    for suffix in suffixes:
+    for suffix in sorted({_suffix(n) for n in ranks}):
         of_suffix = {ranks[n] for n in ranks if _suffix(n) == suffix}
         if of_suffix == {r}:
             continue
@@ -156,15 +214,15 @@ def adapter_config_dict(
             rank_pattern.update(
                 {re.escape(n): k for n, k in ranks.items() if _suffix(n) == suffix and k != r}
             )
-    spec = hf.spec_for_config(model.config)
     return {
         "peft_type": "LORA",
         "task_type": _TASK_TYPES.get(spec.auto_class),
         "base_model_name_or_path": base_model_name_or_path,
         "r": r,
         "lora_alpha": cfg.alpha,
-        "lora_dropout": cfg.dropout,
+        "lora_dropout": 0.0 if params else cfg.dropout,
         "target_modules": targets,
+        "target_parameters": target_parameters or None,
         "rank_pattern": rank_pattern,
         "alpha_pattern": {},
         "use_rslora": False,
@@ -250,14 +308,17 @@ def _scale(config: Mapping[str, Any], module: str, rank: int) -> float:
 
 def _rules(model: BaseModel, ranks: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     """LoRA rules adapting exactly the kernels `ranks` names, at their ranks: by module name
-    where that is exact, else by full path."""
+    (`q_proj/kernel`, `experts/wi`) where that is exact, else by full path."""
     every = lora.dense_kernels(model, model.example_batch_shapes())
     rules = []
     for rank in sorted(set(ranks.values())):
         chosen = {k for k, r in ranks.items() if r == rank}
-        names = sorted({k.split("/")[-2] for k in chosen})
-        if {k for k in every if k.split("/")[-2] in names} == chosen:
-            rules.append((f"(^|/)({'|'.join(names)})/kernel$", rank))
+        dense = sorted({k.split("/")[-2] for k in chosen if k.endswith("/kernel")})
+        other = sorted({"/".join(k.split("/")[-2:]) for k in chosen if not k.endswith("/kernel")})
+        by_name = [f"(^|/)({'|'.join(dense)})/kernel$"] if dense else []
+        by_name += [f"(^|/)({'|'.join(other)})$"] if other else []
+        if {k for k in every if any(re.search(p, k) for p in by_name)} == chosen:
+            rules += [(p, rank) for p in by_name]
         else:
             rules.append((f"^({'|'.join(re.escape(k) for k in sorted(chosen))})$", rank))
     return tuple(rules)
@@ -282,27 +343,38 @@ def load_adapters(
     weights = epath.Path(path) / ADAPTER_WEIGHTS
     if not weights.exists():
         raise FileNotFoundError(f"{weights} not found (flaxlm reads PEFT adapters in safetensors).")
-    stored = load_file(str(weights))
-    modules = hf_modules(model)
-    by_module = {
-        name: (kernel, i) for kernel, (_, names) in modules.items() for i, name in enumerate(names)
+    targets = _targets(model)
+    by_name = {
+        name: (kernel, i)
+        for kernel, (_, names, _) in targets.items()
+        for i, name in enumerate(names)
     }
+    params = [n for _, names, expert in targets.values() if expert for n in names]
+    # The module name PEFT saves each pair under: a Linear's own, an expert parameter's
+    # module with one `base_layer.` per wrapper outside it (peft_experts.pair_modules).
+    saved_as = {name: name for name in by_name if name not in set(params)}
+    targeted = peft_experts.targeted(config, params, str(epath.Path(path) / ADAPTER_CONFIG))
+    saved_as.update({m: n for n, m in peft_experts.pair_modules(targeted).items()})
+    stored = load_file(str(weights))
     pairs: dict[str, dict[str, np.ndarray]] = {}
     for key, tensor in stored.items():
         match = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.\w+)?\.weight", key)
-        if match is None or match[1] not in by_module:
+        if match is None or match[1] not in saved_as:
             raise ValueError(
                 f"{weights}: tensor {key!r} is not a LoRA adapter of a "
                 f"{type(model.config).__name__} module flaxlm maps (e.g. "
-                f"{PREFIX}{next(iter(by_module))}.lora_A.weight)."
+                f"{PREFIX}{next(iter(saved_as))}.lora_A.weight)."
             )
-        pairs.setdefault(match[1], {})[match[2]] = tensor.astype(np.float32)
+        pairs.setdefault(saved_as[match[1]], {})[match[2]] = tensor.astype(np.float32)
     ranks: dict[str, int] = {}
     for name, pair in pairs.items():
         if set(pair) != {"A", "B"}:
             raise ValueError(f"{weights}: module {name} has lora_{set('AB') - set(pair)} missing.")
-        kernel = by_module[name][0]
-        rank = pair["A"].shape[0]
+        kernel = by_name[name][0]
+        if targets[kernel][2]:
+            rank = peft_experts.rank_of(pair["A"], model.config.num_experts, f"{weights}: {name}")
+        else:
+            rank = pair["A"].shape[0]
         if ranks.setdefault(kernel, rank) != rank:
             raise ValueError(
                 f"{weights}: the layers of scanned kernel {kernel} have different ranks; load "
@@ -322,18 +394,23 @@ def load_adapters(
         )
     flat = {}
     for kernel, plan in planned.items():
+        _, names, expert = targets[kernel]
         a = np.zeros(plan.a_shape, np.float32)  # a scanned layer PEFT leaves alone: zeros
         b = np.zeros(plan.b_shape, np.float32)
-        for name in modules[kernel][1]:
-            if name not in pairs:
-                continue
-            i = by_module[name][1]
-            index = (i,) if plan.num_stacked else ()
+        index: tuple[int, ...] = ()
+        for name in (n for n in names if n in pairs):
+            if plan.num_stacked > expert:  # scanned: the layer's slice
+                index = (by_name[name][1],)
+            shapes = a.shape[len(index) :], b.shape[len(index) :]
+            lora_a, lora_b = pairs[name]["A"], pairs[name]["B"]
+            if expert:
+                a_i, b_i = peft_experts.from_peft(lora_a, lora_b, *shapes)
+            else:
+                a_i, b_i = lora_a.T.reshape(shapes[0]), lora_b.T.reshape(shapes[1])
             ratio = _scale(config, name, plan.rank) / (cfg.alpha / plan.rank)
-            a[index] = pairs[name]["A"].T.reshape(a.shape[len(index) :]) * ratio
-            b[index] = pairs[name]["B"].T.reshape(b.shape[len(index) :])
-        module = kernel.removesuffix("/kernel")
-        flat[module + "/lora_a"], flat[module + "/lora_b"] = a, b
+            a[index], b[index] = a_i * ratio, b_i
+        a_key, b_key = _pair_keys(kernel)
+        flat[a_key], flat[b_key] = a, b
     adapters = traverse_util.unflatten_dict(flat, sep="/")
     if shardings is not None:
         adapters = jax.device_put(adapters, shardings)
