@@ -3,6 +3,7 @@
 `mlp.experts.gate_up_proj` / `down_proj`, with PEFT's logits both ways."""
 
 import copy
+import dataclasses
 import json
 
 import jax
@@ -150,17 +151,26 @@ def test_peft_expert_adapter_imports_with_peft_logits(family, partitioner, tmp_p
     assert not gate_up[0].any() and gate_up[1].any()
 
 
-def test_gpt_oss_experts_export_is_an_error_naming_them(tmp_path):
-    """gpt-oss's experts (`[expert, in, out]`, gate and up interleaved, with biases) have no
-    PEFT mapping: the export names them (before any device work)."""
-    config = gin_config(REPO, "gpt_oss_tiny", gpt_oss.GptOssConfig)
-    model = DecoderOnlyModel(config)
+def test_exports_peft_cannot_read_are_errors_naming_them(family, tmp_path):
+    """Refused before any array is read: gpt-oss's experts (`[expert, in, out]`, gate and up
+    interleaved, with biases) have no PEFT mapping; a Qwen3-MoE dense layer's `down_proj`
+    (`mlp_only_layers`) PEFT would load onto the experts (it reads target_modules named
+    down_proj of a qwen3_moe as the fused experts' parameters)."""
     zeros = np.zeros((1,), np.float32)
+    oss = DecoderOnlyModel(gin_config(REPO, "gpt_oss_tiny", gpt_oss.GptOssConfig))
     adapters = {"layers_0": {"mlp": {"experts": {"wi_lora_a": zeros, "wi_lora_b": zeros}}}}
     cfg = lora.LoraConfig(rules=((r"experts/wi$", 2),))
     with pytest.raises(ValueError, match=r"layers_0/mlp/experts/wi.*GptOssConfig"):
-        peft_dir.save_adapters(model, adapters, cfg, tmp_path / "oss")
-    assert not (tmp_path / "oss").exists()
+        peft_dir.save_adapters(oss, adapters, cfg, tmp_path / "oss")
+    model = family[2]
+    if model.config.model_type != "qwen3_moe":
+        return
+    dense = DecoderOnlyModel(dataclasses.replace(model.config, mlp_only_layers=(0,)))
+    adapters = {"layers_0": {"mlp": {"down_proj": {"lora_a": zeros, "lora_b": zeros}}}}
+    cfg = lora.LoraConfig(rules=((r"down_proj/kernel$", 2),))
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj.*onto the experts"):
+        peft_dir.save_adapters(dense, adapters, cfg, tmp_path / "dense")
+    assert not (tmp_path / "oss").exists() and not (tmp_path / "dense").exists()
 
 
 def test_peft_target_parameter_flaxlm_does_not_map_is_an_error(family, tmp_path):

@@ -106,7 +106,8 @@ def _pair_keys(kernel: str) -> tuple[str, str]:
 
 
 def _kernels_for(model: BaseModel, adapters: Params) -> dict[str, tuple[int, list[str], bool]]:
-    """`_targets` of the kernels `adapters` adapt; one PEFT cannot name is an error."""
+    """`_targets` of the kernels `adapters` adapt; one PEFT cannot name, or would load as
+    another, is an error."""
     targets = _targets(model)
     flat = traverse_util.flatten_dict(adapters, sep="/")
     kernels = sorted({_kernel_of(k) for k in flat})
@@ -125,6 +126,9 @@ def _kernels_for(model: BaseModel, adapters: Params) -> dict[str, tuple[int, lis
             "Linear of their own (a fused tensor, or the LM head). Adapt others, or export the "
             "merged model."
         )
+    spec = hf.spec_for_config(model.config)
+    linears = [n for k in kernels if not targets[k][2] for n in targets[k][1]]
+    peft_experts.check_modules(spec.config_to_hf(model.config)["model_type"], linears)
     return {k: targets[k] for k in kernels}
 
 

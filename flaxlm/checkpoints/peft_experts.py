@@ -21,7 +21,9 @@ both adapted, `...experts.lora_A.weight` is `down_proj`'s and
 
 Mapped: every expert weight whose HF layout is qwen_moe's (`wi_to_hf`, `wo_to_hf`): Qwen2-MoE,
 Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V3's routed experts. Not mapped: gpt-oss's experts
-(`[expert, in, out]`, gate and up interleaved, with biases).
+(`[expert, in, out]`, gate and up interleaved, with biases). Refused too: a dense MLP's or
+shared expert's `gate_proj` / `up_proj` / `down_proj` Linear of Qwen3-MoE, OLMoE or
+DeepSeek-V3, which PEFT itself would load onto the experts (`check_modules`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ from flaxlm.models.base import BaseModel
 _LINEAR_LAYOUTS = (qwen_moe.wi_to_hf, qwen_moe.wo_to_hf)
 # The order transformers' experts modules register their weights, which PEFT wraps them in.
 _ORDER = ("gate_up_proj", "down_proj")
+# PEFT (0.21) upgrades the config of an adapter over a model type transformers 5 converts from
+# transformers 4's per-expert layout (conversion pattern 'qwen2_moe', which Qwen2-MoE itself
+# is not under) by reading `target_modules` named like transformers 4's expert Linears as the
+# fused experts' parameters (peft/utils/transformers_weight_conversion.py): a dense layer's or
+# a shared expert's Linear of such a name would load onto the experts.
+_READ_AS_EXPERTS = {
+    t: ("gate_proj", "up_proj", "down_proj") for t in ("qwen3_moe", "olmoe", "deepseek_v3")
+}
 
 
 def expert_weights(model: BaseModel, spec: hf_spec.HFSpec) -> dict[str, list[str]]:
@@ -51,6 +61,19 @@ def expert_weights(model: BaseModel, spec: hf_spec.HFSpec) -> dict[str, list[str
         if t.to_hf in _LINEAR_LAYOUTS:
             out[param] = [_in_memory(spec, n) for n in names]
     return out
+
+
+def check_modules(model_type: str, modules: Iterable[str]) -> None:
+    """Refuses adapters on Linear `modules` that PEFT would load onto the experts (above)."""
+    names = _READ_AS_EXPERTS.get(model_type, ())
+    clash = sorted(m for m in modules if m.rsplit(".", 1)[-1] in names)
+    if clash:
+        raise ValueError(
+            f"LoRA on {clash[:4]} cannot be a PEFT adapter: PEFT reads target_modules named "
+            f"{'/'.join(names)} of a {model_type} model as its experts' fused parameters (its "
+            "upgrade of transformers 4 adapters), so they would load onto the experts. Adapt "
+            "other kernels, or export the merged model."
+        )
 
 
 def _in_memory(spec: hf_spec.HFSpec, name: str) -> str:
