@@ -4,7 +4,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,13 +27,10 @@ def free_port() -> int:
 
 
 def start_process(args, cwd, env, stdout, stderr):
-    """`python *args`: `-m flaxlm.main ...` forked from the tests' zygote where it can be (see
-    tests/zygote.py), a script in a fresh process."""
-    if args[:2] == ["-m", "flaxlm.main"]:
-        return zygote.start(args[2:], cwd, env, stdout=stdout, stderr=stderr)
-    return subprocess.Popen(
-        [sys.executable, *args], cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=True
-    )
+    """`python *args` (`-m module ...` or `script.py ...`), forked from the tests' zygote
+    where it can be (see tests/zygote.py)."""
+    module, rest = (args[1], args[2:]) if args[0] == "-m" else (args[0], args[1:])
+    return zygote.start(rest, cwd, env, module=module, stdout=stdout, stderr=stderr)
 
 
 def launch(args_for, num_processes, devices_per_process, cwd, timeout=300, grace=120):

@@ -88,3 +88,27 @@ def test_an_environment_that_changes_what_imports_see_gets_a_fresh_process():
     proc = zygote.start(["--helpshort"], REPO, env, stdout=subprocess.DEVNULL)
     assert isinstance(proc, subprocess.Popen)
     proc.wait(timeout=120)
+
+
+def test_a_script_runs_as_python_script_py(tmp_path):
+    """`python script.py args` (test_multiprocess's workers): the script's directory first on
+    the path, its name as argv[0], its exit status; forked and fresh alike."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import os, sys\n"
+        "print(sys.argv, sys.path[0] == os.path.dirname(os.path.abspath(__file__)), os.getcwd())\n"
+        "print(__name__, 'jax' in sys.modules)\n"
+        "sys.exit(3)\n"
+    )
+    forked = zygote.run(["a", "b"], REPO, _env(), module=str(script), timeout=120)
+    fresh = subprocess.run(
+        [sys.executable, str(script), "a", "b"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert forked.returncode == fresh.returncode == 3, (forked.stderr, fresh.stderr)
+    assert forked.stdout.splitlines()[0] == fresh.stdout.splitlines()[0]
+    assert f"['{script}', 'a', 'b'] True {REPO}" == fresh.stdout.splitlines()[0]
+    assert forked.stdout.splitlines()[1] == "__main__ True"  # forked: JAX was imported before

@@ -130,8 +130,9 @@ def _serve(path: str) -> None:
 
 
 def _child(request: dict[str, Any], fds: list[int], conn: socket.socket) -> None:
-    """In the forked child: become `python -m flaxlm.main <args>` in the request's directory,
-    environment and streams, run it, and exit as the interpreter would."""
+    """In the forked child: become `python -m <module> <args>` (or `python <script> <args>`)
+    in the request's directory, environment and streams, run it, and exit as the interpreter
+    would."""
     import runpy
     import signal
 
@@ -148,11 +149,18 @@ def _child(request: dict[str, Any], fds: list[int], conn: socket.socket) -> None
     os.environ.clear()
     os.environ.update(request["env"])
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [request["cwd"], *extra, *(p for p in sys.path[1:] if p not in extra)]
-    sys.argv = ["-m", *request["args"]]
+    # `python -m module` puts the working directory first on the path, `python script.py`
+    # the script's directory.
+    script = request["module"] if request["module"].endswith(".py") else None
+    first = os.path.dirname(os.path.abspath(script)) if script else request["cwd"]
+    sys.path[:] = [first, *extra, *(p for p in sys.path[1:] if p not in extra)]
+    sys.argv = [script or "-m", *request["args"]]
     code: Any = 0
     try:
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        if script:
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code
     except BaseException:
@@ -288,7 +296,7 @@ class _Zygote:
     def serves(self, env: dict[str, str], cwd: str) -> bool:
         """Whether a child in `env` sees what a fresh process would: every variable read at
         import time as the zygote's, no PYTHONPATH entry beyond the repo's and the zygote's,
-        and no package of a preloaded name in `cwd` or the repo."""
+        and no package of a preloaded name in `cwd` (a script's directory) or the repo."""
         if not self.ready or self.proc.poll() is not None:
             return self._refuse("the zygote is not running")
         for key in set(env) | set(self.env) | set(self.imported):
@@ -349,7 +357,8 @@ class _Zygote:
                 os.close(fds[("stdin", "stdout", "stderr").index(name)])
         os.close(null)
         pid = int(conn.recv(64))
-        return Forked([sys.executable, "-m", module, *args], conn, pid, mine)
+        command = [module] if module.endswith(".py") else ["-m", module]
+        return Forked([sys.executable, *command, *args], conn, pid, mine)
 
 
 _zygote: _Zygote | None = None
@@ -376,15 +385,18 @@ def start(
     stdout: Any = None,
     stderr: Any = None,
 ) -> Any:
-    """`python -m <module> <args>` in `cwd` with `env`: forked from the zygote where it
-    serves that environment, else a `subprocess.Popen`. stdin/stdout/stderr: None (this
-    process's), subprocess.PIPE (text), DEVNULL, STDOUT (stderr only), or an open file."""
+    """`python -m <module> <args>` (`python <module> <args>` for a path ending in .py) in
+    `cwd` with `env`: forked from the zygote where it serves that environment, else a
+    `subprocess.Popen`. stdin/stdout/stderr: None (this process's), subprocess.PIPE (text),
+    DEVNULL, STDOUT (stderr only), or an open file."""
     zygote = _get()
-    if zygote is not None and zygote.serves(env, cwd):
+    first = os.path.dirname(os.path.abspath(module)) if module.endswith(".py") else cwd
+    if zygote is not None and zygote.serves(env, first):
         streams = {"stdin": stdin, "stdout": stdout, "stderr": stderr}
         return zygote.fork(module, list(args), str(cwd), env, streams)
+    command = [module] if module.endswith(".py") else ["-m", module]
     return subprocess.Popen(
-        [sys.executable, "-m", module, *args],
+        [sys.executable, *command, *args],
         cwd=cwd,
         env=env,
         stdin=stdin,
@@ -397,7 +409,8 @@ def start(
 def run(
     args: list[str], cwd: str, env: dict[str, str], *, module: str = "flaxlm.main", timeout=None
 ) -> subprocess.CompletedProcess:
-    """`subprocess.run([python, -m, module, *args], capture_output=True, text=True)`."""
+    """`subprocess.run([python, -m, module, *args], capture_output=True, text=True)` (a
+    script for a `module` ending in .py)."""
     proc = start(args, cwd, env, module=module, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out, err = proc.communicate(timeout=timeout)
