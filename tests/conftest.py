@@ -110,7 +110,7 @@ def trained_gptj(tmp_path_factory, repo_dir) -> str:
 
 
 # The files that take longest, longest first (pytest --junitxml's times summed per file on
-# the 2-core machine, 2026-11-26; the newest files placed by their own runs). pytest.ini runs
+# the 2-core machine, 2026-11-27). pytest.ini runs
 # whole files per worker (`--dist loadfile`) in collection order (`--no-loadscope-reorder`:
 # xdist's default order, most tests first, put these few-test, many-second files last, where
 # one worker ran them alone while the other idled); these go first, every other file after
@@ -118,27 +118,28 @@ def trained_gptj(tmp_path_factory, repo_dir) -> str:
 LONGEST_FILES = (
     "test_multiprocess.py",
     "test_lora.py",
-    "test_reliability.py",
     "test_main.py",
-    "test_benchmarks.py",
-    "test_context_parallel.py",
-    "test_hf_phi3.py",
-    "test_hf_deepseek.py",
-    "test_plan.py",
-    "test_decoding.py",
-    "test_training_features.py",
-    "test_moe.py",
-    "test_data.py",
+    "test_reliability.py",
     "test_inference_runs.py",
+    "test_benchmarks.py",
     "test_hf_t5.py",
+    "test_context_parallel.py",
     "test_preference.py",
-    "test_hf_gpt_oss.py",
-    "test_tasks_jsonl.py",
+    "test_data.py",
+    "test_decoding.py",
+    "test_hf_moe.py",
+    "test_hf_gemma23.py",
+    "test_checkpoints.py",
+    "test_harness.py",
+    "test_plan.py",
     "test_hf_runs.py",
     "test_serve.py",
-    "test_bad_input.py",
+    "test_startup.py",
+    "test_hf_phi3.py",
     "test_grpo.py",
     "test_grpo_lora.py",
+    "test_moe.py",
+    "test_training_features.py",
 )
 
 
