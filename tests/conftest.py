@@ -110,11 +110,11 @@ def trained_gptj(tmp_path_factory, repo_dir) -> str:
 
 
 # The files that take longest, longest first (pytest --junitxml's times summed per file on
-# the 2-core machine, 2026-11-27). pytest.ini runs
-# whole files per worker (`--dist loadfile`) in collection order (`--no-loadscope-reorder`:
-# xdist's default order, most tests first, put these few-test, many-second files last, where
-# one worker ran them alone while the other idled); these go first, every other file after
-# them as collected, so the short ones fill the tail.
+# the 2-core machine, 2026-11-27). pytest.ini runs whole files per worker (`--dist
+# loadfile`) in collection order (`--no-loadscope-reorder`: xdist's default order, most
+# tests first, put these few-test, many-second files last, where one worker ran them alone
+# while the other idled); these go first, every other file after them as collected, so the
+# short ones fill the tail.
 LONGEST_FILES = (
     "test_multiprocess.py",
     "test_lora.py",
