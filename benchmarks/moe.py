@@ -22,7 +22,8 @@ Three parts, each a subcommand:
   reduce-scatter of their outputs and of the weights' gradient, all-reduce where a psum is
   left; all-to-all where a backend has it) against the all-to-all's 2 x k x d x bytes x
   tokens x MoE layers per device, x2 with the backward. `--dispatch all_to_all` compiles
-  the capacity-bounded all-to-all dispatch instead of the all-gather one.
+  the capacity-bounded all-to-all dispatch instead of the all-gather one; moe_dispatch.py
+  times and costs the two dispatches against each other.
 
     python benchmarks/moe.py time --json /tmp/moe_time.json
     python benchmarks/moe.py flops                           # this host (CPU)
@@ -123,8 +124,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def tiny_model(shape: str, impl: str, layers: int) -> Any:
-    """qwen3_moe_tiny.gin at `shape`'s experts, `layers` layers, `impl`."""
+def tiny_model(shape: str, impl: str, layers: int, **changes: Any) -> Any:
+    """qwen3_moe_tiny.gin at `shape`'s experts, `layers` layers, `impl` (and `changes` to
+    its config)."""
     experts, k = SHAPES[shape]
     return bench_common.gin_model(
         "qwen3_moe_tiny",
@@ -132,6 +134,7 @@ def tiny_model(shape: str, impl: str, layers: int) -> Any:
         num_experts=experts,
         num_experts_per_tok=k,
         moe_impl=impl,
+        **changes,
     )
 
 
@@ -147,10 +150,14 @@ def random_batch(batch_size: int, length: int) -> dict[str, np.ndarray]:
 
 
 class Side:
-    """One model's partitioned train step and state on one device, `n` steps at a time."""
+    """One model's partitioned train step and state (on one device unless `partitioner`
+    says otherwise), `n` steps at a time; `metrics` holds each step's since the last `run`."""
 
-    def __init__(self, model: Any, args: argparse.Namespace) -> None:
-        partitioner = Partitioner(mesh_shape=(1, 1, 1), devices=jax.devices()[:1])
+    def __init__(
+        self, model: Any, args: argparse.Namespace, partitioner: Partitioner | None = None
+    ) -> None:
+        if partitioner is None:
+            partitioner = Partitioner(mesh_shape=(1, 1, 1), devices=jax.devices()[:1])
         batch = random_batch(args.batch_size, args.seq_len)
         lengths = {k: v.shape[1] for k, v in batch.items()}
         setup = steps.Setup(model, partitioner, _optimizer(), lengths)
@@ -160,12 +167,14 @@ class Side:
             k: jax.device_put(v, partitioner.batch_sharding(v.ndim)) for k, v in batch.items()
         }
         self.loss = float("nan")
+        self.metrics: list[dict[str, jax.Array]] = []
 
     def run(self, n: int) -> float:
         start = time.perf_counter()
-        state = self.state
+        state, self.metrics = self.state, []
         for _ in range(n):
             state, metrics = self.step(state, self.batch)
+            self.metrics.append(metrics)
         jax.block_until_ready(state)
         elapsed = time.perf_counter() - start
         self.state, self.loss = state, float(metrics["loss"])
