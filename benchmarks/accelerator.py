@@ -263,19 +263,7 @@ def plan_one(model: Any, rows: int, length: int, devices: Sequence[Any], chip: A
         scan_layers=bool(getattr(config, "scan_layers", False)),
     )
     lengths = aot.feature_lengths(model, length)  # unpacked: tokens, targets, weights
-    run = plan_run.Run(
-        model=model,
-        batch_size=rows,
-        lengths=lengths,
-        num_microbatches=1,
-        optimizer=None,
-        learning_rate=1e-3,
-        lora=None,
-        objective=None,
-        axis_names=MESH_AXES,
-        base=knobs,
-        partitioner_kwargs={},
-    )
+    run = plan_run.plain_run(model, rows, lengths, MESH_AXES, knobs)
     return planner.Planner(run, devices, chip).evaluate(knobs)
 
 

@@ -53,7 +53,7 @@ from flaxlm.models.expert_parallel import DISPATCHES  # noqa: E402
 from flaxlm.parallel.partitioning import Partitioner  # noqa: E402
 from flaxlm.plan import aot, chips, hlo  # noqa: E402
 from flaxlm.plan.planner import Planner  # noqa: E402
-from flaxlm.plan.run import Knobs, Run, with_config  # noqa: E402
+from flaxlm.plan.run import Knobs, plain_run, with_config  # noqa: E402
 
 GIB = 2**30
 AXES = ("data", "fsdp", "expert", "tensor")
@@ -282,19 +282,7 @@ def run_cost(args: argparse.Namespace) -> dict[str, Any]:
             model = with_config(base, **changes)
             c = model.config
             knobs = Knobs(shape, "params", c.remat_policy, 1, False)
-            run = Run(
-                model=model,
-                batch_size=args.batch_size,
-                lengths=lengths,
-                num_microbatches=1,
-                optimizer=None,
-                learning_rate=1e-3,
-                lora=None,
-                objective=None,
-                axis_names=AXES,
-                base=knobs,
-                partitioner_kwargs={},
-            )
+            run = plain_run(model, args.batch_size, lengths, AXES, knobs)
             print(f"compiling {args.model} ({c.num_layers} layers) {shape} {dispatch} ...")
             with jax.default_matmul_precision(args.matmul_precision):
                 result = Planner(run, devices, chip).evaluate(knobs)

@@ -62,6 +62,26 @@ class Run:
     partitioner_kwargs: dict[str, Any]
 
 
+def plain_run(
+    model: Any, batch_size: int, lengths: dict[str, int], axis_names: tuple[str, ...], base: Knobs
+) -> Run:
+    """A run of `model` with no Gin behind it: one microbatch, the default optimizer, no LoRA
+    or objective (what the benchmarks price one step of)."""
+    return Run(
+        model=model,
+        batch_size=batch_size,
+        lengths=lengths,
+        num_microbatches=1,
+        optimizer=None,
+        learning_rate=1e-3,
+        lora=None,
+        objective=None,
+        axis_names=axis_names,
+        base=base,
+        partitioner_kwargs={},
+    )
+
+
 def _resolve(value: Any) -> Any:
     if isinstance(value, gin.config.ConfigurableReference):
         fn = value.scoped_configurable_fn
