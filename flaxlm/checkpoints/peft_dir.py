@@ -90,19 +90,10 @@ def _targets(model: BaseModel) -> dict[str, tuple[int, list[str], bool]]:
     return out
 
 
-def _kernel_of(adapter: str) -> str:
-    """The kernel an adapter key belongs to (training/lora.py's names: `q_proj/lora_a` is
-    `q_proj/kernel`'s, `experts/wi_lora_a` is `experts/wi`'s)."""
-    module, leaf = adapter.rsplit("/", 1)
-    name = leaf.removesuffix("lora_a").removesuffix("lora_b").removesuffix("_")
-    return f"{module}/{name or 'kernel'}"
-
-
 def _pair_keys(kernel: str) -> tuple[str, str]:
-    """The adapter keys of a kernel (the inverse of `_kernel_of`)."""
-    module, name = kernel.rsplit("/", 1)
-    prefix = "" if name == "kernel" else f"{name}_"
-    return f"{module}/{prefix}lora_a", f"{module}/{prefix}lora_b"
+    """The "/"-joined adapter keys of a "/"-joined kernel path (`lora.adapter_paths`)."""
+    a, b = lora.adapter_paths(tuple(kernel.split("/")))
+    return "/".join(a), "/".join(b)
 
 
 def _kernels_for(model: BaseModel, adapters: Params) -> dict[str, tuple[int, list[str], bool]]:
@@ -110,7 +101,7 @@ def _kernels_for(model: BaseModel, adapters: Params) -> dict[str, tuple[int, lis
     another, is an error."""
     targets = _targets(model)
     flat = traverse_util.flatten_dict(adapters, sep="/")
-    kernels = sorted({_kernel_of(k) for k in flat})
+    kernels = sorted({"/".join(lora.kernel_path(tuple(k.split("/")))) for k in flat})
     missing = [k for k in kernels if k not in targets]
     experts = [k for k in missing if not k.endswith("/kernel")]
     if experts:

@@ -194,16 +194,16 @@ def plan(
     return chosen
 
 
-def _adapter_paths(kernel: AdaptedKernel) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Where A and B of `kernel` sit: beside it, `lora_a`/`lora_b` for a dense `kernel`
-    (what `layers.DenseGeneral.adapt` reads), `wi_lora_a`/`wi_lora_b` for another weight
-    (`layers.with_lora`)."""
-    module, name = kernel.path[:-1], kernel.path[-1]
+def adapter_paths(kernel_path: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Where A and B of the weight at `kernel_path` sit: beside it, `lora_a`/`lora_b` for a
+    dense `kernel` (what `layers.DenseGeneral.adapt` reads), `wi_lora_a`/`wi_lora_b` for
+    another weight (`layers.with_lora`)."""
+    module, name = kernel_path[:-1], kernel_path[-1]
     prefix = "" if name == "kernel" else f"{name}_"
     return module + (f"{prefix}lora_a",), module + (f"{prefix}lora_b",)
 
 
-def _kernel_path(adapter_path: tuple[str, ...]) -> tuple[str, ...]:
+def kernel_path(adapter_path: tuple[str, ...]) -> tuple[str, ...]:
     """The weight an adapter (`.../lora_a`, `.../wi_lora_b`) belongs to."""
     name = adapter_path[-1].removesuffix("lora_a").removesuffix("lora_b").removesuffix("_")
     return adapter_path[:-1] + (name or "kernel",)
@@ -216,7 +216,7 @@ def init_adapters(rng: jax.Array, kernels: Mapping[str, AdaptedKernel]) -> Param
     for i, (_, k) in enumerate(sorted(kernels.items())):
         fan_in = math.prod(k.shape[k.num_stacked : k.num_stacked + k.num_in])
         a = jax.random.normal(jax.random.fold_in(rng, i), k.a_shape, jnp.float32)
-        a_path, b_path = _adapter_paths(k)
+        a_path, b_path = adapter_paths(k.path)
         flat[a_path] = a / math.sqrt(fan_in)
         flat[b_path] = jnp.zeros(k.b_shape, jnp.float32)
     return traverse_util.unflatten_dict(flat)
@@ -226,7 +226,7 @@ def adapter_axes(kernels: Mapping[str, AdaptedKernel]) -> Params:
     """The adapters' logical axes (the same tree as `init_adapters`)."""
     flat = {}
     for k in kernels.values():
-        a_path, b_path = _adapter_paths(k)
+        a_path, b_path = adapter_paths(k.path)
         flat[a_path], flat[b_path] = k.a_axes, k.b_axes
     return traverse_util.unflatten_dict(flat)
 
@@ -253,7 +253,7 @@ def apply_adapters(base: Params, adapters: Params, alpha: float) -> Params:
     out = dict(flat_base)
     for path in [p for p in flat_ad if p[-1].endswith("lora_a")]:
         a, b = flat_ad[path], flat_ad[path[:-1] + (path[-1][: -len("a")] + "b",)]
-        key = _kernel_path(path)
+        key = kernel_path(path)
         if key not in flat_base:
             raise ValueError(f"Adapter {'/'.join(path)} has no kernel in the base params.")
         w = flat_base[key]
@@ -268,7 +268,7 @@ def with_adapters(base: Params, adapters: Params, alpha: float) -> Params:
     params under which `layers.DenseGeneral` computes `x W + (dropout(x) A) B`."""
     flat = traverse_util.flatten_dict(base)
     for path, x in traverse_util.flatten_dict(adapters).items():
-        if _kernel_path(path) not in flat:
+        if kernel_path(path) not in flat:
             raise ValueError(f"Adapter {'/'.join(path)} has no kernel in the base params.")
         if path[-1].endswith("lora_a"):
             x = x * (alpha / x.shape[-1])
@@ -341,7 +341,7 @@ def stack_adapters(
                 f"Adapters on {name} (a weight stacked over experts) cannot be served per row; "
                 "merge the adapter into the base and serve that instead."
             )
-        a_path, b_path = _adapter_paths(k)
+        a_path, b_path = adapter_paths(k.path)
         pairs = [(f.get(a_path), f.get(b_path), alpha) for f, alpha in flat_sets]
         rank = max(a.shape[-1] for a, _, _ in pairs if a is not None)
         s = k.num_stacked
