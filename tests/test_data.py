@@ -216,7 +216,6 @@ def test_functions_mapped_without_autograph_give_the_batches_autograph_gives(mon
     ]
 
     def first_batches():
-        pipeline.configure_tensorflow()
         out = []
         for name, lengths, converter in cases:
             cfg = _cfg(mixture_or_task_name=name, task_feature_lengths=lengths, batch_size=4)

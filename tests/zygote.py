@@ -72,6 +72,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_ENV = dict(os.environ)
 
 
+def _command(module: str) -> list[str]:
+    """What follows `python` before the arguments: a script (a path ending in .py), or
+    `-m module`."""
+    return [module] if module.endswith(".py") else ["-m", module]
+
+
+def _path_head(module: str, cwd: str) -> str:
+    """What Python puts first on sys.path: the script's directory for `python script.py`,
+    the working directory for `python -m module`."""
+    return os.path.dirname(os.path.abspath(module)) if module.endswith(".py") else cwd
+
+
 # ------------------------------------------------------------------ the zygote (its own process)
 
 
@@ -149,18 +161,16 @@ def _child(request: dict[str, Any], fds: list[int], conn: socket.socket) -> None
     os.environ.clear()
     os.environ.update(request["env"])
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    # `python -m module` puts the working directory first on the path, `python script.py`
-    # the script's directory.
-    script = request["module"] if request["module"].endswith(".py") else None
-    first = os.path.dirname(os.path.abspath(script)) if script else request["cwd"]
+    module = request["module"]
+    first = _path_head(module, request["cwd"])
     sys.path[:] = [first, *extra, *(p for p in sys.path[1:] if p not in extra)]
-    sys.argv = [script or "-m", *request["args"]]
+    sys.argv = [_command(module)[0], *request["args"]]
     code: Any = 0
     try:
-        if script:
-            runpy.run_path(script, run_name="__main__")
+        if module.endswith(".py"):
+            runpy.run_path(module, run_name="__main__")
         else:
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code
     except BaseException:
@@ -357,8 +367,7 @@ class _Zygote:
                 os.close(fds[("stdin", "stdout", "stderr").index(name)])
         os.close(null)
         pid = int(conn.recv(64))
-        command = [module] if module.endswith(".py") else ["-m", module]
-        return Forked([sys.executable, *command, *args], conn, pid, mine)
+        return Forked([sys.executable, *_command(module), *args], conn, pid, mine)
 
 
 _zygote: _Zygote | None = None
@@ -390,13 +399,11 @@ def start(
     `subprocess.Popen`. stdin/stdout/stderr: None (this process's), subprocess.PIPE (text),
     DEVNULL, STDOUT (stderr only), or an open file."""
     zygote = _get()
-    first = os.path.dirname(os.path.abspath(module)) if module.endswith(".py") else cwd
-    if zygote is not None and zygote.serves(env, first):
+    if zygote is not None and zygote.serves(env, _path_head(module, cwd)):
         streams = {"stdin": stdin, "stdout": stdout, "stderr": stderr}
         return zygote.fork(module, list(args), str(cwd), env, streams)
-    command = [module] if module.endswith(".py") else ["-m", module]
     return subprocess.Popen(
-        [sys.executable, *command, *args],
+        [sys.executable, *_command(module), *args],
         cwd=cwd,
         env=env,
         stdin=stdin,
