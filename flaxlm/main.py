@@ -102,10 +102,11 @@ REGISTERING_MODULES = (
 
 # Installed modules hidden while TensorFlow loads. keras (which TensorFlow imports, and
 # tensorflow_text needs) imports scikit-learn, when it is there, for its scikit-learn
-# wrappers alone: ~1-1.5 s of every start that reads data, for a class flaxlm never uses
-# (keras guards the import, so it goes without). They stay importable otherwise: a task
-# module may use them.
-HIDDEN_WHILE_TENSORFLOW_LOADS = ("sklearn",)
+# wrappers alone (~1-1.5 s of every start that reads data), pandas for its DataFrame input
+# adapter and scipy for sparse inputs (TensorFlow's legacy keras too; ~0.5 s together):
+# classes and inputs flaxlm never uses. keras and TensorFlow guard each import and go
+# without. They stay importable otherwise: a task module may use them.
+HIDDEN_WHILE_TENSORFLOW_LOADS = ("sklearn", "pandas", "scipy")
 
 
 @contextlib.contextmanager

@@ -254,8 +254,8 @@ def test_byte_vocabulary_reads_and_writes_as_seqios():
 
 
 def test_tensorflow_loads_without_the_modules_hidden_while_it_loads(tmp_path, monkeypatch):
-    """main hides scikit-learn while TensorFlow loads (keras imports it for nothing flaxlm
-    uses), whoever imports TensorFlow, and only then."""
+    """main hides scikit-learn, pandas and scipy while TensorFlow loads (keras imports them
+    for nothing flaxlm uses), whoever imports TensorFlow, and only then."""
     (tmp_path / "flaxlm_probe_hidden.py").write_text("")
     (tmp_path / "flaxlm_probe_loading.py").write_text(
         "try:\n    import flaxlm_probe_hidden\n    SAW = True\nexcept ImportError:\n"

@@ -35,6 +35,10 @@ def test_the_tests_environment_is_served_after_torch_and_flaxlm_are_imported():
     out, _ = proc.communicate(timeout=120)
     assert isinstance(proc, zygote.Forked), zygote._get().refusals
     assert "--gin_file" in out
+    # ... with TensorFlow loaded as flaxlm.main loads it.
+    from flaxlm import main
+
+    assert zygote.HIDDEN_WHILE_TENSORFLOW_LOADS == main.HIDDEN_WHILE_TENSORFLOW_LOADS
 
 
 def test_a_forked_run_prints_and_exits_as_a_fresh_one(tmp_path):
