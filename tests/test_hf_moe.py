@@ -218,6 +218,7 @@ def test_export_is_what_transformers_saves_and_reloads(family, root, tmp_path):
         (mixtral.MixtralConfig, dict(mlp_only_layers=(0,)), "mlp_only_layers"),
         (olmoe.OlmoeConfig, dict(clip_qkv=0.0), "clip_qkv"),
         (olmoe.OlmoeConfig, dict(shared_expert_intermediate_size=8), "shared_expert"),
+        (olmoe.OlmoeConfig, dict(head_dim=64), "head_dim"),
     ],
     ids=str,
 )

@@ -59,6 +59,13 @@ class OlmoeConfig(qwen_moe.MoESizes, qwen.QwenFields, moe.MoEOptions):
             )
         if self.use_sliding_window or self.layer_types is not None:
             raise ValueError("OLMoE has no sliding window: set use_sliding_window=False.")
+        if self.head_dim not in (None, self.hidden_size // self.num_heads):
+            # HF's OLMoE sizes its q/k norms by hidden_size: no other head_dim runs there.
+            raise ValueError(
+                f"OLMoE's heads are hidden_size // num_heads "
+                f"({self.hidden_size // self.num_heads}) wide: head_dim {self.head_dim} "
+                "is not supported; leave head_dim unset."
+            )
 
     @property
     def qkv_bias(self) -> bool:
@@ -103,6 +110,7 @@ def config_from_hf(hf: dict, **overrides: Any) -> OlmoeConfig:
     kwargs = dict(
         llama.shared_fields_from_hf(hf, rms_norm_eps=1e-5),
         attention_bias=hf.get("attention_bias", False),
+        head_dim=hf.get("head_dim"),  # (read, so that another width is refused, not ignored)
         clip_qkv=hf.get("clip_qkv"),
         **{**moe.options_from_hf(hf), "moe_intermediate_size": hf["intermediate_size"]},
         **rope.from_hf(hf),
