@@ -449,16 +449,22 @@ def _tiny_run(
 @pytest.fixture(scope="module")
 def one_process_resumed(tmp_path_factory, repo_dir):
     """One process with 8 devices on (8, 1, 1), as a user runs it (so 8 logical input
-    shards, the data-parallel degree): 3 steps, stopped, resumed to 6 (an epoch is about 4
-    steps, so the resumed window crosses an epoch boundary). Losses and global batches."""
+    shards, the data-parallel degree): 6 steps straight (an epoch is about 4 steps), and its
+    directory as it was at the step-3 checkpoint, from which the tests resume other meshes
+    and process counts: what they read after step 3 must be this run's. Losses and global
+    batches."""
     import shutil
 
     tmp = tmp_path_factory.mktemp("reference")
-    _tiny_run(tmp, "ref", (8, 1, 1), 3, 1, repo_dir, input_shards=None)
-    at_step_3 = tmp / "ref_model_at_step_3"
-    shutil.copytree(tmp / "ref" / "model", at_step_3)
     losses, (batches,) = _tiny_run(tmp, "ref", (8, 1, 1), 6, 1, repo_dir, input_shards=None)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6] and len(batches) == 6
+    at_step_3 = tmp / "ref_model_at_step_3"
+    shutil.copytree(tmp / "ref" / "model", at_step_3)
+    shutil.rmtree(at_step_3 / "checkpoints" / "6")
+    metrics = (at_step_3 / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (at_step_3 / "metrics.jsonl").write_text(
+        "".join(line for line in metrics if json.loads(line).get("step", 0) <= 3)
+    )
     return losses, batches, at_step_3
 
 
