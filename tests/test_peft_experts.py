@@ -1,6 +1,7 @@
-"""LoRA on MoE experts to and from PEFT adapter directories: flaxlm's per-expert pairs over
-`experts/wi` / `experts/wo` are PEFT's `target_parameters` over transformers' fused
-`mlp.experts.gate_up_proj` / `down_proj`, with PEFT's logits both ways."""
+"""LoRA on MoE experts and routers to and from PEFT adapter directories: flaxlm's per-expert
+pairs over `experts/wi` / `experts/wo` are PEFT's `target_parameters` over transformers' fused
+`mlp.experts.gate_up_proj` / `down_proj`, and a pair over the router (`mlp/gate/kernel`) is
+one over its weight (`mlp.gate.weight`), with PEFT's logits both ways."""
 
 import copy
 import dataclasses
@@ -11,6 +12,7 @@ import numpy as np
 import peft
 import pytest
 import torch
+import transformers
 from flax import traverse_util
 from safetensors.numpy import load_file
 
@@ -20,6 +22,8 @@ from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora
 from tests.hf_helpers import decoder_batch, gin_config, max_abs_diff, padded_batch, torch_logits
+from tests.test_hf_deepseek import FULL, tiny_hf_deepseek
+from tests.test_hf_gpt_oss import CONFIG as GPT_OSS
 from tests.test_hf_moe import COMMON, FAMILIES, REPO, VOCAB, random_hf_model
 from tests.test_peft import peft_logits
 
@@ -28,14 +32,29 @@ from tests.test_peft import peft_logits
 # unmerged experts against flaxlm's merged) differ by ~eps (1.2e-7) x sqrt(width) x depth x
 # scale ~ 1e-5, so 1e-4 is a margin above the noise and far below an adapter's effect (> 1e-2).
 TOL = 1e-4
-# Experts and attention at different ranks: `rank_pattern` names the expert parameters.
-RULES = ((r"experts/wi$", 2), (r"experts/wo$", 3), (r"(q|o)_proj/kernel$", 4))
+# Experts, router and attention at different ranks: `rank_pattern` names the parameters.
+RULES = (
+    (r"experts/wi$", 2),
+    (r"experts/wo$", 3),
+    (r"(q|o)_proj/kernel$", 4),
+    (r"mlp/gate/kernel$", 5),
+)
 # PEFT 0.21 warns that rank_pattern / alpha_pattern keys naming expert parameters "did not
 # match any targeted module": it checks them against modules only, and applies them (its
 # ParamWrapper's r and scaling are the pattern's; the logits below depend on it).
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The following (rank|alpha)_pattern keys:RuntimeWarning"
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """torch on one thread while this file runs: its tiny forwards take ~3 ms so, and ~0.8 s
+    on two threads when the two cores are busy with other work (OpenMP's barriers wait)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
@@ -69,7 +88,9 @@ def flaxlm_logits(model, params, ids, mask):
     return np.asarray(model.compute_logits(params, decoder_batch(ids, mask)))
 
 
-def test_expert_adapters_export_to_peft_with_our_logits_and_import_back(family, tmp_path):
+def test_expert_and_router_adapters_export_to_peft_with_our_logits_and_import_back(
+    family, tmp_path
+):
     torch_model, base, model, params, scanned = family
     cfg = lora.LoraConfig(rules=RULES, alpha=8.0)
     adapters = random_adapters(model, cfg)
@@ -78,31 +99,41 @@ def test_expert_adapters_export_to_peft_with_our_logits_and_import_back(family, 
 
     config = json.loads((out / peft_dir.ADAPTER_CONFIG).read_text())
     assert config["target_modules"] == ["o_proj", "q_proj"]
-    assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert config["target_parameters"] == [
+        "mlp.experts.down_proj",
+        "mlp.experts.gate_up_proj",
+        "mlp.gate.weight",  # Mixtral's too: transformers 5's name in memory
+    ]
     assert (config["r"], config["lora_alpha"]) == (4, 8.0)
-    assert config["rank_pattern"] == {"down_proj": 3, "gate_up_proj": 2}
+    assert config["rank_pattern"] == {"down_proj": 3, "gate_up_proj": 2, "gate.weight": 5}
     # PEFT nests the two wrappers of a layer's experts: down_proj's outside gate_up_proj's.
     stored = load_file(str(out / peft_dir.ADAPTER_WEIGHTS))
     experts = "base_model.model.model.layers.1.mlp.experts"
     assert stored[f"{experts}.lora_A.weight"].shape == (3 * 8, 16)  # [r * experts, mlp]
     assert stored[f"{experts}.base_layer.lora_B.weight"].shape == (2 * 16, 2 * 8)
+    router = "base_model.model.model.layers.1.mlp.gate"  # a Linear's pair: [r, embed], [expert, r]
+    assert stored[f"{router}.lora_A.weight"].shape == (5, 32)
+    assert stored[f"{router}.lora_B.weight"].shape == (8, 5)
 
     ids, mask = padded_batch(VOCAB, (12, 7, 12, 3))
     theirs, all_keys = peft_logits(torch_model, str(out), ids, mask)
     assert all_keys
     ours = flaxlm_logits(model, lora.merge(params, adapters, cfg), ids, mask)
     assert max_abs_diff(ours, theirs, mask) < TOL
-    # The experts' adapters alone move the logits: their mapping is what the match checks.
+    # The experts' adapters alone move the logits, and so do the router's: their mappings
+    # are what the match checks.
     flat = traverse_util.flatten_dict(adapters, sep="/")
-    no_experts = {k: v * ("experts" not in k) for k, v in flat.items()}
-    without = lora.merge(params, traverse_util.unflatten_dict(no_experts, sep="/"), cfg)
-    assert max_abs_diff(flaxlm_logits(model, without, ids, mask), theirs, mask) > 1e-2
+    for part in ("/experts/", "/gate/"):
+        without = {k: v * (part not in k) for k, v in flat.items()}
+        without = lora.merge(params, traverse_util.unflatten_dict(without, sep="/"), cfg)
+        assert max_abs_diff(flaxlm_logits(model, without, ids, mask), theirs, mask) > 1e-2
 
     imported_cfg, imported = peft_dir.load_adapters(model, out)
     assert imported_cfg.rules == (
         ("(^|/)(experts/wi)$", 2),
         ("(^|/)(experts/wo)$", 3),
         ("(^|/)(o_proj|q_proj)/kernel$", 4),
+        ("(^|/)(gate)/kernel$", 5),
     )
     back = traverse_util.flatten_dict(imported, sep="/")
     assert sorted(back) == sorted(flat)
@@ -120,16 +151,21 @@ def test_expert_adapters_export_to_peft_with_our_logits_and_import_back(family, 
 
 def test_peft_expert_adapter_imports_with_peft_logits(family, partitioner, tmp_path):
     """PEFT's own adapter (random A and B): down_proj on every layer, gate_up_proj on layer
-    1 only (its wrapper nested inside), an alpha_pattern folded into A; unrolled and scanned
-    (layer 0's gate_up pair zeros)."""
+    1 only (its wrapper nested inside), an alpha_pattern folded into A, the router at its
+    own rank; unrolled and scanned (layer 0's gate_up pair zeros)."""
     torch_model, base, _, _, scanned = family
     torch.manual_seed(1)
     config = peft.LoraConfig(
         r=2,
         lora_alpha=4,
         target_modules=["v_proj"],
-        target_parameters=["mlp.experts.down_proj", "model.layers.1.mlp.experts.gate_up_proj"],
+        target_parameters=[
+            "mlp.experts.down_proj",
+            "model.layers.1.mlp.experts.gate_up_proj",
+            "mlp.gate.weight",
+        ],
         alpha_pattern={"gate_up_proj": 6},
+        rank_pattern={"gate.weight": 3},
         init_lora_weights=False,
     )
     path = tmp_path / "theirs"
@@ -149,6 +185,7 @@ def test_peft_expert_adapter_imports_with_peft_logits(family, partitioner, tmp_p
     _, adapters = peft_dir.load_adapters(scanned, path)
     gate_up = adapters["layers"]["block"]["mlp"]["experts"]["wi_lora_a"]
     assert not gate_up[0].any() and gate_up[1].any()
+    assert adapters["layers"]["block"]["mlp"]["gate"]["lora_a"].shape == (2, 32, 3)
 
 
 def test_exports_peft_cannot_read_are_errors_naming_them(family, tmp_path):
@@ -183,3 +220,60 @@ def test_peft_target_parameter_flaxlm_does_not_map_is_an_error(family, tmp_path)
     (out / peft_dir.ADAPTER_WEIGHTS).write_bytes(b"")
     with pytest.raises(ValueError, match="target_parameters entry 'mlp.experts.gate_up_proj_bias'"):
         peft_dir.load_adapters(model, out)
+
+
+# The other families' routers: those PEFT refuses as `target_modules` (Qwen2-MoE's `mlp.gate`,
+# a model type PEFT does not upgrade from transformers 4; gpt-oss's biased `mlp.router`),
+# OLMoE's, and DeepSeek-V3's (float32 logits; layer 0 dense, without one). PEFT's logits are
+# compared with those of flaxlm's merged export in torch, which test_hf_moe, test_hf_deepseek
+# and test_hf_gpt_oss prove equal to flaxlm's own (no flaxlm compile here, for time).
+OTHERS = ("deepseek_v3", "gpt_oss", "olmoe", "qwen2_moe")
+
+
+def tiny_torch_moe(name):
+    if name == "deepseek_v3":
+        return tiny_hf_deepseek(**FULL)
+    if name == "gpt_oss":
+        return random_hf_model(transformers.GptOssConfig, transformers.GptOssForCausalLM, **GPT_OSS)
+    config_cls, model_cls, extra = FAMILIES[name]
+    return random_hf_model(config_cls, model_cls, **{**COMMON, **extra})
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_router_adapters_export_as_peft_target_parameters_with_our_logits(name, tmp_path):
+    torch_model = tiny_torch_moe(name)
+    base = str(tmp_path / "base")
+    torch_model.save_pretrained(base)
+    model, params = hf.from_pretrained(base)
+    cfg = lora.LoraConfig(rules=((r"mlp/gate/kernel$", 2),), alpha=8.0)
+    adapters = random_adapters(model, cfg)
+    out = tmp_path / "peft"
+    peft_dir.save_adapters(model, adapters, cfg, out, base_model_name_or_path=base)
+    config = json.loads((out / peft_dir.ADAPTER_CONFIG).read_text())
+    weight = "mlp.router.weight" if name == "gpt_oss" else "mlp.gate.weight"
+    assert (config["target_modules"], config["target_parameters"]) == ([], [weight])
+
+    merged = tmp_path / "merged"
+    hf.save_pretrained(model, lora.merge(params, adapters, cfg), merged)
+    merged_model = type(torch_model).from_pretrained(str(merged), dtype=torch.float32).eval()
+    vocab = torch_model.config.vocab_size
+    ids, mask = padded_batch(vocab, (12, 7, 12, 3))
+    theirs, all_keys = peft_logits(torch_model, str(out), ids, mask)
+    assert all_keys
+    ours = torch_logits(merged_model, input_ids=ids, attention_mask=mask)
+    base_logits = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(ours, base_logits, mask) > 1e-2  # the router's adapter matters
+    # torch both sides: PEFT's W + alpha / r * B @ A against flaxlm's merged W differ by
+    # rounding alone (~eps x |W|), well inside TOL.
+    assert max_abs_diff(ours, theirs, mask) < TOL
+
+    # Read back exactly; and so in transformers 4's spelling (the router a Linear among
+    # `target_modules`, which PEFT refuses for Qwen2-MoE and gpt-oss): the same tensors.
+    legacy = {**config, "target_modules": [weight.split(".")[1]], "target_parameters": None}
+    flat = traverse_util.flatten_dict(adapters)
+    for record in (config, legacy):
+        (out / peft_dir.ADAPTER_CONFIG).write_text(json.dumps(record))
+        back = traverse_util.flatten_dict(peft_dir.load_adapters(model, out)[1])
+        assert sorted(back) == sorted(flat)
+        for key, value in flat.items():
+            np.testing.assert_array_equal(back[key], value, err_msg=str(key))

@@ -13,9 +13,10 @@ and the family's HF mapping (models/hf_spec.py) names the module: flaxlm's
 `layers_0/q_proj/kernel` is PEFT's `base_model.model.model.layers.0.self_attn.q_proj`.
 An MoE layer's expert weights (`experts/wi`, `experts/wo`: one pair per expert) are PEFT's
 `target_parameters` over transformers' fused `mlp.experts.gate_up_proj` / `down_proj`
-(`peft_experts.py` maps them, for the layouts it names). A kernel HF does not store as a
-`Linear` of its own (a row block of Phi-3's fused `qkv_proj`, the LM head over a padded
-vocabulary) has no PEFT counterpart here.
+(`peft_experts.py` maps them, for the layouts it names), and so is its router
+(`mlp/gate/kernel`: `mlp.gate.weight`, the weight of a module that is no `Linear`). A
+kernel HF does not store as a `Linear` of its own (a row block of Phi-3's fused `qkv_proj`,
+the LM head over a padded vocabulary) has no PEFT counterpart here.
 
 flaxlm has one `alpha`; an import with per-module scales (`alpha_pattern`, rsLoRA) folds each
 module's scale ratio into its `lora_a`, so the adapted model is the same.
@@ -28,7 +29,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -67,26 +68,38 @@ def is_peft_dir(path: str | epath.Path) -> bool:
 def hf_modules(model: BaseModel) -> dict[str, tuple[int, list[str]]]:
     """flaxlm kernel path -> (number of input dims, the HF module name of each layer: one
     name, or one a layer for a scanned stack) of every kernel HF stores as a torch `Linear`
-    of its own."""
+    of its own (an MoE router's module is not one, `peft_experts.router_weights`)."""
     spec = hf.spec_for_config(model.config)
     scan = bool(getattr(model.config, "scan_layers", False))
+    routers = peft_experts.router_weights(model, spec)
     out = {}
     for param, (t, names) in hf_spec.expand(spec.tensors(model.config), scan).items():
         own_linear = (
             t.transpose and t.split is not None and t.to_hf is None and t.rows is None
         ) and not (t.pieces or t.vocab_axis is not None or t.copies)
         if param.endswith("/kernel") and own_linear and names[0].endswith(".weight"):
-            out[param] = (t.split, [n.removesuffix(".weight") for n in names])
+            if param not in routers:
+                out[param] = (t.split, [n.removesuffix(".weight") for n in names])
     return out
 
 
-def _targets(model: BaseModel) -> dict[str, tuple[int, list[str], bool]]:
-    """flaxlm kernel path -> (number of input dims, PEFT's name of it in each layer, whether
-    it is an expert weight: a parameter PEFT adapts, `target_parameters`, not a module)."""
+class _Target(NamedTuple):
+    """How PEFT names and adapts one flaxlm kernel."""
+
+    num_in: int  # the kernel's input dims
+    names: list[str]  # PEFT's name of it in each layer: a module, or a parameter's key
+    parameter: bool  # a parameter PEFT wraps (`target_parameters`), not a Linear module
+    experts: bool  # one pair per expert (peft_experts.to_peft), not one Linear pair
+
+
+def _targets(model: BaseModel) -> dict[str, _Target]:
+    """flaxlm kernel path -> how PEFT names and adapts it, for every kernel PEFT can adapt."""
     spec = hf.spec_for_config(model.config)
-    out = {k: (num_in, names, False) for k, (num_in, names) in hf_modules(model).items()}
+    out = {k: _Target(n, names, False, False) for k, (n, names) in hf_modules(model).items()}
     for kernel, names in peft_experts.expert_weights(model, spec).items():
-        out[kernel] = (1, names, True)
+        out[kernel] = _Target(1, names, True, True)
+    for kernel, names in peft_experts.router_weights(model, spec).items():
+        out[kernel] = _Target(1, names, True, False)
     return out
 
 
@@ -96,7 +109,7 @@ def _pair_keys(kernel: str) -> tuple[str, str]:
     return "/".join(a), "/".join(b)
 
 
-def _kernels_for(model: BaseModel, adapters: Params) -> dict[str, tuple[int, list[str], bool]]:
+def _kernels_for(model: BaseModel, adapters: Params) -> dict[str, _Target]:
     """`_targets` of the kernels `adapters` adapt; one PEFT cannot name, or would load as
     another, is an error."""
     targets = _targets(model)
@@ -118,7 +131,7 @@ def _kernels_for(model: BaseModel, adapters: Params) -> dict[str, tuple[int, lis
             "merged model."
         )
     spec = hf.spec_for_config(model.config)
-    linears = [n for k in kernels if not targets[k][2] for n in targets[k][1]]
+    linears = [n for k in kernels if not targets[k].parameter for n in targets[k].names]
     peft_experts.check_modules(spec.config_to_hf(model.config)["model_type"], linears)
     return {k: targets[k] for k in kernels}
 
@@ -134,24 +147,23 @@ def adapter_state_dict(
     flat = traverse_util.flatten_dict(adapters, sep="/")
     chosen = _kernels_for(model, adapters)
     pair_modules = peft_experts.pair_modules(
-        name for _, names, expert in chosen.values() if expert for name in names
+        name for t in chosen.values() if t.parameter for name in t.names
     )
     tensors, ranks = {}, {}
-    for kernel, (num_in, names, expert) in chosen.items():
+    for kernel, (num_in, names, parameter, experts) in chosen.items():
         a_key, b_key = _pair_keys(kernel)
         a = pytrees.host_array(flat[a_key]).astype(np.float32)
         b = pytrees.host_array(flat[b_key]).astype(np.float32)
-        stacked = len(names) > 1 or a.ndim > num_in + 1 + expert  # + the expert dim
+        stacked = len(names) > 1 or a.ndim > num_in + 1 + experts  # + the expert dim
         for i, name in enumerate(names):
             a_i, b_i = (a[i], b[i]) if stacked else (a, b)
             rank = a_i.shape[-1]
-            if expert:
+            if experts:
                 lora_a, lora_b = peft_experts.to_peft(a_i, b_i)
-                module = pair_modules[name]
             else:
                 lora_a = a_i.reshape(math.prod(a_i.shape[:num_in]), rank).T  # [r, in]
                 lora_b = b_i.reshape(rank, -1).T  # [out, r]
-                module = name
+            module = pair_modules[name] if parameter else name
             tensors[f"{PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(lora_a)
             tensors[f"{PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(lora_b)
             ranks[name] = rank
@@ -159,7 +171,10 @@ def adapter_state_dict(
 
 
 def _suffix(name: str) -> str:
-    return name.rsplit(".", 1)[-1]
+    """A module's or parameter's last name (`q_proj`, `down_proj`; a router's `gate.weight`),
+    which PEFT's `rank_pattern` keys match as the end of the name."""
+    head, _, last = name.rpartition(".")
+    return f"{head.rpartition('.')[2]}.{last}" if last == "weight" else last
 
 
 def adapter_config_dict(
@@ -173,15 +188,21 @@ def adapter_config_dict(
 
     `target_modules` is the modules' last names where they cover every module of that name
     (else a regex that PEFT full-matches against module names); `target_parameters` the
-    expert parameters' names below the layer (`mlp.experts.gate_up_proj`) where they cover
-    every layer, else their full names; `r` is the commonest rank and `rank_pattern` gives
-    the others. flaxlm's one `alpha` over each rank is PEFT's `lora_alpha / r`, so no
-    `alpha_pattern` is needed. PEFT's expert parameters take no dropout, so an adapter with
-    them says `lora_dropout` 0 (the dropout of training; the weights are the same).
+    expert and router parameters' names below the layer (`mlp.experts.gate_up_proj`,
+    `mlp.gate.weight`) where one covers every layer, else its full names; `r` is the
+    commonest rank and `rank_pattern` gives the others. flaxlm's one `alpha` over each rank
+    is PEFT's `lora_alpha / r`, so no `alpha_pattern` is needed. PEFT's parameter wrappers
+    take no dropout, so an adapter with them says `lora_dropout` 0 (the dropout of training;
+    the weights are the same).
     """
     spec = hf.spec_for_config(model.config)
     every = [n for _, names in hf_modules(model).values() for n in names]
-    every_param = [n for ns in peft_experts.expert_weights(model, spec).values() for n in ns]
+    every_param = [
+        n
+        for weights in (peft_experts.expert_weights, peft_experts.router_weights)
+        for ns in weights(model, spec).values()
+        for n in ns
+    ]
     params = sorted(n for n in ranks if n in set(every_param))
     modules = sorted(n for n in ranks if n not in set(params))
     suffixes = sorted({_suffix(n) for n in modules})
@@ -189,11 +210,11 @@ def adapter_config_dict(
         targets: list[str] | str = suffixes
     else:
         targets = "(" + "|".join(re.escape(n) for n in modules) + ")"
-    below = sorted({re.sub(r"^(.*\.)?layers\.\d+\.", "", n) for n in params})
-    if {n for n in every_param if n.endswith(tuple(f".{b}" for b in below))} == set(params):
-        target_parameters = below
-    else:
-        target_parameters = params
+    target_parameters = []
+    for below in sorted({re.sub(r"^(.*\.)?layers\.\d+\.", "", n) for n in params}):
+        named = sorted(n for n in params if n.endswith(f".{below}"))
+        every_layer = {n for n in every_param if n.endswith(f".{below}")} == set(named)
+        target_parameters += [below] if every_layer else named
     counts: dict[int, int] = {}
     for rank in ranks.values():
         counts[rank] = counts.get(rank, 0) + 1
@@ -339,15 +360,15 @@ def load_adapters(
     if not weights.exists():
         raise FileNotFoundError(f"{weights} not found (flaxlm reads PEFT adapters in safetensors).")
     targets = _targets(model)
-    by_name = {
-        name: (kernel, i)
-        for kernel, (_, names, _) in targets.items()
-        for i, name in enumerate(names)
-    }
-    params = [n for _, names, expert in targets.values() if expert for n in names]
-    # The module name PEFT saves each pair under: a Linear's own, an expert parameter's
-    # module with one `base_layer.` per wrapper outside it (peft_experts.pair_modules).
+    by_name = {name: (kernel, i) for kernel, t in targets.items() for i, name in enumerate(t.names)}
+    params = [n for t in targets.values() if t.parameter for n in t.names]
+    # The module name PEFT saves each pair under: a Linear's own, a parameter's module with
+    # one `base_layer.` per wrapper outside it (peft_experts.pair_modules). A router's is its
+    # module's name whether target_parameters names it or (transformers 4's spelling, which
+    # PEFT upgrades for some model types) target_modules does: the same pair either way.
     saved_as = {name: name for name in by_name if name not in set(params)}
+    routers = [n for t in targets.values() if t.parameter and not t.experts for n in t.names]
+    saved_as.update({n.removesuffix(".weight"): n for n in routers})
     targeted = peft_experts.targeted(config, params, str(epath.Path(path) / ADAPTER_CONFIG))
     saved_as.update({m: n for n, m in peft_experts.pair_modules(targeted).items()})
     stored = load_file(str(weights))
@@ -366,7 +387,7 @@ def load_adapters(
         if set(pair) != {"A", "B"}:
             raise ValueError(f"{weights}: module {name} has lora_{set('AB') - set(pair)} missing.")
         kernel = by_name[name][0]
-        if targets[kernel][2]:
+        if targets[kernel].experts:
             rank = peft_experts.rank_of(pair["A"], model.config.num_experts, f"{weights}: {name}")
         else:
             rank = pair["A"].shape[0]
@@ -389,16 +410,16 @@ def load_adapters(
         )
     flat = {}
     for kernel, plan in planned.items():
-        _, names, expert = targets[kernel]
+        _, names, _, experts = targets[kernel]
         a = np.zeros(plan.a_shape, np.float32)  # a scanned layer PEFT leaves alone: zeros
         b = np.zeros(plan.b_shape, np.float32)
         index: tuple[int, ...] = ()
         for name in (n for n in names if n in pairs):
-            if plan.num_stacked > expert:  # scanned: the layer's slice
+            if plan.num_stacked > experts:  # scanned: the layer's slice
                 index = (by_name[name][1],)
             shapes = a.shape[len(index) :], b.shape[len(index) :]
             lora_a, lora_b = pairs[name]["A"], pairs[name]["B"]
-            if expert:
+            if experts:
                 a_i, b_i = peft_experts.from_peft(lora_a, lora_b, *shapes)
             else:
                 a_i, b_i = lora_a.T.reshape(shapes[0]), lora_b.T.reshape(shapes[1])

@@ -1,5 +1,5 @@
-"""PEFT's LoRA over an MoE layer's fused expert weights (`target_parameters`) <-> flaxlm's
-per-expert adapter pairs.
+"""PEFT's LoRA over an MoE layer's parameters (`target_parameters`): the fused expert weights
+and the router <-> flaxlm's adapter pairs.
 
 transformers 5 holds a layer's experts as two parameters of one module,
 `model.layers.{i}.mlp.experts.gate_up_proj` `[expert, 2 * mlp, embed]` (gate rows, then up)
@@ -24,6 +24,20 @@ Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V3's routed experts. Not mapped: gpt-oss'
 (`[expert, in, out]`, gate and up interleaved, with biases). Refused too: a dense MLP's or
 shared expert's `gate_proj` / `up_proj` / `down_proj` Linear of Qwen3-MoE, OLMoE or
 DeepSeek-V3, which PEFT itself would load onto the experts (`check_modules`).
+
+The router (flaxlm's `mlp/gate/kernel` `[embed, expert]`) is no `nn.Linear` in transformers 5
+either: a `...TopKRouter` module applying its `weight` `[expert, embed]` with `F.linear`
+(`model.layers.{i}.mlp.gate`; gpt-oss's `mlp.router`, with a bias). As a `target_modules`
+entry PEFT (0.21) refuses it (`Target module Qwen2MoeTopKRouter() is not supported`), except
+for the model types it upgrades from transformers 4 (Qwen3-MoE, OLMoE, DeepSeek-V3, Mixtral),
+where it reads `gate` as `target_parameters` `gate.weight` in every layer, whatever layers a
+regex named (and a regex of Mixtral's Hub names, `block_sparse_moe.gate`, matches no module
+in memory: not adapted at all). As a `target_parameters` entry (`mlp.gate.weight`) every
+family's router weight gets a `ParamWrapper` whose 2-D pair is a Linear's (`lora_A = a.T`
+`[r, embed]`, `lora_B = b.T` `[expert, r]`, saved under the router module's name), so
+PEFT's `W + lora_alpha / r * B @ A` is flaxlm's `kernel + alpha / r * a @ b` transposed,
+exactly. So router adapters leave that way (`router_weights`), and come back in either
+spelling (their tensors are the same).
 """
 
 from __future__ import annotations
@@ -39,8 +53,11 @@ from flaxlm.models.base import BaseModel
 # The HF layouts whose expert e is `kernel[e].reshape(in, out).T` (qwen_moe's records, which
 # Mixtral, OLMoE and DeepSeek-V3 share): the `[expert, out, in]` a ParamWrapper adapts.
 _LINEAR_LAYOUTS = (qwen_moe.wi_to_hf, qwen_moe.wo_to_hf)
-# The order transformers' experts modules register their weights, which PEFT wraps them in.
-_ORDER = ("gate_up_proj", "down_proj")
+# The order transformers' experts modules register their weights, which PEFT wraps them in
+# (a router's `weight` is the one parameter of its module PEFT adapts).
+_ORDER = ("gate_up_proj", "down_proj", "weight")
+# flaxlm's router kernel in every MoE family (models/moe.py's `gate`).
+_ROUTER = "mlp/gate/kernel"
 # PEFT (0.21) upgrades the config of an adapter over a model type transformers 5 converts from
 # transformers 4's per-expert layout (conversion pattern 'qwen2_moe', which Qwen2-MoE itself
 # is not under) by reading `target_modules` named like transformers 4's expert Linears as the
@@ -59,6 +76,18 @@ def expert_weights(model: BaseModel, spec: hf_spec.HFSpec) -> dict[str, list[str
     out = {}
     for param, (t, names) in hf_spec.expand(spec.tensors(model.config), scan).items():
         if t.to_hf in _LINEAR_LAYOUTS:
+            out[param] = [_in_memory(spec, n) for n in names]
+    return out
+
+
+def router_weights(model: BaseModel, spec: hf_spec.HFSpec) -> dict[str, list[str]]:
+    """flaxlm router kernel (`layers_0/mlp/gate/kernel`) -> the PEFT key of its HF weight in
+    each layer (`model.layers.0.mlp.gate.weight`, gpt-oss's `model.layers.0.mlp.router.weight`),
+    the `[expert, embed]` weight a ParamWrapper adapts as above."""
+    scan = bool(getattr(model.config, "scan_layers", False))
+    out = {}
+    for param, (t, names) in hf_spec.expand(spec.tensors(model.config), scan).items():
+        if param.endswith(_ROUTER) and t.transpose and names[0].endswith(".weight"):
             out[param] = [_in_memory(spec, n) for n in names]
     return out
 
@@ -110,9 +139,9 @@ def targeted(config: Mapping[str, Any], every: Iterable[str], where: str) -> lis
         if not any(k == target or k.endswith(f".{target}") for k in every):
             some = sorted({k.split(".", 3)[-1] for k in every})
             raise ValueError(
-                f"{where}: target_parameters entry {target!r} names no expert weight flaxlm maps "
-                f"to PEFT for this model (those it maps: {some or 'none'}); gpt-oss's "
-                "interleaved experts are not mapped."
+                f"{where}: target_parameters entry {target!r} names no expert weight or router "
+                f"flaxlm maps to PEFT for this model (those it maps: {some or 'none'}); "
+                "gpt-oss's interleaved experts are not mapped."
             )
     return [k for k in every if any(k == t or k.endswith(f".{t}") for t in targets)]
 
