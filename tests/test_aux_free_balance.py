@@ -86,6 +86,7 @@ def reference():
     return train(CONFIG, Partitioner())
 
 
+@pytest.mark.slow
 def test_bias_moves_by_the_sign_of_each_experts_load_over_two_steps(reference):
     """A hand computation: each step's loads from the params it starts from (the
     statistics the loss sows), the bias plus RATE x sign(mean - load), nothing else."""

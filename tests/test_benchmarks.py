@@ -429,6 +429,7 @@ def test_accelerator_benchmark_tiny_on_cpu(tmp_path, monkeypatch):
     assert failed["train"] == [] and failed["torch"] is None
 
 
+@pytest.mark.slow
 def test_accelerator_largest_turns_down_a_model_too_large_without_compiling_it(monkeypatch):
     """`--largest`: the 1B's float32 state alone exceeds a 1 GiB device, so the planner
     turns it down without a compile; the tiny model fits, and its compiled step is the one

@@ -29,6 +29,7 @@ def _next_loss(setup, state):
     return float(step(copy, random_batch())[1]["loss"])
 
 
+@pytest.mark.slow
 def test_restore_on_other_mesh_gives_same_params_and_next_loss(tmp_path):
     saved = _setup((1, 8, 1))
     state = saved.init_state()
@@ -67,6 +68,7 @@ def test_restore_on_other_mesh_gives_same_params_and_next_loss(tmp_path):
         assert abs(_next_loss(target, restored) - saved_loss) < 1e-5
 
 
+@pytest.mark.slow
 def test_data_iterator_position_is_restored(tmp_path):
     partitioner = Partitioner(mesh_shape=(2, 1, 4))  # 2 logical input shards
     cfg = pipeline.DatasetConfig(
@@ -179,6 +181,7 @@ def test_checkpoint_of_another_model_names_the_mismatched_params(tmp_path):
     assert "h_0/fc_in/kernel: (32, 128) in the checkpoint, (64, 256) in this model" in str(e.value)
 
 
+@pytest.mark.slow
 def test_keep_the_newest_k_plus_every_mth_permanently(tmp_path):
     state = _setup((1, 8, 1)).init_state()
     ckpt = checkpointer.Checkpointer(str(tmp_path), keep=2, keep_period=4)

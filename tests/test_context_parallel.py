@@ -144,6 +144,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape,strategy,kind", CASES, ids=str)
 def test_split_sequence_gives_the_unsplit_loss_and_gradients(unsplit, mesh_shape, strategy, kind):
     model = _mistral(kind, strategy)
@@ -274,6 +275,7 @@ def moe_unsplit():
     return params, batch, _moe_run(model, params, batch)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh_shape,axis_names", [((1, 1, 4, 2), AXES), ((1, 2, 2, 2, 1), EP_AXES)], ids=str
 )

@@ -236,6 +236,7 @@ def test_training_steps_lower_the_loss():
     assert losses[-1] < losses[0] - 0.3, losses
 
 
+@pytest.mark.slow
 def test_greedy_decoding_with_the_cache_follows_the_full_forward_argmax():
     model = DecoderOnlyModel(GraniteConfig(**TINY, scan_layers=True))
     params = model.init_params(jax.random.PRNGKey(0), model.example_batch_shapes(16, 2))

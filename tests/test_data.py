@@ -46,6 +46,7 @@ def test_global_batch_is_sharded_over_the_batch_axes():
     assert set(batch) >= {"decoder_segment_ids", "decoder_positions", "decoder_loss_weights"}
 
 
+@pytest.mark.slow
 def test_same_seed_gives_the_same_batches():
     partitioner = Partitioner(mesh_shape=(2, 1, 4))
     layout = partitioner.data_layout(8)
@@ -201,6 +202,7 @@ def test_resume_across_an_epoch_boundary_continues_with_the_same_batches(tmp_pat
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_functions_mapped_without_autograph_give_the_batches_autograph_gives(monkeypatch):
     """tf.data maps seqio's preprocessors, feature converters and vocabularies and the tasks'
     functions as written (`pipeline.NOT_AUTOGRAPHED`, ~1 s less a start): the default task

@@ -141,6 +141,7 @@ def test_cached_decoding_equals_rerunning_the_sequence(tmp_path, family):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(SHARDED))
 def test_sharded_decoding_equals_unsharded(tmp_path, family):
     _, path = SHARDED[family](tmp_path)
@@ -169,6 +170,7 @@ def test_sharded_decoding_equals_unsharded(tmp_path, family):
     np.testing.assert_array_equal(sharded_beams, beams)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", ["v1_0", "v1_1"])
 def test_t5_greedy_and_beam_search_match_transformers(tmp_path, version):
     torch_model, path = tiny_hf_t5(tmp_path, version)

@@ -95,6 +95,7 @@ def wait_idle(engine, timeout=30):
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_concurrent_greedy_requests_equal_each_alone_and_hf_generate(llama, engine):
     torch_model, model, params = llama
     cases = [(p, 3 + (i * 5) % 17) for i, p in enumerate(prompts(12))]

@@ -62,6 +62,7 @@ def read(model_dir):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_grpo_raises_the_reward_and_resumes_exactly(task, tmp_path):
     state = run(task, tmp_path / "once", 16, num_iterations=2)
     records = read(tmp_path / "once")

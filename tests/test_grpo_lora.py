@@ -72,6 +72,7 @@ def lora_run(task, tmp_path_factory):
     return model_dir, state
 
 
+@pytest.mark.slow
 def test_grpo_with_lora_trains_only_the_adapters_and_raises_the_reward(lora_run):
     model_dir, state = lora_run
     by_step = {r["step"]: r for r in read(model_dir) if "reward" in r}
@@ -100,6 +101,7 @@ def test_grpo_with_lora_trains_only_the_adapters_and_raises_the_reward(lora_run)
     assert changed == adapted
 
 
+@pytest.mark.slow
 def test_engine_rollouts_give_the_trainers_logps_and_read_each_prompt_once(lora_run):
     """The trained adapters over the base (the adapters added in the engine's forward, the
     scanned params laid out for decoding inside its programs): the engine's sampled

@@ -128,6 +128,7 @@ def full(tmp_path_factory):
     return torch_model, path, model, params
 
 
+@pytest.mark.slow
 def test_logits_are_hf_logits(full):
     torch_model, _, model, params = full
     assert isinstance(model.config, deepseek.DeepseekV3Config)
@@ -187,6 +188,7 @@ def test_router_chooses_hf_experts_with_hf_weights(full):
     )
 
 
+@pytest.mark.slow
 def test_greedy_from_the_latent_cache_is_hf_generate_the_full_cache_and_the_engine(full):
     """Decoding steps attend over the cached latents with kv_b_proj absorbed; the same
     tokens as HF's generate, as a cache of full keys and values, and as the serving engine's

@@ -211,6 +211,7 @@ def read_json(path) -> dict:
         return json.load(f)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_import_export_keeps_logits_special_ids_generation_and_tokenizer(tmp_path, family):
     torch_model, source = build_source(tmp_path, family)

@@ -48,6 +48,7 @@ def tiny_hf_gemma(tmp_path, **overrides):
     return model, save_torch_model(model, tmp_path / "hf")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_import_matches_transformers_and_export_reloads(tmp_path, variant):
     torch_model, path = tiny_hf_gemma(tmp_path, **VARIANTS[variant])
@@ -80,6 +81,7 @@ def test_import_matches_transformers_and_export_reloads(tmp_path, variant):
     assert exported["vocab_size"] == VOCAB and exported["head_dim"] == 16
 
 
+@pytest.mark.slow
 def test_fsdp_training_lowers_the_loss_and_exports(tmp_path):
     _, path = tiny_hf_gemma(tmp_path, **VARIANTS["multi_query"])
     partitioner = Partitioner(mesh_shape=(1, 8, 1))

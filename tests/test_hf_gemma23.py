@@ -61,6 +61,7 @@ def tiny_gemma(family: str, **overrides):
     return random_hf_model(config_cls, model_cls, **{**TEXT, **overrides})
 
 
+@pytest.mark.slow
 def test_gemma2_keeps_every_promise(tmp_path):
     """Multi-query, soft caps small enough to bite, local and global layers in turn."""
     torch_model = tiny_gemma(
@@ -84,6 +85,7 @@ def test_gemma2_keeps_every_promise(tmp_path):
     assert model.config.attn_logit_softcapping == 5.0 and model.config.tie_word_embeddings
 
 
+@pytest.mark.slow
 def test_gemma3_text_keeps_every_promise(tmp_path):
     """Grouped-query, 5 local layers to 1 global, q/k norms, a rotary base per kind of layer
     (linear scaling on global ones), an untied head."""
@@ -116,6 +118,7 @@ def multimodal(text_model) -> transformers.Gemma3ForConditionalGeneration:
     return model
 
 
+@pytest.mark.slow
 def test_gemma3_multimodal_checkpoint_loads_its_text_tower(tmp_path, capsys):
     """The text tower of a Gemma3ForConditionalGeneration keeps every promise of the
     Gemma3ForCausalLM with its weights (the export is one); the vision tower is skipped with a

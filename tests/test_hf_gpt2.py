@@ -139,6 +139,7 @@ def test_checkpoint_of_the_bare_base_model_loads(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_training_from_import_under_fsdp_lowers_loss_and_exports(tmp_path):
     _, path = tiny_hf_gpt2(tmp_path, "narrow_heads")
     partitioner = Partitioner(mesh_shape=(1, 8, 1))

@@ -186,6 +186,7 @@ def test_logits_router_choices_and_aux_loss_are_hf(checkpoints, imported):
     np.testing.assert_allclose(float(aux), float(out.aux_loss), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_chunked_scanned_and_expert_split_give_hf_logits(checkpoints):
     """One compile for what placement adds: layers scanned (their windows looked up per
     layer), 'chunked' attention in blocks of 8 with the sinks, experts (and their biases)

@@ -82,6 +82,7 @@ def logits_of(model, params, ids, mask):
 
 
 # llama3_rope and tied: test_llama3_2_shaped_checkpoint_keeps_every_promise.
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["gqa_theta", "linear_rope", "mistral_window"])
 def test_import_matches_transformers_and_export_reloads(tmp_path, variant):
     torch_model, path = tiny_hf_llama(tmp_path, **VARIANTS[variant])
@@ -113,6 +114,7 @@ def test_import_matches_transformers_and_export_reloads(tmp_path, variant):
     assert exported["rope_parameters"] == torch_model.config.rope_parameters
 
 
+@pytest.mark.slow
 def test_llama3_2_shaped_checkpoint_keeps_every_promise(tmp_path):
     """Llama 3.2 1B/3B's shape: tied head, llama3 rope scaling, GQA, and the EOS list
     (`<|end_of_text|>`, `<|eot_id|>`) in generation_config.json."""
@@ -172,6 +174,7 @@ def test_bad_config_names_the_field(kwargs, field):
         llama.LlamaConfig(**kwargs)
 
 
+@pytest.mark.slow
 def test_fsdp_training_lowers_the_loss_and_exports(tmp_path):
     torch_model, path = tiny_hf_llama(tmp_path, **VARIANTS["gqa_theta"])
     partitioner = Partitioner(mesh_shape=(1, 8, 1))

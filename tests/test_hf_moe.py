@@ -113,6 +113,7 @@ def root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("hf_moe"))
 
 
+@pytest.mark.slow
 @family_params
 def test_both_spellings_give_hf_logits(family, root):
     torch_model, fused, per_expert = tiny_hf_moe(family, root)
@@ -137,6 +138,7 @@ def test_sharded_scanned_model_gives_hf_logits(root):
     assert max_abs_diff(got, theirs, mask) < LOGITS_TOL
 
 
+@pytest.mark.slow
 @family_params
 def test_router_chooses_hf_experts_and_aux_loss(family, root):
     """The same top-k experts as HF's router at every real token and layer, and the same

@@ -47,6 +47,7 @@ def tiny_hf_phi3(tmp_path, **overrides):
     return model, save_torch_model(model, tmp_path / "hf")
 
 
+@pytest.mark.slow
 def test_phi3_mini_shaped_checkpoint_keeps_every_promise(tmp_path):
     """Phi-3-mini-4k's shape: full rotary, default rope, a sliding window (8 here, shorter
     than the prompts plus the generated tokens), untied head; GQA."""
@@ -57,6 +58,7 @@ def test_phi3_mini_shaped_checkpoint_keeps_every_promise(tmp_path):
     assert params["layers_0"]["q_proj"]["kernel"].shape == (32, 4, 8)
 
 
+@pytest.mark.slow
 def test_phi4_mini_shaped_longrope_checkpoint_keeps_every_promise(tmp_path):
     """Phi-3.5-mini / Phi-4-mini's shape: LongRoPE over 3/4 of each head, tied head, GQA.
     The logits batch (24 positions) and the generation (prompts of up to 14 tokens, 30 new)
@@ -101,6 +103,7 @@ def test_phi4_mini_shaped_longrope_checkpoint_keeps_every_promise(tmp_path):
     assert np.abs(np.asarray(step)[:, :VOCAB] - theirs).max() < 1e-4
 
 
+@pytest.mark.slow
 def test_phi4_shaped_checkpoint_keeps_every_promise(tmp_path):
     """Phi-4's shape (multi-head here): default rope with a large theta, untied head."""
     torch_model, path = tiny_hf_phi3(

@@ -72,6 +72,7 @@ def tiny_hf_qwen(tmp_path, model_type="qwen2", **overrides):
     return model, save_torch_model(model, tmp_path / "hf")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_checkpoint_keeps_every_promise(tmp_path, variant):
     torch_model, path = tiny_hf_qwen(tmp_path, **VARIANTS[variant])

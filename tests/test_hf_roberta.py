@@ -93,6 +93,7 @@ def test_bare_encoder_checkpoint_is_refused_without_the_head(tmp_path):
         hf.from_pretrained(bare)
 
 
+@pytest.mark.slow
 def test_masked_lm_training_under_fsdp_then_export(tmp_path):
     _, path = tiny_hf_roberta(tmp_path, "small")
     partitioner = Partitioner(mesh_shape=(1, 8, 1))

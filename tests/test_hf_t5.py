@@ -164,6 +164,7 @@ def test_export_reloads_in_transformers(tmp_path, version):
         assert ("lm_head.weight" in f.keys()) == (version == "v1_1")
 
 
+@pytest.mark.slow
 def test_fsdp_training_lowers_loss_then_reloads_in_transformers(tmp_path):
     _, path = tiny_hf_t5(tmp_path, "v1_1")
     partitioner = Partitioner(mesh_shape=(1, 8, 1))

@@ -80,6 +80,7 @@ def tiny_hf_model(tmp_path, name):
     return model, save_torch_model(model, tmp_path / "hf")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_yarn_checkpoint_matches_transformers_past_the_original_context(tmp_path, name):
     torch_model, path = tiny_hf_model(tmp_path, name)

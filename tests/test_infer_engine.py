@@ -53,6 +53,7 @@ def generate(loaded, engine, batch_size=4, count=None, **settings):
     )
 
 
+@pytest.mark.slow
 def test_paged_engine_gives_the_batch_paths_greedy_outputs(loaded):
     paged = generate(loaded, "paged")
     assert len(paged) == len(PROMPTS) and any(paged)
@@ -61,6 +62,7 @@ def test_paged_engine_gives_the_batch_paths_greedy_outputs(loaded):
     assert paged == generate(loaded, "batch")
 
 
+@pytest.mark.slow
 def test_a_sampled_example_depends_on_the_seed_and_itself_not_on_its_batch_mates(loaded):
     sampled = generate(loaded, "paged", temperature=1.0, seed=3)
     # Other rows decoded beside it (the file cut to its first 5 examples): the same samples,

@@ -219,6 +219,7 @@ def test_text_metrics():
     assert scores == pytest.approx({"rouge1": 100.0, "rouge2": 100.0, "rougeLsum": 100.0})
 
 
+@pytest.mark.slow
 def test_task_evaluator_runs_the_tasks_metrics_on_generated_text():
     """A T5 on stdlib_py_continuation: predictions come from `generate`; with a model that
     copies nothing the metrics are computed, finite, and keyed by task."""

@@ -175,6 +175,7 @@ NEW_FAMILIES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
 def test_lora_trains_the_new_families_scanned_and_rematerialised(family):
     """A bf16 LoRA run on a (2, 2, 2) mesh with scanned layers and full remat: the families'
@@ -195,6 +196,7 @@ def test_lora_trains_the_new_families_scanned_and_rematerialised(family):
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gptj"])
 def test_merge_matches_textbook_lora_forward(family):
     if family == "llama":
@@ -231,6 +233,7 @@ def test_merge_matches_textbook_lora_forward(family):
     np.testing.assert_allclose(unmerged, reference, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_lora_dropout_acts_on_the_low_rank_path_only_in_training():
     model = tiny_llama(scan_layers=True)
     shapes = model.example_batch_shapes()

@@ -42,6 +42,7 @@ def test_remat_policy_gives_the_same_loss_and_gradients(policy, scan_layers):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_scanned_layers_compute_what_unrolled_layers_compute():
     unrolled, scanned = tiny_gptj(), tiny_gptj(scan_layers=True)
     params, batch = _params_and_batch(unrolled)
@@ -106,6 +107,7 @@ def test_wide_dot_gives_float32_results_and_bfloat16_gradients():
     assert layers.dot_general(x, w, dims).dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
 def test_bfloat16_head_multiplies_bfloat16_forward_and_backward(tied):
     """A bfloat16 model's head (the largest matmul of a big-vocabulary model) is a bfloat16
@@ -196,6 +198,7 @@ def _loss_and_grads(family, mesh_shape):
 
 # One compile each: the untied, tied and soft-capped heads unsharded; the untied and tied
 # heads with the vocabulary split on `tensor` (and the rows on `fsdp`).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family, mesh_shape",
     [

@@ -147,6 +147,7 @@ def _reference():
     return _loss_and_grads(_model(moe_impl="dense"), _params(), _batch())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["dropless", "capacity"])
 def test_implementations_give_the_dense_loss_and_gradients(impl):
     # A capacity of 4x the fair share holds every assignment of this batch.
@@ -335,6 +336,7 @@ def test_experts_not_divisible_by_the_expert_axis_is_an_error():
             jax.eval_shape(lambda p: model.loss_fn(p, _batch(), None), params)
 
 
+@pytest.mark.slow
 def test_lora_on_experts_trains_one_pair_per_expert_and_merges():
     """LoRA over the stacked experts (`experts/wi` `[expert, embed, 2, mlp]`, `experts/wo`):
     adapters `[layers, expert, in, r]` / `[layers, expert, r, out...]` split over `expert` as

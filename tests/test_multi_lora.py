@@ -153,6 +153,7 @@ def served(base, adapters):
         server.stop()
 
 
+@pytest.mark.slow
 def test_one_batch_mixes_adapters_and_base_each_row_as_hf_peft(served, expected):
     """Every (model, prompt) pair submitted at once: one admission, the same dispatches; the
     same prompt under three models is three sequences (no page shared across adapters)."""

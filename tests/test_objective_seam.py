@@ -64,6 +64,7 @@ class AnchoredToStart:
         self.prepared.append(run.start_step)
 
 
+@pytest.mark.slow
 def test_a_new_objective_with_a_frozen_reference_trains_through_train(tmp_path):
     import tasks  # noqa: F401 - registers stdlib_py
 

@@ -101,6 +101,7 @@ def test_packed_prefix_lm_rows_give_the_unpacked_per_token_losses(task):
     _compare(model, params, packed, unpacked)
 
 
+@pytest.mark.slow
 def test_packed_encoder_decoder_rows_give_the_unpacked_per_token_losses(task):
     config = T5Config(
         vocab_size=384,

@@ -85,6 +85,7 @@ def peft_logits(torch_model, adapter_dir, ids, mask):
     return torch_logits(model, input_ids=ids, attention_mask=mask), saved == expected
 
 
+@pytest.mark.slow
 def test_peft_adapters_serve_in_flaxlm_with_peft_logits(hf_base, peft_adapters, partitioner):
     torch_model, base = hf_base
     ids, mask = padded_batch(384, (12, 7, 12, 3))
@@ -161,6 +162,7 @@ def test_lora_run_exports_peft_adapters_that_peft_loads_with_our_logits(
     assert max_abs_diff(base_logits, theirs, mask) > 1e-2
 
 
+@pytest.mark.slow
 def test_peft_import_trains_one_step_at_lr_0_to_the_same_adapters(
     hf_base, peft_adapters, partitioner, tmp_path
 ):

@@ -88,6 +88,7 @@ def flaxlm_logits(model, params, ids, mask):
     return np.asarray(model.compute_logits(params, decoder_batch(ids, mask)))
 
 
+@pytest.mark.slow
 def test_expert_and_router_adapters_export_to_peft_with_our_logits_and_import_back(
     family, tmp_path
 ):
@@ -149,6 +150,7 @@ def test_expert_and_router_adapters_export_to_peft_with_our_logits_and_import_ba
         np.testing.assert_array_equal(value, stored[key], err_msg=key)
 
 
+@pytest.mark.slow
 def test_peft_expert_adapter_imports_with_peft_logits(family, partitioner, tmp_path):
     """PEFT's own adapter (random A and B): down_proj on every layer, gate_up_proj on layer
     1 only (its wrapper nested inside), an alpha_pattern folded into A, the router at its
@@ -239,6 +241,7 @@ def tiny_torch_moe(name):
     return random_hf_model(config_cls, model_cls, **{**COMMON, **extra})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", OTHERS)
 def test_router_adapters_export_as_peft_target_parameters_with_our_logits(name, tmp_path):
     torch_model = tiny_torch_moe(name)

@@ -90,6 +90,7 @@ def test_rejects_what_cannot_divide_before_compiling_and_names_why():
     assert p.reject_reason(dataclasses.replace(k, mesh_shape=(2, 2, 2))) is None
 
 
+@pytest.mark.slow
 def test_loop_corrected_cost_ranking_and_a_parallel_compile():
     """A scanned step's FLOPs equal the unscanned step's (cost_analysis alone counts the
     loop's body once); remat `full` costs more FLOPs and ranks lower. The three compile on
@@ -236,6 +237,7 @@ def run_plan(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_command_line_plans_measures_and_prints_overrides_that_parse(tmp_path):
     """`python -m flaxlm.plan` on cpu:8 for gin/gptj_pretrain.gin (made smaller): progress,
     the ranked table, measured times beside the prediction, the JSON, and `--gin.` overrides
@@ -290,6 +292,7 @@ def test_command_line_bad_topology_is_a_clear_error():
     assert "error: --topology='v5z'" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_command_line_on_a_tpu_topology_says_what_the_compiler_could_not_fit():
     """`--topology=v5e:2x4` (libtpu, no TPU): a batch no v5e chip holds gets the TPU
     compiler's own RESOURCE_EXHAUSTED line per candidate and a "Nothing fits" summary."""
@@ -341,6 +344,7 @@ def tiny_moe_run() -> plan_run.Run:
     )
 
 
+@pytest.mark.slow
 def test_an_moe_model_is_planned_over_an_expert_axis():
     """For a model with experts the planner enumerates an `expert` axis (before tensor);
     an expert split the experts do not divide is rejected naming it, one they divide

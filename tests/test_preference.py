@@ -74,6 +74,7 @@ def run(cfg, mesh_shape=(2, 2, 2), steps=25, lora_cfg=None, num_microbatches=1, 
     return setup, state, frozen, first, before, after
 
 
+@pytest.mark.slow
 def test_dpo_learns_the_preference_with_trl_metrics_and_a_frozen_reference():
     cfg = preference.PreferenceConfig(loss="dpo", beta=0.1)
     setup, state, reference, first, before, after = run(cfg)
@@ -101,6 +102,7 @@ def test_dpo_learns_the_preference_with_trl_metrics_and_a_frozen_reference():
         assert np.array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_loss_is_the_formula_on_the_models_sequence_scores():
     """PreferenceModel's pairs, weights and reference feed objectives exactly: every loss
     against the formula on `model.score` of the chosen and rejected rows."""
@@ -141,6 +143,7 @@ def test_loss_is_the_formula_on_the_models_sequence_scores():
             np.testing.assert_allclose(alone.loss_fn(params, given, None)[0], loss, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_sequence_logps_sum_the_answers_log_probabilities():
     """`[pairs, 2]` sums of the targets' log-probabilities where weighted (numpy log-softmax
     of the model's logits), the weighted counts, differentiable in the params, and blind to
@@ -165,6 +168,7 @@ def test_sequence_logps_sum_the_answers_log_probabilities():
     np.testing.assert_array_equal(preference.sequence_logps(model, params, other, None)[0], total)
 
 
+@pytest.mark.slow
 def test_microbatches_give_the_one_batch_step():
     cfg = preference.PreferenceConfig(loss="dpo", beta=0.5)
     one = run(cfg, steps=1, num_microbatches=1)
@@ -187,6 +191,7 @@ def test_other_losses_train_and_need_no_reference_unless_theirs(loss):
         assert np.isfinite(first["chosen_nll"])
 
 
+@pytest.mark.slow
 def test_lora_dpo_keeps_the_base_bit_identical_and_uses_it_as_the_reference():
     cfg = preference.PreferenceConfig(loss="dpo", beta=0.1)
     # The head adapted too: the random tiny model learns token preferences through it.

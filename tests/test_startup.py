@@ -189,6 +189,7 @@ def hf_checkpoint(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow
 def test_infer_and_score_of_an_hf_checkpoint_import_neither_tensorflow_nor_seqio(
     hf_checkpoint, tmp_path, repo_dir
 ):

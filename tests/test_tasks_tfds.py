@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 import seqio
 import tensorflow_datasets as tfds
 
@@ -37,6 +38,7 @@ def test_registered_tfds_task_cuts_text_into_chunks_and_maps_splits():
     assert list(seqio.get_mixture_or_task(name).splits) == ["validation"]
 
 
+@pytest.mark.slow
 def test_importing_the_tasks_touches_no_network_or_tfds_builder():
     code = (
         "import socket\n"

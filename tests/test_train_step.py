@@ -68,6 +68,7 @@ def _single_device_reference():
     return jax.device_get(grads), float(sums["loss_sum"] / sums["weight_sum"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MESHES))
 def test_same_batch_same_loss_and_gradients_under_every_mesh(name):
     ref_grads, ref_loss = _single_device_reference()
@@ -82,6 +83,7 @@ def test_one_train_step_gives_the_same_params_under_dp_fsdp_tp_and_zero1():
         _assert_trees_close(results[name], results["dp8"], 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [(8, 1, 1), (1, 4, 2)])
 def test_four_microbatches_give_the_same_gradients_as_one_batch(mesh):
     grads_1, loss_1, params_1, _ = _grads_and_step(mesh, "params", num_microbatches=1)

@@ -28,6 +28,7 @@ def train_losses(model, optimizer, steps, mesh_shape=(1, 8, 1), batches=4):
     return np.asarray(losses), state
 
 
+@pytest.mark.slow
 def test_bfloat16_training_tracks_float32_over_50_steps():
     opt = optimizers.create_optimizer(learning_rate=3e-3, weight_decay=0.0)
     f32, _ = train_losses(tiny_gptj(), opt, 50)
@@ -38,6 +39,7 @@ def test_bfloat16_training_tracks_float32_over_50_steps():
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
 
 
+@pytest.mark.slow
 def test_bfloat16_params_and_first_moments():
     opt = optimizers.create_optimizer(learning_rate=3e-3, weight_decay=0.0, mu_dtype="bfloat16")
     f32, _ = train_losses(tiny_gptj(), optimizers.create_optimizer(learning_rate=3e-3), 20)
@@ -55,6 +57,7 @@ def test_bfloat16_params_and_first_moments():
     assert losses[-1] < losses[0] - 0.3 and abs(losses[-1] - f32[-1]) < 0.2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["adafactor", "lion"])
 def test_other_optimizers_train(name):
     lr = 1e-3 if name == "lion" else 3e-3
@@ -121,6 +124,7 @@ def test_alibi_slopes_and_bias_match_a_direct_computation():
                 assert bias[0, h, i, j] == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_alibi_model_has_no_position_table_and_extrapolates():
     model = alibi_gpt2()
     params = model.init_params(jax.random.PRNGKey(0), {"decoder_input_tokens": (1, 16)})

@@ -309,6 +309,7 @@ def pair_rows(root, names) -> list[dict]:
     return converted(names["pairs"], converter(pack=False))
 
 
+@pytest.mark.slow
 def test_preference_rows_are_trls_and_dpo_log_probs_match_it(setup):
     from transformers import LlamaForCausalLM
 

@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from flaxlm.parallel import platforms
 from tests import zygote
 
@@ -41,6 +43,7 @@ def test_the_tests_environment_is_served_after_torch_and_flaxlm_are_imported():
     assert zygote.HIDDEN_WHILE_TENSORFLOW_LOADS == main.HIDDEN_WHILE_TENSORFLOW_LOADS
 
 
+@pytest.mark.slow
 def test_a_forked_run_prints_and_exits_as_a_fresh_one(tmp_path):
     """A run stopped before its first step by a mesh its devices do not fit (flaxlm's error
     line, exit 2): the same streams and status, forked or fresh; the child's own arguments
