@@ -1,6 +1,7 @@
 """Start-up: the persistent compilation cache, `--profile_startup`, `--help`, and what a run
 imports (inference loads neither TensorFlow nor seqio; a run its Gin files' modules)."""
 
+import argparse
 import importlib
 import json
 import os
@@ -57,6 +58,10 @@ def test_second_run_compiles_nothing_with_the_compilation_cache(tmp_path, repo_d
     assert "Start-up profile" in first.stdout and "first step" in first.stdout
     total, hits, compiled = programs(first)
     assert compiled == total > 0 and hits == 0
+    # The train step compiled once: ahead of the first step (from the batch's shapes, while
+    # the input pipeline was built), which then found it.
+    listed = re.search(r"programs: (.*)", first.stdout).group(1).split(", ")
+    assert listed.count("jit(train_step)") == 1, listed
     assert programs(run("second")) == (total, total, 0)
 
 
@@ -113,23 +118,52 @@ def test_hidden_modules_fail_to_import_inside_the_block_and_import_after_it(tmp_
     monkeypatch.delitem(sys.modules, "flaxlm_probe_module")
 
 
-def test_eval_dataset_checks_its_task_at_once_and_is_built_at_its_first_use(monkeypatch):
-    from flaxlm.data import pipeline
+def test_iterators_check_their_task_at_once_and_are_built_at_first_use_or_on_a_thread(
+    monkeypatch,
+):
+    """The eval data is built at its first use (`DeferredDataIterator`), the training data on
+    a thread from the start (`BackgroundDataIterator`: its first use waits, and raises what
+    building raised); a misnamed task fails both at once."""
+    import threading
+
+    from flaxlm.data import deferred, pipeline
 
     def config(name):
         return pipeline.DatasetConfig(
             mixture_or_task_name=name, task_feature_lengths={"targets": 8}, batch_size=1
         )
 
-    with pytest.raises(ValueError, match="No seqio task or mixture named 'no_such_task'"):
-        pipeline.DeferredDataIterator(config("no_such_task"), partitioner=None)
+    for cls in (deferred.DeferredDataIterator, deferred.BackgroundDataIterator):
+        with pytest.raises(ValueError, match="No seqio task or mixture named 'no_such_task'"):
+            cls(config("no_such_task"), partitioner=None)
     built = []
-    monkeypatch.setattr(pipeline.DataIterator, "create", lambda *args: built.append(args) or args)
+    go = threading.Event()
+
+    def create(*args):
+        built.append(threading.current_thread().name)
+        go.wait(60)
+        if len(built) > 2:
+            raise RuntimeError("the third build fails")
+        return argparse.Namespace(num_shards=len(built))
+
+    monkeypatch.setattr(pipeline.DataIterator, "create", create)
     import tasks  # noqa: F401  (registers stdlib_py)
 
-    deferred = pipeline.DeferredDataIterator(config("stdlib_py"), partitioner=None)
+    later = deferred.DeferredDataIterator(config("stdlib_py"), partitioner=None)
     assert not built
-    assert deferred.iterator is deferred.iterator and len(built) == 1
+    go.set()
+    assert later.iterator is later.iterator and built == [threading.current_thread().name]
+    go.clear()
+    beside = deferred.BackgroundDataIterator(config("stdlib_py"), partitioner=None)
+    while len(built) < 2:  # building on another thread, not waited for
+        time.sleep(0.01)
+    assert built[1] != threading.current_thread().name
+    go.set()
+    assert beside.num_shards == 2 and beside.iterator is beside.iterator
+    failing = deferred.BackgroundDataIterator(config("stdlib_py"), partitioner=None)
+    failing.wait()  # (waits without raising)
+    with pytest.raises(RuntimeError, match="the third build fails"):
+        next(failing)
 
 
 # ------------------------------------------------------------------ what a run imports

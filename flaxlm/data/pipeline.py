@@ -343,6 +343,27 @@ def model_feature_lengths(
     return dict(converter.get_model_feature_lengths(dict(cfg.task_feature_lengths)))
 
 
+def batch_spec(
+    cfg: DatasetConfig, converter: Callable[..., seqio.FeatureConverter], partitioner: Partitioner
+) -> dict[str, jax.ShapeDtypeStruct] | None:
+    """The global batches' shapes, dtypes and shardings (`DataIterator`'s), known before the
+    pipeline is built; None where a feature is not one token row an example (preference
+    pairs), which only the pipeline says."""
+    features = converter(pack=cfg.pack).MODEL_FEATURES
+    sharding = partitioner.batch_sharding(2)
+    out = {}
+    for name, length in model_feature_lengths(cfg, converter).items():
+        spec = features.get(name)
+        if spec is None and name.endswith(("_segment_ids", "_positions")):  # packing's own
+            dtype = np.dtype(np.int32)
+        elif spec is not None and spec.rank == 1:
+            dtype = np.dtype(spec.dtype.as_numpy_dtype)
+        else:
+            return None
+        out[name] = jax.ShapeDtypeStruct((cfg.batch_size, length), dtype, sharding=sharding)
+    return out
+
+
 def _shards_saved_by(
     process: int, partitioner: Partitioner, global_batch_size: int, num_shards: int
 ) -> frozenset[int]:
@@ -414,30 +435,3 @@ class DataIterator:
 
     def __next__(self) -> dict[str, jax.Array]:
         return self.to_global(self.next_numpy())
-
-
-class DeferredDataIterator:
-    """A `DataIterator` built at its first use (`reset` or `next`): an evaluation dataset's
-    seqio set-up is paid at the first evaluation, not before the first training step. The
-    task is checked at once, so a misnamed one still fails in seconds."""
-
-    def __init__(self, cfg: DatasetConfig, partitioner: Partitioner, converter: Any = None):
-        import_task_module(cfg.module)
-        check_registered(cfg.mixture_or_task_name)
-        self._create = functools.partial(DataIterator.create, cfg, partitioner, converter)
-        self._iterator: DataIterator | None = None
-
-    @property
-    def iterator(self) -> DataIterator:
-        if self._iterator is None:
-            self._iterator = self._create()
-        return self._iterator
-
-    def reset(self) -> None:
-        self.iterator.reset()
-
-    def __iter__(self) -> Iterator[dict[str, jax.Array]]:
-        return self
-
-    def __next__(self) -> dict[str, jax.Array]:
-        return next(self.iterator)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxlm.checkpoints import checkpointer, run_dir
-from flaxlm.data import pipeline
+from flaxlm.data import deferred, pipeline
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import evaluate
@@ -156,7 +156,7 @@ def eval_hook(
     period: int,
     writer: metrics.MultiWriter,
     eval_step: Callable[..., Any],
-    eval_iter: pipeline.DataIterator | pipeline.DeferredDataIterator,
+    eval_iter: pipeline.DataIterator | deferred.DeferredDataIterator,
     eval_steps: int,
     eval_params: Callable[[Any], Any],
     task_metrics_of: tuple[pipeline.DatasetConfig, BaseModel, Partitioner] | None,

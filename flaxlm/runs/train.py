@@ -12,7 +12,7 @@ import jax
 import optax
 
 from flaxlm.checkpoints import checkpointer, hf, peft_dir, run_dir
-from flaxlm.data import pipeline
+from flaxlm.data import deferred, pipeline
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import checks, loop
@@ -113,6 +113,21 @@ def steps_with_frozen(
     )
 
 
+def compile_ahead(
+    setup: steps.Setup,
+    train_step: Callable[..., Any],
+    dataset_cfg: pipeline.DatasetConfig,
+    converter: Any,
+) -> None:
+    """Compiles `train_step` for the first step's arguments now, while the input pipeline is
+    still being built on its thread (`deferred.BackgroundDataIterator`): the first step
+    finds the program in JAX's caches. Left to the first call where the step takes frozen
+    params or only the pipeline knows the batch's features."""
+    batch = pipeline.batch_spec(dataset_cfg, converter, setup.partitioner)
+    if setup.frozen_shardings is None and batch is not None:
+        train_step.lower(setup.abstract_state, batch).compile()
+
+
 @gin.configurable
 def train(
     *,
@@ -209,13 +224,13 @@ def train(
     # From here on a first SIGTERM/SIGINT is a request to stop cleanly: during set-up, before
     # the first step; in the loop, after the current step, saving it (see run_steps).
     signals = preemption.PreemptionHandler().install()
-    ckpt = writer = None
+    ckpt = writer = train_iter = None
     try:  # whatever fails from here on, the signals go back and the checkpointer is closed
-        train_iter = pipeline.DataIterator.create(train_dataset_cfg, partitioner, converter)
+        train_iter = deferred.BackgroundDataIterator(train_dataset_cfg, partitioner, converter)
         eval_iter = None
         if eval_dataset_cfg is not None and eval_period:
             steps.check_batch_size(partitioner, eval_dataset_cfg.batch_size, 1)
-            eval_iter = pipeline.DeferredDataIterator(
+            eval_iter = deferred.DeferredDataIterator(
                 eval_dataset_cfg, partitioner, pipeline.converter_for(eval_dataset_cfg, model)
             )
         setup = steps.Setup(
@@ -252,21 +267,22 @@ def train(
         if extra is not None:
             setup.batch_axes = {**setup.batch_axes, **extra.axes}
             eval_iter = extra.eval_iterator(eval_iter)
+        partitioned_step = setup.partition_train_step(
+            steps.make_train_step(
+                model,
+                partitioner,
+                learning_rate,
+                num_microbatches=num_microbatches,
+                seed=seed,
+                skip_nonfinite_updates=skip_nonfinite_updates,
+                inject_nonfinite_loss_at_step=inject_nonfinite_loss_at_step,
+                lora=lora,
+                objective=objective,
+            )
+        )
         train_step, eval_step, eval_params = steps_with_frozen(
             setup,
-            setup.partition_train_step(
-                steps.make_train_step(
-                    model,
-                    partitioner,
-                    learning_rate,
-                    num_microbatches=num_microbatches,
-                    seed=seed,
-                    skip_nonfinite_updates=skip_nonfinite_updates,
-                    inject_nonfinite_loss_at_step=inject_nonfinite_loss_at_step,
-                    lora=lora,
-                    objective=objective,
-                )
-            ),
+            partitioned_step,
             setup.partition_eval_step(steps.make_eval_step(model, lora, objective))
             if eval_iter
             else None,
@@ -314,10 +330,14 @@ def train(
             batch = steps.next_batch(train_iter, train_dataset_cfg, step)
             return batch if extra is None else {**batch, **extra.train(step)}
 
+        if extra is None and start_step < total_steps:
+            compile_ahead(setup, partitioned_step, train_dataset_cfg, converter)
         state, step, stop = loop.run_steps(
             state, start_step, total_steps, train_step, next_batch, hooks, nonfinite, signals
         )
     finally:
+        if train_iter is not None:  # (a failed set-up's data thread ends before the process)
+            train_iter.wait()
         loop.close(ckpt, writer, signals)
     if jax.process_index() == 0:
         loop.report_end(
