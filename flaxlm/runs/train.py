@@ -288,6 +288,8 @@ def train(
             else None,
             frozen,
         )
+        if extra is None and start_step < total_steps:
+            compile_ahead(setup, partitioned_step, train_dataset_cfg, converter)
         run_dir.record_if_known(model, model_dir)
         config_str = loop.operative_config(path)
 
@@ -330,8 +332,6 @@ def train(
             batch = steps.next_batch(train_iter, train_dataset_cfg, step)
             return batch if extra is None else {**batch, **extra.train(step)}
 
-        if extra is None and start_step < total_steps:
-            compile_ahead(setup, partitioned_step, train_dataset_cfg, converter)
         state, step, stop = loop.run_steps(
             state, start_step, total_steps, train_step, next_batch, hooks, nonfinite, signals
         )
