@@ -80,9 +80,8 @@ class BackgroundDataIterator:
 
 
 def on_thread(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-    """`fn(*args)` started on a daemon thread; the future holds its result or what it raised.
-    (A run's set-up on threads: the input pipeline here, the first step's compile in
-    runs/train.py.)"""
+    """`fn(*args)` started on a daemon thread; the future holds its result or what it
+    raised."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:
