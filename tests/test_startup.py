@@ -155,7 +155,8 @@ def test_iterators_check_their_task_at_once_and_are_built_at_first_use_or_on_a_t
     assert later.iterator is later.iterator and built == [threading.current_thread().name]
     go.clear()
     beside = deferred.BackgroundDataIterator(config("stdlib_py"), partitioner=None)
-    while len(built) < 2:  # building on another thread, not waited for
+    deadline = time.monotonic() + 60
+    while len(built) < 2 and time.monotonic() < deadline:  # building on another thread
         time.sleep(0.01)
     assert built[1] != threading.current_thread().name
     go.set()
