@@ -42,7 +42,7 @@ spelling (their tensors are the same).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -72,22 +72,31 @@ def expert_weights(model: BaseModel, spec: hf_spec.HFSpec) -> dict[str, list[str
     """flaxlm expert weight (`layers_0/mlp/experts/wi`, scanned `layers/block/...`) -> the
     PEFT key of its HF parameter in each layer (`model.layers.0.mlp.experts.gate_up_proj`),
     for every expert weight of `model` whose layout PEFT adapts as above."""
-    scan = bool(getattr(model.config, "scan_layers", False))
-    out = {}
-    for param, (t, names) in hf_spec.expand(spec.tensors(model.config), scan).items():
-        if t.to_hf in _LINEAR_LAYOUTS:
-            out[param] = [_in_memory(spec, n) for n in names]
-    return out
+    return _parameters(model, spec, lambda param, t, names: t.to_hf in _LINEAR_LAYOUTS)
 
 
 def router_weights(model: BaseModel, spec: hf_spec.HFSpec) -> dict[str, list[str]]:
     """flaxlm router kernel (`layers_0/mlp/gate/kernel`) -> the PEFT key of its HF weight in
     each layer (`model.layers.0.mlp.gate.weight`, gpt-oss's `model.layers.0.mlp.router.weight`),
     the `[expert, embed]` weight a ParamWrapper adapts as above."""
+    return _parameters(
+        model,
+        spec,
+        lambda param, t, names: (
+            param.endswith(_ROUTER) and t.transpose and names[0].endswith(".weight")
+        ),
+    )
+
+
+def _parameters(
+    model: BaseModel, spec: hf_spec.HFSpec, adapted: Callable[[str, Any, list[str]], bool]
+) -> dict[str, list[str]]:
+    """flaxlm param -> the PEFT key of its HF tensor in each layer, for the params (with their
+    HF tensor record and names) that `adapted` picks."""
     scan = bool(getattr(model.config, "scan_layers", False))
     out = {}
     for param, (t, names) in hf_spec.expand(spec.tensors(model.config), scan).items():
-        if param.endswith(_ROUTER) and t.transpose and names[0].endswith(".weight"):
+        if adapted(param, t, names):
             out[param] = [_in_memory(spec, n) for n in names]
     return out
 

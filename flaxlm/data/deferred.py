@@ -48,7 +48,7 @@ class DeferredDataIterator:
         return next(self.iterator)
 
 
-class BackgroundDataIterator:
+class BackgroundDataIterator(DeferredDataIterator):
     """A `DataIterator` built on a thread from now on: seqio's and tf.data's set-up (Python
     that builds graphs, AutoGraph) runs while the run initialises its state and compiles,
     which release the GIL. Its first use waits for it and raises what building it raised;
@@ -56,9 +56,8 @@ class BackgroundDataIterator:
     as `DeferredDataIterator` does."""
 
     def __init__(self, cfg: DatasetConfig, partitioner: Partitioner, converter: Any = None):
-        import_task_module(cfg.module)
-        check_registered(cfg.mixture_or_task_name)
-        self._built = on_thread(DataIterator.create, cfg, partitioner, converter)
+        super().__init__(cfg, partitioner, converter)
+        self._built = on_thread(self._create)
 
     @property
     def iterator(self) -> DataIterator:
@@ -71,12 +70,6 @@ class BackgroundDataIterator:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self.iterator, name)
-
-    def __iter__(self) -> Iterator[dict[str, jax.Array]]:
-        return self
-
-    def __next__(self) -> dict[str, jax.Array]:
-        return next(self.iterator)
 
 
 def on_thread(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
