@@ -13,7 +13,7 @@ import seqio
 import tensorflow as tf
 
 import tasks  # noqa: F401
-from flaxlm.data import packing
+from flaxlm.data import packing, pipeline
 from flaxlm.models.base import EncoderDecoderModel
 from flaxlm.models.t5 import T5Config
 from tasks.jsonl import register_jsonl_task
@@ -124,19 +124,25 @@ def test_packed_encoder_decoder_rows_give_the_unpacked_per_token_losses(task):
     _compare(model, params, packed, unpacked)
 
 
+@pytest.mark.parametrize("packer", ["pack_batches", "pack_linear"])
 @pytest.mark.parametrize(
     "lengths,examples", [({"targets": 16}, 100), ({"inputs": 12, "targets": 10}, 57)]
 )
-def test_linear_packing_makes_seqios_rows_token_for_token(lengths, examples):
-    """flaxlm's packer (memory linear in the length) against seqio's (a batch of L examples
-    padded to the longest: quadratic), across seqio's flush every L examples, empty examples,
-    zeros inside examples and a last partial batch."""
+def test_flaxlm_packers_make_seqios_rows_token_for_token(packer, lengths, examples):
+    """flaxlm's packers against seqio's (a batch of L examples padded to the longest, packed
+    in a loop AutoGraph rewrites), across seqio's flush every L examples, empty examples,
+    zeros inside examples and a last partial batch: `pack_batches` (seqio's batches, explicit
+    ops) and `pack_linear` (one row in memory), both as the pipelines run them (without
+    AutoGraph: `pipeline.NOT_AUTOGRAPHED`)."""
+    pipeline.configure_tensorflow()
     rng = np.random.default_rng(0)
     rows = [{k: rng.integers(0, 5, rng.integers(0, 30)) for k in lengths} for _ in range(examples)]
     spec = {k: tf.TensorSpec([None], tf.int64) for k in lengths}
     ds = tf.data.Dataset.from_generator(lambda: iter(rows), output_signature=spec)
     want = list(packing._SEQIO_TRIM_AND_PACK(ds, lengths).as_numpy_iterator())
-    got = list(packing.pack_linear(ds, lengths).as_numpy_iterator())
+    got_ds = getattr(packing, packer)(ds, lengths)
+    assert got_ds.element_spec == packing._SEQIO_TRIM_AND_PACK(ds, lengths).element_spec
+    got = list(got_ds.as_numpy_iterator())
     assert len(got) == len(want) > examples // 2
     for w, g in zip(want, got, strict=True):
         assert sorted(w) == sorted(g)

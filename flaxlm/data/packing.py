@@ -1,19 +1,27 @@
-"""Packing in memory linear in the length: seqio's greedy packing, example by example.
+"""Packing without AutoGraph, and in memory linear in the length: seqio's greedy packing.
 
 seqio's `trim_and_pack_dataset` gathers `L` examples (L: the longest feature length) into one
-padded batch, each padded to the longest of them, and packs each batch: memory `L x L` per
-feature, 4 GiB at 32k tokens and 64 GiB at 128k, which no host has to spare. `trim_and_pack`
-makes the same rows, token for token (the same greedy rule, the same flush of the row being
-filled after every `L` examples and at the end, the same positions and segment ids), from a
-`tf.data` scan that holds one row at a time.
+padded batch, each padded to the longest of them, and packs each batch in a `for` loop over a
+tensor, which tf.data hands to AutoGraph to rewrite (~1 CPU s of every process's first
+dataset: AutoGraph parses seqio/utils.py's source for its lambdas). `trim_and_pack` makes the
+same rows, token for token (the same greedy rule, the same flush of the row being filled after
+every `L` examples and at the end, the same positions and segment ids), from graph code that
+needs no rewriting (this module is in `pipeline.NOT_AUTOGRAPHED`):
 
-Below `LINEAR_FROM` tokens seqio's own packer is used: its batch is small there, and it is
-faster (1.7M vs 1.1M tokens/s of `stdlib_py` at 256 on a 2-core host). `use_linear_packing()`
-has seqio's feature converters call `trim_and_pack`; flaxlm's input pipelines do so.
+- below `LINEAR_FROM` tokens, `pack_batches`: seqio's padded batch of `L` examples, the rows'
+  boundaries computed from the examples' lengths alone (a scan over scalars), then each
+  feature's tokens scattered to their places in one op (the default dataset's build 1.1 ->
+  0.5 CPU s, its tokens/s unchanged: benchmarks/RESULTS.md);
+- from `LINEAR_FROM`, `pack_linear`: a `tf.data` scan that holds one row at a time (seqio's
+  batch there is `L x L` per feature: 4 GiB at 32k tokens and 64 GiB at 128k).
+
+`use_linear_packing()` has seqio's feature converters call `trim_and_pack`; flaxlm's input
+pipelines do so.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import seqio
@@ -26,14 +34,68 @@ LINEAR_FROM = 8192  # seqio's padded batch there: 8192 x 8192 int32, 256 MiB a f
 def trim_and_pack(
     dataset: tf.data.Dataset, feature_lengths: Mapping[str, int], use_custom_ops: bool = False
 ) -> tf.data.Dataset:
-    """`seqio.utils.trim_and_pack_dataset(dataset, feature_lengths)`'s rows: seqio's own
-    below `LINEAR_FROM` tokens (and for features of rank > 1, or custom ops), else
-    `pack_linear`'s."""
+    """`seqio.utils.trim_and_pack_dataset(dataset, feature_lengths)`'s rows: `pack_batches`'
+    below `LINEAR_FROM` tokens, `pack_linear`'s from there, seqio's own for features of
+    rank > 1 or custom ops."""
     spec = dataset.element_spec
-    short = max(feature_lengths.values()) < LINEAR_FROM
-    if short or use_custom_ops or any(len(spec[k].shape) != 1 for k in feature_lengths):
+    if use_custom_ops or any(len(spec[k].shape) != 1 for k in feature_lengths):
         return _SEQIO_TRIM_AND_PACK(dataset, feature_lengths, use_custom_ops)
+    if max(feature_lengths.values()) < LINEAR_FROM:
+        return pack_batches(dataset, feature_lengths)
     return pack_linear(dataset, feature_lengths)
+
+
+def pack_batches(dataset: tf.data.Dataset, feature_lengths: Mapping[str, int]) -> tf.data.Dataset:
+    """seqio's packed rows of the 1-D features `feature_lengths` names, packed as seqio does
+    (batches of `L` examples padded to their longest) by explicit graph ops."""
+    keys = list(feature_lengths)
+    limits = tf.constant([feature_lengths[k] for k in keys], tf.int32)
+    ds = dataset.map(
+        lambda x: {k: tf.cast(x[k][: feature_lengths[k]], tf.int32) for k in keys},
+        num_parallel_calls=tf.data.AUTOTUNE,
+    )
+    ds = ds.padded_batch(max(feature_lengths.values()), padded_shapes={k: [-1] for k in keys})
+
+    def place(state, lengths):
+        """The next example (its lengths, one a feature) in the row being filled, or, if a
+        feature does not fit, at the start of the next row: (sizes after it, row, start)."""
+        sizes, row, _ = state
+        fits = tf.reduce_all(sizes + lengths <= limits)
+        start = tf.where(fits, sizes, tf.zeros_like(sizes))
+        return start + lengths, tf.where(fits, row, row + 1), start
+
+    def pack(x: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+        # seqio reads an example as its first `count_nonzero` tokens (padding was its zeros).
+        lengths = tf.stack([tf.math.count_nonzero(x[k], 1, dtype=tf.int32) for k in keys], 1)
+        empty = tf.zeros([len(keys)], tf.int32)
+        _, rows, starts = tf.scan(place, lengths, (empty, tf.constant(0), empty))
+        num_rows = rows[-1] + 1
+        out = {}
+        for i, k in enumerate(keys):
+            width = tf.shape(x[k])[1]
+            at = tf.where(tf.range(width)[None, :] < lengths[:, i : i + 1])  # (example, token)
+            example, token = tf.cast(at[:, 0], tf.int32), tf.cast(at[:, 1], tf.int32)
+            to = tf.stack([tf.gather(rows, example), tf.gather(starts[:, i], example) + token], 1)
+            shape = tf.stack([num_rows, feature_lengths[k]])
+            out[k] = tf.scatter_nd(to, tf.gather_nd(x[k], at), shape)
+            out[k + "_positions"] = tf.scatter_nd(to, token, shape)
+            starts_of_segments = tf.cast(tf.equal(out[k + "_positions"], 0), tf.int32)
+            out[k + "_segment_ids"] = tf.cumsum(starts_of_segments, axis=1) * tf.cast(
+                tf.not_equal(out[k], 0), tf.int32
+            )
+        return out
+
+    ds = ds.map(pack, num_parallel_calls=tf.data.AUTOTUNE).unbatch()
+    return ds.map(functools.partial(_set_lengths, feature_lengths))
+
+
+def _set_lengths(
+    feature_lengths: Mapping[str, int], row: Mapping[str, tf.Tensor]
+) -> dict[str, tf.Tensor]:
+    """`row` with each packed feature's static length, `[feature_lengths[feature]]`."""
+    for k, v in row.items():
+        v.set_shape([feature_lengths[k.removesuffix("_positions").removesuffix("_segment_ids")]])
+    return dict(row)
 
 
 def pack_linear(dataset: tf.data.Dataset, feature_lengths: Mapping[str, int]) -> tf.data.Dataset:

@@ -62,8 +62,11 @@ _TF_CONFIGURED = False
 # process, ~1 s of a default run's start. These modules' mapped functions have no such
 # control flow (a `bool()` or iteration of a tensor in graph mode would fail loudly, not
 # change a result), so tf.data calls them as written. seqio.utils stays converted: its
-# packing loop (`_pack_with_tf_ops`) is a Python `for` over `tf.range`.
+# map wrappers call the task's own functions, which AutoGraph converts through them; its
+# packing loop (`_pack_with_tf_ops`, a Python `for` over `tf.range`) is not used
+# (`packing.trim_and_pack` makes its rows from explicit graph ops).
 NOT_AUTOGRAPHED = (
+    "flaxlm.data.packing",
     "seqio.preprocessors",
     "seqio.feature_converters",
     "seqio.vocabularies",
