@@ -86,7 +86,9 @@ def pack_batches(dataset: tf.data.Dataset, feature_lengths: Mapping[str, int]) -
         return out
 
     ds = ds.map(pack, num_parallel_calls=tf.data.AUTOTUNE).unbatch()
-    return ds.map(functools.partial(_set_lengths, feature_lengths))
+    return ds.map(
+        functools.partial(_set_lengths, feature_lengths), num_parallel_calls=tf.data.AUTOTUNE
+    )
 
 
 def _set_lengths(
