@@ -209,3 +209,41 @@ def test_a_save_killed_before_its_commit_is_never_restored(tmp_path):
     reopened.close()
     assert not partial.exists()
     assert checkpointer.Checkpointer(str(tmp_path)).all_steps() == [1, 2]
+
+
+def test_one_process_saves_replicated_arrays_without_compiling(tmp_path):
+    """Arrays replicated over 8 devices (data parallelism) saved by one process: orbax's
+    replica-parallel save would cut each replica's slice on its device, a program compiled
+    per shape and replica (8 here for each array), for bytes the same host writes anyway;
+    off in one process (`checkpointer.REPLICA_PARALLEL_MIN_SLICE_BYTES`). They restore."""
+    from jax import monitoring
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Partitioner(mesh_shape=(8, 1, 1)).mesh
+    replicated = NamedSharding(mesh, P())
+    state = {
+        f"w{i}": jax.device_put(np.arange(8 * n, dtype=np.float32).reshape(8, n), replicated)
+        for i, n in enumerate((3, 5, 7))
+    }
+    compiles = []
+
+    def on_duration(event: str, seconds: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        ckpt = checkpointer.Checkpointer(str(tmp_path))
+        ckpt.save(1, state, None, "config")
+        ckpt.wait()
+    finally:
+        monitoring.unregister_event_duration_listener(on_duration)
+    assert compiles == []
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state
+    )
+    restored = ckpt.restore(1, abstract)
+    ckpt.close()
+    for name, value in state.items():
+        np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(value))
