@@ -6,7 +6,9 @@ Two sources at the same shapes as the step that would consume them:
   sources) through an HF tokenizer (a BPE trained here, nothing downloaded), packed prefix-LM
   rows of `--seq-len // 2` input + `--seq-len // 2` target tokens.
 
-For each, the pipeline side times `--batches` host batches out of `pipeline.host_input` (after
+For each, the CPU seconds (all threads) to build the pipeline (`pipeline.host_input`: seqio's
+graph building, AutoGraph) and to its first batch (the shuffle buffer filled), then the
+pipeline side times `--batches` host batches out of `pipeline.host_input` (after
 warm-up) as numpy, the step side times `--steps` partitioned train steps of the tiny GPT-J on
 one such batch. Tokens are row positions (batch x length); the non-padding share is reported.
 
@@ -118,9 +120,13 @@ def measure(name: str, lengths: dict, vocab_size: int, args: argparse.Namespace)
     )
     converter = seqio.DecoderFeatureConverter
     layout = partitioner.data_layout(cfg.batch_size)
-    iterator = pipeline.DataIterator(
-        pipeline.host_input(cfg, layout, converter), partitioner, layout
-    )
+    cpu = time.process_time()  # all the process's threads: tf.data's too
+    source = pipeline.host_input(cfg, layout, converter)
+    build_cpu = time.process_time() - cpu
+    iterator = pipeline.DataIterator(source, partitioner, layout)
+    cpu = time.process_time()
+    iterator.next_numpy()
+    first_batch_cpu = time.process_time() - cpu
     feature_lengths = pipeline.model_feature_lengths(cfg, converter)
     time_pipeline(iterator, 3)  # warm-up: tf.data threads, shuffle buffer
     pipe, real = [], []
@@ -140,6 +146,8 @@ def measure(name: str, lengths: dict, vocab_size: int, args: argparse.Namespace)
         "pipeline_tokens_per_second_per_host": statistics.median(pipe),
         "train_step_tokens_per_second": statistics.median(steps),
         "non_padding_share": statistics.median(real),
+        "build_cpu_seconds": build_cpu,
+        "first_batch_cpu_seconds": first_batch_cpu,
         "rounds": {"pipeline": pipe, "train_step": steps},
     }
     result["ratio"] = (
@@ -192,13 +200,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ]
     machine = machine_description()
     print(f"machine: {machine}; B{args.batch_size}xL{args.seq_len}, GPT-J 4x256")
-    print("| task | pipeline tok/s/host | train step tok/s | ratio | non-padding |")
+    print(
+        "| task | pipeline tok/s/host | train step tok/s | ratio | non-padding "
+        "| build CPU s | first batch CPU s |"
+    )
     for r in runs:
         print(
             f"| {r['task']} {r['task_feature_lengths']} | "
             f"{r['pipeline_tokens_per_second_per_host']:,.0f} | "
             f"{r['train_step_tokens_per_second']:,.0f} | {r['ratio']:.1f} | "
-            f"{r['non_padding_share']:.2f} |"
+            f"{r['non_padding_share']:.2f} | {r['build_cpu_seconds']:.2f} | "
+            f"{r['first_batch_cpu_seconds']:.2f} |"
         )
     results = {"command": " ".join(["python", *sys.argv]), "machine": machine, "runs": runs}
     if args.json:
