@@ -22,7 +22,8 @@ pipelines do so.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import seqio
 import tensorflow as tf
@@ -49,21 +50,33 @@ def pack_batches(dataset: tf.data.Dataset, feature_lengths: Mapping[str, int]) -
     """seqio's packed rows of the 1-D features `feature_lengths` names, packed as seqio does
     (batches of `L` examples padded to their longest) by explicit graph ops."""
     keys = list(feature_lengths)
-    limits = tf.constant([feature_lengths[k] for k in keys], tf.int32)
     ds = dataset.map(
         lambda x: {k: tf.cast(x[k][: feature_lengths[k]], tf.int32) for k in keys},
         num_parallel_calls=tf.data.AUTOTUNE,
     )
     ds = ds.padded_batch(max(feature_lengths.values()), padded_shapes={k: [-1] for k in keys})
+    ds = ds.map(_batch_packer(tuple(feature_lengths.items())), num_parallel_calls=tf.data.AUTOTUNE)
+    return ds.unbatch().map(
+        functools.partial(_set_lengths, feature_lengths), num_parallel_calls=tf.data.AUTOTUNE
+    )
+
+
+@functools.cache
+def _batch_packer(feature_lengths: tuple[tuple[str, int], ...]) -> Callable[..., Any]:
+    """The packing of one padded batch, a `tf.function` traced once for all the datasets that
+    pack these features (a host's logical shards: tf.data calls it from each one's map)."""
+    keys = [k for k, _ in feature_lengths]
+    lengths_of = dict(feature_lengths)
 
     def place(state, lengths):
         """The next example (its lengths, one a feature) in the row being filled, or, if a
         feature does not fit, at the start of the next row: (sizes after it, row, start)."""
         sizes, row, _ = state
-        fits = tf.reduce_all(sizes + lengths <= limits)
+        fits = tf.reduce_all(sizes + lengths <= [lengths_of[k] for k in keys])
         start = tf.where(fits, sizes, tf.zeros_like(sizes))
         return start + lengths, tf.where(fits, row, row + 1), start
 
+    @tf.function(autograph=False)
     def pack(x: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         # seqio reads an example as its first `count_nonzero` tokens (padding was its zeros).
         lengths = tf.stack([tf.math.count_nonzero(x[k], 1, dtype=tf.int32) for k in keys], 1)
@@ -76,7 +89,7 @@ def pack_batches(dataset: tf.data.Dataset, feature_lengths: Mapping[str, int]) -
             at = tf.where(tf.range(width)[None, :] < lengths[:, i : i + 1])  # (example, token)
             example, token = tf.cast(at[:, 0], tf.int32), tf.cast(at[:, 1], tf.int32)
             to = tf.stack([tf.gather(rows, example), tf.gather(starts[:, i], example) + token], 1)
-            shape = tf.stack([num_rows, feature_lengths[k]])
+            shape = tf.stack([num_rows, lengths_of[k]])
             out[k] = tf.scatter_nd(to, tf.gather_nd(x[k], at), shape)
             out[k + "_positions"] = tf.scatter_nd(to, token, shape)
             starts_of_segments = tf.cast(tf.equal(out[k + "_positions"], 0), tf.int32)
@@ -85,10 +98,7 @@ def pack_batches(dataset: tf.data.Dataset, feature_lengths: Mapping[str, int]) -
             )
         return out
 
-    ds = ds.map(pack, num_parallel_calls=tf.data.AUTOTUNE).unbatch()
-    return ds.map(
-        functools.partial(_set_lengths, feature_lengths), num_parallel_calls=tf.data.AUTOTUNE
-    )
+    return pack
 
 
 def _set_lengths(
