@@ -9,7 +9,7 @@ import os
 import signal
 
 import tasks  # noqa: F401
-from flaxlm.checkpoints import checkpointer
+from flaxlm.checkpoints import checkpointer, data_state
 from flaxlm.training import metrics, steps
 
 WHERE, _, STEP = os.environ.get("FLAXLM_TEST_KILL", "").partition(":")
@@ -21,7 +21,7 @@ def _die() -> None:
 
 
 if WHERE == "save":
-    _save = checkpointer.DatasetCheckpointHandler.save
+    _save = data_state.DatasetCheckpointHandler.save
 
     def _save_then_die(self, directory, args):
         _save(self, directory, args)
@@ -30,7 +30,7 @@ if WHERE == "save":
             assert "tmp" in directory.parent.name, directory
             _die()
 
-    checkpointer.DatasetCheckpointHandler.save = _save_then_die
+    data_state.DatasetCheckpointHandler.save = _save_then_die
 
 elif WHERE == "eval":
     _last_logged = [None]

@@ -8,7 +8,7 @@ import pytest
 import seqio
 
 import tasks  # noqa: F401
-from flaxlm.checkpoints import checkpointer
+from flaxlm.checkpoints import checkpointer, data_state
 from flaxlm.data import pipeline
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import steps as train_steps
@@ -108,7 +108,7 @@ def test_data_iterator_position_is_restored(tmp_path):
     other_it = pipeline.DataIterator(
         pipeline.host_input(cfg, other_layout, seqio.DecoderFeatureConverter), other, other_layout
     )
-    with pytest.raises(checkpointer.DataIteratorMismatchError, match="num_input_shards"):
+    with pytest.raises(data_state.DataIteratorMismatchError, match="num_input_shards"):
         checkpointer.Checkpointer(str(tmp_path)).restore_latest(setup.abstract_state, other_it)
 
 

@@ -14,12 +14,12 @@ read the same shards, and no host builds the whole global batch unless its devic
 it. A host's rows go to the mesh through `jax.make_array_from_process_local_data`.
 
 Each logical shard's iterator is checkpointed with the train state (shuffle buffers and
-position included; `checkpoints.DatasetCheckpointHandler`), once, by the lowest-numbered process
-that reads it. A run restored with any process count (and the same R) continues with exactly
-the batches an uninterrupted run would have seen, across epoch boundaries too. Each logical
-shard is a full seqio pipeline (own shuffle buffer and packing), so a host reading many shards
-pays their start-up once; `num_input_shards=1` is one pipeline that every host reads whole and
-slices (fine for one host or small batches).
+position included; `checkpoints.data_state.DatasetCheckpointHandler`), once, by the
+lowest-numbered process that reads it. A run restored with any process count (and the same
+R) continues with exactly the batches an uninterrupted run would have seen, across epoch
+boundaries too. Each logical shard is a full seqio pipeline (own shuffle buffer and packing),
+so a host reading many shards pays their start-up once; `num_input_shards=1` is one pipeline
+that every host reads whole and slices (fine for one host or small batches).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import gin
 import jax
 import optax
 
-from flaxlm.checkpoints import checkpointer, hf, peft_dir, run_dir
+from flaxlm.checkpoints import checkpointer, data_state, hf, peft_dir, run_dir
 from flaxlm.data import deferred, pipeline
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
@@ -219,8 +219,8 @@ def train(
     objective.check_data(converter)
     feature_lengths = pipeline.model_feature_lengths(train_dataset_cfg, converter)
     checks.check_sequence_split(model, partitioner, feature_lengths)
-    checkpointer.check_resumed_lengths(train_dataset_cfg.task_feature_lengths, model_dir)
-    train_dataset_cfg = checkpointer.resumed_input_shards(train_dataset_cfg, partitioner, model_dir)
+    data_state.check_resumed_lengths(train_dataset_cfg.task_feature_lengths, model_dir)
+    train_dataset_cfg = data_state.resumed_input_shards(train_dataset_cfg, partitioner, model_dir)
     # From here on a first SIGTERM/SIGINT is a request to stop cleanly: during set-up, before
     # the first step; in the loop, after the current step, saving it (see run_steps).
     signals = preemption.PreemptionHandler().install()
