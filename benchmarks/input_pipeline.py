@@ -60,6 +60,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, default=20, help="timed pipeline batches")
     p.add_argument("--steps", type=int, default=5, help="timed train steps (0: the pipeline alone)")
     p.add_argument("--repeats", type=int, default=3, help="alternating rounds of both")
+    p.add_argument(
+        "--input-shards",
+        type=int,
+        default=None,
+        help="logical input shards this host reads (DatasetConfig.num_input_shards; default 1)",
+    )
     p.add_argument("--hf-vocab-size", type=int, default=2048)
     p.add_argument("--json", metavar="PATH")
     return p.parse_args(argv)
@@ -116,7 +122,10 @@ def time_pipeline(iterator, batches: int) -> tuple[float, float]:
 def measure(name: str, lengths: dict, vocab_size: int, args: argparse.Namespace) -> dict:
     partitioner = Partitioner()
     cfg = pipeline.DatasetConfig(
-        mixture_or_task_name=name, task_feature_lengths=lengths, batch_size=args.batch_size
+        mixture_or_task_name=name,
+        task_feature_lengths=lengths,
+        batch_size=args.batch_size,
+        num_input_shards=args.input_shards,
     )
     converter = seqio.DecoderFeatureConverter
     layout = partitioner.data_layout(cfg.batch_size)
@@ -199,7 +208,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
             measure(jsonl_name, {"inputs": half, "targets": half}, jsonl_vocab, args),
         ]
     machine = machine_description()
-    print(f"machine: {machine}; B{args.batch_size}xL{args.seq_len}, GPT-J 4x256")
+    shards = args.input_shards or 1
+    print(
+        f"machine: {machine}; B{args.batch_size}xL{args.seq_len}, "
+        f"{shards} input shard(s), GPT-J 4x256"
+    )
     print(
         "| task | pipeline tok/s/host | train step tok/s | ratio | non-padding "
         "| build CPU s | first batch CPU s |"
