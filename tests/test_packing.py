@@ -148,3 +148,27 @@ def test_flaxlm_packers_make_seqios_rows_token_for_token(packer, lengths, exampl
         assert sorted(w) == sorted(g)
         for k in w:
             np.testing.assert_array_equal(g[k], w[k], err_msg=k)
+
+
+def test_a_data_position_saved_under_seqios_packer_restores_into_flaxlms(tmp_path):
+    """A run checkpointed before flaxlm packed short rows itself (seqio's packer) resumes
+    with the next batches it would have read: the iterator's structure is seqio's."""
+    pipeline.configure_tensorflow()
+    lengths = {"targets": 16}
+    rng = np.random.default_rng(0)
+    rows = tf.ragged.constant([rng.integers(1, 5, rng.integers(0, 30)) for _ in range(400)])
+
+    def source():
+        return tf.data.Dataset.from_tensor_slices(rows).map(lambda r: {"targets": r})
+
+    saved = iter(packing._SEQIO_TRIM_AND_PACK(source(), lengths).batch(4))
+    for _ in range(7):
+        next(saved)
+    path = tf.train.Checkpoint(iterator=saved).write(str(tmp_path / "position"))
+    want = [next(saved) for _ in range(5)]
+    restored = iter(packing.pack_batches(source(), lengths).batch(4))
+    tf.train.Checkpoint(iterator=restored).read(path).assert_consumed()
+    for w in want:
+        got = next(restored)
+        for k in w:
+            np.testing.assert_array_equal(got[k].numpy(), w[k].numpy(), err_msg=k)

@@ -46,15 +46,21 @@ def trim_and_pack(
     return pack_linear(dataset, feature_lengths)
 
 
+def _trimmed(dataset: tf.data.Dataset, feature_lengths: Mapping[str, int]) -> tf.data.Dataset:
+    """The features `feature_lengths` names, cut to their lengths, as int32 (seqio's first
+    step of packing; the other features dropped)."""
+    return dataset.map(
+        lambda x: {k: tf.cast(x[k][:n], tf.int32) for k, n in feature_lengths.items()},
+        num_parallel_calls=tf.data.AUTOTUNE,
+    )
+
+
 def pack_batches(dataset: tf.data.Dataset, feature_lengths: Mapping[str, int]) -> tf.data.Dataset:
     """seqio's packed rows of the 1-D features `feature_lengths` names, packed as seqio does
     (batches of `L` examples padded to their longest) by explicit graph ops."""
-    keys = list(feature_lengths)
-    ds = dataset.map(
-        lambda x: {k: tf.cast(x[k][: feature_lengths[k]], tf.int32) for k in keys},
-        num_parallel_calls=tf.data.AUTOTUNE,
-    )
-    ds = ds.padded_batch(max(feature_lengths.values()), padded_shapes={k: [-1] for k in keys})
+    ds = _trimmed(dataset, feature_lengths)
+    padded = {k: [-1] for k in feature_lengths}
+    ds = ds.padded_batch(max(feature_lengths.values()), padded_shapes=padded)
     ds = ds.map(_batch_packer(tuple(feature_lengths.items())), num_parallel_calls=tf.data.AUTOTUNE)
     return ds.unbatch().map(
         functools.partial(_set_lengths, feature_lengths), num_parallel_calls=tf.data.AUTOTUNE
@@ -104,7 +110,10 @@ def _batch_packer(feature_lengths: tuple[tuple[str, int], ...]) -> Callable[...,
 def _set_lengths(
     feature_lengths: Mapping[str, int], row: Mapping[str, tf.Tensor]
 ) -> dict[str, tf.Tensor]:
-    """`row` with each packed feature's static length, `[feature_lengths[feature]]`."""
+    """`row` with each packed feature's static length, `[feature_lengths[feature]]`. Only
+    that, as seqio's last map: tf.data's rewrites then give the iterator seqio's structure,
+    so a data position checkpointed under seqio's packer restores (segment ids computed here
+    instead, as `pack_linear` does, changed it)."""
     for k, v in row.items():
         v.set_shape([feature_lengths[k.removesuffix("_positions").removesuffix("_segment_ids")]])
     return dict(row)
@@ -114,10 +123,7 @@ def pack_linear(dataset: tf.data.Dataset, feature_lengths: Mapping[str, int]) ->
     """seqio's packed rows of the 1-D features `feature_lengths` names, one row in memory."""
     keys = list(feature_lengths)
     flush_every = max(feature_lengths.values())  # seqio's batch of examples per packing
-    ds = dataset.map(
-        lambda x: {k: tf.cast(x[k][: feature_lengths[k]], tf.int32) for k in keys},
-        num_parallel_calls=tf.data.AUTOTUNE,
-    )
+    ds = _trimmed(dataset, feature_lengths)
     # seqio reads an example as its first `count_nonzero` tokens (padding was its zeros).
     ds = ds.map(lambda x: {k: v[: tf.math.count_nonzero(v, dtype=tf.int32)] for k, v in x.items()})
     empty = {k: tf.zeros([0], tf.int32) for k in keys}
