@@ -49,6 +49,7 @@ import numpy as np  # noqa: E402
 import seqio  # noqa: E402
 
 from flaxlm.data import pipeline  # noqa: E402
+from flaxlm.data.config import DatasetConfig  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
 from flaxlm.models.features import PromptFeatureConverter  # noqa: E402
 from flaxlm.parallel.partitioning import Partitioner  # noqa: E402
@@ -65,7 +66,7 @@ def tiny_gptj(scan_layers: bool = False) -> DecoderOnlyModel:
     return bench_common.gin_model("gptj_tiny", scan_layers=scan_layers)
 
 
-def prompt_iterator(partitioner: Partitioner) -> tuple[Any, pipeline.DatasetConfig]:
+def prompt_iterator(partitioner: Partitioner) -> tuple[Any, DatasetConfig]:
     from tasks import jsonl
 
     repo = bench_common.REPO
@@ -73,7 +74,7 @@ def prompt_iterator(partitioner: Partitioner) -> tuple[Any, pipeline.DatasetConf
     name = jsonl.register_jsonl_task(
         "arithmetic_bench", files, input_key="prompt", target_key="answer"
     )
-    cfg = pipeline.DatasetConfig(
+    cfg = DatasetConfig(
         mixture_or_task_name=name,
         task_feature_lengths={"inputs": PROMPT_LEN, "targets": 4},
         batch_size=PROMPTS,

@@ -39,6 +39,7 @@ from bench_common import machine_description  # noqa: E402  (puts the repository
 
 import tasks  # noqa: E402, F401
 from flaxlm.data import pipeline  # noqa: E402
+from flaxlm.data.config import DatasetConfig
 from flaxlm.data.vocabularies import HuggingFaceVocabulary  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
 from flaxlm.models.gptj import GPTJConfig  # noqa: E402
@@ -121,7 +122,7 @@ def time_pipeline(iterator, batches: int) -> tuple[float, float]:
 
 def measure(name: str, lengths: dict, vocab_size: int, args: argparse.Namespace) -> dict:
     partitioner = Partitioner()
-    cfg = pipeline.DatasetConfig(
+    cfg = DatasetConfig(
         mixture_or_task_name=name,
         task_feature_lengths=lengths,
         batch_size=args.batch_size,

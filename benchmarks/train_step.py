@@ -73,6 +73,7 @@ from absl import logging  # noqa: E402
 
 import tasks  # noqa: E402, F401  (registers stdlib_py)
 from flaxlm.data import pipeline  # noqa: E402
+from flaxlm.data.config import DatasetConfig
 from flaxlm.models import attention, layers  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
 from flaxlm.models.batch_shapes import batch_shapes_from  # noqa: E402
@@ -345,7 +346,7 @@ def measure_input_wait(
     packed stdlib_py pipeline (its own compile of flaxlm's step: packed batches carry segment
     ids and positions)."""
     start = time.perf_counter()
-    cfg = pipeline.DatasetConfig(
+    cfg = DatasetConfig(
         mixture_or_task_name="stdlib_py",
         task_feature_lengths={"targets": shape["seq_len"]},
         batch_size=shape["batch_size"],

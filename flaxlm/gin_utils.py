@@ -298,6 +298,23 @@ def run(fn: Callable[[], Any] = gin.REQUIRED) -> Any:
     return fn()
 
 
+def bound_runs() -> list[str]:
+    """The run functions the parsed config binds (`run.fn`, or each of `run_in_order.fns`)
+    as "module.function" ("flaxlm.runs.train.train"); [] if none is bound."""
+
+    def name(reference: Any) -> str:
+        fn = getattr(getattr(reference, "configurable", None), "wrapped", None)
+        return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__name__', '')}"
+
+    try:
+        bound = gin.query_parameter("run.fn")
+        if name(bound) == f"{__name__}.run_in_order":
+            bound = gin.query_parameter("run_in_order.fns")
+    except ValueError:
+        return []
+    return [name(r) for r in (bound if isinstance(bound, list | tuple) else [bound])]
+
+
 @gin.configurable
 def run_in_order(fns: Sequence[Callable[[], Any]] = gin.REQUIRED) -> list[Any]:
     """Several run functions, one after another (`run.fn = @run_in_order`, e.g.

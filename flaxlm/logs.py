@@ -24,6 +24,8 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
+_QUIET = False
+
 
 def configure(quiet: bool) -> None:
     """Sets the Python log levels, and the C++ log level for libraries not loaded yet.
@@ -31,6 +33,8 @@ def configure(quiet: bool) -> None:
     `quiet`: only errors from the libraries (absl verbosity ERROR, `warnings` routed into
     logging at WARNING, so hidden too); otherwise absl's `--verbosity` stands.
     """
+    global _QUIET
+    _QUIET = quiet
     if not quiet:
         return
     from absl import logging as absl_logging
@@ -39,6 +43,11 @@ def configure(quiet: bool) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     absl_logging.set_verbosity(absl_logging.ERROR)
     logging.captureWarnings(True)
+
+
+def is_quiet() -> bool:
+    """Whether `configure` made the libraries quiet (a process this one starts does too)."""
+    return _QUIET
 
 
 @contextlib.contextmanager

@@ -8,7 +8,6 @@ the run function bound in Gin (`run.fn = @train`).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib
 import importlib.abc
@@ -18,8 +17,6 @@ import platform
 import signal
 import sys
 import traceback
-import types
-from collections.abc import Iterator
 from typing import Any
 
 from absl import app, flags, logging
@@ -88,8 +85,11 @@ def _initialize_distributed() -> None:
 # module no file imports): every run's configurables (`train.train`, `infer.infer`, the
 # model families, ...). The ready-to-run files import what they use, so a run loads only
 # its own modules: `infer` and `serve` never load the training input pipeline.
+TRAIN_RUN = "flaxlm.runs.train.train"  # (the run that reads its data in an input process)
+
 REGISTERING_MODULES = (
     "flaxlm.models",
+    "flaxlm.data.config",
     "flaxlm.data.pipeline",
     "flaxlm.plan.planner",
     "flaxlm.runs.convert",
@@ -98,62 +98,6 @@ REGISTERING_MODULES = (
     "flaxlm.runs.serve",
     "flaxlm.runs.train",
 )
-
-
-# Installed modules hidden while TensorFlow loads. keras (which TensorFlow imports, and
-# tensorflow_text needs) imports scikit-learn, when it is there, for its scikit-learn
-# wrappers alone (~1-1.5 s of every start that reads data), pandas for its DataFrame input
-# adapter and scipy for sparse inputs (TensorFlow's legacy keras too; ~0.5 s together):
-# classes and inputs flaxlm never uses. keras and TensorFlow guard each import and go
-# without. They stay importable otherwise: a task module may use them.
-HIDDEN_WHILE_TENSORFLOW_LOADS = ("sklearn", "pandas", "scipy")
-
-
-@contextlib.contextmanager
-def modules_hidden(names: tuple[str, ...]) -> Iterator[None]:
-    """`import name` raises ImportError inside the block for each of `names` not yet imported
-    (Python's own sys.modules convention), and works again after it."""
-    hidden = [name for name in names if name not in sys.modules]
-    for name in hidden:
-        sys.modules[name] = None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        for name in hidden:
-            if sys.modules.get(name, "") is None:
-                del sys.modules[name]
-
-
-class HiddenWhileLoading(importlib.abc.MetaPathFinder):
-    """An import hook: the first import of `module`, whoever asks for it (a Gin file's
-    import, a task module, seqio), runs with `hidden` hidden (`modules_hidden`). Finds
-    nothing itself and leaves `sys.meta_path` once `module` is found."""
-
-    def __init__(self, module: str, hidden: tuple[str, ...]):
-        self.module = module
-        self.hidden = hidden
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.module:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-        hidden = self.hidden
-
-        def exec_hidden(module: types.ModuleType) -> None:
-            with modules_hidden(hidden):
-                exec_module(module)
-
-        spec.loader.exec_module = exec_hidden  # type: ignore[method-assign]
-        return spec
-
-    def install(self) -> None:
-        """Puts the hook first in `sys.meta_path` (unless `module` is already imported)."""
-        if self.module not in sys.modules and self not in sys.meta_path:
-            sys.meta_path.insert(0, self)
 
 
 def check_process_flags(address: str, count: int, index: int) -> str | None:
@@ -293,7 +237,14 @@ def main(argv: list[str]) -> None:
     quiet = not FLAGS["verbosity"].present
     logs.configure(quiet)
     platforms.exclude_absent_tpu()  # (also done by `import flaxlm`; a no-op once done)
-    HiddenWhileLoading("tensorflow", HIDDEN_WHILE_TENSORFLOW_LOADS).install()
+    startup.hide_while_tensorflow_loads()
+    from flaxlm.data import input_process
+
+    if not FLAGS["tasks_module"].present and "tensorflow" not in sys.modules:
+        # A training run reads its data in a process of its own (data/input_process.py):
+        # started now, it imports TensorFlow on another core while this one imports JAX and
+        # parses the Gin files; ended once they say the run is not one that takes it.
+        input_process.start_early()
     with logs.native_stderr_hidden(quiet):
         # The libraries write their C++ start-up lines while they load and first touch the
         # devices: importing TensorFlow (a Gin file's imports may), hiding the accelerators
@@ -312,6 +263,8 @@ def main(argv: list[str]) -> None:
         _parse_gin()
         if profile:
             profile.mark("Gin: parse (imports the modules the files name)")
+        if "tensorflow" in sys.modules or TRAIN_RUN not in gin_utils.bound_runs():
+            input_process.discard_early()
         if FLAGS["tasks_module"].present or "seqio" in sys.modules:
             # The tasks register where the run reads data (its Gin files loaded seqio), and a
             # module the user names (it may hook the run) always. Elsewhere, the input

@@ -10,6 +10,7 @@ import seqio
 import tasks  # noqa: F401
 from flaxlm.checkpoints import checkpointer, data_state
 from flaxlm.data import pipeline
+from flaxlm.data.config import DatasetConfig
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import steps as train_steps
 from flaxlm.training.steps import Setup
@@ -71,7 +72,7 @@ def test_restore_on_other_mesh_gives_same_params_and_next_loss(tmp_path):
 @pytest.mark.slow
 def test_data_iterator_position_is_restored(tmp_path):
     partitioner = Partitioner(mesh_shape=(2, 1, 4))  # 2 logical input shards
-    cfg = pipeline.DatasetConfig(
+    cfg = DatasetConfig(
         mixture_or_task_name="stdlib_py", task_feature_lengths={"targets": 32}, batch_size=8
     )
     layout = partitioner.data_layout(8)

@@ -9,6 +9,7 @@ import seqio
 
 import tasks  # noqa: F401  (registers the default task)
 from flaxlm.data import pipeline
+from flaxlm.data.config import DatasetConfig
 from flaxlm.parallel.partitioning import Partitioner
 from tasks import stdlib
 from tasks.text_files import register_text_files_task
@@ -22,7 +23,7 @@ def _cfg(**kw):
         seed=0,
     )
     base.update(kw)
-    return pipeline.DatasetConfig(**base)
+    return DatasetConfig(**base)
 
 
 def test_stdlib_split_is_deterministic_and_disjoint():

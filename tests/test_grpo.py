@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from flaxlm.data import pipeline
+from flaxlm.data.config import DatasetConfig
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.posttrain import rewards, rl
 from flaxlm.runs import grpo
@@ -42,7 +42,7 @@ def run(task, model_dir, steps, **config):
     return grpo.grpo(
         model=tiny_gptj(vocab_size=384, max_position_embeddings=32),
         partitioner=Partitioner(mesh_shape=(2, 2, 2)),
-        train_dataset_cfg=pipeline.DatasetConfig(
+        train_dataset_cfg=DatasetConfig(
             mixture_or_task_name=task,
             task_feature_lengths={"inputs": 8, "targets": 4},
             batch_size=4,

@@ -13,7 +13,7 @@ import seqio
 from flax import traverse_util
 
 from flaxlm.checkpoints import run_dir
-from flaxlm.data import pipeline
+from flaxlm.data.config import DatasetConfig
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.posttrain import rewards, rl
 from flaxlm.runs import grpo
@@ -49,7 +49,7 @@ def lora_run(task, tmp_path_factory):
     state = grpo.grpo(
         model=model(),
         partitioner=Partitioner(mesh_shape=(2, 2, 2)),
-        train_dataset_cfg=pipeline.DatasetConfig(
+        train_dataset_cfg=DatasetConfig(
             mixture_or_task_name=task,
             task_feature_lengths={"inputs": PROMPT, "targets": 4},
             batch_size=4,

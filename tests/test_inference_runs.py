@@ -11,7 +11,7 @@ import seqio
 
 from flaxlm.checkpoints import hf, run_dir
 from flaxlm.data import jsonl as jsonl_files
-from flaxlm.data import pipeline
+from flaxlm.data.config import DatasetConfig
 from flaxlm.inference import generation
 from flaxlm.models import base, t5
 from flaxlm.parallel.partitioning import Partitioner
@@ -227,7 +227,7 @@ def test_task_evaluator_runs_the_tasks_metrics_on_generated_text():
     model = base.EncoderDecoderModel(config)
     partitioner = Partitioner(mesh_shape=(1, 4, 2))
     params = model.init_params(jax.random.PRNGKey(0), model.example_batch_shapes())
-    cfg = pipeline.DatasetConfig(
+    cfg = DatasetConfig(
         mixture_or_task_name="stdlib_py_continuation",
         task_feature_lengths={"inputs": 16, "targets": 16},
         split="validation",

@@ -15,7 +15,7 @@ from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
 from flaxlm.checkpoints import checkpointer, hf, run_dir
-from flaxlm.data import pipeline
+from flaxlm.data.config import DatasetConfig
 from flaxlm.models import gemma, layers, llama, phi3
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
@@ -287,7 +287,7 @@ def test_lora_run_checkpoints_adapters_and_exports_merged_to_hf(tmp_path):
     model = run_dir.model_from_record(os.path.join(hf_path, "config.json"), partitioner)
     cfg = lora.LoraConfig(rules=RULES, alpha=8.0)
     model_dir = str(tmp_path / "run")
-    dataset = pipeline.DatasetConfig(
+    dataset = DatasetConfig(
         mixture_or_task_name="stdlib_py", task_feature_lengths={"targets": 32}, batch_size=8
     )
     train.train(

@@ -9,6 +9,7 @@ import seqio
 import tensorflow as tf
 
 from flaxlm.data import pipeline
+from flaxlm.data.config import DatasetConfig
 from flaxlm.models.base import EncoderOnlyModel
 from flaxlm.models.features import MaskedLMFeatureConverter
 from flaxlm.models.roberta import RobertaConfig
@@ -51,7 +52,7 @@ def test_bad_masking_arguments_are_named():
 
 
 def test_stdlib_mlm_task_through_the_converter():
-    cfg = pipeline.DatasetConfig(
+    cfg = DatasetConfig(
         mixture_or_task_name="stdlib_py_mlm",
         task_feature_lengths={"inputs": 64, "targets": 64},
         split="validation",

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from flaxlm.data import pipeline
+from flaxlm.data.config import DatasetConfig
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import train
 from flaxlm.training import objective as objective_lib
@@ -69,7 +69,7 @@ def test_a_new_objective_with_a_frozen_reference_trains_through_train(tmp_path):
     import tasks  # noqa: F401 - registers stdlib_py
 
     objective = AnchoredToStart(weight=1e-3)
-    dataset = pipeline.DatasetConfig(
+    dataset = DatasetConfig(
         mixture_or_task_name="stdlib_py", task_feature_lengths={"targets": 32}, batch_size=8
     )
     train.train(

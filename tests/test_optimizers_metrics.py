@@ -60,6 +60,31 @@ def test_jsonl_writer_appends_one_object_per_step(tmp_path):
     assert lines == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5, "eval/loss": 1.7}]
 
 
+def test_tensorboard_event_files_read_as_tensorflows_summaries(tmp_path):
+    """Written without TensorFlow, read by it: the records `tf.summary.scalar` writes."""
+    import tensorflow as tf
+
+    first = metrics.TensorBoardWriter(str(tmp_path))
+    first.write_scalars(3, {"loss": 2.5, "learning_rate": 1e-3})
+    first.close()
+    second = metrics.TensorBoardWriter(str(tmp_path))  # a resumed run: a file of its own
+    second.write_scalars(4, {"loss": 2.25})
+    second.close()
+    files = sorted((tmp_path / "tensorboard").iterdir())
+    assert len(files) == 2 and all(f.name.startswith("events.out.tfevents.") for f in files)
+    seen = []
+    for f in files:
+        for event in tf.compat.v1.train.summary_iterator(str(f)):
+            for value in event.summary.value:
+                assert value.metadata.plugin_data.plugin_name == "scalars"
+                seen.append((event.step, value.tag, float(tf.make_ndarray(value.tensor))))
+    assert sorted(seen) == [
+        (3, "learning_rate", pytest.approx(1e-3)),
+        (3, "loss", 2.5),
+        (4, "loss", 2.25),
+    ]
+
+
 def test_progress_line_shows_step_loss_rate_throughput_and_eta():
     progress = metrics.Progress(total_steps=100, start_step=0, flops_per_token=1e6)
     scalars = {"loss": 2.5, "learning_rate": 1e-3, **progress.rates(1000, 0.5)}

@@ -13,7 +13,7 @@ from flax import traverse_util
 from safetensors.numpy import load_file
 
 from flaxlm.checkpoints import checkpointer, hf, peft_dir, run_dir
-from flaxlm.data import pipeline
+from flaxlm.data.config import DatasetConfig
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import convert, train
 from flaxlm.training import lora
@@ -174,7 +174,7 @@ def test_peft_import_trains_one_step_at_lr_0_to_the_same_adapters(
     path = peft_adapters["qvd"]
     model = hf.model_from_hf_dir(base, partitioner)
     model_dir = str(tmp_path / "run")
-    dataset = pipeline.DatasetConfig(
+    dataset = DatasetConfig(
         mixture_or_task_name="stdlib_py", task_feature_lengths={"targets": 16}, batch_size=8
     )
     train.train(

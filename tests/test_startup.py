@@ -14,8 +14,9 @@ import time
 import gin
 import pytest
 
-from flaxlm import gin_utils, main
+from flaxlm import gin_utils, main, startup
 from flaxlm.data import vocabularies
+from flaxlm.data.config import DatasetConfig
 from flaxlm.parallel import platforms
 from tests.test_main import SMALL, run_main
 
@@ -50,12 +51,16 @@ def test_second_run_compiles_nothing_with_the_compilation_cache(tmp_path, repo_d
                 "--profile_startup",
             ],
             repo_dir,
+            user_env=True,  # a fresh process, as a user starts it (not the tests' zygote)
         )
         assert result.returncode == 0, result.stderr[-3000:]
         return result
 
     first = run("first")
     assert "Start-up profile" in first.stdout and "first step" in first.stdout
+    # The run's own process never loaded TensorFlow (its input process did): the profile
+    # times every first import of it there.
+    assert "import jax" in first.stdout and "import tensorflow" not in first.stdout
     total, hits, compiled = programs(first)
     assert compiled == total > 0 and hits == 0
     # The train step compiled once: ahead of the first step (from the batch's shapes, while
@@ -109,7 +114,7 @@ def test_help_takes_under_a_second_and_imports_no_jax_or_tensorflow(repo_dir):
 def test_hidden_modules_fail_to_import_inside_the_block_and_import_after_it(tmp_path, monkeypatch):
     (tmp_path / "flaxlm_probe_module.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with main.modules_hidden(("flaxlm_probe_module",)):
+    with startup.modules_hidden(("flaxlm_probe_module",)):
         with pytest.raises(ImportError):
             import flaxlm_probe_module  # noqa: F401
     import flaxlm_probe_module
@@ -129,7 +134,7 @@ def test_iterators_check_their_task_at_once_and_are_built_at_first_use_or_on_a_t
     from flaxlm.data import deferred, pipeline
 
     def config(name):
-        return pipeline.DatasetConfig(
+        return DatasetConfig(
             mixture_or_task_name=name, task_feature_lengths={"targets": 8}, batch_size=1
         )
 
@@ -298,7 +303,7 @@ def test_tensorflow_loads_without_the_modules_hidden_while_it_loads(tmp_path, mo
         "    SAW = False\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    hook = main.HiddenWhileLoading("flaxlm_probe_loading", ("flaxlm_probe_hidden",))
+    hook = startup.HiddenWhileLoading("flaxlm_probe_loading", ("flaxlm_probe_hidden",))
     hook.install()
     try:
         loading = importlib.import_module("flaxlm_probe_loading")

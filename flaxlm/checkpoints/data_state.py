@@ -13,11 +13,9 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
+from flaxlm.data.config import shard_state_name
+
 SUBDIR = "checkpoints"  # of a MODEL_DIR
-
-
-def _shard_file(shard: int, num_shards: int) -> str:
-    return f"shard_{shard}-of-{num_shards}"
 
 
 def saved_input_shards(model_dir: str) -> int | None:
@@ -122,8 +120,8 @@ def check_dataset_state(directory: epath.Path, data_iterator: Any) -> None:
     num_shards = data_iterator.num_shards
     missing = [
         r
-        for r in data_iterator.shard_iterators
-        if not (directory / f"{_shard_file(r, num_shards)}.index").exists()
+        for r in data_iterator.input_shards
+        if not (directory / f"{shard_state_name(r, num_shards)}.index").exists()
     ]
     if not missing:
         return
@@ -141,27 +139,18 @@ def check_dataset_state(directory: epath.Path, data_iterator: Any) -> None:
 class DatasetCheckpointHandler(ocp.CheckpointHandler):
     """Saves the data iterator's position per logical input shard (`shard_{r}-of-{R}`, each
     written by the lowest-numbered process that reads it), so a run restores onto any
-    process count that keeps R. TensorFlow is imported here, by a run that reads data
-    (it has loaded it): a run that only restores params never does."""
+    process count that keeps R. The iterator writes and reads them itself
+    (`write_state` / `read_state`: tf.data's own checkpoints, in whichever process reads
+    the data), so a run that only restores params never loads TensorFlow."""
 
     def save(self, directory: epath.Path, args: DatasetArgs) -> None:
-        import tensorflow as tf
-
         directory.mkdir(parents=True, exist_ok=True)
-        it = args.iterator
-        for r in sorted(it.saved_shards):
-            path = str(directory / _shard_file(r, it.num_shards))
-            tf.train.Checkpoint(iterator=it.shard_iterators[r]).write(path)
+        args.iterator.write_state(str(directory))
 
     def restore(self, directory: epath.Path, args: DatasetArgs) -> Any:
-        import tensorflow as tf
-
         # `Checkpointer.restore` has checked that every shard's state is there.
-        it = args.iterator
-        for r, tf_iterator in it.shard_iterators.items():
-            path = str(directory / _shard_file(r, it.num_shards))
-            tf.train.Checkpoint(iterator=tf_iterator).read(path).assert_consumed()
-        return it
+        args.iterator.read_state(str(directory))
+        return args.iterator
 
     def metadata(self, directory: epath.Path) -> None:
         return None

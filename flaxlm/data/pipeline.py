@@ -30,18 +30,31 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gin
-import jax
 import numpy as np
 import seqio
 import tensorflow as tf
 
 from flaxlm.data import packing, vocabularies
-from flaxlm.parallel.partitioning import DataLayout, Partitioner
+from flaxlm.data.config import (
+    DatasetConfig,
+    batch_structs,
+    host_input_shards,
+    input_shard_count,
+    shard_state_name,
+    shards_saved_by,
+    to_global,
+)
+
+if TYPE_CHECKING:
+    import jax
+
+    from flaxlm.parallel.partitioning import DataLayout, Partitioner
 
 # seqio's own vocabularies, bindable in Gin files as `@seqio.SentencePieceVocabulary()`
 # (`seqio.SentencePieceVocabulary.sentencepiece_model_file = '/path/spm.model'`) and
@@ -112,29 +125,6 @@ def without_autotune(ds: tf.data.Dataset) -> tf.data.Dataset:
     options = tf.data.Options()
     options.autotune.enabled = False
     return ds.with_options(options)
-
-
-@gin.configurable
-@dataclasses.dataclass(frozen=True)
-class DatasetConfig:
-    """Which seqio task or mixture to read, and how (scoped in Gin: `train/`, `train_eval/`)."""
-
-    mixture_or_task_name: str = gin.REQUIRED
-    task_feature_lengths: Mapping[str, int] = gin.REQUIRED
-    split: str = "train"
-    batch_size: int = gin.REQUIRED  # global batch size, over all hosts
-    shuffle: bool = True
-    seed: int | None = 0  # None: nondeterministic
-    pack: bool = True
-    use_cached: bool = False
-    module: str | None = None  # a module to import that registers the task
-    num_epochs: int | None = None  # None: repeat forever
-    # Logical input shards R (must divide batch_size); None: the mesh's data-parallel degree.
-    # Fixed by the config and mesh, never by the process count, so the batches are too.
-    num_input_shards: int | None = None
-    # The seqio FeatureConverter class to read the task with (e.g. the chat tasks'
-    # features.ChatFeatureConverter); None: the model's own (`model.FEATURE_CONVERTER_CLS`).
-    feature_converter: type | None = None
 
 
 def converter_for(cfg: DatasetConfig, model: Any) -> Callable[..., seqio.FeatureConverter]:
@@ -233,23 +223,6 @@ def task_examples(
     return task.output_features, without_autotune(ds).as_numpy_iterator()
 
 
-def input_shard_count(cfg: DatasetConfig, layout: DataLayout) -> int:
-    """R: `cfg.num_input_shards`, else one logical shard per row block of the batch."""
-    shards = cfg.num_input_shards or layout.data_parallel_degree
-    if shards < 1 or layout.global_batch_size % shards:
-        raise ValueError(
-            f"num_input_shards={shards} must be positive and divide the batch size "
-            f"{layout.global_batch_size}; set DatasetConfig.num_input_shards to a divisor of it."
-        )
-    return shards
-
-
-def host_input_shards(cfg: DatasetConfig, layout: DataLayout) -> range:
-    """The logical shards that cover this host's rows of the global batch."""
-    rows = layout.global_batch_size // input_shard_count(cfg, layout)
-    return range(layout.row_start // rows, -(-layout.row_stop // rows))
-
-
 def logical_shard(
     cfg: DatasetConfig,
     index: int,
@@ -295,7 +268,7 @@ class HostInput:
 
     def next_batch(self, iterators: Iterable[Iterator[Any]]) -> dict[str, np.ndarray]:
         """`combine` of the next batch of each shard's iterator (StopIteration at the end)."""
-        return self.combine([jax.tree.map(np.asarray, next(it)) for it in iterators])
+        return self.combine([{k: np.asarray(v) for k, v in next(it).items()} for it in iterators])
 
 
 def host_input(
@@ -346,60 +319,90 @@ def model_feature_lengths(
     return dict(converter.get_model_feature_lengths(dict(cfg.task_feature_lengths)))
 
 
-def batch_spec(
-    cfg: DatasetConfig, converter: Callable[..., seqio.FeatureConverter], partitioner: Partitioner
-) -> dict[str, jax.ShapeDtypeStruct] | None:
-    """The global batches' shapes, dtypes and shardings (`DataIterator`'s), known before the
-    pipeline is built; None where a feature is not one token row an example (preference
-    pairs), which only the pipeline says."""
+def batch_dtypes(
+    cfg: DatasetConfig, converter: Callable[..., seqio.FeatureConverter]
+) -> dict[str, str] | None:
+    """`{model feature: numpy dtype name}` of the batches, known before the pipeline is
+    built; None where a feature is not one token row an example (preference pairs), which
+    only the pipeline says."""
     features = converter(pack=cfg.pack).MODEL_FEATURES
-    sharding = partitioner.batch_sharding(2)
     out = {}
-    for name, length in model_feature_lengths(cfg, converter).items():
+    for name in model_feature_lengths(cfg, converter):
         spec = features.get(name)
         if spec is None and name.endswith(("_segment_ids", "_positions")):  # packing's own
-            dtype = np.dtype(np.int32)
+            out[name] = "int32"
         elif spec is not None and spec.rank == 1:
-            dtype = np.dtype(spec.dtype.as_numpy_dtype)
+            out[name] = np.dtype(spec.dtype.as_numpy_dtype).name
         else:
             return None
-        out[name] = jax.ShapeDtypeStruct((cfg.batch_size, length), dtype, sharding=sharding)
     return out
 
 
-def _shards_saved_by(
-    process: int, partitioner: Partitioner, global_batch_size: int, num_shards: int
-) -> frozenset[int]:
-    """The logical shards whose iterator state `process` checkpoints: those it reads and no
-    lower-numbered process reads."""
-    rows = global_batch_size // num_shards
-    owner: dict[int, int] = {}
-    for p in range(jax.process_count()):
-        try:
-            layout = partitioner.data_layout(global_batch_size, process_index=p)
-        except ValueError:
-            continue  # a process with no device in the mesh reads nothing
-        for r in range(layout.row_start // rows, -(-layout.row_stop // rows)):
-            owner.setdefault(r, p)
-    return frozenset(r for r, p in owner.items() if p == process)
+def batch_spec(
+    cfg: DatasetConfig, converter: Callable[..., seqio.FeatureConverter], partitioner: Partitioner
+) -> dict[str, jax.ShapeDtypeStruct] | None:
+    """The global batches' shapes, dtypes and shardings (`DataIterator`'s), or None
+    (`batch_dtypes`)."""
+    dtypes = batch_dtypes(cfg, converter)
+    lengths = model_feature_lengths(cfg, converter)
+    return None if dtypes is None else batch_structs(cfg, lengths, dtypes, partitioner)
+
+
+def has_task_metrics(cfg: DatasetConfig) -> bool:
+    """Whether `cfg`'s task (or a task of its mixture) has metric functions for its split:
+    what seqio's evaluator evaluates."""
+    import_task_module(cfg.module)
+    check_registered(cfg.mixture_or_task_name)
+    tasks = seqio.get_subtasks(seqio.get_mixture_or_task(cfg.mixture_or_task_name))
+    return bool(seqio.evaluation.get_valid_eval_tasks(tasks, cfg.split))
+
+
+class HostReader:
+    """This host's rows of each global batch, as numpy, from the tf.data iterators of its
+    logical input shards; checkpointable per shard. What a `DataIterator` reads, in the
+    run's process or in its input process (`input_process.py`)."""
+
+    def __init__(self, source: HostInput):
+        self.source = source
+        self.reset()
+
+    def reset(self) -> None:
+        self.iterators = {r: iter(ds) for r, ds in self.source.shards.items()}
+
+    def next_numpy(self) -> dict[str, np.ndarray]:
+        return self.source.next_batch(self.iterators.values())
+
+    def write_state(self, directory: str, shards: Iterable[int]) -> None:
+        """Writes the tf.data position of each of `shards` under `directory`."""
+        for r in sorted(shards):
+            path = shard_state_path(directory, r, self.source.num_shards)
+            tf.train.Checkpoint(iterator=self.iterators[r]).write(path)
+
+    def read_state(self, directory: str) -> None:
+        """Restores the tf.data position of every shard this host reads from `directory`."""
+        for r, iterator in self.iterators.items():
+            path = shard_state_path(directory, r, self.source.num_shards)
+            tf.train.Checkpoint(iterator=iterator).read(path).assert_consumed()
 
 
 class DataIterator:
     """Global batches on the mesh from this host's logical input shards; checkpointable per
-    logical shard (`shard_iterators`, each saved by one process: `saved_shards`)."""
+    logical shard (`write_state` / `read_state`; each shard saved by one process:
+    `saved_shards`)."""
 
     def __init__(self, source: HostInput, partitioner: Partitioner, layout: DataLayout):
         if not isinstance(source, HostInput):
             raise TypeError(
                 f"DataIterator reads a data.HostInput (data.host_input(...)), not {type(source)}."
             )
-        self._source = source
+        import jax  # (here: the input process reads this module and never loads JAX)
+
+        self._reader = HostReader(source)
         self._partitioner = partitioner
         self._layout = layout
-        self.reset()
         self.wait_seconds = 0.0  # time spent waiting on the input pipeline
         self.num_shards = source.num_shards
-        self.saved_shards = _shards_saved_by(
+        self.saved_shards = shards_saved_by(
             jax.process_index(), partitioner, layout.global_batch_size, source.num_shards
         )
 
@@ -414,27 +417,41 @@ class DataIterator:
     @property
     def shard_iterators(self) -> dict[int, Any]:
         """`{r: tf.data iterator}` for the logical shards this host reads."""
-        return dict(self._iterators)
+        return dict(self._reader.iterators)
+
+    @property
+    def input_shards(self) -> list[int]:
+        """The logical shards this host reads."""
+        return list(self._reader.iterators)
 
     def reset(self) -> None:
-        self._iterators = {r: iter(ds) for r, ds in self._source.shards.items()}
+        self._reader.reset()
 
     def next_numpy(self) -> dict[str, np.ndarray]:
         start = time.perf_counter()
-        batch = self._source.next_batch(self._iterators.values())
+        batch = self._reader.next_numpy()
         self.wait_seconds += time.perf_counter() - start
         return batch
 
     def to_global(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        out = {}
-        for name, local in batch.items():
-            global_shape = (self._layout.global_batch_size,) + local.shape[1:]
-            sharding = self._partitioner.batch_sharding(local.ndim)
-            out[name] = jax.make_array_from_process_local_data(sharding, local, global_shape)
-        return out
+        return to_global(batch, self._partitioner, self._layout)
+
+    def write_state(self, directory: str) -> None:
+        """Writes the position of each shard in `saved_shards` under `directory`."""
+        self._reader.write_state(directory, self.saved_shards)
+
+    def read_state(self, directory: str) -> None:
+        """Restores every shard's position from `directory` (all must be there)."""
+        self._reader.read_state(directory)
 
     def __iter__(self) -> Iterator[dict[str, jax.Array]]:
         return self
 
     def __next__(self) -> dict[str, jax.Array]:
         return self.to_global(self.next_numpy())
+
+
+def shard_state_path(directory: str, shard: int, num_shards: int) -> str:
+    """Where logical shard `shard` of `num_shards` keeps its position under `directory`
+    (`<path>.index` plus data files: a `tf.train.Checkpoint` of its iterator)."""
+    return os.path.join(str(directory), shard_state_name(shard, num_shards))

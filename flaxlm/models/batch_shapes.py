@@ -9,6 +9,7 @@ tests/test_models.py holds to what the converters give.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,3 +49,24 @@ class ConverterClass:
 DECODER_CONVERTER = ConverterClass("flaxlm.models.features:LMFeatureConverter")
 ENCODER_DECODER_CONVERTER = ConverterClass("seqio:EncDecFeatureConverter")
 MASKED_LM_CONVERTER = ConverterClass("flaxlm.models.features:MaskedLMFeatureConverter")
+
+
+def converter_reference(model: Any) -> str | None:
+    """The "module:Class" of `model`'s feature converter (`ConverterClass`), read without
+    importing it; None for a converter given as a class."""
+    attribute = inspect.getattr_static(type(model), "FEATURE_CONVERTER_CLS", None)
+    return attribute.where if isinstance(attribute, ConverterClass) else None
+
+
+def packed_lm_features(model: Any, task_feature_lengths: Mapping[str, int], pack: bool) -> Any:
+    """`{model feature: length}` of a decoder-only model's batches of a language-modelling
+    task (its only feature `targets`), as its converter (`DECODER_CONVERTER`) makes them:
+    `DECODER_FEATURES`, packed with `decoder_segment_ids` and `decoder_positions`, all of
+    the targets' length. None for any other model or task (their converters say).
+    tests/test_input_process.py holds it to the converter."""
+    if converter_reference(model) != DECODER_CONVERTER.where or set(task_feature_lengths) != {
+        "targets"
+    }:
+        return None
+    names = DECODER_FEATURES + (("decoder_segment_ids", "decoder_positions") if pack else ())
+    return {name: task_feature_lengths["targets"] for name in names}

@@ -18,6 +18,7 @@ from etils import epath
 
 from flaxlm.checkpoints import run_dir
 from flaxlm.data import pipeline
+from flaxlm.data.config import DatasetConfig
 from flaxlm.inference import generation
 from flaxlm.inference.generation import GenerationSettings
 from flaxlm.models.base import BaseModel
@@ -35,7 +36,7 @@ class TaskEvaluator:
 
     def __init__(
         self,
-        cfg: pipeline.DatasetConfig,
+        cfg: DatasetConfig,
         model: BaseModel,
         partitioner: Partitioner,
         settings: GenerationSettings = generation.DEFAULT_SETTINGS,
@@ -134,7 +135,7 @@ class TaskEvaluator:
 def evaluate(
     *,
     checkpoint: str = gin.REQUIRED,
-    dataset_cfg: pipeline.DatasetConfig = gin.REQUIRED,
+    dataset_cfg: DatasetConfig = gin.REQUIRED,
     output_dir: str = gin.REQUIRED,
     model: BaseModel | None = None,
     partitioner: Partitioner | None = None,

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from flaxlm.checkpoints import checkpointer, peft_dir, run_dir
 from flaxlm.data import pipeline
+from flaxlm.data.config import DatasetConfig
 from flaxlm.inference import generation
 from flaxlm.inference.scheduler import Scheduler
 from flaxlm.models.base import BaseModel
@@ -284,7 +285,7 @@ def grpo(
     *,
     model: BaseModel = gin.REQUIRED,
     partitioner: Partitioner = gin.REQUIRED,
-    train_dataset_cfg: pipeline.DatasetConfig = gin.REQUIRED,
+    train_dataset_cfg: DatasetConfig = gin.REQUIRED,
     config: rl.GrpoConfig = gin.REQUIRED,
     learning_rate: optax.ScalarOrSchedule = gin.REQUIRED,
     optimizer_factory: Callable[..., optax.GradientTransformation] = optimizers.create_optimizer,

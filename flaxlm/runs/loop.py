@@ -11,20 +11,23 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gin
 import jax
 import jax.numpy as jnp
 
 from flaxlm.checkpoints import checkpointer, run_dir
-from flaxlm.data import deferred, pipeline
+from flaxlm.data.config import DatasetConfig
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.runs import evaluate
 from flaxlm.training import metrics, preemption, steps
 from flaxlm.training import objective as objective_lib
 from flaxlm.training.train_state import TrainState
+
+if TYPE_CHECKING:  # (the loop never imports TensorFlow: the data may come from another process)
+    from flaxlm.data.pipeline import DataIterator
+    from flaxlm.runs.evaluate import TaskEvaluator
 
 StepMetrics = dict[str, jax.Array]
 
@@ -80,7 +83,7 @@ class NonFiniteCheck:
 
 
 def restore(
-    setup: steps.Setup, ckpt: checkpointer.Checkpointer, iterator: pipeline.DataIterator
+    setup: steps.Setup, ckpt: checkpointer.Checkpointer, iterator: DataIterator
 ) -> tuple[int, TrainState | None]:
     """The latest checkpoint's step and state, placed on `setup`'s shardings (and the
     iterator's position restored), saying so; else (0, None)."""
@@ -105,7 +108,7 @@ def operative_config(path: Any) -> str:
 def checkpoint_hook(
     period: int,
     ckpt: checkpointer.Checkpointer,
-    iterator: pipeline.DataIterator,
+    iterator: DataIterator,
     config_str: str,
     start_step: int,
 ) -> tuple[Hook, dict[str, int]]:
@@ -125,7 +128,7 @@ def log_hook(
     writer: metrics.MultiWriter,
     progress: metrics.Progress,
     tokens_per_step: int,
-    train_iter: pipeline.DataIterator,
+    train_iter: DataIterator,
     nonfinite: NonFiniteCheck,
 ) -> Hook:
     """Step metrics, rates and the progress line, every `period` steps."""
@@ -156,20 +159,30 @@ def eval_hook(
     period: int,
     writer: metrics.MultiWriter,
     eval_step: Callable[..., Any],
-    eval_iter: pipeline.DataIterator | deferred.DeferredDataIterator,
+    eval_iter: DataIterator,
     eval_steps: int,
     eval_params: Callable[[Any], Any],
-    task_metrics_of: tuple[pipeline.DatasetConfig, BaseModel, Partitioner] | None,
+    task_metrics_of: tuple[DatasetConfig, BaseModel, Partitioner] | None,
     objective: objective_lib.Objective | None = None,
 ) -> Hook:
     """Loss, accuracy, perplexity (an objective's own summary of its metric sums) every
     `period` steps; with `task_metrics_of` (the eval dataset, model and partitioner) also the
     task's own metric functions, if it has any. The task's evaluator (seqio builds and caches
     its examples) is set up at the first evaluation, not before the first step."""
-    evaluators: list[evaluate.TaskEvaluator | None] = []
+    evaluators: list[TaskEvaluator | None] = []
 
-    def task_evaluator() -> evaluate.TaskEvaluator | None:
+    def task_evaluator() -> TaskEvaluator | None:
         if task_metrics_of is not None and not evaluators:
+            # An input process says whether the task has metric functions (seqio's evaluator
+            # would load TensorFlow here to find none).
+            if not getattr(eval_iter, "has_task_metrics", lambda: True)():
+                evaluators.append(None)
+                return None
+            # Imported here, after Gin's config is locked (it loads seqio); its configurables
+            # register, and nothing binds them.
+            with gin.unlock_config():
+                from flaxlm.runs import evaluate
+
             cfg, model, partitioner = task_metrics_of
             num_examples = eval_steps * cfg.batch_size
             evaluator = evaluate.TaskEvaluator(cfg, model, partitioner, num_examples=num_examples)

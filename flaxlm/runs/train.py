@@ -3,6 +3,7 @@ evaluation, checkpointing; see `loop.py`)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,9 @@ import jax
 import optax
 
 from flaxlm.checkpoints import checkpointer, data_state, hf, peft_dir, run_dir
-from flaxlm.data import deferred, pipeline
+from flaxlm.data import input_process as input_process_lib
+from flaxlm.data.config import DatasetConfig, batch_structs
+from flaxlm.models import batch_shapes
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import checks, loop
@@ -63,7 +66,7 @@ def reference_params(
 def initial_state(
     setup: steps.Setup,
     ckpt: checkpointer.Checkpointer,
-    train_iter: pipeline.DataIterator,
+    train_iter: Any,
     model_dir: str,
     init_from_hf: str | None,
     adapters: Any = None,
@@ -113,19 +116,96 @@ def steps_with_frozen(
     )
 
 
-def compile_ahead(
-    setup: steps.Setup,
-    train_step: Callable[..., Any],
-    dataset_cfg: pipeline.DatasetConfig,
-    converter: Any,
-) -> None:
-    """Compiles `train_step` for the first step's arguments now, while the input pipeline is
-    still being built on its thread (`deferred.BackgroundDataIterator`): the first step
-    finds the program in JAX's caches. Left to the first call where the step takes frozen
-    params or only the pipeline knows the batch's features."""
-    batch = pipeline.batch_spec(dataset_cfg, converter, setup.partitioner)
+def compile_ahead(setup: steps.Setup, train_step: Callable[..., Any], batch: Any) -> None:
+    """Compiles `train_step` for the first step's arguments now (`batch`: the batches'
+    shapes), while the input pipeline is still being built (on a thread,
+    `deferred.BackgroundDataIterator`, or in the input process): the first step finds the
+    program in JAX's caches. Left to the first call where the step takes frozen params or
+    only the pipeline knows the batch's features (`batch` None)."""
     if setup.frozen_shardings is None and batch is not None:
         train_step.lower(setup.abstract_state, batch).compile()
+
+
+def reads_in_own_process(
+    setting: bool | None,
+    model: BaseModel,
+    cfgs: tuple[DatasetConfig | None, ...],
+    objective: objective_lib.RunObjective,
+) -> bool:
+    """Whether the run reads its data in an input process of its own
+    (`input_process.py`; `train.input_process`). None: where it can, and this process has
+    not loaded TensorFlow (a Gin file or task module that did means its input pipeline
+    may need this process: read here)."""
+    why_not = None
+    if batch_shapes.converter_reference(model) is None:
+        why_not = "the model names its feature converter as a class"
+    elif any(cfg is not None and cfg.feature_converter is not None for cfg in cfgs):
+        why_not = "a DatasetConfig.feature_converter is set (its class loaded TensorFlow)"
+    elif getattr(model, "decoder_start_id", 0) is None:
+        why_not = "the rows start as the task's HF tokenizer says (its vocabulary is read here)"
+    elif objective is not objective_lib.NEXT_TOKEN_PREDICTION:
+        why_not = "train.objective is not next-token prediction"
+    if setting is None:
+        return why_not is None and "tensorflow" not in sys.modules
+    if setting and why_not:
+        raise ValueError(
+            f"train.input_process=True, but {why_not}: such a run reads its data in its own "
+            "process. Leave train.input_process unset (or False)."
+        )
+    return setting
+
+
+def _data_iterators(
+    inputs: input_process_lib.InputProcess | None,
+    model: BaseModel,
+    partitioner: Partitioner,
+    train_cfg: DatasetConfig,
+    eval_cfg: DatasetConfig | None,
+    converter: Any,
+    feature_lengths: dict[str, int] | None,
+) -> tuple[Any, Any]:
+    """The run's train iterator (built from now on) and eval iterator (built at the first
+    evaluation; its task looked up at once), read through `inputs` or in this process
+    (the train data on a thread)."""
+    if inputs is not None:
+        train_iter = input_process_lib.RemoteDataIterator(
+            inputs, train_cfg, partitioner, converter, expected=feature_lengths
+        )
+        eval_iter = eval_cfg and input_process_lib.RemoteDataIterator(
+            inputs, eval_cfg, partitioner, converter, lazy=True
+        )
+        return train_iter, eval_iter
+    from flaxlm.data import deferred, pipeline
+
+    train_iter = deferred.BackgroundDataIterator(train_cfg, partitioner, converter)
+    eval_iter = eval_cfg and deferred.DeferredDataIterator(
+        eval_cfg, partitioner, pipeline.converter_for(eval_cfg, model)
+    )
+    return train_iter, eval_iter
+
+
+def _batch_spec(
+    inputs: Any, train_iter: Any, cfg: DatasetConfig, converter: Any, partitioner: Partitioner
+) -> Any:
+    """The training batches' shapes (`compile_ahead`'s), or None."""
+    if inputs is None:
+        from flaxlm.data import pipeline
+
+        return pipeline.batch_spec(cfg, converter, partitioner)
+    lengths, dtypes = train_iter.feature_shapes()
+    return None if dtypes is None else batch_structs(cfg, lengths, dtypes, partitioner)
+
+
+def fresh_iterators(
+    partitioner: Partitioner, converter: Any, *cfgs: DatasetConfig | None
+) -> tuple[Any, ...]:
+    """A new in-process `DataIterator` of each of `cfgs` (None for None): an objective's own
+    passes over the data."""
+    from flaxlm.data import pipeline
+
+    return tuple(
+        pipeline.DataIterator.create(c, partitioner, converter) if c else None for c in cfgs
+    )
 
 
 @gin.configurable
@@ -133,8 +213,8 @@ def train(
     *,
     model: BaseModel = gin.REQUIRED,
     partitioner: Partitioner = gin.REQUIRED,
-    train_dataset_cfg: pipeline.DatasetConfig = gin.REQUIRED,
-    eval_dataset_cfg: pipeline.DatasetConfig | None = None,
+    train_dataset_cfg: DatasetConfig = gin.REQUIRED,
+    eval_dataset_cfg: DatasetConfig | None = None,
     learning_rate: optax.ScalarOrSchedule = gin.REQUIRED,
     optimizer_factory: Callable[..., optax.GradientTransformation] = optimizers.create_optimizer,
     model_dir: str = gin.REQUIRED,
@@ -155,6 +235,7 @@ def train(
     lora_base_checkpoint: str | None = None,
     lora_init_from_peft: str | None = None,
     objective: objective_lib.RunObjective = objective_lib.NEXT_TOKEN_PREDICTION,
+    input_process: bool | None = None,
 ) -> TrainState:
     """Trains `model` on `train_dataset_cfg` for `total_steps`, resuming from `model_dir`.
 
@@ -187,6 +268,10 @@ def train(
         (`@preference.PreferenceConfig()`: DPO, IPO, ORPO, SimPO; the data must be pairs,
         `features.PreferenceFeatureConverter`). An objective that needs a reference gets
         the starting params, frozen (with `lora`: the base).
+      input_process: read the data in a process of its own (`data/input_process.py`:
+        TensorFlow and the pipeline's set-up on another core, off this process's GIL), or
+        in this one (False). None: its own where the run allows it (the model's own
+        converter, next-token prediction) and this process has not loaded TensorFlow.
 
     SIGTERM or SIGINT saves a checkpoint at the current step and returns (see
     `preemption.py`).
@@ -215,24 +300,49 @@ def train(
     model = run_dir.with_decoder_start(model, model_dir, init_from_hf)
     steps.check_batch_size(partitioner, train_dataset_cfg.batch_size, num_microbatches)
     model.check_lengths(train_dataset_cfg.task_feature_lengths)
-    converter = pipeline.converter_for(train_dataset_cfg, model)
-    objective.check_data(converter)
-    feature_lengths = pipeline.model_feature_lengths(train_dataset_cfg, converter)
-    checks.check_sequence_split(model, partitioner, feature_lengths)
+    if eval_dataset_cfg is not None and eval_period:
+        steps.check_batch_size(partitioner, eval_dataset_cfg.batch_size, 1)
+    else:
+        eval_dataset_cfg = None
+    own_process = reads_in_own_process(
+        input_process, model, (train_dataset_cfg, eval_dataset_cfg), objective
+    )
+    if not own_process:
+        input_process_lib.discard_early()
+    if own_process:
+        converter = batch_shapes.converter_reference(model)
+        feature_lengths = batch_shapes.packed_lm_features(
+            model, train_dataset_cfg.task_feature_lengths, train_dataset_cfg.pack
+        )
+    else:
+        from flaxlm.data import pipeline
+
+        converter = pipeline.converter_for(train_dataset_cfg, model)
+        objective.check_data(converter)
+        feature_lengths = pipeline.model_feature_lengths(train_dataset_cfg, converter)
+    if feature_lengths is not None:
+        checks.check_sequence_split(model, partitioner, feature_lengths)
     data_state.check_resumed_lengths(train_dataset_cfg.task_feature_lengths, model_dir)
     train_dataset_cfg = data_state.resumed_input_shards(train_dataset_cfg, partitioner, model_dir)
     # From here on a first SIGTERM/SIGINT is a request to stop cleanly: during set-up, before
     # the first step; in the loop, after the current step, saving it (see run_steps).
     signals = preemption.PreemptionHandler().install()
-    ckpt = writer = train_iter = None
+    ckpt = writer = train_iter = inputs = None
     try:  # whatever fails from here on, the signals go back and the checkpointer is closed
-        train_iter = deferred.BackgroundDataIterator(train_dataset_cfg, partitioner, converter)
-        eval_iter = None
-        if eval_dataset_cfg is not None and eval_period:
-            steps.check_batch_size(partitioner, eval_dataset_cfg.batch_size, 1)
-            eval_iter = deferred.DeferredDataIterator(
-                eval_dataset_cfg, partitioner, pipeline.converter_for(eval_dataset_cfg, model)
-            )
+        if own_process:
+            inputs = input_process_lib.start()
+        train_iter, eval_iter = _data_iterators(
+            inputs,
+            model,
+            partitioner,
+            train_dataset_cfg,
+            eval_dataset_cfg,
+            converter,
+            feature_lengths,
+        )
+        if feature_lengths is None:  # the input process says
+            feature_lengths = train_iter.description()["feature_lengths"]
+            checks.check_sequence_split(model, partitioner, feature_lengths)
         setup = steps.Setup(
             model,
             partitioner,
@@ -256,9 +366,8 @@ def train(
                 reference_params=lambda: reference_params(
                     setup, state, start_step, init_from_hf, copy=False
                 ),
-                data=lambda: tuple(
-                    pipeline.DataIterator.create(cfg, partitioner, converter) if cfg else None
-                    for cfg in (train_dataset_cfg, eval_dataset_cfg if eval_iter else None)
+                data=lambda: fresh_iterators(
+                    partitioner, converter, train_dataset_cfg, eval_dataset_cfg
                 ),
                 total_steps=total_steps,
                 eval_steps=eval_steps,
@@ -289,7 +398,10 @@ def train(
             frozen,
         )
         if extra is None and start_step < total_steps:
-            compile_ahead(setup, partitioned_step, train_dataset_cfg, converter)
+            batch = _batch_spec(inputs, train_iter, train_dataset_cfg, converter, partitioner)
+            compile_ahead(setup, partitioned_step, batch)
+        if inputs is not None and eval_iter is not None:
+            eval_iter.check()
         run_dir.record_if_known(model, model_dir)
         config_str = loop.operative_config(path)
 
@@ -338,6 +450,8 @@ def train(
     finally:
         if train_iter is not None:  # (a failed set-up's data thread ends before the process)
             train_iter.wait()
+        if inputs is not None:
+            inputs.close()
         loop.close(ckpt, writer, signals)
     if jax.process_index() == 0:
         loop.report_end(

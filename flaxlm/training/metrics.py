@@ -5,7 +5,10 @@ Only process 0 writes; other processes get a writer that does nothing.
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -70,21 +73,44 @@ class JsonlWriter:
 
 
 class TensorBoardWriter:
-    """TensorBoard event files under `model_dir/<subdir>`."""
+    """TensorBoard event files under `model_dir/<subdir>`: the records TensorFlow's summary
+    writer writes (`events.out.tfevents.*.v2`, scalars as `tf.summary.scalar` makes them),
+    written with TensorBoard's own protos and record framing, so the run's process need not
+    load TensorFlow (its input pipeline may run in another process)."""
+
+    _count = itertools.count()
 
     def __init__(self, model_dir: str, subdir: str = "tensorboard"):
-        import tensorflow as tf
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.plugins.scalar.summary_v2 import scalar_pb
+        from tensorboard.summary.writer.record_writer import RecordWriter
 
-        self._tf = tf
-        self._writer = tf.summary.create_file_writer(str(epath.Path(model_dir) / subdir))
+        self._event = event_pb2.Event
+        self._scalar = scalar_pb
+        directory = epath.Path(model_dir) / subdir
+        directory.mkdir(parents=True, exist_ok=True)
+        now = time.time()
+        name = (
+            f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}."
+            f"{next(self._count)}.v2"
+        )
+        self._file = (directory / name).open("wb")
+        self._records = RecordWriter(self._file)
+        self._write(self._event(wall_time=now, file_version="brain.Event:2"))
+
+    def _write(self, event: Any) -> None:
+        self._records.write(event.SerializeToString())
 
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
-        with self._writer.as_default():
-            for k, v in scalars.items():
-                self._tf.summary.scalar(k, float(v), step=int(step))
+        now = time.time()
+        for k, v in scalars.items():
+            self._write(self._event(wall_time=now, step=int(step), summary=self._scalar(k, v)))
 
     def flush(self) -> None:
-        self._writer.flush()
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 @gin.configurable

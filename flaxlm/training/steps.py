@@ -18,6 +18,7 @@ import optax
 from etils import epath
 from jax.sharding import PartitionSpec as P
 
+from flaxlm.data.config import DatasetConfig
 from flaxlm.models import routing
 from flaxlm.models.base import BaseModel
 from flaxlm.models.batch_shapes import batch_shapes_from
@@ -366,7 +367,7 @@ def evaluate_split(
     model: BaseModel,
     params: Any,
     partitioner: Partitioner,
-    cfg: pipeline.DatasetConfig,
+    cfg: DatasetConfig,
     max_batches: int | None = None,
 ) -> dict[str, float]:
     """Loss, token accuracy and perplexity over one pass of `cfg`'s split (the last
@@ -392,7 +393,7 @@ def evaluate_split(
     return eval_scalars(total)
 
 
-def next_batch(iterator: pipeline.DataIterator, cfg: pipeline.DatasetConfig, step: int) -> Batch:
+def next_batch(iterator: pipeline.DataIterator, cfg: DatasetConfig, step: int) -> Batch:
     """The next training batch; running out is an error that names the data."""
     try:
         return next(iterator)
