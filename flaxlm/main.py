@@ -192,6 +192,8 @@ def _multiprocess() -> bool:
 def _exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
+    if "flaxlm.data.input_process" in sys.modules:  # an input process no run took ends too
+        sys.modules["flaxlm.data.input_process"].discard_early()
     if _multiprocess():
         # A normal exit waits at jax.distributed's shutdown barrier for peers that are
         # themselves blocked in a collective waiting for this process: leave at once so

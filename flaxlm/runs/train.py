@@ -447,11 +447,15 @@ def train(
         state, step, stop = loop.run_steps(
             state, start_step, total_steps, train_step, next_batch, hooks, nonfinite, signals
         )
+    except BaseException:
+        if inputs is not None:  # a failed run's input process has nothing left to do
+            inputs.kill()
+        raise
     finally:
-        if train_iter is not None:  # (a failed set-up's data thread ends before the process)
-            train_iter.wait()
         if inputs is not None:
-            inputs.close()
+            inputs.close()  # (it ends once it has read that there is nothing more to ask)
+        elif train_iter is not None:  # (a failed set-up's data thread ends before the process)
+            train_iter.wait()
         loop.close(ckpt, writer, signals)
     if jax.process_index() == 0:
         loop.report_end(
