@@ -60,8 +60,12 @@ if TYPE_CHECKING:
 # (`seqio.SentencePieceVocabulary.sentencepiece_model_file = '/path/spm.model'`) and
 # `@seqio.ByteVocabulary()`; flaxlm's (computed in Python, seqio-free for inference) are
 # seqio Vocabularies too.
-gin.external_configurable(seqio.SentencePieceVocabulary, module="seqio")
-gin.external_configurable(seqio.ByteVocabulary, module="seqio")
+# (A run may import this module after Gin's config is locked, at its first data lookup: a
+# training run whose Gin files bind `config.DatasetConfig` and load no seqio. Registering
+# binds nothing.)
+with gin.unlock_config():
+    gin.external_configurable(seqio.SentencePieceVocabulary, module="seqio")
+    gin.external_configurable(seqio.ByteVocabulary, module="seqio")
 seqio.Vocabulary.register(vocabularies.PythonVocabulary)
 
 # The repository's task registry: imported the first time a run looks up a task or mixture

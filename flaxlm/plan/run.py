@@ -10,7 +10,8 @@ from typing import Any
 
 import gin
 
-from flaxlm.models import expert_parallel, moe
+from flaxlm.data.config import load_pipeline
+from flaxlm.models import batch_shapes, expert_parallel, moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +92,6 @@ def _resolve(value: Any) -> Any:
 
 def run_from_gin() -> Run:
     """The run the parsed Gin files describe (its `train.train` bindings)."""
-    from flaxlm.data import pipeline
-
     b = gin.get_bindings("train.train", resolve_references=False)
     missing = [k for k in ("model", "train_dataset_cfg") if k not in b]
     if missing:
@@ -104,7 +103,10 @@ def run_from_gin() -> Run:
     optimizer = factory(learning_rate=learning_rate) if factory else None
     mb = int(_resolve(b.get("num_microbatches", 1)))
     model.check_lengths(cfg.task_feature_lengths)
-    lengths = pipeline.model_feature_lengths(cfg, pipeline.converter_for(cfg, model))
+    lengths = batch_shapes.packed_lm_features(model, cfg.task_feature_lengths, cfg.pack)
+    if lengths is None:  # (only the input pipeline knows)
+        pipeline = load_pipeline()
+        lengths = pipeline.model_feature_lengths(cfg, pipeline.converter_for(cfg, model))
     p = gin.get_bindings("partitioning.Partitioner")
     axis_names = tuple(p.get("mesh_axis_names", ("data", "fsdp", "tensor")))
     mesh_shape = tuple(p.get("mesh_shape", (1, -1, 1)))

@@ -28,6 +28,7 @@ from etils import epath
 
 from flaxlm.checkpoints import run_dir
 from flaxlm.data import vocabularies
+from flaxlm.data.config import load_pipeline
 from flaxlm.data.jsonl import read_jsonl
 from flaxlm.data.vocabularies import Vocabulary
 from flaxlm.inference import generation
@@ -108,11 +109,8 @@ def read_examples(
             [r[0] for r in records], model, vocabulary, [r[1] for r in records]
         )
     else:
-        # The input pipeline (seqio, TensorFlow) loads where a run reads a task only, after
-        # Gin's config is locked: it registers configurables, and binds nothing.
-        with gin.unlock_config():
-            from flaxlm.data import pipeline
-
+        # The input pipeline (seqio, TensorFlow) loads where a run reads a task only.
+        pipeline = load_pipeline()
         features, rows = pipeline.task_examples(
             source, split, module=task_module, max_examples=max_examples
         )
