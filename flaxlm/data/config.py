@@ -10,8 +10,6 @@ loads neither."""
 from __future__ import annotations
 
 import dataclasses
-import sys
-import types
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -120,16 +118,3 @@ def to_global(
         sharding = partitioner.batch_sharding(local.ndim)
         out[name] = jax.make_array_from_process_local_data(sharding, local, global_shape)
     return out
-
-
-def load_pipeline() -> types.ModuleType:
-    """`flaxlm.data.pipeline` (seqio, tf.data), TensorFlow kept off the accelerators. A run
-    whose process loads it after start-up (its Gin files load no seqio) keeps TensorFlow's
-    C++ start-up lines off a quiet terminal, as `flaxlm.main`'s start-up does."""
-    from flaxlm import logs
-
-    with logs.native_stderr_hidden(logs.is_quiet() and "tensorflow" not in sys.modules):
-        from flaxlm.data import pipeline
-
-        pipeline.configure_tensorflow()
-    return pipeline

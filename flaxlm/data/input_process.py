@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -274,6 +275,19 @@ class RemoteDataIterator:
 
     def __next__(self) -> dict[str, jax.Array]:
         return self.to_global(self.next_numpy())
+
+
+def load_pipeline() -> types.ModuleType:
+    """`flaxlm.data.pipeline` (seqio, tf.data), TensorFlow kept off the accelerators. A run
+    whose process loads it after start-up (its Gin files load no seqio) keeps TensorFlow's
+    C++ start-up lines off a quiet terminal, as `flaxlm.main`'s start-up does."""
+    from flaxlm import logs
+
+    with logs.native_stderr_hidden(logs.is_quiet() and "tensorflow" not in sys.modules):
+        from flaxlm.data import pipeline
+
+        pipeline.configure_tensorflow()
+    return pipeline
 
 
 _EARLY: list[InputProcess] = []

@@ -10,7 +10,7 @@ from typing import Any
 
 import gin
 
-from flaxlm.data.config import load_pipeline
+from flaxlm.data.input_process import load_pipeline
 from flaxlm.models import batch_shapes, expert_parallel, moe
 
 

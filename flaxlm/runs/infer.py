@@ -28,7 +28,7 @@ from etils import epath
 
 from flaxlm.checkpoints import run_dir
 from flaxlm.data import vocabularies
-from flaxlm.data.config import load_pipeline
+from flaxlm.data.input_process import load_pipeline
 from flaxlm.data.jsonl import read_jsonl
 from flaxlm.data.vocabularies import Vocabulary
 from flaxlm.inference import generation

@@ -14,7 +14,7 @@ import optax
 
 from flaxlm.checkpoints import checkpointer, data_state, hf, peft_dir, run_dir
 from flaxlm.data import input_process as input_process_lib
-from flaxlm.data.config import DatasetConfig, batch_structs, load_pipeline
+from flaxlm.data.config import DatasetConfig, batch_structs
 from flaxlm.models import batch_shapes
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
@@ -175,7 +175,7 @@ def _data_iterators(
             inputs, eval_cfg, partitioner, converter, lazy=True
         )
         return train_iter, eval_iter
-    pipeline = load_pipeline()
+    pipeline = input_process_lib.load_pipeline()
     from flaxlm.data import deferred
 
     train_iter = deferred.BackgroundDataIterator(train_cfg, partitioner, converter)
@@ -190,7 +190,7 @@ def _batch_spec(
 ) -> Any:
     """The training batches' shapes (`compile_ahead`'s), or None."""
     if inputs is None:
-        return load_pipeline().batch_spec(cfg, converter, partitioner)
+        return input_process_lib.load_pipeline().batch_spec(cfg, converter, partitioner)
     lengths, dtypes = train_iter.feature_shapes()
     return None if dtypes is None else batch_structs(cfg, lengths, dtypes, partitioner)
 
@@ -200,7 +200,7 @@ def fresh_iterators(
 ) -> tuple[Any, ...]:
     """A new in-process `DataIterator` of each of `cfgs` (None for None): an objective's own
     passes over the data."""
-    pipeline = load_pipeline()
+    pipeline = input_process_lib.load_pipeline()
     return tuple(
         pipeline.DataIterator.create(c, partitioner, converter) if c else None for c in cfgs
     )
@@ -313,7 +313,7 @@ def train(
             model, train_dataset_cfg.task_feature_lengths, train_dataset_cfg.pack
         )
     else:
-        pipeline = load_pipeline()
+        pipeline = input_process_lib.load_pipeline()
         converter = pipeline.converter_for(train_dataset_cfg, model)
         objective.check_data(converter)
         feature_lengths = pipeline.model_feature_lengths(train_dataset_cfg, converter)
