@@ -80,13 +80,14 @@ def _initialize_distributed() -> None:
         pass
 
 
+# The run that reads its data in an input process of its own (data/input_process.py).
+TRAIN_RUN = "flaxlm.runs.train.train"
+
 # Imported when the Gin files name a configurable that their own imports have not
 # registered (a file without `from __gin__ import dynamic_registration`, a binding of a
 # module no file imports): every run's configurables (`train.train`, `infer.infer`, the
 # model families, ...). The ready-to-run files import what they use, so a run loads only
 # its own modules: `infer` and `serve` never load the training input pipeline.
-TRAIN_RUN = "flaxlm.runs.train.train"  # (the run that reads its data in an input process)
-
 REGISTERING_MODULES = (
     "flaxlm.models",
     "flaxlm.data.config",

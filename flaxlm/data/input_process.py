@@ -281,8 +281,6 @@ def load_pipeline() -> types.ModuleType:
     """`flaxlm.data.pipeline` (seqio, tf.data), TensorFlow kept off the accelerators. A run
     whose process loads it after start-up (its Gin files load no seqio) keeps TensorFlow's
     C++ start-up lines off a quiet terminal, as `flaxlm.main`'s start-up does."""
-    from flaxlm import logs
-
     with logs.native_stderr_hidden(logs.is_quiet() and "tensorflow" not in sys.modules):
         from flaxlm.data import pipeline
 
