@@ -254,6 +254,73 @@ def test_two_process_dpo_run_gives_the_one_process_losses(tmp_path, repo_dir):
 
 
 @pytest.mark.slow
+def test_two_processes_reading_through_input_processes_give_the_one_process_losses(
+    tmp_path, repo_dir
+):
+    """The default pre-training run on two processes joined by jax.distributed, each reading
+    its rows through an input process of its own (data/input_process.py; forced on, as the
+    zygote's processes have TensorFlow loaded), then resumed for two more steps: the
+    per-step losses of one 8-device process reading in-process, and each logical shard's
+    position saved once between the two children."""
+    args = [
+        "-m",
+        "flaxlm.main",
+        "--gin_file=gin/gptj_pretrain.gin",
+        "--gin.BATCH_SIZE=8",
+        "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+        "--gin.LOG_PERIOD=1",
+        "--gin.EVAL_PERIOD=0",
+        "--gin.CHECKPOINT_PERIOD=2",
+        "--gin.Partitioner.mesh_shape=(2, -1, 1)",
+    ]
+
+    def two(steps):
+        return launch(
+            lambda addr, i: [
+                *args,
+                f"--gin.TRAIN_STEPS={steps}",
+                f"--gin.MODEL_DIR='{tmp_path / 'two'}'",
+                "--gin.train.input_process=True",
+                f"--coordinator_address={addr}",
+                "--process_count=2",
+                f"--process_index={i}",
+            ],
+            num_processes=2,
+            devices_per_process=4,
+            cwd=repo_dir,
+        )
+
+    with ThreadPoolExecutor(1) as pool:
+        one_process = pool.submit(
+            launch,
+            lambda addr, i: [*args, "--gin.TRAIN_STEPS=4", f"--gin.MODEL_DIR='{tmp_path / 'one'}'"],
+            num_processes=1,
+            devices_per_process=8,
+            cwd=repo_dir,
+        )
+        first = two(2)
+        files = os.listdir(os.path.join(tmp_path / "two", "checkpoints", "2", "dataset"))
+        resumed = two(4)
+        ((code, _, err),) = one_process.result()
+    assert code == 0, err[-3000:]
+    for code, _, stderr in first + resumed:
+        assert code == 0, stderr[-3000:]
+    assert "Resumed from checkpoint step 2" in resumed[0][1]
+    assert {f.split(".")[0] for f in files if f.startswith("shard_")} == {
+        f"shard_{r}-of-8" for r in range(8)
+    }
+    losses = {
+        name: [r["loss"] for r in read_metrics(str(tmp_path / name)) if "loss" in r]
+        for name in ("two", "one")
+    }
+    assert len(losses["two"]) == len(losses["one"]) == 4
+    # The same batches on the same mesh shape; the cross-process sums (gloo) may add in
+    # another order: float32's eps (1.2e-7) times the ~50 rounding stages between the data
+    # and the fourth step's loss (forward, backward, three Adam updates of a 2-layer model).
+    np.testing.assert_allclose(losses["two"], losses["one"], rtol=50 * 1.2e-7)
+
+
+@pytest.mark.slow
 def test_a_failure_on_one_process_stops_all_of_them(tmp_path, repo_dir):
     """Process 0 fails at its first metrics write; nobody may hang waiting for it."""
     start = time.monotonic()
