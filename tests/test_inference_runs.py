@@ -18,7 +18,7 @@ from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import evaluate, infer
 from tasks import metrics as task_metrics
 from tests.test_main import run_main
-from tests.test_multiprocess import launch
+from tests.test_multiprocess import joined, launch
 
 PROMPTS = ["def main(", "import os\nimport", "class Foo(", "x = [", "return", "# a comment"]
 PAIRS = [("def f(x):\n    return", " x"), ("import", " os"), ("for i in", " range(3):")]
@@ -147,12 +147,7 @@ def test_two_process_infer_writes_every_output_once_in_order(trained_gptj, tmp_p
         "--gin.Partitioner.mesh_shape=(1, 2, 4)",
     ]
     results = launch(
-        lambda addr, i: [
-            *args,
-            f"--coordinator_address={addr}",
-            "--process_count=2",
-            f"--process_index={i}",
-        ],
+        joined(args),
         num_processes=2,
         devices_per_process=4,
         cwd=repo_dir,
@@ -178,12 +173,7 @@ def test_two_process_infer_writes_every_output_once_in_order(trained_gptj, tmp_p
         "--gin.Partitioner.mesh_shape=(2, 4, 1)",
     ]
     results = launch(
-        lambda addr, i: [
-            *score_args,
-            f"--coordinator_address={addr}",
-            "--process_count=2",
-            f"--process_index={i}",
-        ],
+        joined(score_args),
         num_processes=2,
         devices_per_process=4,
         cwd=repo_dir,

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -65,6 +66,24 @@ def launch(args_for, num_processes, devices_per_process, cwd, timeout=300, grace
         out.close()
         err.close()
     return results
+
+
+def joined(args: list[str], processes: int = 2) -> Callable[[str, int], list[str]]:
+    """`launch`'s `args_for`: `args` on each of `processes` processes joined by
+    jax.distributed (the coordinator's address, the count and the process's index added;
+    nothing for one process)."""
+
+    def args_for(address: str, index: int) -> list[str]:
+        if processes == 1:
+            return list(args)
+        return [
+            *args,
+            f"--coordinator_address={address}",
+            f"--process_count={processes}",
+            f"--process_index={index}",
+        ]
+
+    return args_for
 
 
 @pytest.fixture(scope="module")
@@ -210,13 +229,7 @@ def test_two_process_dpo_run_gives_the_one_process_losses(tmp_path, repo_dir):
     with ThreadPoolExecutor(2) as pool:
         two_processes = pool.submit(
             launch,
-            lambda addr, i: [
-                *args,
-                f"--gin.MODEL_DIR='{tmp_path / 'two'}'",
-                f"--coordinator_address={addr}",
-                "--process_count=2",
-                f"--process_index={i}",
-            ],
+            joined([*args, f"--gin.MODEL_DIR='{tmp_path / 'two'}'"]),
             num_processes=2,
             devices_per_process=4,
             cwd=repo_dir,
@@ -276,15 +289,14 @@ def test_two_processes_reading_through_input_processes_give_the_one_process_loss
 
     def two(steps):
         return launch(
-            lambda addr, i: [
-                *args,
-                f"--gin.TRAIN_STEPS={steps}",
-                f"--gin.MODEL_DIR='{tmp_path / 'two'}'",
-                "--gin.train.input_process=True",
-                f"--coordinator_address={addr}",
-                "--process_count=2",
-                f"--process_index={i}",
-            ],
+            joined(
+                [
+                    *args,
+                    f"--gin.TRAIN_STEPS={steps}",
+                    f"--gin.MODEL_DIR='{tmp_path / 'two'}'",
+                    "--gin.train.input_process=True",
+                ]
+            ),
             num_processes=2,
             devices_per_process=4,
             cwd=repo_dir,
@@ -325,21 +337,20 @@ def test_a_failure_on_one_process_stops_all_of_them(tmp_path, repo_dir):
     """Process 0 fails at its first metrics write; nobody may hang waiting for it."""
     start = time.monotonic()
     results = launch(
-        lambda addr, i: [
-            "-m",
-            "flaxlm.main",
-            "--gin_file=gin/gptj_pretrain.gin",
-            f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
-            "--gin.TRAIN_STEPS=6",
-            "--gin.LOG_PERIOD=2",
-            "--gin.BATCH_SIZE=8",
-            "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
-            "--gin.Partitioner.mesh_shape=(2, -1, 1)",
-            "--tasks_module=tests.crash_on_process_0",
-            f"--coordinator_address={addr}",
-            "--process_count=2",
-            f"--process_index={i}",
-        ],
+        joined(
+            [
+                "-m",
+                "flaxlm.main",
+                "--gin_file=gin/gptj_pretrain.gin",
+                f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
+                "--gin.TRAIN_STEPS=6",
+                "--gin.LOG_PERIOD=2",
+                "--gin.BATCH_SIZE=8",
+                "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+                "--gin.Partitioner.mesh_shape=(2, -1, 1)",
+                "--tasks_module=tests.crash_on_process_0",
+            ]
+        ),
         num_processes=2,
         devices_per_process=4,
         cwd=repo_dir,
@@ -488,15 +499,7 @@ def _tiny_run(
         args.append(f"--gin.train/DatasetConfig.num_input_shards={input_shards}")
     try:
         results = launch(
-            lambda addr, i: (
-                args
-                + (
-                    [f"--coordinator_address={addr}", f"--process_count={processes}"]
-                    + [f"--process_index={i}"]
-                    if processes > 1
-                    else []
-                )
-            ),
+            joined(args, processes),
             num_processes=processes,
             devices_per_process=devices // processes,
             cwd=repo_dir,

@@ -23,6 +23,7 @@ comes back as the same ValueError the run would have raised itself.
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import signal
@@ -238,14 +239,6 @@ class RemoteDataIterator:
             self._process.reply(self._checked)
             self._checked = None
 
-    def wait(self) -> None:
-        """Waits for the iterator to be built (if it was asked for), raising nothing."""
-        if self._ticket is not None:
-            try:
-                self.description()
-            except Exception:  # noqa: BLE001 - what it raised is the run's to report, or not
-                pass
-
     def next_numpy(self) -> dict[str, np.ndarray]:
         self.description()
         start = time.perf_counter()
@@ -326,8 +319,7 @@ class _Child:
     def create(self, key: int, cfg: DatasetConfig, layout: Any, converter: Any) -> dict:
         pipeline = self.pipeline
         if isinstance(converter, str):  # "module:Class", as batch_shapes.ConverterClass
-            import importlib
-
+            # (read here, not through flaxlm.models, which imports every family)
             module, name = converter.split(":")
             converter = getattr(importlib.import_module(module), name)
         reader = pipeline.HostReader(pipeline.host_input(cfg, layout, converter))
