@@ -102,6 +102,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="a mixture of experts' implementation (the config's moe_impl; default: the gin's)",
     )
     p.add_argument(
+        "--grouped-matmul",
+        choices=("auto", "xla", "mosaic_gpu"),
+        help="how dropless experts run their grouped matmuls (the config's grouped_matmul; "
+        "default: the gin's, 'auto')",
+    )
+    p.add_argument(
+        "--grouped-matmul-tiles",
+        metavar="JSON",
+        help="the Mosaic GPU kernels' tiles from grouped_matmul.py --tune's JSON ('tiles')",
+    )
+    p.add_argument(
         "--profile",
         metavar="DIR",
         help="after timing the first length, trace 2 steps (jax.profiler, perfetto) into DIR "
@@ -232,6 +243,13 @@ def failure(e: BaseException) -> str:
 # ---------------------------------------------------------------------------- flaxlm
 
 
+def grouped_matmul_tiles() -> dict:
+    """The Mosaic GPU grouped matmul's tiles in force (flaxlm.models.grouped_matmul.TILES)."""
+    from flaxlm.models import grouped_matmul
+
+    return grouped_matmul.TILES
+
+
 def flaxlm_model(name: str, args: argparse.Namespace, remat: str | None = None) -> Any:
     changes: dict[str, Any] = {"dtype": args.dtype, "attention": args.attention}
     if remat or args.remat:
@@ -242,6 +260,13 @@ def flaxlm_model(name: str, args: argparse.Namespace, remat: str | None = None) 
         changes["num_layers"] = args.layers
     if args.moe_impl:
         changes["moe_impl"] = args.moe_impl
+    if args.grouped_matmul:
+        changes["grouped_matmul"] = args.grouped_matmul
+    if args.grouped_matmul_tiles:
+        from flaxlm.models import grouped_matmul
+
+        with open(args.grouped_matmul_tiles) as f:
+            grouped_matmul.TILES.update(json.load(f)["tiles"])
     bindings = []
     if args.loss_chunk_size is not None:  # what a user binds: gin/models/ import base
         bindings.append(f"base.DecoderOnlyModel.loss_chunk_size = {args.loss_chunk_size}")
@@ -459,6 +484,16 @@ def flaxlm_side(args: argparse.Namespace) -> dict:
             "scan_layers": config.scan_layers,
             "loss_chunk_size": model.loss_chunk_size,
             "attention": config.attention,
+            **{
+                f: getattr(config, f)
+                for f in ("moe_impl", "grouped_matmul", "capacity_factor")
+                if hasattr(config, f)
+            },
+            **(
+                {"grouped_matmul_tiles": grouped_matmul_tiles()}
+                if hasattr(config, "moe_impl")
+                else {}
+            ),
             "params": config.num_params(),
             "vocab_size": config.vocab_size,
             "flops_per_token": {

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.models import base, expert_parallel, experts, qwen_moe, routing
+from flaxlm.models import base, expert_parallel, experts, grouped_matmul, qwen_moe, routing
 from flaxlm.parallel.partitioning import standard_logical_axis_rules
 from flaxlm.plan import hlo
 
@@ -168,6 +168,106 @@ def test_expert_parallel_gives_the_unsplit_loss_and_gradients(mesh_shape):
     assert "all_gather" in jaxpr and ("psum_scatter" in jaxpr or "reduce_scatter" in jaxpr)
 
 
+def _nan_past(out, sizes):
+    """`out` with its rows past the groups NaN: what a kernel that leaves them unwritten may
+    hold there."""
+    return jnp.where(jnp.arange(out.shape[0])[:, None] < jnp.sum(sizes), out, jnp.nan)
+
+
+# Stand-ins for the Mosaic GPU kernels on CPU, through XLA's ragged_dot, NaN past the groups.
+STAND_INS = grouped_matmul.Kernels(
+    forward=lambda x, w, s: _nan_past(jax.lax.ragged_dot(x, w, s), s),
+    rows_grad=lambda dy, w, s: _nan_past(jax.lax.ragged_dot(dy, jnp.swapaxes(w, 1, 2), s), s),
+    weights_grad=lambda x, dy, s: jax.lax.ragged_dot_general(
+        x, dy, s,
+        ragged_dot_dimension_numbers=jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((0,), (0,)), ((), ())),
+            lhs_ragged_dimensions=[0],
+            rhs_group_dimensions=[],
+        ),
+    ),
+)  # fmt: skip
+
+
+def _untyped(out):
+    """`out` typed as a Pallas kernel's output is inside a `shard_map`: varying over no mesh
+    axis, whatever its operands (a host callback's output is so typed)."""
+    return jax.pure_callback(np.asarray, jax.ShapeDtypeStruct(out.shape, out.dtype), out)
+
+
+UNTYPED_STAND_INS = grouped_matmul.Kernels(*(lambda *a, f=f: _untyped(f(*a)) for f in STAND_INS))
+
+
+def test_kernel_grouped_matmul_gives_ragged_dots_values_and_gradients():
+    """The custom VJP the Mosaic GPU kernels run through (`kernel_ragged_dot`) against XLA's
+    `ragged_dot` differentiated by JAX: an empty group, rows past the groups zero both ways
+    however the kernels leave them."""
+    kx, kw, kt = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(kx, (20, 8)), jax.random.normal(kw, (3, 8, 6))
+    sizes, target = jnp.array([5, 0, 9], jnp.int32), jax.random.normal(kt, (20, 6))
+
+    def loss(dot, x, w):
+        y = dot(x, w, sizes)
+        return jnp.sum(jnp.tanh(y) * target), y
+
+    kernel = functools.partial(grouped_matmul.kernel_ragged_dot, kernels=STAND_INS)
+    (got, y), got_grads = jax.value_and_grad(loss, (1, 2), has_aux=True)(kernel, x, w)
+    (want, _), want_grads = jax.value_and_grad(loss, (1, 2), has_aux=True)(jax.lax.ragged_dot, x, w)
+    np.testing.assert_allclose(got, want, rtol=TOL)
+    assert np.all(np.asarray(y[14:]) == 0)
+    for g, r in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, r, rtol=TOL, atol=TOL)
+    assert np.all(np.isfinite(np.asarray(got_grads[0])))
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (1, 1, 8, 1)], ids=str)
+def test_kernel_grouped_matmul_gives_the_dense_loss_and_gradients(monkeypatch, mesh_shape):
+    """The model's dropless experts through the kernels' custom VJP (stand-ins here), on one
+    device (every row grouped: nothing zeroed) and on (1, 1, 8, 1), where each device's rows
+    of other devices' experts lie past its groups: the dense reference's loss and
+    gradients."""
+    monkeypatch.setattr(grouped_matmul, "choose", lambda impl, x, w: "mosaic_gpu")
+    monkeypatch.setattr(grouped_matmul, "mosaic_gpu_kernels", lambda: STAND_INS)
+    model = _model(moe_impl="dropless", grouped_matmul="mosaic_gpu")
+    _assert_same(_loss_and_grads(model, _params(), _batch(), mesh_shape), _reference())
+
+
+def test_kernel_grouped_matmul_types_its_gradients_inside_a_shard_map(monkeypatch):
+    """Inside a `shard_map` the kernels' outputs are typed as varying over no mesh axis
+    (`_untyped`); the custom VJP still gives each gradient its operand's type, and the
+    weights, the same on every device, get the sum of every device's gradient."""
+    monkeypatch.setattr(grouped_matmul, "mosaic_gpu_kernels", lambda: UNTYPED_STAND_INS)
+    monkeypatch.setattr(grouped_matmul, "choose", lambda impl, x, w: impl)
+    mesh = _mesh((8,), ("e",))
+    kx, kw, kt = jax.random.split(jax.random.key(1), 3)
+    x, w = jax.random.normal(kx, (8 * 6, 8)), jax.random.normal(kw, (3, 8, 4))
+    target = jax.random.normal(kt, (8 * 6, 4))
+
+    def loss(impl, x, w, target):
+        def body(x, w, target):
+            sizes = jnp.array([2, 0, 3], jnp.int32)  # one row past the groups a device
+            y = grouped_matmul.ragged_dot(x, w, sizes, impl=impl)
+            return jax.lax.psum(jnp.sum(jnp.tanh(y) * target), "e")
+
+        specs = (P("e"), P(), P("e"))
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P())(x, w, target)
+
+    with jax.set_mesh(mesh):
+        got, want = (
+            jax.jit(jax.value_and_grad(functools.partial(loss, impl), (0, 1)))(x, w, target)
+            for impl in ("mosaic_gpu", "xla")
+        )
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, r, rtol=TOL, atol=TOL)
+
+
+def test_mosaic_gpu_off_a_hopper_gpu_is_an_error_naming_the_setting():
+    x, w = jnp.ones((4, 64), jnp.bfloat16), jnp.ones((2, 64, 64), jnp.bfloat16)
+    assert grouped_matmul.choose("auto", x, w) == "xla"
+    with pytest.raises(ValueError, match="grouped_matmul='mosaic_gpu' needs an NVIDIA Hopper"):
+        grouped_matmul.ragged_dot(x, w, jnp.array([2, 2]), impl="mosaic_gpu")
+
+
 def test_all_to_all_dispatch_gives_the_dropless_loss_and_gradients():
     """`moe_dispatch='all_to_all'` on (1, 1, 8, 1): each device's 16 tokens sent to their
     experts' devices in buffers of capacity_factor x the fair share (4 x 2 x 16 / 8 = 16
@@ -317,7 +417,12 @@ def test_capacity_telemetry_reports_the_dropped_fraction():
 
 @pytest.mark.parametrize(
     "field,value",
-    [("router", "sinkhorn"), ("moe_impl", "megablocks"), ("moe_dispatch", "ragged")],
+    [
+        ("router", "sinkhorn"),
+        ("moe_impl", "megablocks"),
+        ("moe_dispatch", "ragged"),
+        ("grouped_matmul", "triton"),
+    ],
     ids=str,
 )
 def test_unknown_settings_are_errors_naming_them(field, value):

@@ -82,6 +82,7 @@ def run_experts(
     *,
     dispatch: str = "all_gather",
     capacity_factor: float = 1.25,
+    matmul: str = "auto",
 ) -> tuple[Array, Array | None] | None:
     """`experts.grouped_experts` on each device's tokens, in a `shard_map` over the mesh axes
     that split them (the batch's, and `sequence` under context parallelism), with the experts
@@ -119,14 +120,18 @@ def run_experts(
         if to_all:
             # Rows a device sends each device of its group: as `capacity`'s rows an expert.
             capacity = experts.expert_capacity(xt.shape[0], it.shape[1], shards, capacity_factor)
-            y, dropped = all_to_all_experts(xt, wi, wo, wt, it, act, capacity, tuple(b) or None)
+            y, dropped = all_to_all_experts(
+                xt, wi, wo, wt, it, act, capacity, tuple(b) or None, matmul=matmul
+            )
             return y.reshape(x.shape), dropped.reshape(ids.shape)
         if gathered:  # the expert group's tokens, on each of its devices
             xt, wt, it = (
                 jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (xt, wt, it)
             )
         first = jax.lax.axis_index(EXPERT_AXIS) * local if shards > 1 else 0
-        y = experts.grouped_experts(xt, wi, wo, wt, it, act, first, tuple(b) or None)
+        y = experts.grouped_experts(
+            xt, wi, wo, wt, it, act, first, tuple(b) or None, matmul, all_local=shards == 1
+        )
         if gathered:
             y = jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
         elif shards > 1:
@@ -152,6 +157,7 @@ def all_to_all_experts(
     act: experts.Glu,
     capacity: int,
     bias: experts.Bias = None,
+    matmul: str = "auto",
 ) -> tuple[Array, Array]:
     """Inside `run_experts`' body, on one device of an expert group (the mesh's `expert`
     axis, n devices of E/n experts each): its assignments sent to the devices holding their
@@ -180,7 +186,7 @@ def all_to_all_experts(
         jax.lax.all_to_all(a, EXPERT_AXIS, 0, 0, tiled=True) for a in (send, expert)
     )  # [n x capacity, ...]: row block i from device i
     ones = jnp.ones((rows, 1), x.dtype)
-    out = experts.grouped_experts(arrived, wi, wo, ones, expert, act, 0, bias)
+    out = experts.grouped_experts(arrived, wi, wo, ones, expert, act, 0, bias, matmul)
     back = jax.lax.all_to_all(out, EXPERT_AXIS, 0, 0, tiled=True)  # to where each came from
     ys = jnp.where(keep[:, None], back[jnp.minimum(slot, rows - 1)], 0).reshape(k, tokens, -1)
     y = jnp.einsum("ktd,tk->td", ys, weights.astype(ys.dtype))

@@ -6,7 +6,8 @@ to float rounding:
 - `dense`: every expert over every token, weighted (zero weight off the token's top k): the
   reference, at E/k times the FLOPs;
 - `dropless`: the (token, expert) assignments sorted by expert, one grouped matmul
-  (`jax.lax.ragged_dot`) per projection, unsorted and summed; no token dropped;
+  (`grouped_matmul.ragged_dot`: XLA's `ragged_dot`, or JAX's Mosaic GPU kernels on Hopper)
+  per projection, unsorted and summed; no token dropped;
 - `capacity`: each expert takes at most `capacity_factor * tokens * k / E` assignments (in
   token order), the rest dropped (their contribution is zero) and counted.
 
@@ -25,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxlm.models import layers
+from flaxlm.models import grouped_matmul, layers
 
 Array = jax.Array
 
@@ -84,10 +85,14 @@ def grouped_experts(
     act: Glu,
     first: Array | int = 0,
     bias: Bias = None,
+    matmul: str = "auto",
+    all_local: bool = False,
 ) -> Array:
     """Dropless: the assignments to experts `first .. first + wi.shape[0]` (the local ones
-    under expert parallelism; all by default) sorted by expert, one `ragged_dot` per
-    projection, unsorted and weighted; other assignments contribute zero.
+    under expert parallelism; all by default) sorted by expert, one grouped matmul per
+    projection (`grouped_matmul.ragged_dot` by `matmul`), unsorted and weighted; other
+    assignments contribute zero. `all_local`: every id is a local expert's (no expert
+    parallelism), so no row lies past the groups and none is zeroed.
 
     x `[tokens, embed]`, wi `[local experts, embed, 2, mlp]`, wo `[local experts, mlp,
     embed]`, weights, ids `[tokens, k]` -> `[tokens, embed]`; `bias`: the local experts'."""
@@ -99,17 +104,24 @@ def grouped_experts(
     slot = jnp.where((slot >= 0) & (slot < local), slot, local)
     order = jnp.argsort(slot, stable=True)
     sizes = jnp.bincount(slot, length=local + 1)[:local].astype(jnp.int32)
-    xs = x[order // k]  # [tokens * k, embed], grouped by expert
-    gate = jax.lax.ragged_dot(xs, wi[:, :, 0], sizes)
-    up = jax.lax.ragged_dot(xs, wi[:, :, 1], sizes)
+    # Permutations as gathers of distinct rows: their transposes are scatters without
+    # collisions (a token's k rows are summed by the repeat's transpose, not by atomics).
+    xs = jnp.repeat(x, k, axis=0).at[order].get(unique_indices=True)  # grouped by expert
+    ragged_dot = functools.partial(grouped_matmul.ragged_dot, impl=matmul, all_grouped=all_local)
+    # gate and up in one product: wi's `[embed, 2, mlp]` is `[embed, 2 x mlp]` in memory.
+    mlp = wi.shape[-1]
+    h = ragged_dot(xs, wi.reshape(local, wi.shape[1], 2 * mlp), sizes)
+    gate, up = h[:, :mlp], h[:, mlp:]
     if bias is not None:  # each sorted row's expert's (rows past the groups: zeroed below)
         expert = jnp.minimum(slot[order], local - 1)
         gate, up = gate + bias[0][expert, 0], up + bias[0][expert, 1]
-    ys = jax.lax.ragged_dot(_swiglu(gate, up, act), wo, sizes)
+    ys = ragged_dot(_swiglu(gate, up, act), wo, sizes)
     ys = ys if bias is None else ys + bias[1][expert]
-    kept = (jnp.arange(tokens * k) < jnp.sum(sizes))[:, None]
-    ys = jnp.where(kept, ys, 0)  # rows past the groups: zero however ragged_dot leaves them
-    y = jnp.zeros_like(ys).at[order].set(ys).reshape(tokens, k, -1)
+    if not all_local:
+        kept = (jnp.arange(tokens * k) < jnp.sum(sizes))[:, None]
+        ys = jnp.where(kept, ys, 0)  # rows past the groups: zero however they were left
+    back = jnp.argsort(order)  # where each assignment's row went
+    y = ys.at[back].get(unique_indices=True).reshape(tokens, k, -1)
     return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
 
 

@@ -5,7 +5,8 @@
 Each token goes to its `num_experts_per_tok` best experts by the router and comes back as
 their outputs weighted by the router's weights (plus a sigmoid-gated shared expert,
 Qwen2-MoE, or DeepSeek-V3's ungated shared experts). The experts, stacked `[expert, embed,
-mlp]`, run one of three ways (`moe_impl`: dense, dropless, capacity; `experts.py`).
+mlp]`, run one of three ways (`moe_impl`: dense, dropless, capacity; `experts.py`), dropless's
+grouped matmul by `grouped_matmul` (XLA's, or JAX's Mosaic GPU kernels: `grouped_matmul.py`).
 
 Under a mesh with an `expert` axis the experts are split over it, and `dropless` runs on each
 device's own tokens in a `shard_map`, the tokens sent to their experts' devices by
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import expert_parallel, experts, layers, routing
+from flaxlm.models import expert_parallel, experts, grouped_matmul, layers, routing
 
 Array = jax.Array
 
@@ -66,6 +67,10 @@ class MoEOptions:
     # (expert_parallel.DISPATCHES): 'all_gather' (no drops, buffers grow with the axis) or
     # 'all_to_all' (buffers of capacity_factor x the fair share, the rest dropped).
     moe_dispatch: str = "all_gather"
+    # How `dropless` runs its grouped matmuls (grouped_matmul.GROUPED_MATMULS): 'xla'
+    # (`jax.lax.ragged_dot`), 'mosaic_gpu' (JAX's Pallas kernels for Hopper GPUs), 'auto'
+    # (the kernels on an H100/H200 in bfloat16/float16, else 'xla').
+    grouped_matmul: str = "auto"
     # `capacity`: assignments an expert takes / its fair share; the `all_to_all` dispatch:
     # assignments a device sends each device of its expert group / the fair share.
     capacity_factor: float = 1.25
@@ -98,6 +103,11 @@ class MoEOptions:
         if self.moe_dispatch not in expert_parallel.DISPATCHES:
             raise ValueError(
                 f"moe_dispatch {self.moe_dispatch!r}: expected one of {expert_parallel.DISPATCHES}."
+            )
+        if self.grouped_matmul not in grouped_matmul.GROUPED_MATMULS:
+            raise ValueError(
+                f"grouped_matmul {self.grouped_matmul!r}: expected one of "
+                f"{grouped_matmul.GROUPED_MATMULS}."
             )
         if self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor {self.capacity_factor} must be positive.")
@@ -263,9 +273,13 @@ class MoE(nn.Module):
             out = expert_parallel.run_experts(
                 x.astype(dtype), wi, wo, weights3, ids3, glu, shards, expert_bias,
                 dispatch=cfg.moe_dispatch, capacity_factor=cfg.capacity_factor,
+                matmul=cfg.grouped_matmul,
             )  # fmt: skip
             if out is None:
-                y = experts.grouped_experts(xt, wi, wo, weights, ids, glu, bias=expert_bias)
+                y = experts.grouped_experts(
+                    xt, wi, wo, weights, ids, glu, bias=expert_bias,
+                    matmul=cfg.grouped_matmul, all_local=True,
+                )  # fmt: skip
             else:
                 y, dropped = out
                 dropped = None if dropped is None else dropped.reshape(-1, k)
