@@ -256,7 +256,7 @@ def test_latent_cache_holds_576_values_per_token_against_40960(full):
     leaves = cache_shapes(model.config)
     tiny = model.config
     assert sorted(leaf.shape for leaf in leaves) == sorted(
-        [(batch, slots, 1, tiny.kv_lora_rank), (batch, slots, 1, tiny.qk_rope_head_dim)] * 2
+        [(batch, 1, slots, tiny.kv_lora_rank), (batch, 1, slots, tiny.qk_rope_head_dim)] * 2
     )
 
 

@@ -269,9 +269,12 @@ def decode(
 
 
 def cache_length(cache: Any) -> int:
-    """Slots of a KV cache (axis `ndim - 3` of its leaves: `[(layers,) rows, slots, ...]`)."""
-    leaf = jax.tree.leaves(cache)[0]
-    return leaf.shape[leaf.ndim - 3]
+    """Slots of a KV cache: axis `ndim - 2` of its leaves, `[(layers,) rows, heads, slots,
+    width]`, the values' aside (`[..., width, slots]`: `attention.write_cache`)."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
+        if getattr(path[-1], "key", None) != "value":
+            return leaf.shape[leaf.ndim - 2]
+    raise ValueError("a KV cache without keys")
 
 
 def empty_cache(init_cache: Callable[[], Any]) -> Any:

@@ -102,12 +102,43 @@ def alibi_bias(q_positions: Array, k_positions: Array, num_heads: int) -> Array:
 # ---------------------------------------------------------------------------- attention
 
 
+def write_cache(
+    module: nn.Module,
+    name: str,
+    x: Array,
+    decoding: Decoding,
+    axes: tuple,
+    slots_last: bool = False,
+) -> Array:
+    """`x` `[batch, q_len, X, width]` written at `decoding.index` into `module`'s cache
+    variable `name`, held head-major, `[batch, X, slots, width]` (`slots_last`: `[batch, X,
+    width, slots]`), and the whole cache returned as `[batch, slots, X, width]`: a transposed
+    view that XLA folds into the attention's dots. So held, each head's slots are an operand
+    a batched matmul over (batch, head) reads in place, the keys' (scores: contracted over
+    width) and, slots last, the values' (the output: contracted over slots) alike; held
+    slot-major, XLA copies the whole cache into such a layout for every decoding step."""
+    batch, _, heads, width = x.shape
+    order = (0, 2, 3, 1) if slots_last else (0, 2, 1, 3)
+    shape = (
+        (batch, heads, width, decoding.length)
+        if slots_last
+        else (batch, heads, decoding.length, width)
+    )
+    var = module.variable("cache", name, jnp.zeros, shape, x.dtype)
+    new = jnp.transpose(x, order).astype(var.value.dtype)
+    start = (0, 0, 0, decoding.index) if slots_last else (0, 0, decoding.index, 0)
+    updated = jax.lax.dynamic_update_slice(var.value, new, start)
+    var.value = constrain(updated, tuple(axes[i] for i in order))
+    return jnp.transpose(var.value, (0, 3, 1, 2) if slots_last else (0, 2, 1, 3))
+
+
 class KVCache(nn.Module):
     """Keys and values of the tokens decoded so far (Flax collection `cache`).
 
     Outside decoding it returns its inputs. While decoding it writes the new keys and
-    values at `decoding.index` and returns the whole cache `[batch, cache_len, heads,
-    head_dim]` (what `causal_mask` masks).
+    values at `decoding.index` (held `[batch, heads, cache_len, head_dim]` and `[batch,
+    heads, head_dim, cache_len]`: `write_cache`) and returns the whole cache `[batch,
+    cache_len, heads, head_dim]` (what `causal_mask` masks).
     """
 
     axes: tuple[str | None, ...] = HEAD_AXES
@@ -118,20 +149,10 @@ class KVCache(nn.Module):
             return key, value
         if decoding.paged:
             return self.paged(key, value, decoding)
-        shape = (key.shape[0], decoding.length, *key.shape[2:])
-        cached = {
-            name: self.variable("cache", name, jnp.zeros, shape, x.dtype)
-            for name, x in (("key", key), ("value", value))
-        }
-        out = []
-        for name, x in (("key", key), ("value", value)):
-            var = cached[name]
-            updated = jax.lax.dynamic_update_slice(
-                var.value, x.astype(var.value.dtype), (0, decoding.index, 0, 0)
-            )
-            var.value = constrain(updated, self.axes)
-            out.append(var.value)
-        return out[0], out[1]
+        return (
+            write_cache(self, "key", key, decoding, self.axes),
+            write_cache(self, "value", value, decoding, self.axes, slots_last=True),
+        )
 
     def paged(self, key: Array, value: Array, decoding: Decoding) -> tuple[Array, Array]:
         """Writes each token's key and value into its page of the pool `[num_pages,

@@ -170,9 +170,11 @@ class MultiHeadLatentAttention(nn.Module):
 class DecodingCache(nn.Module):
     """What each decoded token leaves for later ones (Flax collection `cache`): named arrays
     `[batch, q_len, X, width]` of any widths (`attention.KVCache` keeps one shape for its
-    key and value), written at `decoding.index` into `[batch, slots, X, width]` and returned
-    whole; paged (the serving engine), written into their pages of a pool `[num_pages,
-    page_size, X, width]` and returned gathered in each row's slot order."""
+    key and value), written at `decoding.index` into `[batch, X, slots, width]` (a "value":
+    `[batch, X, width, slots]`) and returned whole as `[batch, slots, X, width]`
+    (`attention.write_cache`); paged (the serving
+    engine), written into their pages of a pool `[num_pages, page_size, X, width]` and
+    returned gathered in each row's slot order."""
 
     names: tuple[str, ...]
     axes: tuple[str | None, ...]  # logical axes of `[batch, slots, X, width]`
@@ -184,12 +186,8 @@ class DecodingCache(nn.Module):
             if decoding.paged:
                 out.append(self.paged(name, x, decoding))
                 continue
-            shape = (x.shape[0], decoding.length, *x.shape[2:])
-            var = self.variable("cache", name, jnp.zeros, shape, x.dtype)
-            start = (0, decoding.index, 0, 0)
-            updated = jax.lax.dynamic_update_slice(var.value, x.astype(var.value.dtype), start)
-            var.value = layers.constrain(updated, self.axes)
-            out.append(var.value)
+            slots_last = name == "value"  # as attention.KVCache holds its values
+            out.append(attention.write_cache(self, name, x, decoding, self.axes, slots_last))
         return tuple(out)
 
     def paged(self, name: str, x: Array, decoding: masks.Decoding) -> Array:
