@@ -139,10 +139,11 @@ def read_examples(
 
 ENGINES = ("auto", "paged", "batch")
 # 'auto' takes the paged engine where fixed batches would make the average sequence this
-# many times longer (`padding_ratio`): on the 2-core CPU the engine ran 0.48-0.79x the fixed
-# batches' speed at a ratio of 1.4 (prompts of 9-121 tokens), 1.13x at 2.6, 1.4-1.6x at 3.5
-# and 3.2x at 6.5 (benchmarks/RESULTS.md, issue 47), and its first run compiles ~2x longer.
-PADDING_RATIO = 3.0
+# many times longer (`padding_ratio`): on the 2-core CPU, since the contiguous cache is held
+# head-major (fixed batches' decode steps 1.3-1.5x faster), the engine ran 0.75x the fixed
+# batches' speed at a ratio of 2.6, 0.81x at 3.5, 1.49x at 5.0 and 1.78x at 6.5 (break-even
+# ~4; benchmarks/RESULTS.md, "Sixteenth session"), and its first run compiles ~2x longer.
+PADDING_RATIO = 5.0
 DECODE_STEPS = 16  # tokens a row generates per engine dispatch
 PREFILL_ROWS = 2  # prompts each engine prefill dispatch reads
 PREFILL_CHUNK = 128  # of this many tokens each
