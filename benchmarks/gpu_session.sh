@@ -9,17 +9,19 @@
 #    context, the batch path and the paged engine, against the roofline, with a profile of
 #    the batch path's step at batch 64 (decode_roofline.py --profile) and its optimized HLO
 #    (hlo.tgz: the largest modules XLA dumped), to name what besides the matmuls and the KV
-#    reads takes its time (the fourth session saw transposes of the cache's layout);
+#    reads takes its time (the fourth session saw transposes of the cache's layout; since
+#    the sixteenth the cache is held head-major, which on CPU removed them: on the GPU?);
 # 2. mixtures of experts (issue 45, met on an H200 in the sixteenth session): the dropless
 #    experts' grouped matmul through JAX's Mosaic GPU kernels, checked against XLA's, the
 #    transposed kernel's tiles tuned (grouped_matmul.py --tune); a Qwen3-30B-A3B-shaped
-#    model cut to MOE_LAYERS layers (default 8; 4 when 8 do not fit), dropless; the dense
-#    Llama-3.2-1B step at 2048 on the same card (PROFILE=1: with a profile); the same MoE
-#    with `capacity` experts, with the time left.
+#    model cut to MOE_LAYERS layers (default 8; 4 when 8 do not fit), dropless, with its
+#    profile and compiled HLO; the dense Llama-3.2-1B step at 2048 on the same card
+#    (PROFILE=1: with a profile); the same MoE with `capacity` experts, with the time left.
 #
 # Everything lands under $OUT (the device tool's; ./gpu_out elsewhere), at most 8 files, as
 # the device tool brings back: session.log (versions and every run's output), decode.json,
-# hlo.tgz, grouped.json, moe.json, dense.json, moe_capacity.json. Wheels under .whl/
+# hlo.tgz, grouped.json, moe.json, hlo_moe/ (the MoE step's HLO), dense.json,
+# moe_capacity.json. Wheels under .whl/
 # (gin-config: the lent image lacks it) are installed first. ACC_ARGS, if set, is added to
 # every accelerator.py command and DECODE_ARGS to decode_roofline.py's; DENSE and MOE replace
 # the models (the tiny CPU check: DENSE=llama_tiny MOE=qwen3_moe_tiny MOE_LAYERS=2
@@ -94,7 +96,11 @@ if [ "$kernels" != mosaic_gpu ]; then
 elif [ "$l" -lt 60 ]; then
   echo "== ${l} s left: not run: the dropless MoE" | tee -a "$log"
 else
-  moe dropless mosaic_gpu "$l" "$out/moe.json" --grouped-matmul-tiles "$out/grouped.json"
+  # With the step's profile and its compiled HLO: what the elementwise and reduction
+  # fusions (a third of the step in the sixteenth session) are.
+  moe dropless mosaic_gpu "$l" "$out/moe.json" --grouped-matmul-tiles "$out/grouped.json" \
+    --profile /tmp/moe_profile --hlo "$out/hlo_moe"
+  rm -rf /tmp/moe_profile
 fi
 
 l=$(($(left) - 10))
