@@ -270,7 +270,8 @@ def decode(
 
 def cache_length(cache: Any) -> int:
     """Slots of a KV cache: axis `ndim - 2` of its leaves, `[(layers,) rows, heads, slots,
-    width]`, the values' aside (`[..., width, slots]`: `attention.write_cache`)."""
+    width]`, the values' aside (named "value", `[..., width, slots]`:
+    `attention.write_cache`)."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
         if getattr(path[-1], "key", None) != "value":
             return leaf.shape[leaf.ndim - 2]

@@ -102,34 +102,24 @@ def alibi_bias(q_positions: Array, k_positions: Array, num_heads: int) -> Array:
 # ---------------------------------------------------------------------------- attention
 
 
-def write_cache(
-    module: nn.Module,
-    name: str,
-    x: Array,
-    decoding: Decoding,
-    axes: tuple,
-    slots_last: bool = False,
-) -> Array:
+def write_cache(module: nn.Module, name: str, x: Array, decoding: Decoding, axes: tuple) -> Array:
     """`x` `[batch, q_len, X, width]` written at `decoding.index` into `module`'s cache
-    variable `name`, held head-major, `[batch, X, slots, width]` (`slots_last`: `[batch, X,
-    width, slots]`), and the whole cache returned as `[batch, slots, X, width]`: a transposed
-    view that XLA folds into the attention's dots. So held, each head's slots are an operand
-    a batched matmul over (batch, head) reads in place, the keys' (scores: contracted over
-    width) and, slots last, the values' (the output: contracted over slots) alike; held
-    slot-major, XLA copies the whole cache into such a layout for every decoding step."""
-    batch, _, heads, width = x.shape
-    order = (0, 2, 3, 1) if slots_last else (0, 2, 1, 3)
-    shape = (
-        (batch, heads, width, decoding.length)
-        if slots_last
-        else (batch, heads, decoding.length, width)
-    )
-    var = module.variable("cache", name, jnp.zeros, shape, x.dtype)
+    variable `name`, held head-major, `[batch, X, slots, width]` (values, `name` "value":
+    `[batch, X, width, slots]`), and the whole cache returned as `[batch, slots, X, width]`:
+    a transposed view that XLA folds into the attention's dots. So held, each head's slots
+    are an operand a batched matmul over (batch, head) reads in place, the keys' (scores:
+    contracted over width) and, slots last, the values' (the output: contracted over slots)
+    alike; held slot-major, XLA copies the whole cache into such a layout for every decoding
+    step. `inference.decoding.cache_length` reads the slots off the other arrays."""
+    # The held layout as a permutation of `[batch, slots, X, width]`.
+    order = (0, 2, 3, 1) if name == "value" else (0, 2, 1, 3)
+    full = (x.shape[0], decoding.length, *x.shape[2:])
+    var = module.variable("cache", name, jnp.zeros, tuple(full[i] for i in order), x.dtype)
     new = jnp.transpose(x, order).astype(var.value.dtype)
-    start = (0, 0, 0, decoding.index) if slots_last else (0, 0, decoding.index, 0)
+    start = tuple((0, decoding.index, 0, 0)[i] for i in order)
     updated = jax.lax.dynamic_update_slice(var.value, new, start)
     var.value = constrain(updated, tuple(axes[i] for i in order))
-    return jnp.transpose(var.value, (0, 3, 1, 2) if slots_last else (0, 2, 1, 3))
+    return jnp.transpose(var.value, tuple(order.index(i) for i in range(4)))
 
 
 class KVCache(nn.Module):
@@ -151,7 +141,7 @@ class KVCache(nn.Module):
             return self.paged(key, value, decoding)
         return (
             write_cache(self, "key", key, decoding, self.axes),
-            write_cache(self, "value", value, decoding, self.axes, slots_last=True),
+            write_cache(self, "value", value, decoding, self.axes),
         )
 
     def paged(self, key: Array, value: Array, decoding: Decoding) -> tuple[Array, Array]:

@@ -186,7 +186,7 @@ def kernels_fit(x: Array, w: Array) -> str | None:
     if jnp.dtype(x.dtype) not in dtypes or x.dtype != w.dtype:
         return f"operands {x.dtype} and {w.dtype} (the kernels take bfloat16 or float16)"
     k, n = w.shape[1], w.shape[2]
-    if _fit(64, k) is None or _fit(64, n) is None:
+    if k % 64 or n % 64:
         return f"widths {k} and {n} (the kernels take multiples of 64)"
     return None
 

@@ -186,8 +186,7 @@ class DecodingCache(nn.Module):
             if decoding.paged:
                 out.append(self.paged(name, x, decoding))
                 continue
-            slots_last = name == "value"  # as attention.KVCache holds its values
-            out.append(attention.write_cache(self, name, x, decoding, self.axes, slots_last))
+            out.append(attention.write_cache(self, name, x, decoding, self.axes))
         return tuple(out)
 
     def paged(self, name: str, x: Array, decoding: masks.Decoding) -> Array:
