@@ -38,6 +38,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", default="llama3_2_1b", help="a gin/models/ name")
+    p.add_argument("--layers", type=int, help="the model cut to its first N layers")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--context", type=int, default=1024, help="prompt tokens")
     p.add_argument("--new", type=int, default=128, help="tokens generated per sequence")
@@ -174,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     changes = {"dtype": args.dtype}
     if args.scan is not None:
         changes["scan_layers"] = args.scan
+    if args.layers:
+        changes["num_layers"] = args.layers
     model = bench_common.gin_model(args.model, **changes)
     dtype = jnp.dtype(args.dtype)
     shapes = model.example_batch_shapes()

@@ -10,6 +10,7 @@ import torch
 from flaxlm.checkpoints import hf
 from flaxlm.inference import decoding, generation
 from flaxlm.parallel.partitioning import Partitioner
+from tests.helpers import tiny_gptj
 from tests.hf_helpers import decoder_batch, padded_batch
 from tests.test_hf_gemma import tiny_hf_gemma
 from tests.test_hf_gpt2 import tiny_hf_gpt2
@@ -265,6 +266,54 @@ def test_sampled_tokens_follow_the_model_distribution():
     tokens = decoding.choose_tokens(logits, jax.random.PRNGKey(0), config)
     freq = np.bincount(np.asarray(tokens), minlength=3) / 4000
     np.testing.assert_allclose(freq, probs, atol=0.03)
+
+
+def _output_shapes(jaxpr) -> list[tuple[str, tuple[int, ...]]]:
+    """(primitive, output shape) of every equation of `jaxpr` and the jaxprs inside it."""
+    out = []
+    for eqn in jaxpr.eqns:
+        out += [(eqn.primitive.name, tuple(v.aval.shape)) for v in eqn.outvars]
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _output_shapes(inner)
+    return out
+
+
+def test_decoding_stacks_no_kernels_and_prefills_one_position_of_logits():
+    """A decoding step runs one product per projection (`layers.separate_projections`): the
+    stacked kernels training contracts at once would be a copy of them at every token. The
+    prefill's head reads the prompts' last position alone, the batch path's and the paged
+    engine's."""
+    model = tiny_gptj(vocab_size=256)  # not the MLP's width
+    cfg = model.config
+    shapes = model.example_batch_shapes()
+    params = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0), shapes))
+    stacked = (3, cfg.hidden_size, cfg.num_heads, cfg.hidden_size // cfg.num_heads)  # q, k, v
+    rows, prompt_len = 4, 12
+    tokens = jnp.zeros((rows, prompt_len), jnp.int32)
+
+    forward = jax.make_jaxpr(lambda p: model.module.apply({"params": p}, tokens))(params)
+    assert stacked in [s for _, s in _output_shapes(forward.jaxpr)]  # what training stacks
+
+    config = decoding.DecodingConfig(max_new_tokens=4)
+    decode = jax.make_jaxpr(
+        lambda p: generation.decode_tokens(
+            model, p, tokens, jnp.full((rows,), prompt_len), jax.random.PRNGKey(0), config=config
+        )
+    )(params)
+    cache = model.paged_cache(num_pages=8, page_size=4)
+    slots = jnp.broadcast_to(jnp.arange(prompt_len), (rows, prompt_len))
+    table = jnp.zeros((rows, 4), jnp.int32)
+    paged = jax.make_jaxpr(
+        lambda p, c: model.paged_logits(p, c, tokens, slots, table, jnp.full((rows,), 11))
+    )(params, cache)
+    for jaxpr in (decode.jaxpr, paged.jaxpr):
+        shapes = _output_shapes(jaxpr)
+        assert stacked not in [s for _, s in shapes]
+        assert not [s for _, s in shapes if s[-1:] == (cfg.vocab_size,) and prompt_len in s]
+        assert [s for _, s in shapes if s == (rows, 1, cfg.vocab_size)]  # the head, once
 
 
 def test_score_is_the_sum_of_target_log_probabilities(tmp_path):

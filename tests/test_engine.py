@@ -211,3 +211,35 @@ def test_stop_cancels_what_is_queued(llama):
     assert c.events.get_nowait()[0] == "cancelled"
     with pytest.raises(queue.Empty):
         c.events.get_nowait()
+
+
+def test_select_argmaxes_greedy_rows_and_filters_only_a_nucleus():
+    """Each row as its own settings decide: greedy the argmax, temperature alone a sample of
+    the unfiltered distribution, with top_p < 1 of the nucleus (the sort the engine skips
+    where no row asks for one); a greedy batch gives the argmax (its sampling skipped)."""
+    import jax
+    import jax.numpy as jnp
+
+    from flaxlm.inference import decoding
+    from flaxlm.inference.scheduler import select
+
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 50)) * 3, jnp.float32)
+    keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(4, dtype=jnp.uint32))
+    temperature = jnp.asarray([0.0, 0.7, 1.3, 0.0])
+    top_p = jnp.asarray([1.0, 1.0, 0.5, 0.3])
+    token, lp, top_ids, _ = jax.jit(select, static_argnums=4)(logits, keys, temperature, top_p, 3)
+    argmax = np.asarray(jnp.argmax(logits, -1))
+    nucleus = decoding.filter_logits(logits[2] / 1.3, top_p=0.5)
+    expected = [
+        argmax[0],
+        jax.random.categorical(keys[1], logits[1] / 0.7),
+        jax.random.categorical(keys[2], nucleus),
+        argmax[3],
+    ]
+    assert np.asarray(token).tolist() == [int(t) for t in expected]
+    assert float(nucleus[token[2]]) > -1e30  # drawn from the nucleus
+    log_probs = jax.nn.log_softmax(logits, -1)
+    np.testing.assert_allclose(lp, log_probs[jnp.arange(4), token], rtol=1e-6)
+    np.testing.assert_array_equal(top_ids[:, 0], argmax)
+    greedy = select(logits, keys, jnp.zeros(4), top_p, 3)[0]
+    np.testing.assert_array_equal(greedy, argmax)

@@ -477,10 +477,25 @@ def select(
     softmax(logits / temperature); the token's log-probability and the `num_top` most
     likely tokens with theirs (of the model's distribution, before temperature)."""
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    filtered = decoding.filter_logits(scaled, top_p=top_p[:, None])
-    sampled = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, filtered)
-    token = jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampling = temperature > 0
+
+    def sample() -> Array:
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        nucleus = sampling & (top_p < 1.0)
+        filtered = jax.lax.cond(
+            nucleus.any(),
+            lambda: jnp.where(
+                nucleus[:, None], decoding.filter_logits(scaled, top_p=top_p[:, None]), scaled
+            ),
+            lambda: scaled,
+        )
+        return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+    # The nucleus sorts the vocabulary and the sample draws noise over it, every row at
+    # every step: a batch that only decodes greedily skips both, a row with top_p 1 the
+    # sort's filter (as the batch path, `decoding.choose_tokens`).
+    token = jnp.where(sampling, jax.lax.cond(sampling.any(), sample, lambda: greedy), greedy)
     token_lp = losses.select_tokens(log_probs, token)
     top_lps, top_ids = jax.lax.top_k(log_probs, num_top)
     return token, token_lp, top_ids, top_lps

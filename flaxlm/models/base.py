@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxlm.inference import decoding
-from flaxlm.models import batch_shapes, context_parallel, losses, masks, moe, routing
+from flaxlm.models import batch_shapes, context_parallel, layers, losses, masks, moe, routing
 from flaxlm.models.cached_decoding import CachedDecoding
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.options import (
@@ -429,15 +429,16 @@ class EncoderDecoderModel(BaseModel):
     ) -> tuple[Array, dict[str, Any]]:
         cache_len = decoding.cache_length(state["cache"])
         where = masks.Decoding(jnp.asarray(index, jnp.int32), state["start"], cache_len)
-        logits, variables = self._decode_module().apply(
-            {"params": params, "cache": state["cache"]},
-            state["encoded"],
-            tokens[:, None],
-            state["encoder_segment_ids"],
-            decoding=where,
-            method="decode",
-            mutable=["cache"],
-        )
+        with layers.separate_projections():
+            logits, variables = self._decode_module().apply(
+                {"params": params, "cache": state["cache"]},
+                state["encoded"],
+                tokens[:, None],
+                state["encoder_segment_ids"],
+                decoding=where,
+                method="decode",
+                mutable=["cache"],
+            )
         return self._mask_padded_vocab(logits[:, -1]), {**state, "cache": variables["cache"]}
 
     def prefill(
@@ -446,7 +447,8 @@ class EncoderDecoderModel(BaseModel):
         # The encoder reads each input once; padding (segment 0) is never attended.
         segment_ids = (jnp.arange(inputs.shape[1])[None, :] < lengths[:, None]).astype(jnp.int32)
         module = self._decode_module()
-        encoded = module.apply({"params": params}, inputs, segment_ids, method="encode")
+        with layers.separate_projections():
+            encoded = module.apply({"params": params}, inputs, segment_ids, method="encode")
         encoded, segment_ids = (
             jnp.repeat(x, config.num_beams, axis=0) for x in (encoded, segment_ids)
         )

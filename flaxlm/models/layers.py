@@ -202,16 +202,41 @@ def lora_dropout(rate: float) -> Iterator[None]:
         _LORA_DROPOUT.pop()
 
 
+# Non-empty while a decoding step is traced: `parallel_dense` then runs one product per
+# projection (`separate_projections`).
+_SEPARATE_PROJECTIONS: list[bool] = []
+
+
+@contextlib.contextmanager
+def separate_projections() -> Iterator[None]:
+    """Within this context `parallel_dense` stacks no kernels: one product per projection.
+
+    What the stack buys, one all-reduce of the input gradient under tensor parallelism, a
+    forward-only trace never uses; what it costs, a copy of the group's kernels made at every
+    call, it pays at every token: XLA does not hoist the copy out of a decoding loop (the
+    step runs under a `cond`), so each step read the gated MLP's gate and up kernels three
+    times and wrote them once where the products read them once (benchmarks/RESULTS.md).
+    The decoding methods (`cached_decoding`, the encoder-decoder's) trace under it."""
+    _SEPARATE_PROJECTIONS.append(True)
+    try:
+        yield
+    finally:
+        _SEPARATE_PROJECTIONS.pop()
+
+
 def parallel_dense(x: Array, projections: Sequence[DenseGeneral]) -> list[Array]:
     """`[p(x) for p in projections]`, with one matmul for each group of projections whose
     kernels have equal shapes and axes: their kernels are stacked on a new leading dim (local
-    under any sharding) and contracted with `x` once.
+    under any sharding) and contracted with `x` once; one product per projection within
+    `separate_projections` (decoding).
 
     This is Megatron's fused QKV without changing the params (still one kernel per
     projection, as in HF checkpoints): under tensor parallelism the input gradient of a group
     is one partial sum over the sharded output dims, all-reduced once, instead of once per
     projection.
     """
+    if _SEPARATE_PROJECTIONS:
+        return [p(x) for p in projections]
     groups: dict[Any, list[int]] = {}
     for i, p in enumerate(projections):
         key = (
