@@ -83,20 +83,23 @@ class CachedDecoding:
         where = masks.Decoding(jnp.asarray(index, jnp.int32), state["start"], cache_len)
         positions = masks.decoding_positions(where, tokens.shape[0], tokens.shape[1])
         module = self._decode_module()
+        # The head reads the last position alone: a prompt's other positions need no logits
+        # (XLA does not push the slice through the head's product; prefilling 64 prompts of
+        # 1k tokens of a 128k vocabulary had made 34 GB of float32 logits). A module not on
+        # `CausalLM`'s skeleton gives its logits.
+        skeleton = isinstance(module, CausalLM)
         with layers.separate_projections():
-            hidden, variables = module.apply(
+            out, variables = module.apply(
                 {"params": params, "cache": state["cache"]},
                 tokens,
                 positions,
                 None,
                 decoding=where,
-                return_hidden=True,
                 mutable=["cache"],
+                **({"return_hidden": True} if skeleton else {}),
             )
-        # The head reads the last position alone: a prompt's other positions need no logits
-        # (XLA does not push the slice through the head's product; prefilling 64 prompts of
-        # 1k tokens of a 128k vocabulary had made 34 GB of float32 logits).
-        logits = module.head_logits(params, hidden[:, -1:])[:, 0]
+        last = out[:, -1:]
+        logits = (module.head_logits(params, last) if skeleton else last)[:, 0]
         return self._mask_padded_vocab(logits), {**state, "cache": variables["cache"]}
 
     def prefill(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -202,9 +203,10 @@ def lora_dropout(rate: float) -> Iterator[None]:
         _LORA_DROPOUT.pop()
 
 
-# Non-empty while a decoding step is traced: `parallel_dense` then runs one product per
-# projection (`separate_projections`).
-_SEPARATE_PROJECTIONS: list[bool] = []
+# Set in the thread that traces a decoding step: `parallel_dense` then runs one product per
+# projection (`separate_projections`; per thread, as a server's engine may trace while a
+# trainer's thread traces its step).
+_SEPARATE_PROJECTIONS = threading.local()
 
 
 @contextlib.contextmanager
@@ -217,11 +219,12 @@ def separate_projections() -> Iterator[None]:
     step runs under a `cond`), so each step read the gated MLP's gate and up kernels three
     times and wrote them once where the products read them once (benchmarks/RESULTS.md).
     The decoding methods (`cached_decoding`, the encoder-decoder's) trace under it."""
-    _SEPARATE_PROJECTIONS.append(True)
+    before = getattr(_SEPARATE_PROJECTIONS, "on", False)
+    _SEPARATE_PROJECTIONS.on = True
     try:
         yield
     finally:
-        _SEPARATE_PROJECTIONS.pop()
+        _SEPARATE_PROJECTIONS.on = before
 
 
 def parallel_dense(x: Array, projections: Sequence[DenseGeneral]) -> list[Array]:
@@ -235,7 +238,7 @@ def parallel_dense(x: Array, projections: Sequence[DenseGeneral]) -> list[Array]
     is one partial sum over the sharded output dims, all-reduced once, instead of once per
     projection.
     """
-    if _SEPARATE_PROJECTIONS:
+    if getattr(_SEPARATE_PROJECTIONS, "on", False):
         return [p(x) for p in projections]
     groups: dict[Any, list[int]] = {}
     for i, p in enumerate(projections):

@@ -214,14 +214,18 @@ class Phi3(llama.Llama):
         crossing = (decoding.index > 0) & (last >= original) & (last - length < original)
 
         def step(module: Phi3, tokens: Array, positions: Array, history: Array) -> Array:
-            return CausalLM.__call__(module, tokens, positions, decoding=decoding)
+            return CausalLM.__call__(
+                module, tokens, positions, decoding=decoding, return_hidden=return_hidden
+            )
 
         def recompute(module: Phi3, tokens: Array, positions: Array, history: Array) -> Array:
             whole = masks.Decoding(jnp.int32(0), decoding.start, decoding.length)
             every = masks.decoding_positions(whole, batch, decoding.length)
             # Slots past this call's hold zeros until their own step writes them; masked here.
-            logits = CausalLM.__call__(module, history, every, decoding=whole)
-            return jax.lax.dynamic_slice_in_dim(logits, decoding.index, length, axis=1)
+            out = CausalLM.__call__(
+                module, history, every, decoding=whole, return_hidden=return_hidden
+            )
+            return jax.lax.dynamic_slice_in_dim(out, decoding.index, length, axis=1)
 
         return nn.cond(crossing, recompute, step, self, tokens, positions, read.value[..., 0, 0])
 
