@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import queue
 import statistics
 import time
@@ -57,8 +58,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--profile",
         metavar="DIR",
-        help="trace the batch path's decode at the largest batch into DIR and print where a "
-        "step's time goes (profile_summary.py)",
+        help="trace each path's decode at the largest batch into DIR (the engine's into "
+        "DIR/paged) and print where a step's time goes (profile_summary.py; the engine's per "
+        "dispatch of --decode-steps tokens, its prefill included)",
     )
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     return p.parse_args(argv)
@@ -160,7 +162,13 @@ def time_paged(model: Any, params: Any, prompts: np.ndarray, args: argparse.Name
     run(1), run(args.new)  # compiles
     first = statistics.median(run(1) for _ in range(args.repeats))
     full = statistics.median(run(args.new) for _ in range(args.repeats))
-    return {"tokens_per_second": batch * (args.new - 1) / max(full - first, 1e-9)}
+    out = {"tokens_per_second": batch * (args.new - 1) / max(full - first, 1e-9)}
+    if args.profile and batch == max(args.batches):
+        dispatches = -(-args.new // args.decode_steps)
+        out["profile"] = profile_summary.trace_steps(
+            lambda n: run(args.new), os.path.join(args.profile, "paged"), dispatches
+        )
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:

@@ -6,11 +6,14 @@
 #
 # 1. The serving engine (issue 47, the open target: 60% of the HBM roofline at batch 64):
 #    decode tokens/s of the Llama-3.2-1B shape at batch 1, 16 and 64 with a 1k-token
-#    context, the batch path and the paged engine, against the roofline, with a profile of
-#    the batch path's step at batch 64 (decode_roofline.py --profile) and its optimized HLO
-#    (hlo.tgz: the largest modules XLA dumped), to name what besides the matmuls and the KV
-#    reads takes its time (the fourth session saw transposes of the cache's layout; since
-#    the sixteenth the cache is held head-major, which on CPU removed them: on the GPU?);
+#    context, the batch path and the paged engine, against the roofline, with profiles of
+#    both paths at batch 64 (decode_roofline.py --profile) and the optimized HLO (hlo.tgz:
+#    the largest modules XLA dumped), to name what besides the matmuls and the KV reads
+#    takes a step's time. Since the fourth session's figures: the contiguous cache is held
+#    head-major (sixteenth), and decoding reads each weight once, the prefill's head one
+#    position, the engine's sampler sorts nothing for greedy rows (seventeenth; all measured
+#    on CPU only). The engine's profile says whether its page gather is what is left (a
+#    kernel reading pages in place would remove it);
 # 2. mixtures of experts (issue 45, met on an H200 in the sixteenth session): the dropless
 #    experts' grouped matmul through JAX's Mosaic GPU kernels, checked against XLA's, the
 #    transposed kernel's tiles tuned (grouped_matmul.py --tune); a Qwen3-30B-A3B-shaped

@@ -221,7 +221,7 @@ def test_select_argmaxes_greedy_rows_and_filters_only_a_nucleus():
     import jax.numpy as jnp
 
     from flaxlm.inference import decoding
-    from flaxlm.inference.scheduler import select
+    from flaxlm.inference.decoding import select
 
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 50)) * 3, jnp.float32)
     keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(4, dtype=jnp.uint32))

@@ -34,7 +34,6 @@ from jax.sharding import NamedSharding
 
 from flaxlm.inference import decoding
 from flaxlm.inference.pages import PagePool, pages_for, prefix_keys
-from flaxlm.models import losses
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora
@@ -421,7 +420,9 @@ class Scheduler:
 
     def _first_fn(self, logits, index, seeds, counts, temperature, top_p):
         keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.PRNGKey)(seeds), counts)
-        return self._on_every_host(select(logits[index], keys, temperature, top_p, self.num_top))
+        return self._on_every_host(
+            decoding.select(logits[index], keys, temperature, top_p, self.num_top)
+        )
 
     def _decode_fn(
         self, params, cache, tokens, slots, table, adapters, remaining, seeds, counts, *sample
@@ -442,7 +443,7 @@ class Scheduler:
                     params, cache, token[:, None], fed, table, last
                 )
             step_keys = jax.vmap(jax.random.fold_in)(keys, count)
-            out = select(logits, step_keys, *sample, self.num_top)
+            out = decoding.select(logits, step_keys, *sample, self.num_top)
             stop = (out[0][:, None] == eos[None]).any(-1)
             remaining = jnp.where(active & ~stop, remaining - 1, 0)
             return (cache, out[0], slot + 1, remaining, count + 1), out
@@ -464,38 +465,3 @@ class Scheduler:
             return leaf.at[index].set(pages)
 
         return jax.lax.with_sharding_constraint(jax.tree.map(copy, cache), self._shardings)
-
-
-def select(
-    logits: Array,
-    keys: Array,
-    temperature: Array,
-    top_p: Array,
-    num_top: int,
-) -> tuple[Array, Array, Array, Array]:
-    """Per row: greedy where temperature is 0, else a sample from the top-p nucleus of
-    softmax(logits / temperature); the token's log-probability and the `num_top` most
-    likely tokens with theirs (of the model's distribution, before temperature)."""
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sampling = temperature > 0
-
-    def sample() -> Array:
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        nucleus = sampling & (top_p < 1.0)
-        filtered = jax.lax.cond(
-            nucleus.any(),
-            lambda: jnp.where(
-                nucleus[:, None], decoding.filter_logits(scaled, top_p=top_p[:, None]), scaled
-            ),
-            lambda: scaled,
-        )
-        return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
-
-    # The nucleus sorts the vocabulary and the sample draws noise over it, every row at
-    # every step: a batch that only decodes greedily skips both, a row with top_p 1 the
-    # sort's filter (as the batch path, `decoding.choose_tokens`).
-    token = jnp.where(sampling, jax.lax.cond(sampling.any(), sample, lambda: greedy), greedy)
-    token_lp = losses.select_tokens(log_probs, token)
-    top_lps, top_ids = jax.lax.top_k(log_probs, num_top)
-    return token, token_lp, top_ids, top_lps

@@ -216,8 +216,8 @@ def separate_projections() -> Iterator[None]:
     What the stack buys, one all-reduce of the input gradient under tensor parallelism, a
     forward-only trace never uses; what it costs, a copy of the group's kernels made at every
     call, it pays at every token: XLA does not hoist the copy out of a decoding loop (the
-    step runs under a `cond`), so each step read the gated MLP's gate and up kernels three
-    times and wrote them once where the products read them once (benchmarks/RESULTS.md).
+    step runs under a `cond`), so each step read the gated MLP's gate and up kernels twice
+    and wrote them once where the products read them once (benchmarks/RESULTS.md).
     The decoding methods (`cached_decoding`, the encoder-decoder's) trace under it."""
     before = getattr(_SEPARATE_PROJECTIONS, "on", False)
     _SEPARATE_PROJECTIONS.on = True

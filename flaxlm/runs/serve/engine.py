@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxlm.inference import decoding, generation
-from flaxlm.inference.scheduler import Scheduler, select
+from flaxlm.inference.decoding import select
+from flaxlm.inference.scheduler import Scheduler
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve.api import MAX_LOGPROBS, Completion, check_prompt_ids
