@@ -259,6 +259,38 @@ def test_infer_from_an_hf_directory_equals_generate(tmp_path):
         assert record["output"] == vocab.decode(generation.until_eos(tokens, model.eos_ids))
 
 
+def test_inference_holds_an_hf_checkpoint_in_its_own_dtype(tmp_path):
+    """`dtype='auto'` (serve, infer, score): a bfloat16 checkpoint computes and is held in
+    bfloat16, as transformers 5 loads it; a float32 one in float32; a named dtype wins; None
+    (training's start) is float32; a bad name or a dtype for a MODEL_DIR is refused before
+    anything loads."""
+    import jax.numpy as jnp
+    import torch
+
+    from tests.test_hf_llama import tiny_hf_llama
+
+    torch_model, f32_path = tiny_hf_llama(tmp_path)
+    bf16_path = str(tmp_path / "bf16")
+    torch_model.to(torch.bfloat16).save_pretrained(bf16_path)
+    partitioner = Partitioner()
+
+    def dtypes(path, dtype):
+        model, params, _ = run_dir.load_model_and_params(path, partitioner, dtype=dtype)
+        floats = {x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)}
+        return jnp.dtype(model.config.dtype).name, sorted(jnp.dtype(d).name for d in floats)
+
+    assert dtypes(bf16_path, "auto") == ("bfloat16", ["bfloat16"])
+    assert dtypes(f32_path, "auto") == ("float32", ["float32"])
+    assert dtypes(bf16_path, "float32") == ("float32", ["float32"])
+    assert dtypes(f32_path, "bfloat16") == ("bfloat16", ["bfloat16"])
+    assert dtypes(bf16_path, None) == ("float32", ["float32"])
+    with pytest.raises(ValueError, match="expected one of"):
+        run_dir.load_model_and_params(bf16_path, partitioner, dtype="fp8")
+    (tmp_path / "run").mkdir()
+    with pytest.raises(ValueError, match="MODEL_DIR"):
+        run_dir.load_model_and_params(tmp_path / "run", partitioner, dtype="bfloat16")
+
+
 def test_prompts_from_a_seqio_task_keep_the_tasks_tokens():
     config = t5.T5Config(vocab_size=384, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
     model = base.EncoderDecoderModel(config)

@@ -46,6 +46,29 @@ def read_hf_config(path: str | epath.Path) -> dict[str, Any]:
     return json.loads(file.read_text())
 
 
+# What an inference run may compute an HF checkpoint in ('auto': the checkpoint's own).
+INFERENCE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def check_inference_dtype(dtype: str) -> None:
+    """A ValueError naming the choices when `dtype` is not one of `INFERENCE_DTYPES`."""
+    if dtype not in INFERENCE_DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {INFERENCE_DTYPES}.")
+
+
+def inference_dtype(dtype: str, path: str | epath.Path) -> str:
+    """The dtype an inference run holds and computes HF directory `path`'s model in: `dtype`,
+    or for 'auto' the checkpoint's own (config.json's `dtype`, `torch_dtype` before
+    transformers 5; float32 where it names none of the three), as transformers'
+    `from_pretrained` does by default since version 5 (`dtype="auto"`)."""
+    check_inference_dtype(dtype)
+    if dtype != "auto":
+        return dtype
+    config = read_hf_config(path)
+    stored = config.get("dtype") or config.get("torch_dtype")
+    return stored if stored in INFERENCE_DTYPES[1:] else "float32"
+
+
 def read_generation_config(path: str | epath.Path) -> dict[str, Any] | None:
     file = epath.Path(path) / GENERATION_FILE
     return json.loads(file.read_text()) if file.exists() else None

@@ -296,12 +296,14 @@ def load_peft(
     partitioner: Partitioner,
     model: BaseModel | None = None,
     base: str | None = None,
+    dtype: str | None = None,
 ) -> tuple[BaseModel, Params]:
     """`(model, merged params)` of a PEFT adapter directory over its HF base (`base`, else
-    its adapter_config.json's `base_model_name_or_path`)."""
+    its adapter_config.json's `base_model_name_or_path`; `dtype` as `load_model_and_params`
+    takes it)."""
     base = base or peft_dir.base_model_path(path)
     if model is None:
-        model = hf.model_from_hf_dir(base, partitioner)
+        model = hf.model_from_hf_dir(base, partitioner, *_hf_dtype(dtype, base))
     params = hf.load_params(model, base, partitioner)
     cfg, adapters = peft_dir.load_adapters(model, path)
     return model, merge_adapters(params, adapters, cfg)
@@ -335,30 +337,49 @@ class Loaded(NamedTuple):
     step: int  # 0 for an HF directory
 
 
+def _hf_dtype(dtype: str | None, path: str | epath.Path) -> tuple[Any, ...]:
+    """`model_from_hf_dir`'s dtype argument for an inference `dtype` (none: its default)."""
+    return () if dtype is None else (hf_files.inference_dtype(dtype, path),)
+
+
 def load_model_and_params(
     checkpoint: str | epath.Path,
     partitioner: Partitioner,
     step: int | None = None,
     model: BaseModel | None = None,
     peft_base: str | None = None,
+    dtype: str | None = None,
 ) -> Loaded:
     """The model and params of a flaxlm MODEL_DIR (a LoRA run's merged), an HF directory or
     a PEFT adapter directory (merged into `peft_base`, else the HF directory its
     `base_model_name_or_path` names), placed on the partitioner's shardings one shard at a
     time. `model` (a Gin-bound one) wins over the recorded one; `step` defaults to the
     latest. The checkpoint's tokenizer, for a run that binds no vocabulary, is
-    `checkpoint_vocabulary`'s."""
+    `checkpoint_vocabulary`'s.
+
+    `dtype`, for the inference runs (`hf_files.INFERENCE_DTYPES`): an HF model's compute and
+    param dtype, 'auto' the checkpoint's own (`hf_files.inference_dtype`: a bfloat16
+    checkpoint is served in bfloat16, as transformers loads it); None: float32, as training
+    starts from it. A MODEL_DIR computes as its run trained ('auto'; another is an error)."""
     path = epath.Path(checkpoint)
+    if dtype is not None:
+        hf_files.check_inference_dtype(dtype)
     if not path.exists():
         raise FileNotFoundError(f"CHECKPOINT {str(checkpoint)!r} does not exist.")
     if peft_dir.is_peft_dir(path):
-        return Loaded(*load_peft(path, partitioner, model, peft_base), 0)
+        return Loaded(*load_peft(path, partitioner, model, peft_base, dtype), 0)
     if is_hf_dir(path):
         if model is None:
-            model, params = hf.from_pretrained(path, partitioner)
+            model, params = hf.from_pretrained(path, partitioner, *_hf_dtype(dtype, path))
         else:
             params = hf.load_params(model, path, partitioner)
         return Loaded(model, params, 0)
+    if dtype not in (None, "auto"):
+        raise ValueError(
+            f"dtype={dtype!r} chooses how a HuggingFace directory's model computes; "
+            f"{str(checkpoint)!r} is a flaxlm MODEL_DIR, which computes as its run trained "
+            "(its model record's dtype): leave dtype 'auto'."
+        )
     if model is None:
         model = read_model(path, partitioner)
     if read_lora_record(path) is not None:

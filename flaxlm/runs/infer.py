@@ -356,6 +356,7 @@ def infer(
     max_examples: int | None = None,
     step: int | None = None,
     engine: str = "auto",
+    dtype: str = "auto",
 ) -> str:
     """Run function: generates a continuation of every input of `source` and writes
     `output_dir/<name>.jsonl` (`{"input": ..., "output": ...}` per line, input order) and
@@ -373,10 +374,15 @@ def infer(
       engine: 'paged' (the serving engine's continuous batching over a paged KV cache),
         'batch' (fixed batches, split over the mesh's batch axes) or 'auto': paged where it
         can decode (`choose_engine`), which is faster (docs/generation.md).
+      dtype: how an HF directory's model is held and computes: 'auto' (the checkpoint's own
+        dtype, as transformers loads it), 'float32', 'bfloat16' or 'float16'; a MODEL_DIR
+        computes as its run trained.
     """
     check_engine(engine)
     partitioner = partitioner or Partitioner()
-    model, params, step = run_dir.load_model_and_params(checkpoint, partitioner, step, model)
+    model, params, step = run_dir.load_model_and_params(
+        checkpoint, partitioner, step, model, dtype=dtype
+    )
     vocabulary = vocabulary or run_dir.checkpoint_vocabulary(checkpoint)
     examples, vocabulary, name = read_examples(
         source, model, vocabulary, split=split, task_module=task_module, max_examples=max_examples
@@ -425,13 +431,16 @@ def score(
     batch_size: int = 8,
     max_examples: int | None = None,
     step: int | None = None,
+    dtype: str = "auto",
 ) -> str:
     """Run function: the log-likelihood of each target given its input, to
     `output_dir/<name>.jsonl` (`{"input", "target", "score", "num_tokens"}` per line, input
     order) and `output_dir/config.gin`. `source`: a JSONL file with `in_text` and
-    `out_text`, or a seqio task with inputs and targets."""
+    `out_text`, or a seqio task with inputs and targets. `dtype` as `infer`'s."""
     partitioner = partitioner or Partitioner()
-    model, params, step = run_dir.load_model_and_params(checkpoint, partitioner, step, model)
+    model, params, step = run_dir.load_model_and_params(
+        checkpoint, partitioner, step, model, dtype=dtype
+    )
     vocabulary = vocabulary or run_dir.checkpoint_vocabulary(checkpoint)
     examples, vocabulary, name = read_examples(
         source,

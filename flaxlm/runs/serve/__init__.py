@@ -48,6 +48,7 @@ def serve(
     max_tokens_limit: int = 512,
     step: int | None = None,
     lora_adapters: Mapping[str, str] | None = None,
+    dtype: str = "auto",
     ready: Callable[[Server], None] | None = None,
 ) -> None:
     """Run function: serves `checkpoint` (a flaxlm MODEL_DIR or an HF directory) over HTTP
@@ -64,11 +65,17 @@ def serve(
     `lora_adapters` (`{'name': '/path', ...}`: flaxlm LoRA run directories or PEFT adapter
     directories trained over this base) are served beside it: GET /v1/models lists them, a
     request's `model` picks one (the base by its own name), and one batch mixes rows of
-    different adapters and of the base (vLLM's `--lora-modules name=path`)."""
+    different adapters and of the base (vLLM's `--lora-modules name=path`).
+
+    `dtype`: how an HF directory's model is held and computes, 'auto' (the checkpoint's own
+    dtype, as transformers and vLLM load it: bfloat16 for a bfloat16 checkpoint), 'float32',
+    'bfloat16' or 'float16'; a MODEL_DIR computes as its run trained."""
     httpd = listen(host, port)
     try:
         partitioner = partitioner or Partitioner()
-        model, params, step = run_dir.load_model_and_params(checkpoint, partitioner, step, model)
+        model, params, step = run_dir.load_model_and_params(
+            checkpoint, partitioner, step, model, dtype=dtype
+        )
         name = model_name or epath.Path(checkpoint).name
         params, adapters = load_adapters(lora_adapters, model, params, partitioner, name)
         vocabulary = (
