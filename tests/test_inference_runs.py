@@ -260,10 +260,10 @@ def test_infer_from_an_hf_directory_equals_generate(tmp_path):
 
 
 def test_inference_holds_an_hf_checkpoint_in_its_own_dtype(tmp_path):
-    """`dtype='auto'` (serve, infer, score): a bfloat16 checkpoint computes and is held in
-    bfloat16, as transformers 5 loads it; a float32 one in float32; a named dtype wins; None
-    (training's start) is float32; a bad name or a dtype for a MODEL_DIR is refused before
-    anything loads."""
+    """`dtype='auto'` (serve, infer, score, eval, the harness): a bfloat16 checkpoint
+    computes and is held in bfloat16, as transformers 5 loads it; a float32 one in float32;
+    a named dtype wins; None (training's start) is float32; a bad name or a dtype for a
+    MODEL_DIR is refused before anything loads."""
     import jax.numpy as jnp
     import torch
 
@@ -284,6 +284,9 @@ def test_inference_holds_an_hf_checkpoint_in_its_own_dtype(tmp_path):
     assert dtypes(bf16_path, "float32") == ("float32", ["float32"])
     assert dtypes(f32_path, "bfloat16") == ("bfloat16", ["bfloat16"])
     assert dtypes(bf16_path, None) == ("float32", ["float32"])
+    from flaxlm.runs import harness  # lm-eval's model arg, as its `hf` model's (auto)
+
+    assert jnp.dtype(harness.FlaxLM(checkpoint=bf16_path).model.config.dtype) == jnp.bfloat16
     with pytest.raises(ValueError, match="expected one of"):
         run_dir.load_model_and_params(bf16_path, partitioner, dtype="fp8")
     (tmp_path / "run").mkdir()

@@ -143,14 +143,19 @@ def evaluate(
     num_examples: int | None = None,
     max_batches: int | None = None,
     step: int | None = None,
+    dtype: str = "auto",
 ) -> dict[str, float]:
     """Run function: evaluates a checkpoint on a task or mixture and writes the metrics
     (loss, token accuracy, perplexity over the whole split, plus the task's own metric
     functions, e.g. exact match / BLEU / ROUGE over generated text) to
     `output_dir/metrics.jsonl` and TensorBoard at the checkpoint's step. `num_examples`
-    limits the task metrics, `max_batches` the loss/accuracy pass (None: the whole split)."""
+    limits the task metrics, `max_batches` the loss/accuracy pass (None: the whole split).
+    `dtype`: an HF directory's compute and param dtype, 'auto' the checkpoint's own (as
+    `infer`'s); a MODEL_DIR computes as its run trained."""
     partitioner = partitioner or Partitioner()
-    model, params, step = run_dir.load_model_and_params(checkpoint, partitioner, step, model)
+    model, params, step = run_dir.load_model_and_params(
+        checkpoint, partitioner, step, model, dtype=dtype
+    )
     out_dir = epath.Path(output_dir)
     metrics.write_config(out_dir)
     scalars = steps.evaluate_split(model, params, partitioner, dataset_cfg, max_batches)

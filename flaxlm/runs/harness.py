@@ -103,6 +103,8 @@ class FlaxLM(TemplateLM):
         an HF checkpoint's tokenizer's own BOS, nothing where it adds none; 0, the decoder
         start, for a seqio-trained flaxlm model).
       length_bucket: lengths are padded to a multiple of this (fewer compiles).
+      dtype: an HF checkpoint's compute and param dtype, 'auto' its own (lm-eval's HF model's
+        default too), 'float32', 'bfloat16' or 'float16'; a MODEL_DIR computes as it trained.
     `--batch_size N` is rounded up to a multiple of the mesh's data-parallel degree.
     """
 
@@ -120,6 +122,7 @@ class FlaxLM(TemplateLM):
         prefix_token_id: int | None = None,
         length_bucket: int = 64,
         step: int | None = None,
+        dtype: str = "auto",
         device: str | None = None,
         **unknown: Any,
     ):
@@ -128,13 +131,13 @@ class FlaxLM(TemplateLM):
             raise ValueError(
                 f"Unknown flaxlm model_args {sorted(unknown)}; supported: checkpoint, gin_file, "
                 "gin_bindings, tokenizer, max_length, max_gen_toks, add_bos_token, "
-                "prefix_token_id, length_bucket, step (and --batch_size)."
+                "prefix_token_id, length_bucket, step, dtype (and --batch_size)."
             )
         del device  # the Partitioner's mesh decides placement
         gin_model = _parse_gin(_split_list(gin_file, "+"), _split_list(gin_bindings, ";"))
         self.partitioner = Partitioner()
         self.model, self.params, self.step = run_dir.load_model_and_params(
-            str(checkpoint), self.partitioner, step, gin_model
+            str(checkpoint), self.partitioner, step, gin_model, dtype=dtype
         )
         self.vocabulary = _vocabulary(str(checkpoint), tokenizer)
         self.backend = "seq2seq" if isinstance(self.model, EncoderDecoderModel) else "causal"
