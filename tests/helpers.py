@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
+import jax
 import numpy as np
 
 from flaxlm.models.base import DecoderOnlyModel
@@ -20,6 +24,15 @@ def float32_atol(values: np.ndarray, depth: int) -> float:
     float32 epsilon relative to the values' scale, and the errors add up: eps x depth x
     max|values|. A fixed atol holds only on the CPU it was tuned on."""
     return FLOAT32_EPS * depth * float(np.max(np.abs(values)))
+
+
+def jaxpr_equations(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of `jaxpr` and of the jaxprs nested in it (pjit, cond, scan, while,
+    custom_vjp, remat)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            yield from jaxpr_equations(sub)
 
 
 def tiny_gptj(**overrides) -> DecoderOnlyModel:

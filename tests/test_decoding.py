@@ -10,7 +10,7 @@ import torch
 from flaxlm.checkpoints import hf
 from flaxlm.inference import decoding, generation
 from flaxlm.parallel.partitioning import Partitioner
-from tests.helpers import tiny_gptj
+from tests.helpers import jaxpr_equations, tiny_gptj
 from tests.hf_helpers import decoder_batch, padded_batch
 from tests.test_hf_gemma import tiny_hf_gemma
 from tests.test_hf_gpt2 import tiny_hf_gpt2
@@ -268,17 +268,9 @@ def test_sampled_tokens_follow_the_model_distribution():
     np.testing.assert_allclose(freq, probs, atol=0.03)
 
 
-def _output_shapes(jaxpr) -> list[tuple[str, tuple[int, ...]]]:
-    """(primitive, output shape) of every equation of `jaxpr` and the jaxprs inside it."""
-    out = []
-    for eqn in jaxpr.eqns:
-        out += [(eqn.primitive.name, tuple(v.aval.shape)) for v in eqn.outvars]
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else [param]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    out += _output_shapes(inner)
-    return out
+def _output_shapes(jaxpr) -> list[tuple[int, ...]]:
+    """The output shape of every equation of `jaxpr` and the jaxprs inside it."""
+    return [tuple(v.aval.shape) for e in jaxpr_equations(jaxpr) for v in e.outvars]
 
 
 def test_decoding_stacks_no_kernels_and_prefills_one_position_of_logits():
@@ -295,7 +287,7 @@ def test_decoding_stacks_no_kernels_and_prefills_one_position_of_logits():
     tokens = jnp.zeros((rows, prompt_len), jnp.int32)
 
     forward = jax.make_jaxpr(lambda p: model.module.apply({"params": p}, tokens))(params)
-    assert stacked in [s for _, s in _output_shapes(forward.jaxpr)]  # what training stacks
+    assert stacked in _output_shapes(forward.jaxpr)  # what training stacks
 
     config = decoding.DecodingConfig(max_new_tokens=4)
     decode = jax.make_jaxpr(
@@ -311,9 +303,9 @@ def test_decoding_stacks_no_kernels_and_prefills_one_position_of_logits():
     )(params, cache)
     for jaxpr in (decode.jaxpr, paged.jaxpr):
         shapes = _output_shapes(jaxpr)
-        assert stacked not in [s for _, s in shapes]
-        assert not [s for _, s in shapes if s[-1:] == (cfg.vocab_size,) and prompt_len in s]
-        assert [s for _, s in shapes if s == (rows, 1, cfg.vocab_size)]  # the head, once
+        assert stacked not in shapes
+        assert not [s for s in shapes if s[-1:] == (cfg.vocab_size,) and prompt_len in s]
+        assert (rows, 1, cfg.vocab_size) in shapes  # the head, once
 
 
 def test_score_is_the_sum_of_target_log_probabilities(tmp_path):

@@ -15,7 +15,14 @@ from flaxlm.models.t5 import T5Config
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import steps as train_steps
 from flaxlm.training.steps import Setup
-from tests.helpers import adamw, feature_lengths, load_benchmark, random_batch, tiny_gptj
+from tests.helpers import (
+    adamw,
+    feature_lengths,
+    jaxpr_equations,
+    load_benchmark,
+    random_batch,
+    tiny_gptj,
+)
 
 
 def _params_and_batch(model):
@@ -79,13 +86,7 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
 
 def _dots(jaxpr) -> list:
     """Every dot_general of a jaxpr, nested jaxprs (custom_vjp, pjit, remat) included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append(eqn)
-        for sub in jax.core.jaxprs_in_params(eqn.params):
-            found.extend(_dots(sub))
-    return found
+    return [e for e in jaxpr_equations(jaxpr) if e.primitive.name == "dot_general"]
 
 
 def test_wide_dot_gives_float32_results_and_bfloat16_gradients():

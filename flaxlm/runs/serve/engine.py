@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxlm.inference import decoding, generation
-from flaxlm.inference.decoding import select
 from flaxlm.inference.scheduler import Scheduler
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
@@ -77,7 +76,7 @@ class BatchEngine:
         self.queue: queue.Queue[Completion | list[Completion] | None] = queue.Queue()
         self._prefill = jax.jit(model.prefill, static_argnums=(3,))
         self._step = jax.jit(model.decode_step, static_argnums=(4,), donate_argnums=(3,))
-        self._select = jax.jit(select, static_argnums=(4,))
+        self._select = jax.jit(decoding.select, static_argnums=(4,))
         self.batches = 0
         self._stopping = False
         self._lock = threading.Lock()  # orders submit() against stop()
