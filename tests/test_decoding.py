@@ -1,6 +1,8 @@
 """Decoding with the KV cache: token-for-token against transformers' generate, against
 re-running the whole sequence, sharded against unsharded; sampling; beam search; score."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -273,11 +275,27 @@ def _output_shapes(jaxpr) -> list[tuple[int, ...]]:
     return [tuple(v.aval.shape) for e in jaxpr_equations(jaxpr) for v in e.outvars]
 
 
-def test_decoding_stacks_no_kernels_and_prefills_one_position_of_logits():
+def _stepping_conds(jaxpr) -> list:
+    """The `cond`s in `jaxpr` with a matmul in a branch: a model step taken conditionally."""
+    return [
+        e
+        for e in jaxpr_equations(jaxpr)
+        if e.primitive.name == "cond"
+        and any(
+            d.primitive.name == "dot_general"
+            for branch in e.params["branches"]
+            for d in jaxpr_equations(branch.jaxpr)
+        )
+    ]
+
+
+def test_decoding_stacks_no_kernels_steps_unconditionally_and_prefills_one_position():
     """A decoding step runs one product per projection (`layers.separate_projections`): the
     stacked kernels training contracts at once would be a copy of them at every token. The
-    prefill's head reads the prompts' last position alone, the batch path's and the paged
-    engine's."""
+    decode loops (sampling and beam search) step the model outside any `cond`: around it,
+    XLA:GPU copies each layer's whole KV cache at every step (seen in the H100's compiled
+    program, `benchmarks/decode_hlo.py`; not on CPU). The prefill's head reads the prompts'
+    last position alone, the batch path's and the paged engine's."""
     model = tiny_gptj(vocab_size=256)  # not the MLP's width
     cfg = model.config
     shapes = model.example_batch_shapes()
@@ -301,6 +319,17 @@ def test_decoding_stacks_no_kernels_and_prefills_one_position_of_logits():
     paged = jax.make_jaxpr(
         lambda p, c: model.paged_logits(p, c, tokens, slots, table, jnp.full((rows,), 11))
     )(params, cache)
+    beams = jax.make_jaxpr(
+        lambda p: generation.decode_tokens(
+            model,
+            p,
+            jnp.repeat(tokens, 2, axis=0),
+            jnp.full((2 * rows,), prompt_len),
+            jax.random.PRNGKey(0),
+            config=dataclasses.replace(config, num_beams=2),
+        )
+    )(params)
+    assert not _stepping_conds(decode.jaxpr) and not _stepping_conds(beams.jaxpr)
     for jaxpr in (decode.jaxpr, paged.jaxpr):
         shapes = _output_shapes(jaxpr)
         assert stacked not in shapes

@@ -149,21 +149,25 @@ def sample(
     rows = first_logits.shape[0]
     n = config.max_new_tokens
 
-    def cond(carry):
-        t, _, _, done, _, _ = carry
-        return (t < n) & ~jnp.all(done)
-
-    def body(carry):
-        t, logits, cache, done, tokens, lengths = carry
+    def emit(t, logits, done, tokens, lengths):
         token = choose_tokens(logits, jax.random.fold_in(rng, t), config)
         token = jnp.where(done, config.pad_id, token)
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, t))
         lengths = lengths + (~done).astype(jnp.int32)
-        done = done | is_eos(token, config)
-        # The last token needs no logits after it.
-        logits, cache = jax.lax.cond(
-            t + 1 < n, lambda: step(token, t, cache), lambda: (logits, cache)
-        )
+        return token, done | is_eos(token, config), tokens, lengths
+
+    # The loop feeds each token but the last, which needs no logits after it: it is chosen
+    # after the loop. (A `cond` around the step inside the loop would skip the last step
+    # too, but XLA copies every layer's whole cache in and out of a conditional's branches
+    # at each step.)
+    def cond(carry):
+        t, _, _, done, _, _ = carry
+        return (t < n - 1) & ~jnp.all(done)
+
+    def body(carry):
+        t, logits, cache, done, tokens, lengths = carry
+        token, done, tokens, lengths = emit(t, logits, done, tokens, lengths)
+        logits, cache = step(token, t, cache)
         return t + 1, logits, cache, done, tokens, lengths
 
     carry = (
@@ -174,7 +178,9 @@ def sample(
         jnp.full((rows, n), config.pad_id, jnp.int32),
         jnp.zeros((rows,), jnp.int32),
     )
-    _, _, _, _, tokens, lengths = jax.lax.while_loop(cond, body, carry)
+    t, logits, _, done, tokens, lengths = jax.lax.while_loop(cond, body, carry)
+    # The last token (past an early stop every row is done: it writes padding).
+    _, _, tokens, lengths = emit(jnp.minimum(t, n - 1), logits, done, tokens, lengths)
     return tokens, lengths
 
 
@@ -216,12 +222,13 @@ def beam_search(
     top_k_mask = jnp.arange(width) < k
     penalty = config.length_penalty
 
-    def cond(carry):
-        t, *_, improvable, all_hit = carry
+    def going(state):
+        t, *_, improvable, all_hit = state
         return (t < n) & jnp.any(improvable) & ~all_hit
 
-    def body(carry):
-        t, logits, cache, seqs, scores, done_seqs, done_scores, done_flags, improvable, _ = carry
+    def choose(state):
+        """The beams after step `t`'s logits; the cache rows they continue from."""
+        t, logits, seqs, scores, done_seqs, done_scores, done_flags, improvable, _ = state
         log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         log_probs = log_probs.reshape(batch, k, vocab) + scores[:, :, None]
         top_scores, top_index = jax.lax.top_k(log_probs.reshape(batch, k * vocab), width)
@@ -251,30 +258,26 @@ def beam_search(
         best_running = scores[:, :1] / ((t + 1) ** penalty)
         worst_done = jnp.where(done_flags, jnp.min(done_scores, axis=1, keepdims=True), NEG_INF)
         improvable = improvable & jnp.any(best_running > worst_done, axis=1)
-
-        cache = gather_rows(cache, beam_rows.reshape(-1))
-        tokens = seqs[:, :, t].reshape(-1)
-        logits, cache = jax.lax.cond(
-            t + 1 < n, lambda: step(tokens, t, cache), lambda: (logits, cache)
-        )
-        return (
-            t + 1,
-            logits,
-            cache,
-            seqs,
-            scores,
-            done_seqs,
-            done_scores,
-            done_flags,
-            improvable,
+        state = (
+            t + 1, logits, seqs, scores, done_seqs, done_scores, done_flags, improvable,
             jnp.all(hits),
-        )
+        )  # fmt: skip
+        return state, beam_rows
+
+    # As in `sample`, the loop steps the model after each choice but the last, which
+    # follows the loop: no `cond` around the step (XLA would copy the cache at each step).
+    def body(carry):
+        state, cache = carry
+        state, beam_rows = choose(state)
+        cache = gather_rows(cache, beam_rows.reshape(-1))
+        t, seqs = state[0] - 1, state[2]
+        logits, cache = step(seqs[:, :, t].reshape(-1), t, cache)
+        return (state[0], logits, *state[2:]), cache
 
     first_scores = jnp.where(jnp.arange(k) == 0, 0.0, NEG_INF)
-    carry = (
+    state = (
         jnp.int32(0),
         first_logits.astype(jnp.float32),
-        cache,
         jnp.full((batch, k, n), config.pad_id, jnp.int32),
         jnp.broadcast_to(first_scores, (batch, k)).astype(jnp.float32),
         jnp.full((batch, k, n), config.pad_id, jnp.int32),
@@ -283,8 +286,11 @@ def beam_search(
         jnp.ones((batch,), bool),
         jnp.bool_(False),
     )
-    out = jax.lax.while_loop(cond, body, carry)
-    done_seqs, done_scores = out[5], out[6]
+    state, _ = jax.lax.while_loop(
+        lambda carry: going(carry[0]) & (carry[0][0] < n - 1), body, (state, cache)
+    )
+    out = jax.lax.cond(going(state), lambda: choose(state)[0], lambda: state)
+    done_seqs, done_scores = out[4], out[5]
     return done_seqs[:, 0], done_scores[:, 0]
 
 
