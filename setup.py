@@ -57,6 +57,9 @@ EXTRAS_REQUIRE = {
     # libtpu of the pinned jax: TPU training, and ahead-of-time compiles for a TPU slice
     # on any host (benchmarks' --tpu-topology).
     "tpu": ["jax[tpu]==0.10.2"],
+    # XLA:GPU of the pinned jax, to compile for an NVIDIA GPU on any host (no GPU, driver or
+    # CUDA libraries: `flaxlm.plan.aot.gpu_devices`, benchmarks/decode_hlo.py).
+    "gpu-compile": ["jax-cuda12-plugin==0.10.2", "jax-cuda12-pjrt==0.10.2"],
     "wandb": ["wandb"],
     # tasks/hf_datasets.py: local HuggingFace `datasets` (save_to_disk, json, parquet).
     "hf_datasets": ["datasets==5.2.0"],

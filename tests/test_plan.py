@@ -22,7 +22,7 @@ from flaxlm import gin_utils
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.gptj import GPTJConfig
 from flaxlm.parallel import platforms
-from flaxlm.plan import chips, hlo, planner, report
+from flaxlm.plan import chips, hlo, planner, report, traffic
 from flaxlm.plan import run as plan_run
 from flaxlm.training import optimizers
 
@@ -204,6 +204,34 @@ def test_library_calls_of_a_gpu_step_are_counted_where_xla_left_them_out():
     # An analysis that counted the calls itself is left as it is.
     counted = {"flops": 16 * 64 + got["custom_flops"], "bytes accessed": 1e6}
     assert hlo.with_library_calls(counted, got) == counted
+
+
+def test_loop_traffic_charges_slices_and_in_place_updates_and_lists_branches_apart():
+    """`traffic.loop_kernels` on a compiled loop (XLA:CPU's; `decode_hlo.py` reads XLA:GPU's
+    alike): a gather of 4 rows of a 4 MiB table and a one-row update in place of a 4 MiB
+    loop-carried buffer are charged their rows, not the arrays; a conditional's branches
+    are listed apart, and `iteration_bytes` picks one of them."""
+    whole = 4096 * 256 * 4
+
+    def loop(table, buf, acc):
+        def body(i, carry):
+            buf, acc = carry
+            rows = jnp.take(table, (jnp.arange(4) * 7 + i) % 4096, axis=0)
+            buf = jax.lax.dynamic_update_slice(buf, rows[:1] * 2.0, (i, 0))
+            heavy = lambda: acc + jnp.sin(buf).sum()  # noqa: E731 - reads the whole buffer
+            acc = jax.lax.cond(i % 2 == 0, heavy, lambda: acc + rows.sum())
+            return buf, acc
+
+        return jax.lax.fori_loop(0, 8, body, (buf, acc))
+
+    big = jnp.zeros((4096, 256))
+    compiled = jax.jit(loop, donate_argnums=(1,)).lower(big, big, jnp.float32(0)).compile()
+    kernels = traffic.loop_kernels(compiled.as_text())
+    unconditional = [k for k in kernels if k.branch is None]
+    assert sum(k.nbytes for k in unconditional) < 8 * 4 * 256 * 4  # rows, not tables
+    assert {k.branch.rsplit(":", 1)[1] for k in kernels if k.branch} == {"0", "1"}
+    assert traffic.iteration_bytes(kernels) < 8 * 4 * 256 * 4
+    assert traffic.iteration_bytes(kernels, max) >= 2 * whole  # sin: the buffer in and out
 
 
 def test_spearman():

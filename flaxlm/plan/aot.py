@@ -6,10 +6,14 @@ flaxlm's own (`make_train_step` partitioned by `Setup.partition_train_step`), lo
 compiled. The targets (`target_devices`): a TPU slice by name (libtpu compiles for it on
 any host, as MaxText's train_compile.py does), `cpu:N` (this process's CPU devices), or
 `this` (whatever JAX runs on here). Shared by the planner and the compile-only benchmarks.
+NVIDIA GPUs of one host (`gpu_devices`: XLA:GPU compiles for them with no GPU attached, from
+a description of the chip) are for the benchmarks that read a compiled program's HLO
+(decode_hlo.py): XLA's cost analysis of such a program is empty, which the planner needs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -36,6 +40,88 @@ TOPOLOGY_HELP = (
     "a TPU slice as <generation>:<chips per dimension> (v5e:2x4, v5p:2x2x2), cpu:N (N CPU "
     "devices of this process) or `this` (the devices JAX runs on here)"
 )
+CUDA_HINT = (
+    "compiling for an NVIDIA GPU needs XLA:GPU, JAX's CUDA plugin: pip install "
+    "'flaxlm[gpu-compile]' (jax-cuda12-plugin and jax-cuda12-pjrt of the pinned jax; no CUDA "
+    "libraries or driver needed to compile)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+    """What XLA:GPU needs to know of a GPU to compile for it without one attached (its
+    `GpuTargetConfigProto`): NVIDIA's published figures for the SXM parts (the H100
+    architecture whitepaper: 132 SMs, 228 KB of shared memory per SM of which 227 KB to one
+    block, 64K registers per SM, 50 MB of L2, a 1.98 GHz boost clock; bandwidth and memory
+    size as `chips.CHIPS`). XLA uses them for its fusion and tiling choices and its cost
+    model; the cuDNN version says which fused attention it may call."""
+
+    name: str  # the device name a real one reports
+    chip: str  # its `chips.CHIPS` entry
+    sm_major: int = 9
+    sm_minor: int = 0
+    sm_count: int = 132
+    shared_memory_per_sm: int = 228 * 1024
+    shared_memory_per_block_optin: int = 227 * 1024
+    l2_bytes: int = 50 * 1024 * 1024
+    clock_ghz: float = 1.98
+    cudnn: tuple[int, int, int] = (9, 8, 0)
+
+    def config_text(self) -> str:
+        from flaxlm.plan import chips
+
+        chip = chips.CHIPS[self.chip]
+        major, minor, patch = self.cudnn
+        info = {
+            "threads_per_block_limit": 1024,
+            "threads_per_warp": 32,
+            "shared_memory_per_block": 48 * 1024,
+            "shared_memory_per_core": self.shared_memory_per_sm,
+            "shared_memory_per_block_optin": self.shared_memory_per_block_optin,
+            "threads_per_core_limit": 2048,
+            "core_count": self.sm_count,
+            "fpus_per_core": 128,
+            "block_dim_limit_x": 2**31 - 1,
+            "block_dim_limit_y": 65535,
+            "block_dim_limit_z": 65535,
+            "memory_bandwidth": int(chip.memory_bytes_per_s),
+            "l2_cache_size": self.l2_bytes,
+            "clock_rate_ghz": self.clock_ghz,
+            "device_memory_size": int(chip.memory_bytes),
+            "registers_per_core_limit": 65536,
+            "registers_per_block_limit": 65536,
+        }
+        fields = "".join(f"  {k}: {v}\n" for k, v in info.items())
+        return (
+            f"gpu_device_info {{\n{fields}"
+            f"  cuda_compute_capability {{ major: {self.sm_major} minor: {self.sm_minor} }}\n}}\n"
+            f'platform_name: "CUDA"\n'
+            f"dnn_version_info {{ major: {major} minor: {minor} patch: {patch} }}\n"
+            f'device_description_str: "{self.name}"\n'
+        )
+
+
+GPU_TARGETS: dict[str, GpuTarget] = {
+    "h100": GpuTarget("NVIDIA H100 80GB HBM3", "h100"),
+    "h200": GpuTarget("NVIDIA H200", "h200"),
+}
+
+
+def gpu_devices(name: str, count: int = 1) -> list[Any]:
+    """Compile-only devices of `count` GPUs of one host, of a `GPU_TARGETS` kind: XLA:GPU
+    compiles for them here with no GPU, driver or CUDA library (the kernels are generated,
+    not run; autotuning, which needs the device, is left out: XLA's defaults stand in)."""
+    from jax.experimental import topologies
+
+    if name not in GPU_TARGETS:
+        raise ValueError(f"GPU {name!r}: expected one of {sorted(GPU_TARGETS)}.")
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", topology=f"1x1x{count}", target_config=GPU_TARGETS[name].config_text()
+        )
+    except (KeyError, NotImplementedError) as e:  # no CUDA plugin: no topology factory
+        raise RuntimeError(f"{name}:{count}: {CUDA_HINT}.") from e
+    return list(topology.devices)
 
 
 def topology_devices(name: str) -> list[Any]:
