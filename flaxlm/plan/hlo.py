@@ -91,7 +91,7 @@ class Op:
         return (n - 1) / n * r
 
 
-def _instructions(lines: Sequence[str]) -> Iterator[tuple[str, bool, tuple[str, str, str]]]:
+def instructions(lines: Sequence[str]) -> Iterator[tuple[str, bool, tuple[str, str, str]]]:
     """`(name, is_root, (type, opcode, rest))` of each instruction of a computation."""
     for line in lines:
         m = INSTRUCTION_RE.match(line)
@@ -99,7 +99,7 @@ def _instructions(lines: Sequence[str]) -> Iterator[tuple[str, bool, tuple[str, 
             yield m.group(1), line.lstrip().startswith("ROOT"), split_type(m.group(2))
 
 
-def _operands(rest: str) -> list[str]:
+def operand_names(rest: str) -> list[str]:
     """Names of an instruction's operands (`opcode(%a, %b), attrs` -> [a, b])."""
     inner = rest.split("(", 1)[1].split(")", 1)[0] if "(" in rest else ""
     return re.findall(r"%([^\s,()]+)", inner)
@@ -112,14 +112,14 @@ def _trip_count(cond: list[str], init: str, defs: dict[str, tuple[str, str, str]
     runs N - k times (JAX's loops step their counter by one)."""
     cond_defs = {}
     root = None
-    for name, is_root, parsed in _instructions(cond):
+    for name, is_root, parsed in instructions(cond):
         cond_defs[name] = parsed
         if is_root:
             root = parsed
 
     def constant(name: str, table: dict[str, tuple[str, str, str]]) -> int | None:
         while name in table and table[name][1] in ("copy", "bitcast", "convert"):
-            name = _operands(table[name][2])[0]
+            name = operand_names(table[name][2])[0]
         if name in table and table[name][1] == "constant":
             m = re.match(r"constant\((-?\d+)\)", table[name][2])
             return int(m.group(1)) if m else None
@@ -127,7 +127,7 @@ def _trip_count(cond: list[str], init: str, defs: dict[str, tuple[str, str, str]
 
     if root is None or root[1] != "compare" or "direction=LT" not in root[2]:
         return None
-    counter, bound = (_operands(root[2]) + [None, None])[:2]
+    counter, bound = (operand_names(root[2]) + [None, None])[:2]
     limit = constant(bound, cond_defs) if bound else None
     gte = cond_defs.get(counter)
     if limit is None or gte is None or gte[1] != "get-tuple-element":
@@ -136,11 +136,11 @@ def _trip_count(cond: list[str], init: str, defs: dict[str, tuple[str, str, str]
     tuple_def = defs.get(init)
     if tuple_def is None or tuple_def[1] != "tuple":
         return None
-    start = constant(_operands(tuple_def[2])[index], defs)
+    start = constant(operand_names(tuple_def[2])[index], defs)
     return None if start is None else limit - start
 
 
-def _computations(text: str) -> tuple[dict[str, list[str]], str]:
+def module_computations(text: str) -> tuple[dict[str, list[str]], str]:
     """The module's computations (name -> instruction lines) and the ENTRY's name."""
     computations: dict[str, list[str]] = {}
     entry = None
@@ -184,17 +184,17 @@ def matmul_costs(text: str) -> dict[str, float]:
       charges a custom call -1 FLOPs and -1 bytes (jax-ml/jax#22249: a 73x256 dense layer
       counted 511 FLOPs), so `with_library_calls` adds these where it did.
     """
-    computations, _ = _computations(text)
+    computations, _ = module_computations(text)
     defs: dict[str, str] = {}
     parsed = []
     for lines in computations.values():
-        for name, _, (type_str, opcode, rest) in _instructions(lines):
+        for name, _, (type_str, opcode, rest) in instructions(lines):
             defs[name] = type_str
             if opcode in ("dot", "custom-call"):
                 parsed.append((type_str, opcode, rest))
     out = {"dot_flops": 0.0, "custom_flops": 0.0, "custom_bytes": 0.0, "custom_calls": 0}
     for type_str, opcode, rest in parsed:
-        operands = [defs.get(o, "") for o in _operands(rest)]
+        operands = [defs.get(o, "") for o in operand_names(rest)]
         if opcode == "dot":
             lhs = _dims(operands[0]) if operands else []
             m = re.search(r"lhs_contracting_dims=\{([^}]*)\}", rest)
@@ -255,7 +255,7 @@ def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
     Besides the plain ops, TPU's compiled reduce-scatter is read: a custom fusion calling
     `%all-reduce-scatter...` (an all-reduce whose result is cut in the same kernel) counts
     as one reduce-scatter whose result is the fusion's."""
-    computations, entry = _computations(text)
+    computations, entry = module_computations(text)
     unparsed: list[str] = []
     memo: dict[str, list[tuple[Op, int]]] = {}
 
@@ -303,7 +303,7 @@ def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
         memo[name] = []  # guards against cycles
         out: list[tuple[Op, int]] = []
         defs: dict[str, tuple[str, str, str]] = {}
-        for instruction, _, parsed in _instructions(computations.get(name, [])):
+        for instruction, _, parsed in instructions(computations.get(name, [])):
             type_str, opcode, rest = defs[instruction] = parsed
             callees = re.findall(r"(?:calls|branch_computations)=\{?%([^\s,}]+)", rest)
             if opcode in (*COLLECTIVES, "collective-permute-start"):
@@ -326,7 +326,7 @@ def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
                 count = int(trip.group(1)) if trip else None
                 if count is None:
                     cond = re.search(r"condition=%([^\s,]+)", rest).group(1)
-                    count = _trip_count(computations.get(cond, []), _operands(rest)[0], defs)
+                    count = _trip_count(computations.get(cond, []), operand_names(rest)[0], defs)
                 if count is None:
                     unparsed.append(
                         f"{instruction} (while without a known trip count: counted once)"

@@ -68,7 +68,7 @@ def _fusion_bytes(lines: Sequence[str], operand_bytes: Sequence[int]) -> tuple[i
     defs = {}
     params: dict[str, int] = {}
     root = None
-    for name, is_root, (type_str, opcode, rest) in hlo._instructions(lines):
+    for name, is_root, (type_str, opcode, rest) in hlo.instructions(lines):
         defs[name] = (type_str, opcode, rest)
         if opcode == "parameter":
             params[name] = int(re.match(r"parameter\((\d+)\)", rest).group(1))
@@ -77,23 +77,23 @@ def _fusion_bytes(lines: Sequence[str], operand_bytes: Sequence[int]) -> tuple[i
 
     def source(name: str) -> str:
         while defs.get(name, ("", ""))[1] == "bitcast":
-            name = hlo._operands(defs[name][2])[0]
+            name = hlo.operand_names(defs[name][2])[0]
         return name
 
     users: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
     for name, (_, opcode, rest) in defs.items():
         if opcode != "bitcast":
-            for i, operand in enumerate(hlo._operands(rest)):
+            for i, operand in enumerate(hlo.operand_names(rest)):
                 users[source(operand)].append((name, i))
 
     roots = [root]
     if defs[root][1] == "tuple":
-        roots = [source(r) for r in hlo._operands(defs[root][2])]
+        roots = [source(r) for r in hlo.operand_names(defs[root][2])]
     aliased: set[str] = set()
     written = 0
     for r in roots:
         type_str, opcode, rest = defs[r]
-        operands = hlo._operands(rest)
+        operands = hlo.operand_names(rest)
         if opcode in IN_PLACE and source(operands[0]) in params:
             aliased.add(source(operands[0]))
             written += hlo.type_bytes(defs[source(operands[IN_PLACE[opcode]])][0])
@@ -118,11 +118,11 @@ def loop_kernels(text: str, loop: int = -1) -> list[Kernel]:
     the compiled module `text` (the last by default: a decode loop follows its prefill),
     inner loops' kernels counted their trip count times, each conditional branch's kernels
     listed with its name."""
-    computations, entry = hlo._computations(text)
+    computations, entry = hlo.module_computations(text)
     types: dict[str, dict[str, str]] = {}
 
     def defs_of(comp: str) -> list[tuple[str, tuple[str, str, str]]]:
-        out = [(n, parsed) for n, _, parsed in hlo._instructions(computations.get(comp, []))]
+        out = [(n, parsed) for n, _, parsed in hlo.instructions(computations.get(comp, []))]
         types[comp] = {n: parsed[0] for n, parsed in out}
         return out
 
@@ -153,7 +153,7 @@ def loop_kernels(text: str, loop: int = -1) -> list[Kernel]:
             if opcode == "call":
                 walk(_callee(rest, "to_apply"), branch, count)
                 continue
-            operands = [hlo.type_bytes(types[comp].get(o, "")) for o in hlo._operands(rest)]
+            operands = [hlo.type_bytes(types[comp].get(o, "")) for o in hlo.operand_names(rest)]
             result = hlo.type_bytes(type_str)
             kind = opcode
             if opcode == "fusion":
