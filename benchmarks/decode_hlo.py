@@ -12,7 +12,10 @@ runs them,
 - `generate`: `inference.generation.decode_tokens` (one contiguous KV cache), `--new` tokens
   after prompts of `--context`;
 - `paged`: the serving engine's decode dispatch (`inference.scheduler.Scheduler`, a paged
-  KV cache, `--decode-steps` tokens per dispatch), every row at the same context,
+  KV cache, `--decode-steps` tokens per dispatch), every row at the same context, each
+  row's pages gathered for the attention (`paged_attention='gather'`);
+- `pallas`: the same with `paged_attention='pallas'` (the Pallas kernel reads the pages
+  in place, `flaxlm.models.paged_attention`),
 
 and sums the bytes of the kernels one token step runs (`flaxlm.plan.traffic`, greedy: a
 conditional counts its lightest branch), against the roofline's bytes. `roofline / step`
@@ -44,7 +47,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new", type=int, default=128, help="tokens generated per sequence")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument(
-        "--paths", nargs="+", choices=("generate", "paged"), default=["generate", "paged"]
+        "--paths",
+        nargs="+",
+        choices=("generate", "paged", "pallas"),
+        default=["generate", "paged", "pallas"],
     )
     p.add_argument("--decode-steps", type=int, default=16, help="the engine's tokens per dispatch")
     p.add_argument("--page-size", type=int, default=16)
@@ -84,7 +90,14 @@ def compile_generate(model: Any, params: Any, batch: int, args: argparse.Namespa
     return jax.jit(fn).lower(abstract(params, sharding), inputs, lengths, rng).compile()
 
 
-def compile_paged(model: Any, params: Any, batch: int, args: argparse.Namespace, device: Any):
+def compile_paged(
+    model: Any,
+    params: Any,
+    batch: int,
+    args: argparse.Namespace,
+    device: Any,
+    paged_attention: str = "gather",
+):
     """The engine's decode dispatch as `Scheduler` jits it, its pool sized for `batch` rows
     of `--context + --new` slots (nothing allocated: the scheduler's own cache is not made)."""
     import jax
@@ -108,6 +121,7 @@ def compile_paged(model: Any, params: Any, batch: int, args: argparse.Namespace,
         max_seq_len=args.context + args.new,
         decode_steps=args.decode_steps,
         layout_in_program=True,
+        paged_attention=paged_attention,
     )
     replicated = partitioner.replicated()
     cache = jax.eval_shape(lambda: model.paged_cache(scheduler.num_pages, args.page_size))
@@ -161,8 +175,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     for batch in args.batches:
         roof = param_bytes + batch * (args.context + args.new / 2) * kv_token
         for path in args.paths:
-            compile_fn = compile_generate if path == "generate" else compile_paged
-            text = compile_fn(model, params, batch, args, device).as_text()
+            if path == "generate":
+                compiled = compile_generate(model, params, batch, args, device)
+            else:
+                attention = "pallas" if path == "pallas" else "gather"
+                compiled = compile_paged(model, params, batch, args, device, attention)
+            text = compiled.as_text()
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
                 with open(os.path.join(args.dump, f"{path}_b{batch}.hlo"), "w") as f:

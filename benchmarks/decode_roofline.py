@@ -11,7 +11,10 @@ the roofline is `B` tokens per that time. For each batch this times
   call with one new token) is subtracted, so the rate is of the decode steps alone;
 - `paged`: the serving engine's scheduler (`inference.scheduler`: paged KV cache, continuous
   batching, `--decode-steps` tokens per dispatch), the same prompts submitted together, timed
-  from the first decode dispatch after every prompt is prefilled to the last token,
+  from the first decode dispatch after every prompt is prefilled to the last token, each
+  row's pages gathered for the attention (`paged_attention='gather'`);
+- `pallas`: the same with `paged_attention='pallas'` (JAX's Pallas kernel reads the pages in
+  place: a GPU's path; on CPU it runs interpreted, slowly),
 
 and reports tokens/s and the share of the roofline (the chip's datasheet bandwidth,
 `flaxlm.plan.chips`; on CPU there is none). Parameters are cast to `--dtype` as an inference
@@ -46,7 +49,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
-        "--paths", nargs="+", choices=("generate", "paged"), default=["generate", "paged"]
+        "--paths",
+        nargs="+",
+        choices=("generate", "paged", "pallas"),
+        default=["generate", "paged"],
     )
     p.add_argument("--decode-steps", type=int, default=16, help="the engine's tokens per dispatch")
     p.add_argument(
@@ -59,8 +65,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--profile",
         metavar="DIR",
         help="trace each path's decode at the largest batch into DIR (the engine's into "
-        "DIR/paged) and print where a step's time goes (profile_summary.py; the engine's per "
-        "dispatch of --decode-steps tokens, its prefill included)",
+        "DIR/paged and DIR/pallas) and print where a step's time goes (profile_summary.py; "
+        "the engine's per dispatch of --decode-steps tokens, its prefill included)",
     )
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     return p.parse_args(argv)
@@ -129,7 +135,13 @@ def time_generate(model: Any, params: Any, prompts: np.ndarray, args: argparse.N
     return out
 
 
-def time_paged(model: Any, params: Any, prompts: np.ndarray, args: argparse.Namespace) -> dict:
+def time_paged(
+    model: Any,
+    params: Any,
+    prompts: np.ndarray,
+    args: argparse.Namespace,
+    paged_attention: str = "gather",
+) -> dict:
     """The engine's decode rate: the time of a run to `--new` tokens less that of a run to
     one (prefill and the first token), fresh prompts each run (the prefix cache would
     otherwise skip their prefill)."""
@@ -147,6 +159,7 @@ def time_paged(model: Any, params: Any, prompts: np.ndarray, args: argparse.Name
         decode_steps=args.decode_steps,
         prefill_chunk=min(context, 512),
         prefill_rows=batch,
+        paged_attention=paged_attention,
     )
     rng = np.random.default_rng(batch)
 
@@ -166,7 +179,9 @@ def time_paged(model: Any, params: Any, prompts: np.ndarray, args: argparse.Name
     if args.profile and batch == max(args.batches):
         dispatches = -(-args.new // args.decode_steps)
         out["profile"] = profile_summary.trace_steps(
-            lambda n: run(args.new), os.path.join(args.profile, "paged"), dispatches
+            lambda n: run(args.new),
+            os.path.join(args.profile, "paged" if paged_attention == "gather" else "pallas"),
+            dispatches,
         )
     return out
 
@@ -205,9 +220,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         prompts = rng.integers(3, model.config.vocab_size, (batch, args.context), np.int32)
         roof = roofline(model, params, batch, args, chip)
         for path in args.paths:
-            timer = time_generate if path == "generate" else time_paged
             try:
-                row = {"batch": batch, "path": path, **timer(model, params, prompts, args)}
+                if path == "generate":
+                    timed = time_generate(model, params, prompts, args)
+                else:
+                    attention = "pallas" if path == "pallas" else "gather"
+                    timed = time_paged(model, params, prompts, args, attention)
+                row = {"batch": batch, "path": path, **timed}
             except Exception as e:  # noqa: BLE001 - one failing path must not cost the rest
                 row = {"batch": batch, "path": path, "failed": f"{type(e).__name__}: {e}"[:300]}
             row["roofline_tokens_per_second"] = roof

@@ -12,8 +12,11 @@
 #    takes a step's time. Since the fourth session's figures: the contiguous cache is held
 #    head-major (sixteenth), and decoding reads each weight once, the prefill's head one
 #    position, the engine's sampler sorts nothing for greedy rows (seventeenth; all measured
-#    on CPU only). The engine's profile says whether its page gather is what is left (a
-#    kernel reading pages in place would remove it);
+#    on CPU only); the batch path's loop steps the model outside a cond (eighteenth: XLA:GPU
+#    had copied the whole KV cache at each step, read off the H100's compiled program,
+#    decode_hlo.py) and the engine can read its pages in place with JAX's Pallas kernel
+#    (`paged_attention='pallas'`, the third path, timed here for the first time: if it beats
+#    'gather', make it the GPU's default in serve.gin, infer.gin and Scheduler);
 # 2. mixtures of experts (issue 45, met on an H200 in the sixteenth session): the dropless
 #    experts' grouped matmul through JAX's Mosaic GPU kernels, checked against XLA's, the
 #    transposed kernel's tiles tuned (grouped_matmul.py --tune); a Qwen3-30B-A3B-shaped
@@ -64,7 +67,8 @@ echo "== decode against the HBM roofline, ${l} s" | tee -a "$log"
 rm -rf /tmp/hlo_dump
 XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_dump --xla_dump_hlo_as_text" \
   timeout "$l" python3 benchmarks/decode_roofline.py --repeats 2 --profile /tmp/decode_profile \
-  "${decode_extra[@]}" --json "$out/decode.json" 2>&1 | tee -a "$log"
+  --paths generate paged pallas "${decode_extra[@]}" --json "$out/decode.json" 2>&1 |
+  tee -a "$log"
 # The largest optimized modules (the decode loops), not every small one XLA dumped.
 if compgen -G "/tmp/hlo_dump/*after_optimizations.txt" >/dev/null; then
   # shellcheck disable=SC2012

@@ -290,7 +290,7 @@ def _stepping_conds(jaxpr) -> list:
 
 
 def test_decoding_stacks_no_kernels_steps_unconditionally_and_prefills_one_position():
-    """A decoding step runs one product per projection (`layers.separate_projections`): the
+    """A decoding step runs one product per projection (`layers.decoding_products`): the
     stacked kernels training contracts at once would be a copy of them at every token. The
     decode loops (sampling and beam search) step the model outside any `cond`: around it,
     XLA:GPU copies each layer's whole KV cache at every step (seen in the H100's compiled

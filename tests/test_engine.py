@@ -243,3 +243,75 @@ def test_select_argmaxes_greedy_rows_and_filters_only_a_nucleus():
     np.testing.assert_array_equal(top_ids[:, 0], argmax)
     greedy = select(logits, keys, jnp.zeros(4), top_p, 3)[0]
     np.testing.assert_array_equal(greedy, argmax)
+
+
+@pytest.mark.slow
+def test_the_pallas_kernel_reads_the_pages_in_place_as_the_gather_path_attends(tmp_path):
+    """`paged_attention='pallas'`: a decode dispatch's attention is JAX's Pallas
+    paged-attention kernel reading the pool in place (interpreted off a GPU), over
+    grouped-query heads of 16 features and pages of 16 slots; every token and log-prob equals
+    the gathering engine's (log-probs to float32 round-off: the kernel sums in another
+    order). A page size or name the kernel cannot take is refused when the engine is made."""
+    import jax
+
+    from flaxlm.inference.scheduler import Scheduler
+    from tests.helpers import jaxpr_equations
+
+    torch_model = random_hf_model(
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.3,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    model, params = hf.from_pretrained(save_torch_model(torch_model, tmp_path), Partitioner())
+    cases = [(p, 6) for p in prompts(3, seed=1)] + [([5] * 20, 5)]  # one crosses a page
+
+    def decode(paged_attention):
+        scheduler = Scheduler(
+            model,
+            params,
+            Partitioner(),
+            max_rows=4,
+            page_size=16,
+            max_seq_len=32,
+            decode_steps=3,
+            prefill_chunk=16,
+            prefill_rows=4,
+            paged_attention=paged_attention,
+        )
+        jobs = [job(p, n) for p, n in cases]
+        for j in jobs:
+            scheduler.add(j)
+        while scheduler.busy:
+            scheduler.step()
+        return scheduler, [[j.events.get_nowait() for _ in range(j.events.qsize())] for j in jobs]
+
+    gathered = decode("gather")[1]
+    scheduler, kernel = decode("pallas")
+    for (p, n), a, b in zip(cases, gathered, kernel):
+        assert [e[1] for e in a if e[0] == "token"] == [e[1] for e in b if e[0] == "token"]
+        assert len([e for e in b if e[0] == "token"]) == n, p
+        np.testing.assert_allclose(
+            [e[2] for e in b if e[0] == "token"], [e[2] for e in a if e[0] == "token"], atol=1e-5
+        )
+    # The kernel is in the decode dispatch's program (and not in the prefill's).
+    cache = model.paged_cache(scheduler.num_pages, 16)
+    rows = np.zeros((4,), np.int32)
+    decode_jaxpr = jax.make_jaxpr(scheduler._decode_fn)(
+        scheduler.params, cache, rows, rows, np.zeros((4, 2), np.int32), None,
+        rows, rows, rows, np.zeros(4, np.float32), np.ones(4, np.float32),
+    )  # fmt: skip
+    assert any(e.primitive.name == "pallas_call" for e in jaxpr_equations(decode_jaxpr.jaxpr))
+
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        Scheduler(model, params, Partitioner(), page_size=8, paged_attention="pallas")
+    with pytest.raises(ValueError, match="paged_attention='paged'"):
+        Scheduler(model, params, Partitioner(), paged_attention="paged")

@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from flaxlm.inference import decoding
 from flaxlm.inference.pages import PagePool, pages_for, prefix_keys
 from flaxlm.models.base import BaseModel
+from flaxlm.models.paged_attention import PAGED_ATTENTION, check_page_size
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora
 
@@ -93,6 +94,7 @@ class Scheduler:
         prefill_rows: int = 2,
         num_top: int = 5,
         layout_in_program: bool = False,
+        paged_attention: str = "gather",
     ):
         """
         Args:
@@ -109,11 +111,21 @@ class Scheduler:
             over after each update) and lay them out for decoding (`decoding_params`) inside
             each dispatch's program, not once here: no second copy of the weights outside
             the programs.
+          paged_attention: how a decode dispatch's attention reads the pages: 'gather'
+            (each row's pages copied out, then the model's own attention) or 'pallas' (JAX's
+            Pallas kernel reads them in place; GPU; `models.paged_attention`).
         """
+        if paged_attention not in PAGED_ATTENTION:
+            raise ValueError(
+                f"paged_attention={paged_attention!r}: expected one of {PAGED_ATTENTION}."
+            )
+        if paged_attention == "pallas":
+            check_page_size(page_size)
         refusal = model.paged_refusal()
         if refusal is not None:
             raise ValueError(refusal)
         self.model = model
+        self.paged_attention = paged_attention
         # Unrolled layers: laid out once here, or inside each program.
         self._layout_once = (lambda p: p) if layout_in_program else model.decoding_params
         self._layout = model.decoding_params if layout_in_program else (lambda p: p)
@@ -403,10 +415,10 @@ class Scheduler:
     # ------------------------------------------------------------ the device's side
 
     def _pool_sharding(self, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
-        """A pool leaf `[(layers,) pages, page_size, kv_heads, head_dim]`: its heads split as
+        """A pool leaf `[(layers,) kv_heads, pages, page_size, head_dim]`: its heads split as
         the model splits them where they divide, the rest replicated."""
-        heads = "kv_heads" if leaf.shape[-2] > 1 else None
-        axes = (None,) * (leaf.ndim - 2) + (heads, "head_dim")
+        heads = "kv_heads" if leaf.shape[-4] > 1 else None
+        axes = (None,) * (leaf.ndim - 4) + (heads, None, None, "head_dim")
         sharding = NamedSharding(self.partitioner.mesh, self.partitioner.mesh_axes(axes))
         if not all(d % n == 0 for d, n in zip(leaf.shape, sharding.shard_shape(leaf.shape))):
             return self.partitioner.replicated()
@@ -440,7 +452,7 @@ class Scheduler:
             fed = jnp.where(active, slot, -1)[:, None]
             with lora.adapters_per_row(adapters):
                 logits, cache = self.model.paged_logits(
-                    params, cache, token[:, None], fed, table, last
+                    params, cache, token[:, None], fed, table, last, self.paged_attention
                 )
             step_keys = jax.vmap(jax.random.fold_in)(keys, count)
             out = decoding.select(logits, step_keys, *sample, self.num_top)
@@ -459,7 +471,7 @@ class Scheduler:
 
     def _copy_fn(self, cache, src, dst):
         def copy(leaf):
-            axis = leaf.ndim - 4
+            axis = leaf.ndim - 3  # the pages of `[(layers,) X, pages, page_size, width]`
             pages = jnp.take(leaf, src, axis=axis)
             index = (slice(None),) * axis + (dst,)
             return leaf.at[index].set(pages)

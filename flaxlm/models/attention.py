@@ -34,6 +34,12 @@ from flaxlm.models.masks import (
     plain_causal,
     whole_self_attention,
 )
+from flaxlm.models.paged_attention import (
+    gather_pages,
+    kernel_attention,
+    use_kernel,
+    write_pages,
+)
 from flaxlm.models.xla_attention import xla_attention
 
 Array = jax.Array
@@ -128,41 +134,31 @@ class KVCache(nn.Module):
     Outside decoding it returns its inputs. While decoding it writes the new keys and
     values at `decoding.index` (held `[batch, heads, cache_len, head_dim]` and `[batch,
     heads, head_dim, cache_len]`: `write_cache`) and returns the whole cache `[batch,
-    cache_len, heads, head_dim]` (what `causal_mask` masks).
+    cache_len, heads, head_dim]` (what `causal_mask` masks). Paged, it writes them into
+    their pages of the pools (`paged_attention.write_pages`) and returns each row's pages
+    gathered, or with `pools` the pools themselves (for `paged_attention.kernel_attention`).
     """
 
     axes: tuple[str | None, ...] = HEAD_AXES
 
     @nn.compact
-    def __call__(self, key: Array, value: Array, decoding: Decoding | None) -> tuple[Array, Array]:
+    def __call__(
+        self, key: Array, value: Array, decoding: Decoding | None, pools: bool = False
+    ) -> tuple[Array, Array]:
         if decoding is None:
             return key, value
         if decoding.paged:
-            return self.paged(key, value, decoding)
+            out = [
+                write_pages(self, name, x, decoding, self.axes)
+                for name, x in (("key", key), ("value", value))
+            ]
+            if not pools:
+                out = [gather_pages(pool, decoding, self.axes) for pool in out]
+            return out[0], out[1]
         return (
             write_cache(self, "key", key, decoding, self.axes),
             write_cache(self, "value", value, decoding, self.axes),
         )
-
-    def paged(self, key: Array, value: Array, decoding: Decoding) -> tuple[Array, Array]:
-        """Writes each token's key and value into its page of the pool `[num_pages,
-        page_size, kv_heads, head_dim]` and returns every row's pages gathered in order
-        `[batch, length, kv_heads, head_dim]` (what `masks.paged_mask` masks)."""
-        size = decoding.page_size
-        slots = jnp.maximum(decoding.slots, 0)  # [batch, q_len]
-        page = jnp.take_along_axis(decoding.page_table, slots // size, axis=1)
-        page = jnp.where(decoding.slots >= 0, page, 0)  # padding: page 0, never read
-        pool_axes = (None, None, *self.axes[2:])
-        out = []
-        for name, x in (("key", key), ("value", value)):
-            shape = (decoding.num_pages, size, *x.shape[2:])
-            var = self.variable("cache", name, jnp.zeros, shape, x.dtype)
-            pool = var.value.at[page, slots % size].set(x.astype(var.value.dtype))
-            var.value = constrain(pool, pool_axes)
-            rows = pool[decoding.page_table]  # [batch, pages, page_size, kv_heads, head_dim]
-            rows = rows.reshape(x.shape[0], -1, *x.shape[2:])
-            out.append(constrain(rows, self.axes))
-        return out[0], out[1]
 
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "jax", "chunked")
@@ -436,24 +432,28 @@ def rotary_self_attention(
         q, k, v = (jnp.clip(x, -clip_qkv, clip_qkv) for x in (q, k, v))
     q = constrain(apply_rotary(q, sin, cos, interleaved=False), HEAD_AXES)
     k = constrain(apply_rotary(k, sin, cos, interleaved=False), kv_axes)
-    k, v = KVCache(kv_axes, name="cache")(k, v, decoding)
-    if isinstance(mask, Mask):
-        mask = mask.within(window)
-    elif window is not None and decoding is not None and decoding.paged:
-        mask = mask & paged_mask(decoding, window)
-    attn = dot_product_attention(
-        q,
-        k,
-        v,
-        mask,
-        scale=scale,
-        softcap=softcap,
-        dtype=dtype,
-        implementation=attention,
-        chunk_size=chunk_size,
-        context_parallel=context_parallel,
-        sinks=AttentionSinks(num_heads, param_dtype, name="sinks")() if sinks else None,
-    )
+    if use_kernel(decoding, q, window=window, sinks=sinks):
+        pools = KVCache(kv_axes, name="cache")(k, v, decoding, pools=True)
+        attn = kernel_attention(q, *pools, decoding, scale=scale, softcap=softcap, dtype=dtype)
+    else:
+        k, v = KVCache(kv_axes, name="cache")(k, v, decoding)
+        if isinstance(mask, Mask):
+            mask = mask.within(window)
+        elif window is not None and decoding is not None and decoding.paged:
+            mask = mask & paged_mask(decoding, window)
+        attn = dot_product_attention(
+            q,
+            k,
+            v,
+            mask,
+            scale=scale,
+            softcap=softcap,
+            dtype=dtype,
+            implementation=attention,
+            chunk_size=chunk_size,
+            context_parallel=context_parallel,
+            sinks=AttentionSinks(num_heads, param_dtype, name="sinks")() if sinks else None,
+        )
     attn = DenseGeneral(
         hidden_size,
         ("heads", "head_dim", "embed"),

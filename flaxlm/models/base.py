@@ -429,7 +429,7 @@ class EncoderDecoderModel(BaseModel):
     ) -> tuple[Array, dict[str, Any]]:
         cache_len = decoding.cache_length(state["cache"])
         where = masks.Decoding(jnp.asarray(index, jnp.int32), state["start"], cache_len)
-        with layers.separate_projections():
+        with layers.decoding_products():
             logits, variables = self._decode_module().apply(
                 {"params": params, "cache": state["cache"]},
                 state["encoded"],
@@ -447,7 +447,7 @@ class EncoderDecoderModel(BaseModel):
         # The encoder reads each input once; padding (segment 0) is never attended.
         segment_ids = (jnp.arange(inputs.shape[1])[None, :] < lengths[:, None]).astype(jnp.int32)
         module = self._decode_module()
-        with layers.separate_projections():
+        with layers.decoding_products():
             encoded = module.apply({"params": params}, inputs, segment_ids, method="encode")
         encoded, segment_ids = (
             jnp.repeat(x, config.num_beams, axis=0) for x in (encoded, segment_ids)

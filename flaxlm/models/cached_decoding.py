@@ -88,7 +88,7 @@ class CachedDecoding:
         # 1k tokens of a 128k vocabulary had made 34 GB of float32 logits). A module not on
         # `CausalLM`'s skeleton gives its logits.
         skeleton = isinstance(module, CausalLM)
-        with layers.separate_projections():
+        with layers.decoding_products():
             out, variables = module.apply(
                 {"params": params, "cache": state["cache"]},
                 tokens,
@@ -150,7 +150,8 @@ class CachedDecoding:
 
     def paged_cache(self, num_pages: int, page_size: int) -> Any:
         """Zeros of a paged KV cache (the `cache` collection): `num_pages` pages of
-        `page_size` slots, each leaf `[(layers,) num_pages, page_size, kv_heads, head_dim]`."""
+        `page_size` slots, each leaf `[(layers,) kv_heads, num_pages, page_size, head_dim]`
+        (`paged_attention.write_pages`)."""
 
         def init_cache() -> Any:
             one = jnp.zeros((1, 1), jnp.int32)
@@ -168,13 +169,15 @@ class CachedDecoding:
         slots: Array,
         page_table: Array,
         last: Array,
+        paged_attention: str = "gather",
     ) -> tuple[Array, Any]:
         """Feeds `tokens` int32 `[rows, length]` at `slots` (their positions; -1: padding)
         of the rows whose pages `page_table` int32 `[rows, pages]` lists, writing their keys
         and values into the paged `cache`: float32 logits `[rows, vocab]` after the token at
-        index `last` int32 `[rows]` of each row, and the cache."""
+        index `last` int32 `[rows]` of each row, and the cache. `paged_attention`: how the
+        attention reads the pages (`models.paged_attention.PAGED_ATTENTION`)."""
         leaf = jax.tree.leaves(cache)[0]
-        num_pages, page_size = leaf.shape[leaf.ndim - 4], leaf.shape[leaf.ndim - 3]
+        num_pages, page_size = leaf.shape[leaf.ndim - 3], leaf.shape[leaf.ndim - 2]
         rows = tokens.shape[0]
         where = masks.Decoding(
             jnp.int32(0),
@@ -184,8 +187,9 @@ class CachedDecoding:
             slots,
             num_pages,
             page_size,
+            paged_attention,
         )
-        with layers.separate_projections():
+        with layers.decoding_products():
             hidden, variables = self._decode_module().apply(
                 {"params": params, "cache": cache},
                 tokens,

@@ -27,6 +27,7 @@ Initializer = Callable[..., Array]
 # Activations are pinned at block boundaries with these logical names.
 ACTIVATION_AXES = ("batch", "length", "embed")
 HEAD_AXES = ("batch", "length", "heads", "head_dim")
+HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def as_dtype(dtype: Dtype) -> jnp.dtype:
@@ -148,7 +149,12 @@ class DenseGeneral(nn.Module):
         axis = self.contracted(x.ndim)
         kernel, bias = self.weights(tuple(x.shape[a] for a in axis))
         dtype = as_dtype(self.dtype)
-        y = contract(x.astype(dtype), kernel.astype(dtype), axis, out_dtype=self.out_dtype)
+        out_dtype = self.out_dtype
+        if out_dtype is None and dtype in HALF_DTYPES and getattr(_DECODING_PRODUCTS, "on", False):
+            out_dtype = jnp.float32  # `decoding_products`: cast back below
+        y = contract(x.astype(dtype), kernel.astype(dtype), axis, out_dtype=out_dtype)
+        if self.out_dtype is None:
+            y = y.astype(dtype)
         if bias is not None:
             y = y + bias.astype(y.dtype)
         return self.adapt(x, y)
@@ -203,42 +209,47 @@ def lora_dropout(rate: float) -> Iterator[None]:
         _LORA_DROPOUT.pop()
 
 
-# Set in the thread that traces a decoding step: `parallel_dense` then runs one product per
-# projection (`separate_projections`; per thread, as a server's engine may trace while a
-# trainer's thread traces its step).
-_SEPARATE_PROJECTIONS = threading.local()
+# Set in the thread that traces a decoding step (`decoding_products`; per thread, as a
+# server's engine may trace while a trainer's thread traces its step).
+_DECODING_PRODUCTS = threading.local()
 
 
 @contextlib.contextmanager
-def separate_projections() -> Iterator[None]:
-    """Within this context `parallel_dense` stacks no kernels: one product per projection.
+def decoding_products() -> Iterator[None]:
+    """Within this context the dense layers compute as a decoding step reads its weights
+    best (the decoding methods, `cached_decoding` and the encoder-decoder's, trace under it):
 
-    What the stack buys, one all-reduce of the input gradient under tensor parallelism, a
-    forward-only trace never uses; what it costs, a copy of the group's kernels made at every
-    call, it pays at every token: XLA does not hoist the copy out of a decoding loop (the
-    step runs under a `cond`), so each step read the gated MLP's gate and up kernels twice
-    and wrote them once where the products read them once (benchmarks/RESULTS.md).
-    The decoding methods (`cached_decoding`, the encoder-decoder's) trace under it."""
-    before = getattr(_SEPARATE_PROJECTIONS, "on", False)
-    _SEPARATE_PROJECTIONS.on = True
+    - `parallel_dense` stacks no kernels, one product per projection. What the stack buys,
+      one all-reduce of the input gradient under tensor parallelism, a forward-only trace
+      never uses; what it costs, a copy of the group's kernels made at every call, it paid at
+      every token (XLA did not hoist it out of the decoding loop): each step read the gated
+      MLP's gate and up kernels twice and wrote them once (benchmarks/RESULTS.md).
+    - A `DenseGeneral` in bfloat16 or float16 takes its product in float32 and casts it.
+      A row's one token makes each product a matrix-vector one, which XLA:GPU computes as a
+      multiply and a reduction; asked for a half-precision result it did not fuse them and
+      wrote the weight-sized product between them (3x the weight's bytes for Llama-3.2-1B's
+      q and o projections at batch 1, read off the H100's compiled program); in float32 it
+      fuses them. Larger batches compile to the same matmuls either way."""
+    before = getattr(_DECODING_PRODUCTS, "on", False)
+    _DECODING_PRODUCTS.on = True
     try:
         yield
     finally:
-        _SEPARATE_PROJECTIONS.on = before
+        _DECODING_PRODUCTS.on = before
 
 
 def parallel_dense(x: Array, projections: Sequence[DenseGeneral]) -> list[Array]:
     """`[p(x) for p in projections]`, with one matmul for each group of projections whose
     kernels have equal shapes and axes: their kernels are stacked on a new leading dim (local
     under any sharding) and contracted with `x` once; one product per projection within
-    `separate_projections` (decoding).
+    `decoding_products` (decoding).
 
     This is Megatron's fused QKV without changing the params (still one kernel per
     projection, as in HF checkpoints): under tensor parallelism the input gradient of a group
     is one partial sum over the sharded output dims, all-reduced once, instead of once per
     projection.
     """
-    if getattr(_SEPARATE_PROJECTIONS, "on", False):
+    if getattr(_DECODING_PRODUCTS, "on", False):
         return [p(x) for p in projections]
     groups: dict[Any, list[int]] = {}
     for i, p in enumerate(projections):

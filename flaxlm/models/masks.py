@@ -198,7 +198,8 @@ class Decoding:
     lives in page `page_table[b, s // page_size]` at offset `s % page_size`, and `slots`
     says the slot (the position) of each query token, -1 for padding (written to page 0,
     which no row reads). Rows are not padded on the left: `index` is 0, `start` zeros and
-    `length` the slots a row's page table covers."""
+    `length` the slots a row's page table covers. `paged_attention` says how a decode
+    step's attention reads the pages (`paged_attention.PAGED_ATTENTION`)."""
 
     index: Array  # int32 scalar
     start: Array  # int32 [batch]
@@ -207,6 +208,7 @@ class Decoding:
     slots: Array | None = None  # int32 [batch, q_len]
     num_pages: int = flax.struct.field(pytree_node=False, default=0)
     page_size: int = flax.struct.field(pytree_node=False, default=0)
+    paged_attention: str = flax.struct.field(pytree_node=False, default="gather")
 
     @property
     def paged(self) -> bool:

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import attention, layers, masks
+from flaxlm.models import attention, layers, masks, paged_attention
 
 Array = jax.Array
 
@@ -173,8 +173,8 @@ class DecodingCache(nn.Module):
     key and value), written at `decoding.index` into `[batch, X, slots, width]` (a "value":
     `[batch, X, width, slots]`) and returned whole as `[batch, slots, X, width]`
     (`attention.write_cache`); paged (the serving
-    engine), written into their pages of a pool `[num_pages, page_size, X, width]` and
-    returned gathered in each row's slot order."""
+    engine), written into their pages of a pool `[X, num_pages, page_size, width]` and
+    returned gathered in each row's slot order (`paged_attention`)."""
 
     names: tuple[str, ...]
     axes: tuple[str | None, ...]  # logical axes of `[batch, slots, X, width]`
@@ -190,17 +190,9 @@ class DecodingCache(nn.Module):
         return tuple(out)
 
     def paged(self, name: str, x: Array, decoding: masks.Decoding) -> Array:
-        """As `attention.KVCache.paged`, for one array."""
-        size = decoding.page_size
-        slots = jnp.maximum(decoding.slots, 0)  # [batch, q_len]
-        page = jnp.take_along_axis(decoding.page_table, slots // size, axis=1)
-        page = jnp.where(decoding.slots >= 0, page, 0)  # padding: page 0, never read
-        shape = (decoding.num_pages, size, *x.shape[2:])
-        var = self.variable("cache", name, jnp.zeros, shape, x.dtype)
-        pool = var.value.at[page, slots % size].set(x.astype(var.value.dtype))
-        var.value = layers.constrain(pool, (None, None, *self.axes[2:]))
-        rows = pool[decoding.page_table].reshape(x.shape[0], -1, *x.shape[2:])
-        return layers.constrain(rows, self.axes)
+        """As `attention.KVCache`'s paged mode, for one array."""
+        pool = paged_attention.write_pages(self, name, x, decoding, self.axes)
+        return paged_attention.gather_pages(pool, decoding, self.axes)
 
 
 def expand(kv_b: LatentUp, c_kv: Array, k_rope: Array, nope: int) -> tuple[Array, Array]:

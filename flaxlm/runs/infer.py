@@ -35,6 +35,7 @@ from flaxlm.inference import generation
 from flaxlm.inference.generation import GenerationSettings
 from flaxlm.inference.scheduler import Scheduler
 from flaxlm.models.base import BaseModel
+from flaxlm.models.paged_attention import PAGED_ATTENTION
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import metrics
 
@@ -243,6 +244,7 @@ def paged_generate_ids(
     prefill_rows: int = PREFILL_ROWS,
     prefill_chunk: int = PREFILL_CHUNK,
     page_size: int = PAGE_SIZE,
+    paged_attention: str = "gather",
 ) -> list[list[int]]:
     """The new token ids after each prompt (up to EOS), in order, through the paged engine:
     every prompt queued at once, `max_rows` decoded together, a row's place taken by the
@@ -275,6 +277,7 @@ def paged_generate_ids(
         prefill_chunk=min(prefill_chunk, generation.round_up(longest, 16)),
         prefill_rows=prefill_rows,
         num_top=1,
+        paged_attention=paged_attention,
     )
     for job in jobs:
         scheduler.add(job)
@@ -308,9 +311,11 @@ def generate_texts(
     input_length: int | None = None,
     progress: Callable[[str], None] | None = None,
     engine: str = "auto",
+    paged_attention: str = "gather",
 ) -> list[str]:
     """The decoded continuation of each example, in order (every process gets all), from
-    the paged engine (`batch_size` rows decoded together) or fixed batches of `batch_size`
+    the paged engine (`batch_size` rows decoded together, its attention reading the pages as
+    `paged_attention` says: `Scheduler`) or fixed batches of `batch_size`
     (`choose_engine`)."""
     prompts = [e.input_ids for e in examples]
     lengths = [len(p) for p in prompts]
@@ -324,6 +329,7 @@ def generate_texts(
             max_rows=batch_size,
             input_length=input_length,
             progress=progress,
+            paged_attention=paged_attention,
         )
     else:
         ids = generation.generate_ids(
@@ -357,6 +363,7 @@ def infer(
     step: int | None = None,
     engine: str = "auto",
     dtype: str = "auto",
+    paged_attention: str = "gather",
 ) -> str:
     """Run function: generates a continuation of every input of `source` and writes
     `output_dir/<name>.jsonl` (`{"input": ..., "output": ...}` per line, input order) and
@@ -377,8 +384,15 @@ def infer(
       dtype: how an HF directory's model is held and computes: 'auto' (the checkpoint's own
         dtype, as transformers loads it), 'float32', 'bfloat16' or 'float16'; a MODEL_DIR
         computes as its run trained.
+      paged_attention: how the paged engine's decode steps read the KV cache's pages:
+        'gather' (copied out first; every platform) or 'pallas' (JAX's Pallas kernel reads
+        them in place; NVIDIA GPU). See `flaxlm.models.paged_attention`.
     """
     check_engine(engine)
+    if paged_attention not in PAGED_ATTENTION:
+        raise ValueError(
+            f"infer.paged_attention={paged_attention!r}: expected one of {PAGED_ATTENTION}."
+        )
     partitioner = partitioner or Partitioner()
     model, params, step = run_dir.load_model_and_params(
         checkpoint, partitioner, step, model, dtype=dtype
@@ -408,6 +422,7 @@ def infer(
         input_length=input_length,
         progress=metrics.print0,
         engine=engine,
+        paged_attention=paged_attention,
     )
     path = out_dir / f"{name}.jsonl"
     metrics.write_jsonl(

@@ -24,6 +24,7 @@ from etils import epath
 from flaxlm.checkpoints import run_dir
 from flaxlm.data import vocabularies
 from flaxlm.models.base import BaseModel
+from flaxlm.models.paged_attention import PAGED_ATTENTION
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve.adapters import load_adapters
 from flaxlm.runs.serve.engine import Engine
@@ -49,6 +50,7 @@ def serve(
     step: int | None = None,
     lora_adapters: Mapping[str, str] | None = None,
     dtype: str = "auto",
+    paged_attention: str = "gather",
     ready: Callable[[Server], None] | None = None,
 ) -> None:
     """Run function: serves `checkpoint` (a flaxlm MODEL_DIR or an HF directory) over HTTP
@@ -69,7 +71,15 @@ def serve(
 
     `dtype`: how an HF directory's model is held and computes, 'auto' (the checkpoint's own
     dtype, as transformers and vLLM load it: bfloat16 for a bfloat16 checkpoint), 'float32',
-    'bfloat16' or 'float16'; a MODEL_DIR computes as its run trained."""
+    'bfloat16' or 'float16'; a MODEL_DIR computes as its run trained.
+
+    `paged_attention`: how a decode step's attention reads the paged KV cache, 'gather'
+    (each row's pages copied out, every platform) or 'pallas' (JAX's Pallas kernel reads
+    them in place on an NVIDIA GPU; `flaxlm.models.paged_attention`)."""
+    if paged_attention not in PAGED_ATTENTION:
+        raise ValueError(
+            f"serve.paged_attention={paged_attention!r}: expected one of {PAGED_ATTENTION}."
+        )
     httpd = listen(host, port)
     try:
         partitioner = partitioner or Partitioner()
@@ -89,6 +99,7 @@ def serve(
             max_batch_size=max_batch_size,
             batch_wait_ms=batch_wait_ms,
             adapters=adapters,
+            paged_attention=paged_attention,
         )
         server = Server(engine, name, httpd, max_tokens_limit=max_tokens_limit)
         with signals_awaited((signal.SIGINT, signal.SIGTERM)) as next_signal:

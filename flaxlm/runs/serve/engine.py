@@ -259,13 +259,15 @@ class Engine(BatchEngine):
         prefill_chunk: int = 64,
         prefill_rows: int = 2,
         adapters: Sequence[str] = (),
+        paged_attention: str = "gather",
     ):
         """
         Args:
           max_batch_size: sequences decoded together.
           batch_wait_ms: an idle engine waits this long after a completion arrives for
             others to start with it.
-          page_size, num_pages, decode_steps, prefill_chunk, prefill_rows: see `Scheduler`.
+          page_size, num_pages, decode_steps, prefill_chunk, prefill_rows,
+            paged_attention: see `Scheduler`.
           max_seq_len: the longest prompt plus completion (default: the model's positions,
             at most 2048).
           adapters: the names of the LoRA adapters stacked in `params`
@@ -302,6 +304,7 @@ class Engine(BatchEngine):
                 prefill_chunk=prefill_chunk,
                 prefill_rows=prefill_rows,
                 num_top=MAX_LOGPROBS,
+                paged_attention=paged_attention,
             )
 
     def submit_many(self, completions: Sequence[Completion]) -> None:
