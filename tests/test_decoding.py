@@ -337,6 +337,35 @@ def test_decoding_stacks_no_kernels_steps_unconditionally_and_prefills_one_posit
         assert (rows, 1, cfg.vocab_size) in shapes  # the head, once
 
 
+def test_a_one_row_decoding_step_takes_half_precision_products_in_float32():
+    """`layers.decoding_products`: at batch 1 a bfloat16 model's projections are
+    matrix-vector products, asked of XLA in float32 (in bfloat16 XLA:GPU wrote a weight-sized
+    intermediate); two rows keep bfloat16 products (matmuls either way)."""
+    model = tiny_gptj(vocab_size=256, dtype="bfloat16")
+    shapes = model.example_batch_shapes()
+    params = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0), shapes))
+    config = decoding.DecodingConfig(max_new_tokens=4)
+
+    def step_products(rows):
+        tokens = jnp.zeros((rows, 12), jnp.int32)
+        jaxpr = jax.make_jaxpr(
+            lambda p: generation.decode_tokens(
+                model, p, tokens, jnp.full((rows,), 12), jax.random.PRNGKey(0), config=config
+            )
+        )(params).jaxpr
+        return [
+            e.params["preferred_element_type"]
+            for e in jaxpr_equations(jaxpr)
+            if e.primitive.name == "dot_general"
+            and e.invars[0].aval.dtype == jnp.bfloat16
+            and e.invars[0].aval.shape[:2] == (rows, 1)  # a step's one token per row
+        ]
+
+    one, two = step_products(1), step_products(2)
+    assert len(one) >= 6 and all(t == jnp.float32 for t in one)  # 3 projections x 2 layers
+    assert sum(t is None for t in two) >= 6
+
+
 def test_score_is_the_sum_of_target_log_probabilities(tmp_path):
     _, path = tiny_hf_llama(tmp_path, **LLAMA_VARIANTS["gqa_theta"])
     model, params = hf.from_pretrained(path)

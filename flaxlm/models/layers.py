@@ -150,7 +150,8 @@ class DenseGeneral(nn.Module):
         kernel, bias = self.weights(tuple(x.shape[a] for a in axis))
         dtype = as_dtype(self.dtype)
         out_dtype = self.out_dtype
-        if out_dtype is None and dtype in HALF_DTYPES and getattr(_DECODING_PRODUCTS, "on", False):
+        vector = x.size == np.prod([x.shape[a] for a in axis])  # one row: a matrix-vector product
+        if out_dtype is None and vector and dtype in HALF_DTYPES and decoding_products_on():
             out_dtype = jnp.float32  # `decoding_products`: cast back below
         y = contract(x.astype(dtype), kernel.astype(dtype), axis, out_dtype=out_dtype)
         if self.out_dtype is None:
@@ -224,18 +225,24 @@ def decoding_products() -> Iterator[None]:
       never uses; what it costs, a copy of the group's kernels made at every call, it paid at
       every token (XLA did not hoist it out of the decoding loop): each step read the gated
       MLP's gate and up kernels twice and wrote them once (benchmarks/RESULTS.md).
-    - A `DenseGeneral` in bfloat16 or float16 takes its product in float32 and casts it.
-      A row's one token makes each product a matrix-vector one, which XLA:GPU computes as a
-      multiply and a reduction; asked for a half-precision result it did not fuse them and
-      wrote the weight-sized product between them (3x the weight's bytes for Llama-3.2-1B's
-      q and o projections at batch 1, read off the H100's compiled program); in float32 it
-      fuses them. Larger batches compile to the same matmuls either way."""
+    - A `DenseGeneral` in bfloat16 or float16 of one row (batch 1: a matrix-vector product)
+      takes its product in float32 and casts it. XLA:GPU computes a matrix-vector product
+      as a multiply and a reduction; asked for a half-precision result it did not fuse them
+      and wrote the weight-sized product between them (3x the weight's bytes for
+      Llama-3.2-1B's q and o projections, read off the H100's compiled program); in float32
+      it fuses them. Two rows or more are matmuls either way (float32 would only widen
+      their output)."""
     before = getattr(_DECODING_PRODUCTS, "on", False)
     _DECODING_PRODUCTS.on = True
     try:
         yield
     finally:
         _DECODING_PRODUCTS.on = before
+
+
+def decoding_products_on() -> bool:
+    """Whether this thread traces under `decoding_products`."""
+    return getattr(_DECODING_PRODUCTS, "on", False)
 
 
 def parallel_dense(x: Array, projections: Sequence[DenseGeneral]) -> list[Array]:
@@ -249,7 +256,7 @@ def parallel_dense(x: Array, projections: Sequence[DenseGeneral]) -> list[Array]
     is one partial sum over the sharded output dims, all-reduced once, instead of once per
     projection.
     """
-    if getattr(_DECODING_PRODUCTS, "on", False):
+    if decoding_products_on():
         return [p(x) for p in projections]
     groups: dict[Any, list[int]] = {}
     for i, p in enumerate(projections):
