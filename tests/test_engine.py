@@ -23,15 +23,15 @@ VOCAB = 96
 PAGE = 4
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    """(torch model, flaxlm model, params) of one tiny random Llama (no EOS: every request
-    decodes its max_tokens). A wide initialisation keeps greedy choices far apart."""
+def hf_llama(path, hidden_size=32):
+    """(torch model, flaxlm model, params) of a tiny random Llama saved under `path` (no EOS:
+    every request decodes its max_tokens). A wide initialisation keeps greedy choices far
+    apart."""
     torch_model = random_hf_model(
         transformers.LlamaConfig,
         transformers.LlamaForCausalLM,
         vocab_size=VOCAB,
-        hidden_size=32,
+        hidden_size=hidden_size,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -41,9 +41,13 @@ def llama(tmp_path_factory):
         bos_token_id=None,
         eos_token_id=None,
     )
-    path = save_torch_model(torch_model, tmp_path_factory.mktemp("llama"))
-    model, params = hf.from_pretrained(path, Partitioner())
+    model, params = hf.from_pretrained(save_torch_model(torch_model, path), Partitioner())
     return torch_model, model, params
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return hf_llama(tmp_path_factory.mktemp("llama"))
 
 
 @pytest.fixture(scope="module")
@@ -257,21 +261,7 @@ def test_the_pallas_kernel_reads_the_pages_in_place_as_the_gather_path_attends(t
     from flaxlm.inference.scheduler import Scheduler
     from tests.helpers import jaxpr_equations
 
-    torch_model = random_hf_model(
-        transformers.LlamaConfig,
-        transformers.LlamaForCausalLM,
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.3,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    model, params = hf.from_pretrained(save_torch_model(torch_model, tmp_path), Partitioner())
+    _, model, params = hf_llama(tmp_path, hidden_size=64)  # heads of 16 features
     cases = [(p, 6) for p in prompts(3, seed=1)] + [([5] * 20, 5)]  # one crosses a page
 
     def decode(paged_attention):
