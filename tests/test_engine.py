@@ -2,6 +2,7 @@
 on a tiny HF Llama: continuous batching gives each request what it gets alone and what HF's
 `generate` gives; `n` samples of a prompt read it once; every page comes back."""
 
+import os
 import queue
 import time
 
@@ -249,13 +250,26 @@ def test_select_argmaxes_greedy_rows_and_filters_only_a_nucleus():
     np.testing.assert_array_equal(greedy, argmax)
 
 
+@pytest.fixture
+def environment_kept():
+    """The process environment as it was, after the test: importing Pallas sets
+    `MOSAIC_GPU_CUDA_ROOT` (Mosaic GPU's tools), which every process a later test starts
+    would inherit (tests/zygote.py then refuses to fork them)."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("environment_kept")
 def test_the_pallas_kernel_reads_the_pages_in_place_as_the_gather_path_attends(tmp_path):
     """`paged_attention='pallas'`: a decode dispatch's attention is JAX's Pallas
     paged-attention kernel reading the pool in place (interpreted off a GPU), over
     grouped-query heads of 16 features and pages of 16 slots; every token and log-prob equals
     the gathering engine's (log-probs to float32 round-off: the kernel sums in another
-    order). A page size or name the kernel cannot take is refused when the engine is made."""
+    order). A page size, a name or a mesh splitting the pool's heads (the kernel is not
+    partitioned) is refused when the engine is made."""
     import jax
 
     from flaxlm.inference.scheduler import Scheduler
@@ -305,3 +319,5 @@ def test_the_pallas_kernel_reads_the_pages_in_place_as_the_gather_path_attends(t
         Scheduler(model, params, Partitioner(), page_size=8, paged_attention="pallas")
     with pytest.raises(ValueError, match="paged_attention='paged'"):
         Scheduler(model, params, Partitioner(), paged_attention="paged")
+    with pytest.raises(ValueError, match="splits the pool's heads"):
+        Scheduler(model, params, Partitioner((1, -1, 2)), paged_attention="pallas")

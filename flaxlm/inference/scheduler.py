@@ -149,6 +149,13 @@ class Scheduler:
         self.prefill_dispatches = 0
         shapes = jax.eval_shape(lambda: model.paged_cache(self.num_pages, page_size))
         self._shardings = jax.tree.map(self._pool_sharding, shapes)
+        if paged_attention == "pallas" and not all(
+            s.is_fully_replicated for s in jax.tree.leaves(self._shardings)
+        ):
+            raise ValueError(
+                "paged_attention='pallas': the kernel reads a whole pool on each device, and "
+                "this mesh splits the pool's heads (tensor parallelism): use 'gather' here."
+            )
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,))
