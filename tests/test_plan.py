@@ -234,6 +234,18 @@ def test_loop_traffic_charges_slices_and_in_place_updates_and_lists_branches_apa
     assert traffic.iteration_bytes(kernels, max) >= 2 * whole  # sin: the buffer in and out
 
 
+def test_gpu_targets_describe_the_chip_and_an_unknown_one_is_named():
+    """`aot.GPU_TARGETS`: the target description XLA:GPU compiles from (benchmarks/
+    decode_hlo.py compiles with it, given JAX's CUDA plugin) carries the chip's roofline."""
+    from flaxlm.plan import aot
+
+    text = aot.GPU_TARGETS["h200"].config_text()
+    assert f"memory_bandwidth: {int(chips.CHIPS['h200'].memory_bytes_per_s)}" in text
+    assert "core_count: 132" in text and 'device_description_str: "NVIDIA H200"' in text
+    with pytest.raises(ValueError, match="expected one of \\['h100', 'h200'\\]"):
+        aot.gpu_devices("h300")
+
+
 def test_spearman():
     assert report.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert report.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
