@@ -145,7 +145,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the target is compiled for, not run
     import jax
-    import jax.numpy as jnp
 
     from flaxlm.plan import aot, chips, traffic
 
@@ -153,17 +152,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         device, chip = jax.devices()[0], None
     else:
         device, chip = aot.gpu_devices(args.target)[0], chips.CHIPS.get(args.target)
-    changes = {"dtype": args.dtype}
-    if args.layers:
-        changes["num_layers"] = args.layers
-    model = bench_common.gin_model(args.model, **changes)
-    dtype = jnp.dtype(args.dtype)
-    params = jax.eval_shape(  # as trained; both paths lay them out for decoding
-        lambda: jax.tree.map(
-            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-            model.init_params(jax.random.PRNGKey(0), model.example_batch_shapes()),
-        )
-    )
+    model, init = decode_roofline.model_and_init(args)
+    params = jax.eval_shape(init)
     param_bytes = decode_roofline.parameter_bytes(params)
     kv_token = decode_roofline.kv_bytes_per_token(model, args.dtype)
     print(

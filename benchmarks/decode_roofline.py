@@ -84,6 +84,30 @@ class Job:
     events: Any = dataclasses.field(default_factory=queue.SimpleQueue)
 
 
+def model_and_init(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The `--model` (cut to `--layers`, `--scan` where given) and a function making its
+    params as trained, cast to `--dtype` as an inference server holds them (both decode paths
+    lay them out for decoding themselves)."""
+    import jax
+    import jax.numpy as jnp
+
+    changes = {"dtype": args.dtype}
+    if getattr(args, "scan", None) is not None:
+        changes["scan_layers"] = args.scan
+    if args.layers:
+        changes["num_layers"] = args.layers
+    model = bench_common.gin_model(args.model, **changes)
+    dtype = jnp.dtype(args.dtype)
+
+    def init() -> Any:
+        return jax.tree.map(
+            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+            model.init_params(jax.random.PRNGKey(0), model.example_batch_shapes()),
+        )
+
+    return model, init
+
+
 def parameter_bytes(params: Any) -> int:
     import jax
 
@@ -189,26 +213,13 @@ def time_paged(
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     import jax
-    import jax.numpy as jnp
 
     from flaxlm.plan import chips
 
     device = jax.devices()[0]
     chip = chips.chip_for(device)
-    changes = {"dtype": args.dtype}
-    if args.scan is not None:
-        changes["scan_layers"] = args.scan
-    if args.layers:
-        changes["num_layers"] = args.layers
-    model = bench_common.gin_model(args.model, **changes)
-    dtype = jnp.dtype(args.dtype)
-    shapes = model.example_batch_shapes()
-    params = jax.jit(
-        lambda: jax.tree.map(
-            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-            model.init_params(jax.random.PRNGKey(0), shapes),
-        )
-    )()
+    model, init = model_and_init(args)
+    params = jax.jit(init)()
     rng = np.random.default_rng(0)
     rows = []
     print(

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 from flaxlm.inference import decoding
 from flaxlm.inference.pages import PagePool, pages_for, prefix_keys
 from flaxlm.models.base import BaseModel
-from flaxlm.models.paged_attention import PAGED_ATTENTION, check_page_size
+from flaxlm.models.paged_attention import check_page_size, check_paged_attention
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora
 
@@ -115,10 +115,7 @@ class Scheduler:
             (each row's pages copied out, then the model's own attention) or 'pallas' (JAX's
             Pallas kernel reads them in place; GPU; `models.paged_attention`).
         """
-        if paged_attention not in PAGED_ATTENTION:
-            raise ValueError(
-                f"paged_attention={paged_attention!r}: expected one of {PAGED_ATTENTION}."
-            )
+        check_paged_attention(paged_attention)
         if paged_attention == "pallas":
             check_page_size(page_size)
         refusal = model.paged_refusal()

@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from flaxlm.models import context_parallel as cp
 from flaxlm.models.chunked_attention import chunked_attention
 from flaxlm.models.layers import (
+    HALF_DTYPES,
     HEAD_AXES,
     DenseGeneral,
     Dtype,
@@ -162,7 +163,7 @@ class KVCache(nn.Module):
 
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "jax", "chunked")
-CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)  # what cuDNN's flash attention computes in
+CUDNN_DTYPES = HALF_DTYPES  # what cuDNN's flash attention computes in
 
 
 def dot_product_attention(

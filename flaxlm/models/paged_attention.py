@@ -95,6 +95,12 @@ def use_kernel(
     return reason is None
 
 
+def check_paged_attention(value: str, setting: str = "paged_attention") -> None:
+    """A ValueError naming `setting` unless `value` is one of `PAGED_ATTENTION`."""
+    if value not in PAGED_ATTENTION:
+        raise ValueError(f"{setting}={value!r}: expected one of {PAGED_ATTENTION}.")
+
+
 def check_page_size(page_size: int) -> None:
     """A ValueError unless the kernel can read pages of `page_size` slots."""
     if page_size < 16 or page_size & (page_size - 1):

@@ -35,7 +35,7 @@ from flaxlm.inference import generation
 from flaxlm.inference.generation import GenerationSettings
 from flaxlm.inference.scheduler import Scheduler
 from flaxlm.models.base import BaseModel
-from flaxlm.models.paged_attention import PAGED_ATTENTION
+from flaxlm.models.paged_attention import check_paged_attention
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import metrics
 
@@ -389,10 +389,7 @@ def infer(
         them in place; NVIDIA GPU). See `flaxlm.models.paged_attention`.
     """
     check_engine(engine)
-    if paged_attention not in PAGED_ATTENTION:
-        raise ValueError(
-            f"infer.paged_attention={paged_attention!r}: expected one of {PAGED_ATTENTION}."
-        )
+    check_paged_attention(paged_attention, "infer.paged_attention")
     partitioner = partitioner or Partitioner()
     model, params, step = run_dir.load_model_and_params(
         checkpoint, partitioner, step, model, dtype=dtype

@@ -24,7 +24,7 @@ from etils import epath
 from flaxlm.checkpoints import run_dir
 from flaxlm.data import vocabularies
 from flaxlm.models.base import BaseModel
-from flaxlm.models.paged_attention import PAGED_ATTENTION
+from flaxlm.models.paged_attention import check_paged_attention
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve.adapters import load_adapters
 from flaxlm.runs.serve.engine import Engine
@@ -76,10 +76,7 @@ def serve(
     `paged_attention`: how a decode step's attention reads the paged KV cache, 'gather'
     (each row's pages copied out, every platform) or 'pallas' (JAX's Pallas kernel reads
     them in place on an NVIDIA GPU; `flaxlm.models.paged_attention`)."""
-    if paged_attention not in PAGED_ATTENTION:
-        raise ValueError(
-            f"serve.paged_attention={paged_attention!r}: expected one of {PAGED_ATTENTION}."
-        )
+    check_paged_attention(paged_attention, "serve.paged_attention")
     httpd = listen(host, port)
     try:
         partitioner = partitioner or Partitioner()
