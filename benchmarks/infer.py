@@ -107,13 +107,13 @@ def main(argv: list[str]) -> None:
     from flaxlm.runs import infer
 
     partitioner = Partitioner()
-    model, params, step = run_dir.load_model_and_params(args.checkpoint, partitioner)
+    model, params, step, row_start = run_dir.load_model_and_params(args.checkpoint, partitioner)
     texts = source_prompts(args.examples, args.min_len, args.max_len, 0, tuple(args.long))
     if args.write_jsonl:
         with open(args.write_jsonl, "w") as f:
             f.writelines(json.dumps({"in_text": t}) + "\n" for t in texts)
     examples, vocab, _ = infer.read_examples_from_texts(
-        texts, model, run_dir.checkpoint_vocabulary(args.checkpoint)
+        texts, model, row_start, run_dir.checkpoint_vocabulary(args.checkpoint)
     )
     if args.stop_newline:
         model.eos_ids = (*model.eos_ids, *vocab.encode("\n"))

@@ -74,7 +74,7 @@ from absl import logging  # noqa: E402
 import tasks  # noqa: E402, F401  (registers stdlib_py)
 from flaxlm.data import pipeline  # noqa: E402
 from flaxlm.data.config import DatasetConfig
-from flaxlm.models import attention, layers  # noqa: E402
+from flaxlm.models import attention, layers, row_start  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
 from flaxlm.models.batch_shapes import batch_shapes_from  # noqa: E402
 from flaxlm.models.gptj import GPTJConfig  # noqa: E402
@@ -351,7 +351,7 @@ def measure_input_wait(
         task_feature_lengths={"targets": shape["seq_len"]},
         batch_size=shape["batch_size"],
     )
-    converter = pipeline.converter_for(cfg, model)
+    converter = pipeline.converter_for(cfg, model, row_start.SEQIO_START)
     # The same optimizer object: it is part of the state's tree structure.
     lengths = pipeline.model_feature_lengths(cfg, converter)
     setup = train_steps.Setup(model, partitioner, jax_sides.tx, lengths)

@@ -34,8 +34,8 @@ def loaded(trained_gptj):
     over the heads; tests/test_inference_runs.py runs it on 8 over two processes), and the
     prompts as infer reads them."""
     partitioner = Partitioner(mesh_shape=(1, 1, 2), devices=jax.devices()[:2])
-    model, params, _ = run_dir.load_model_and_params(trained_gptj, partitioner)
-    examples, vocab, _ = infer.read_examples_from_texts(PROMPTS, model)
+    model, params, _, row_start = run_dir.load_model_and_params(trained_gptj, partitioner)
+    examples, vocab, _ = infer.read_examples_from_texts(PROMPTS, model, row_start)
     return model, params, partitioner, examples, vocab
 
 

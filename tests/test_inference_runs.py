@@ -14,6 +14,7 @@ from flaxlm.data import jsonl as jsonl_files
 from flaxlm.data.config import DatasetConfig
 from flaxlm.inference import generation
 from flaxlm.models import base, t5
+from flaxlm.models.row_start import SEQIO_START
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import evaluate, infer
 from tasks import metrics as task_metrics
@@ -31,9 +32,9 @@ def read_jsonl(path):
 
 def in_process_outputs(model_dir, prompts, max_new_tokens):
     partitioner = Partitioner(mesh_shape=(1, 2, 4))
-    model, params, step = run_dir.load_model_and_params(model_dir, partitioner)
+    model, params, step, row_start = run_dir.load_model_and_params(model_dir, partitioner)
     assert step == 8
-    examples, vocab, _ = infer.read_examples_from_texts(prompts, model)
+    examples, vocab, _ = infer.read_examples_from_texts(prompts, model, row_start)
     return infer.generate_texts(
         model,
         params,
@@ -91,8 +92,8 @@ def test_infer_score_and_eval_runs_from_a_training_run(trained_gptj, tmp_path, r
     # Each score is the target's log-likelihood from the model's logits, the input read as
     # the training rows were: after seqio's start token 0 (a model trained from scratch).
     partitioner = Partitioner(mesh_shape=(1, 8, 1))
-    model, params, _ = run_dir.load_model_and_params(trained_gptj, partitioner)
-    assert model.decoder_start_id == 0
+    model, params, _, row_start = run_dir.load_model_and_params(trained_gptj, partitioner)
+    assert row_start == SEQIO_START
     vocab = seqio.ByteVocabulary()
     for record, (i, o) in zip(scores, PAIRS):
         i_ids = [0, *vocab.encode(i)]
@@ -225,7 +226,12 @@ def test_task_evaluator_runs_the_tasks_metrics_on_generated_text():
         module="tasks",
     )
     evaluator = evaluate.TaskEvaluator(
-        cfg, model, partitioner, generation.GenerationSettings(max_new_tokens=8), num_examples=6
+        cfg,
+        model,
+        partitioner,
+        SEQIO_START,
+        generation.GenerationSettings(max_new_tokens=8),
+        num_examples=6,
     )
     assert evaluator.active
     scalars = evaluator.evaluate(params, step=3)
@@ -275,7 +281,7 @@ def test_inference_holds_an_hf_checkpoint_in_its_own_dtype(tmp_path):
     partitioner = Partitioner()
 
     def dtypes(path, dtype):
-        model, params, _ = run_dir.load_model_and_params(path, partitioner, dtype=dtype)
+        model, params, *_ = run_dir.load_model_and_params(path, partitioner, dtype=dtype)
         floats = {x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)}
         return jnp.dtype(model.config.dtype).name, sorted(jnp.dtype(d).name for d in floats)
 
@@ -298,7 +304,7 @@ def test_prompts_from_a_seqio_task_keep_the_tasks_tokens():
     config = t5.T5Config(vocab_size=384, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
     model = base.EncoderDecoderModel(config)
     examples, vocab, name = infer.read_examples(
-        "stdlib_py_continuation", model, None, task_module="tasks", max_examples=3
+        "stdlib_py_continuation", model, SEQIO_START, None, task_module="tasks", max_examples=3
     )
     assert name == "stdlib_py_continuation" and len(examples) == 3
     for e in examples:

@@ -127,7 +127,7 @@ def served(base, adapters):
     """(Server, openai.OpenAI) serving the base and both adapters, one for the module."""
     _, path = base
     partitioner = Partitioner((1, 8, 1))
-    model, params, _ = run_dir.load_model_and_params(path, partitioner)
+    model, params, _, row_start = run_dir.load_model_and_params(path, partitioner)
     params, names = load_adapters(adapters, model, params, partitioner, BASE)
     engine = Engine(
         model,
@@ -142,7 +142,7 @@ def served(base, adapters):
         prefill_chunk=2 * PAGE,
         adapters=names,
     )
-    server = Server(engine, BASE, listen("127.0.0.1", 0), max_tokens_limit=32)
+    server = Server(engine, BASE, listen("127.0.0.1", 0), row_start=row_start, max_tokens_limit=32)
     server.start()
     try:
         client = openai.OpenAI(
@@ -213,7 +213,7 @@ def test_a_flaxlm_lora_run_serves_as_its_peft_adapters(base, adapters, tmp_path)
     the same arrays as the PEFT directory they came from."""
     _, path = base
     partitioner = Partitioner((1, 8, 1))
-    model, params, _ = run_dir.load_model_and_params(path, partitioner)
+    model, params, *_ = run_dir.load_model_and_params(path, partitioner)
     cfg, tree = peft_dir.load_adapters(model, adapters["qod"])
     run = tmp_path / "run"
     run.mkdir()
@@ -231,7 +231,7 @@ def test_a_flaxlm_lora_run_serves_as_its_peft_adapters(base, adapters, tmp_path)
 def test_an_adapter_for_modules_the_base_lacks_is_named_at_start_up(base, adapters, tmp_path):
     _, path = base
     partitioner = Partitioner((1, 8, 1))
-    model, params, _ = run_dir.load_model_and_params(path, partitioner)
+    model, params, *_ = run_dir.load_model_and_params(path, partitioner)
     deeper = tmp_path / "deeper"
     deeper.mkdir()
     source = adapters["qv"]

@@ -58,7 +58,7 @@ def served(checkpoint):
     """(Server, openai.OpenAI) over the checkpoint, one for the module."""
     path, _, _ = checkpoint
     partitioner = Partitioner((1, 8, 1))
-    model, params, _ = run_dir.load_model_and_params(path, partitioner)
+    model, params, _, row_start = run_dir.load_model_and_params(path, partitioner)
     engine = Engine(
         model,
         params,
@@ -67,7 +67,7 @@ def served(checkpoint):
         max_batch_size=8,
         batch_wait_ms=20,
     )
-    server = Server(engine, MODEL, listen("127.0.0.1", 0), max_tokens_limit=64)
+    server = Server(engine, MODEL, listen("127.0.0.1", 0), row_start=row_start, max_tokens_limit=64)
     server.start()
     try:
         yield (

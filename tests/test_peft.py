@@ -14,6 +14,7 @@ from safetensors.numpy import load_file
 
 from flaxlm.checkpoints import checkpointer, hf, peft_dir, run_dir
 from flaxlm.data.config import DatasetConfig
+from flaxlm.models.row_start import HF_START
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import convert, train
 from flaxlm.training import lora
@@ -93,13 +94,13 @@ def test_peft_adapters_serve_in_flaxlm_with_peft_logits(hf_base, peft_adapters, 
     for name, path in peft_adapters.items():
         theirs, _ = peft_logits(torch_model, path, ids, mask)
         assert max_abs_diff(base_logits, theirs, mask) > 1e-2  # the adapter matters
-        model, params, step = run_dir.load_model_and_params(path, partitioner)
+        model, params, step, _ = run_dir.load_model_and_params(path, partitioner)
         assert step == 0
         ours = np.asarray(model.compute_logits(params, decoder_batch(ids, mask)))
         assert max_abs_diff(ours, theirs, mask) < TOL, name
     # Scanned layers: layer 0 of og_layer1's stack holds zero adapters.
     scanned = hf.model_from_hf_dir(base, partitioner, config_overrides={"scan_layers": True})
-    _, params, _ = run_dir.load_model_and_params(
+    _, params, *_ = run_dir.load_model_and_params(
         peft_adapters["og_layer1"], partitioner, model=scanned
     )
     ours = np.asarray(scanned.compute_logits(params, decoder_batch(ids, mask)))
@@ -138,7 +139,7 @@ def test_lora_run_exports_peft_adapters_that_peft_loads_with_our_logits(
     ckpt = checkpointer.Checkpointer(str(model_dir))
     ckpt.save_params(7, traverse_util.unflatten_dict(flat))
     ckpt.close()
-    run_dir.write_model_record(model, model_dir, base)
+    run_dir.write_model_record(model, model_dir, HF_START, base)
     run_dir.write_lora_record(model_dir, cfg, {"hf": base})
 
     out = tmp_path / "peft"
@@ -154,7 +155,7 @@ def test_lora_run_exports_peft_adapters_that_peft_loads_with_our_logits(
     ids, mask = padded_batch(384, (12, 7, 12, 3))
     theirs, all_keys = peft_logits(torch_model, str(out), ids, mask)
     assert all_keys
-    _, merged, step = run_dir.load_model_and_params(str(model_dir), partitioner)
+    _, merged, step, _ = run_dir.load_model_and_params(str(model_dir), partitioner)
     assert step == 7
     ours = np.asarray(model.compute_logits(merged, decoder_batch(ids, mask)))
     assert max_abs_diff(ours, theirs, mask) < TOL

@@ -1,11 +1,11 @@
 """Preference optimisation wired to the trainer: DPO, IPO, ORPO, SimPO on pairs of answers."""
 
-import functools
-
 import jax
 import numpy as np
 import pytest
 
+from flaxlm.data import pipeline
+from flaxlm.models.row_start import HF_START
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.posttrain import objectives, preference
 from flaxlm.training import lora
@@ -135,7 +135,11 @@ def test_loss_is_the_formula_on_the_models_sequence_scores():
         objective = preference.PreferenceModel(model, cfg, model, reference)
         loss, sums = objective.loss_fn(params, batch, None)
         np.testing.assert_allclose(loss, np.mean(want), rtol=1e-5, err_msg=name)
-        np.testing.assert_allclose(sums["logps/chosen"], logps[:, 0].sum(), rtol=1e-5)
+        # As TRL logs them: summed per answer (DPOTrainer), a mean per token for ORPO and
+        # SimPO (ORPOTrainer, CPOTrainer).
+        logged = avg if name in ("orpo", "simpo") else logps
+        np.testing.assert_allclose(sums["logps/chosen"], logged[:, 0].sum(), rtol=1e-5)
+        np.testing.assert_allclose(sums["logps/rejected"], logged[:, 1].sum(), rtol=1e-5)
         # Precomputed reference log-probs give the same loss as the reference model.
         if cfg.needs_reference:
             given = {**batch, preference.REFERENCE_FEATURE: ref}
@@ -216,9 +220,9 @@ def test_a_preference_loss_needs_pairs_and_pairs_need_one():
     with pytest.raises(ValueError, match="whose examples are pairs, but train.objective"):
         objective_lib.NEXT_TOKEN_PREDICTION.check_data(features.PreferenceFeatureConverter)
     preference.PreferenceConfig().check_data(features.PreferenceFeatureConverter)
-    # As the run reads them: the converter set to the model's rows (a functools.partial).
+    # As the run reads them: a factory of converters told the run's row start.
     preference.PreferenceConfig().check_data(
-        functools.partial(features.PreferenceFeatureConverter, hf_prefix=())
+        pipeline.ConverterFactory(features.PreferenceFeatureConverter, HF_START, None)
     )
     with pytest.raises(ValueError, match="choose one of"):
         preference.PreferenceConfig(loss="kto")

@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from flaxlm.checkpoints import checkpointer, hf, run_dir
+from flaxlm.models.row_start import SEQIO_START
 from flaxlm.parallel import pytrees
 from flaxlm.parallel.partitioning import Partitioner
 from tests.helpers import tiny_gptj
@@ -13,7 +14,7 @@ from tests.helpers import tiny_gptj
 
 def test_model_record_round_trips_and_old_directories_still_load(tmp_path):
     model = tiny_gptj(scan_layers=True)
-    run_dir.write_model_record(model, tmp_path)
+    run_dir.write_model_record(model, tmp_path, SEQIO_START)
     record = json.loads((tmp_path / run_dir.MODEL_RECORD).read_text())
     assert record["model_type"] == "gptj" and record["flaxlm_config"]["scan_layers"] is True
     assert run_dir.read_model(tmp_path).config == model.config
@@ -22,7 +23,7 @@ def test_model_record_round_trips_and_old_directories_still_load(tmp_path):
     (tmp_path / run_dir.MODEL_RECORD).rename(tmp_path / run_dir.LEGACY_MODEL_RECORD)
     assert run_dir.model_record_file(tmp_path).name == run_dir.LEGACY_MODEL_RECORD
     assert run_dir.read_model(tmp_path).config == model.config
-    run_dir.record_if_known(model, tmp_path)  # already recorded: nothing new written
+    run_dir.record_if_known(model, tmp_path, SEQIO_START)  # already recorded: nothing new written
     assert not (tmp_path / run_dir.MODEL_RECORD).exists()
 
     with pytest.raises(ValueError, match="bind the model"):
@@ -36,7 +37,7 @@ def test_load_model_and_params_reads_a_model_dir_and_an_hf_dir(tmp_path):
     ckpt = checkpointer.Checkpointer(str(tmp_path / "run"))
     ckpt.save_params(7, params)
     ckpt.close()
-    run_dir.write_model_record(model, tmp_path / "run")
+    run_dir.write_model_record(model, tmp_path / "run", SEQIO_START)
 
     loaded = run_dir.load_model_and_params(tmp_path / "run", partitioner)
     assert loaded.step == 7 and run_dir.checkpoint_vocabulary(tmp_path / "run") is None

@@ -18,6 +18,7 @@ import seqio
 
 from flaxlm.checkpoints import run_dir
 from flaxlm.inference import generation
+from flaxlm.models.row_start import SEQIO_START
 from flaxlm.parallel import platforms
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve import api
@@ -119,7 +120,7 @@ def server_process(tmp_path_factory, repo_dir, trained_gptj):
 @pytest.fixture(scope="module")
 def server(server_process, trained_gptj):
     _, url, _ = server_process
-    model, params, _ = run_dir.load_model_and_params(trained_gptj, Partitioner((1, 8, 1)))
+    model, params, *_ = run_dir.load_model_and_params(trained_gptj, Partitioner((1, 8, 1)))
     return url, model, params
 
 
@@ -149,7 +150,7 @@ def test_completions_equal_generate_and_streaming_equals_non_streaming(server):
         (choice,) = response["choices"]
         assert choice["text"] == expected_text(model, params, prompt, 12)
         assert response["usage"]["prompt_tokens"] == len(
-            generation.prompt_ids(model, VOCAB, prompt)
+            generation.prompt_ids(model, VOCAB, prompt, SEQIO_START)
         )
         streamed, _ = stream_text(url, payload)
         assert streamed == choice["text"]

@@ -219,7 +219,7 @@ def hf_checkpoint(tmp_path_factory):
             "tie_word_embeddings": True,
         }
     )
-    model = spec.model_cls(config, eos_id=length - 3, decoder_start_id=None)
+    model = spec.model_cls(config, eos_id=length - 3)
     shapes = jax.eval_shape(
         lambda: model.init_params(jax.random.PRNGKey(0), model.example_batch_shapes())
     )

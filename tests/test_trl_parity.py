@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 
+import jax
 import numpy as np
 import pytest
 import seqio
@@ -31,6 +32,8 @@ from flaxlm.models.features import (
     LMFeatureConverter,
     PreferenceFeatureConverter,
 )
+from flaxlm.models.row_start import HF_START, SEQIO_START
+from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.posttrain import preference
 from tasks import chat
 from tests.hf_helpers import TRAINING_TEXT, random_hf_model, save_torch_model
@@ -202,6 +205,13 @@ def hf_model(root):
     return hf.model_from_hf_dir(str(root / "hf"))
 
 
+def hf_converter(root, converter_cls, task):
+    """`converter_cls` told the row start of a run from the HF checkpoint, as a run gets it."""
+    row_start = run_dir.run_row_start(hf_model(root), root / "no_run_yet", str(root / "hf"))
+    assert row_start == HF_START
+    return pipeline.ConverterFactory.create(converter_cls, row_start, task)
+
+
 def shifted(ids, mask) -> tuple[list[int], list[int], list[int]]:
     """What a causal LM reads and predicts of TRL's `input_ids` / loss mask."""
     return list(ids[:-1]), list(ids[1:]), [int(m) for m in mask[1:]]
@@ -279,15 +289,13 @@ def segments(ex) -> list[tuple]:
 
 def test_plain_text_rows_are_the_tokenizers_and_trls(setup):
     style, root, tok, texts, _, names, _ = setup
-    model = hf_model(root)
-    assert model.decoder_start_id is None
     want = trl_lm_rows(tok, texts)
     # The BOS where the tokenizer adds one, no token 0 inserted; one EOS after a text that
     # already ends with it.
     assert all((row[0][0] == tok.bos_token_id) == (style == "llama3") for row in want)
     assert tok.convert_tokens_to_ids(tok.eos_token) not in want[1][1][:-1]
     for pack in (False, True):
-        converter = pipeline.model_converter(LMFeatureConverter, model, names["lm"])
+        converter = hf_converter(root, LMFeatureConverter, names["lm"])
         rows = converted(names["lm"], converter(pack=pack))
         got = [seg for ex in rows for seg in segments(ex)] if pack else [unpadded(e) for e in rows]
         assert got == want, (style, pack)
@@ -295,17 +303,16 @@ def test_plain_text_rows_are_the_tokenizers_and_trls(setup):
 
 def test_chat_rows_are_trls_assistant_only_loss(setup):
     style, root, tok, _, _, names, _ = setup
-    model = hf_model(root)
     want = trl_chat_rows(tok)
     for pack in (False, True):
-        converter = pipeline.model_converter(ChatFeatureConverter, model, names["chat"])
+        converter = hf_converter(root, ChatFeatureConverter, names["chat"])
         rows = converted(names["chat"], converter(pack=pack))
         got = [seg for ex in rows for seg in segments(ex)] if pack else [unpadded(e) for e in rows]
         assert got == want, (style, pack)
 
 
 def pair_rows(root, names) -> list[dict]:
-    converter = pipeline.model_converter(PreferenceFeatureConverter, hf_model(root), names["pairs"])
+    converter = hf_converter(root, PreferenceFeatureConverter, names["pairs"])
     return converted(names["pairs"], converter(pack=False))
 
 
@@ -345,37 +352,39 @@ def test_preference_rows_are_trls_and_dpo_log_probs_match_it(setup):
 
 def test_inference_prompts_start_as_training_rows_do(setup):
     style, root, tok, texts, _, names, _ = setup
-    model = hf_model(root)
+    loaded = run_dir.load_model_and_params(
+        root / "hf", Partitioner(mesh_shape=(1, 1, 1), devices=jax.devices()[:1])
+    )
     vocab = HuggingFaceVocabulary(str(root / "tok"))
-    converter = pipeline.model_converter(LMFeatureConverter, model, names["lm"])
+    converter = hf_converter(root, LMFeatureConverter, names["lm"])
     row = unpadded(converted(names["lm"], converter(pack=False))[0])[0]
-    prompt = generation.prompt_ids(model, vocab, texts[0])
+    prompt = generation.prompt_ids(loaded.model, vocab, texts[0], loaded.row_start)
     assert prompt == row[: len(prompt)]
     assert 0 not in prompt[:1] or style != "llama3"
 
 
 def test_a_run_keeps_the_start_of_its_model_record(setup, tmp_path):
-    _, root, _, _, _, _, _ = setup
+    _, root, _, _, _, names, _ = setup
     model = hf_model(root)
     # A fine-tune from HF records HF-form rows; its resumption and inference read them.
-    run_dir.write_model_record(model, tmp_path / "new", str(root / "hf"))
-    assert run_dir.read_model(tmp_path / "new").decoder_start_id is None
-    assert run_dir.with_decoder_start(model, tmp_path / "new", None).decoder_start_id is None
+    run_dir.write_model_record(model, tmp_path / "new", HF_START, str(root / "hf"))
+    assert run_dir.recorded_row_start(tmp_path / "new") == HF_START
+    assert run_dir.run_row_start(model, tmp_path / "new", None) == HF_START
     # An older MODEL_DIR's record has no field: its run read seqio's start token 0, and it
     # resumes and samples so, even when its gin still names INIT_FROM_HF.
     record = json.loads((tmp_path / "new" / run_dir.MODEL_RECORD).read_text())
-    del record["flaxlm_decoder_start_id"]
+    del record[run_dir.RECORD_ROW_START]
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / run_dir.MODEL_RECORD).write_text(json.dumps(record))
-    old = run_dir.read_model(tmp_path / "old")
-    assert old.decoder_start_id == 0
-    resumed = run_dir.with_decoder_start(model, tmp_path / "old", str(root / "hf"))
-    assert resumed.decoder_start_id == 0
+    assert run_dir.recorded_row_start(tmp_path / "old") == SEQIO_START
+    assert run_dir.run_row_start(model, tmp_path / "old", str(root / "hf")) == SEQIO_START
     vocab = HuggingFaceVocabulary(str(root / "tok"))
-    assert generation.prompt_ids(old, vocab, "import os")[0] == 0
-    # A model trained from scratch (no record, no INIT_FROM_HF) keeps its bound start.
-    fresh = run_dir.with_decoder_start(old, tmp_path / "nothing", None)
-    assert fresh.decoder_start_id == 0
+    assert generation.prompt_ids(model, vocab, "import os", SEQIO_START)[0] == 0
+    # A model trained from scratch (no record, no INIT_FROM_HF) reads seqio's start.
+    assert run_dir.run_row_start(model, tmp_path / "nothing", None) == SEQIO_START
+    # A converter that cannot read the HF form is refused naming it, not run with token 0.
+    with pytest.raises(ValueError, match="DecoderFeatureConverter starts each row with token 0"):
+        pipeline.ConverterFactory.create(seqio.DecoderFeatureConverter, HF_START, names["lm"])
 
 
 def test_a_role_the_template_does_not_know_is_refused_naming_file_and_line(setup, tmp_path):

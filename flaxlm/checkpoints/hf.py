@@ -64,10 +64,12 @@ def spec_for_model_type(model_type: str) -> HFSpec:
 
 
 def spec_for_config(config: Any) -> HFSpec:
-    for spec in HF_SPECS.values():
-        if isinstance(config, spec.config_cls):
-            return spec
-    raise ValueError(f"No HuggingFace mapping for {type(config).__name__}.")
+    matches = [spec for spec in HF_SPECS.values() if isinstance(config, spec.config_cls)]
+    if not matches:
+        raise ValueError(f"No HuggingFace mapping for {type(config).__name__}.")
+    # A family whose config extends another's (Mistral 4's DeepSeek-V3's) is its own: the
+    # most derived config class wins.
+    return max(matches, key=lambda spec: len(spec.config_cls.__mro__))
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
@@ -93,7 +95,13 @@ def config_from_hf_dict(
     multiple of `vocab_multiple`; `dtype` sets the compute and param dtypes, `overrides` any
     config field after it."""
     spec = spec_for_model_type(hf_config.get("model_type", "<missing>"))
-    config = spec.config_from_hf(dict(hf_config))
+    try:
+        config = spec.config_from_hf(dict(hf_config))
+    except KeyError as e:  # a field the family reads with [] (another KeyError is a bug)
+        if not e.args or e.args[0] in hf_config:
+            raise
+        need = f"which flaxlm needs for model_type {hf_config['model_type']!r}"
+        raise ValueError(f"config.json has no {e.args[0]!r}, {need}.") from e
     real = config.vocab_size
     options: dict[str, Any] = {}
     if dtype is not None:
@@ -324,7 +332,6 @@ def model_from_hf_dir(
         eos_id=hf_eos_id(hf_config, generation),
         special_ids=special_ids(hf_config),
         generation_config=generation,
-        decoder_start_id=None,  # the sequences as HF feeds them (its tokenizer's BOS, if any)
     )
 
 

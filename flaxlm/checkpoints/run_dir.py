@@ -31,8 +31,9 @@ from etils import epath
 
 from flaxlm.checkpoints import checkpointer, hf, hf_files, peft_dir
 from flaxlm.data import vocabularies
-from flaxlm.models.base import BaseModel
+from flaxlm.models.base import BaseModel, DecoderOnlyModel
 from flaxlm.models.options import eos_tuple
+from flaxlm.models.row_start import HF_START, SEQIO_START, RowStart
 from flaxlm.parallel import pytrees
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora, steps
@@ -44,6 +45,7 @@ LORA_RECORD = "lora.json"
 LORA_BASE_DIR = "base"  # a LoRA run's random base params, saved once
 TOKENIZER_DIR = "tokenizer"
 CONFIG_FILE = "config.gin"
+RECORD_ROW_START = "flaxlm_decoder_start_id"  # null: the HF form (`row_start.RowStart`)
 
 
 def is_hf_dir(path: str | epath.Path) -> bool:
@@ -65,15 +67,19 @@ def model_record_file(model_dir: str | epath.Path) -> epath.Path | None:
 
 
 def write_model_record(
-    model: BaseModel, model_dir: str | epath.Path, hf_dir: str | epath.Path | None = None
+    model: BaseModel,
+    model_dir: str | epath.Path,
+    row_start: RowStart,
+    hf_dir: str | epath.Path | None = None,
 ) -> None:
     """Writes `model_dir/model_record.json`, from which every later run rebuilds the model.
 
     Beside HF's config fields it keeps flaxlm's own config (`flaxlm_config`: padded
     vocabulary, scan_layers, dtypes), so the rebuilt model has exactly the checkpoint's
-    params. `hf_dir`, the HF directory the params came from, gives the special ids, EOS and
-    generation config (a Gin-bound model knows none of them), and its tokenizer files are
-    copied to `model_dir/tokenizer/`.
+    params, and the run's row start (`flaxlm_decoder_start_id`), so every later run reads and
+    samples as it trained. `hf_dir`, the HF directory the params came from, gives the special
+    ids, EOS and generation config (a Gin-bound model knows none of them), and its tokenizer
+    files are copied to `model_dir/tokenizer/`.
     """
     if hf_dir is not None:
         hf_config, generation = (
@@ -81,7 +87,6 @@ def write_model_record(
             hf_files.read_generation_config(hf_dir),
         )
         model = copy.copy(model)
-        model.decoder_start_id = None  # an HF checkpoint reads its rows as HF feeds them
         model.special_ids = hf.special_ids(hf_config)
         model.generation_config = generation
         model.eos_ids = eos_tuple(hf.hf_eos_id(hf_config, generation))
@@ -97,13 +102,13 @@ def write_model_record(
         record["flaxlm_config"] = dataclasses.asdict(model.config)
         record["flaxlm_eos_ids"] = list(model.eos_ids)
         record["flaxlm_generation_config"] = model.generation_config
-        record["flaxlm_decoder_start_id"] = getattr(model, "decoder_start_id", 0)
+        record[RECORD_ROW_START] = row_start.decoder_start_id
         tmp = out / (MODEL_RECORD + ".tmp")
         tmp.write_text(json.dumps(record, indent=2))
         tmp.rename(out / MODEL_RECORD)
 
 
-def record_if_known(model: BaseModel, model_dir: str | epath.Path) -> None:
+def record_if_known(model: BaseModel, model_dir: str | epath.Path, row_start: RowStart) -> None:
     """Writes the model record of a training run (once), for families HF knows."""
     if model_record_file(model_dir) is not None:
         return
@@ -111,7 +116,7 @@ def record_if_known(model: BaseModel, model_dir: str | epath.Path) -> None:
         hf.spec_for_config(model.config)
     except ValueError:  # a model defined outside flaxlm's families: the Gin binding it is
         return
-    write_model_record(model, model_dir)
+    write_model_record(model, model_dir, row_start)
 
 
 def model_from_record(
@@ -125,44 +130,65 @@ def model_from_record(
         spec = hf.spec_for_model_type(record.get("model_type", "<missing>"))
         config = dataclasses.replace(spec.config_cls(**record["flaxlm_config"]), **overrides)
         generation = record.get("flaxlm_generation_config")
-        # A record from before the field was kept: its run read seqio's start token.
-        start = record.get("flaxlm_decoder_start_id", 0)
     else:  # an HF directory's config.json
         multiple = hf.vocab_multiple_for(partitioner)
         spec, config = hf.config_from_hf_dict(record, multiple, overrides=overrides)
         generation = hf_files.read_generation_config(file.parent)
-        start = None
     eos = record.get("flaxlm_eos_ids", None)
     if "flaxlm_eos_ids" not in record:
         eos = hf.hf_eos_id(record, generation)
     return spec.model_cls(
-        config,
-        eos_id=eos,
-        special_ids=hf.special_ids(record),
-        generation_config=generation,
-        decoder_start_id=start,
+        config, eos_id=eos, special_ids=hf.special_ids(record), generation_config=generation
     )
 
 
-def with_decoder_start(
-    model: BaseModel, model_dir: str | epath.Path, init_from_hf: str | None
-) -> BaseModel:
-    """`model` reading its rows as the run at `model_dir` does: as its model record says
-    (a run resumes as it trained), else as HF feeds them for a run that starts from an HF
-    checkpoint (`decoder_start_id=None`), else as bound."""
+# ---------------------------------------------------------------- the row start
+
+
+def recorded_row_start(model_dir: str | epath.Path) -> RowStart | None:
+    """The row start a MODEL_DIR's model record keeps; None where it has no record. A record
+    from before the field was kept is seqio's start (its run read token 0); a legacy record
+    holding an HF config.json only is the HF form."""
     file = model_record_file(model_dir)
-    if file is not None:
-        record = json.loads(file.read_text())
-        start = record.get("flaxlm_decoder_start_id", 0) if "flaxlm_config" in record else None
-    elif init_from_hf:
-        start = None
-    else:
-        return model
-    if getattr(model, "decoder_start_id", 0) == start:
-        return model
-    model = copy.copy(model)
-    model.decoder_start_id = start
-    return model
+    if file is None:
+        return None
+    record = json.loads(file.read_text())
+    if "flaxlm_config" not in record:
+        return HF_START
+    start = record.get(RECORD_ROW_START, 0)
+    if start is not None and not isinstance(start, int):
+        raise ValueError(
+            f"{file}: {RECORD_ROW_START}={start!r}; expected an integer token id or null."
+        )
+    return RowStart(start)
+
+
+def hf_row_start(model: BaseModel) -> RowStart:
+    """How a model from an HF checkpoint reads its rows: a decoder-only model as HF and TRL
+    feed it (the HF form); an encoder-decoder's decoder starts with seqio's token 0, which
+    is T5's `decoder_start_token_id` too."""
+    return HF_START if isinstance(model, DecoderOnlyModel) else SEQIO_START
+
+
+def checkpoint_row_start(checkpoint: str | epath.Path, model: BaseModel) -> RowStart:
+    """The row start of `model`, as the checkpoint it came from holds it: an HF or PEFT
+    directory's is `hf_row_start`'s; a MODEL_DIR's is its record's (seqio's start where it
+    records none)."""
+    path = epath.Path(checkpoint)
+    if peft_dir.is_peft_dir(path) or is_hf_dir(path):
+        return hf_row_start(model)
+    return recorded_row_start(path) or SEQIO_START
+
+
+def run_row_start(model: BaseModel, model_dir: str | epath.Path, init_from: str | None) -> RowStart:
+    """The row start of a training or GRPO run, decided once: a MODEL_DIR that has trained
+    keeps its record's (a run resumes as it trained); else the checkpoint it starts from
+    says (`checkpoint_row_start`: a fine-tune of an HF checkpoint reads its rows as HF and
+    TRL feed them); else (a model trained from scratch) seqio's start."""
+    recorded = recorded_row_start(model_dir)
+    if recorded is not None:
+        return recorded
+    return checkpoint_row_start(init_from, model) if init_from else SEQIO_START
 
 
 def read_model(model_dir: str | epath.Path, partitioner: Partitioner | None = None) -> BaseModel:
@@ -231,14 +257,18 @@ def restore_lora_base(base: Mapping[str, Any], model: BaseModel, partitioner: Pa
 
 
 def load_lora_base(
-    setup: steps.Setup, model_dir: str, init_from_hf: str | None, base_checkpoint: str | None
+    setup: steps.Setup,
+    model_dir: str,
+    init_from_hf: str | None,
+    base_checkpoint: str | None,
+    row_start: RowStart,
 ) -> Any:
     """The frozen base params of a LoRA run (see `train`), and `model_dir/lora.json`."""
     model, partitioner = setup.model, setup.partitioner
     if init_from_hf:
         source: dict[str, Any] = {"hf": os.path.abspath(init_from_hf)}
         params = hf.load_params(model, init_from_hf, shardings=setup.base_shardings)
-        write_model_record(model, model_dir, init_from_hf)
+        write_model_record(model, model_dir, row_start, init_from_hf)
     elif base_checkpoint:
         step = checkpointer.Checkpointer(base_checkpoint).latest_step()
         source = {"checkpoint": os.path.abspath(base_checkpoint), "step": step}
@@ -304,8 +334,8 @@ def load_peft(
     base = base or peft_dir.base_model_path(path)
     if model is None:
         model = hf.model_from_hf_dir(base, partitioner, *_hf_dtype(dtype, base))
+    cfg, adapters = peft_dir.load_adapters(model, path)  # (checked before the base loads)
     params = hf.load_params(model, base, partitioner)
-    cfg, adapters = peft_dir.load_adapters(model, path)
     return model, merge_adapters(params, adapters, cfg)
 
 
@@ -335,6 +365,7 @@ class Loaded(NamedTuple):
     model: BaseModel
     params: Params
     step: int  # 0 for an HF directory
+    row_start: RowStart  # what the model's rows started with in training (`checkpoint_row_start`)
 
 
 def _hf_dtype(dtype: str | None, path: str | epath.Path) -> tuple[Any, ...]:
@@ -367,13 +398,14 @@ def load_model_and_params(
     if not path.exists():
         raise FileNotFoundError(f"CHECKPOINT {str(checkpoint)!r} does not exist.")
     if peft_dir.is_peft_dir(path):
-        return Loaded(*load_peft(path, partitioner, model, peft_base, dtype), 0)
+        model, params = load_peft(path, partitioner, model, peft_base, dtype)
+        return Loaded(model, params, 0, hf_row_start(model))
     if is_hf_dir(path):
         if model is None:
             model, params = hf.from_pretrained(path, partitioner, *_hf_dtype(dtype, path))
         else:
             params = hf.load_params(model, path, partitioner)
-        return Loaded(model, params, 0)
+        return Loaded(model, params, 0, hf_row_start(model))
     if dtype not in (None, "auto"):
         raise ValueError(
             f"dtype={dtype!r} chooses how a HuggingFace directory's model computes; "
@@ -386,4 +418,4 @@ def load_model_and_params(
         params, step = restore_merged(path, model, partitioner, step)
     else:
         params, step = restore_params(path, pytrees.abstract_params(model, partitioner), step)
-    return Loaded(model, params, step)
+    return Loaded(model, params, step, recorded_row_start(path) or SEQIO_START)

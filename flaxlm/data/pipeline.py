@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import importlib
 import importlib.util
-import inspect
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -50,6 +48,8 @@ from flaxlm.data.config import (
     shards_saved_by,
     to_global,
 )
+from flaxlm.models import features
+from flaxlm.models.row_start import RowStart
 
 if TYPE_CHECKING:
     import jax
@@ -131,35 +131,57 @@ def without_autotune(ds: tf.data.Dataset) -> tf.data.Dataset:
     return ds.with_options(options)
 
 
-def converter_for(cfg: DatasetConfig, model: Any) -> Callable[..., seqio.FeatureConverter]:
-    """The feature converter class `cfg` is read with (its own, else the model's), set to
-    read the rows as `model` reads them (`model_converter`)."""
-    if getattr(model, "decoder_start_id", 0) is None:
-        import_task_module(cfg.module)  # the task's vocabulary says what the rows start with
-    return model_converter(
-        cfg.feature_converter or model.FEATURE_CONVERTER_CLS, model, cfg.mixture_or_task_name
-    )
-
-
-def model_converter(
-    converter_cls: type[seqio.FeatureConverter], model: Any, task_name: str
+def converter_for(
+    cfg: DatasetConfig, model: Any, row_start: RowStart
 ) -> Callable[..., seqio.FeatureConverter]:
-    """`converter_cls`, or for a decoder-only model that reads HF-form rows
-    (`decoder_start_id=None`), `converter_cls` with `hf_prefix`: the task vocabulary's own
-    prefix (an HF tokenizer's BOS where it adds one), or none where the task renders whole
-    sequences itself (`RENDERED_ROWS`: chat and preference tasks)."""
-    if getattr(model, "decoder_start_id", 0) is not None or "hf_prefix" not in (
-        inspect.signature(converter_cls).parameters
-    ):
-        return converter_cls
-    vocabulary = task_vocabulary(task_name)
-    prefix = (
-        () if getattr(converter_cls, "RENDERED_ROWS", False) else vocabularies.hf_prefix(vocabulary)
-    )
-    kwargs: dict[str, Any] = {"hf_prefix": prefix}
-    if "eos_id" in inspect.signature(converter_cls).parameters:
-        kwargs["eos_id"] = vocabulary.eos_id
-    return functools.partial(converter_cls, **kwargs)
+    """The feature converter `cfg` is read with (its own, else the model's), told the run's
+    row start (`ConverterFactory`)."""
+    converter_cls = cfg.feature_converter or model.FEATURE_CONVERTER_CLS
+    if row_start.hf_form:
+        import_task_module(cfg.module)  # the task's vocabulary says what the rows start with
+    return ConverterFactory.create(converter_cls, row_start, cfg.mixture_or_task_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConverterFactory:
+    """Makes the run's feature converters, `converter_cls(pack=...)`, each told the run's row
+    start: flaxlm's decoder-only converters (`features.ReadsRowStart`) read the rows from it;
+    any other converter (seqio's own, a user's) only where the run reads seqio's start and
+    the converter starts its rows with the same token; else a ValueError naming it, never a
+    silent fallback to seqio's start. Called as the class it wraps is (`pack=` only)."""
+
+    converter_cls: Callable[..., seqio.FeatureConverter]
+    row_start: RowStart
+    vocabulary: seqio.Vocabulary | None  # the task's: the HF form's prefix and EOS
+
+    @classmethod
+    def create(
+        cls, converter_cls: Callable[..., seqio.FeatureConverter], row_start: RowStart, task: str
+    ) -> ConverterFactory:
+        vocabulary = task_vocabulary(task) if row_start.hf_form else None
+        factory = cls(converter_cls, row_start, vocabulary)
+        factory(pack=False)  # a converter that cannot read these rows is refused now
+        return factory
+
+    @property
+    def name(self) -> str:
+        cls = self.converter_cls
+        return f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', cls)}"
+
+    def __call__(self, pack: bool = True) -> seqio.FeatureConverter:
+        converter = self.converter_cls(pack=pack)
+        if isinstance(converter, features.ReadsRowStart):
+            return converter.reading(self.row_start, self.vocabulary)
+        start = self.row_start.decoder_start_id
+        if self.row_start.hf_form or converter.bos_id != start:
+            raise ValueError(
+                f"DatasetConfig.feature_converter {self.name} starts each row with token "
+                f"{converter.bos_id}, but this run reads its rows from "
+                f"{self.row_start.describe()} (the model record or INIT_FROM_HF decides it): "
+                "bind one of flaxlm's converters (features.LMFeatureConverter, "
+                "ChatFeatureConverter, PreferenceFeatureConverter), which read either."
+            )
+        return converter
 
 
 def task_vocabulary(name: str) -> seqio.Vocabulary:

@@ -291,10 +291,3 @@ class HuggingFaceVocabulary(PythonVocabulary):
 
     def __repr__(self) -> str:
         return f"HuggingFaceVocabulary({self._path!r})"
-
-
-def hf_prefix(vocabulary: Vocabulary) -> tuple[int, ...]:
-    """What a model reading HF-form rows (`decoder_start_id=None`) reads before a text:
-    an HF tokenizer's own prefix (`HuggingFaceVocabulary.prefix_ids`), nothing for a seqio
-    vocabulary (which adds no special tokens)."""
-    return tuple(getattr(vocabulary, "prefix_ids", ()))

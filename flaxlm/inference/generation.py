@@ -25,6 +25,7 @@ import numpy as np
 from flaxlm.inference import decoding
 from flaxlm.models.base import BaseModel, DecoderOnlyModel, EncoderDecoderModel
 from flaxlm.models.options import MODEL_EOS, eos_tuple
+from flaxlm.models.row_start import RowStart
 from flaxlm.parallel import pytrees
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import metrics
@@ -177,28 +178,23 @@ DEFAULT_SETTINGS = GenerationSettings()
 
 
 def prompt_ids(
-    model: BaseModel, vocabulary: seqio.Vocabulary, text: str, *, is_target: bool = False
+    model: BaseModel,
+    vocabulary: seqio.Vocabulary,
+    text: str,
+    row_start: RowStart,
+    *,
+    is_target: bool = False,
 ) -> list[int]:
     """Token ids as the model reads them, as in training: a decoder-only prompt starts with
-    what its training rows start with (`start_ids`); encoder inputs and encoder-decoder
-    targets end with EOS (as seqio's features do)."""
+    what its training rows started with (`row_start.ids`: seqio's start token, or the
+    tokenizer's own prefix); encoder inputs and encoder-decoder targets end with EOS (as
+    seqio's features do)."""
     ids = list(vocabulary.encode(text))
     if isinstance(model, EncoderDecoderModel):
         return ids + [vocabulary.eos_id]
     if is_target:
         return ids
-    return [*start_ids(model, vocabulary), *ids]
-
-
-def start_ids(model: BaseModel, vocabulary: seqio.Vocabulary) -> tuple[int, ...]:
-    """What a decoder-only model reads before a text, as its training rows did: seqio's
-    decoder start token (`decoder_start_id`, 0 from scratch), or for a model that reads the
-    rows as HF feeds them, the tokenizer's own prefix (its BOS where it adds one, else
-    nothing)."""
-    start = getattr(model, "decoder_start_id", 0)
-    if start is None:  # HuggingFaceVocabulary.prefix_ids; a seqio vocabulary adds nothing
-        return tuple(getattr(vocabulary, "prefix_ids", ()))
-    return (int(start),)
+    return [*row_start.ids(vocabulary), *ids]
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -47,7 +47,6 @@ class BaseModel(abc.ABC):
         eos_id: int | Sequence[int] | None = 1,
         special_ids: Mapping[str, Any] | None = None,
         generation_config: Mapping[str, Any] | None = None,
-        decoder_start_id: int | None = 0,
     ):
         """
         Args:
@@ -60,12 +59,6 @@ class BaseModel(abc.ABC):
           special_ids: an HF checkpoint's `*_token_id` settings (bos, eos as an int or a
             list, pad, decoder start, ...), kept so that an export writes them back.
           generation_config: an HF checkpoint's `generation_config.json`, kept likewise.
-          decoder_start_id: what a decoder-only model reads before a sequence's first token:
-            seqio's decoder start token (0, the default: the rows are the targets shifted
-            right, as t5x trains from scratch), or None: nothing, the sequence as the
-            tokenizer gives it (its BOS where it adds one), as HF and TRL feed a causal LM;
-            an HF checkpoint reads its rows this way. A run's model record keeps it, so every
-            later run of a MODEL_DIR reads and samples as it trained.
         """
         self.config = config
         self.module = config.make_module()
@@ -77,7 +70,6 @@ class BaseModel(abc.ABC):
         self.eos_ids = eos_tuple(eos_id)
         self.special_ids = dict(special_ids or {})
         self.generation_config = dict(generation_config) if generation_config else None
-        self.decoder_start_id = decoder_start_id
 
     # -------------------------------------------------------------- parameters
 

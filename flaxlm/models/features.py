@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
 import seqio
 import tensorflow as tf
+
+from flaxlm.models.row_start import RowStart
 
 
 class MaskedLMFeatureConverter(seqio.FeatureConverter):
@@ -65,13 +68,36 @@ def decode_signed(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     return tokens, tf.cast(x > 0, tf.int32)
 
 
-# `hf_prefix`, which the decoder-only converters below take: None reads the rows as seqio
-# does (the decoder start token `bos_id`, 0, first, the targets shifted right); a tuple reads
-# them as HF and TRL feed a causal LM: the tokens `hf_prefix` (what the tokenizer adds in
-# front, e.g. its BOS; empty where it adds nothing, or where the task rendered the whole
-# sequence itself) then the row, of which the model reads all but the last token and
-# predicts all but the first. No token is inserted, so the first token of a row without a
-# BOS has no prediction, as in HF. Packed, each segment starts as an unpacked row would.
+class ReadsRowStart:
+    """A decoder-only converter that reads its rows from the run's row start
+    (`row_start.RowStart`), which the run hands it through `reading` (the data pipeline's
+    `ConverterFactory`), never through a constructor argument a Gin binding could drop.
+
+    seqio's form (`decoder_start_id` an int): the start token first, the targets shifted
+    right (seqio's `bos_id`). The HF form: `hf_prefix` (what the tokenizer adds in front,
+    e.g. its BOS; empty where it adds nothing, or where the task rendered the whole
+    sequence itself: `RENDERED_ROWS`) then the row, of which the model reads all but the
+    last token and predicts all but the first. No token is inserted, so the first token of
+    a row without a BOS has no prediction, as in HF. Packed, each segment starts as an
+    unpacked row would.
+    """
+
+    # The task renders each row whole (a chat template's BOS included): no prefix is added.
+    RENDERED_ROWS = False
+    hf_prefix: tuple[int, ...] | None = None  # None: seqio's form
+    eos_id: int | None = None  # the HF form: the task vocabulary's EOS (not doubled)
+
+    def reading(self, row_start: RowStart, vocabulary: Any) -> Any:
+        """A copy of this converter that reads its rows from `row_start`; `vocabulary` (the
+        task's) gives the HF form's prefix and EOS."""
+        out = copy.copy(self)
+        if row_start.hf_form:
+            out.hf_prefix = () if self.RENDERED_ROWS else row_start.ids(vocabulary)
+            out.eos_id = getattr(vocabulary, "eos_id", None)
+        else:
+            out.hf_prefix = None
+            out._bos_id = row_start.decoder_start_id  # seqio's start token  # noqa: SLF001
+        return out
 
 
 def shifted_rows(
@@ -104,24 +130,13 @@ def shifted_rows(
     return ds.map(convert, num_parallel_calls=tf.data.AUTOTUNE)
 
 
-class LMFeatureConverter(seqio.DecoderFeatureConverter):
-    """seqio's decoder-only converter (LM and prefix-LM tasks), or, with `hf_prefix`, the
-    rows as HF feeds them (`hf_prefix`, above). A prefix-LM task's `inputs`
-    join the sequence as context without loss (attended causally, as in HF), its `targets`
-    carry the loss. `eos_id`: a row whose text already ended with EOS does not get a second
-    one (seqio appends EOS to every `targets`).
+class LMFeatureConverter(ReadsRowStart, seqio.DecoderFeatureConverter):
+    """seqio's decoder-only converter (LM and prefix-LM tasks), or in the HF form the rows
+    as HF feeds them (`ReadsRowStart`). A prefix-LM task's `inputs` join the sequence as
+    context without loss (attended causally, as in HF), its `targets` carry the loss. In the
+    HF form a row whose text already ended with EOS does not get a second one (seqio appends
+    EOS to every `targets`; TRL appends it once).
     """
-
-    def __init__(
-        self,
-        *args: Any,
-        hf_prefix: tuple[int, ...] | None = None,
-        eos_id: int | None = None,
-        **kwargs: Any,
-    ):
-        super().__init__(*args, **kwargs)
-        self.hf_prefix = None if hf_prefix is None else tuple(int(t) for t in hf_prefix)
-        self.eos_id = eos_id
 
     def __call__(
         self, ds: tf.data.Dataset, task_feature_lengths: Mapping[str, int]
@@ -129,7 +144,10 @@ class LMFeatureConverter(seqio.DecoderFeatureConverter):
         if self.hf_prefix is None:
             return super().__call__(ds, task_feature_lengths)
         if "suffixes" in task_feature_lengths:
-            raise ValueError("hf_prefix: prefix-suffix LM tasks are read the seqio way only.")
+            raise ValueError(
+                "Prefix-suffix LM tasks are read with seqio's start token only: this run reads "
+                "its rows in the HF form (it starts from an HF checkpoint)."
+            )
         length = self.get_model_feature_lengths(task_feature_lengths)["decoder_target_tokens"]
         prefix = tf.constant(self.hf_prefix, tf.int32, shape=[len(self.hf_prefix)])
         eos = self.eos_id
@@ -150,7 +168,7 @@ class LMFeatureConverter(seqio.DecoderFeatureConverter):
         return shifted_rows(self, ds, length)
 
 
-class ChatFeatureConverter(seqio.FeatureConverter):
+class ChatFeatureConverter(ReadsRowStart, seqio.FeatureConverter):
     """Decoder-only LM features from signed-offset `targets` (see `decode_signed`), packed
     or padded as seqio's LM converter does them.
 
@@ -169,12 +187,7 @@ class ChatFeatureConverter(seqio.FeatureConverter):
         "decoder_loss_weights": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
     }
     PACKING_FEATURE_DTYPES = {"decoder_segment_ids": tf.int32, "decoder_positions": tf.int32}
-    # The task renders each row whole (the template's BOS included): read with hf_prefix ().
-    RENDERED_ROWS = True
-
-    def __init__(self, *args: Any, hf_prefix: tuple[int, ...] | None = None, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.hf_prefix = None if hf_prefix is None else tuple(int(t) for t in hf_prefix)
+    RENDERED_ROWS = True  # the chat template renders each row whole, its BOS included
 
     def _convert_example(self, features: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         tokens, weights = decode_signed(features["targets"])
@@ -212,7 +225,7 @@ class ChatFeatureConverter(seqio.FeatureConverter):
 _PAIR_SPEC = seqio.FeatureConverter.FeatureSpec(dtype=tf.int32, rank=2, sequence_dim=1)
 
 
-class PreferenceFeatureConverter(seqio.FeatureConverter):
+class PreferenceFeatureConverter(ReadsRowStart, seqio.FeatureConverter):
     """Preference pairs: signed-offset `chosen` and `rejected` (see `decode_signed`) as
     decoder-only features of shape `[2, L]` per example, row 0 the chosen sequence and row 1
     the rejected one: `decoder_target_tokens` (decoded ids, 0 at padding),
@@ -237,10 +250,9 @@ class PreferenceFeatureConverter(seqio.FeatureConverter):
     PACKING_FEATURE_DTYPES: Mapping[str, tf.dtypes.DType] = {}
     RENDERED_ROWS = True  # as ChatFeatureConverter's
 
-    def __init__(self, pack: bool = False, hf_prefix: tuple[int, ...] | None = None, **kwargs: Any):
+    def __init__(self, pack: bool = False, **kwargs: Any):
         del pack  # never packed (see the class docstring)
         super().__init__(pack=False, **kwargs)
-        self.hf_prefix = None if hf_prefix is None else tuple(int(t) for t in hf_prefix)
 
     def _convert_example(self, features: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         tokens, weights = decode_signed(tf.stack([features["chosen"], features["rejected"]]))

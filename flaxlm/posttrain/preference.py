@@ -107,7 +107,7 @@ class PreferenceConfig:
         """A ValueError unless the data is read as pairs (before any device work: the shapes
         would fail deep inside the step)."""
         if objective_lib.rows_of(converter) != 2:
-            name = getattr(getattr(converter, "func", converter), "__name__", converter)
+            name = type(converter(pack=False)).__name__
             raise ValueError(
                 f"train.objective is a {self.loss!r} preference loss, but the data is read "
                 f"with {name}: bind DatasetConfig.feature_converter = "
@@ -235,6 +235,9 @@ class PreferenceModel:
                 gamma=cfg.gamma,
                 flip_probability=cfg.label_flip_probability,
             )
+        # TRL's DPO trainer (DPO, IPO) logs each answer's summed log-prob; its ORPO and CPO
+        # trainers (ORPO, SimPO) the per-token mean, which their losses use.
+        logged = avg if cfg.loss in ("orpo", "simpo") else logps
         normalizer = self.normalizer(batch) if normalizer is None else normalizer
         if cfg.sft_weight is not None:
             # TRL's 'sft' term: the chosen tokens' NLL summed, over the whole batch's chosen
@@ -250,8 +253,8 @@ class PreferenceModel:
             "rewards/rejected": rejected.sum(),
             "rewards/accuracies": (chosen > rejected).astype(jnp.float32).sum(),
             "rewards/margins": (chosen - rejected).sum(),
-            "logps/chosen": logps[:, 0].sum(),
-            "logps/rejected": logps[:, 1].sum(),
+            "logps/chosen": logged[:, 0].sum(),
+            "logps/rejected": logged[:, 1].sum(),
             **extra,
         }
         return sums["loss"] / normalizer["pairs"], sums

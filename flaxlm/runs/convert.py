@@ -69,7 +69,7 @@ def import_hf(
     ckpt = checkpointer.Checkpointer(model_dir)
     ckpt.save_params(0, params)
     ckpt.close()
-    run_dir.write_model_record(model, epath.Path(model_dir), hf_dir)
+    run_dir.write_model_record(model, epath.Path(model_dir), run_dir.hf_row_start(model), hf_dir)
     print(f"Imported {hf_dir} ({model.config.__class__.__name__}) into {ckpt.directory}.")
 
 

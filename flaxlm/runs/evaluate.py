@@ -22,6 +22,7 @@ from flaxlm.data.config import DatasetConfig
 from flaxlm.inference import generation
 from flaxlm.inference.generation import GenerationSettings
 from flaxlm.models.base import BaseModel
+from flaxlm.models.row_start import RowStart
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import metrics, steps
 
@@ -39,6 +40,7 @@ class TaskEvaluator:
         cfg: DatasetConfig,
         model: BaseModel,
         partitioner: Partitioner,
+        row_start: RowStart,
         settings: GenerationSettings = generation.DEFAULT_SETTINGS,
         num_examples: int | None = None,
     ):
@@ -47,12 +49,13 @@ class TaskEvaluator:
         pipeline.check_registered(cfg.mixture_or_task_name)
         self.model = model
         self.partitioner = partitioner
+        self.row_start = row_start
         self.settings = settings
         self.batch_size = cfg.batch_size
         self.evaluator = seqio.Evaluator(
             cfg.mixture_or_task_name,
-            feature_converter=pipeline.model_converter(
-                model.FEATURE_CONVERTER_CLS, model, cfg.mixture_or_task_name
+            feature_converter=pipeline.ConverterFactory.create(
+                model.FEATURE_CONVERTER_CLS, row_start, cfg.mixture_or_task_name
             )(pack=False),
             eval_split=cfg.split,
             sequence_length=dict(cfg.task_feature_lengths),
@@ -71,7 +74,7 @@ class TaskEvaluator:
     def _prompt(self, ex: Mapping[str, np.ndarray]) -> list[int]:
         if "encoder_input_tokens" in ex:
             return [int(t) for t in ex["encoder_input_tokens"] if t]
-        if "decoder_causal_attention" in ex or self.model.decoder_start_id is None:
+        if "decoder_causal_attention" in ex or self.row_start.hf_form:
             # Prefix LM: what the model reads before the first target token, as in training
             # (seqio's start token 0 or the tokenizer's BOS first, then the inputs).
             first = int(np.argmax(ex["decoder_loss_weights"] > 0))
@@ -153,13 +156,15 @@ def evaluate(
     `dtype`: an HF directory's compute and param dtype, 'auto' the checkpoint's own (as
     `infer`'s); a MODEL_DIR computes as its run trained."""
     partitioner = partitioner or Partitioner()
-    model, params, step = run_dir.load_model_and_params(
+    model, params, step, row_start = run_dir.load_model_and_params(
         checkpoint, partitioner, step, model, dtype=dtype
     )
     out_dir = epath.Path(output_dir)
     metrics.write_config(out_dir)
-    scalars = steps.evaluate_split(model, params, partitioner, dataset_cfg, max_batches)
-    task_evaluator = TaskEvaluator(dataset_cfg, model, partitioner, settings, num_examples)
+    scalars = steps.evaluate_split(model, params, partitioner, dataset_cfg, row_start, max_batches)
+    task_evaluator = TaskEvaluator(
+        dataset_cfg, model, partitioner, row_start, settings, num_examples
+    )
     scalars.update(task_evaluator.evaluate(params, step))
     writer = metrics.create_writer(str(out_dir))
     writer.write_scalars(step, scalars)

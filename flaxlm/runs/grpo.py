@@ -40,6 +40,7 @@ from flaxlm.inference import generation
 from flaxlm.inference.scheduler import Scheduler
 from flaxlm.models.base import BaseModel
 from flaxlm.models.features import PromptFeatureConverter
+from flaxlm.models.row_start import RowStart
 from flaxlm.parallel import pytrees
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.posttrain import objectives, rl
@@ -151,8 +152,12 @@ class Rollouts:
         seed: int,
         prompt_length: int,
         prompts: int,
+        row_start: RowStart,
     ):
         self.setup, self.cfg, self.vocabulary = setup, cfg, vocabulary
+        # Each prompt after what training rows started with (seqio's start token 0, or the
+        # tokenizer's BOS for a model that reads its rows as HF does).
+        self.start = list(row_start.ids(vocabulary))
         self.frozen, self.seed = frozen, seed
         self.length = prompt_length + 1 + cfg.max_new_tokens
         model, partitioner, lora = setup.model, setup.partitioner, setup.lora
@@ -175,7 +180,7 @@ class Rollouts:
                 P("batch", None),
             )
         # The longest prompt as the model reads it.
-        self.prompt_width = len(generation.start_ids(model, vocabulary)) + prompt_length
+        self.prompt_width = len(self.start) + prompt_length
         self.sampler = None
         if cfg.rollout_engine == "paged":
             refusal = model.paged_refusal()
@@ -237,11 +242,8 @@ class Rollouts:
         answer_rows = pytrees.host_array(prompts["answer_tokens"])
         group = cfg.num_generations
         prompt_ids = [[t for t in row.tolist() if t] for row in prompt_rows]
-        # Each prompt after what training rows start with (seqio's start token 0, or the
-        # tokenizer's BOS for a model that reads its rows as HF does).
-        start = list(generation.start_ids(self.setup.model, self.vocabulary))
         texts = [ids for ids in prompt_ids for _ in range(group)]
-        repeated = [start + ids for ids in texts]
+        repeated = [self.start + ids for ids in texts]
         completions, sampled_logps = self.sample(state, repeated, step)
         rewards, reward_means = cfg.rewards(
             [self.decode(ids) for ids in texts],
@@ -342,6 +344,7 @@ def grpo(
     model.check_lengths({"prompt + completion": length})
     task = seqio.get_mixture_or_task(train_dataset_cfg.mixture_or_task_name)
     vocabulary = vocabulary or task.output_features["targets"].vocabulary
+    row_start = run_dir.run_row_start(model, model_dir, init_from)
     signals = preemption.PreemptionHandler().install()
     ckpt = writer = None
     try:
@@ -361,12 +364,14 @@ def grpo(
         ckpt = checkpointer.Checkpointer(model_dir, keep=keep_checkpoints)
         start_step, state = loop.restore(setup, ckpt, prompts)
         if lora is not None:  # the base, frozen: the steps' third argument and the reference
-            frozen = lora_base(setup, model_dir, init_from)
+            frozen = lora_base(setup, model_dir, init_from, row_start)
             state = setup.init_state() if state is None else state
         else:
             state, frozen = policy_and_reference(setup, config, state, start_step, init_from)
-        run_dir.record_if_known(model, model_dir)
-        rollouts = Rollouts(setup, config, vocabulary, frozen, seed, lengths["inputs"], batch_size)
+        run_dir.record_if_known(model, model_dir, row_start)
+        rollouts = Rollouts(
+            setup, config, vocabulary, frozen, seed, lengths["inputs"], batch_size, row_start
+        )
         update = setup.partition_train_step(
             steps.make_train_step(
                 model, partitioner, learning_rate, seed=seed, lora=lora, objective=config
@@ -448,15 +453,17 @@ def starting_params(setup: steps.Setup, init_from: str | None) -> Any:
     return loaded.params
 
 
-def lora_base(setup: steps.Setup, model_dir: str, init_from: str | None) -> Any:
+def lora_base(
+    setup: steps.Setup, model_dir: str, init_from: str | None, row_start: RowStart
+) -> Any:
     """The frozen base of a GRPO run with LoRA, recorded in `MODEL_DIR/lora.json` as a LoRA
     fine-tune records its own (`run_dir.load_lora_base`): an HF directory's params, a
     flaxlm MODEL_DIR's latest checkpoint, a random init (saved to `MODEL_DIR/base`), or a
     LoRA run's or PEFT directory's params merged (saved there once)."""
     if init_from is None or run_dir.is_hf_dir(init_from):
-        return run_dir.load_lora_base(setup, model_dir, init_from, None)
+        return run_dir.load_lora_base(setup, model_dir, init_from, None, row_start)
     if not peft_dir.is_peft_dir(init_from) and run_dir.read_lora_record(init_from) is None:
-        return run_dir.load_lora_base(setup, model_dir, None, init_from)
+        return run_dir.load_lora_base(setup, model_dir, None, init_from, row_start)
     base_dir = os.path.join(os.path.abspath(model_dir), run_dir.LORA_BASE_DIR)
     source = {"checkpoint": base_dir, "step": 0}
     base_ckpt = checkpointer.Checkpointer(base_dir)

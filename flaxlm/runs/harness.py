@@ -136,7 +136,7 @@ class FlaxLM(TemplateLM):
         del device  # the Partitioner's mesh decides placement
         gin_model = _parse_gin(_split_list(gin_file, "+"), _split_list(gin_bindings, ";"))
         self.partitioner = Partitioner()
-        self.model, self.params, self.step = run_dir.load_model_and_params(
+        self.model, self.params, self.step, self.row_start = run_dir.load_model_and_params(
             str(checkpoint), self.partitioner, step, gin_model, dtype=dtype
         )
         self.vocabulary = _vocabulary(str(checkpoint), tokenizer)
@@ -188,11 +188,11 @@ class FlaxLM(TemplateLM):
         return start[0] if start else self.eot_token_id
 
     def _start_ids(self) -> list[int]:
-        """What the model's training rows started with (`generation.start_ids`), or the
+        """What the model's training rows started with (the checkpoint's row start), or the
         `prefix_token_id` given."""
         if self._prefix_token_id is not None:
             return [int(self._prefix_token_id)]
-        return list(generation.start_ids(self.model, self.vocabulary))
+        return list(self.row_start.ids(self.vocabulary))
 
     @property
     def tokenizer_name(self) -> str:

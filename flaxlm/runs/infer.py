@@ -34,8 +34,9 @@ from flaxlm.data.vocabularies import Vocabulary
 from flaxlm.inference import generation
 from flaxlm.inference.generation import GenerationSettings
 from flaxlm.inference.scheduler import Scheduler
-from flaxlm.models.base import BaseModel
+from flaxlm.models.base import BaseModel, EncoderDecoderModel
 from flaxlm.models.paged_attention import check_paged_attention
+from flaxlm.models.row_start import RowStart
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import metrics
 
@@ -55,20 +56,22 @@ class Example:
 def read_examples_from_texts(
     texts: Sequence[str],
     model: BaseModel,
+    row_start: RowStart,
     vocabulary: Vocabulary | None = None,
     targets: Sequence[str | None] | None = None,
 ) -> tuple[list[Example], Vocabulary, str]:
-    """`(examples, vocabulary, "texts")` for input strings (and optional target strings)."""
+    """`(examples, vocabulary, "texts")` for input strings (and optional target strings),
+    each prompt starting as the checkpoint's training rows did (`row_start`)."""
     vocabulary = vocabulary or vocabularies.ByteVocabulary()
     targets = list(targets) if targets is not None else [None] * len(texts)
     examples = [
         Example(
             text,
-            generation.prompt_ids(model, vocabulary, text, is_target=False),
+            generation.prompt_ids(model, vocabulary, text, row_start),
             target,
             None
             if target is None
-            else generation.prompt_ids(model, vocabulary, target, is_target=True),
+            else generation.prompt_ids(model, vocabulary, target, row_start, is_target=True),
         )
         for text, target in zip(texts, targets)
     ]
@@ -78,6 +81,7 @@ def read_examples_from_texts(
 def read_examples(
     source: str,
     model: BaseModel,
+    row_start: RowStart,
     vocabulary: Vocabulary | None,
     *,
     split: str = "validation",
@@ -107,7 +111,7 @@ def read_examples(
             records = [(line, None) for line in lines if line.strip()]
         records = records[:max_examples]
         examples, vocabulary, _ = read_examples_from_texts(
-            [r[0] for r in records], model, vocabulary, [r[1] for r in records]
+            [r[0] for r in records], model, row_start, vocabulary, [r[1] for r in records]
         )
     else:
         # The input pipeline (seqio, TensorFlow) loads where a run reads a task only.
@@ -118,6 +122,8 @@ def read_examples(
         key = "inputs" if "inputs" in features else "targets"
         vocabulary = vocabulary or features[key].vocabulary
         name = source
+        # A decoder-only prompt starts as the model's training rows did.
+        start = [] if isinstance(model, EncoderDecoderModel) else list(row_start.ids(vocabulary))
         for ex in rows:
             ids = [int(i) for i in ex[key]]
             target_ids = [int(i) for i in ex["targets"]] if key == "inputs" else None
@@ -126,7 +132,7 @@ def read_examples(
             examples.append(
                 Example(
                     vocabulary.decode(ids),
-                    ids,
+                    start + ids,
                     None if target_ids is None else vocabulary.decode(target_ids),
                     target_ids,
                 )
@@ -391,12 +397,18 @@ def infer(
     check_engine(engine)
     check_paged_attention(paged_attention, "infer.paged_attention")
     partitioner = partitioner or Partitioner()
-    model, params, step = run_dir.load_model_and_params(
+    model, params, step, row_start = run_dir.load_model_and_params(
         checkpoint, partitioner, step, model, dtype=dtype
     )
     vocabulary = vocabulary or run_dir.checkpoint_vocabulary(checkpoint)
     examples, vocabulary, name = read_examples(
-        source, model, vocabulary, split=split, task_module=task_module, max_examples=max_examples
+        source,
+        model,
+        row_start,
+        vocabulary,
+        split=split,
+        task_module=task_module,
+        max_examples=max_examples,
     )
     lengths = [len(e.input_ids) for e in examples]
     engine = choose_engine(engine, model, settings, lengths, input_length)
@@ -450,13 +462,14 @@ def score(
     order) and `output_dir/config.gin`. `source`: a JSONL file with `in_text` and
     `out_text`, or a seqio task with inputs and targets. `dtype` as `infer`'s."""
     partitioner = partitioner or Partitioner()
-    model, params, step = run_dir.load_model_and_params(
+    model, params, step, row_start = run_dir.load_model_and_params(
         checkpoint, partitioner, step, model, dtype=dtype
     )
     vocabulary = vocabulary or run_dir.checkpoint_vocabulary(checkpoint)
     examples, vocabulary, name = read_examples(
         source,
         model,
+        row_start,
         vocabulary,
         split=split,
         task_module=task_module,

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flaxlm.checkpoints import checkpointer, run_dir
 from flaxlm.data.config import DatasetConfig
 from flaxlm.models.base import BaseModel
+from flaxlm.models.row_start import RowStart
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import metrics, preemption, steps
 from flaxlm.training import objective as objective_lib
@@ -162,12 +163,12 @@ def eval_hook(
     eval_iter: DataIterator,
     eval_steps: int,
     eval_params: Callable[[Any], Any],
-    task_metrics_of: tuple[DatasetConfig, BaseModel, Partitioner] | None,
+    task_metrics_of: tuple[DatasetConfig, BaseModel, Partitioner, RowStart] | None,
     objective: objective_lib.Objective | None = None,
 ) -> Hook:
     """Loss, accuracy, perplexity (an objective's own summary of its metric sums) every
-    `period` steps; with `task_metrics_of` (the eval dataset, model and partitioner) also the
-    task's own metric functions, if it has any. The task's evaluator (seqio builds and caches
+    `period` steps; with `task_metrics_of` (the eval dataset, model, partitioner and row
+    start) also the task's own metric functions, if it has any. The task's evaluator (seqio builds and caches
     its examples) is set up at the first evaluation, not before the first step."""
     evaluators: list[TaskEvaluator | None] = []
 
@@ -183,9 +184,11 @@ def eval_hook(
             with gin.unlock_config():
                 from flaxlm.runs import evaluate
 
-            cfg, model, partitioner = task_metrics_of
+            cfg, model, partitioner, row_start = task_metrics_of
             num_examples = eval_steps * cfg.batch_size
-            evaluator = evaluate.TaskEvaluator(cfg, model, partitioner, num_examples=num_examples)
+            evaluator = evaluate.TaskEvaluator(
+                cfg, model, partitioner, row_start, num_examples=num_examples
+            )
             evaluators.append(evaluator if evaluator.active else None)
         return evaluators[0] if evaluators else None
 

@@ -17,6 +17,7 @@ from flaxlm.data import input_process as input_process_lib
 from flaxlm.data.config import DatasetConfig, batch_structs
 from flaxlm.models import batch_shapes
 from flaxlm.models.base import BaseModel
+from flaxlm.models.row_start import RowStart
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import checks, loop
 from flaxlm.training import lora as lora_lib
@@ -34,12 +35,15 @@ def frozen_params(
     model_dir: str,
     init_from_hf: str | None,
     lora_base_checkpoint: str | None,
+    row_start: RowStart,
 ) -> Any:
     """The steps' frozen params (`steps.Setup.frozen_shardings`), or None: a LoRA run's
     base (`run_dir.load_lora_base`), else the reference of an objective that needs one
     (`reference_params`, a copy: the steps donate the state)."""
     if setup.lora is not None:
-        return run_dir.load_lora_base(setup, model_dir, init_from_hf, lora_base_checkpoint)
+        return run_dir.load_lora_base(
+            setup, model_dir, init_from_hf, lora_base_checkpoint, row_start
+        )
     if setup.frozen_shardings is None:
         return None
     return reference_params(setup, state, start_step, init_from_hf, copy=True)
@@ -69,6 +73,7 @@ def initial_state(
     train_iter: Any,
     model_dir: str,
     init_from_hf: str | None,
+    row_start: RowStart,
     adapters: Any = None,
 ) -> tuple[int, TrainState]:
     """The latest checkpoint's step and state, else step 0 from `init_from_hf` or a fresh
@@ -82,7 +87,7 @@ def initial_state(
         return 0, setup.state_from_params(adapters)
     if init_from_hf and setup.lora is None:
         params = hf.load_params(model, init_from_hf, shardings=setup.state_shardings.params)
-        run_dir.write_model_record(model, model_dir, init_from_hf)
+        run_dir.write_model_record(model, model_dir, row_start, init_from_hf)
         print(f"Initialised {model.__class__.__name__} from {init_from_hf}.", flush=True)
         return 0, setup.state_from_params(params)
     print(f"Initialised {model.__class__.__name__} on {setup.partitioner}.", flush=True)
@@ -131,6 +136,7 @@ def reads_in_own_process(
     model: BaseModel,
     cfgs: tuple[DatasetConfig | None, ...],
     objective: objective_lib.RunObjective,
+    row_start: RowStart,
 ) -> bool:
     """Whether the run reads its data in an input process of its own
     (`input_process.py`; `train.input_process`). None: where it can, and this process has
@@ -141,7 +147,7 @@ def reads_in_own_process(
         why_not = "the model names its feature converter as a class"
     elif any(cfg is not None and cfg.feature_converter is not None for cfg in cfgs):
         why_not = "a DatasetConfig.feature_converter is set (its class loaded TensorFlow)"
-    elif getattr(model, "decoder_start_id", 0) is None:
+    elif row_start.hf_form:
         why_not = "the rows start as the task's HF tokenizer says (its vocabulary is read here)"
     elif objective is not objective_lib.NEXT_TOKEN_PREDICTION:
         why_not = "train.objective is not next-token prediction"
@@ -163,6 +169,7 @@ def _data_iterators(
     eval_cfg: DatasetConfig | None,
     converter: Any,
     feature_lengths: dict[str, int] | None,
+    row_start: RowStart,
 ) -> tuple[Any, Any]:
     """The run's train iterator (built from now on) and eval iterator (built at the first
     evaluation; its task looked up at once), read through `inputs` or in this process
@@ -180,7 +187,7 @@ def _data_iterators(
 
     train_iter = deferred.BackgroundDataIterator(train_cfg, partitioner, converter)
     eval_iter = eval_cfg and deferred.DeferredDataIterator(
-        eval_cfg, partitioner, pipeline.converter_for(eval_cfg, model)
+        eval_cfg, partitioner, pipeline.converter_for(eval_cfg, model, row_start)
     )
     return train_iter, eval_iter
 
@@ -295,7 +302,7 @@ def train(
     path = steps.check_model_dir(model_dir)
     if not checks.has_checkpoint(model_dir) or lora is not None or objective.needs_reference:
         checks.check_init_from_hf(init_from_hf)  # (a resumed run may not read it again)
-    model = run_dir.with_decoder_start(model, model_dir, init_from_hf)
+    row_start = run_dir.run_row_start(model, model_dir, init_from_hf)
     steps.check_batch_size(partitioner, train_dataset_cfg.batch_size, num_microbatches)
     model.check_lengths(train_dataset_cfg.task_feature_lengths)
     if eval_dataset_cfg is not None and eval_period:
@@ -303,7 +310,7 @@ def train(
     else:
         eval_dataset_cfg = None
     own_process = reads_in_own_process(
-        input_process, model, (train_dataset_cfg, eval_dataset_cfg), objective
+        input_process, model, (train_dataset_cfg, eval_dataset_cfg), objective, row_start
     )
     if not own_process:
         input_process_lib.discard_early()
@@ -314,7 +321,7 @@ def train(
         )
     else:
         pipeline = input_process_lib.load_pipeline()
-        converter = pipeline.converter_for(train_dataset_cfg, model)
+        converter = pipeline.converter_for(train_dataset_cfg, model, row_start)
         objective.check_data(converter)
         feature_lengths = pipeline.model_feature_lengths(train_dataset_cfg, converter)
     if feature_lengths is not None:
@@ -336,6 +343,7 @@ def train(
             eval_dataset_cfg,
             converter,
             feature_lengths,
+            row_start,
         )
         if feature_lengths is None:  # the input process says
             feature_lengths = train_iter.description()["feature_lengths"]
@@ -351,10 +359,10 @@ def train(
         )
         ckpt = checkpointer.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
         start_step, state = initial_state(
-            setup, ckpt, train_iter, model_dir, init_from_hf, peft_adapters
+            setup, ckpt, train_iter, model_dir, init_from_hf, row_start, peft_adapters
         )
         frozen = frozen_params(
-            setup, state, start_step, model_dir, init_from_hf, lora_base_checkpoint
+            setup, state, start_step, model_dir, init_from_hf, lora_base_checkpoint, row_start
         )
         extra = objective.prepare(
             objective_lib.ObjectiveRun(
@@ -394,12 +402,13 @@ def train(
             else None,
             frozen,
         )
-        if extra is None and start_step < total_steps:
+        # (a stop asked for in the set-up ends the run before its first step: no compile)
+        if extra is None and start_step < total_steps and not signals.should_stop():
             batch = _batch_spec(inputs, train_iter, train_dataset_cfg, converter, partitioner)
             compile_ahead(setup, partitioned_step, batch)
         if inputs is not None and eval_iter is not None:
             eval_iter.check()
-        run_dir.record_if_known(model, model_dir)
+        run_dir.record_if_known(model, model_dir, row_start)
         config_str = loop.operative_config(path)
 
         writer = metrics.create_writer(model_dir)
@@ -422,7 +431,7 @@ def train(
             save,
         ]
         if eval_step is not None:
-            task = (eval_dataset_cfg, model, partitioner) if eval_task_metrics else None
+            task = (eval_dataset_cfg, model, partitioner, row_start) if eval_task_metrics else None
             hooks.insert(
                 1,
                 loop.eval_hook(

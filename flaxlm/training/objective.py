@@ -87,10 +87,10 @@ class BatchFeatures(Protocol):
 
 
 def rows_of(converter: Callable[..., Any]) -> int:
-    """How many rows an example of `converter` (a class or a `functools.partial` of one)
-    holds: 1 for `[length]` features, 2 for preference pairs' `[2, length]`."""
-    cls = getattr(converter, "func", converter)
-    specs = getattr(cls, "MODEL_FEATURES", {}).values()
+    """How many rows an example of `converter` (what makes the run's feature converters,
+    `converter(pack=...)`) holds: 1 for `[length]` features, 2 for preference pairs'
+    `[2, length]`."""
+    specs = converter(pack=False).MODEL_FEATURES.values()
     return 2 if any(getattr(spec, "rank", 1) == 2 for spec in specs) else 1
 
 

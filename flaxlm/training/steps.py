@@ -22,6 +22,7 @@ from flaxlm.data.config import DatasetConfig
 from flaxlm.models import routing
 from flaxlm.models.base import BaseModel
 from flaxlm.models.batch_shapes import batch_shapes_from
+from flaxlm.models.row_start import RowStart
 from flaxlm.parallel import pytrees
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora as lora_lib
@@ -368,15 +369,18 @@ def evaluate_split(
     params: Any,
     partitioner: Partitioner,
     cfg: DatasetConfig,
+    row_start: RowStart,
     max_batches: int | None = None,
 ) -> dict[str, float]:
     """Loss, token accuracy and perplexity over one pass of `cfg`'s split (the last
-    partial batch left out; at most `max_batches`), with the params as they are sharded."""
+    partial batch left out; at most `max_batches`), with the params as they are sharded and
+    the rows read from the checkpoint's `row_start`."""
     from flaxlm.data import pipeline
 
     cfg = dataclasses.replace(cfg, num_epochs=1, shuffle=False)
     check_batch_size(partitioner, cfg.batch_size, 1)
-    iterator = pipeline.DataIterator.create(cfg, partitioner, pipeline.converter_for(cfg, model))
+    converter = pipeline.converter_for(cfg, model, row_start)
+    iterator = pipeline.DataIterator.create(cfg, partitioner, converter)
     step = jax.jit(make_eval_step(model))
     total = None
     for number, batch in enumerate(iterator):

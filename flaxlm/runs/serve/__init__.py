@@ -80,7 +80,7 @@ def serve(
     httpd = listen(host, port)
     try:
         partitioner = partitioner or Partitioner()
-        model, params, step = run_dir.load_model_and_params(
+        model, params, step, row_start = run_dir.load_model_and_params(
             checkpoint, partitioner, step, model, dtype=dtype
         )
         name = model_name or epath.Path(checkpoint).name
@@ -98,7 +98,7 @@ def serve(
             adapters=adapters,
             paged_attention=paged_attention,
         )
-        server = Server(engine, name, httpd, max_tokens_limit=max_tokens_limit)
+        server = Server(engine, name, httpd, row_start=row_start, max_tokens_limit=max_tokens_limit)
         with signals_awaited((signal.SIGINT, signal.SIGTERM)) as next_signal:
             server.start()
             try:

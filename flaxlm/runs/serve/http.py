@@ -21,6 +21,7 @@ from etils import epath
 
 from flaxlm.inference import generation
 from flaxlm.models.base import EncoderDecoderModel
+from flaxlm.models.row_start import RowStart
 from flaxlm.runs.serve.api import (
     BadRequest,
     Completion,
@@ -60,15 +61,19 @@ class Server:
         model_name: str,
         httpd: http.server.ThreadingHTTPServer,
         *,
+        row_start: RowStart,
         max_tokens_limit: int = 512,
         request_timeout_s: float = 600.0,
     ):
         """
         Args:
           httpd: the listening server from `listen()`; it answers with this Server's handler.
+          row_start: what the checkpoint's training rows started with
+            (`run_dir.Loaded.row_start`): a completion's prompt starts so.
         """
         self.engine = engine
         self.model_name = model_name
+        self.row_start = row_start
         # A request's `model` -> the engine's adapter index (0: the base).
         self.models = {model_name: 0}
         self.models.update({name: i + 1 for i, name in enumerate(engine.adapters)})
@@ -119,7 +124,7 @@ class Server:
 
     def encode(self, text: str) -> list[int]:
         return generation.prompt_ids(
-            self.engine.model, self.engine.vocabulary, text, is_target=False
+            self.engine.model, self.engine.vocabulary, text, self.row_start
         )
 
     def prompt_ids(self, request: dict) -> list[list[int]]:
