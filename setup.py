@@ -23,6 +23,9 @@ INSTALL_REQUIRES = [
     # longer depends on it.
     "tensorboard==2.21.0",
     "transformers==5.23.0",
+    # transformers' apply_chat_template (chat SFT, preference pairs, serve's chat completions)
+    # needs jinja2 and does not require it.
+    "jinja2>=3.1",
     "safetensors==0.8.0",
     # Text metrics of seqio tasks (tasks/metrics.py).
     "sacrebleu==2.6.0",

@@ -270,20 +270,42 @@ class Truncation:
     truncated: int = 0
     lost_answer: int = 0
     lost_prompt: int = 0
+    untrainable: int = 0  # dropped by on_untrainable='drop'
 
     def line(self, task: str, split: str, max_length: int, noun: str, drop: bool) -> str:
         head = (
             f"Task {task!r} ({split}): {self.truncated} of {self.examples} {noun} longer than "
             f"{max_length} tokens"
         )
+        tail = f"; {self.untrainable} that cannot teach dropped." if self.untrainable else "."
         if not self.truncated:
-            return head + "."
+            return head + tail
         if drop:
-            return head + ", dropped (drop_truncated)."
+            return head + ", dropped (drop_truncated)" + tail
         lost = f"{self.lost_answer} assistant tokens"
         if noun == "pairs":
             lost = f"{self.lost_prompt} prompt and {self.lost_answer} answer tokens"
-        return head + f", truncated ({lost} lost)."
+        return head + f", truncated ({lost} lost)" + tail
+
+
+UNTRAINABLE = ("error", "drop")
+
+
+def check_untrainable(setting: str) -> None:
+    if setting not in UNTRAINABLE:
+        raise ValueError(f"on_untrainable={setting!r}: expected one of {list(UNTRAINABLE)}.")
+
+
+def untrainable(where: str, why: str, setting: str, stats: Truncation) -> bool:
+    """True (counted in `stats`) where `setting` drops an example that cannot teach; a
+    ValueError naming the record where it is 'error'."""
+    if setting == "drop":
+        stats.untrainable += 1
+        return True
+    raise ValueError(
+        f"{where}: {why}, so it cannot teach; fix or remove the record, or set "
+        "on_untrainable='drop' to count and drop such records."
+    )
 
 
 def token_column(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -299,10 +321,16 @@ def _loss_tokens(ids: Sequence[int]) -> int:
 
 
 def render_chat_files(
-    files: Sequence[str], renderer: ChatRenderer, max_length: int, drop_truncated: bool = False
+    files: Sequence[str],
+    renderer: ChatRenderer,
+    max_length: int,
+    drop_truncated: bool = False,
+    on_untrainable: str = "error",
 ) -> tuple[list[list[int]], Truncation]:
     """Signed ids of every conversation in `files` (cut to `max_length`, or left out when
-    `drop_truncated`) and what the cut cost."""
+    `drop_truncated`) and what the cut cost. A conversation with an empty assistant message
+    (no content to learn, only the end of the turn) is an error, or dropped and counted
+    (`on_untrainable`)."""
     rows, stats = [], Truncation()
     for path in files:
         for number, record in read_numbered_jsonl(path, required=()):
@@ -311,6 +339,14 @@ def render_chat_files(
             renderer.check_roles(messages, where)
             if not any(m["role"] == "assistant" for m in messages):
                 raise ValueError(f"{where}: no assistant message, so nothing to train on.")
+            empty = [
+                i
+                for i, m in enumerate(messages)
+                if m["role"] == "assistant" and not str(m.get("content") or "").strip()
+            ]
+            why = f"assistant message {empty[0] if empty else 0} is empty"
+            if empty and untrainable(where, why, on_untrainable, stats):
+                continue
             ids = renderer.conversation(messages, where)
             stats.examples += 1
             if len(ids) > max_length:
@@ -363,6 +399,7 @@ def register_chat_task(
     tokenizer_path: str = gin.REQUIRED,
     max_length: int = gin.REQUIRED,
     drop_truncated: bool = False,
+    on_untrainable: str = "error",
 ) -> str:
     """Registers (once) a chat SFT task named `name` with feature `targets` (signed ids of
     whole conversations, assistant turns positive); returns the name. Read it with
@@ -374,16 +411,19 @@ def register_chat_task(
       max_length: longer conversations are cut to this many tokens on the right (one line
         per split says how many, and how many assistant tokens that lost).
       drop_truncated: drop those conversations instead.
+      on_untrainable: a conversation with an empty assistant message: 'error' (naming its
+        file and line) or 'drop' (counted in the split's line).
     """
     if name in seqio.TaskRegistry.names():
         return name
     _check_lengths(name, max_length)
+    check_untrainable(on_untrainable)
     files = split_file_lists(name, split_files)
     vocabulary = HuggingFaceVocabulary(tokenizer_path)
     renderer = ChatRenderer(vocabulary.tokenizer)
     columns = {}
     for split, paths in files.items():
-        rows, stats = render_chat_files(paths, renderer, max_length, drop_truncated)
+        rows, stats = render_chat_files(paths, renderer, max_length, drop_truncated, on_untrainable)
         print(stats.line(name, split, max_length, "conversations", drop_truncated), flush=True)
         if not rows:
             raise ValueError(f"Task {name!r} ({split}): no conversations left in {paths}.")
@@ -431,11 +471,14 @@ def render_preference_files(
     max_length: int,
     max_prompt_length: int,
     drop_truncated: bool = False,
+    on_untrainable: str = "error",
 ) -> tuple[dict[str, list[list[int]]], Truncation]:
     """`{"chosen": rows, "rejected": rows}` of signed ids (prompt negative, answer positive)
     for every pair in `files`, truncated as `truncate_pair` says (or left out when
     `drop_truncated`), and what that cost. `renderer()` gives the chat template's renderer
-    (asked only for conversational records)."""
+    (asked only for conversational records). A pair whose chosen and rejected answers are
+    the same tokens (its loss is the same under any policy: no gradient) is an error, or
+    dropped and counted (`on_untrainable`)."""
     out: dict[str, list[list[int]]] = {"chosen": [], "rejected": []}
     stats = Truncation()
     for path in files:
@@ -461,6 +504,9 @@ def render_preference_files(
                     start, ids = spans[0][0], signed(full[: spans[0][0]], False)
                     answers.append(signed(full[start:], True))
             stats.examples += 1
+            why = "its chosen and rejected answers are the same tokens"
+            if answers[0] == answers[1] and untrainable(where, why, on_untrainable, stats):
+                continue
             pair = (ids, *answers)
             if len(ids) + max(len(a) for a in answers) > max_length:
                 stats.truncated += 1
@@ -485,6 +531,7 @@ def register_preference_task(
     max_length: int = gin.REQUIRED,
     max_prompt_length: int | None = None,
     drop_truncated: bool = False,
+    on_untrainable: str = "error",
 ) -> str:
     """Registers (once) a preference task named `name` with features `chosen` and `rejected`
     (signed ids: the prompt negative, the answer positive); returns the name. Read it with
@@ -502,9 +549,12 @@ def register_preference_task(
       max_prompt_length: the prompt keeps at least its last this many tokens when cut
         (default max_length // 2).
       drop_truncated: drop the pairs that do not fit instead.
+      on_untrainable: a pair whose chosen and rejected answers are the same: 'error'
+        (naming its file and line) or 'drop' (counted in the split's line).
     """
     if name in seqio.TaskRegistry.names():
         return name
+    check_untrainable(on_untrainable)
     if max_prompt_length is None:
         max_prompt_length = max_length // 2
     _check_lengths(name, max_length, max_prompt_length)
@@ -526,7 +576,13 @@ def register_preference_task(
     columns = {}
     for split, paths in files.items():
         rows, stats = render_preference_files(
-            paths, vocabulary, renderer, max_length, max_prompt_length, drop_truncated
+            paths,
+            vocabulary,
+            renderer,
+            max_length,
+            max_prompt_length,
+            drop_truncated,
+            on_untrainable,
         )
         print(stats.line(name, split, max_length, "pairs", drop_truncated), flush=True)
         if not rows["chosen"]:

@@ -320,6 +320,35 @@ def test_malformed_preference_line_fails_naming_file_and_line(tmp_path):
         chat.register_preference_task(name="pref_bad", split_files={"train": path}, max_length=8)
 
 
+def test_examples_that_cannot_teach_are_refused_or_dropped_and_counted(
+    tmp_path, tokenizer_dir, capsys
+):
+    """A pair whose chosen is its rejected (its loss is log 2 under any policy) and a chat
+    whose assistant turn is empty: an error naming file and line, or with
+    on_untrainable='drop' left out and counted in the split's line."""
+    pairs = [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "q", "chosen": " x"}]
+    pairs[1]["rejected"] = " x"
+    pair_path = _write(tmp_path / "pairs.jsonl", pairs)
+    empty = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]
+    chat_path = _write(tmp_path / "chat.jsonl", [{"messages": SHORT[0]}, {"messages": empty}])
+    files = {"pref_same": {"train": pair_path}, "chat_empty": {"train": chat_path}}
+    register = {
+        "pref_same": lambda **kw: chat.register_preference_task(max_length=16, **kw),
+        "chat_empty": lambda **kw: chat.register_chat_task(
+            tokenizer_path=tokenizer_dir, max_length=64, **kw
+        ),
+    }
+    why = {"pref_same": "chosen and rejected answers are the same", "chat_empty": "message 1"}
+    for name, fn in register.items():
+        with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path))}.*:2: .*{why[name]}"):
+            fn(name=name, split_files=files[name])
+        assert name not in seqio.TaskRegistry.names()
+        fn(name=name, split_files=files[name], on_untrainable="drop")
+        assert "1 that cannot teach dropped." in capsys.readouterr().out
+    with pytest.raises(ValueError, match="on_untrainable='skip'"):
+        register["pref_same"](name="pref_bad_setting", split_files={}, on_untrainable="skip")
+
+
 def test_conversational_pairs_need_a_tokenizer_and_shuffling_is_deterministic(tmp_path):
     conv = {"prompt": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"}
     path = _write(tmp_path / "conv.jsonl", [conv])

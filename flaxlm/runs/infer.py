@@ -64,16 +64,14 @@ def read_examples_from_texts(
     each prompt starting as the checkpoint's training rows did (`row_start`)."""
     vocabulary = vocabulary or vocabularies.ByteVocabulary()
     targets = list(targets) if targets is not None else [None] * len(texts)
+
+    def ids(text: str | None, is_target: bool) -> list[int] | None:
+        if text is None:
+            return None
+        return generation.prompt_ids(model, vocabulary, text, row_start, is_target=is_target)
+
     examples = [
-        Example(
-            text,
-            generation.prompt_ids(model, vocabulary, text, row_start),
-            target,
-            None
-            if target is None
-            else generation.prompt_ids(model, vocabulary, target, row_start, is_target=True),
-        )
-        for text, target in zip(texts, targets)
+        Example(t, ids(t, False), target, ids(target, True)) for t, target in zip(texts, targets)
     ]
     return examples, vocabulary, "texts"
 
@@ -91,7 +89,8 @@ def read_examples(
 ) -> tuple[list[Example], Vocabulary, str]:
     """`(examples, vocabulary, name)` from a JSONL file (`in_text`, `out_text`), a text
     file (one input per line) or a registered seqio task or mixture (its `inputs`, else its
-    `targets`, as the task tokenizes them). Only a task loads seqio and TensorFlow."""
+    `targets`, as the task tokenizes them), each prompt after `row_start`'s ids. Only a
+    task loads seqio and TensorFlow."""
     examples: list[Example] = []
     if source.endswith(".jsonl") or source.endswith(".txt") or epath.Path(source).exists():
         if not epath.Path(source).exists():
@@ -122,7 +121,6 @@ def read_examples(
         key = "inputs" if "inputs" in features else "targets"
         vocabulary = vocabulary or features[key].vocabulary
         name = source
-        # A decoder-only prompt starts as the model's training rows did.
         start = [] if isinstance(model, EncoderDecoderModel) else list(row_start.ids(vocabulary))
         for ex in rows:
             ids = [int(i) for i in ex[key]]
@@ -140,6 +138,23 @@ def read_examples(
     if not examples:
         raise ValueError(f"{source!r} ({split}) holds no examples.")
     return examples, vocabulary, name
+
+
+def checkpoint_examples(
+    checkpoint: str,
+    partitioner: Partitioner,
+    step: int | None,
+    model: BaseModel | None,
+    dtype: str,
+    vocabulary: Vocabulary | None,
+    source: str,
+    **kwargs: Any,
+) -> tuple[run_dir.Loaded, list[Example], Vocabulary, str]:
+    """The checkpoint and `read_examples` of `source` from its row start (and tokenizer)."""
+    loaded = run_dir.load_model_and_params(checkpoint, partitioner, step, model, dtype=dtype)
+    vocabulary = vocabulary or run_dir.checkpoint_vocabulary(checkpoint)
+    read = read_examples(source, loaded.model, loaded.row_start, vocabulary, **kwargs)
+    return (loaded, *read)
 
 
 # ---------------------------------------------------------------------------- engines
@@ -397,19 +412,10 @@ def infer(
     check_engine(engine)
     check_paged_attention(paged_attention, "infer.paged_attention")
     partitioner = partitioner or Partitioner()
-    model, params, step, row_start = run_dir.load_model_and_params(
-        checkpoint, partitioner, step, model, dtype=dtype
-    )
-    vocabulary = vocabulary or run_dir.checkpoint_vocabulary(checkpoint)
-    examples, vocabulary, name = read_examples(
-        source,
-        model,
-        row_start,
-        vocabulary,
-        split=split,
-        task_module=task_module,
-        max_examples=max_examples,
-    )
+    (model, params, step, _), examples, vocabulary, name = checkpoint_examples(
+        checkpoint, partitioner, step, model, dtype, vocabulary, source, split=split,
+        task_module=task_module, max_examples=max_examples,
+    )  # fmt: skip
     lengths = [len(e.input_ids) for e in examples]
     engine = choose_engine(engine, model, settings, lengths, input_length)
     out_dir = epath.Path(output_dir)
@@ -462,20 +468,10 @@ def score(
     order) and `output_dir/config.gin`. `source`: a JSONL file with `in_text` and
     `out_text`, or a seqio task with inputs and targets. `dtype` as `infer`'s."""
     partitioner = partitioner or Partitioner()
-    model, params, step, row_start = run_dir.load_model_and_params(
-        checkpoint, partitioner, step, model, dtype=dtype
-    )
-    vocabulary = vocabulary or run_dir.checkpoint_vocabulary(checkpoint)
-    examples, vocabulary, name = read_examples(
-        source,
-        model,
-        row_start,
-        vocabulary,
-        split=split,
-        task_module=task_module,
-        need_targets=True,
-        max_examples=max_examples,
-    )
+    (model, params, step, _), examples, vocabulary, name = checkpoint_examples(
+        checkpoint, partitioner, step, model, dtype, vocabulary, source, split=split,
+        task_module=task_module, need_targets=True, max_examples=max_examples,
+    )  # fmt: skip
     out_dir = epath.Path(output_dir)
     metrics.write_config(out_dir)
     metrics.print0(f"Scoring {len(examples)} examples of {name} with step {step} of {checkpoint}.")
