@@ -13,8 +13,10 @@ and `lm_head` are stored unquantized.
 and the import casts it to the run's param dtype: what transformers' dequantize-on-load
 (`Fp8Dequantize`) gives, its float32 product cast to the param's dtype, and in float32 its
 `_dequantize_fp8_weight` bit for bit. `DequantizedReader` serves every weight that has a
-`_scale_inv` beside it dequantized, the scales consumed; flaxlm writes plain tensors back
-(`hf.save_pretrained`), never FP8.
+`_scale_inv` beside it dequantized, the scales consumed, once each weight's and scale's dtype
+and shape are the format's; flaxlm writes plain tensors back (`hf.save_pretrained`), never
+FP8. FP8 tensors in a checkpoint whose config.json does not say so are refused (`dequantized`):
+read as they are, every value would miss its block's scale.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from etils import epath
 from flaxlm.checkpoints.hf_files import read_hf_config
 
 SCALE = "_scale_inv"
+WEIGHT_DTYPE = "float8_e4m3fn"
+# The scales' dtype (transformers' FP8Linear holds float32); the half floats read exactly too.
+SCALE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def is_fp8(hf_config: Mapping[str, Any]) -> bool:
@@ -88,10 +93,45 @@ def dequantize(
     return values * np.take(row_scale, np.arange(cols) // block[1], axis=-1)
 
 
+def float8_tensors(reader: Any) -> list[str]:
+    """The names of `reader`'s tensors stored in a float8 dtype, sorted."""
+    return sorted(n for n in reader.file_of if reader.dtype(n).startswith("float8"))
+
+
+def check_pair(reader: Any, name: str, block: tuple[int, int] | None) -> None:
+    """A ValueError naming the file and the tensor where FP8 weight `name` and its
+    `_scale_inv` in `reader` (a `hf_files.SafetensorsReader`) are not what config.json's
+    quantization_config says: float8_e4m3fn values, float32 scales of the block grid's
+    shape."""
+    scale = name + SCALE
+    for tensor, want in ((name, (WEIGHT_DTYPE,)), (scale, SCALE_DTYPES)):
+        if reader.dtype(tensor) not in want:
+            raise ValueError(
+                f"{reader.file_path(tensor)}: tensor {tensor!r} holds {reader.dtype(tensor)}, "
+                f"but config.json's quantization_config (fmt e4m3) stores {want[0]} "
+                f"{'weights' if tensor == name else 'block scales'}."
+            )
+    if len(reader.shape(name)) < 2:
+        raise ValueError(
+            f"{reader.file_path(name)}: tensor {name!r} has shape {reader.shape(name)}, but "
+            "FP8 weights are [..., rows, cols]."
+        )
+    want_shape = scale_shape(reader.shape(name), block)
+    got = reader.shape(scale)
+    if math.prod(got) != math.prod(want_shape) or (block is not None and got != want_shape):
+        raise ValueError(
+            f"{reader.file_path(scale)}: tensor {scale!r} has shape {got}, but a weight of "
+            f"{reader.shape(name)} with config.json's weight_block_size "
+            f"{block and list(block)} has {want_shape} scales."
+        )
+
+
 class DequantizedReader:
-    """A checkpoint reader (`file_of`, `shape`, `read`, as `hf_files.SafetensorsReader`'s)
-    that serves each FP8 weight `<name>` with a `<name>_scale_inv` dequantized to float32,
-    the scales taken out of `file_of`; other tensors pass through.
+    """A checkpoint reader (`file_of`, `shape`, `dtype`, `file_path`, `read`, as
+    `hf_files.SafetensorsReader`'s) that serves each FP8 weight `<name>` with a
+    `<name>_scale_inv` dequantized to float32, the scales taken out of `file_of`; other
+    tensors pass through. Each pair is checked first (`check_pair`), and an FP8 tensor with no
+    scales is an error.
 
     The last tensor dequantized is kept: every device shard of a param reads its whole
     tensor."""
@@ -106,13 +146,14 @@ class DequantizedReader:
             if name.endswith(SCALE) and name[: -len(SCALE)] in stored
         }
         for name in sorted(self._quantized):
-            want = scale_shape(reader.shape(name), block)
-            got = reader.shape(name + SCALE)
-            if math.prod(got) != math.prod(want) or (block is not None and got != want):
-                raise ValueError(
-                    f"{name + SCALE!r} has shape {got}, but a weight of {reader.shape(name)} "
-                    f"with config.json's weight_block_size {block and list(block)} has {want}."
-                )
+            check_pair(reader, name, block)
+        unscaled = [n for n in float8_tensors(reader) if n not in self._quantized]
+        if unscaled:
+            raise ValueError(
+                f"{reader.file_path(unscaled[0])}: tensor {unscaled[0]!r} holds "
+                f"{reader.dtype(unscaled[0])} but has no {unscaled[0] + SCALE!r} beside it "
+                "(its block scales, without which its values are not the weight's)."
+            )
         scales = {name + SCALE for name in self._quantized}
         self.file_of = {n: f for n, f in stored.items() if n not in scales}
         self._last: tuple[Any, np.ndarray | None] = (None, None)
@@ -120,16 +161,19 @@ class DequantizedReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._reader.shape(name)
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype (a dequantized weight's too: float8_e4m3fn)."""
+        return self._reader.dtype(name)
+
+    def file_path(self, name: str) -> epath.Path:
+        return self._reader.file_path(name)
+
     def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
         if name not in self._quantized:
             return self._reader.read(name, rows)
         if self._last[0] != (name, rows):
             weight = self._reader.read(name, rows)
             scale = self._reader.read(name + SCALE)
-            if scale.dtype.kind in "iub":  # e8m0 exponent bytes, not the scales themselves
-                raise ValueError(
-                    f"{name + SCALE!r} holds {scale.dtype}: flaxlm reads float scales."
-                )
             tensor = dequantize(weight, scale, self._block, rows[0] if rows else 0)
             self._last = ((name, rows), tensor)
         return self._last[1]
@@ -137,8 +181,21 @@ class DequantizedReader:
 
 def dequantized(reader: Any, path: str | epath.Path) -> Any:
     """`reader`, its FP8 weights served dequantized (`DequantizedReader`) where the
-    checkpoint's config.json says `quant_method: fp8`."""
-    if not (epath.Path(path) / "config.json").exists():
-        return reader
-    hf_config = read_hf_config(path)
-    return DequantizedReader(reader, block_size(hf_config)) if is_fp8(hf_config) else reader
+    checkpoint's config.json says `quant_method: fp8`. FP8 tensors or `_scale_inv` scales in
+    a checkpoint whose config.json says otherwise (or has none) are a ValueError naming one."""
+    config_file = epath.Path(path) / "config.json"
+    hf_config = read_hf_config(path) if config_file.exists() else {}
+    if is_fp8(hf_config):
+        return DequantizedReader(reader, block_size(hf_config))
+    quantized = float8_tensors(reader) or sorted(n for n in reader.file_of if n.endswith(SCALE))
+    if quantized:
+        method = (hf_config.get("quantization_config") or {}).get("quant_method")
+        says = f"quant_method {method!r}" if method else "no quantization_config"
+        raise ValueError(
+            f"{reader.file_path(quantized[0])}: tensor {quantized[0]!r} "
+            f"({reader.dtype(quantized[0])}) is a block-FP8 checkpoint's, but {config_file} "
+            f"says {says}: restore the checkpoint's own config.json, whose quantization_config "
+            'reads {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], '
+            "...}."
+        )
+    return reader

@@ -100,8 +100,7 @@ def config_from_hf_dict(
     except KeyError as e:  # a field the family reads with [] (another KeyError is a bug)
         if not e.args or e.args[0] in hf_config:
             raise
-        need = f"which flaxlm needs for model_type {hf_config['model_type']!r}"
-        raise ValueError(f"config.json has no {e.args[0]!r}, {need}.") from e
+        raise ValueError(f"config.json has no {e.args[0]!r}, which the model needs.") from e
     real = config.vocab_size
     options: dict[str, Any] = {}
     if dtype is not None:

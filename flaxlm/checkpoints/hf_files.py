@@ -37,6 +37,25 @@ TOKENIZER_FILES = (
 # Stored dtypes that safetensors' numpy reader cannot name (it looks for numpy.float8_*):
 # read from the file's bytes (the Hub's FP8 DeepSeek-V3 and Kimi K2 weights).
 RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+# safetensors' dtype codes by the names numpy, ml_dtypes and torch give them (for messages).
+DTYPE_NAMES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+}
 
 
 def read_hf_config(path: str | epath.Path) -> dict[str, Any]:
@@ -133,6 +152,16 @@ class SafetensorsReader:
     def shape(self, name: str) -> tuple[int, ...]:
         handle = self._handles[self.file_of[name]]
         return tuple(handle.get_slice(self._stored[name]).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The tensor's stored dtype as numpy and torch name it (`float32`, `uint8`,
+        `float8_e4m3fn`), from the file's header (nothing read)."""
+        code = self._handles[self.file_of[name]].get_slice(self._stored[name]).get_dtype()
+        return DTYPE_NAMES.get(code, code)
+
+    def file_path(self, name: str) -> epath.Path:
+        """The safetensors file that holds the tensor (for messages that name it)."""
+        return self._root / self.file_of[name]
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
         """The tensor, or only its rows [start, stop) (a part of a fused tensor)."""

@@ -10,8 +10,10 @@ power of two), which `dequantize` returns and the import casts to the run's dtyp
 numbers as transformers' dequantization in any dtype.
 
 `DequantizedReader` serves a checkpoint's pairs under their plain names, so a family's tensor
-table names `mlp.experts.gate_up_proj` whichever way the file stores it. flaxlm writes plain
-tensors back (`hf.save_pretrained`), never MXFP4.
+table names `mlp.experts.gate_up_proj` whichever way the file stores it, once each pair's
+dtypes and shapes are the format's (`check_pair`): a scale of another dtype cast to a byte
+would be another number, silently. flaxlm writes plain tensors back (`hf.save_pretrained`),
+never MXFP4.
 """
 
 from __future__ import annotations
@@ -34,18 +36,49 @@ with np.errstate(over="ignore"):
     _POWERS = np.ldexp(np.ones(256, np.float32), np.arange(256) - 127).astype(np.float32)
 
 
+def check_pair(reader: Any, name: str) -> None:
+    """A ValueError naming the file and the tensor where `name`'s MXFP4 pair in `reader` (a
+    `hf_files.SafetensorsReader`) is not the format's: blocks uint8 `[..., rows, groups, 16]`,
+    scales uint8 `[..., rows, groups]`."""
+    blocks, scales = name + BLOCKS, name + SCALES
+    for tensor, holds in ((blocks, "two e2m1 values a byte"), (scales, "E8M0 exponents")):
+        dtype = reader.dtype(tensor)
+        if dtype != "uint8":
+            raise ValueError(
+                f"{reader.file_path(tensor)}: tensor {tensor!r} holds {dtype}, but MXFP4 "
+                f"{tensor.rpartition('_')[2]} are uint8 ({holds}): the file was not written "
+                "as the Hub's gpt-oss files are; store the expert weights unquantized instead."
+            )
+    shape = reader.shape(blocks)
+    if len(shape) < 3 or shape[-1] != 16:
+        raise ValueError(
+            f"{reader.file_path(blocks)}: tensor {blocks!r} has shape {shape}, but MXFP4 "
+            "blocks are [..., rows, groups, 16] (32 values a group, two a byte)."
+        )
+    if reader.shape(scales) != shape[:-1]:
+        raise ValueError(
+            f"{reader.file_path(scales)}: tensor {scales!r} has shape {reader.shape(scales)}, "
+            f"but the scales of blocks {shape} are {shape[:-1]} (one a group)."
+        )
+
+
 def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """bfloat16 `[..., groups * 32, rows]` from MXFP4 `blocks` uint8 `[..., rows, groups, 16]`
     and `scales` uint8 `[..., rows, groups]`, one leading index at a time (the temporaries
     stay one expert's size)."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise ValueError(
+            f"MXFP4 blocks and scales are uint8, not {blocks.dtype} and {scales.dtype}: a cast "
+            "would read other numbers as the packed values and exponents."
+        )
     *lead, rows, groups, width = blocks.shape
     if tuple(scales.shape) != (*lead, rows, groups):
         raise ValueError(
             f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair: "
             "the scales must be the blocks' shape without the last axis."
         )
-    flat_blocks = np.asarray(blocks, np.uint8).reshape(-1, rows, groups, width)
-    flat_scales = np.asarray(scales, np.uint8).reshape(-1, rows, groups)
+    flat_blocks = blocks.reshape(-1, rows, groups, width)
+    flat_scales = scales.reshape(-1, rows, groups)
     out = np.empty((flat_blocks.shape[0], rows, groups * width * 2), jnp.bfloat16)
     for i, (b, s) in enumerate(zip(flat_blocks, flat_scales, strict=True)):
         values = _PAIRS[b] * _POWERS[s][..., None, None]  # [rows, groups, width, 2]
@@ -56,7 +89,8 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 class DequantizedReader:
     """A checkpoint reader (`file_of`, `shape`, `read`, as `hf_files.SafetensorsReader`'s)
     that serves each MXFP4 pair `<name>_blocks` + `<name>_scales` as `<name>`, dequantized,
-    in place of the pair; other tensors pass through.
+    in place of the pair, each pair checked first (`check_pair`); other tensors pass
+    through.
 
     The last tensor dequantized is kept: every device shard of a param reads its whole
     tensor, and dequantizing one of gpt-oss-120b's layers takes seconds."""
@@ -69,6 +103,8 @@ class DequantizedReader:
             for name in stored
             if name.endswith(BLOCKS) and name[: -len(BLOCKS)] + SCALES in stored
         }
+        for name in sorted(self._pairs):
+            check_pair(reader, name)
         taken = {p + suffix for p in self._pairs for suffix in (BLOCKS, SCALES)}
         self.file_of = {n: f for n, f in stored.items() if n not in taken}
         self.file_of.update({p: stored[p + BLOCKS] for p in self._pairs})

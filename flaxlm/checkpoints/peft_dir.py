@@ -312,14 +312,50 @@ def base_model_path(path: str | epath.Path) -> str:
     return str(base)
 
 
+def _pattern(config: Mapping[str, Any], pattern: str, name: str, default: Any) -> Any:
+    """PEFT's value of a module's or parameter's `lora_alpha` or `r`: its `alpha_pattern` or
+    `rank_pattern` (`pattern`) entry that matches the name's end (PEFT's first), else
+    `default`."""
+    for key, value in (config.get(pattern) or {}).items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
 def _scale(config: Mapping[str, Any], module: str, rank: int) -> float:
     """PEFT's scale of one module's adapter (`alpha_pattern` as PEFT matches it)."""
-    alpha = config.get("lora_alpha", 8)
-    for key, value in (config.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            alpha = value
-            break
+    alpha = _pattern(config, "alpha_pattern", module, config.get("lora_alpha", 8))
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def _rank(pair: Mapping[str, tuple[str, np.ndarray]], experts: int, where: epath.Path) -> int:
+    """The rank of one PEFT pair `{"A": (key, lora_A), "B": (key, lora_B)}`: `lora_A`
+    `[r, in]`, `lora_B` `[out, r]` (over `experts` experts, `[r * experts, in]` and
+    `[out, r * experts]`); factors that are not so, or of two ranks, are an error naming
+    them."""
+    (a_key, a), (b_key, b) = pair["A"], pair["B"]
+    per, n = (f"r * {experts} experts", experts) if experts else ("r", 1)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[0] % n or b.shape[1] % n:
+        raise ValueError(
+            f"{where}: tensors {a_key!r} {a.shape} and {b_key!r} {b.shape} are not LoRA "
+            f"factors: lora_A is [{per}, in] and lora_B [out, {per}]."
+        )
+    if a.shape[0] != b.shape[1]:
+        raise ValueError(
+            f"{where}: tensor {a_key!r} {a.shape} has rank {a.shape[0] // n} but {b_key!r} "
+            f"{b.shape} rank {b.shape[1] // n}: lora_A is [{per}, in] and lora_B [out, {per}] "
+            "of one rank."
+        )
+    return a.shape[0] // n
+
+
+def _peft_shapes(
+    a_shape: tuple[int, ...], b_shape: tuple[int, ...], experts: bool
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """PEFT's `lora_A` and `lora_B` shapes of one layer's flaxlm pair of these shapes."""
+    rank, n = a_shape[-1], a_shape[0] if experts else 1
+    fan_in = math.prod(a_shape[1 if experts else 0 : -1])
+    return (rank * n, fan_in), (math.prod(b_shape[2 if experts else 1 :]), rank * n)
 
 
 def _rules(model: BaseModel, ranks: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
@@ -381,16 +417,20 @@ def load_adapters(
                 f"{type(model.config).__name__} module flaxlm maps (e.g. "
                 f"{PREFIX}{next(iter(saved_as))}.lora_A.weight)."
             )
-        pairs.setdefault(saved_as[match[1]], {})[match[2]] = tensor.astype(np.float32)
+        pairs.setdefault(saved_as[match[1]], {})[match[2]] = (key, tensor.astype(np.float32))
     ranks: dict[str, int] = {}
     for name, pair in pairs.items():
         if set(pair) != {"A", "B"}:
             raise ValueError(f"{weights}: module {name} has lora_{set('AB') - set(pair)} missing.")
         kernel = by_name[name][0]
-        if targets[kernel].experts:
-            rank = peft_experts.rank_of(pair["A"], model.config.num_experts, f"{weights}: {name}")
-        else:
-            rank = pair["A"].shape[0]
+        rank = _rank(pair, model.config.num_experts if targets[kernel].experts else 0, weights)
+        said = _pattern(config, "rank_pattern", name, config.get("r", 8))
+        if rank != said:  # PEFT builds the pair at the config's rank, then cannot load it
+            raise ValueError(
+                f"{weights}: tensor {pair['A'][0]!r} {pair['A'][1].shape} has rank {rank}, but "
+                f"{epath.Path(path) / ADAPTER_CONFIG} says r={said} for {name} (its r, or a "
+                "rank_pattern entry): set it to the tensors' rank."
+            )
         if ranks.setdefault(kernel, rank) != rank:
             raise ValueError(
                 f"{weights}: the layers of scanned kernel {kernel} have different ranks; load "
@@ -418,7 +458,15 @@ def load_adapters(
             if plan.num_stacked > experts:  # scanned: the layer's slice
                 index = (by_name[name][1],)
             shapes = a.shape[len(index) :], b.shape[len(index) :]
-            lora_a, lora_b = pairs[name]["A"], pairs[name]["B"]
+            (a_key, lora_a), (b_key, lora_b) = pairs[name]["A"], pairs[name]["B"]
+            want = _peft_shapes(*shapes, experts)
+            if (lora_a.shape, lora_b.shape) != want:
+                raise ValueError(
+                    f"{weights}: tensors {a_key!r} {lora_a.shape} and {b_key!r} "
+                    f"{lora_b.shape} do not fit the base model's {kernel} {plan.shape}: "
+                    f"expected {want[0]} and {want[1]} (rank {plan.rank}); is it an adapter of "
+                    "another model?"
+                )
             if experts:
                 a_i, b_i = peft_experts.from_peft(lora_a, lora_b, *shapes)
             else:

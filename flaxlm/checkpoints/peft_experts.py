@@ -164,15 +164,6 @@ def to_peft(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return a.reshape(experts * rank, -1), b.reshape(-1, rank * experts)
 
 
-def rank_of(lora_a: np.ndarray, experts: int, where: str) -> int:
-    """The per-expert rank of a PEFT `lora_A.weight` `[r * experts, in]`."""
-    if lora_a.ndim != 2 or lora_a.shape[0] % experts:
-        raise ValueError(
-            f"{where}: lora_A shape {lora_a.shape} is not [r * {experts} experts, in]."
-        )
-    return lora_a.shape[0] // experts
-
-
 def from_peft(
     lora_a: np.ndarray, lora_b: np.ndarray, a_shape: tuple[int, ...], b_shape: tuple[int, ...]
 ) -> tuple[np.ndarray, np.ndarray]:
