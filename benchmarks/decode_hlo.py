@@ -79,7 +79,8 @@ def compile_generate(model: Any, params: Any, batch: int, args: argparse.Namespa
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from flaxlm.inference import decoding, generation
+    from flaxlm.inference import generation
+    from flaxlm.models import decoding
 
     sharding = SingleDeviceSharding(device)
     config = decoding.DecodingConfig(max_new_tokens=args.new, eos_ids=())

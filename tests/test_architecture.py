@@ -32,9 +32,6 @@ LONG_FILES_ALLOWED = {"flaxlm/models/t5.py"}
 
 RUNS = ("flaxlm.runs", "flaxlm.runs.*", "flaxlm.plan", "flaxlm.plan.*")
 SERVICES = ("flaxlm.inference", "flaxlm.inference.*", "flaxlm.checkpoints", "flaxlm.checkpoints.*")
-# The pure decoding loops live beside the generation service (inference/) but import nothing
-# of flaxlm's: the models' decode steps use their config and cache helpers.
-PURE = ("flaxlm.inference.decoding",)
 # Outside the rings: the entry point and what it needs.
 SHARED = ("flaxlm", "flaxlm.main", "flaxlm.gin_utils", "flaxlm.logs")
 MODELS = ("flaxlm.models", "flaxlm.models.*")
@@ -61,8 +58,6 @@ def _matches(module: str, patterns: Iterable[str]) -> bool:
 def _is_core(module: str) -> bool:
     if module == "tasks" or module.startswith("tasks."):
         return True  # SeqIO registrations sit at core level: data, vocabularies, not services
-    if _matches(module, PURE):
-        return True
     return (
         module.startswith("flaxlm.")
         and not _matches(module, RUNS)
@@ -83,7 +78,7 @@ CORE = _is_core
 
 
 def SERVICE(module: str) -> bool:  # noqa: N802  (a ring, like CORE and RUN)
-    return _matches(module, SERVICES) and not _matches(module, PURE)
+    return _matches(module, SERVICES)
 
 
 RUN = _group(*RUNS)
@@ -97,14 +92,9 @@ FORBIDDEN: list[tuple[Callable[[str], bool], Callable[[str], bool], str]] = [
     ),
     (_group("flaxlm.parallel.partitioning"), _group(*MODELS), "partitioning never imports a model"),
     (
-        _group("flaxlm.inference.decoding"),
-        _group(*MODELS),
-        "decoding is pure: it never imports a model",
-    ),
-    (
-        _group("flaxlm.inference.decoding"),
-        _group("flaxlm.parallel.partitioning"),
-        "decoding is pure: no mesh, no partitioner",
+        _group("flaxlm.models.decoding"),
+        _group("flaxlm", "flaxlm.*"),
+        "decoding is pure (the loops over any step function): it imports nothing of flaxlm's",
     ),
     (
         _group("flaxlm.checkpoints.hf"),
@@ -708,14 +698,16 @@ def test_checker_applies_the_rings():
             "flaxlm/runs/evaluate.py": "from flaxlm.checkpoints import checkpointer\n",
             "flaxlm/checkpoints/checkpointer.py": "from flaxlm.training import steps\n",
             "flaxlm/training/steps.py": "def f():\n    import flaxlm.checkpoints.checkpointer\n",
-            "flaxlm/inference/decoding.py": "",
-            "flaxlm/models/base.py": "from flaxlm.inference import decoding\n",
+            "flaxlm/inference/generation.py": "",
+            "flaxlm/models/base.py": "from flaxlm.inference import generation\n",
             "flaxlm/runs/serve/__init__.py": "",
             "flaxlm/runs/serve/api.py": "from flaxlm import main\n",
             "tasks/__init__.py": "from flaxlm.runs.serve import api\n",
         }
     )
     assert sorted(find_forbidden_arrows(graph)) == [
+        "flaxlm.models.base -> flaxlm.inference.generation (flaxlm/models/base.py:1): "
+        "arrows point inward: the core never imports a service",
         "flaxlm.runs.serve.api -> flaxlm.main (flaxlm/runs/serve/api.py:1): nothing imports main",
         "flaxlm.training.steps -> flaxlm.checkpoints.checkpointer (flaxlm/training/steps.py:2): "
         "arrows point inward: the core never imports a service",

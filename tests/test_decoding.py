@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from flaxlm.checkpoints import hf
-from flaxlm.inference import decoding, generation
+from flaxlm.inference import generation
+from flaxlm.models import decoding
 from flaxlm.parallel.partitioning import Partitioner
 from tests.helpers import jaxpr_equations, tiny_gptj
 from tests.hf_helpers import decoder_batch, padded_batch

@@ -225,8 +225,8 @@ def test_select_argmaxes_greedy_rows_and_filters_only_a_nucleus():
     import jax
     import jax.numpy as jnp
 
-    from flaxlm.inference import decoding
-    from flaxlm.inference.decoding import select
+    from flaxlm.models import decoding
+    from flaxlm.models.decoding import select
 
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 50)) * 3, jnp.float32)
     keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(4, dtype=jnp.uint32))

@@ -8,8 +8,7 @@ import pytest
 import transformers
 
 from flaxlm.checkpoints import hf
-from flaxlm.inference import decoding
-from flaxlm.models import phi3
+from flaxlm.models import decoding, phi3
 from flaxlm.models.options import ComputeOptions
 from tests.hf_helpers import (
     check_family,

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlm.inference import decoding
+from flaxlm.models import decoding
 from flaxlm.models.base import BaseModel, DecoderOnlyModel, EncoderDecoderModel
 from flaxlm.models.options import MODEL_EOS, eos_tuple
 from flaxlm.models.row_start import RowStart

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from flaxlm.inference import decoding
 from flaxlm.inference.pages import PagePool, pages_for, prefix_keys
+from flaxlm.models import decoding
 from flaxlm.models.base import BaseModel
 from flaxlm.models.paged_attention import check_page_size, check_paged_attention
 from flaxlm.parallel.partitioning import Partitioner

@@ -17,8 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlm.inference import decoding
-from flaxlm.models import batch_shapes, context_parallel, layers, losses, masks, moe, routing
+from flaxlm.models import (
+    batch_shapes,
+    context_parallel,
+    decoding,
+    layers,
+    losses,
+    masks,
+    moe,
+    routing,
+)
 from flaxlm.models.cached_decoding import CachedDecoding
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.options import (

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlm.inference import decoding
-from flaxlm.models import layers, masks
+from flaxlm.models import decoding, layers, masks
 from flaxlm.models.causal_lm import CausalLM
 
 Array = jax.Array
@@ -29,8 +28,8 @@ class CachedDecoding:
 
     They decode over the layers unrolled, whatever the model trains with: a scanned stack
     slices each layer's KV cache out of the stacked cache and writes it back every step (3.4x
-    slower at batch 64 on an H200, benchmarks/RESULTS.md). So they take the params in that
-    layout: `decoding_params(params)`, once before decoding.
+    slower at batch 64 on an H200; benchmarks/HISTORY.md, "Fourth session"). So they take the
+    params in that layout: `decoding_params(params)`, once before decoding.
     """
 
     def _unrolls_for_decoding(self) -> bool:

@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlm.inference import decoding, generation
+from flaxlm.inference import generation
 from flaxlm.inference.scheduler import Scheduler
+from flaxlm.models import decoding
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve.api import MAX_LOGPROBS, Completion, check_prompt_ids
