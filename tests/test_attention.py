@@ -193,7 +193,7 @@ def test_auto_takes_cudnn_on_a_gpu_for_whole_sequence_half_precision_only(monkey
 def test_a_remat_scanned_model_still_takes_cudnn_on_a_gpu(monkeypatch, remat):
     """nn.remat and nn.scan trace every leaf of the mask they are handed: a `q_offset` of 0
     came back a tracer, so every remat'd model's plain causal mask looked like an offset one
-    and 'auto' took 'xla' (1203 ms against 525 on one H200, RESULTS.md)."""
+    and 'auto' took 'xla' (1203 ms against 525 on one H200, benchmarks/HISTORY.md)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     chosen, plain = [], []
     choose = attention.auto_choice

@@ -11,7 +11,7 @@ needs no rewriting (this module is in `pipeline.NOT_AUTOGRAPHED`):
 - below `LINEAR_FROM` tokens, `pack_batches`: seqio's padded batch of `L` examples, the rows'
   boundaries computed from the examples' lengths alone (a scan over scalars), then each
   feature's tokens scattered to their places in one op (the default dataset's build 1.1 ->
-  0.5 CPU s, its tokens/s unchanged: benchmarks/RESULTS.md);
+  0.5 CPU s, its tokens/s unchanged: benchmarks/HISTORY.md);
 - from `LINEAR_FROM`, `pack_linear`: a `tf.data` scan that holds one row at a time (seqio's
   batch there is `L x L` per feature: 4 GiB at 32k tokens and 64 GiB at 128k).
 

@@ -29,7 +29,7 @@ to the devices of its expert group that hold their experts:
 The experts' weights enter the shard_map split as their params lie (`expert` on the experts,
 fsdp on `embed`: `weight_spec`) and are all-gathered over fsdp inside it, fsdp's forward; the
 gathers' transpose reduce-scatters their gradient back onto the shards, where weights taken
-whole would have it all-reduced whole (twice the bytes over the ring; benchmarks/RESULTS.md,
+whole would have it all-reduced whole (twice the bytes over the ring; benchmarks/HISTORY.md,
 issue 45).
 """
 

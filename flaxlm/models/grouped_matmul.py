@@ -7,7 +7,7 @@ Two ways to run it (`MoEOptions.grouped_matmul`):
 - 'xla': `jax.lax.ragged_dot`, differentiated by JAX. XLA:CPU runs it densely (every row
   against every group's weights), libtpu natively forward (not its weights' gradient), and
   XLA:GPU (jax 0.11.2) lowers it to a dense masked batched dot that does not fit at
-  Qwen3-30B-A3B's shape (benchmarks/RESULTS.md);
+  Qwen3-30B-A3B's shape (benchmarks/HISTORY.md, "Fourth session");
 - 'mosaic_gpu': JAX's own Pallas Mosaic GPU kernels for Hopper
   (`jax.experimental.pallas.ops.gpu`: `ragged_dot_mgpu` forward and for the rows' gradient,
   `transposed_ragged_dot_mgpu` for the weights' gradient, where the groups are the
@@ -20,7 +20,7 @@ Rows past the groups (`sum(sizes) < m`: the assignments of experts on other devi
 expert parallelism) come out zero both ways: the kernels leave them unwritten, so the
 custom VJP masks them (`_zero_past`), forward and in the rows' gradient, unless the caller
 says every row is grouped (`all_grouped`: one device's experts are all the experts).
-Measured on an H200 (benchmarks/RESULTS.md, "Sixteenth session"): Qwen3-30B-A3B cut to 8
+Measured on an H200 (benchmarks/HISTORY.md, "Sixteenth session"): Qwen3-30B-A3B cut to 8
 layers trains at 32.7% MFU through the kernels, `capacity` experts at 27.7%.
 """
 
@@ -111,7 +111,7 @@ kernel_ragged_dot.defvjp(_forward, _backward)
 # The kernels' tiles: `ragged_dot_mgpu.ragged_dot`'s (the forward and the rows' gradient)
 # and `transposed_ragged_dot_mgpu.transposed_ragged_dot`'s (the weights' gradient) keyword
 # arguments. A block that does not divide its width falls back to 64 (`_fit`);
-# benchmarks/grouped_matmul.py --tune measures others on a GPU (RESULTS.md).
+# benchmarks/grouped_matmul.py --tune measures others on a GPU (HISTORY.md).
 TILES: dict[str, dict[str, int]] = {
     "ragged": dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=6, grid_block_n=2),
     "transposed": dict(

@@ -1,7 +1,7 @@
 """The 'xla' implementation of `attention.dot_product_attention`: einsums over the whole
 sequence in float32 scores, with a hand-written backward (flash attention's): autodiff's ran
 XLA:CPU's training step 4-7% slower and kept the mask's and bias's broadcasts
-(benchmarks/RESULTS.md).
+(benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def xla_attention(
     the compact mask and bias, not their broadcasts. On XLA:CPU that made training steps
     4-7% faster and cut the attention gradient's temporaries by 30-46%; the 4-D forward
     alone ran 1.6x slower (YNNPACK fused the softmax into the second matmul), hence the
-    grouped one when not differentiated (benchmarks/RESULTS.md)."""
+    grouped one when not differentiated (benchmarks/HISTORY.md)."""
     return _xla_forward(query, key, value, mask, bias, scale, softcap, dtype, True, sinks)[0]
 
 

@@ -187,7 +187,7 @@ class Planner:
         step is predicted as its unrolled twin: the scan body's own cost analysis charges
         each dynamic-update-slice the whole stacked buffer (2.4x the unrolled bytes on v5e
         for Llama 2 7B), which the loop does not move. XLA:CPU does run a scanned layer
-        slower (1.18x the unrolled step, measured; benchmarks/RESULTS.md), so on CPU a layer
+        slower (1.18x the unrolled step, measured; benchmarks/HISTORY.md), so on CPU a layer
         is the scan body's own cost, X subtracted (2.1x the bytes: it overstates, but
         orders scanned steps after their twins, as measured).
         """

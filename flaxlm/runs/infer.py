@@ -164,7 +164,7 @@ ENGINES = ("auto", "paged", "batch")
 # many times longer (`padding_ratio`): on the 2-core CPU, since the contiguous cache is held
 # head-major (fixed batches' decode steps 1.3-1.5x faster), the engine ran 0.75x the fixed
 # batches' speed at a ratio of 2.6, 0.81x at 3.5, 1.49x at 5.0 and 1.78x at 6.5 (break-even
-# ~4; benchmarks/RESULTS.md, "Sixteenth session"), and its first run compiles ~2x longer.
+# ~4; benchmarks/HISTORY.md, "Sixteenth session"), and its first run compiles ~2x longer.
 PADDING_RATIO = 5.0
 DECODE_STEPS = 16  # tokens a row generates per engine dispatch
 PREFILL_ROWS = 2  # prompts each engine prefill dispatch reads
