@@ -3,26 +3,29 @@
 Parses Gin files and overrides (their imports load the run's modules, and no others: an
 `infer` never loads TensorFlow), joins the multi-process runtime when asked (or when the
 cluster is one JAX detects), imports the task registry when the run reads data, and calls
-the run function bound in Gin (`run.fn = @train`).
+the run function bound in Gin (`run.fn = @train`). A SIGTERM or SIGINT meanwhile is a stop
+request, acted on at the start-up's next safe point (the next module imported, the steps
+between) or handed to the run's own handler (`train`, `grpo`: they stop before the first
+step); a mistake, a bad flag included, is one `error: ...` line and exit 2.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.abc
 import importlib.util
 import os
 import platform
-import signal
 import sys
 import traceback
-from typing import Any
 
 from absl import app, flags, logging
 
 from flaxlm import gin_utils, logs, startup
 from flaxlm.parallel import platforms
+from flaxlm.training import preemption
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("gin_file", [], "Gin files to parse, in order (repeatable).")
@@ -82,6 +85,9 @@ def _initialize_distributed() -> None:
 
 # The run that reads its data in an input process of its own (data/input_process.py).
 TRAIN_RUN = "flaxlm.runs.train.train"
+# The runs that take SIGTERM and SIGINT over (`preemption.PreemptionHandler`: they save, then
+# stop): a stop asked for between the end of start-up and their handler's install is theirs.
+RUNS_THAT_SAVE_ON_SIGNALS = (TRAIN_RUN, "flaxlm.runs.grpo.grpo")
 
 # Imported when the Gin files name a configurable that their own imports have not
 # registered (a file without `from __gin__ import dynamic_registration`, a binding of a
@@ -185,6 +191,8 @@ def enable_compilation_cache(directory: str | None) -> None:
 
 
 def _multiprocess() -> bool:
+    if "jax" not in sys.modules:  # (no JAX loaded: no runtime joined, none to load for it)
+        return False
     import jax
 
     return jax.distributed.is_initialized() and jax.process_count() > 1
@@ -208,29 +216,90 @@ def _fail(message: str) -> None:
     _exit(2)
 
 
-def _stop_during_start_up(signum: int, frame: Any) -> None:
-    # A SystemExit raised here unwinds whatever start-up step is running (imports, Gin).
-    print(
-        f"\nReceived {signal.Signals(signum).name} during start-up: exiting; nothing to save.",
-        file=sys.stderr,
-        flush=True,
-    )
-    raise SystemExit(0)
+class _StopAsked(BaseException):
+    """Raised at a module's import during start-up once a stop was asked for (not in the
+    signal handler: at the import, where an exception unwinds as a failed import's does);
+    a BaseException, so that no `except Exception` takes it for an error."""
+
+
+def _raise_if_asked(signals: preemption.PreemptionHandler) -> None:
+    if signals.received is not None:
+        raise _StopAsked
+
+
+def _stop_if_asked(signals: preemption.PreemptionHandler) -> None:
+    """A safe point of the start-up: exits 0 if a stop was asked for (nothing is written
+    before the run starts)."""
+    if signals.received is not None:
+        print(
+            f"\nReceived {signals.received.name} during start-up: exiting; nothing to save.",
+            file=sys.stderr,
+            flush=True,
+        )
+        _exit(0)
 
 
 def main(argv: list[str]) -> None:
     # Until the run function starts (and `train` takes the signals over to save on them), a
-    # scheduler's SIGTERM or a Ctrl-C ends the start-up with a line saying so.
-    previous = {s: signal.signal(s, _stop_during_start_up) for s in (signal.SIGTERM, signal.SIGINT)}
+    # scheduler's SIGTERM or a Ctrl-C is a stop request, acted on at the next safe point
+    # (`_stop_if_asked`) with a line saying so; a second one exits at once.
+    signals = preemption.PreemptionHandler(announce=False).install()
     profile = None
     if FLAGS.profile_startup:
         profile = startup.StartupProfile()
         profile.mark("interpreter, absl, gin, flaxlm.main")
         profile.time_imports()
+    # A stop asked for while the libraries load (JAX's and TensorFlow's imports are thousands
+    # of modules and seconds) ends the start-up at the next module's import.
+    imports = startup.BeforeEachImport(functools.partial(_raise_if_asked, signals))
+    imports.install()
+    try:
+        _start_up(argv, signals, profile)
+    except _StopAsked:
+        pass  # (unwound from the import it came at, as from a failed import)
+    finally:
+        imports.uninstall()
+    _stop_if_asked(signals)
+    if next(iter(gin_utils.bound_runs()), None) not in RUNS_THAT_SAVE_ON_SIGNALS:
+        # Other runs get the signals' usual handling back (serve takes them its own way).
+        signals.uninstall()
+    if profile:
+        run_modules = (*REGISTERING_MODULES, "flaxlm.runs.loop", "flaxlm.checkpoints.run_dir")
+        startup.instrument_run(profile, [sys.modules[m] for m in run_modules if m in sys.modules])
+    try:
+        gin_utils.run()
+        if profile:
+            if not profile.printed:  # a run with no step (infer, import_hf): at its end
+                profile.mark("the run (no training step)")
+                profile.print_table()
+            print(profile.compile_summary(), flush=True)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    except FloatingPointError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        _exit(1)
+    except Exception:
+        if not _multiprocess():
+            raise
+        import jax
+
+        print(f"process {jax.process_index()} failed:", file=sys.stderr)
+        traceback.print_exc()
+        _exit(1)
+
+
+def _start_up(
+    argv: list[str],
+    signals: preemption.PreemptionHandler,
+    profile: startup.StartupProfile | None,
+) -> None:
+    """Checks the flags, loads the libraries, parses Gin, registers the tasks; exits on a
+    mistake (`_fail`) or a stop asked for (`_stop_if_asked`) at its safe points."""
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; use --gin.NAME=VALUE for overrides.")
     if not FLAGS.gin_file:
         _fail("give at least one --gin_file (e.g. --gin_file=gin/gptj_pretrain.gin).")
+    _stop_if_asked(signals)
     try:  # a mistyped path fails at once, before TensorFlow and JAX load
         gin_utils.find_gin_files(FLAGS.gin_file, FLAGS.gin_search_paths)
     except FileNotFoundError as e:
@@ -263,9 +332,11 @@ def main(argv: list[str]) -> None:
         if profile:
             profile.watch_jax()
             profile.mark("import jax, distributed init, compilation cache")
+        _stop_if_asked(signals)
         _parse_gin()
         if profile:
             profile.mark("Gin: parse (imports the modules the files name)")
+        _stop_if_asked(signals)
         if "tensorflow" in sys.modules or TRAIN_RUN not in gin_utils.bound_runs():
             input_process.discard_early()
         if FLAGS["tasks_module"].present or "seqio" in sys.modules:
@@ -291,32 +362,6 @@ def main(argv: list[str]) -> None:
             _fail(f"bad Gin configuration: {e}")
         if profile:
             profile.mark("TensorFlow set-up, JAX devices, Gin checks")
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
-    if profile:
-        run_modules = (*REGISTERING_MODULES, "flaxlm.runs.loop", "flaxlm.checkpoints.run_dir")
-        startup.instrument_run(profile, [sys.modules[m] for m in run_modules if m in sys.modules])
-    try:
-        gin_utils.run()
-        if profile:
-            if not profile.printed:  # a run with no step (infer, import_hf): at its end
-                profile.mark("the run (no training step)")
-                profile.print_table()
-            print(profile.compile_summary(), flush=True)
-    except (ValueError, FileNotFoundError) as e:
-        _fail(str(e))
-    except FloatingPointError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        _exit(1)
-    except Exception:
-        if not _multiprocess():
-            raise
-        import jax
-
-        print(f"process {jax.process_index()} failed:", file=sys.stderr)
-        traceback.print_exc()
-        _exit(1)
-    del gin
 
 
 def _parse_gin() -> None:
@@ -340,9 +385,20 @@ def _parse_gin() -> None:
         _fail(f"bad Gin configuration: {gin_utils.with_suggestion(str(e))}")
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, where a bad flag (`--profile_startup=maybe`, an unknown one) is
+    a usage error like the others: one `error: ...` line, exit 2."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"error: {message} (--helpshort lists the flags).", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def console_main() -> None:
     try:
-        app.run(main, argv=gin_utils.rewrite_gin_args(sys.argv))
+        app.run(main, argv=gin_utils.rewrite_gin_args(sys.argv), flags_parser=parse_flags)
     except SystemExit as e:
         if e.code in (None, 0) and not ("jax" in sys.modules and _multiprocess()):
             # A finished run has closed all it wrote (checkpoints waited for, metrics and

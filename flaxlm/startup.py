@@ -20,9 +20,10 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # Top-level packages whose first import is timed (each without the watched ones it imports).
@@ -317,6 +318,30 @@ class HiddenWhileLoading(importlib.abc.MetaPathFinder):
         """Puts the hook first in `sys.meta_path` (unless `module` is already imported)."""
         if self.module not in sys.modules and self not in sys.meta_path:
             sys.meta_path.insert(0, self)
+
+
+class BeforeEachImport(importlib.abc.MetaPathFinder):
+    """An import hook: `check()` runs before each module the main thread imports (or looks
+    up), and may raise to end the start-up there: the exception unwinds as a failed
+    import's does. Finds nothing itself; other threads' imports pass unchecked."""
+
+    def __init__(self, check: Callable[[], None]):
+        self.check = check
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self.check()
+        return None
+
+    def install(self) -> None:
+        """Puts the hook first in `sys.meta_path`."""
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def uninstall(self) -> None:
+        """Takes the hook out of `sys.meta_path`."""
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
 
 
 def hide_while_tensorflow_loads() -> None:

@@ -1,9 +1,10 @@
 """A `--tasks_module` for test_reliability: registers the usual tasks, then `kill -9`s this
 process at the point that FLAXLM_TEST_KILL names: 'save:4' while step 4's checkpoint is being
 written (before orbax commits it), 'eval:6' in the middle of the evaluation at step 6,
-'import' right now (start-up, before Gin is parsed), 'restore' as the train state is restored
-(the run's set-up). FLAXLM_TEST_SIGNAL=TERM sends SIGTERM instead (after which the process
-goes on as a preempted one does)."""
+'import' right now (start-up, before Gin is parsed), 'checks' in the run's checks (after
+flaxlm.main's start-up, before the run takes the signals over), 'restore' as the train state
+is restored (the run's set-up). FLAXLM_TEST_SIGNAL=TERM sends SIGTERM instead (after which
+the process goes on as a preempted one does)."""
 
 import os
 import signal
@@ -53,6 +54,15 @@ elif WHERE == "eval":
 
 elif WHERE == "import":
     _die()
+
+elif WHERE == "checks":
+    _check_resumed_lengths = data_state.check_resumed_lengths
+
+    def _die_then_check(*args, **kwargs):
+        _die()
+        return _check_resumed_lengths(*args, **kwargs)
+
+    data_state.check_resumed_lengths = _die_then_check
 
 elif WHERE == "restore":
     _restore_latest = checkpointer.Checkpointer.restore_latest

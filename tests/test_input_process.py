@@ -12,6 +12,7 @@ from flaxlm.data import input_process, pipeline
 from flaxlm.data.config import DatasetConfig
 from flaxlm.models import batch_shapes
 from flaxlm.models.base import EncoderDecoderModel
+from flaxlm.models.row_start import HF_START, SEQIO_START
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import train
 from flaxlm.training import objective as objective_lib
@@ -50,13 +51,19 @@ def test_a_run_that_must_read_in_its_own_process_says_why_it_cannot():
         feature_converter=seqio.DecoderFeatureConverter,
     )
     with pytest.raises(ValueError, match="train.input_process=True, but a DatasetConfig"):
-        train.reads_in_own_process(True, model, (cfg,), objective_lib.NEXT_TOKEN_PREDICTION)
+        train.reads_in_own_process(
+            True, model, (cfg,), objective_lib.NEXT_TOKEN_PREDICTION, SEQIO_START
+        )
+    with pytest.raises(ValueError, match="train.input_process=True, but the rows start as"):
+        train.reads_in_own_process(
+            True, model, (None,), objective_lib.NEXT_TOKEN_PREDICTION, HF_START
+        )
     plain = DatasetConfig(
         mixture_or_task_name="stdlib_py", task_feature_lengths={"targets": 24}, batch_size=8
     )
     # Left to itself: not where this process has loaded TensorFlow (as the tests have).
     assert not train.reads_in_own_process(
-        None, model, (plain,), objective_lib.NEXT_TOKEN_PREDICTION
+        None, model, (plain,), objective_lib.NEXT_TOKEN_PREDICTION, SEQIO_START
     )
 
 

@@ -17,8 +17,10 @@ in a checkpoint's dataset directory (tf.data's own checkpoints, the files an in-
 run writes). It reads ahead only as tf.data does (its own prefetch is part of the
 checkpointed state), so a position saved after step k is the one step k+1 reads from,
 as in one process. It ignores SIGINT and SIGTERM (the run saves on them, its data position
-included) and exits when the run closes its stdin, or ends. A bad configuration it finds
-comes back as the same ValueError the run would have raised itself.
+included; a terminal's Ctrl-C does not reach its process group) and exits when the run
+closes its stdin, or ends (quietly, also after a `kill -9` of the run). A bad configuration
+it finds comes back as the same ValueError the run would have raised itself; any other
+error as a RuntimeError naming the child's exception and message on its first line.
 """
 
 from __future__ import annotations
@@ -54,10 +56,13 @@ _HEADER = struct.Struct("<Q")
 _USER_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
 
 
-def _send(stream: BinaryIO, message: Any) -> None:
+def _pack(message: Any) -> bytes:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)))
-    stream.write(data)
+    return _HEADER.pack(len(data)) + data
+
+
+def _send(stream: BinaryIO, message: Any) -> None:
+    stream.write(_pack(message))
     stream.flush()
 
 
@@ -82,16 +87,26 @@ class InputProcess:
         # It imports what the run would (the run's sys.path: its working directory, -m).
         env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "flaxlm.data.input_process"] + (["--quiet"] if quiet else []),
+            [sys.executable, "-m", "flaxlm.data.input_process", f"--run_pid={os.getpid()}"]
+            + (["--quiet"] if quiet else []),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
+            # A process group of its own: a terminal's Ctrl-C (sent to the run's group)
+            # reaches the run alone, also while this process still imports (before it
+            # ignores SIGINT), and the run says what the stop does.
+            process_group=0,
         )
         self._lock = threading.Lock()
         self._sent = 0
         self._received = 0
         self._replies: dict[int, Any] = {}
         self._keys = 0
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self._proc.pid
 
     def request(self, *message: Any) -> int:
         """Sends `message`; returns the ticket `reply` takes."""
@@ -119,7 +134,11 @@ class InputProcess:
         kind, message, trace = value
         if kind in _USER_ERRORS:
             raise _USER_ERRORS[kind](message)
-        raise RuntimeError(f"The input process failed:\n{trace}")
+        # The cause on the first line: a one-line report of the error (a checkpoint's
+        # "could not be read (...)") names it; the child's traceback follows.
+        first = next((line for line in message.splitlines() if line.strip()), "")
+        cause = f"{kind}: {first}" if first else kind
+        raise RuntimeError(f"The input process failed: {cause}\n{trace}")
 
     def call(self, *message: Any) -> Any:
         return self.reply(self.request(*message))
@@ -370,17 +389,40 @@ def serve(requests: BinaryIO, answers: BinaryIO, quiet: bool) -> None:
             return
         try:
             if child is None:
-                _send(answers, ("error", *failed))  # type: ignore[misc]
-                continue
-            _send(answers, ("ok", getattr(child, op)(*args)))
-        except Exception as e:  # noqa: BLE001 - the run raises it again
-            _send(answers, ("error", type(e).__name__, str(e), traceback.format_exc()))
+                answer = _pack(("error", *failed))
+            else:
+                answer = _pack(("ok", getattr(child, op)(*args)))
+        except Exception as e:  # noqa: BLE001 - the run raises it again (also: no pickle)
+            answer = _pack(_error(e))
+        try:
+            answers.write(answer)
+            answers.flush()
+        except BrokenPipeError:
+            return  # the run has gone: nothing is left to answer, nor anyone to say it to
+
+
+def _error(error: Exception) -> tuple[str, str, str, str]:
+    """The answer that makes the run raise `error` again (type, message, traceback)."""
+    return ("error", type(error).__name__, str(error), traceback.format_exc())
+
+
+def _exit_when_orphaned(run_pid: int, period: float = 0.5) -> None:
+    """Ends this process, quietly, once the run that started it has gone (a `kill -9`;
+    then this process is no longer its child): a request it was busy with (importing
+    TensorFlow, building a pipeline) has no one left to answer, nor this process anyone
+    left to write for."""
+    while os.getppid() == run_pid:
+        time.sleep(period)
+    os._exit(0)
 
 
 def _main() -> None:
     # The run saves its data position on these; this process must live to write it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # (the run's pid from its command line: the run may have gone before this line runs)
+    (run_pid,) = [int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--run_pid=")]
+    threading.Thread(target=_exit_when_orphaned, args=(run_pid,), daemon=True).start()
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a task's print() stays off the pipe
     serve(sys.stdin.buffer, answers, quiet="--quiet" in sys.argv[1:])
