@@ -167,16 +167,20 @@ def check_family(
     implementations=("jax", "chunked"),
     refused=(),
     tmp_path=None,
+    scan=True,
+    reload_cls=None,
     **overrides,
 ) -> None:
     """Every promise a family makes against its HF PyTorch reference, saved at `path`:
 
     float32 logits within 1e-4 unsharded, with each attention implementation (those in
     `refused` must raise a ValueError naming the implementation) and on `MESHES` (the
-    second with scanned layers); greedy generation token-identical to HF `generate` for
-    `GREEDY_TOKENS` tokens from prompts of mixed lengths; export -> transformers reload with
+    second with scanned layers, unless `scan` is False: layers that differ); greedy
+    generation token-identical to HF `generate` for `GREEDY_TOKENS` tokens from prompts of
+    mixed lengths; export -> transformers reload with
     no missing or unexpected keys, logits within 1e-5 relative, generation config kept.
-    `overrides` go to `hf.from_pretrained` (config fields).
+    `overrides` go to `hf.from_pretrained` (config fields); `reload_cls` reloads the export
+    (None: `AutoModelForCausalLM`; Mistral 4's class, which transformers' auto map lacks).
     """
     import dataclasses
     import json
@@ -205,9 +209,9 @@ def check_family(
         assert max_abs_diff(got, theirs, mask) < 1e-4, implementation
 
     for mesh in MESHES:
-        scan = mesh == MESHES[-1]
+        scanned = scan and mesh == MESHES[-1]
         sharded, sharded_params = hf.from_pretrained(
-            path, Partitioner(mesh_shape=mesh), scan_layers=scan, **overrides
+            path, Partitioner(mesh_shape=mesh), scan_layers=scanned, **overrides
         )
         got = sharded.compute_logits(sharded_params, batch)
         assert max_abs_diff(got, theirs, mask) < 1e-4, mesh
@@ -223,7 +227,7 @@ def check_family(
     umask = os.umask(0)
     os.umask(umask)
     assert os.stat(out / "model.safetensors").st_mode & 0o777 == 0o666 & ~umask  # shareable
-    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+    reloaded, info = (reload_cls or transformers.AutoModelForCausalLM).from_pretrained(
         str(out), output_loading_info=True
     )
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info

@@ -159,7 +159,9 @@ class LlamaBlockConfig(Protocol):
 class LlamaBlock(nn.Module):
     """Pre-RMSNorm block: grouped-query rotary attention (this layer's window), gated MLP.
 
-    Called `(x, layer_index, mask, decoding, sin, cos)` (`CausalLM.layer_index`)."""
+    Called `(x, layer_index, mask, decoding, sin, cos, *rest)` (`CausalLM.layer_index`);
+    `rest`: what else a family's `block_inputs` gives its `self_attention` (Mistral 4's
+    query scale by position)."""
 
     config: Any  # a LlamaBlockConfig
     deterministic: bool = True
@@ -178,13 +180,14 @@ class LlamaBlock(nn.Module):
         decoding: masks.Decoding | None,
         sin: Array,
         cos: Array,
+        *rest: Array,
     ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         norm = dict(epsilon=cfg.rms_norm_eps, scale_plus_one=cfg.norm_scale_plus_one, **dense)
         x = layers.constrain(x, layers.ACTIVATION_AXES)
         h = layers.RMSNorm(name="input_layernorm", **norm)(x)
-        attn = self.self_attention(h, index, mask, decoding, sin, cos)
+        attn = self.self_attention(h, index, mask, decoding, sin, cos, *rest)
         x = layers.constrain(x + self.dropped(attn), layers.ACTIVATION_AXES)
         h = layers.RMSNorm(name="post_attention_layernorm", **norm)(x)
         return layers.constrain(

@@ -48,6 +48,9 @@ MLA_CACHES = ("latent", "full")
 # without tensor parallelism); an output latent dim is never split.
 LATENT_IN = "embed"
 LATENT_CACHE_AXES = ("batch", "length", None, None)  # [batch, slots, 1, width]
+# `q_a_layernorm` and `kv_a_layernorm` are HF's RMSNorms at their default epsilon, whatever
+# the config's `rms_norm_eps` (DeepseekV3Attention, Mistral4Attention build them so).
+LATENT_NORM_EPS = 1e-6
 
 
 def softmax_scale(cfg: Any) -> float:
@@ -89,15 +92,16 @@ class LatentUp(layers.DenseGeneral):
 class MultiHeadLatentAttention(nn.Module):
     """`[batch, length, embed]` -> `[batch, length, embed]`, tagged `attn_out` for remat.
 
-    Called `(h, sin, cos, mask, decoding)` with sin/cos of the rotary width
-    (`qk_rope_head_dim // 2`). Params (HF's names): `q_proj` or `q_a_proj`, `q_a_layernorm`,
-    `q_b_proj`; `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`. The decoding
-    cache: `cache/latent` `[batch, slots, 1, kv_lora_rank]` and `cache/rope_key` `[batch,
-    slots, 1, qk_rope_head_dim]` (`mla_cache='full'`: `cache/key` and `cache/value` per
-    head).
+    Called `(h, sin, cos, mask, decoding, query_scale=None)` with sin/cos of the rotary
+    width (`qk_rope_head_dim // 2`); `query_scale` `[batch, length]` multiplies each query
+    (Mistral 4's scale by position; HF scales the queries after rotary). Params (HF's
+    names): `q_proj` or `q_a_proj`, `q_a_layernorm`, `q_b_proj`; `kv_a_proj_with_mqa`,
+    `kv_a_layernorm`, `kv_b_proj`, `o_proj`. The decoding cache: `cache/latent` `[batch,
+    slots, 1, kv_lora_rank]` and `cache/rope_key` `[batch, slots, 1, qk_rope_head_dim]`
+    (`mla_cache='full'`: `cache/key` and `cache/value` per head).
     """
 
-    config: Any  # a DeepseekV3Config (the MLA fields, ComputeOptions, rms_norm_eps)
+    config: Any  # a DeepseekV3Config or Mistral4Config (the MLA fields, ComputeOptions)
 
     @nn.compact
     def __call__(
@@ -107,10 +111,11 @@ class MultiHeadLatentAttention(nn.Module):
         cos: Array,
         mask: masks.Mask | Array,
         decoding: masks.Decoding | None,
+        query_scale: Array | None = None,
     ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-        norm = dict(epsilon=cfg.rms_norm_eps, axes=(None,), **dense)
+        norm = dict(epsilon=LATENT_NORM_EPS, axes=(None,), **dense)
         heads, nope, rope_dim = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         rank, v_dim = cfg.kv_lora_rank, cfg.v_head_dim
         head_axes = ("embed", "heads", "head_dim")
@@ -136,6 +141,10 @@ class MultiHeadLatentAttention(nn.Module):
         rotate = dict(interleaved=cfg.rope_interleave)
         q_rope = attention.apply_rotary(q_rope, sin, cos, **rotate)
         k_rope = attention.apply_rotary(k_rope, sin, cos, **rotate)
+        if query_scale is not None:
+            # As HF: the scale in the queries' dtype, both parts (so also the absorbed path).
+            q_scale = query_scale[:, :, None, None].astype(q.dtype)
+            q_nope, q_rope = q_nope * q_scale, q_rope * q_scale
         kv_b = LatentUp(
             (heads, nope + v_dim), (LATENT_IN, "heads", "head_dim"), name="kv_b_proj", **dense
         )

@@ -30,6 +30,12 @@ from flaxlm.models import expert_parallel, experts, grouped_matmul, layers, rout
 Array = jax.Array
 
 IMPLEMENTATIONS = ("dense", "dropless", "capacity")
+# The MoEOptions fields every MoE model needs, and the config.json keys that hold them.
+_HF_NAMES = {
+    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
+    "num_experts_per_tok": ("num_experts_per_tok",),
+    "moe_intermediate_size": ("moe_intermediate_size", "intermediate_size"),
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,12 +91,24 @@ class MoEOptions:
     # (`clamped_swiglu`) in the experts when `swiglu_limit` is set (None: `activation`).
     router_bias: bool = False
     expert_bias: bool = False
+    # Llama 4: each chosen expert runs on the token times its router weight, its output
+    # summed unweighted (HF's Llama4TextMoe), where the others weight the output.
+    router_scales_input: bool = False
+    # Gemma 4: the chosen experts' weights times a learned scale per expert
+    # (`per_expert_scale` [experts], HF's `router.per_expert_scale`).
+    per_expert_scale: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
 
     def check_moe(self) -> None:
         """ValueErrors naming the MoE field flaxlm cannot run."""
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        for field, hf_names in _HF_NAMES.items():
+            if getattr(self, field) is None:  # a config.json without it (options_from_hf)
+                raise ValueError(
+                    f"{field} is not set: an MoE model needs it (config.json's "
+                    f"{' or '.join(hf_names)})."
+                )
         if self.router not in routing.ROUTERS:
             raise ValueError(f"router {self.router!r}: expected one of {routing.ROUTERS}.")
         if self.moe_impl not in IMPLEMENTATIONS:
@@ -155,6 +173,7 @@ class MoEOptions:
         e, f = hidden_size, self.moe_intermediate_size
         router = e * self.num_experts + (self.num_experts if self.score_correction_bias else 0)
         router += self.num_experts if self.router_bias else 0
+        router += self.num_experts if self.per_expert_scale else 0
         shared = 3 * e * (self.shared_expert_intermediate_size + self.n_shared_experts * f)
         shared += e if self.shared_expert_intermediate_size else 0
         expert = 3 * e * f + (2 * f + e if self.expert_bias else 0)
@@ -220,8 +239,11 @@ class MoE(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: Array, real: Array | None = None) -> Array:
-        """`real`: `[batch, length]`, nonzero at real tokens (the statistics' weights)."""
+    def __call__(
+        self, x: Array, real: Array | None = None, router_input: Array | None = None
+    ) -> Array:
+        """`real`: `[batch, length]`, nonzero at real tokens (the statistics' weights);
+        `router_input`: what the router reads in place of `x` (Gemma 4's, normed apart)."""
         cfg = self.config
         b, length, d = x.shape
         e, k, f = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
@@ -231,7 +253,7 @@ class MoE(nn.Module):
             e, ("embed", None), use_bias=cfg.router_bias, dtype=self.dtype,
             param_dtype=self.param_dtype, out_dtype=jnp.float32, name="gate",
         )  # fmt: skip
-        logits = router(x)  # [batch, length, experts], float32
+        logits = router(x if router_input is None else router_input)  # [b, len, experts], f32
         bias = None
         if cfg.score_correction_bias:  # float32 whatever param_dtype: small steps move it
             bias = self.param(
@@ -252,38 +274,62 @@ class MoE(nn.Module):
 
         # [batch, length, k], each device routing its own tokens
         weights3, ids3 = expert_parallel.on_own_tokens(choose, (logits,), (bias,))
-        weights, ids = weights3.reshape(-1, k), ids3.reshape(-1, k)
+        if cfg.per_expert_scale:
+            init = nn.with_logical_partitioning(nn.initializers.ones, (None,))
+            scale = self.param("per_expert_scale", init, (e,), layers.as_dtype(self.param_dtype))
+            weights3 = weights3 * scale.astype(weights3.dtype)[ids3]
 
         init = nn.initializers.normal(0.02)
         pdtype = layers.as_dtype(self.param_dtype)
         weights_of = experts.Experts(e, d, f, pdtype, init, cfg.expert_bias, name="experts")
         wi, wo, expert_bias = weights_of()
         wi, wo, expert_bias = jax.tree.map(lambda w: w.astype(dtype), (wi, wo, expert_bias))
-        xt = x.reshape(-1, d).astype(dtype)
-        dropped = None
         act, glu = cfg.activation, experts.expert_glu(cfg)
-        if cfg.moe_impl == "dense":
-            y = experts.dense_experts(xt, wi, wo, weights, ids, glu, expert_bias)
-        elif cfg.moe_impl == "capacity":
-            capacity = experts.expert_capacity(xt.shape[0], k, e, cfg.capacity_factor)
-            y, dropped = experts.capacity_experts(
-                xt, wi, wo, weights, ids, glu, capacity, expert_bias
-            )
-        else:
-            out = expert_parallel.run_experts(
-                x.astype(dtype), wi, wo, weights3, ids3, glu, shards, expert_bias,
-                dispatch=cfg.moe_dispatch, capacity_factor=cfg.capacity_factor,
-                matmul=cfg.grouped_matmul,
-            )  # fmt: skip
-            if out is None:
-                y = experts.grouped_experts(
-                    xt, wi, wo, weights, ids, glu, bias=expert_bias,
-                    matmul=cfg.grouped_matmul, all_local=True,
-                )  # fmt: skip
+
+        def run(x: Array, weights3: Array, ids3: Array) -> tuple[Array, Array | None]:
+            """The experts' weighted sum `[batch, length, embed]` and the dropped
+            assignments (float32 `[tokens, k]`, or None) by `moe_impl`."""
+            k = ids3.shape[-1]
+            weights, ids = weights3.reshape(-1, k), ids3.reshape(-1, k)
+            xt = x.reshape(-1, d).astype(dtype)
+            dropped = None
+            if cfg.moe_impl == "dense":
+                y = experts.dense_experts(xt, wi, wo, weights, ids, glu, expert_bias)
+            elif cfg.moe_impl == "capacity":
+                capacity = experts.expert_capacity(xt.shape[0], k, e, cfg.capacity_factor)
+                y, dropped = experts.capacity_experts(
+                    xt, wi, wo, weights, ids, glu, capacity, expert_bias
+                )
             else:
-                y, dropped = out
-                dropped = None if dropped is None else dropped.reshape(-1, k)
-        y = y.reshape(b, length, d)
+                out = expert_parallel.run_experts(
+                    x.astype(dtype), wi, wo, weights3, ids3, glu, shards, expert_bias,
+                    dispatch=cfg.moe_dispatch, capacity_factor=cfg.capacity_factor,
+                    matmul=cfg.grouped_matmul,
+                )  # fmt: skip
+                if out is None:
+                    y = experts.grouped_experts(
+                        xt, wi, wo, weights, ids, glu, bias=expert_bias,
+                        matmul=cfg.grouped_matmul, all_local=True,
+                    )  # fmt: skip
+                else:
+                    y, dropped = out
+                    dropped = None if dropped is None else dropped.reshape(-1, k)
+            return y.reshape(b, length, d), dropped
+
+        if cfg.router_scales_input:
+            # One pass per rank r: every token's r-th expert on the token scaled by its
+            # weight, unweighted after (the expert is not linear: the two orders differ).
+            ones = jnp.ones_like(weights3[..., :1])
+            passes = [
+                run(x * weights3[..., r : r + 1].astype(x.dtype), ones, ids3[..., r : r + 1])
+                for r in range(k)
+            ]
+            y = sum(p[0] for p in passes)
+            dropped = None
+            if passes[0][1] is not None:
+                dropped = jnp.concatenate([p[1] for p in passes], axis=-1)
+        else:
+            y, dropped = run(x, weights3, ids3)
 
         if cfg.shared_expert_intermediate_size:
             dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)

@@ -60,9 +60,11 @@ class RopeScaling(ComputeOptions):
                 f"{self.rope_original_max_position_embeddings} must be positive."
             )
         low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
-        if kind == "llama3" and not high > low > 0:
+        # Equal factors (Llama 4 Scout's 1 and 1): no band between, every wavelength past
+        # the context slowed, as HF computes it.
+        if kind == "llama3" and not high >= low > 0:
             raise ValueError(
-                f"llama3 rope scaling needs rope_high_freq_factor ({high}) > "
+                f"llama3 rope scaling needs rope_high_freq_factor ({high}) >= "
                 f"rope_low_freq_factor ({low}) > 0."
             )
         if kind == "yarn" and not self.rope_beta_fast >= self.rope_beta_slow > 0:
@@ -75,9 +77,12 @@ class RopeScaling(ComputeOptions):
             raise ValueError(f"rope_attention_factor {scale} must be positive.")
 
 
-def inv_freq(cfg: Any) -> np.ndarray:
-    """float32 inverse frequencies `[dim_per_head // 2]`, scaled as `rope_scaling_type` says."""
-    base = attention.rotary_inv_freq(cfg.dim_per_head, cfg.rope_theta)
+def inv_freq(cfg: Any, dim: int | None = None) -> np.ndarray:
+    """float32 inverse frequencies `[dim // 2]`, scaled as `rope_scaling_type` says. `dim`:
+    the rotated features of each head (None: `dim_per_head`; fewer: partial rotary, whose
+    frequencies HF computes over the rotated features only)."""
+    dim = dim or cfg.dim_per_head
+    base = attention.rotary_inv_freq(dim, cfg.rope_theta)
     factor = cfg.rope_scaling_factor
     if cfg.rope_scaling_type == "linear":
         # Dividing the frequencies is dividing the positions by `factor`.
@@ -88,19 +93,21 @@ def inv_freq(cfg: Any) -> np.ndarray:
         low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
         wavelen = np.float32(2 * math.pi) / base
         scaled = np.where(wavelen > context / low, base / np.float32(factor), base)
+        if high == low:
+            return scaled.astype(np.float32)
         smooth = (np.float32(context) / wavelen - np.float32(low)) / np.float32(high - low)
         blended = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
         medium = (wavelen >= context / high) & (wavelen <= context / low)
         return np.where(medium, blended, scaled).astype(np.float32)
     if cfg.rope_scaling_type == "yarn":
-        return yarn_inv_freq(cfg)
+        return yarn_inv_freq(cfg, dim)
     return base
 
 
-def yarn_inv_freq(cfg: Any) -> np.ndarray:
+def yarn_inv_freq(cfg: Any, dim: int | None = None) -> np.ndarray:
     """YaRN's blend: dims below the ramp keep their frequency (extrapolate), dims above it
     are divided by `factor` (interpolate), linearly in between."""
-    dim, theta = cfg.dim_per_head, cfg.rope_theta
+    dim, theta = dim or cfg.dim_per_head, cfg.rope_theta
     pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
     extrapolated = np.float32(1) / pos_freqs
     interpolated = np.float32(1) / (np.float32(cfg.rope_scaling_factor) * pos_freqs)
@@ -137,10 +144,10 @@ def attention_factor(cfg: Any) -> float:
     return mscale(factor)
 
 
-def sin_cos(positions: Array, cfg: Any) -> tuple[Array, Array]:
-    """float32 sin/cos tables `[batch, length, dim_per_head // 2]` for `positions`, scaled by
-    the attention factor as HF scales its cos/sin."""
-    sin, cos = attention.rotary_sin_cos(positions, inv_freq(cfg))
+def sin_cos(positions: Array, cfg: Any, dim: int | None = None) -> tuple[Array, Array]:
+    """float32 sin/cos tables `[batch, length, dim // 2]` for `positions` (`dim` as
+    `inv_freq` reads it), scaled by the attention factor as HF scales its cos/sin."""
+    sin, cos = attention.rotary_sin_cos(positions, inv_freq(cfg, dim))
     scale = attention_factor(cfg)
     if scale == 1.0:
         return sin, cos
