@@ -168,8 +168,9 @@ def eval_hook(
 ) -> Hook:
     """Loss, accuracy, perplexity (an objective's own summary of its metric sums) every
     `period` steps; with `task_metrics_of` (the eval dataset, model, partitioner and row
-    start) also the task's own metric functions, if it has any. The task's evaluator (seqio builds and caches
-    its examples) is set up at the first evaluation, not before the first step."""
+    start) also the task's own metric functions, if it has any. The task's evaluator (seqio
+    builds and caches its examples) is set up at the first evaluation, not before the first
+    step."""
     evaluators: list[TaskEvaluator | None] = []
 
     def task_evaluator() -> TaskEvaluator | None:

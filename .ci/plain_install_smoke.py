@@ -1,0 +1,151 @@
+"""Every shipped Gin file in gin/, run for a step or two by `python -m flaxlm.main` in the
+Python this script runs under: `.ci/run` runs it in a venv of `pip install -e .` alone (no
+extras), so a runtime dependency that setup.py's install_requires lacks fails CI. Then
+`serve` answers one chat completion over an HF export of the chat model.
+
+Standard library only. Usage: python .ci/plain_install_smoke.py [WORK_DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHORT = [
+    "--gin.TRAIN_STEPS=2",
+    "--gin.WARMUP_STEPS=0",
+    "--gin.EVAL_PERIOD=0",
+    "--gin.LOG_PERIOD=1",
+    "--gin.CHECKPOINT_PERIOD=2",
+    "--gin.BATCH_SIZE=8",
+]
+LM = ["--gin.TASK_FEATURE_LENGTHS={'targets': 64}"]
+
+
+def runs(work: str) -> list[tuple[str, list[str]]]:
+    """(Gin file, its settings) in order: chat_sft first (finetune_hf and serve start from
+    its export)."""
+    d = lambda name: f"--gin.MODEL_DIR='{os.path.join(work, name)}'"  # noqa: E731
+    hf = os.path.join(work, "chat_hf")
+    return [
+        ("chat_sft.gin", [d("chat_sft"), "--gin.MAX_LENGTH=64"]),
+        ("runs/export_hf.gin", [d("chat_sft"), f"--gin.HF_OUT_DIR='{hf}'"]),
+        ("finetune_hf.gin", [d("finetune_hf"), f"--gin.INIT_FROM_HF='{hf}'", *LM]),
+        ("dpo.gin", [d("dpo"), "--gin.MAX_LENGTH=32"]),
+        ("orpo.gin", [d("orpo"), "--gin.MAX_LENGTH=32"]),
+        ("gptj_pretrain.gin", [d("gptj_pretrain"), *LM]),
+        ("gptj_fcm_pretrain.gin", [d("gptj_fcm"), *LM]),
+        ("gpt2_alibi_zero1.gin", [d("gpt2_alibi"), *LM]),
+        ("opt_pretrain.gin", [d("opt"), *LM]),
+        ("llama_finetune.gin", [d("llama_finetune"), *LM]),
+        (
+            "jsonl_finetune.gin",
+            [
+                d("jsonl"),
+                "--gin.JSONL_TRAIN='data/instructions/train.jsonl'",
+                "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 16}",
+            ],
+        ),
+        ("t5_finetune.gin", [d("t5")]),
+        (
+            "llama_lora.gin",
+            [
+                d("llama_lora"),
+                f"--gin.OUTPUT_DIR='{os.path.join(work, 'llama_lora_generations')}'",
+                "--gin.MAX_NEW_TOKENS=2",
+            ],
+        ),
+        (
+            "grpo.gin",
+            [
+                d("grpo"),
+                f"--gin.SFT_DIR='{os.path.join(work, 'grpo_sft')}'",
+                "--gin.SFT_STEPS=2",
+                "--gin.grpo.grpo.total_steps=1",
+                "--gin.grpo.grpo.checkpoint_period=1",
+            ],
+        ),
+    ]
+
+
+def flaxlm_main(gin_file: str, settings: list[str], **kwargs) -> subprocess.Popen:
+    command = [sys.executable, "-m", "flaxlm.main", f"--gin_file=gin/{gin_file}", *settings]
+    return subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+    )
+
+
+def check_run(gin_file: str, settings: list[str], work: str) -> None:
+    settings = settings if gin_file.startswith("runs/") else [*settings, *SHORT]
+    start = time.perf_counter()
+    process = flaxlm_main(gin_file, settings)
+    out, err = process.communicate(timeout=600)
+    if process.returncode != 0:
+        sys.exit(f"FAILED: gin/{gin_file} exited {process.returncode}\n{out[-2000:]}{err[-4000:]}")
+    if gin_file == "runs/export_hf.gin":  # the chat tokenizer goes with the export
+        hf = os.path.join(work, "chat_hf")
+        for name in os.listdir(os.path.join(REPO, "data/chat/tokenizer")):
+            shutil.copy(os.path.join(REPO, "data/chat/tokenizer", name), hf)
+    print(f"ok  gin/{gin_file} ({time.perf_counter() - start:.1f} s)", flush=True)
+
+
+def check_serve(work: str) -> None:
+    """`serve` over the HF export answers one chat completion (the chat template: jinja2)."""
+    start = time.perf_counter()
+    settings = [f"--gin.CHECKPOINT='{os.path.join(work, 'chat_hf')}'", "--gin.PORT=0"]
+    process = flaxlm_main("runs/serve.gin", settings)
+    try:
+        address = None
+        for line in process.stdout:
+            match = re.search(r" on (http://\S+) with batches", line)
+            if match:
+                address = match.group(1)
+                break
+        if address is None:
+            sys.exit(f"FAILED: serve did not start\n{process.stderr.read()[-4000:]}")
+        request = urllib.request.Request(
+            address + "/v1/chat/completions",
+            data=json.dumps(
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            ).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=300) as response:
+            answer = json.load(response)
+        if answer["choices"][0]["message"]["role"] != "assistant":
+            sys.exit(f"FAILED: serve answered {answer}")
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    print(f"ok  gin/runs/serve.gin: a chat completion ({time.perf_counter() - start:.1f} s)")
+
+
+def main() -> None:
+    work = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="flaxlm_smoke_")
+    shipped = {f for f in os.listdir(os.path.join(REPO, "gin")) if f.endswith(".gin")}
+    planned = runs(work)
+    missing = shipped - {name for name, _ in planned}
+    if missing:
+        sys.exit(f"FAILED: .ci/plain_install_smoke.py does not run {sorted(missing)}")
+    start = time.perf_counter()
+    for gin_file, settings in planned:
+        check_run(gin_file, settings, work)
+    check_serve(work)
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"plain install: {len(planned) + 1} runs in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
