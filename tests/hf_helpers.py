@@ -157,6 +157,40 @@ def flaxlm_greedy_batch(model, params, prompts, new_tokens: int = GREEDY_TOKENS,
     return np.asarray(out).tolist()
 
 
+def engine_greedy(
+    model, params, prompts, new_tokens: int = GREEDY_TOKENS, partitioner=None
+) -> list[list[int]]:
+    """The serving engine's greedy tokens for `prompts` (ids only: no vocabulary), over its
+    paged cache with small pages and several dispatches a prompt, on one device unless
+    `partitioner`; `new_tokens` each (the tiny models have no EOS)."""
+    import jax
+
+    from flaxlm.parallel.partitioning import Partitioner
+    from flaxlm.runs.serve.api import Completion
+    from flaxlm.runs.serve.engine import Engine
+
+    partitioner = partitioner or Partitioner(mesh_shape=(1, 1, 1), devices=jax.devices()[:1])
+    engine = Engine(
+        model, params, partitioner, None, max_batch_size=4, page_size=4, num_pages=32,
+        max_seq_len=48, decode_steps=4, prefill_chunk=8, prefill_rows=2,
+    )  # fmt: skip
+    engine.start()
+    try:
+        jobs = [Completion(p, new_tokens, 0.0, 1.0, [], None, 0) for p in prompts]
+        for job in jobs:
+            engine.submit(job)
+        out = []
+        for job in jobs:
+            tokens = []
+            while (event := job.events.get(timeout=120))[0] == "token":
+                tokens.append(event[1])
+            assert event[:2] == ("done", "length"), event
+            out.append(tokens)
+        return out
+    finally:
+        engine.stop()
+
+
 def check_family(
     torch_model,
     path,

@@ -28,10 +28,9 @@ from flaxlm.checkpoints import fp8, hf, hf_files
 from flaxlm.models import deepseek, masks, mla, routing
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.runs.serve.api import Completion
-from flaxlm.runs.serve.engine import Engine
 from tests.hf_helpers import (
     decoder_batch,
+    engine_greedy,
     flaxlm_greedy_batch,
     gin_config,
     hf_greedy_batch,
@@ -203,27 +202,7 @@ def test_greedy_from_the_latent_cache_is_hf_generate_the_full_cache_and_the_engi
     assert flaxlm_greedy_batch(full_cache, params, prompts, GREEDY_TOKENS) == latent
 
     assert model.paged_refusal() is None
-    engine = Engine(
-        model, params, ONE, None, max_batch_size=4, page_size=4,  # (ids only: no vocabulary)
-        num_pages=32, max_seq_len=48, decode_steps=4, prefill_chunk=8, prefill_rows=2,
-    )  # fmt: skip
-    engine.start()
-    try:
-        jobs = [Completion(p, GREEDY_TOKENS, 0.0, 1.0, [], None, 0) for p in prompts]
-        for job in jobs:
-            engine.submit(job)
-        assert [engine_tokens(job) for job in jobs] == latent
-    finally:
-        engine.stop()
-
-
-def engine_tokens(job: Completion) -> list[int]:
-    """The tokens of a completion once it has ended (all of them: the model has no EOS)."""
-    tokens = []
-    while (event := job.events.get(timeout=120))[0] == "token":
-        tokens.append(event[1])
-    assert event[:2] == ("done", "length"), event
-    return tokens
+    assert engine_greedy(model, params, prompts) == latent
 
 
 def test_latent_cache_holds_576_values_per_token_against_40960(full):

@@ -26,13 +26,12 @@ from flaxlm.checkpoints import hf
 from flaxlm.models import glm4_moe, minimax_m2
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.runs.serve.api import Completion
-from flaxlm.runs.serve.engine import Engine
 from flaxlm.training import lora, steps
 from tests.helpers import adamw
 from tests.hf_helpers import (
     check_family,
     decoder_batch,
+    engine_greedy,
     gin_config,
     hf_greedy_batch,
     max_abs_diff,
@@ -41,7 +40,6 @@ from tests.hf_helpers import (
     torch_logits,
     train_on_batch,
 )
-from tests.test_hf_deepseek import engine_tokens
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 120
@@ -191,18 +189,7 @@ def test_greedy_through_the_engines_paged_cache_is_hf_generate(saved):
     prompts = [rng.integers(1, VOCAB, n).tolist() for n in (11, 4, 17)]
     expected = hf_greedy_batch(torch_model, prompts, GREEDY_TOKENS)
     assert model.paged_refusal() is None
-    engine = Engine(
-        model, params, ONE, None, max_batch_size=4, page_size=4,  # (ids only: no vocabulary)
-        num_pages=32, max_seq_len=48, decode_steps=4, prefill_chunk=8, prefill_rows=2,
-    )  # fmt: skip
-    engine.start()
-    try:
-        jobs = [Completion(p, GREEDY_TOKENS, 0.0, 1.0, [], None, 0) for p in prompts]
-        for job in jobs:
-            engine.submit(job)
-        assert [engine_tokens(job) for job in jobs] == expected
-    finally:
-        engine.stop()
+    assert engine_greedy(model, params, prompts) == expected
 
 
 @pytest.mark.slow

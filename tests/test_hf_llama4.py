@@ -24,12 +24,11 @@ from flaxlm.checkpoints import hf
 from flaxlm.models import llama4, moe
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.runs.serve.api import Completion
-from flaxlm.runs.serve.engine import Engine
 from flaxlm.training import lora
 from tests.hf_helpers import (
     check_family,
     decoder_batch,
+    engine_greedy,
     gin_config,
     hf_greedy_batch,
     padded_batch,
@@ -129,27 +128,7 @@ def test_engine_greedy_over_the_paged_cache_is_hf_generate(root):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, VOCAB, n).tolist() for n in (11, 4, 17)]
     expected = [hf_greedy_batch(torch_model, [p], GREEDY_TOKENS)[0] for p in prompts]
-    engine = Engine(
-        model, params, ONE, None, max_batch_size=4, page_size=4,  # (ids only: no vocabulary)
-        num_pages=32, max_seq_len=48, decode_steps=4, prefill_chunk=8, prefill_rows=2,
-    )  # fmt: skip
-    engine.start()
-    try:
-        jobs = [Completion(p, GREEDY_TOKENS, 0.0, 1.0, [], None, 0) for p in prompts]
-        for job in jobs:
-            engine.submit(job)
-        assert [engine_tokens(job) for job in jobs] == expected
-    finally:
-        engine.stop()
-
-
-def engine_tokens(job: Completion) -> list[int]:
-    """The tokens of a completion once it has ended (all of them: the model has no EOS)."""
-    tokens = []
-    while (event := job.events.get(timeout=120))[0] == "token":
-        tokens.append(event[1])
-    assert event[:2] == ("done", "length"), event
-    return tokens
+    assert engine_greedy(model, params, prompts) == expected
 
 
 @pytest.mark.slow

@@ -27,13 +27,12 @@ from flaxlm.checkpoints import hf
 from flaxlm.models import mistral4
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.runs.serve.api import Completion
-from flaxlm.runs.serve.engine import Engine
 from flaxlm.training import lora, steps
 from tests.helpers import adamw, load_benchmark
 from tests.hf_helpers import (
     check_family,
     decoder_batch,
+    engine_greedy,
     gin_config,
     hf_greedy_batch,
     max_abs_diff,
@@ -42,7 +41,6 @@ from tests.hf_helpers import (
     torch_logits,
     train_on_batch,
 )
-from tests.test_hf_deepseek import engine_tokens
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 120
@@ -185,18 +183,7 @@ def test_engine_pages_the_latent_cache_as_hf_generates(full):
     prompts = [rng.integers(1, VOCAB, n).tolist() for n in (9, 3, 14)]
     expected = hf_greedy_batch(torch_model, prompts, 12)
     assert model.paged_refusal() is None
-    engine = Engine(
-        model, params, ONE, None, max_batch_size=4, page_size=4, num_pages=32, max_seq_len=48,
-        decode_steps=4, prefill_chunk=8, prefill_rows=2,
-    )  # fmt: skip
-    engine.start()
-    try:
-        jobs = [Completion(p, 12, 0.0, 1.0, [], None, 0) for p in prompts]
-        for job in jobs:
-            engine.submit(job)
-        assert [engine_tokens(job) for job in jobs] == expected
-    finally:
-        engine.stop()
+    assert engine_greedy(model, params, prompts, 12) == expected
 
 
 @pytest.mark.slow

@@ -13,20 +13,18 @@ import transformers
 from flaxlm.checkpoints import hf, hf_files
 from flaxlm.models import options, smollm3
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.runs.serve.api import Completion
-from flaxlm.runs.serve.engine import Engine
 from flaxlm.training import lora, steps
 from tests.helpers import adamw
 from tests.hf_helpers import (
     check_family,
     decoder_batch,
+    engine_greedy,
     gin_config,
     hf_greedy_batch,
     padded_batch,
     random_hf_model,
     save_torch_model,
 )
-from tests.test_hf_deepseek import engine_tokens
 
 VOCAB = 250
 COMMON = dict(
@@ -130,19 +128,7 @@ def test_engine_pages_the_nope_and_windowed_layers_as_hf_generates(nope_model):
     prompts = [rng.integers(1, VOCAB, n).tolist() for n in (9, 3, 14)]
     expected = hf_greedy_batch(torch_model, prompts, 12)
     assert model.paged_refusal() is None
-    engine = Engine(
-        model, params, Partitioner(devices=jax.devices()[:1]), None, max_batch_size=4,
-        page_size=4, num_pages=32, max_seq_len=48, decode_steps=4, prefill_chunk=8,
-        prefill_rows=2,
-    )  # fmt: skip
-    engine.start()
-    try:
-        jobs = [Completion(p, 12, 0.0, 1.0, [], None, 0) for p in prompts]
-        for job in jobs:
-            engine.submit(job)
-        assert [engine_tokens(job) for job in jobs] == expected
-    finally:
-        engine.stop()
+    assert engine_greedy(model, params, prompts, 12) == expected
 
 
 @pytest.mark.slow

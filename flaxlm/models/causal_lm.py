@@ -90,6 +90,11 @@ class CausalLM(nn.Module):
         (position embeddings, scaling, a projection): `(x, extra block arguments)`."""
         return x, ()
 
+    def token_inputs(self, tokens: Array, x: Array) -> tuple[Any, ...]:
+        """More block arguments, after `block_inputs`' own, from the token ids and the `x`
+        it returned (Gemma 4's per-layer input embeddings)."""
+        return ()
+
     def final_norm(self, x: Array) -> Array:
         """The norm after the last block (and anything between it and the head)."""
         raise NotImplementedError(f"{type(self).__name__} must define final_norm.")
@@ -121,6 +126,7 @@ class CausalLM(nn.Module):
             mask = mask.replace(slots=slots)
         embed = self._embed(name=self.embed_name)
         x, extra = self.block_inputs(embed(tokens), positions, decoding)
+        extra = (*extra, *self.token_inputs(tokens, x))
         if cfg.dropout_rate:
             x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         x = layers.stack_blocks(
