@@ -117,7 +117,7 @@ def write_cache(module: nn.Module, name: str, x: Array, decoding: Decoding, axes
     are an operand a batched matmul over (batch, head) reads in place, the keys' (scores:
     contracted over width) and, slots last, the values' (the output: contracted over slots)
     alike; held slot-major, XLA copies the whole cache into such a layout for every decoding
-    step. `inference.decoding.cache_length` reads the slots off the other arrays."""
+    step. `decoding.cache_length` reads the slots off the other arrays."""
     # The held layout as a permutation of `[batch, slots, X, width]`.
     order = (0, 2, 3, 1) if name == "value" else (0, 2, 1, 3)
     full = (x.shape[0], decoding.length, *x.shape[2:])
@@ -242,7 +242,7 @@ def auto_choice(
     otherwise (decoding, cross-attention, CPU, TPU). On one H200 the Llama-3.2-1B step (L2048,
     the gin's remat) took 525 ms with `is_causal` against 1203 with 'xla'; cuDNN given a dense
     mask took 754 against 'xla''s 1308 at an earlier commit, and fit 8192 where 'xla' did not
-    (RESULTS.md)."""
+    (benchmarks/HISTORY.md)."""
     if jax.default_backend() != "gpu" or bias is not None or softcap is not None:
         return "xla"
     half = as_dtype(dtype) in CUDNN_DTYPES

@@ -224,7 +224,8 @@ def decoding_products() -> Iterator[None]:
       one all-reduce of the input gradient under tensor parallelism, a forward-only trace
       never uses; what it costs, a copy of the group's kernels made at every call, it paid at
       every token (XLA did not hoist it out of the decoding loop): each step read the gated
-      MLP's gate and up kernels twice and wrote them once (benchmarks/RESULTS.md).
+      MLP's gate and up kernels twice and wrote them once (benchmarks/HISTORY.md,
+      "Seventeenth session").
     - A `DenseGeneral` in bfloat16 or float16 of one row (batch 1: a matrix-vector product)
       takes its product in float32 and casts it. XLA:GPU computes a matrix-vector product
       as a multiply and a reduction; asked for a half-precision result it did not fuse them
