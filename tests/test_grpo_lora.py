@@ -14,6 +14,7 @@ from flax import traverse_util
 
 from flaxlm.checkpoints import run_dir
 from flaxlm.data.config import DatasetConfig
+from flaxlm.models.row_start import SEQIO_START
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.posttrain import rewards, rl
 from flaxlm.runs import grpo
@@ -121,7 +122,7 @@ def test_engine_rollouts_give_the_trainers_logps_and_read_each_prompt_once(lora_
     base = setup.init_base()
     vocab = seqio.ByteVocabulary()
     config = rl.GrpoConfig(num_generations=GROUP, max_new_tokens=NEW, reward_fns=(digit_share,))
-    rollouts = grpo.Rollouts(setup, config, vocab, base, 0, PROMPT, 4)
+    rollouts = grpo.Rollouts(setup, config, vocab, base, 0, PROMPT, 4, SEQIO_START)
     texts = ["1+2=", "3+4=", "12+7=", "9+9="]
     tokens = np.zeros((4, PROMPT), np.int32)
     for i, t in enumerate(texts):
@@ -149,7 +150,7 @@ def test_engine_rollouts_give_the_trainers_logps_and_read_each_prompt_once(lora_
     # The static-batch generator stays selectable (the families the engine cannot serve):
     # it samples with the same adapters, and the update's params recompute the log-probs.
     batch_engine = dataclasses.replace(config, rollout_engine="batch")
-    rollouts = grpo.Rollouts(setup, batch_engine, vocab, base, 0, PROMPT, 4)
+    rollouts = grpo.Rollouts(setup, batch_engine, vocab, base, 0, PROMPT, 4, SEQIO_START)
     assert rollouts.sampler is None
     batch, _ = rollouts(state, prompts, 0)
     assert np.asarray(batch["decoder_loss_weights"]).sum() > 0
