@@ -111,9 +111,13 @@ def row(features: dict, i: int, r: int | None = None) -> tuple[list, list, list]
 
 
 @pytest.mark.slow
-def test_dpo_from_a_users_gin_file_reads_trls_pairs_and_logs_trls_log_probs(tmp_path, repo_dir):
+@pytest.mark.parametrize("loss", ["dpo", "orpo"])
+def test_preference_from_a_users_gin_file_reads_trls_pairs_and_logs_trls_log_probs(
+    tmp_path, repo_dir, loss
+):
     """A user's Gin file: gin/dpo.gin with the model from the HF directory and the converter
-    bound scoped (`train/data.DatasetConfig.feature_converter`), a BOS-adding tokenizer."""
+    bound scoped (`train/data.DatasetConfig.feature_converter`), a BOS-adding tokenizer; DPO
+    (gin/dpo.gin's loss) and ORPO (gin/orpo.gin's)."""
     hf_dir, tok, torch_model = hf_checkpoint(tmp_path / "hf", "llama3")
     eos = tok.eos_token
     pairs = [
@@ -143,6 +147,7 @@ def test_dpo_from_a_users_gin_file_reads_trls_pairs_and_logs_trls_log_probs(tmp_
         f"--gin.PREFERENCE_VALIDATION='{data}'",
         f"--gin.PREFERENCE_TOKENIZER='{hf_dir}'",
         "--gin.BATCH_SIZE=4",
+        f"--gin.LOSS='{loss}'",
     )
 
     # TRL's rows of each pair (its tokenization and collator), as the model reads them.
@@ -165,12 +170,16 @@ def test_dpo_from_a_users_gin_file_reads_trls_pairs_and_logs_trls_log_probs(tmp_
         assert matches, got
         which.append(matches[0])
 
-    # TRL's DPO metric: each answer's summed log-prob, the mean over the batch's pairs.
+    # TRL's metrics: each answer's summed log-prob (DPOTrainer), or its mean per answer token
+    # (ORPOTrainer), averaged over the batch's pairs.
     sums = {p: [answer_logp(torch_model, *w[r]) for r in (0, 1)] for p, w in want.items()}
+    if loss == "orpo":
+        sums = {p: [v / sum(w[r][2]) for r, v in enumerate(sums[p])] for p, w in want.items()}
     (step,) = read_metrics(model_dir)
     assert step["logps/chosen"] == pytest.approx(np.mean([sums[p][0] for p in which]), abs=TOL)
     assert step["logps/rejected"] == pytest.approx(np.mean([sums[p][1] for p in which]), abs=TOL)
-    assert step["loss"] == pytest.approx(np.log(2.0), abs=TOL)  # the policy is its reference
+    if loss == "dpo":
+        assert step["loss"] == pytest.approx(np.log(2.0), abs=TOL)  # the policy is its reference
 
     # The MODEL_DIR records the HF form, and its prompts start as its rows did.
     loaded = run_dir.load_model_and_params(
