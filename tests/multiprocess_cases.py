@@ -11,6 +11,7 @@ import numpy as np
 import seqio
 
 from flaxlm.models.base import DecoderOnlyModel
+from flaxlm.models.row_start import SEQIO_START
 from flaxlm.parallel import pytrees
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.posttrain import rl
@@ -65,7 +66,7 @@ def grpo_lora_steps(num_steps: int = 2) -> dict:
     base, state = setup.init_base(), setup.init_state()
     vocab = seqio.ByteVocabulary()
     prompts = len(GRPO_PROMPTS)
-    rollouts = grpo.Rollouts(setup, config, vocab, base, 0, GRPO_PROMPT, prompts)
+    rollouts = grpo.Rollouts(setup, config, vocab, base, 0, GRPO_PROMPT, prompts, SEQIO_START)
     update = setup.partition_train_step(
         steps.make_train_step(model, partitioner, 5e-2, lora=cfg, objective=config)
     )
