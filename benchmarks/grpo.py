@@ -52,6 +52,7 @@ from flaxlm.data import pipeline  # noqa: E402
 from flaxlm.data.config import DatasetConfig  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
 from flaxlm.models.features import PromptFeatureConverter  # noqa: E402
+from flaxlm.models.row_start import SEQIO_START  # noqa: E402
 from flaxlm.parallel.partitioning import Partitioner  # noqa: E402
 from flaxlm.posttrain import rl  # noqa: E402
 from flaxlm.runs import grpo  # noqa: E402
@@ -126,6 +127,7 @@ def step_times(args: argparse.Namespace) -> dict[str, Any]:
             0,
             PROMPT_LEN,
             PROMPTS,
+            SEQIO_START,  # a model from scratch: seqio's start token
         )
         for name in ("batch", "paged")
     }

@@ -123,12 +123,15 @@ def reference(tmp_path_factory, repo_dir):
     return {step: values[0] for step, values in got.items()}
 
 
-def assert_same_losses(model_dir, reference, steps=None):
+def assert_same_losses(model_dir, reference, steps=None, rel=0.0):
+    """Every run that reached a step logged the reference loss: bit for bit (the same
+    program), or within `rel` for a run whose step is another program (an injected
+    non-finite loss: XLA may order a float32 reduction differently, ~1e-7 relative)."""
     got = losses(model_dir)
     assert sorted(got) == sorted(steps or reference)
     for step, values in got.items():
-        # Every run that reached this step logged exactly the reference loss (bit for bit).
-        assert values == [reference[step]] * len(values), (step, values, reference[step])
+        want = [pytest.approx(reference[step], rel=rel, abs=0)] * len(values)
+        assert values == want, (step, values, reference[step])
 
 
 @pytest.mark.slow
@@ -281,7 +284,7 @@ def test_injected_inf_loss_stops_at_that_step_naming_the_last_good_checkpoint(
     assert "Traceback" not in result.stderr
     assert checkpoint_steps(model_dir) == [2, 4]
     # Stopped before logging step 5; what came before is the normal run.
-    assert_same_losses(model_dir, reference, steps=[1, 2, 3, 4])
+    assert_same_losses(model_dir, reference, steps=[1, 2, 3, 4], rel=1e-6)
 
 
 @pytest.mark.slow
@@ -302,5 +305,8 @@ def test_skip_nonfinite_updates_skips_and_counts(tmp_path, repo_dir, reference):
     assert train[5]["loss"] == float("inf")
     for step in range(6, TRAIN_STEPS + 1):
         assert 0 < train[step]["loss"] < 10
-    assert [train[s]["loss"] for s in (1, 2, 3, 4)] == [reference[s] for s in (1, 2, 3, 4)]
+    # (another program than the reference's: float32 round-off, as assert_same_losses says)
+    assert [train[s]["loss"] for s in (1, 2, 3, 4)] == [
+        pytest.approx(reference[s], rel=1e-6, abs=0) for s in (1, 2, 3, 4)
+    ]
     assert checkpoint_steps(model_dir)[-1] == TRAIN_STEPS
