@@ -202,7 +202,7 @@ def test_greedy_from_the_latent_cache_is_hf_generate_the_full_cache_and_the_engi
     assert flaxlm_greedy_batch(full_cache, params, prompts, GREEDY_TOKENS) == latent
 
     assert model.paged_refusal() is None
-    assert engine_greedy(model, params, prompts) == latent
+    assert engine_greedy(model, params, prompts, GREEDY_TOKENS) == latent
 
 
 def test_latent_cache_holds_576_values_per_token_against_40960(full):

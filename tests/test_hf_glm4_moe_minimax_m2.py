@@ -189,7 +189,7 @@ def test_greedy_through_the_engines_paged_cache_is_hf_generate(saved):
     prompts = [rng.integers(1, VOCAB, n).tolist() for n in (11, 4, 17)]
     expected = hf_greedy_batch(torch_model, prompts, GREEDY_TOKENS)
     assert model.paged_refusal() is None
-    assert engine_greedy(model, params, prompts) == expected
+    assert engine_greedy(model, params, prompts, GREEDY_TOKENS) == expected
 
 
 @pytest.mark.slow

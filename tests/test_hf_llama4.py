@@ -128,7 +128,7 @@ def test_engine_greedy_over_the_paged_cache_is_hf_generate(root):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, VOCAB, n).tolist() for n in (11, 4, 17)]
     expected = [hf_greedy_batch(torch_model, [p], GREEDY_TOKENS)[0] for p in prompts]
-    assert engine_greedy(model, params, prompts) == expected
+    assert engine_greedy(model, params, prompts, GREEDY_TOKENS) == expected
 
 
 @pytest.mark.slow

@@ -90,7 +90,7 @@ def server_process(tmp_path_factory, repo_dir, trained_gptj):
         stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 600  # a crash ends the wait at once (poll)
     while True:
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
