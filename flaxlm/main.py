@@ -23,7 +23,8 @@ import traceback
 
 from absl import app, flags, logging
 
-from flaxlm import gin_utils, logs, startup
+from flaxlm import gin_utils, startup
+from flaxlm.data import library_start
 from flaxlm.parallel import platforms
 from flaxlm.training import preemption
 
@@ -307,9 +308,9 @@ def _start_up(
     # By default the terminal shows flaxlm's own lines only; absl's --verbosity (-v) brings
     # the libraries' logs back. Both settings precede TensorFlow's and JAX's imports.
     quiet = not FLAGS["verbosity"].present
-    logs.configure(quiet)
+    library_start.configure(quiet)
     platforms.exclude_absent_tpu()  # (also done by `import flaxlm`; a no-op once done)
-    startup.hide_while_tensorflow_loads()
+    library_start.hide_while_tensorflow_loads()
     from flaxlm.data import input_process
 
     if not FLAGS["tasks_module"].present and "tensorflow" not in sys.modules:
@@ -317,7 +318,7 @@ def _start_up(
         # started now, it imports TensorFlow on another core while this one imports JAX and
         # parses the Gin files; ended once they say the run is not one that takes it.
         input_process.start_early()
-    with logs.native_stderr_hidden(quiet):
+    with library_start.native_stderr_hidden(quiet):
         # The libraries write their C++ start-up lines while they load and first touch the
         # devices: importing TensorFlow (a Gin file's imports may), hiding the accelerators
         # from it, starting JAX's backends. Do all of it here, where that output is hidden.

@@ -12,9 +12,7 @@ waited for, so its time is the step's and not its dispatch's.
 from __future__ import annotations
 
 import builtins
-import contextlib
 import importlib.abc
-import importlib.util
 import inspect
 import logging
 import os
@@ -22,8 +20,7 @@ import re
 import sys
 import threading
 import time
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 # Top-level packages whose first import is timed (each without the watched ones it imports).
@@ -256,70 +253,6 @@ def instrument_run(profile: StartupProfile, modules: list[Any]) -> None:
             profile.around_first_step(module, "run_steps")
 
 
-# Installed modules hidden while TensorFlow loads. keras (which TensorFlow imports, and
-# tensorflow_text needs) imports scikit-learn, when it is there, for its scikit-learn
-# wrappers alone (~1-1.5 s of every start that reads data), pandas for its DataFrame input
-# adapter and scipy for sparse inputs (TensorFlow's legacy keras too; ~0.5 s together):
-# classes and inputs flaxlm never uses. keras and TensorFlow guard each import and go
-# without. They stay importable otherwise: a task module may use them.
-HIDDEN_WHILE_TENSORFLOW_LOADS = ("sklearn", "pandas", "scipy")
-
-
-@contextlib.contextmanager
-def modules_hidden(names: tuple[str, ...]) -> Iterator[None]:
-    """`import name` raises ImportError inside the block for each of `names` not yet imported
-    (Python's own sys.modules convention), and works again after it."""
-    hidden = [name for name in names if name not in sys.modules]
-    for name in hidden:
-        sys.modules[name] = None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        for name in hidden:
-            if sys.modules.get(name, "") is None:
-                del sys.modules[name]
-
-
-class HiddenWhileLoading(importlib.abc.MetaPathFinder):
-    """An import hook: the first import of `module`, whoever asks for it (a Gin file's
-    import, a task module, seqio), runs with `hidden` hidden (`modules_hidden`). Finds
-    nothing itself, and leaves `sys.meta_path` once `module` loads (not at a mere
-    `importlib.util.find_spec`, which etils.epath makes to see whether TensorFlow is
-    installed)."""
-
-    def __init__(self, module: str, hidden: tuple[str, ...]):
-        self.module = module
-        self.hidden = hidden
-        self._finding = False
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.module or self._finding:
-            return None
-        self._finding = True
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._finding = False
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-        hidden = self.hidden
-
-        def exec_hidden(module: types.ModuleType) -> None:
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)
-            with modules_hidden(hidden):
-                exec_module(module)
-
-        spec.loader.exec_module = exec_hidden  # type: ignore[method-assign]
-        return spec
-
-    def install(self) -> None:
-        """Puts the hook first in `sys.meta_path` (unless `module` is already imported)."""
-        if self.module not in sys.modules and self not in sys.meta_path:
-            sys.meta_path.insert(0, self)
-
-
 class BeforeEachImport(importlib.abc.MetaPathFinder):
     """An import hook: `check()` runs before each module the main thread imports (or looks
     up), and may raise to end the start-up there: the exception unwinds as a failed
@@ -342,9 +275,3 @@ class BeforeEachImport(importlib.abc.MetaPathFinder):
         """Takes the hook out of `sys.meta_path`."""
         if self in sys.meta_path:
             sys.meta_path.remove(self)
-
-
-def hide_while_tensorflow_loads() -> None:
-    """Installs the hook that hides `HIDDEN_WHILE_TENSORFLOW_LOADS` while TensorFlow loads
-    (in whichever process loads it: a run's, or its input process)."""
-    HiddenWhileLoading("tensorflow", HIDDEN_WHILE_TENSORFLOW_LOADS).install()

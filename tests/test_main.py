@@ -14,7 +14,8 @@ import warnings
 import gin
 import pytest
 
-from flaxlm import gin_utils, logs
+from flaxlm import gin_utils
+from flaxlm.data import library_start
 from flaxlm.parallel import platforms
 from tests import zygote
 
@@ -214,16 +215,16 @@ def test_gin_dot_flags_become_bindings():
 
 
 def test_quiet_logs_hide_native_start_up_lines_not_flaxlm_errors(capfd):
-    with logs.native_stderr_hidden():
+    with library_start.native_stderr_hidden():
         os.write(2, b"I0000 00:00:1.0 port.cc:153] a library's start-up line\n")
         print("error: flaxlm's own line", file=sys.stderr)
     assert capfd.readouterr().err == "error: flaxlm's own line\n"
     # A start-up that fails shows what was hidden: it may say why.
-    with pytest.raises(RuntimeError), logs.native_stderr_hidden():
+    with pytest.raises(RuntimeError), library_start.native_stderr_hidden():
         os.write(2, b"F0000 why it failed\n")
         raise RuntimeError("start-up failed")
     assert "F0000 why it failed" in capfd.readouterr().err
-    with logs.native_stderr_hidden(enabled=False):  # --verbosity: nothing hidden
+    with library_start.native_stderr_hidden(enabled=False):  # --verbosity: nothing hidden
         os.write(2, b"I0000 shown\n")
     assert capfd.readouterr().err == "I0000 shown\n"
 
@@ -235,10 +236,10 @@ def test_verbosity_flag_keeps_library_logs_that_quiet_hides(monkeypatch, caplog)
     verbosity = absl_logging.get_verbosity()
     try:
         absl_logging.set_verbosity(absl_logging.INFO)
-        logs.configure(quiet=False)  # main with --verbosity=0: absl's level stands
+        library_start.configure(quiet=False)  # main with --verbosity=0: absl's level stands
         assert absl_logging.get_verbosity() == absl_logging.INFO
         assert "TF_CPP_MIN_LOG_LEVEL" not in os.environ
-        logs.configure(quiet=True)  # main without --verbosity
+        library_start.configure(quiet=True)  # main without --verbosity
         assert absl_logging.get_verbosity() == absl_logging.ERROR
         assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "2"
         # A library's `warnings.warn` becomes a WARNING record, below the level shown.

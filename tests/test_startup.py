@@ -14,8 +14,8 @@ import time
 import gin
 import pytest
 
-from flaxlm import gin_utils, main, startup
-from flaxlm.data import vocabularies
+from flaxlm import gin_utils, main
+from flaxlm.data import library_start, vocabularies
 from flaxlm.data.config import DatasetConfig
 from flaxlm.parallel import platforms
 from tests.test_main import SMALL, run_main
@@ -114,7 +114,7 @@ def test_help_takes_under_a_second_and_imports_no_jax_or_tensorflow(repo_dir):
 def test_hidden_modules_fail_to_import_inside_the_block_and_import_after_it(tmp_path, monkeypatch):
     (tmp_path / "flaxlm_probe_module.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with startup.modules_hidden(("flaxlm_probe_module",)):
+    with library_start.modules_hidden(("flaxlm_probe_module",)):
         with pytest.raises(ImportError):
             import flaxlm_probe_module  # noqa: F401
     import flaxlm_probe_module
@@ -303,7 +303,7 @@ def test_tensorflow_loads_without_the_modules_hidden_while_it_loads(tmp_path, mo
         "    SAW = False\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    hook = startup.HiddenWhileLoading("flaxlm_probe_loading", ("flaxlm_probe_hidden",))
+    hook = library_start.HiddenWhileLoading("flaxlm_probe_loading", ("flaxlm_probe_hidden",))
     hook.install()
     try:
         loading = importlib.import_module("flaxlm_probe_loading")

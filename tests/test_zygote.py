@@ -38,9 +38,9 @@ def test_the_tests_environment_is_served_after_torch_and_flaxlm_are_imported():
     assert isinstance(proc, zygote.Forked), zygote._get().refusals
     assert "--gin_file" in out
     # ... with TensorFlow loaded as flaxlm.main loads it.
-    from flaxlm import startup
+    from flaxlm.data import library_start
 
-    assert zygote.HIDDEN_WHILE_TENSORFLOW_LOADS == startup.HIDDEN_WHILE_TENSORFLOW_LOADS
+    assert zygote.HIDDEN_WHILE_TENSORFLOW_LOADS == library_start.HIDDEN_WHILE_TENSORFLOW_LOADS
 
 
 @pytest.mark.slow

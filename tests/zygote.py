@@ -50,7 +50,8 @@ PRELOAD = (
     "absl.flags",
     "absl.logging",
 )
-# flaxlm.startup's (the zygote imports no flaxlm module; tests/test_zygote.py checks they agree).
+# flaxlm.data.library_start's (the zygote imports no flaxlm module; tests/test_zygote.py checks
+# they agree).
 HIDDEN_WHILE_TENSORFLOW_LOADS = ("sklearn", "pandas", "scipy")
 # Environment variables a child may set differently from the zygote's: read after the fork
 # (XLA_FLAGS when the child creates its backend; flaxlm's and the tests' own when flaxlm,

@@ -41,8 +41,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from flaxlm import logs
-from flaxlm.data import config
+from flaxlm.data import config, library_start
 from flaxlm.data.config import DatasetConfig
 
 if TYPE_CHECKING:  # (the child never loads JAX: its batches are numpy)
@@ -293,7 +292,8 @@ def load_pipeline() -> types.ModuleType:
     """`flaxlm.data.pipeline` (seqio, tf.data), TensorFlow kept off the accelerators. A run
     whose process loads it after start-up (its Gin files load no seqio) keeps TensorFlow's
     C++ start-up lines off a quiet terminal, as `flaxlm.main`'s start-up does."""
-    with logs.native_stderr_hidden(logs.is_quiet() and "tensorflow" not in sys.modules):
+    quiet = library_start.is_quiet() and "tensorflow" not in sys.modules
+    with library_start.native_stderr_hidden(quiet):
         from flaxlm.data import pipeline
 
         pipeline.configure_tensorflow()
@@ -307,7 +307,7 @@ def start_early() -> None:
     """Starts the input process now (its imports then run beside the run's own), for the
     next `start` to take."""
     if not _EARLY:
-        _EARLY.append(InputProcess(quiet=logs.is_quiet()))
+        _EARLY.append(InputProcess(quiet=library_start.is_quiet()))
 
 
 def discard_early() -> None:
@@ -318,7 +318,7 @@ def discard_early() -> None:
 
 def start() -> InputProcess:
     """The input process `start_early` started, else a new one."""
-    return _EARLY.pop() if _EARLY else InputProcess(quiet=logs.is_quiet())
+    return _EARLY.pop() if _EARLY else InputProcess(quiet=library_start.is_quiet())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,13 +371,11 @@ class _Child:
 
 def serve(requests: BinaryIO, answers: BinaryIO, quiet: bool) -> None:
     """Answers `requests` until they end (the run closed them)."""
-    from flaxlm import logs, startup
-
-    logs.configure(quiet)
-    startup.hide_while_tensorflow_loads()
+    library_start.configure(quiet)
+    library_start.hide_while_tensorflow_loads()
     child: _Child | None = None
     failed: tuple[str, str, str] | None = None
-    with logs.native_stderr_hidden(quiet):
+    with library_start.native_stderr_hidden(quiet):
         try:
             child = _Child()
         except Exception as e:  # noqa: BLE001 - answered to each request

@@ -1,11 +1,14 @@
 """Settings a run refuses before any device work, each with an error naming the setting.
 
-The checks of one setting that the runs share and that need no model, mesh or data built
-(`steps.check_counts` and its kin check the numbers; `model.check_lengths` the positions).
+The checks of one setting that the runs share, each once: the counts, the learning rate,
+MODEL_DIR, INIT_FROM_HF, the sequence split. What a step needs of a setting is checked
+beside the step (`steps.check_batch_size`, which evaluation's steps use too), what a model
+needs by the model (`model.check_lengths`, the positions).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +25,42 @@ def has_checkpoint(model_dir: str) -> bool:
     """Whether `model_dir` holds a checkpoint a run would resume from."""
     directory = epath.Path(model_dir) / checkpointer.SUBDIR
     return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
+
+
+def check_counts(**counts: tuple[Any, int]) -> None:
+    """A ValueError naming the first setting (`NAME=(value, minimum)`) that is not an integer
+    of at least its minimum: before any device work, so a typo costs nothing."""
+    for name, (value, minimum) in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(
+                f"{name}={value!r} must be a whole number >= {minimum} (no quotes, no decimals)."
+            )
+
+
+def check_learning_rate(learning_rate: Any) -> None:
+    """A ValueError unless `learning_rate` is a number or a schedule (a quoted '1e-3' is
+    neither)."""
+    if isinstance(learning_rate, bool) or not (
+        callable(learning_rate) or isinstance(learning_rate, int | float)
+    ):
+        raise ValueError(
+            f"LEARNING_RATE={learning_rate!r} must be a number (e.g. 1e-4, no quotes) or a "
+            "schedule."
+        )
+
+
+def check_model_dir(model_dir: str) -> epath.Path:
+    """`model_dir` as a path, made if missing: a ValueError naming MODEL_DIR when it cannot
+    be written (before any device work, not at the first checkpoint)."""
+    path = epath.Path(model_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_test_{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"MODEL_DIR {model_dir!r} cannot be written: {e}") from e
+    return path
 
 
 def check_init_from_hf(init_from_hf: str | None) -> None:

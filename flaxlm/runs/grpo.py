@@ -19,7 +19,6 @@ and the KL reference is the base without them (no second copy of the weights).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -37,14 +36,14 @@ from flaxlm.checkpoints import checkpointer, peft_dir, run_dir
 from flaxlm.data import pipeline
 from flaxlm.data.config import DatasetConfig
 from flaxlm.inference import generation
-from flaxlm.inference.scheduler import Scheduler
+from flaxlm.inference.paged_batch import BatchGenerator
 from flaxlm.models.base import BaseModel
 from flaxlm.models.features import PromptFeatureConverter
 from flaxlm.models.row_start import RowStart
 from flaxlm.parallel import pytrees
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.posttrain import objectives, rl
-from flaxlm.runs import loop
+from flaxlm.runs import checks, loop
 from flaxlm.training import lora as lora_lib
 from flaxlm.training import metrics, optimizers, preemption, steps
 from flaxlm.training.train_state import TrainState
@@ -52,35 +51,9 @@ from flaxlm.training.train_state import TrainState
 DECODE_STEPS = 32  # the most tokens a row generates in one engine dispatch
 
 
-@dataclasses.dataclass(eq=False)
-class RolloutJob:
-    """One completion to sample (a `scheduler.Job`): its tokens and their log-probs, the
-    EOS that ended it included, as the scheduler hands them back."""
-
-    prompt_ids: Sequence[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logps: list[float] = dataclasses.field(default_factory=list)
-
-    @property
-    def events(self) -> RolloutJob:
-        return self
-
-    def put(self, event: tuple) -> None:
-        if event[0] == "token" or event[:2] == ("done", "stop"):
-            token, logp = (event[1], event[2]) if event[0] == "token" else event[2:4]
-            self.tokens.append(int(token))
-            self.logps.append(float(logp))
-        elif event[0] != "done":
-            raise RuntimeError(f"A rollout was {event[0]}: {event[1:]}")
-
-
 class PagedSampler:
-    """A step's completions through the serving engine (`scheduler.Scheduler`) on the
-    training mesh: every row in one decode batch, each prompt prefilled once and its pages
+    """A step's completions through the serving engine (`paged_batch.BatchGenerator`) on
+    the training mesh: every row in one decode batch, each prompt prefilled once and its pages
     shared by its group's samples, the trainer's params handed over as they are (laid out
     for decoding inside the engine's programs: no copy). Returns each sampled token's
     log-prob beside it: the policy's, which the update would otherwise recompute."""
@@ -94,21 +67,19 @@ class PagedSampler:
         prompt_length: int,
     ):
         self.cfg = cfg
-        self.scheduler = Scheduler(
+        self.generator = BatchGenerator(
             model,
             None,
             partitioner,
             max_rows=prompts * cfg.num_generations,
-            max_seq_len=prompt_length + cfg.max_new_tokens,
-            # The first token comes with the prefill; a dispatch of at most DECODE_STEPS
-            # tokens lets the host stop once every row has ended.
-            decode_steps=max(1, min(cfg.max_new_tokens - 1, DECODE_STEPS)),
+            max_prompt_length=prompt_length,
+            max_new_tokens=cfg.max_new_tokens,
+            decode_steps=DECODE_STEPS,
             prefill_chunk=prompt_length,
             prefill_rows=prompts,
-            num_top=1,
             layout_in_program=True,
         )
-        self.scheduler.release()
+        self.generator.scheduler.release()
         self.prompt_tokens = 0  # of every row: what prefilling each row would read
         self.prefilled_tokens = 0  # what the engine read
 
@@ -117,18 +88,13 @@ class PagedSampler:
     ) -> tuple[np.ndarray, np.ndarray]:
         """int32 `[rows, max_new_tokens]` completions of `prompts` (one row each; 0 after
         EOS, which is kept) and float32 their tokens' log-probs, sampled with `rng`."""
-        cfg, scheduler = self.cfg, self.scheduler
+        cfg, scheduler = self.cfg, self.generator.scheduler
         seeds = np.asarray(jax.random.bits(rng, (len(prompts),), jnp.uint32))
-        jobs = [
-            RolloutJob(p, cfg.max_new_tokens, cfg.temperature, cfg.top_p, int(seed))
-            for p, seed in zip(prompts, seeds)
-        ]
         scheduler.set_params(params)
         read = scheduler.prefilled_tokens
-        for job in jobs:
-            scheduler.add(job)
-        while scheduler.busy:
-            scheduler.step()
+        jobs = self.generator.generate(
+            prompts, seeds, temperature=cfg.temperature, top_p=cfg.top_p, keep_eos=True
+        )
         scheduler.release()
         self.prefilled_tokens += scheduler.prefilled_tokens - read
         self.prompt_tokens += sum(len(p) for p in prompts)
@@ -325,14 +291,14 @@ def grpo(
     """
     start_time = time.perf_counter()
     batch_size = train_dataset_cfg.batch_size
-    steps.check_counts(
+    checks.check_counts(
         TRAIN_STEPS=(total_steps, 1),
         BATCH_SIZE=(batch_size, 1),
         LOG_PERIOD=(log_period, 1),
         CHECKPOINT_PERIOD=(checkpoint_period, 1),
     )
-    steps.check_learning_rate(learning_rate)
-    path = steps.check_model_dir(model_dir)
+    checks.check_learning_rate(learning_rate)
+    path = checks.check_model_dir(model_dir)
     steps.check_batch_size(partitioner, batch_size, 1)
     lengths = dict(train_dataset_cfg.task_feature_lengths)
     if "inputs" not in lengths:

@@ -6,17 +6,17 @@ directory (`run_dir.load_model_and_params`). Every process reads every example, 
 are identical on all processes; process 0 writes the results, one line per example in input
 order.
 
-`infer` decodes through the serving engine's scheduler (`inference/scheduler.py`: every
-prompt queued at once, rows joining the running batch as others end, a paged KV cache) where
-it can, and in fixed batches (`generation.generate_ids`, split over the mesh's batch axes)
-where it cannot: beam search, top-k sampling, and the models that decode over a contiguous
-cache only (Phi-3, encoder-decoders). benchmarks/infer.py measures the two.
+`infer` decodes through the serving engine's scheduler (`inference/paged_batch.py` over
+`inference/scheduler.py`: every prompt queued at once, rows joining the running batch as
+others end, a paged KV cache) where it can, and in fixed batches (`generation.generate_ids`,
+split over the mesh's batch axes) where it cannot: beam search, top-k sampling, and the
+models that decode over a contiguous cache only (Phi-3, encoder-decoders).
+benchmarks/infer.py measures the two.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +33,7 @@ from flaxlm.data.jsonl import read_jsonl
 from flaxlm.data.vocabularies import Vocabulary
 from flaxlm.inference import generation
 from flaxlm.inference.generation import GenerationSettings
-from flaxlm.inference.scheduler import Scheduler
+from flaxlm.inference.paged_batch import BatchGenerator, BatchProgress
 from flaxlm.models.base import BaseModel, EncoderDecoderModel
 from flaxlm.models.paged_attention import check_paged_attention
 from flaxlm.models.row_start import RowStart
@@ -217,32 +217,6 @@ def choose_engine(
     return engine
 
 
-@dataclasses.dataclass(eq=False)
-class _Job:
-    """One example as the scheduler reads it (a `scheduler.Job`), collecting its tokens;
-    appended to `ended` when it ends."""
-
-    prompt_ids: Sequence[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    ended: list[_Job] = dataclasses.field(repr=False)
-    tokens: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def events(self) -> _Job:
-        return self
-
-    def put(self, event: tuple) -> None:
-        if event[0] == "token":
-            self.tokens.append(int(event[1]))
-        elif event[0] == "done":
-            self.ended.append(self)
-        else:
-            raise RuntimeError(f"Decoding an example was {event[0]}: {event[1:]}")
-
-
 def example_seeds(seed: int, count: int) -> np.ndarray:
     """uint32 `[count]`: example i's sampling seed, from `seed` and i alone (so its sample
     is the same whatever else the file holds and however rows are batched)."""
@@ -267,56 +241,48 @@ def paged_generate_ids(
     page_size: int = PAGE_SIZE,
     paged_attention: str = "gather",
 ) -> list[list[int]]:
-    """The new token ids after each prompt (up to EOS), in order, through the paged engine:
-    every prompt queued at once, `max_rows` decoded together, a row's place taken by the
-    next prompt as soon as it ends. Prompts longer than `input_length` keep their end, as
-    `generation.generate_ids` cuts them. Greedy decoding gives `generate_ids`' tokens;
-    a sampled example draws from its own seed (`example_seeds`). Every process must pass
-    the same prompts: each runs the same dispatches and reads every result."""
+    """The new token ids after each prompt (up to EOS), in order, through the paged engine
+    (`paged_batch.BatchGenerator`): every prompt queued at once, `max_rows` decoded
+    together, a row's place taken by the next prompt as soon as it ends. Prompts longer
+    than `input_length` keep their end, as `generation.generate_ids` cuts them. Greedy
+    decoding gives `generate_ids`' tokens; a sampled example draws from its own seed
+    (`example_seeds`). Every process must pass the same prompts: each runs the same
+    dispatches and reads every result."""
     length = input_length or max(len(p) for p in prompts)
     cut = sum(len(p) > length for p in prompts)
     if cut and progress:
         progress(f"{cut} prompt(s) longer than {length} tokens are cut to {length}.")
-    new = settings.max_new_tokens
-    seeds = example_seeds(settings.seed, len(prompts))
-    ended: list[_Job] = []
-    jobs = [
-        _Job(p[-length:], new, settings.temperature, settings.top_p, int(seed), ended)
-        for p, seed in zip(prompts, seeds)
-    ]
-    longest = max(len(j.prompt_ids) for j in jobs)
-    rows = min(max_rows, len(jobs))
-    scheduler = Scheduler(
+    prompts = [p[-length:] for p in prompts]
+    longest = max(len(p) for p in prompts)
+    generator = BatchGenerator(
         model,
         params,
         partitioner,
-        max_rows=rows,
-        page_size=page_size,
-        max_seq_len=longest + new,
-        # The first token comes with the prefill; a dispatch makes at most the rest.
-        decode_steps=max(1, min(new - 1, decode_steps)),
+        max_rows=min(max_rows, len(prompts)),
+        max_prompt_length=longest,
+        max_new_tokens=settings.max_new_tokens,
+        decode_steps=decode_steps,
         prefill_chunk=min(prefill_chunk, generation.round_up(longest, 16)),
         prefill_rows=prefill_rows,
-        num_top=1,
+        page_size=page_size,
         paged_attention=paged_attention,
     )
-    for job in jobs:
-        scheduler.add(job)
-    start_time, counted, generated, report = time.perf_counter(), 0, 0, rows
-    while scheduler.busy:
-        scheduler.step()
-        for job in ended[counted:]:  # EOS counted as generated
-            generated += len(job.tokens) + (len(job.tokens) < new)
-        counted = len(ended)
-        if progress and (counted >= report or not scheduler.busy):
-            report = counted + rows
-            elapsed = time.perf_counter() - start_time
-            rate = generated / max(elapsed, 1e-9)
-            eta = elapsed / max(counted, 1) * (len(jobs) - counted)
-            progress(
-                f"{counted}/{len(jobs)} examples | decode {rate:,.0f} tokens/s | "
-                f"ETA {metrics.format_duration(eta)}"
-            )
+
+    def report(at: BatchProgress) -> None:
+        rate = at.generated / max(at.elapsed, 1e-9)
+        eta = at.elapsed / max(at.ended, 1) * (at.total - at.ended)
+        progress(
+            f"{at.ended}/{at.total} examples | decode {rate:,.0f} tokens/s | "
+            f"ETA {metrics.format_duration(eta)}"
+        )
+
+    jobs = generator.generate(
+        prompts,
+        example_seeds(settings.seed, len(prompts)),
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        progress=report if progress else None,
+    )
     return [j.tokens for j in jobs]
 
 

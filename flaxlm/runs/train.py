@@ -282,7 +282,7 @@ def train(
     `preemption.py`).
     """
     start_time = time.perf_counter()
-    steps.check_counts(
+    checks.check_counts(
         TRAIN_STEPS=(total_steps, 1),
         BATCH_SIZE=(train_dataset_cfg.batch_size, 1),
         NUM_MICROBATCHES=(num_microbatches, 1),
@@ -291,7 +291,7 @@ def train(
         EVAL_PERIOD=(eval_period, 0),
         EVAL_STEPS=(eval_steps, 1),
     )
-    steps.check_learning_rate(learning_rate)
+    checks.check_learning_rate(learning_rate)
     peft_adapters = None
     if lora_init_from_peft:
         if not lora_base_checkpoint:
@@ -299,7 +299,7 @@ def train(
         lora, peft_adapters = peft_dir.load_adapters(model, lora_init_from_peft, lora)
     if lora_base_checkpoint and lora is None:
         raise ValueError("lora_base_checkpoint is set but lora is not: bind train.lora too.")
-    path = steps.check_model_dir(model_dir)
+    path = checks.check_model_dir(model_dir)
     if not checks.has_checkpoint(model_dir) or lora is not None or objective.needs_reference:
         checks.check_init_from_hf(init_from_hf)  # (a resumed run may not read it again)
     row_start = run_dir.run_row_start(model, model_dir, init_from_hf)

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from etils import epath
 from jax.sharding import PartitionSpec as P
 
 from flaxlm.data.config import DatasetConfig
@@ -190,6 +188,8 @@ def make_eval_step(
 
 
 def check_batch_size(partitioner: Partitioner, batch_size: int, num_microbatches: int) -> None:
+    """A ValueError naming BATCH_SIZE unless it splits into `num_microbatches` microbatches
+    over the data-parallel degree, as the steps need (a run checks it before device work)."""
     layout_degree = partitioner.data_parallel_degree()
     if num_microbatches < 1 or batch_size % (layout_degree * num_microbatches):
         raise ValueError(
@@ -197,40 +197,6 @@ def check_batch_size(partitioner: Partitioner, batch_size: int, num_microbatches
             f"{layout_degree} times num_microbatches={num_microbatches} "
             f"(= {layout_degree * num_microbatches})."
         )
-
-
-def check_counts(**counts: tuple[Any, int]) -> None:
-    """A ValueError naming the first setting (`NAME=(value, minimum)`) that is not an integer
-    of at least its minimum: before any device work, so a typo costs nothing."""
-    for name, (value, minimum) in counts.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(
-                f"{name}={value!r} must be a whole number >= {minimum} (no quotes, no decimals)."
-            )
-
-
-def check_learning_rate(learning_rate: Any) -> None:
-    """A ValueError unless `learning_rate` is a number or a schedule (a quoted '1e-3' is
-    neither)."""
-    if isinstance(learning_rate, bool) or not (
-        callable(learning_rate) or isinstance(learning_rate, int | float)
-    ):
-        raise ValueError(
-            f"LEARNING_RATE={learning_rate!r} must be a number (e.g. 1e-4, no quotes) or a "
-            "schedule."
-        )
-
-
-def check_model_dir(model_dir: str) -> epath.Path:
-    path = epath.Path(model_dir)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write_test_{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"MODEL_DIR {model_dir!r} cannot be written: {e}") from e
-    return path
 
 
 class Setup:
