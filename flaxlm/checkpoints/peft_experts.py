@@ -64,7 +64,8 @@ _ROUTER = "mlp/gate/kernel"
 # fused experts' parameters (peft/utils/transformers_weight_conversion.py): a dense layer's or
 # a shared expert's Linear of such a name would load onto the experts.
 _READ_AS_EXPERTS = {
-    t: ("gate_proj", "up_proj", "down_proj") for t in ("qwen3_moe", "olmoe", "deepseek_v3")
+    t: ("gate_proj", "up_proj", "down_proj")
+    for t in ("qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 }
 
 

@@ -88,6 +88,21 @@ class DeepseekV3Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.check_moe()
+        self.check_dense_layers()
+        if self.mla_cache not in mla.MLA_CACHES:
+            raise ValueError(f"mla_cache {self.mla_cache!r}: expected one of {mla.MLA_CACHES}.")
+        dims = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        for name in (*dims, "num_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)} must be positive.")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank {self.q_lora_rank} must be None or positive.")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even (rotary).")
+
+    def check_dense_layers(self) -> None:
+        """ValueErrors for dense layers HF's model cannot have: DeepSeek-V3's are its first
+        `first_k_dense_replace` (and scanned layers must be alike)."""
         k = self.first_k_dense_replace
         if self.mlp_only_layers != tuple(range(k)) or self.decoder_sparse_step != 1:
             raise ValueError(
@@ -100,16 +115,6 @@ class DeepseekV3Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
                 f"scan_layers=True needs every layer alike, but the first {k} "
                 "(mlp_only_layers) are dense: set scan_layers=False."
             )
-        if self.mla_cache not in mla.MLA_CACHES:
-            raise ValueError(f"mla_cache {self.mla_cache!r}: expected one of {mla.MLA_CACHES}.")
-        dims = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-        for name in (*dims, "num_heads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} {getattr(self, name)} must be positive.")
-        if self.q_lora_rank is not None and self.q_lora_rank < 1:
-            raise ValueError(f"q_lora_rank {self.q_lora_rank} must be None or positive.")
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even (rotary).")
 
     @property
     def first_k_dense_replace(self) -> int:
@@ -201,7 +206,18 @@ HF_DEFAULTS = dict(  # transformers' DeepseekV3Config defaults, for keys a confi
 
 def config_from_hf(hf: dict, **overrides: Any) -> DeepseekV3Config:
     """A DeepseekV3Config from a DeepSeek-V3 (or Kimi K2) config.json dict (+ overrides)."""
-    get = lambda key: hf.get(key, HF_DEFAULTS[key])  # noqa: E731
+    kwargs = fields_from_hf(hf)
+    kwargs.update(overrides)
+    return DeepseekV3Config(**kwargs)
+
+
+def fields_from_hf(
+    hf: dict, defaults: dict[str, Any] = HF_DEFAULTS, rms_norm_eps: float = 1e-6
+) -> dict[str, Any]:
+    """DeepseekV3Config's fields from a config.json dict of a model on DeepSeek-V3's
+    modeling code (DeepSeek-V3, Kimi K2; DeepSeek-V3.2 and GLM-5 add theirs): `defaults`
+    (its transformers config class's, as HF_DEFAULTS) for the keys it omits."""
+    get = lambda key: hf.get(key, defaults[key])  # noqa: E731
     heads = hf["num_attention_heads"]
     if (hf.get("num_key_value_heads") or heads) != heads:
         raise ValueError(
@@ -221,7 +237,7 @@ def config_from_hf(hf: dict, **overrides: Any) -> DeepseekV3Config:
             "make every layer from first_k_dense_replace on sparse; 1 only."
         )
     kwargs = dict(
-        llama.shared_fields_from_hf(hf),
+        llama.shared_fields_from_hf(hf, rms_norm_eps),
         q_lora_rank=get("q_lora_rank"),
         kv_lora_rank=get("kv_lora_rank"),
         qk_nope_head_dim=get("qk_nope_head_dim"),
@@ -241,8 +257,7 @@ def config_from_hf(hf: dict, **overrides: Any) -> DeepseekV3Config:
         **rope_from_hf(hf),
     )
     del kwargs["num_kv_heads"]  # latent attention: every head has its own (checked above)
-    kwargs.update(overrides)
-    return DeepseekV3Config(**kwargs)
+    return kwargs
 
 
 def rope_from_hf(hf: dict) -> dict[str, Any]:

@@ -333,6 +333,7 @@ class LayerNorm(nn.Module):
     use_scale: bool = True  # False with use_bias=False: no params (torch's elementwise_affine)
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    axes: tuple[str | None, ...] = ("embed",)  # the logical axis of the features
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -344,7 +345,7 @@ class LayerNorm(nn.Module):
         if self.use_scale:
             scale = self.param(
                 "scale",
-                nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                nn.with_logical_partitioning(nn.initializers.ones, self.axes),
                 (features,),
                 as_dtype(self.param_dtype),
             )
@@ -352,7 +353,7 @@ class LayerNorm(nn.Module):
         if self.use_bias:
             bias = self.param(
                 "bias",
-                nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+                nn.with_logical_partitioning(nn.initializers.zeros, self.axes),
                 (features,),
                 as_dtype(self.param_dtype),
             )

@@ -113,12 +113,28 @@ class MultiHeadLatentAttention(nn.Module):
         decoding: masks.Decoding | None,
         query_scale: Array | None = None,
     ) -> Array:
+        return self.attend(h, sin, cos, mask, decoding, query_scale)[0]
+
+    def attend(
+        self,
+        h: Array,
+        sin: Array,
+        cos: Array,
+        mask: masks.Mask | Array,
+        decoding: masks.Decoding | None,
+        query_scale: Array | None = None,
+        chosen: Any = None,
+    ) -> tuple[Array, Any]:
+        """`__call__`'s output and what `narrow` chose (None here), called inside a compact
+        `__call__` (this one, or a subclass's: DeepSeek Sparse Attention's, which hands
+        `chosen` keys from an earlier layer to `narrow`)."""
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         norm = dict(epsilon=LATENT_NORM_EPS, axes=(None,), **dense)
         heads, nope, rope_dim = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         rank, v_dim = cfg.kv_lora_rank, cfg.v_head_dim
         head_axes = ("embed", "heads", "head_dim")
+        q_latent = None  # [batch, length, q_lora_rank] with a query latent
         if cfg.q_lora_rank is None:
             q = layers.DenseGeneral((heads, nope + rope_dim), head_axes, name="q_proj", **dense)(h)
         else:
@@ -126,9 +142,10 @@ class MultiHeadLatentAttention(nn.Module):
                 cfg.q_lora_rank, ("embed", None), use_bias=cfg.attention_bias,
                 name="q_a_proj", **dense,
             )(h)  # fmt: skip
-            q = layers.RMSNorm(name="q_a_layernorm", **norm)(q)
+            q_latent = layers.RMSNorm(name="q_a_layernorm", **norm)(q)
             up = (LATENT_IN, "heads", "head_dim")
-            q = layers.DenseGeneral((heads, nope + rope_dim), up, name="q_b_proj", **dense)(q)
+            q_b = layers.DenseGeneral((heads, nope + rope_dim), up, name="q_b_proj", **dense)
+            q = q_b(q_latent)
         q = layers.constrain(q, layers.HEAD_AXES)  # [batch, length, heads, qk_head_dim]
         q_nope, q_rope = q[..., :nope], q[..., nope:]
 
@@ -149,6 +166,7 @@ class MultiHeadLatentAttention(nn.Module):
             (heads, nope + v_dim), (LATENT_IN, "heads", "head_dim"), name="kv_b_proj", **dense
         )
         scale = softmax_scale(cfg)
+        mask, chosen = self.narrow(mask, h, q_latent, sin, cos, decoding, chosen)
 
         out = None
         if decoding is not None and cfg.mla_cache == "latent":
@@ -173,7 +191,24 @@ class MultiHeadLatentAttention(nn.Module):
             cfg.hidden_size, ("heads", "head_dim", "embed"), axis=(-2, -1),
             use_bias=cfg.attention_bias, name="o_proj", **dense,
         )(out)  # fmt: skip
-        return checkpoint_name(out, "attn_out")
+        return checkpoint_name(out, "attn_out"), chosen
+
+    def narrow(
+        self,
+        mask: masks.Mask | Array,
+        h: Array,
+        q_latent: Array | None,
+        sin: Array,
+        cos: Array,
+        decoding: masks.Decoding | None,
+        chosen: Any,
+    ) -> tuple[masks.Mask | Array, Any]:
+        """The keys each query attends to, and what chose them: `mask` as it is here (every
+        visible key). DeepSeek Sparse Attention narrows it to an indexer's top-k
+        (`sparse_attention.py`) from the input `h`, the normalised query latent and the
+        rotary tables; called inside `attend`, before the cache is read."""
+        del h, q_latent, sin, cos, decoding
+        return mask, chosen
 
 
 class DecodingCache(nn.Module):
