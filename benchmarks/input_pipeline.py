@@ -42,6 +42,7 @@ from flaxlm.data import pipeline  # noqa: E402
 from flaxlm.data.config import DatasetConfig
 from flaxlm.data.vocabularies import HuggingFaceVocabulary  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
+from flaxlm.models.batch_shapes import model_feature_lengths  # noqa: E402
 from flaxlm.models.gptj import GPTJConfig  # noqa: E402
 from flaxlm.parallel.partitioning import Partitioner  # noqa: E402
 from flaxlm.training import (
@@ -137,7 +138,7 @@ def measure(name: str, lengths: dict, vocab_size: int, args: argparse.Namespace)
     cpu = time.process_time()
     iterator.next_numpy()
     first_batch_cpu = time.process_time() - cpu
-    feature_lengths = pipeline.model_feature_lengths(cfg, converter)
+    feature_lengths = model_feature_lengths(converter, cfg.task_feature_lengths, cfg.pack)
     time_pipeline(iterator, 3)  # warm-up: tf.data threads, shuffle buffer
     pipe, real = [], []
     positions = layout.per_host_batch_size * feature_lengths["decoder_target_tokens"]

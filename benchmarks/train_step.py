@@ -76,7 +76,7 @@ from flaxlm.data import pipeline  # noqa: E402
 from flaxlm.data.config import DatasetConfig
 from flaxlm.models import attention, layers, row_start  # noqa: E402
 from flaxlm.models.base import DecoderOnlyModel  # noqa: E402
-from flaxlm.models.batch_shapes import batch_shapes_from  # noqa: E402
+from flaxlm.models.batch_shapes import batch_shapes_from, model_feature_lengths  # noqa: E402
 from flaxlm.models.gptj import GPTJConfig  # noqa: E402
 from flaxlm.parallel.partitioning import Partitioner  # noqa: E402
 from flaxlm.training import (
@@ -353,7 +353,7 @@ def measure_input_wait(
     )
     converter = pipeline.converter_for(cfg, model, row_start.SEQIO_START)
     # The same optimizer object: it is part of the state's tree structure.
-    lengths = pipeline.model_feature_lengths(cfg, converter)
+    lengths = model_feature_lengths(converter, cfg.task_feature_lengths, cfg.pack)
     setup = train_steps.Setup(model, partitioner, jax_sides.tx, lengths)
     step = setup.partition_train_step(
         train_steps.make_train_step(model, partitioner, LEARNING_RATE)

@@ -14,7 +14,7 @@ from flaxlm.models import batch_shapes
 from flaxlm.models.base import EncoderDecoderModel
 from flaxlm.models.row_start import HF_START, SEQIO_START
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.runs import train
+from flaxlm.runs import train_data
 from flaxlm.training import objective as objective_lib
 from tests.helpers import tiny_gptj
 
@@ -22,7 +22,7 @@ CONVERTER = "flaxlm.models.features:LMFeatureConverter"
 
 
 @pytest.mark.parametrize("pack", [True, False])
-def test_packed_lm_features_are_what_the_decoder_converter_gives(pack):
+def test_lm_feature_lengths_known_by_name_are_what_the_decoder_converter_gives(pack):
     model = tiny_gptj()
     cfg = DatasetConfig(
         mixture_or_task_name="stdlib_py",
@@ -32,14 +32,19 @@ def test_packed_lm_features_are_what_the_decoder_converter_gives(pack):
     )
     assert batch_shapes.converter_reference(model) == CONVERTER
     converter = model.FEATURE_CONVERTER_CLS
-    predicted = batch_shapes.packed_lm_features(model, cfg.task_feature_lengths, pack)
-    assert predicted == pipeline.model_feature_lengths(cfg, converter)
+    predicted = batch_shapes.model_feature_lengths(CONVERTER, cfg.task_feature_lengths, pack)
+    assert predicted == converter(pack=pack).get_model_feature_lengths({"targets": 24})
+    assert predicted == batch_shapes.model_feature_lengths(converter, {"targets": 24}, pack)
     assert pipeline.batch_dtypes(cfg, converter) == dict.fromkeys(predicted, "int32")
-    # A prefix-LM task (its inputs join the row) or another converter: the pipeline says.
-    assert batch_shapes.packed_lm_features(model, {"inputs": 8, "targets": 16}, pack) is None
+    # A prefix-LM task (its inputs join the row) or another converter: the converter says.
+    prefix_lm = {"inputs": 8, "targets": 16}
+    assert batch_shapes.model_feature_lengths(CONVERTER, prefix_lm, pack) is None
     t5 = object.__new__(EncoderDecoderModel)  # (only its class is read)
     assert batch_shapes.converter_reference(t5) == "seqio:EncDecFeatureConverter"
-    assert batch_shapes.packed_lm_features(t5, {"targets": 24}, pack) is None
+    assert (
+        batch_shapes.model_feature_lengths("seqio:EncDecFeatureConverter", {"targets": 24}, pack)
+        is None
+    )
 
 
 def test_a_run_that_must_read_in_its_own_process_says_why_it_cannot():
@@ -51,18 +56,18 @@ def test_a_run_that_must_read_in_its_own_process_says_why_it_cannot():
         feature_converter=seqio.DecoderFeatureConverter,
     )
     with pytest.raises(ValueError, match="train.input_process=True, but a DatasetConfig"):
-        train.reads_in_own_process(
+        train_data.reads_in_own_process(
             True, model, (cfg,), objective_lib.NEXT_TOKEN_PREDICTION, SEQIO_START
         )
     with pytest.raises(ValueError, match="train.input_process=True, but the rows start as"):
-        train.reads_in_own_process(
+        train_data.reads_in_own_process(
             True, model, (None,), objective_lib.NEXT_TOKEN_PREDICTION, HF_START
         )
     plain = DatasetConfig(
         mixture_or_task_name="stdlib_py", task_feature_lengths={"targets": 24}, batch_size=8
     )
     # Left to itself: not where this process has loaded TensorFlow (as the tests have).
-    assert not train.reads_in_own_process(
+    assert not train_data.reads_in_own_process(
         None, model, (plain,), objective_lib.NEXT_TOKEN_PREDICTION, SEQIO_START
     )
 
@@ -80,9 +85,9 @@ def test_the_input_process_reads_and_checkpoints_what_this_process_would(tmp_pat
     local = pipeline.DataIterator.create(cfg, partitioner, tiny_gptj().FEATURE_CONVERTER_CLS)
     process = input_process.InputProcess()
     try:
-        expected = batch_shapes.packed_lm_features(tiny_gptj(), cfg.task_feature_lengths, True)
+        known = batch_shapes.model_feature_lengths(converter, cfg.task_feature_lengths, True)
         remote = input_process.RemoteDataIterator(
-            process, cfg, partitioner, converter, expected=expected
+            process, cfg, partitioner, converter, feature_lengths=known
         )
         missing = input_process.RemoteDataIterator(
             process,
@@ -98,6 +103,9 @@ def test_the_input_process_reads_and_checkpoints_what_this_process_would(tmp_pat
         assert remote.input_shards == local.input_shards == [0, 1]
         assert remote.saved_shards == local.saved_shards and remote.num_shards == 2
         assert remote.description()["task_metrics"] is False
+        # What the run knew without seqio is what the child's converter says.
+        assert remote.description()["feature_lengths"] == known
+        assert remote.description()["dtypes"] == remote.feature_shapes()[1]
 
         def same(a, b):
             assert a.keys() == b.keys()

@@ -179,7 +179,9 @@ class RemoteDataIterator:
     mesh, checkpointable per logical shard (`write_state` / `read_state`, done by the
     child), its wait on the input counted in `wait_seconds`. `lazy`: the child builds it
     at its first use (an evaluation's data, as `deferred.DeferredDataIterator`), else at
-    once (beside the run's set-up; `description` waits for it)."""
+    once (beside the run's set-up; `description` waits for it). `feature_lengths`: the
+    model features' lengths where the run knows them already
+    (`batch_shapes.model_feature_lengths`), which `feature_shapes` then gives at once."""
 
     def __init__(
         self,
@@ -189,7 +191,7 @@ class RemoteDataIterator:
         converter: Any,
         *,
         lazy: bool = False,
-        expected: Mapping[str, int] | None = None,
+        feature_lengths: Mapping[str, int] | None = None,
     ):
         import jax
 
@@ -198,7 +200,7 @@ class RemoteDataIterator:
         self._converter = converter
         self._partitioner = partitioner
         self._layout = partitioner.data_layout(cfg.batch_size)
-        self._expected = None if expected is None else dict(expected)
+        self._feature_lengths = None if feature_lengths is None else dict(feature_lengths)
         self.num_shards = config.input_shard_count(cfg, self._layout)
         self.input_shards = list(config.host_input_shards(cfg, self._layout))
         self.saved_shards = config.shards_saved_by(
@@ -227,22 +229,14 @@ class RemoteDataIterator:
         functions for its split)."""
         if self._description is None:
             self._create()
-            answer = self._process.reply(self._ticket)  # type: ignore[arg-type]
-            given = (answer["feature_lengths"], answer["dtypes"])
-            if self._expected is not None and given != self.feature_shapes():
-                raise RuntimeError(
-                    f"The input pipeline gives the model features {given}, not "
-                    f"{self.feature_shapes()} as batch_shapes.packed_lm_features says: make "
-                    "them agree."
-                )
-            self._description = answer
+            self._description = self._process.reply(self._ticket)  # type: ignore[arg-type]
         return self._description
 
     def feature_shapes(self) -> tuple[dict[str, int], dict[str, str] | None]:
-        """`(feature_lengths, dtypes)` of `description`: the expected ones, known without
-        waiting for the child, if given."""
-        if self._expected is not None:
-            return self._expected, dict.fromkeys(self._expected, "int32")
+        """`(feature_lengths, dtypes)` of `description`: the run's own `feature_lengths`
+        (the decoder's token rows, int32), if given, without waiting for the child."""
+        if self._feature_lengths is not None:
+            return self._feature_lengths, dict.fromkeys(self._feature_lengths, "int32")
         description = self.description()
         return description["feature_lengths"], description["dtypes"]
 
@@ -330,9 +324,11 @@ class _Child:
 
     def __init__(self) -> None:
         from flaxlm.data import pipeline
+        from flaxlm.models import batch_shapes
 
         pipeline.configure_tensorflow()
         self.pipeline = pipeline
+        self.batch_shapes = batch_shapes
         self.readers: dict[int, Any] = {}
 
     def create(self, key: int, cfg: DatasetConfig, layout: Any, converter: Any) -> dict:
@@ -344,7 +340,9 @@ class _Child:
         reader = pipeline.HostReader(pipeline.host_input(cfg, layout, converter))
         self.readers[key] = reader
         return {
-            "feature_lengths": pipeline.model_feature_lengths(cfg, converter),
+            "feature_lengths": self.batch_shapes.model_feature_lengths(
+                converter, cfg.task_feature_lengths, cfg.pack
+            ),
             "dtypes": pipeline.batch_dtypes(cfg, converter),
             "task_metrics": pipeline.has_task_metrics(cfg),
         }

@@ -41,14 +41,13 @@ import tensorflow as tf
 from flaxlm.data import packing, vocabularies
 from flaxlm.data.config import (
     DatasetConfig,
-    batch_structs,
     host_input_shards,
     input_shard_count,
     shard_state_name,
     shards_saved_by,
     to_global,
 )
-from flaxlm.models import features
+from flaxlm.models import batch_shapes, features
 from flaxlm.models.row_start import RowStart
 
 if TYPE_CHECKING:
@@ -338,13 +337,6 @@ def host_batches(
     return batches()
 
 
-def model_feature_lengths(
-    cfg: DatasetConfig, feature_converter_cls: type[seqio.FeatureConverter]
-) -> dict[str, int]:
-    converter = feature_converter_cls(pack=cfg.pack)
-    return dict(converter.get_model_feature_lengths(dict(cfg.task_feature_lengths)))
-
-
 def batch_dtypes(
     cfg: DatasetConfig, converter: Callable[..., seqio.FeatureConverter]
 ) -> dict[str, str] | None:
@@ -353,7 +345,7 @@ def batch_dtypes(
     only the pipeline says."""
     features = converter(pack=cfg.pack).MODEL_FEATURES
     out = {}
-    for name in model_feature_lengths(cfg, converter):
+    for name in batch_shapes.model_feature_lengths(converter, cfg.task_feature_lengths, cfg.pack):
         spec = features.get(name)
         if spec is None and name.endswith(("_segment_ids", "_positions")):  # packing's own
             out[name] = "int32"
@@ -362,16 +354,6 @@ def batch_dtypes(
         else:
             return None
     return out
-
-
-def batch_spec(
-    cfg: DatasetConfig, converter: Callable[..., seqio.FeatureConverter], partitioner: Partitioner
-) -> dict[str, jax.ShapeDtypeStruct] | None:
-    """The global batches' shapes, dtypes and shardings (`DataIterator`'s), or None
-    (`batch_dtypes`)."""
-    dtypes = batch_dtypes(cfg, converter)
-    lengths = model_feature_lengths(cfg, converter)
-    return None if dtypes is None else batch_structs(cfg, lengths, dtypes, partitioner)
 
 
 def has_task_metrics(cfg: DatasetConfig) -> bool:

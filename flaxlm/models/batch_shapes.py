@@ -1,4 +1,6 @@
-"""The model features a batch carries, known without the input pipeline.
+"""The model features a batch carries, known without the input pipeline: the one source of
+the lengths a model reads (`model_feature_lengths`), which the run, the input pipeline, its
+process and the planner all ask.
 
 seqio's feature converters (and `features.py`'s) shape the batches; importing seqio imports
 TensorFlow, which computing never needs. So a model names its converter lazily
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 # What each converter gives unpacked (packing adds `<stack>_segment_ids`, `<stack>_positions`).
@@ -29,8 +31,8 @@ def unpacked_shapes(model: Any, length: int, batch: int) -> dict[str, tuple[int,
     features: its `UNPACKED_FEATURES`, else (a model from outside flaxlm) its converter's."""
     if model.UNPACKED_FEATURES:
         return {k: (batch, length) for k in model.UNPACKED_FEATURES}
-    converter = model.FEATURE_CONVERTER_CLS(pack=False)
-    lengths = converter.get_model_feature_lengths({k: length for k in model.TASK_FEATURES})
+    task_lengths = {k: length for k in model.TASK_FEATURES}
+    lengths = model_feature_lengths(model.FEATURE_CONVERTER_CLS, task_lengths, pack=False)
     return batch_shapes_from(lengths, batch)
 
 
@@ -58,15 +60,23 @@ def converter_reference(model: Any) -> str | None:
     return attribute.where if isinstance(attribute, ConverterClass) else None
 
 
-def packed_lm_features(model: Any, task_feature_lengths: Mapping[str, int], pack: bool) -> Any:
-    """`{model feature: length}` of a decoder-only model's batches of a language-modelling
-    task (its only feature `targets`), as its converter (`DECODER_CONVERTER`) makes them:
-    `DECODER_FEATURES`, packed with `decoder_segment_ids` and `decoder_positions`, all of
-    the targets' length. None for any other model or task (their converters say).
-    tests/test_input_process.py holds it to the converter."""
-    if converter_reference(model) != DECODER_CONVERTER.where or set(task_feature_lengths) != {
-        "targets"
-    }:
+def model_feature_lengths(
+    converter: str | Callable[..., Any], task_feature_lengths: Mapping[str, int], pack: bool
+) -> dict[str, int] | None:
+    """`{model feature: length}` of the batches `converter` makes of a task's features
+    `task_feature_lengths` long, packed or not (`pack`).
+
+    `converter`: a converter class, or what makes one (`converter(pack=...)`:
+    `pipeline.ConverterFactory`), asked (its `get_model_feature_lengths`); or its
+    "module:Class" (`converter_reference`), read without importing it: for the decoder-only
+    converter (`DECODER_CONVERTER`) on a language-modelling task (its only feature
+    `targets`), `DECODER_FEATURES`, packed with `decoder_segment_ids` and
+    `decoder_positions`, all of the targets' length; None for any other (only the converter
+    says). tests/test_input_process.py holds that rule to the converter."""
+    lengths = dict(task_feature_lengths)
+    if not isinstance(converter, str):
+        return dict(converter(pack=pack).get_model_feature_lengths(lengths))
+    if converter != DECODER_CONVERTER.where or set(lengths) != {"targets"}:
         return None
     names = DECODER_FEATURES + (("decoder_segment_ids", "decoder_positions") if pack else ())
-    return {name: task_feature_lengths["targets"] for name in names}
+    return dict.fromkeys(names, lengths["targets"])

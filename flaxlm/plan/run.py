@@ -103,10 +103,12 @@ def run_from_gin() -> Run:
     optimizer = factory(learning_rate=learning_rate) if factory else None
     mb = int(_resolve(b.get("num_microbatches", 1)))
     model.check_lengths(cfg.task_feature_lengths)
-    lengths = batch_shapes.packed_lm_features(model, cfg.task_feature_lengths, cfg.pack)
-    if lengths is None:  # (only the input pipeline knows)
-        pipeline = load_pipeline()
-        lengths = pipeline.model_feature_lengths(cfg, pipeline.converter_for(cfg, model))
+    converter = batch_shapes.converter_reference(model) or model.FEATURE_CONVERTER_CLS
+    lengths = batch_shapes.model_feature_lengths(converter, cfg.task_feature_lengths, cfg.pack)
+    if lengths is None:  # (only the converter knows: seqio's, loaded as a run loads it)
+        load_pipeline()
+        converter = cfg.feature_converter or model.FEATURE_CONVERTER_CLS
+        lengths = batch_shapes.model_feature_lengths(converter, cfg.task_feature_lengths, cfg.pack)
     p = gin.get_bindings("partitioning.Partitioner")
     axis_names = tuple(p.get("mesh_axis_names", ("data", "fsdp", "tensor")))
     mesh_shape = tuple(p.get("mesh_shape", (1, -1, 1)))

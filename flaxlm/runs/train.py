@@ -1,9 +1,10 @@
-"""The `train` run function: build, restore, then `loop.run_steps` with its hooks (logging,
-evaluation, checkpointing; see `loop.py`)."""
+"""The `train` run function, a short sequence of `TrainRun`'s steps: check the settings, open
+the data (`train_data.TrainData`), restore or initialise the state, build the steps, then
+`loop.run_steps` with its hooks (logging, evaluation, checkpointing; see `loop.py`)."""
 
 from __future__ import annotations
 
-import sys
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,20 +13,16 @@ import gin
 import jax
 import optax
 
-from flaxlm.checkpoints import checkpointer, data_state, hf, peft_dir, run_dir
-from flaxlm.data import input_process as input_process_lib
-from flaxlm.data.config import DatasetConfig, batch_structs
-from flaxlm.models import batch_shapes
+from flaxlm.checkpoints import checkpointer, hf, peft_dir, run_dir
+from flaxlm.data.config import DatasetConfig
 from flaxlm.models.base import BaseModel
 from flaxlm.models.row_start import RowStart
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.runs import checks, loop
+from flaxlm.runs import checks, loop, train_data
 from flaxlm.training import lora as lora_lib
 from flaxlm.training import metrics, optimizers, preemption, steps
 from flaxlm.training import objective as objective_lib
 from flaxlm.training.train_state import TrainState
-
-StepMetrics = loop.StepMetrics
 
 
 def frozen_params(
@@ -131,86 +128,36 @@ def compile_ahead(setup: steps.Setup, train_step: Callable[..., Any], batch: Any
         train_step.lower(setup.abstract_state, batch).compile()
 
 
-def reads_in_own_process(
-    setting: bool | None,
-    model: BaseModel,
-    cfgs: tuple[DatasetConfig | None, ...],
-    objective: objective_lib.RunObjective,
-    row_start: RowStart,
-) -> bool:
-    """Whether the run reads its data in an input process of its own
-    (`input_process.py`; `train.input_process`). None: where it can, and this process has
-    not loaded TensorFlow (a Gin file or task module that did means its input pipeline
-    may need this process: read here)."""
-    why_not = None
-    if batch_shapes.converter_reference(model) is None:
-        why_not = "the model names its feature converter as a class"
-    elif any(cfg is not None and cfg.feature_converter is not None for cfg in cfgs):
-        why_not = "a DatasetConfig.feature_converter is set (its class loaded TensorFlow)"
-    elif row_start.hf_form:
-        why_not = "the rows start as the task's HF tokenizer says (its vocabulary is read here)"
-    elif objective is not objective_lib.NEXT_TOKEN_PREDICTION:
-        why_not = "train.objective is not next-token prediction"
-    if setting is None:
-        return why_not is None and "tensorflow" not in sys.modules
-    if setting and why_not:
-        raise ValueError(
-            f"train.input_process=True, but {why_not}: such a run reads its data in its own "
-            "process. Leave train.input_process unset (or False)."
-        )
-    return setting
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """`train`'s keyword arguments, all of them (its docstring says what each does): as Gin
+    bound them, then as the run uses them (`TrainRun.check`)."""
 
-
-def _data_iterators(
-    inputs: input_process_lib.InputProcess | None,
-    model: BaseModel,
-    partitioner: Partitioner,
-    train_cfg: DatasetConfig,
-    eval_cfg: DatasetConfig | None,
-    converter: Any,
-    feature_lengths: dict[str, int] | None,
-    row_start: RowStart,
-) -> tuple[Any, Any]:
-    """The run's train iterator (built from now on) and eval iterator (built at the first
-    evaluation; its task looked up at once), read through `inputs` or in this process
-    (the train data on a thread)."""
-    if inputs is not None:
-        train_iter = input_process_lib.RemoteDataIterator(
-            inputs, train_cfg, partitioner, converter, expected=feature_lengths
-        )
-        eval_iter = eval_cfg and input_process_lib.RemoteDataIterator(
-            inputs, eval_cfg, partitioner, converter, lazy=True
-        )
-        return train_iter, eval_iter
-    pipeline = input_process_lib.load_pipeline()
-    from flaxlm.data import deferred
-
-    train_iter = deferred.BackgroundDataIterator(train_cfg, partitioner, converter)
-    eval_iter = eval_cfg and deferred.DeferredDataIterator(
-        eval_cfg, partitioner, pipeline.converter_for(eval_cfg, model, row_start)
-    )
-    return train_iter, eval_iter
-
-
-def _batch_spec(
-    inputs: Any, train_iter: Any, cfg: DatasetConfig, converter: Any, partitioner: Partitioner
-) -> Any:
-    """The training batches' shapes (`compile_ahead`'s), or None."""
-    if inputs is None:
-        return input_process_lib.load_pipeline().batch_spec(cfg, converter, partitioner)
-    lengths, dtypes = train_iter.feature_shapes()
-    return None if dtypes is None else batch_structs(cfg, lengths, dtypes, partitioner)
-
-
-def fresh_iterators(
-    partitioner: Partitioner, converter: Any, *cfgs: DatasetConfig | None
-) -> tuple[Any, ...]:
-    """A new in-process `DataIterator` of each of `cfgs` (None for None): an objective's own
-    passes over the data."""
-    pipeline = input_process_lib.load_pipeline()
-    return tuple(
-        pipeline.DataIterator.create(c, partitioner, converter) if c else None for c in cfgs
-    )
+    model: BaseModel
+    partitioner: Partitioner
+    train_dataset_cfg: DatasetConfig
+    eval_dataset_cfg: DatasetConfig | None
+    learning_rate: optax.ScalarOrSchedule
+    optimizer_factory: Callable[..., optax.GradientTransformation]
+    model_dir: str
+    total_steps: int
+    num_microbatches: int
+    log_period: int
+    eval_period: int
+    eval_steps: int
+    checkpoint_period: int
+    keep_checkpoints: int | None
+    keep_period: int | None
+    seed: int
+    init_from_hf: str | None
+    eval_task_metrics: bool
+    skip_nonfinite_updates: bool
+    inject_nonfinite_loss_at_step: int | None
+    lora: lora_lib.LoraConfig | None
+    lora_base_checkpoint: str | None
+    lora_init_from_peft: str | None
+    objective: objective_lib.RunObjective
+    input_process: bool | None
 
 
 @gin.configurable
@@ -281,190 +228,250 @@ def train(
     SIGTERM or SIGINT saves a checkpoint at the current step and returns (see
     `preemption.py`).
     """
-    start_time = time.perf_counter()
-    checks.check_counts(
-        TRAIN_STEPS=(total_steps, 1),
-        BATCH_SIZE=(train_dataset_cfg.batch_size, 1),
-        NUM_MICROBATCHES=(num_microbatches, 1),
-        LOG_PERIOD=(log_period, 1),
-        CHECKPOINT_PERIOD=(checkpoint_period, 1),
-        EVAL_PERIOD=(eval_period, 0),
-        EVAL_STEPS=(eval_steps, 1),
-    )
-    checks.check_learning_rate(learning_rate)
-    peft_adapters = None
-    if lora_init_from_peft:
-        if not lora_base_checkpoint:
-            init_from_hf = init_from_hf or peft_dir.base_model_path(lora_init_from_peft)
-        lora, peft_adapters = peft_dir.load_adapters(model, lora_init_from_peft, lora)
-    if lora_base_checkpoint and lora is None:
-        raise ValueError("lora_base_checkpoint is set but lora is not: bind train.lora too.")
-    path = checks.check_model_dir(model_dir)
-    if not checks.has_checkpoint(model_dir) or lora is not None or objective.needs_reference:
-        checks.check_init_from_hf(init_from_hf)  # (a resumed run may not read it again)
-    row_start = run_dir.run_row_start(model, model_dir, init_from_hf)
-    steps.check_batch_size(partitioner, train_dataset_cfg.batch_size, num_microbatches)
-    model.check_lengths(train_dataset_cfg.task_feature_lengths)
-    if eval_dataset_cfg is not None and eval_period:
-        steps.check_batch_size(partitioner, eval_dataset_cfg.batch_size, 1)
-    else:
-        eval_dataset_cfg = None
-    own_process = reads_in_own_process(
-        input_process, model, (train_dataset_cfg, eval_dataset_cfg), objective, row_start
-    )
-    if not own_process:
-        input_process_lib.discard_early()
-    if own_process:
-        converter = batch_shapes.converter_reference(model)
-        feature_lengths = batch_shapes.packed_lm_features(
-            model, train_dataset_cfg.task_feature_lengths, train_dataset_cfg.pack
-        )
-    else:
-        pipeline = input_process_lib.load_pipeline()
-        converter = pipeline.converter_for(train_dataset_cfg, model, row_start)
-        objective.check_data(converter)
-        feature_lengths = pipeline.model_feature_lengths(train_dataset_cfg, converter)
-    if feature_lengths is not None:
-        checks.check_sequence_split(model, partitioner, feature_lengths)
-    data_state.check_resumed_lengths(train_dataset_cfg.task_feature_lengths, model_dir)
-    train_dataset_cfg = data_state.resumed_input_shards(train_dataset_cfg, partitioner, model_dir)
+    run = TrainRun(Settings(**locals()))  # (its arguments: the first line sees nothing else)
+    run.check()  # every refusal, before any device work
     # From here on a first SIGTERM/SIGINT is a request to stop cleanly: during set-up, before
     # the first step; in the loop, after the current step, saving it (see run_steps).
-    signals = preemption.PreemptionHandler().install()
-    ckpt = writer = train_iter = inputs = None
+    run.signals = preemption.PreemptionHandler().install()
     try:  # whatever fails from here on, the signals go back and the checkpointer is closed
-        if own_process:
-            inputs = input_process_lib.start()
-        train_iter, eval_iter = _data_iterators(
-            inputs,
-            model,
-            partitioner,
-            train_dataset_cfg,
-            eval_dataset_cfg,
-            converter,
-            feature_lengths,
-            row_start,
+        run.data.open()
+        run.start_state()
+        run.build_steps()
+        state, step, stopped = run.run_steps()
+    except BaseException:
+        run.abort()
+        raise
+    finally:
+        run.close()
+    run.report(stopped, step)
+    return state
+
+
+class TrainRun:
+    """One `train` run, step by step, in the order `train` calls them: `check`, `data.open`,
+    `start_state`, `build_steps`, `run_steps`; then `close` (whatever happened; `abort`
+    first where something failed) and `report`. Each step keeps what later ones read."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.start_time = time.perf_counter()
+        self.settings = settings
+        self.signals: preemption.PreemptionHandler | None = None
+        self.data: train_data.TrainData | None = None
+        self.ckpt: checkpointer.Checkpointer | None = None
+        self.writer: metrics.MultiWriter | None = None
+
+    def check(self) -> None:
+        """Refuses a bad setting, naming it, and settles what the run derives from them:
+        LoRA and INIT_FROM_HF from a PEFT directory (its `adapters`), MODEL_DIR (`path`),
+        the row start, no eval data without EVAL_PERIOD, and its data (`TrainData`)."""
+        s = self.settings
+        checks.check_counts(
+            TRAIN_STEPS=(s.total_steps, 1),
+            BATCH_SIZE=(s.train_dataset_cfg.batch_size, 1),
+            NUM_MICROBATCHES=(s.num_microbatches, 1),
+            LOG_PERIOD=(s.log_period, 1),
+            CHECKPOINT_PERIOD=(s.checkpoint_period, 1),
+            EVAL_PERIOD=(s.eval_period, 0),
+            EVAL_STEPS=(s.eval_steps, 1),
         )
-        if feature_lengths is None:  # the input process says
-            feature_lengths = train_iter.description()["feature_lengths"]
-            checks.check_sequence_split(model, partitioner, feature_lengths)
-        setup = steps.Setup(
-            model,
-            partitioner,
-            optimizer_factory(learning_rate=learning_rate),
-            feature_lengths,
-            seed=seed,
-            lora=lora,
-            frozen_reference=objective.needs_reference,
+        checks.check_learning_rate(s.learning_rate)
+        self.adapters = None
+        if s.lora_init_from_peft:
+            init_from_hf = s.init_from_hf
+            if not s.lora_base_checkpoint:
+                init_from_hf = init_from_hf or peft_dir.base_model_path(s.lora_init_from_peft)
+            lora, self.adapters = peft_dir.load_adapters(s.model, s.lora_init_from_peft, s.lora)
+            s = dataclasses.replace(s, lora=lora, init_from_hf=init_from_hf)
+        if s.lora_base_checkpoint and s.lora is None:
+            raise ValueError("lora_base_checkpoint is set but lora is not: bind train.lora too.")
+        self.path = checks.check_model_dir(s.model_dir)
+        # (a resumed run reads it again only for its frozen params: LoRA's base, a reference)
+        rereads = s.lora is not None or s.objective.needs_reference
+        if not checks.has_checkpoint(s.model_dir) or rereads:
+            checks.check_init_from_hf(s.init_from_hf)
+        self.row_start = run_dir.run_row_start(s.model, s.model_dir, s.init_from_hf)
+        steps.check_batch_size(s.partitioner, s.train_dataset_cfg.batch_size, s.num_microbatches)
+        s.model.check_lengths(s.train_dataset_cfg.task_feature_lengths)
+        eval_cfg = s.eval_dataset_cfg if s.eval_period else None
+        if eval_cfg is not None:
+            steps.check_batch_size(s.partitioner, eval_cfg.batch_size, 1)
+        self.data = train_data.TrainData(
+            s.model,
+            s.partitioner,
+            s.train_dataset_cfg,
+            eval_cfg,
+            s.objective,
+            self.row_start,
+            s.input_process,
+            s.model_dir,
         )
-        ckpt = checkpointer.Checkpointer(model_dir, keep=keep_checkpoints, keep_period=keep_period)
-        start_step, state = initial_state(
-            setup, ckpt, train_iter, model_dir, init_from_hf, row_start, peft_adapters
+        self.settings = dataclasses.replace(
+            s, train_dataset_cfg=self.data.train_cfg, eval_dataset_cfg=eval_cfg
         )
-        frozen = frozen_params(
-            setup, state, start_step, model_dir, init_from_hf, lora_base_checkpoint, row_start
+
+    def start_state(self) -> None:
+        """The steps' `Setup` and the train state: the latest checkpoint's, else step 0
+        (from INIT_FROM_HF, a PEFT directory's adapters, or a fresh init); the steps' frozen
+        params (a LoRA base, an objective's reference), if any."""
+        s, data = self.settings, self.data
+        self.setup = setup = steps.Setup(
+            s.model,
+            s.partitioner,
+            s.optimizer_factory(learning_rate=s.learning_rate),
+            data.feature_lengths,
+            seed=s.seed,
+            lora=s.lora,
+            frozen_reference=s.objective.needs_reference,
         )
-        extra = objective.prepare(
+        self.ckpt = checkpointer.Checkpointer(
+            s.model_dir, keep=s.keep_checkpoints, keep_period=s.keep_period
+        )
+        self.start_step, self.state = initial_state(
+            setup,
+            self.ckpt,
+            data.train_iter,
+            s.model_dir,
+            s.init_from_hf,
+            self.row_start,
+            self.adapters,
+        )
+        self.frozen = frozen_params(
+            setup,
+            self.state,
+            self.start_step,
+            s.model_dir,
+            s.init_from_hf,
+            s.lora_base_checkpoint,
+            self.row_start,
+        )
+
+    def build_steps(self) -> None:
+        """The partitioned train and eval steps, with what the objective adds to each batch
+        (`objective.prepare`); the train step compiled now for the first batch's shapes
+        where they are known (`compile_ahead`)."""
+        s, data, setup = self.settings, self.data, self.setup
+        state, start_step = self.state, self.start_step
+        self.extra = s.objective.prepare(
             objective_lib.ObjectiveRun(
                 setup,
                 start_step,
                 reference_params=lambda: reference_params(
-                    setup, state, start_step, init_from_hf, copy=False
+                    setup, state, start_step, s.init_from_hf, copy=False
                 ),
-                data=lambda: fresh_iterators(
-                    partitioner, converter, train_dataset_cfg, eval_dataset_cfg
-                ),
-                total_steps=total_steps,
-                eval_steps=eval_steps,
+                data=data.fresh_iterators,
+                total_steps=s.total_steps,
+                eval_steps=s.eval_steps,
             )
         )
-        if extra is not None:
-            setup.batch_axes = {**setup.batch_axes, **extra.axes}
-            eval_iter = extra.eval_iterator(eval_iter)
+        self.eval_iter = data.eval_iter
+        if self.extra is not None:
+            setup.batch_axes = {**setup.batch_axes, **self.extra.axes}
+            self.eval_iter = self.extra.eval_iterator(self.eval_iter)
         partitioned_step = setup.partition_train_step(
             steps.make_train_step(
-                model,
-                partitioner,
-                learning_rate,
-                num_microbatches=num_microbatches,
-                seed=seed,
-                skip_nonfinite_updates=skip_nonfinite_updates,
-                inject_nonfinite_loss_at_step=inject_nonfinite_loss_at_step,
-                lora=lora,
-                objective=objective,
+                s.model,
+                s.partitioner,
+                s.learning_rate,
+                num_microbatches=s.num_microbatches,
+                seed=s.seed,
+                skip_nonfinite_updates=s.skip_nonfinite_updates,
+                inject_nonfinite_loss_at_step=s.inject_nonfinite_loss_at_step,
+                lora=s.lora,
+                objective=s.objective,
             )
         )
-        train_step, eval_step, eval_params = steps_with_frozen(
-            setup,
-            partitioned_step,
-            setup.partition_eval_step(steps.make_eval_step(model, lora, objective))
-            if eval_iter
-            else None,
-            frozen,
+        eval_step = None
+        if self.eval_iter:
+            eval_step = setup.partition_eval_step(
+                steps.make_eval_step(s.model, s.lora, s.objective)
+            )
+        self.train_step, self.eval_step, self.eval_params = steps_with_frozen(
+            setup, partitioned_step, eval_step, self.frozen
         )
         # (a stop asked for in the set-up ends the run before its first step: no compile)
-        if extra is None and start_step < total_steps and not signals.should_stop():
-            batch = _batch_spec(inputs, train_iter, train_dataset_cfg, converter, partitioner)
-            compile_ahead(setup, partitioned_step, batch)
-        if inputs is not None and eval_iter is not None:
-            eval_iter.check()
-        run_dir.record_if_known(model, model_dir, row_start)
-        config_str = loop.operative_config(path)
+        if self.extra is None and start_step < s.total_steps and not self.signals.should_stop():
+            compile_ahead(setup, partitioned_step, data.batch_spec())
+        data.check_eval_task()
 
-        writer = metrics.create_writer(model_dir)
-        longest = max(feature_lengths.values())
-        progress = metrics.Progress(total_steps, start_step, model.flops_per_token(longest))
-        nonfinite = loop.NonFiniteCheck(ckpt, skip_nonfinite_updates)
-        save, saved = loop.checkpoint_hook(
-            checkpoint_period, ckpt, train_iter, config_str, start_step
-        )
-
-        hooks = [
-            loop.log_hook(
-                log_period,
-                writer,
-                progress,
-                train_dataset_cfg.batch_size * longest * objective.rows_per_example,
-                train_iter,
-                nonfinite,
-            ),
-            save,
-        ]
-        if eval_step is not None:
-            task = (eval_dataset_cfg, model, partitioner, row_start) if eval_task_metrics else None
-            hooks.insert(
-                1,
-                loop.eval_hook(
-                    eval_period,
-                    writer,
-                    eval_step,
-                    eval_iter,
-                    eval_steps,
-                    eval_params,
-                    task,
-                    objective,
-                ),
-            )
+    def run_steps(self) -> tuple[TrainState, int, bool]:
+        """`loop.run_steps` from the start step to TRAIN_STEPS with the run's hooks
+        (`hooks`): the state, its step, and whether a signal stopped it."""
+        s, train_iter = self.settings, self.data.train_iter
+        run_dir.record_if_known(s.model, s.model_dir, self.row_start)
+        config_str = loop.operative_config(self.path)
+        self.writer = metrics.create_writer(s.model_dir)
 
         def next_batch(step: int) -> steps.Batch:
-            batch = steps.next_batch(train_iter, train_dataset_cfg, step)
-            return batch if extra is None else {**batch, **extra.train(step)}
+            batch = steps.next_batch(train_iter, s.train_dataset_cfg, step)
+            return batch if self.extra is None else {**batch, **self.extra.train(step)}
 
-        state, step, stop = loop.run_steps(
-            state, start_step, total_steps, train_step, next_batch, hooks, nonfinite, signals
+        hooks, nonfinite = self.hooks(config_str)
+        return loop.run_steps(
+            self.state,
+            self.start_step,
+            s.total_steps,
+            self.train_step,
+            next_batch,
+            hooks,
+            nonfinite,
+            self.signals,
         )
-    except BaseException:
-        if inputs is not None:  # a failed run's input process has nothing left to do
-            inputs.kill()
-        raise
-    finally:
-        if inputs is not None:
-            inputs.close()  # (it ends once it has read that there is nothing more to ask)
-        elif train_iter is not None:  # (a failed set-up's data thread ends before the process)
-            train_iter.wait()
-        loop.close(ckpt, writer, signals)
-    if jax.process_index() == 0:
-        loop.report_end(
-            signals, stop, step, start_step, total_steps, ckpt, saved["step"], path, start_time
+
+    def hooks(self, config_str: str) -> tuple[list[loop.Hook], loop.NonFiniteCheck]:
+        """The loop's hooks, in the order they run: the metrics and progress line every
+        LOG_PERIOD, evaluation every EVAL_PERIOD, a checkpoint every CHECKPOINT_PERIOD (and
+        on a stop); and the check of non-finite losses they share."""
+        s, train_iter = self.settings, self.data.train_iter
+        longest = max(self.data.feature_lengths.values())
+        progress = metrics.Progress(
+            s.total_steps, self.start_step, s.model.flops_per_token(longest)
         )
-    return state
+        nonfinite = loop.NonFiniteCheck(self.ckpt, s.skip_nonfinite_updates)
+        save, self.saved = loop.checkpoint_hook(
+            s.checkpoint_period, self.ckpt, train_iter, config_str, self.start_step
+        )
+        tokens_per_step = s.train_dataset_cfg.batch_size * longest * s.objective.rows_per_example
+        log = loop.log_hook(
+            s.log_period, self.writer, progress, tokens_per_step, train_iter, nonfinite
+        )
+        if self.eval_step is None:
+            return [log, save], nonfinite
+        task = (s.eval_dataset_cfg, s.model, s.partitioner, self.row_start)
+        evaluate = loop.eval_hook(
+            s.eval_period,
+            self.writer,
+            self.eval_step,
+            self.eval_iter,
+            s.eval_steps,
+            self.eval_params,
+            task if s.eval_task_metrics else None,
+            s.objective,
+        )
+        return [log, evaluate, save], nonfinite
+
+    def abort(self) -> None:
+        """A failed run's data stops at once (`TrainData.abort`)."""
+        if self.data is not None:
+            self.data.abort()
+
+    def close(self) -> None:
+        """The clean-up, whatever happened: the data (`TrainData.close`), then the
+        checkpointer, writers and signals (`loop.close`)."""
+        if self.data is not None:
+            self.data.close()
+        loop.close(self.ckpt, self.writer, self.signals)
+
+    def report(self, stopped: bool, step: int) -> None:
+        """The run's closing lines (process 0's): why it stopped, what it wrote where."""
+        if jax.process_index() == 0:
+            loop.report_end(
+                self.signals,
+                stopped,
+                step,
+                self.start_step,
+                self.settings.total_steps,
+                self.ckpt,
+                self.saved["step"],
+                self.path,
+                self.start_time,
+            )
