@@ -71,8 +71,8 @@ def grpo_lora_steps(num_steps: int = 2) -> dict:
         steps.make_train_step(model, partitioner, 5e-2, lora=cfg, objective=config)
     )
     tokens = np.zeros((prompts, GRPO_PROMPT), np.int32)
-    for i, text in enumerate(GRPO_PROMPTS):
-        tokens[i, : len(text)] = vocab.encode(text)
+    for i, text in enumerate(GRPO_PROMPTS):  # as PromptFeatureConverter gives them: id + 1
+        tokens[i, : len(text)] = np.asarray(vocab.encode(text)) + 1
     batch = {f"{k}_tokens": partitioner.global_array(tokens) for k in ("prompt", "answer")}
     out = {k: [] for k in ("tokens", "sampled_logps", "reward", "loss", "kl", "grad_norm")}
     for step in range(num_steps):

@@ -125,8 +125,8 @@ def test_engine_rollouts_give_the_trainers_logps_and_read_each_prompt_once(lora_
     rollouts = grpo.Rollouts(setup, config, vocab, base, 0, PROMPT, 4, SEQIO_START)
     texts = ["1+2=", "3+4=", "12+7=", "9+9="]
     tokens = np.zeros((4, PROMPT), np.int32)
-    for i, t in enumerate(texts):
-        tokens[i, : len(t)] = vocab.encode(t)
+    for i, t in enumerate(texts):  # as PromptFeatureConverter gives them: id + 1, 0 pads
+        tokens[i, : len(t)] = np.asarray(vocab.encode(t)) + 1
     prompts = {f"{k}_tokens": partitioner.global_array(tokens) for k in ("prompt", "answer")}
     batch, _ = rollouts(state, prompts, 0)
     decoder = {k: batch[k] for k in rl.DECODER_FEATURES}

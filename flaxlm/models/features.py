@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import seqio
@@ -167,6 +167,12 @@ class LMFeatureConverter(ReadsRowStart, seqio.DecoderFeatureConverter):
         ds = ds.map(signed, num_parallel_calls=tf.data.AUTOTUNE)
         return shifted_rows(self, ds, length)
 
+    def get_model_feature_lengths(self, task_feature_lengths: Mapping[str, int]) -> dict:
+        lengths = dict(super().get_model_feature_lengths(task_feature_lengths))
+        if self.hf_prefix is not None:  # the HF form attends causally over the whole row
+            lengths.pop("decoder_causal_attention", None)
+        return lengths
+
 
 class ChatFeatureConverter(ReadsRowStart, seqio.FeatureConverter):
     """Decoder-only LM features from signed-offset `targets` (see `decode_signed`), packed
@@ -302,8 +308,11 @@ class PreferenceFeatureConverter(ReadsRowStart, seqio.FeatureConverter):
 
 class PromptFeatureConverter(seqio.FeatureConverter):
     """Prompts and their reference answers, as they are (never packed: `pack` is ignored):
-    `prompt_tokens` from `inputs` and `answer_tokens` from `targets`, right-padded (and cut
-    at the end) to their lengths. What a GRPO run samples from and rewards against."""
+    `prompt_tokens` from `inputs` and `answer_tokens` from `targets`, each id stored as
+    `id + 1` (as `decode_signed` reads it), right-padded with 0 (and cut at the end) to their
+    lengths: an id 0 is a real token of many HF tokenizers (Llama 3's, Qwen's and GPT-2's
+    "!"), not padding. `unpadded_ids` gives a row's ids back. What a GRPO run samples from
+    and rewards against."""
 
     TASK_FEATURES = {
         "inputs": seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
@@ -322,14 +331,20 @@ class PromptFeatureConverter(seqio.FeatureConverter):
     def _convert_features(
         self, ds: tf.data.Dataset, task_feature_lengths: Mapping[str, int]
     ) -> tf.data.Dataset:
-        ds = self._pack_or_pad(ds, task_feature_lengths)
-        return ds.map(
-            lambda f: {"prompt_tokens": f["inputs"], "answer_tokens": f["targets"]},
+        ds = ds.map(
+            lambda f: {"prompt_tokens": f["inputs"] + 1, "answer_tokens": f["targets"] + 1},
             num_parallel_calls=tf.data.AUTOTUNE,
         )
+        lengths = self.get_model_feature_lengths(task_feature_lengths)
+        return self._pack_or_pad(ds, lengths)
 
     def get_model_feature_lengths(self, task_feature_lengths: Mapping[str, int]) -> dict:
         return {
             "prompt_tokens": task_feature_lengths["inputs"],
             "answer_tokens": task_feature_lengths["targets"],
         }
+
+
+def unpadded_ids(row: Sequence[int]) -> list[int]:
+    """The ids of one row of `PromptFeatureConverter`'s features, padding dropped."""
+    return [int(t) - 1 for t in row if t]

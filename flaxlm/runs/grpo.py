@@ -38,7 +38,7 @@ from flaxlm.data.config import DatasetConfig
 from flaxlm.inference import generation
 from flaxlm.inference.paged_batch import BatchGenerator
 from flaxlm.models.base import BaseModel
-from flaxlm.models.features import PromptFeatureConverter
+from flaxlm.models.features import PromptFeatureConverter, unpadded_ids
 from flaxlm.models.row_start import RowStart
 from flaxlm.parallel import pytrees
 from flaxlm.parallel.partitioning import Partitioner
@@ -156,9 +156,10 @@ class Rollouts:
                 metrics.print0(f"{refusal} GRPO's rollouts use the batch engine.")
 
     def decode(self, ids: Any) -> str:
-        """Text of token ids up to the first EOS, padding dropped."""
-        ids = [t for t in generation.until_eos(np.asarray(ids), self.setup.model.eos_ids) if t]
-        return self.vocabulary.decode(ids)
+        """Text of token ids up to the first EOS (a completion's: 0 only after it)."""
+        return self.vocabulary.decode(
+            generation.until_eos(np.asarray(ids), self.setup.model.eos_ids)
+        )
 
     def policy_params(self, state: TrainState) -> Any:
         """The params the policy samples with: the state's, or with LoRA the base with the
@@ -207,14 +208,13 @@ class Rollouts:
         prompt_rows = pytrees.host_array(prompts["prompt_tokens"])
         answer_rows = pytrees.host_array(prompts["answer_tokens"])
         group = cfg.num_generations
-        prompt_ids = [[t for t in row.tolist() if t] for row in prompt_rows]
-        texts = [ids for ids in prompt_ids for _ in range(group)]
+        texts = [unpadded_ids(row) for row in prompt_rows for _ in range(group)]
         repeated = [self.start + ids for ids in texts]
         completions, sampled_logps = self.sample(state, repeated, step)
         rewards, reward_means = cfg.rewards(
             [self.decode(ids) for ids in texts],
             [self.decode(c) for c in completions],
-            [self.decode(row) for row in answer_rows for _ in range(group)],
+            [self.decode(unpadded_ids(row)) for row in answer_rows for _ in range(group)],
         )
         advantages = objectives.group_advantages(jnp.asarray(rewards.reshape(-1, group)))
         eos_ids = self.setup.model.eos_ids
