@@ -118,6 +118,9 @@ def bare_base_model_logits(torch_model, base_module, path, prefixes, ids, mask) 
 # ---------------------------------------------------------------- one family, every promise
 
 MESHES = ((1, 4, 2), (2, 2, 2))
+# `check_family` of a family's other configurations: the attention kernels and the first mesh
+# are checked once, on its first; each configuration's own reading and math on every one.
+LIGHT = {"implementations": (), "meshes": MESHES[-1:]}
 GREEDY_TOKENS = 30
 
 
@@ -203,13 +206,17 @@ def check_family(
     tmp_path=None,
     scan=True,
     reload_cls=None,
+    meshes=MESHES,
     **overrides,
 ) -> None:
     """Every promise a family makes against its HF PyTorch reference, saved at `path`:
 
     float32 logits within 1e-4 unsharded, with each attention implementation (those in
     `refused` must raise a ValueError naming the implementation) and on `MESHES` (the
-    second with scanned layers, unless `scan` is False: layers that differ); greedy
+    second with scanned layers, unless `scan` is False: layers that differ; a family's other
+    configurations pass `implementations=()` and `meshes=MESHES[-1:]`: what differs between
+    them is the config's reading and math, the kernels and the first mesh are the first's);
+    greedy
     generation token-identical to HF `generate` for `GREEDY_TOKENS` tokens from prompts of
     mixed lengths; export -> transformers reload with
     no missing or unexpected keys, logits within 1e-5 relative, generation config kept.
@@ -242,7 +249,7 @@ def check_family(
         got = other.compute_logits(params, batch)
         assert max_abs_diff(got, theirs, mask) < 1e-4, implementation
 
-    for mesh in MESHES:
+    for mesh in meshes:
         scanned = scan and mesh == MESHES[-1]
         sharded, sharded_params = hf.from_pretrained(
             path, Partitioner(mesh_shape=mesh), scan_layers=scanned, **overrides

@@ -11,6 +11,7 @@ from flaxlm.checkpoints import hf
 from flaxlm.models import decoding, phi3
 from flaxlm.models.options import ComputeOptions
 from tests.hf_helpers import (
+    LIGHT,
     check_family,
     decoder_batch,
     gin_config,
@@ -78,7 +79,7 @@ def test_phi4_mini_shaped_longrope_checkpoint_keeps_every_promise(tmp_path):
         },
         tie_word_embeddings=True,
     )
-    check_family(torch_model, path, VOCAB, prompt_lengths=(11, 4, 14), tmp_path=tmp_path)
+    check_family(torch_model, path, VOCAB, prompt_lengths=(11, 4, 14), tmp_path=tmp_path, **LIGHT)
 
     model, params = hf.from_pretrained(path)
     assert model.config.tie_word_embeddings and model.config.rotary_dim == 6
