@@ -1,8 +1,8 @@
 """The math of post-training objectives, on log-probabilities: DPO, IPO, ORPO, SimPO, GRPO.
 
 Pure functions of per-sequence (or per-token) log-probabilities, float32, no model and no
-mesh: the preference and RL losses that `trainer`'s steps will take as `loss_fn(params, batch,
-rng)` are built on these (`preference.py`, `rl.py`).
+mesh: the preference and RL losses that `training/steps.py`'s steps take (through the
+`Objective` protocol) are built on these (`preference.py`, `rl.py`).
 Each follows its paper, with TRL's conventions where TRL fixed a free choice:
 
 - DPO (Rafailov et al. 2023, eq. 7): `-log sigmoid(beta * (chosen_ratio - rejected_ratio))`,

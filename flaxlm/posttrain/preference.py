@@ -162,7 +162,7 @@ def sequence_logps(
 
 
 class PreferenceModel:
-    """The preference loss of `policy`'s params, in the shape `trainer` steps expect
+    """The preference loss of `policy`'s params, in the shape `training/steps.py` expects
     (`normalizer`, `loss_fn(params, batch, rng, normalizer) -> (loss, metric sums)`).
 
     `reference` (a model) and `reference_params` give the reference log-probs when the loss

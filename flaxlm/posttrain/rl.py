@@ -1,4 +1,4 @@
-"""GRPO's loss over rollouts, for `trainer`'s steps, and the rollout batch it reads.
+"""GRPO's loss over rollouts, for `training/steps.py`'s steps, and the rollout batch it reads.
 
 A rollout batch holds `prompts x num_generations` rows, each a prompt followed by one sampled
 completion (`rollout_batch` builds it on the host): the decoder features of a causal LM
@@ -129,8 +129,8 @@ class GrpoConfig:
 
 
 class GrpoModel:
-    """GRPO's loss of `policy`'s params over a rollout batch, in the shape `trainer` steps
-    expect (`normalizer`: the number of completions; metric sums under TRL's names)."""
+    """GRPO's loss of `policy`'s params over a rollout batch, in the shape `training/steps.py`'s
+    steps expect (`normalizer`: the number of completions; metric sums under TRL's names)."""
 
     def __init__(self, policy: Any, cfg: GrpoConfig):
         self.policy = policy
