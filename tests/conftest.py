@@ -132,6 +132,7 @@ LONGEST_FILES = (
     "test_hf_glm4_moe_minimax_m2.py",
     "test_hf_llama4.py",
     "test_hf_gemma4.py",
+    "test_hf_qwen3_next.py",
     "test_hf_deepseek_v32.py",
     "test_recipes_hf.py",
     "test_hf_smollm3.py",

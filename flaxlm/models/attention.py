@@ -389,6 +389,7 @@ def rotary_self_attention(
     context_parallel: str = "ring",
     clip_qkv: float | None = None,
     sinks: bool = False,
+    output_gate: bool = False,
 ) -> Array:
     """Llama-style attention, built inside the calling block's scope (`q_proj`, `k_proj`,
     `v_proj`, `o_proj`, `cache`, `sinks`): rotary (half-split) queries and keys,
@@ -401,7 +402,9 @@ def rotary_self_attention(
     then q, k, v clipped to +-`clip_qkv` if set). scale: of the scores (default head_dim**-0.5);
     softcap: of the scaled scores (Gemma 2); window: this layer's sliding window
     (`layer_window`); context_parallel: see `dot_product_attention`; sinks: a learned
-    sink logit per head (`AttentionSinks`, gpt-oss).
+    sink logit per head (`AttentionSinks`, gpt-oss); output_gate: `q_proj` gives each head
+    its query and then as many gates, and the head's output is multiplied by their sigmoid
+    before `o_proj` (Qwen3-Next's gated attention).
 
     h: [batch, length, embed] -> [batch, length, embed], tagged `attn_out` for remat.
     """
@@ -411,7 +414,10 @@ def rotary_self_attention(
         h,
         [
             DenseGeneral(
-                (num_heads, head_dim), ("embed", "heads", "head_dim"), name="q_proj", **dense
+                (num_heads, head_dim * (2 if output_gate else 1)),
+                ("embed", "heads", "head_dim"),
+                name="q_proj",
+                **dense,
             ),
             *(
                 DenseGeneral(
@@ -422,6 +428,8 @@ def rotary_self_attention(
         ],
     )
     kv_axes = ("batch", "length", kv_axis, "head_dim")
+    if output_gate:
+        q, gate = jnp.split(q, 2, axis=-1)
     if qk_norm is not None:
         if qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm {qk_norm!r}: expected None or one of {QK_NORMS}.")
@@ -455,6 +463,8 @@ def rotary_self_attention(
             context_parallel=context_parallel,
             sinks=AttentionSinks(num_heads, param_dtype, name="sinks")() if sinks else None,
         )
+    if output_gate:
+        attn = attn * jax.nn.sigmoid(gate).astype(attn.dtype)
     attn = DenseGeneral(
         hidden_size,
         ("heads", "head_dim", "embed"),

@@ -145,7 +145,7 @@ class CachedDecoding:
         module = self._decode_module()
         if not isinstance(module, CausalLM) or type(module).__call__ is not CausalLM.__call__:
             return f"{type(module).__name__} decodes over a contiguous KV cache only."
-        return None
+        return module.paged_refusal
 
     def paged_cache(self, num_pages: int, page_size: int) -> Any:
         """Zeros of a paged KV cache (the `cache` collection): `num_pages` pages of

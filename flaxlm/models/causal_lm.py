@@ -49,6 +49,7 @@ class CausalLM(nn.Module):
       layers_name: the blocks' scope prefix ('layers': `layers_0`, ... or scanned `layers`).
       layer_index: the blocks take their index (an int32 scalar) after `x`.
       head_bias: the untied head has a bias (GPT-J).
+      paged_refusal: why its blocks cannot decode over the paged KV cache (None: they can).
     """
 
     config: Any  # a CausalLMConfig
@@ -58,6 +59,8 @@ class CausalLM(nn.Module):
     layers_name: ClassVar[str] = "layers"
     layer_index: ClassVar[bool] = False
     head_bias: ClassVar[bool] = False
+    # Why the family cannot decode over the paged KV cache (None: it can).
+    paged_refusal: ClassVar[str | None] = None
 
     # ------------------------------------------------------------ hooks
 

@@ -311,13 +311,24 @@ def decode(
     return sample(first_logits, cache, step, config, rng)[0]
 
 
+# Cache leaves of a recurrent state (linear attention: `gated_deltanet.GatedDeltaNet`), rows
+# in axis `ndim - 4` as every leaf, but no slots.
+RECURRENT_STATE = ("conv_q", "conv_k", "conv_v", "recurrent_state")
+
+
 def cache_length(cache: Any) -> int:
     """Slots of a KV cache: axis `ndim - 2` of its leaves, `[(layers,) rows, heads, slots,
     width]`, the values' aside (named "value", `[..., width, slots]`:
-    `attention.write_cache`)."""
+    `attention.write_cache`) and the recurrent states' (`RECURRENT_STATE`: 0 when nothing
+    else is cached)."""
+    states = False
     for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
-        if getattr(path[-1], "key", None) != "value":
+        name = getattr(path[-1], "key", None)
+        states = states or name in RECURRENT_STATE
+        if name != "value" and name not in RECURRENT_STATE:
             return leaf.shape[leaf.ndim - 2]
+    if states:
+        return 0
     raise ValueError("a KV cache without keys")
 
 

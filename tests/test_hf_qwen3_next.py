@@ -1,0 +1,374 @@
+"""Qwen3-Next and Qwen3.5 text from and to HuggingFace: every promise against transformers'
+`Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM` and `Qwen3_5MoeForCausalLM` (Gated DeltaNet
+layers between gated full-attention ones, partial rotary, (1 + w) norms, experts with a
+gated shared expert), the Hub's multimodal Qwen3.5 files' text tower, the serving engine's
+refusal, LoRA steps on packed rows through the gin file, config errors and the gin files."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+import transformers
+from safetensors.numpy import load_file, save_file
+
+from flaxlm.checkpoints import hf
+from flaxlm.inference.scheduler import Scheduler
+from flaxlm.models import base, options, qwen3_next, qwen3_next_hf
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.training import lora, steps
+from tests.helpers import adamw
+from tests.hf_helpers import (
+    LIGHT,
+    check_family,
+    decoder_batch,
+    flaxlm_greedy_batch,
+    gin_config,
+    hf_greedy_batch,
+    max_abs_diff,
+    padded_batch,
+    random_hf_model,
+    save_torch_model,
+    torch_logits,
+)
+
+VOCAB = 250
+L, F = qwen3_next.LINEAR, qwen3_next.FULL
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_key_head_dim=8,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    attention_dropout=0.0,
+    initializer_range=0.1,  # sharp enough attention that positions visibly matter
+    pad_token_id=0,
+    bos_token_id=None,
+    eos_token_id=None,  # no EOS: HF's min_new_tokens would otherwise forbid one
+)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+VARIANTS = {
+    # Linear, full, linear (a dense MLP: mlp_only_layers), full; two value heads per key
+    # head, biased attention, the top k not renormalised, a quarter of each head rotated.
+    "qwen3_next": (
+        transformers.Qwen3NextConfig,
+        transformers.Qwen3NextForCausalLM,
+        dict(
+            COMMON,
+            **MOE,
+            num_hidden_layers=4,
+            layer_types=[L, F, L, F],
+            mlp_only_layers=[2],
+            linear_num_value_heads=4,
+            linear_value_head_dim=8,
+            shared_expert_intermediate_size=16,
+            norm_topk_prob=False,
+            attention_bias=True,
+        ),
+    ),  # fmt: skip
+    # Linear, linear, full (full_attention_interval 3), dense; one value head per key head
+    # of another width, a tied head, half of each head rotated, linearly scaled, with the
+    # multimodal sections (one position stream: plain rotary).
+    "qwen3_5_text": (
+        transformers.Qwen3_5TextConfig,
+        transformers.Qwen3_5ForCausalLM,
+        dict(
+            COMMON,
+            num_hidden_layers=3,
+            full_attention_interval=3,
+            tie_word_embeddings=True,
+            linear_num_value_heads=2,
+            linear_value_head_dim=16,
+            rope_parameters={
+                "rope_type": "linear",
+                "factor": 2.0,
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        ),
+    ),  # fmt: skip
+    # Three linear layers, then a full one (the default), experts in every layer.
+    "qwen3_5_moe_text": (
+        transformers.Qwen3_5MoeTextConfig,
+        transformers.Qwen3_5MoeForCausalLM,
+        dict(
+            COMMON,
+            **MOE,
+            num_hidden_layers=4,
+            linear_num_value_heads=4,
+            linear_value_head_dim=8,
+            shared_expert_intermediate_size=16,
+        ),
+    ),  # fmt: skip
+}
+# HF starts these at constants (the (1 + w) norms at 0, the gated norm at 1, dt_bias at 1).
+PERTURBED = ("norm.weight", "layernorm.weight", "dt_bias", ".bias")
+
+
+def tiny_hf_model(path, variant: str):
+    """A random tiny torch model of `variant` (its constant-initialised params perturbed),
+    saved."""
+    config_cls, model_cls, kwargs = VARIANTS[variant]
+    model = random_hf_model(config_cls, model_cls, PERTURBED, **kwargs)
+    return model, save_torch_model(model, path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_5_text"])
+def test_checkpoint_keeps_every_promise(tmp_path, variant):
+    torch_model, path = tiny_hf_model(tmp_path / "hf", variant)
+    # The kernels and meshes once, on the first variant (each variant: its reading and math).
+    light = {} if variant == "qwen3_next" else LIGHT
+    check_family(torch_model, path, VOCAB, tmp_path=tmp_path, scan=False, **light)
+    exported = transformers.AutoConfig.from_pretrained(str(tmp_path / "export"))
+    assert exported.layer_types == torch_model.config.layer_types
+    assert exported.rope_parameters == torch_model.config.rope_parameters
+    config = qwen3_next_hf.config_from_hf(exported.to_dict())  # the vocabulary unpadded
+    assert config.model_type == variant
+    assert config.num_params() == sum(p.numel() for p in torch_model.parameters())
+
+
+def as_multimodal_file(torch_model, path, out) -> None:
+    """The saved text model as the Hub ships Qwen3.5 (`Qwen3_5MoeForConditionalGeneration`):
+    the text config under `text_config`, its tensors under `model.language_model.`, beside a
+    vision tower's and the multi-token-prediction layer's."""
+    out.mkdir()
+    tensors = {
+        name.replace("model.", "model.language_model.", 1): array
+        for name, array in load_file(f"{path}/model.safetensors").items()
+    }
+    tensors["model.visual.patch_embed.proj.weight"] = np.zeros((4, 3), np.float32)
+    tensors["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    text = torch_model.config.to_dict()
+    config = {
+        "model_type": "qwen3_5_moe",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "tie_word_embeddings": False,
+        "text_config": text,
+        "vision_config": {"depth": 1},
+    }
+    (out / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.slow
+def test_multimodal_file_loads_its_text_tower_and_exports_it(tmp_path):
+    """Qwen3.5-MoE's multimodal file: HF's logits and greedy tokens from the text tower; the
+    export is the text model, which transformers reloads to the same logits."""
+    torch_model, path = tiny_hf_model(tmp_path / "hf", "qwen3_5_moe_text")
+    as_multimodal_file(torch_model, path, tmp_path / "multimodal")
+    model, params = hf.from_pretrained(tmp_path / "multimodal")
+    assert model.config.model_type == "qwen3_5_moe_text"
+    ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
+    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+    ours = np.asarray(model.compute_logits(params, decoder_batch(ids, mask)))
+    assert max_abs_diff(ours, theirs, mask) < 1e-4
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, VOCAB, n).tolist() for n in (11, 4, 17)]
+    assert flaxlm_greedy_batch(model, params, prompts) == hf_greedy_batch(torch_model, prompts)
+
+    hf.save_pretrained(model, params, tmp_path / "export")
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "export"), output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert type(reloaded) is transformers.Qwen3_5MoeForCausalLM
+    again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(ours, again, mask) <= 1e-5 * max(1.0, np.abs(again).max())
+
+
+def tiny_config(**overrides) -> qwen3_next.Qwen3NextConfig:
+    fields = dict(
+        vocab_size=128, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16,
+    )  # fmt: skip
+    return qwen3_next.Qwen3NextConfig(**{**fields, **overrides})
+
+
+def test_serving_engine_refuses_to_page_the_recurrent_state():
+    """The paged engine names why (the serve run then decodes in fixed batches)."""
+    model = base.DecoderOnlyModel(tiny_config())
+    assert model.paged_refusal() == qwen3_next.PAGED_REFUSAL
+    partitioner = Partitioner(mesh_shape=(1, 1, 1), devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match="recurrent state"):
+        Scheduler(model, None, partitioner)
+
+
+def packed_batch(seed: int = 1) -> dict[str, np.ndarray]:
+    """Eight rows of 32 positions, each two or three examples packed (seqio's features)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(8):
+        cuts = np.sort(rng.choice(np.arange(4, 28), size=rng.integers(1, 3), replace=False))
+        bounds = [0, *cuts.tolist(), 32]
+        rows.append(np.concatenate([np.full(b - a, i + 1) for i, (a, b) in
+                                    enumerate(zip(bounds, bounds[1:]))]))  # fmt: skip
+    segments = np.stack(rows).astype(np.int32)
+    starts = np.concatenate([np.ones((8, 1), bool), segments[:, 1:] != segments[:, :-1]], 1)
+    index = np.arange(32)[None, :]
+    positions = index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    tokens = rng.integers(1, 300, size=(8, 32)).astype(np.int32)
+    return {
+        "decoder_input_tokens": tokens,
+        "decoder_target_tokens": tokens,
+        "decoder_segment_ids": segments,
+        "decoder_positions": positions.astype(np.int32),
+        "decoder_loss_weights": np.ones((8, 32), np.int32),
+    }
+
+
+@pytest.mark.slow
+def test_lora_steps_on_packed_rows_through_the_gin_file(repo_dir):
+    """gin/models/qwen3_next_tiny.gin's model, LoRA on the linear layers' projections and
+    the full ones' q and v, packed rows, an FSDP x tensor mesh: the loss falls, the base
+    params stay as they were."""
+    config = gin_config(repo_dir, "qwen3_next_tiny", qwen3_next.Qwen3NextConfig)
+    model = base.DecoderOnlyModel(config)
+    partitioner = Partitioner(mesh_shape=(1, 4, 2))
+    batch = packed_batch()
+    lengths = {k: v.shape[1] for k, v in batch.items()}
+    rules = ((r"(in_proj_qkvz|in_proj_ba|out_proj)/kernel$", 4), (r"(q|v)_proj/kernel$", 4))
+    cfg = lora.LoraConfig(rules=rules, alpha=8.0)
+    setup = steps.Setup(model, partitioner, adamw(1e-2), lengths, lora=cfg)
+    assert len(setup.lora_kernels) == 3 * 3 + 2
+    state, params = setup.init_state(), setup.init_base()
+    before = jax.device_get(params)
+    step = setup.partition_train_step(steps.make_train_step(model, partitioner, 1e-2, lora=cfg))
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, batch, params)
+        losses.append(float(metrics["loss"]))
+    assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
+    jax.tree.map(np.testing.assert_array_equal, before, jax.device_get(params))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(layer_types=(L, F)), "layer_types"),
+        (dict(layer_types=(L, L, "sliding_attention", F)), "layer_types"),
+        (dict(full_attention_interval=0), "full_attention_interval"),
+        (dict(linear_num_value_heads=3), "linear_num_value_heads"),
+        (dict(linear_attention_chunk_size=0), "linear_attention_chunk_size"),
+        (dict(partial_rotary_factor=1.5), "partial_rotary_factor"),
+        (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),
+        (dict(scan_layers=True), "scan_layers"),
+        (dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
+        (dict(model_type="qwen3_5_text"), "num_experts"),
+        (dict(model_type="qwen3_5_moe_text", norm_topk_prob=False), "norm_topk_prob"),
+        (dict(model_type="qwen3_5_moe_text", mlp_only_layers=(1,)), "mlp_only_layers"),
+        (dict(mrope_section=(2, 1, 1)), "mrope_section"),
+        (dict(model_type="qwen3_5"), "model_type"),
+    ],
+    ids=str,
+)
+def test_bad_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        tiny_config(**kwargs)
+
+
+def test_scanned_layers_only_when_alike():
+    """Every layer linear with experts: one program to scan (and the HF table stacks)."""
+    config = tiny_config(layer_types=(L,) * 4, scan_layers=True)
+    assert config.layers_alike
+    records = qwen3_next_hf.hf_tensors(config)
+    assert {t.layers for t in records if "linear_attn" in t.param} == {4}
+
+
+# config.json of Qwen/Qwen3.5-27B as published (the multimodal file; its text tower's).
+PUBLISHED_27B = {
+    "model_type": "qwen3_5",
+    "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "tie_word_embeddings": False,
+    "text_config": {
+        "model_type": "qwen3_5_text",
+        "attention_bias": False,
+        "attn_output_gate": True,
+        "full_attention_interval": 4,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
+        "linear_value_head_dim": 128,
+        "max_position_embeddings": 262144,
+        "mlp_only_layers": [],
+        "mtp_num_hidden_layers": 1,
+        "num_attention_heads": 24,
+        "num_hidden_layers": 64,
+        "num_key_value_heads": 4,
+        "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10],
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000,
+            "rope_type": "default",
+        },
+        "tie_word_embeddings": False,
+        "vocab_size": 248320,
+    },
+}
+# The parameters of transformers' causal LM of each gin file's exported config.json, counted
+# once on the meta device (`sum(p.numel() for p in model.parameters())`; the published
+# Qwen3.5 sizes count the vision tower too).
+GIN_FILES = {
+    "qwen3_next_tiny": dict(model_type="qwen3_next", params=1_650_488),
+    "qwen3_5_tiny": dict(model_type="qwen3_5_text", params=908_600),
+    "qwen3_5_moe_tiny": dict(model_type="qwen3_5_moe_text", params=1_650_488),
+    "qwen3_next_80b_a3b": dict(num_experts=512, params=79_674_391_296),
+    "qwen3_5_27b": dict(hidden_size=5120, linear_num_value_heads=48, params=26_895_998_464),
+    "qwen3_5_35b_a3b": dict(num_experts=256, num_layers=40, params=34_660_610_688),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GIN_FILES))
+def test_gin_model_file_builds_its_config_with_transformers_parameter_count(repo_dir, name):
+    config = gin_config(repo_dir, name, qwen3_next.Qwen3NextConfig)
+    expected = dict(GIN_FILES[name])
+    params = expected.pop("params")
+    for field, value in expected.items():
+        assert getattr(config, field) == value, field
+    assert config.vocab_size % 128 == 0 and config.per_layer_types[-1] == F
+    assert config.num_params() == params
+
+
+def test_config_json_as_transformers_resolves_it():
+    """transformers 4's spelling (top-level rope_theta and partial_rotary_factor, no
+    layer_types: every full_attention_interval-th layer full) reads as transformers 5's
+    Qwen3NextConfig resolves it."""
+    legacy = dict(
+        model_type="qwen3_next", num_hidden_layers=8, full_attention_interval=4,
+        rope_theta=1e7, partial_rotary_factor=0.25, rope_scaling=None,
+    )  # fmt: skip
+    read = qwen3_next_hf.config_from_hf(legacy)
+    resolved = qwen3_next_hf.config_from_hf(transformers.Qwen3NextConfig(**legacy).to_dict())
+    assert read.per_layer_types == resolved.per_layer_types == (L, L, L, F) * 2
+    fields = ("rope_theta", "partial_rotary_factor", "rope_scaling_type", "num_experts")
+    assert [getattr(read, f) for f in fields] == [getattr(resolved, f) for f in fields]
+    assert (read.rope_theta, read.rotary_dim, read.num_experts) == (1e7, 64, 512)
+
+
+def test_published_config_json_reads_as_the_gin_file(repo_dir):
+    from_gin = gin_config(repo_dir, "qwen3_5_27b", qwen3_next.Qwen3NextConfig)
+    _, read = hf.config_from_hf_dict(PUBLISHED_27B)
+    ignored = {f.name for f in dataclasses.fields(options.ComputeOptions)}
+    ignored |= {"real_vocab_size", "linear_attention_chunk_size"}
+    for field in dataclasses.fields(qwen3_next.Qwen3NextConfig):
+        if field.name not in ignored:
+            assert getattr(read, field.name) == getattr(from_gin, field.name), field.name
