@@ -23,6 +23,10 @@ _user_names = {f.split("=")[0] for f in _user_flags}
 _flags = [*_user_flags, *(f for f in FAST_COMPILE if f.split("=")[0] not in _user_names)]
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The HF references run torch on one thread: a tiny model's forward takes ~3 ms so and ~0.8 s
+# on two threads while the two cores are busy with JAX (OpenMP's barriers wait), which made
+# HF `generate` of 30 tokens ~20 s of each family check. torch reads this at import.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -133,6 +137,7 @@ LONGEST_FILES = (
     "test_hf_llama4.py",
     "test_hf_gemma4.py",
     "test_hf_qwen3_next.py",
+    "test_hf_kimi_linear.py",
     "test_hf_deepseek_v32.py",
     "test_recipes_hf.py",
     "test_hf_smollm3.py",
@@ -150,6 +155,7 @@ LONGEST_FILES = (
     "test_grpo_lora.py",
     "test_moe.py",
     "test_training_features.py",
+    "test_kimi_delta.py",
 )
 
 

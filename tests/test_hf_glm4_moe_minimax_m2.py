@@ -122,18 +122,8 @@ def tiny_hf(family: str, **kwargs):
     return model
 
 
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """torch on one thread while this file runs (its tiny forwards slow down on two busy
-    cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=["glm4_moe", "minimax_m2"])
-def saved(request, tmp_path_factory, one_torch_thread):
+def saved(request, tmp_path_factory):
     """(family, torch model, its save_pretrained directory): GLM_DENSE_FIRST and MINIMAX."""
     config = GLM_DENSE_FIRST if request.param == "glm4_moe" else MINIMAX
     torch_model = tiny_hf(request.param, **config)
@@ -143,7 +133,7 @@ def saved(request, tmp_path_factory, one_torch_thread):
 
 
 @pytest.mark.slow
-def test_glm4_moe_keeps_every_promise(tmp_path, one_torch_thread):
+def test_glm4_moe_keeps_every_promise(tmp_path):
     torch_model = tiny_hf("glm4_moe", **GLM)
     torch_model.save_pretrained(tmp_path / "hf")
     model, _ = hf.from_pretrained(str(tmp_path / "hf"), ONE)
@@ -152,7 +142,7 @@ def test_glm4_moe_keeps_every_promise(tmp_path, one_torch_thread):
 
 
 @pytest.mark.slow
-def test_minimax_m2_keeps_every_promise(tmp_path, one_torch_thread):
+def test_minimax_m2_keeps_every_promise(tmp_path):
     torch_model = tiny_hf("minimax_m2", **MINIMAX)
     torch_model.save_pretrained(tmp_path / "hf")
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "np") as f:

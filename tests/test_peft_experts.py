@@ -47,16 +47,6 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """torch on one thread while this file runs: its tiny forwards take ~3 ms so, and ~0.8 s
-    on two threads when the two cores are busy with other work (OpenMP's barriers wait)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
 def family(request, tmp_path_factory):
     """A random tiny HF MoE saved as an HF directory, and flaxlm's unrolled and scanned

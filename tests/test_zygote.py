@@ -104,12 +104,15 @@ def test_an_environment_that_changes_what_imports_see_gets_a_fresh_process():
 
 def test_a_script_runs_as_python_script_py(tmp_path):
     """`python script.py args` (test_multiprocess's workers): the script's directory first on
-    the path, its name as argv[0], its exit status; forked and fresh alike."""
+    the path, its name as argv[0], its signal dispositions, its exit status; forked and
+    fresh alike."""
     script = tmp_path / "probe.py"
     script.write_text(
         "import os, sys\n"
         "print(sys.argv, sys.path[0] == os.path.dirname(os.path.abspath(__file__)), os.getcwd())\n"
         "print(__name__, 'jax' in sys.modules)\n"
+        "import signal\n"  # the dispositions a fresh interpreter starts with (SIGPIPE ignored)
+        "print([signal.getsignal(s) for s in (signal.SIGPIPE, signal.SIGTERM, signal.SIGCHLD)])\n"
         "sys.exit(3)\n"
     )
     forked = zygote.run(["a", "b"], REPO, _env(), module=str(script), timeout=120)
@@ -124,3 +127,4 @@ def test_a_script_runs_as_python_script_py(tmp_path):
     assert forked.stdout.splitlines()[0] == fresh.stdout.splitlines()[0]
     assert f"['{script}', 'a', 'b'] True {REPO}" == fresh.stdout.splitlines()[0]
     assert forked.stdout.splitlines()[1] == "__main__ True"  # forked: JAX was imported before
+    assert forked.stdout.splitlines()[2] == fresh.stdout.splitlines()[2]

@@ -161,8 +161,13 @@ def _child(request: dict[str, Any], fds: list[int], conn: socket.socket) -> None
         if fd > 2:
             os.close(fd)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+    for sig in (signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
+    # As CPython starts: SIGPIPE ignored (a write to a closed socket or pipe raises
+    # BrokenPipeError). Left at its default, a client that hangs up before the server
+    # answered (the tests' /health polls time out after 2 s on a busy machine) killed the
+    # served run with SIGPIPE, which `python -m flaxlm.main` never sees.
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
