@@ -4,8 +4,10 @@ torch references (`torch_chunk_gated_delta_rule`, `torch_recurrent_gated_delta_r
 the chunked form at several chunk sizes (one that does not divide the length) equals the
 recurrent one and HF's; the layer's gradients are torch autograd's; packed segments restart
 the state and the convolution; the layer decodes one token at a time from its cache as it
-reads the whole sequence, left padding unseen."""
+reads the whole sequence, left padding unseen, and reads it in pieces (context parallelism's,
+`linear_context_parallel`) as whole."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -236,14 +238,44 @@ def test_layer_decodes_from_its_cache_as_it_reads_the_sequence(projection):
     np.testing.assert_allclose(packed[:, 4:], alone, rtol=0, atol=tol)
 
 
-def test_layer_refuses_reordered_sequences_and_the_paged_cache():
-    """Context parallelism's load-balanced order, and the paged cache, name themselves."""
+@pytest.mark.slow
+def test_layer_read_in_pieces_equals_read_whole():
+    """Given slots (context parallelism's load-balanced order; here on one shard, in order)
+    the layer reads a row as two pieces, the second from the state and the convolution
+    inputs the first hands it (`linear_context_parallel`, folded without a mesh): the
+    outputs of reading it whole, a row in one segment or packed (a segment starting at the
+    second piece, another two positions into it), and packed the gradients."""
+    module, length = layer("grouped"), 16
+    rng = np.random.default_rng(7)
+    h, weights = (rng.normal(size=(BATCH, length, 16)).astype(np.float32) for _ in range(2))
+    params = module.init(jax.random.PRNGKey(0), h, masks.causal_mask(None, BATCH, length), None)
+    params = nn.meta.unbox(params)
+    # Slow decays (exp(A_log) 0.02-0.1 a position): the state reaches across the pieces.
+    params["params"]["A_log"] = np.log(np.linspace(0.02, 0.1, VALUE_HEADS)).astype(np.float32)
+    in_order = jnp.arange(length, dtype=jnp.int32)
+
+    def loss(params, h, mask):
+        out = module.apply(params, h, mask, None)
+        return jnp.sum(out * weights), out
+
+    whole = masks.causal_mask(None, BATCH, length)
+    want = module.apply(params, h, whole, None)
+    got = module.apply(params, h, whole.replace(slots=in_order), None)
+    np.testing.assert_allclose(got, want, rtol=0, atol=tolerance(np.asarray(want), length))
+    packed = masks.causal_mask(jnp.asarray([[1] * 8 + [2] * 8, [1] * 10 + [2] * 6]), BATCH, length)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
+    want_grads, want = grad(params, h, packed)
+    grads, got = grad(params, h, packed.replace(slots=in_order))
+    np.testing.assert_allclose(got, want, rtol=0, atol=tolerance(np.asarray(want), length))
+    for ours, reference in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        atol = tolerance(np.asarray(reference), 2 * BATCH * length)
+        np.testing.assert_allclose(ours, reference, rtol=0, atol=atol)
+
+
+def test_layer_refuses_the_paged_cache():
     module = layer("split")
     h = np.zeros((1, 4, 16), np.float32)
     mask = masks.causal_mask(None, 1, 4)
-    params = module.init(jax.random.PRNGKey(0), h, mask, None)["params"]
-    with pytest.raises(ValueError, match="context parallelism"):
-        module.apply({"params": params}, h, mask.replace(slots=jnp.arange(4)), None)
     one = jnp.zeros((1, 1), jnp.int32)
     paged = masks.Decoding(jnp.int32(0), one[0], 4, one, one, 2, 4)
     with pytest.raises(ValueError, match="contiguous cache"):

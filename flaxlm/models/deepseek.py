@@ -84,6 +84,8 @@ class DeepseekV3Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
     scale_embedding: ClassVar[bool] = False
     norm_scale_plus_one: ClassVar[bool] = False
     sliding_window: ClassVar[None] = None
+    # The latent attention rotates its qk_rope_head_dim features (Kimi Linear's does not).
+    rotary: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -97,7 +99,7 @@ class DeepseekV3Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
                 raise ValueError(f"{name} {getattr(self, name)} must be positive.")
         if self.q_lora_rank is not None and self.q_lora_rank < 1:
             raise ValueError(f"q_lora_rank {self.q_lora_rank} must be None or positive.")
-        if self.qk_rope_head_dim % 2:
+        if self.rotary and self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even (rotary).")
 
     def check_dense_layers(self) -> None:
@@ -301,10 +303,17 @@ def hf_tensors(cfg: DeepseekV3Config) -> list[HFTensor]:
     """Llama's embedding, norms and head; each layer's latent attention; the MLPs as the
     Qwen-line MoEs map them, plus the shared experts and the router's correction bias."""
     table = [t for t in llama.hf_tensors_but_mlp(cfg) if ".self_attn." not in t.hf]
-    n = cfg.num_layers
-    scope, attn = "layers_{i}/self_attn", "model.layers.{i}.self_attn"
+    table += mla_hf_tensors(
+        cfg, "layers_{i}/self_attn", "model.layers.{i}.self_attn", cfg.num_layers
+    )
+    return table + moe_hf_tensors(cfg)
+
+
+def mla_hf_tensors(cfg: DeepseekV3Config, scope: str, attn: str, n: int) -> list[HFTensor]:
+    """One latent attention's records: params under `scope`, HF tensors under the module
+    `attn` (`n` layers alike with `{i}` in both, else 0: one layer)."""
     names = ["kv_a_proj_with_mqa"] + (["q_a_proj"] if cfg.q_lora_rank else [])
-    table += [linear(f"{scope}/{p}/kernel", f"{attn}.{p}.weight", layers=n) for p in names]
+    table = [linear(f"{scope}/{p}/kernel", f"{attn}.{p}.weight", layers=n) for p in names]
     table += [
         linear(f"{scope}/{p}/kernel", f"{attn}.{p}.weight", layers=n)
         for p in ("q_b_proj" if cfg.q_lora_rank else "q_proj", "kv_b_proj")
@@ -316,31 +325,36 @@ def hf_tensors(cfg: DeepseekV3Config) -> list[HFTensor]:
         table += [
             HFTensor(f"{scope}/{p}/bias", f"{attn}.{p}.bias", layers=n) for p in (*names, "o_proj")
         ]
-    return table + moe_hf_tensors(cfg)
+    return table
 
 
-def moe_hf_tensors(cfg: DeepseekV3Config) -> list[HFTensor]:
-    """Every layer's MLP: the router, the experts (fused in memory, per expert on the Hub)
-    or a dense SwiGLU (`qwen_moe.moe_hf_tensors`), and on the sparse layers the shared
-    experts and `e_score_correction_bias`."""
-    out = qwen_moe.moe_hf_tensors(cfg, "model.layers.{i}.mlp")
+def moe_hf_tensors(
+    cfg: DeepseekV3Config,
+    prefix: str = "model.layers.{i}.mlp",
+    expert_names: tuple[str, str, str] = qwen_moe.SWIGLU,
+) -> list[HFTensor]:
+    """Every layer's MLP under the HF module `prefix` (with `{i}`): the router, the experts
+    (fused in memory, per expert on the Hub, named `expert_names`) or a dense SwiGLU
+    (`qwen_moe.moe_hf_tensors`), and on the sparse layers the shared experts and
+    `e_score_correction_bias`."""
+    out = qwen_moe.moe_hf_tensors(cfg, prefix, expert_names=expert_names)
     sparse = cfg.sparse_layers(cfg.num_layers)
     if all(sparse):  # one record a tensor for all layers (scanned or not)
-        scopes = [("layers_{i}", "model.layers.{i}.mlp", cfg.num_layers)]
+        scopes = [("layers_{i}", prefix, cfg.num_layers)]
     else:
-        scopes = [(f"layers_{i}", f"model.layers.{i}.mlp", 0) for i, s in enumerate(sparse) if s]
-    for scope, prefix, n in scopes:
+        scopes = [(f"layers_{i}", prefix.format(i=i), 0) for i, s in enumerate(sparse) if s]
+    for scope, module, n in scopes:
         if cfg.n_shared_experts:
             out += [
                 linear(
                     f"{scope}/mlp/shared_experts/{p}/kernel",
-                    f"{prefix}.shared_experts.{p}.weight",
+                    f"{module}.shared_experts.{p}.weight",
                     layers=n,
                 )
                 for p in qwen_moe.SWIGLU
             ]
         if cfg.score_correction_bias:
-            bias = f"{prefix}.gate.e_score_correction_bias"
+            bias = f"{module}.gate.e_score_correction_bias"
             out.append(HFTensor(f"{scope}/mlp/e_score_correction_bias", bias, layers=n))
     return out
 

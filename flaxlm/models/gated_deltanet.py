@@ -17,7 +17,10 @@ by matmuls);
 decoding one token at a time runs the recurrent form (`recurrent_gated_delta_rule`), carrying
 the state and the convolution's last inputs in the Flax `cache` collection, each leaf
 `[batch, ...]` 4-D as every cache leaf (`decoding.RECURRENT_STATE`). Packed rows restart the
-state and the convolution at every segment start (`segment_runs`).
+state and the convolution at every segment start (`segment_runs`). A sequence split over the
+mesh's `sequence` axis (context parallelism, the load-balanced order too) is read where it
+lies, the state and the convolution's inputs passed between its pieces
+(`linear_context_parallel`).
 
 Nothing here knows a mesh: activations carry logical axis names only.
 """
@@ -30,7 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxlm.models import attention, context_parallel, layers, masks
+from flaxlm.models import attention, layers, linear_context_parallel, masks
 from flaxlm.models.layers import DenseGeneral, Dtype, as_dtype
 
 Array = jax.Array
@@ -313,6 +316,7 @@ class GatedDeltaNet(nn.Module):
         batch, length, _ = h.shape
         dtype, param_dtype = as_dtype(self.dtype), as_dtype(self.param_dtype)
         runs = self._runs(mask, decoding)
+        split = linear_context_parallel.split(mask, decoding, length)  # None: read whole
         if decoding is not None:
             # Left-padded prompts: their padding writes nothing (HF zeroes its hidden states).
             slots = decoding.index + jnp.arange(length)
@@ -326,8 +330,15 @@ class GatedDeltaNet(nn.Module):
             init = nn.with_logical_partitioning(conv_init, (None, None, None))
             kernel = self.param(f"conv_{name}", init, (taps, *x.shape[2:]), param_dtype)
             context = self._cache(f"conv_{name}", (batch, taps - 1, *x.shape[2:]), dtype, decoding)
-            start = jnp.zeros((batch, taps - 1, *x.shape[2:]), dtype)
-            out, last = causal_conv1d(x, kernel, start if context is None else context.value, runs)
+            if split is not None:
+                axis = "heads" if name == "v" else attention.kv_heads_axis(self.num_key_heads)
+                out = linear_context_parallel.causal_conv1d(
+                    causal_conv1d, segment_runs, x, kernel, *split, axis
+                )
+            else:
+                start = jnp.zeros((batch, taps - 1, *x.shape[2:]), dtype)
+                start = start if context is None else context.value
+                out, last = causal_conv1d(x, kernel, start, runs)
             if context is not None:
                 context.value = last.astype(dtype)
             conved.append(act(out).astype(dtype))
@@ -352,6 +363,11 @@ class GatedDeltaNet(nn.Module):
         initial = None if state is None else state.value
         if state is not None and length == 1:
             out, final = recurrent_gated_delta_rule(q, k, v, g, beta, initial)
+        elif split is not None:
+            rule = functools.partial(chunk_gated_delta_rule, chunk_size=self.chunk_size)
+            out = linear_context_parallel.gated_delta_rule(
+                rule, segment_runs, q, k, v, g, beta, *split
+            )
         else:
             out, final = chunk_gated_delta_rule(
                 q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=initial, runs=runs
@@ -370,8 +386,7 @@ class GatedDeltaNet(nn.Module):
         )(out)
 
     def _runs(self, mask: masks.Mask | Array, decoding: masks.Decoding | None) -> Array | None:
-        """The segment runs of a packed training row (None: one run, or decoding); a
-        ValueError where the sequence is not read in order on this device."""
+        """The segment runs of a packed training row (None: one run, or decoding)."""
         if decoding is not None:
             if decoding.paged:
                 raise ValueError(
@@ -379,12 +394,6 @@ class GatedDeltaNet(nn.Module):
                     "cache has no recurrent-state slots yet."
                 )
             return None
-        if context_parallel.sequence_shards() > 1 or getattr(mask, "slots", None) is not None:
-            raise ValueError(
-                "Gated DeltaNet (linear attention) layers read each sequence in order on one "
-                "device: context parallelism (a 'sequence' mesh axis) is not supported; drop "
-                "it from Partitioner.mesh_axis_names."
-            )
         segment_ids = getattr(mask, "q_segment_ids", None)
         return None if segment_ids is None else segment_runs(segment_ids)
 

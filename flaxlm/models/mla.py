@@ -93,8 +93,9 @@ class MultiHeadLatentAttention(nn.Module):
     """`[batch, length, embed]` -> `[batch, length, embed]`, tagged `attn_out` for remat.
 
     Called `(h, sin, cos, mask, decoding, query_scale=None)` with sin/cos of the rotary
-    width (`qk_rope_head_dim // 2`); `query_scale` `[batch, length]` multiplies each query
-    (Mistral 4's scale by position; HF scales the queries after rotary). Params (HF's
+    width (`qk_rope_head_dim // 2`; None: nothing rotated, Kimi Linear's NoPE);
+    `query_scale` `[batch, length]` multiplies each query (Mistral 4's scale by position; HF
+    scales the queries after rotary). Params (HF's
     names): `q_proj` or `q_a_proj`, `q_a_layernorm`, `q_b_proj`; `kv_a_proj_with_mqa`,
     `kv_a_layernorm`, `kv_b_proj`, `o_proj`. The decoding cache: `cache/latent` `[batch,
     slots, 1, kv_lora_rank]` and `cache/rope_key` `[batch, slots, 1, qk_rope_head_dim]`
@@ -107,8 +108,8 @@ class MultiHeadLatentAttention(nn.Module):
     def __call__(
         self,
         h: Array,
-        sin: Array,
-        cos: Array,
+        sin: Array | None,
+        cos: Array | None,
         mask: masks.Mask | Array,
         decoding: masks.Decoding | None,
         query_scale: Array | None = None,
@@ -118,8 +119,8 @@ class MultiHeadLatentAttention(nn.Module):
     def attend(
         self,
         h: Array,
-        sin: Array,
-        cos: Array,
+        sin: Array | None,
+        cos: Array | None,
         mask: masks.Mask | Array,
         decoding: masks.Decoding | None,
         query_scale: Array | None = None,
@@ -155,9 +156,10 @@ class MultiHeadLatentAttention(nn.Module):
         )(h)  # fmt: skip
         c_kv = layers.RMSNorm(name="kv_a_layernorm", **norm)(latent[..., :rank])
         k_rope = latent[..., None, rank:]  # [batch, length, 1, rope]: one key for all heads
-        rotate = dict(interleaved=cfg.rope_interleave)
-        q_rope = attention.apply_rotary(q_rope, sin, cos, **rotate)
-        k_rope = attention.apply_rotary(k_rope, sin, cos, **rotate)
+        if sin is not None:  # None: no rotary (Kimi Linear's latent attention, NoPE)
+            rotate = dict(interleaved=cfg.rope_interleave)
+            q_rope = attention.apply_rotary(q_rope, sin, cos, **rotate)
+            k_rope = attention.apply_rotary(k_rope, sin, cos, **rotate)
         if query_scale is not None:
             # As HF: the scale in the queries' dtype, both parts (so also the absorbed path).
             q_scale = query_scale[:, :, None, None].astype(q.dtype)
