@@ -131,6 +131,18 @@ def recurrent_gated_delta_rule(
 
 
 @functools.partial(jax.jit, static_argnames="chunk_size")
+def to_chunks(x: Array, chunk_size: int) -> Array:
+    """`[b, length, ...]` -> `[chunks, b, (heads,) chunk_size, (width)]`, padded at the end
+    (int32 segment runs continue the last one; the rest with zeros: no decay, no write)."""
+    b, length = x.shape[:2]
+    pad = -length % chunk_size
+    widths = ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)
+    x = jnp.pad(x, widths, mode="edge" if x.dtype == jnp.int32 else "constant")
+    x = x.reshape(b, (length + pad) // chunk_size, chunk_size, *x.shape[2:])
+    order = {3: (1, 0, 2), 4: (1, 0, 3, 2), 5: (1, 0, 3, 2, 4)}[x.ndim]
+    return x.transpose(order)
+
+
 def chunk_gated_delta_rule(
     q: Array,
     k: Array,
@@ -160,16 +172,8 @@ def chunk_gated_delta_rule(
     n = (length + pad) // c
     runs = jnp.zeros((b, length), jnp.int32) if runs is None else runs
 
-    def chunked(x: Array) -> Array:
-        """`[b, length, ...]` -> `[chunks, b, (heads,) c, (width)]`, padded at the end (runs
-        continue the last one; the rest with zeros: no decay, no write)."""
-        widths = ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)
-        x = jnp.pad(x, widths, mode="edge" if x.dtype == jnp.int32 else "constant")
-        x = x.reshape(b, n, c, *x.shape[2:])
-        order = {3: (1, 0, 2), 4: (1, 0, 3, 2), 5: (1, 0, 3, 2, 4)}[x.ndim]
-        return x.transpose(order)
-
-    xs = [chunked(x.astype(jnp.float32)) for x in (q, k, v, g, beta)] + [chunked(runs)]
+    xs = [to_chunks(x.astype(jnp.float32), c) for x in (q, k, v, g, beta)]
+    xs.append(to_chunks(runs, c))
     causal = jnp.tril(jnp.ones((c, c), bool))
     strictly_lower = jnp.tril(jnp.ones((c, c), jnp.float32), -1)
 

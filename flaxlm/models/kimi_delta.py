@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxlm.models import gated_deltanet, layers, linear_context_parallel, masks, mla
-from flaxlm.models.gated_deltanet import dot
+from flaxlm.models.gated_deltanet import dot, to_chunks
 from flaxlm.models.layers import DenseGeneral, Dtype, as_dtype
 
 Array = jax.Array
@@ -119,16 +119,8 @@ def chunk_kimi_delta_rule(
     n = (length + pad) // c
     runs = jnp.zeros((b, length), jnp.int32) if runs is None else runs
 
-    def chunked(x: Array) -> Array:
-        """`[b, length, ...]` -> `[chunks, b, (heads,) c, (width)]`, padded at the end (runs
-        continue the last one; the rest with zeros: no decay, no write)."""
-        widths = ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)
-        x = jnp.pad(x, widths, mode="edge" if x.dtype == jnp.int32 else "constant")
-        x = x.reshape(b, n, c, *x.shape[2:])
-        order = {3: (1, 0, 2), 4: (1, 0, 3, 2), 5: (1, 0, 3, 2, 4)}[x.ndim]
-        return x.transpose(order)
-
-    xs = [chunked(x.astype(jnp.float32)) for x in (q, k, v, g, beta)] + [chunked(runs)]
+    xs = [to_chunks(x.astype(jnp.float32), c) for x in (q, k, v, g, beta)]
+    xs.append(to_chunks(runs, c))
     causal = jnp.tril(jnp.ones((c, c), bool))
     strictly = jnp.tril(jnp.ones((c, c), bool), -1)
 
