@@ -49,7 +49,7 @@ MOVED_MODULES = {
     "flaxlm.lora": "flaxlm.training.lora",
     "flaxlm.preemption": "flaxlm.training.preemption",
     "flaxlm.metrics": "flaxlm.training.metrics",
-    "flaxlm.objectives": "flaxlm.posttrain.objectives",
+    "flaxlm.objectives": "flaxlm.posttrain.loss_math",
     "flaxlm.preference": "flaxlm.posttrain.preference",
     "flaxlm.rl": "flaxlm.posttrain.rl",
     "flaxlm.rewards": "flaxlm.posttrain.rewards",
@@ -62,6 +62,8 @@ MOVED_MODULES = {
     "flaxlm.aot": "flaxlm.plan.aot",
     "flaxlm.hlo": "flaxlm.plan.hlo",
     "flaxlm.chips": "flaxlm.plan.chips",
+    "flaxlm.posttrain.objectives": "flaxlm.posttrain.loss_math",
+    "flaxlm.data.jsonl": "flaxlm.data.jsonl_reader",
 }
 
 

@@ -55,7 +55,7 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from flaxlm.data.jsonl import read_numbered_jsonl
+from flaxlm.data.jsonl_reader import read_numbered_jsonl
 from flaxlm.data.vocabularies import HuggingFaceVocabulary
 from tasks.jsonl import in_memory_token_dataset, split_file_lists
 

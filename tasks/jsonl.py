@@ -24,7 +24,7 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from flaxlm.data.jsonl import read_jsonl
+from flaxlm.data.jsonl_reader import read_jsonl
 
 
 def in_memory_dataset(

@@ -290,7 +290,7 @@ def test_bad_files_are_named_with_the_line_or_the_fix(tmp_path):
 
     from flaxlm.checkpoints import hf_files
     from flaxlm.data import pipeline
-    from flaxlm.data.jsonl import read_jsonl
+    from flaxlm.data.jsonl_reader import read_jsonl
 
     jsonl = tmp_path / "data.jsonl"
     jsonl.write_bytes(b'{"in_text": "ok"}\n{"in_text": "caf\xe9"}\n')

@@ -10,7 +10,7 @@ import pytest
 import seqio
 
 from flaxlm.checkpoints import hf, run_dir
-from flaxlm.data import jsonl as jsonl_files
+from flaxlm.data import jsonl_reader
 from flaxlm.data.config import DatasetConfig
 from flaxlm.inference import generation
 from flaxlm.models import base, t5
@@ -194,10 +194,10 @@ def test_bad_jsonl_line_is_named_with_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"in_text": "ok"}\n{"in_text": \n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
-        list(jsonl_files.read_jsonl(str(path)))
+        list(jsonl_reader.read_jsonl(str(path)))
     path.write_text('{"in_text": "ok"}\n{"text": "no in_text"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: missing string field\(s\) \['in_text'\]"):
-        list(jsonl_files.read_jsonl(str(path)))
+        list(jsonl_reader.read_jsonl(str(path)))
 
 
 def test_text_metrics():

@@ -7,7 +7,7 @@ import pytest
 from flaxlm.data import pipeline
 from flaxlm.models.row_start import HF_START
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.posttrain import objectives, preference
+from flaxlm.posttrain import loss_math, preference
 from flaxlm.training import lora
 from flaxlm.training import objective as objective_lib
 from flaxlm.training import steps as train_steps
@@ -115,10 +115,10 @@ def test_loss_is_the_formula_on_the_models_sequence_scores():
     ref = np.asarray(model.score(reference, rows)).reshape(4, 2)
     avg, ref_avg = logps / 3.0, ref / 3.0
     expected = {
-        "dpo": objectives.dpo(*logps.T, *ref.T, beta=0.2, flip_probability=0.1)[0],
-        "ipo": objectives.ipo(*avg.T, *ref_avg.T, beta=0.2)[0],
-        "orpo": objectives.orpo(*avg.T, -avg[:, 0], beta=0.2)[0],
-        "simpo": objectives.simpo(*avg.T, beta=0.2, gamma=0.3, flip_probability=0.1)[0],
+        "dpo": loss_math.dpo(*logps.T, *ref.T, beta=0.2, flip_probability=0.1)[0],
+        "ipo": loss_math.ipo(*avg.T, *ref_avg.T, beta=0.2)[0],
+        "orpo": loss_math.orpo(*avg.T, -avg[:, 0], beta=0.2)[0],
+        "simpo": loss_math.simpo(*avg.T, beta=0.2, gamma=0.3, flip_probability=0.1)[0],
     }
     # RPO as TRL's loss_type=['sigmoid', 'sft']: DPO plus the chosen answers' NLL as a
     # mean over every chosen token of the batch (4 pairs x 3 answer tokens), weighted.

@@ -19,7 +19,7 @@ BOS; qwen: it adds nothing); "shape file" is a gin/models/ file loaded from INIT
     grpo.gin (its GRPO stage)          qwen       shape file (INIT_FROM) GRPOTrainer's prompts
 
 The GRPO loss itself is the paper's (TRL's `loss_type="grpo"`), checked in
-tests/test_objectives.py; at learning rate 0 from one policy its step here is not compared.
+tests/test_loss_math.py; at learning rate 0 from one policy its step here is not compared.
 """
 
 from __future__ import annotations

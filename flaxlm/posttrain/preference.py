@@ -4,7 +4,7 @@ A batch holds pairs: every decoder feature is `[pairs, 2, length]`, row 0 the pr
 the chosen answer, row 1 with the rejected one, loss weights on the answers' tokens only
 (`features.PreferenceFeatureConverter`). `PreferenceModel.loss_fn` runs the policy once over
 the `2 * pairs` rows (a pair never leaves its device), sums each answer's log-probabilities
-and hands them to `objectives` (the papers' formulas). The reference of DPO and IPO is the
+and hands them to `loss_math` (the papers' formulas). The reference of DPO and IPO is the
 frozen starting policy: the `reference_params` the step is given (with LoRA, the base params
 without the adapters, so no second copy of the weights). Its log-probs may also come with
 the batch (`reference_logps`, `[pairs, 2]`), computed once ahead of training.
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.posttrain import objectives
+from flaxlm.posttrain import loss_math
 from flaxlm.training import metrics
 from flaxlm.training import objective as objective_lib
 
@@ -210,7 +210,7 @@ class PreferenceModel:
         extra = {}
         if cfg.loss == "dpo":
             ref = self.reference_logps(batch)
-            loss, chosen, rejected = objectives.dpo(
+            loss, chosen, rejected = loss_math.dpo(
                 logps[:, 0],
                 logps[:, 1],
                 ref[:, 0],
@@ -220,15 +220,15 @@ class PreferenceModel:
             )
         elif cfg.loss == "ipo":
             ref = self.reference_logps(batch) / jnp.maximum(counts, 1).astype(jnp.float32)
-            loss, chosen, rejected = objectives.ipo(
+            loss, chosen, rejected = loss_math.ipo(
                 avg[:, 0], avg[:, 1], ref[:, 0], ref[:, 1], beta=cfg.beta
             )
         elif cfg.loss == "orpo":
             nll = -avg[:, 0]
-            loss, chosen, rejected = objectives.orpo(avg[:, 0], avg[:, 1], nll, beta=cfg.beta)
+            loss, chosen, rejected = loss_math.orpo(avg[:, 0], avg[:, 1], nll, beta=cfg.beta)
             extra["chosen_nll"] = nll.sum()
         else:
-            loss, chosen, rejected = objectives.simpo(
+            loss, chosen, rejected = loss_math.simpo(
                 avg[:, 0],
                 avg[:, 1],
                 beta=cfg.beta,

@@ -6,7 +6,7 @@ completion (`rollout_batch` builds it on the host): the decoder features of a ca
 tokens, its EOS included), and per row what the step must not recompute: `old_logps` (the
 tokens' log-probs under the policy that sampled them), `reference_logps` (under the frozen
 reference) and `advantages` (the completion's group-normalised reward). `GrpoModel.loss_fn`
-is `objectives.grpo` on them; `grpo.py` is the run that samples, rewards and steps.
+is `loss_math.grpo` on them; `grpo.py` is the run that samples, rewards and steps.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlm.posttrain import objectives, rewards
+from flaxlm.posttrain import loss_math, rewards
 
 Array = jax.Array
 Batch = Mapping[str, Array]
@@ -144,7 +144,7 @@ class GrpoModel:
     ) -> tuple[Array, dict[str, Array]]:
         decoder = {k: batch[k] for k in DECODER_FEATURES}
         logps, weights = self.policy.token_logps(params, decoder, rng)
-        loss, kl, clipped = objectives.grpo(
+        loss, kl, clipped = loss_math.grpo(
             logps,
             batch["old_logps"],
             batch["reference_logps"] if self.cfg.beta > 0 else jax.lax.stop_gradient(logps),

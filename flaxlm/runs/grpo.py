@@ -5,10 +5,10 @@ reference answer, read by `features.PromptFeatureConverter`), samples `num_gener
 completions per prompt on the training mesh, scores them with the Gin-bound reward
 functions, normalises the rewards within each prompt's group, and takes `num_iterations`
 optimizer steps on the clipped objective with a KL penalty to the frozen reference
-(`rl.GrpoModel` through `trainer`'s step). The loop, logging, checkpointing and preemption
-are `loop.py`'s (as `train`'s); a checkpoint holds the state and the prompt iterator, and
-the sampling key of step k is `fold_in(seed, k)`, so a resumed run samples what it would
-have.
+(`rl.GrpoModel` through `training.steps`' train step). The loop, logging, checkpointing and
+preemption are `loop.py`'s (as `train`'s); a checkpoint holds the state and the prompt
+iterator, and the sampling key of step k is `fold_in(seed, k)`, so a resumed run samples
+what it would have.
 
 The rollouts go through the serving engine (`PagedSampler`: continuous batching over a
 paged KV cache, each prompt prefilled once for its group, the sampled tokens' log-probs
@@ -42,7 +42,7 @@ from flaxlm.models.features import PromptFeatureConverter, unpadded_ids
 from flaxlm.models.row_start import RowStart
 from flaxlm.parallel import pytrees
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.posttrain import objectives, rl
+from flaxlm.posttrain import loss_math, rl
 from flaxlm.runs import checks, loop
 from flaxlm.training import lora as lora_lib
 from flaxlm.training import metrics, optimizers, preemption, steps
@@ -216,7 +216,7 @@ class Rollouts:
             [self.decode(c) for c in completions],
             [self.decode(unpadded_ids(row)) for row in answer_rows for _ in range(group)],
         )
-        advantages = objectives.group_advantages(jnp.asarray(rewards.reshape(-1, group)))
+        advantages = loss_math.group_advantages(jnp.asarray(rewards.reshape(-1, group)))
         eos_ids = self.setup.model.eos_ids
         host = rl.rollout_batch(repeated, completions, eos_ids, self.length, sampled_logps)
         decoder = {k: partitioner.global_array(host[k]) for k in rl.DECODER_FEATURES}

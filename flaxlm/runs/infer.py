@@ -29,7 +29,7 @@ from etils import epath
 from flaxlm.checkpoints import run_dir
 from flaxlm.data import vocabularies
 from flaxlm.data.input_process import load_pipeline
-from flaxlm.data.jsonl import read_jsonl
+from flaxlm.data.jsonl_reader import read_jsonl
 from flaxlm.data.vocabularies import Vocabulary
 from flaxlm.inference import generation
 from flaxlm.inference.generation import GenerationSettings

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxlm.posttrain import objectives
+from flaxlm.posttrain import loss_math
 
 RNG = np.random.default_rng(0)
 PAIRS = 6
@@ -33,7 +33,7 @@ def f32(x):
 @pytest.mark.parametrize("flip_probability", [0.0, 0.1])
 def test_dpo_is_the_papers_sigmoid_loss(flip_probability):
     beta = 0.1
-    loss, chosen, rejected = objectives.dpo(
+    loss, chosen, rejected = loss_math.dpo(
         *map(f32, (POLICY[0], POLICY[1], REFERENCE[0], REFERENCE[1])),
         beta=beta,
         flip_probability=flip_probability,
@@ -51,7 +51,7 @@ def test_ipo_is_the_papers_squared_loss():
     avg_ref = REFERENCE / LENGTHS
     avg_pol = POLICY / LENGTHS
     args = map(f32, (avg_pol[0], avg_pol[1], avg_ref[0], avg_ref[1]))
-    loss, _, _ = objectives.ipo(*args, beta=beta)
+    loss, _, _ = loss_math.ipo(*args, beta=beta)
     # Azar et al., eq. 17: (h - 1 / (2 tau))^2, h the margin of log-ratios
     h = (avg_pol[0] - avg_ref[0]) - (avg_pol[1] - avg_ref[1])
     close(loss, (h - 1 / (2 * beta)) ** 2)
@@ -60,7 +60,7 @@ def test_ipo_is_the_papers_squared_loss():
 def test_orpo_adds_the_log_odds_ratio_to_the_nll():
     lam = 0.25
     nll = -AVERAGE[0]
-    loss, chosen, _ = objectives.orpo(f32(AVERAGE[0]), f32(AVERAGE[1]), f32(nll), beta=lam)
+    loss, chosen, _ = loss_math.orpo(f32(AVERAGE[0]), f32(AVERAGE[1]), f32(nll), beta=lam)
     # Hong et al.: odds(y) = P / (1 - P), P the average-token probability
     p = np.exp(AVERAGE)
     odds = p / (1 - p)
@@ -71,7 +71,7 @@ def test_orpo_adds_the_log_odds_ratio_to_the_nll():
 
 def test_simpo_is_the_length_normalised_margin_loss():
     beta, gamma = 2.0, 0.5
-    loss, _, _ = objectives.simpo(f32(AVERAGE[0]), f32(AVERAGE[1]), beta=beta, gamma=gamma)
+    loss, _, _ = loss_math.simpo(f32(AVERAGE[0]), f32(AVERAGE[1]), beta=beta, gamma=gamma)
     # Meng et al., eq. 6
     close(loss, -log_sigmoid(beta * AVERAGE[0] - beta * AVERAGE[1] - gamma))
 
@@ -81,7 +81,7 @@ def test_grpo_advantages_clipped_objective_and_k3_kl():
     rewards = RNG.integers(0, 2, (prompts, group)).astype(np.float64)
     rewards[1] = [0.0, 0.5, 1.0, 1.0]
     adv = (rewards - rewards.mean(-1, keepdims=True)) / (rewards.std(-1, keepdims=True) + 1e-4)
-    close(objectives.group_advantages(f32(rewards)), adv)
+    close(loss_math.group_advantages(f32(rewards)), adv)
 
     n = prompts * group
     old = -RNG.uniform(0.1, 3.0, (n, length))
@@ -97,7 +97,7 @@ def test_grpo_advantages_clipped_objective_and_k3_kl():
     kl = np.exp(ref - new) - (ref - new) - 1  # k3
     per_token = -(surrogate - beta * kl)
     want = ((per_token * mask).sum(-1) / mask.sum(-1)).mean()
-    loss, mean_kl, clipped = objectives.grpo(
+    loss, mean_kl, clipped = loss_math.grpo(
         *map(f32, (new, old, ref, adv.reshape(-1), mask)), epsilon=eps, beta=beta
     )
     close(loss.mean(), want)
@@ -111,7 +111,7 @@ def test_log1mexp_keeps_its_digits_near_zero_and_far_from_it():
     expm1 keeps float32's relative precision (a few eps) across the range."""
     x = np.asarray([-1e-6, -1e-4, -0.1, -0.69, -0.7, -1.0, -5.0], np.float32)
     want = np.log(-np.expm1(x.astype(np.float64)))
-    got = np.asarray(objectives.log1mexp(jnp.asarray(x)), np.float64)
+    got = np.asarray(loss_math.log1mexp(jnp.asarray(x)), np.float64)
     np.testing.assert_allclose(got, want, rtol=8 * np.finfo(np.float32).eps)
-    grads = jax.grad(lambda v: objectives.log1mexp(v).sum())(jnp.asarray(x))
+    grads = jax.grad(lambda v: loss_math.log1mexp(v).sum())(jnp.asarray(x))
     assert np.isfinite(np.asarray(grads)).all()
