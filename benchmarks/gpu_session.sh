@@ -23,6 +23,10 @@
 #    model cut to MOE_LAYERS layers (default 8; 4 when 8 do not fit), dropless, with its
 #    profile and compiled HLO; the dense Llama-3.2-1B step at 2048 on the same card
 #    (PROFILE=1: with a profile); the same MoE with `capacity` experts, with the time left.
+# 3. Linear attention (issue 66), with what time is left after 1 and 2: one Gated DeltaNet
+#    layer's forward + backward against the gated full attention of Qwen3-Next-80B-A3B's
+#    width, and Kimi-Linear-48B-A3B's Kimi Delta Attention, at 4k and 32k tokens, bf16,
+#    tokens/s and each row's profile (linear_attention.py; into session.log alone).
 #
 # Everything lands under $OUT (the device tool's; ./gpu_out elsewhere), at most 8 files, as
 # the device tool brings back: session.log (versions and every run's output), decode.json,
@@ -128,6 +132,22 @@ if [ "$l" -ge 60 ]; then
   moe capacity xla "$l" "$out/moe_capacity.json"
 else
   echo "== ${l} s left: not run: the capacity MoE" | tee -a "$log"
+fi
+
+# 3. Linear attention layers against full attention (issue 66). Its numbers go to session.log
+# alone: $OUT already holds the 8 files the device tool brings back. LINEAR_ARGS, if set, is
+# added to its command (the tiny CPU check: LINEAR_ARGS="--model qwen3_next_tiny
+# --kimi-model kimi_linear_tiny --lengths 128 --dtype float32").
+read -r -a linear_extra <<<"${LINEAR_ARGS:-}"
+l=$(($(left) - 10))
+if [ "$l" -ge 90 ]; then
+  echo "== linear attention: Gated DeltaNet, Kimi Delta Attention, full, ${l} s" | tee -a "$log"
+  timeout "$l" python3 benchmarks/linear_attention.py --model qwen3_next_80b_a3b \
+    --kimi-model kimi_linear_48b_a3b --layers gdn full kda --lengths 4096 32768 \
+    --profile /tmp/linear_profile "${linear_extra[@]}" 2>&1 | tee -a "$log"
+  rm -rf /tmp/linear_profile
+else
+  echo "== ${l} s left: not run: the linear attention layers" | tee -a "$log"
 fi
 
 echo "== done in $((SECONDS - start)) s" | tee -a "$log"

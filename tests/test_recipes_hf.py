@@ -7,16 +7,20 @@ rollouts read (recorded by `tests/record_rows.py`) are transformers' tokenizer's
 MODEL_DIR records the HF form and samples from the same start.
 
 One run a Gin file, the two tokenizer styles taken in turn (llama3: the tokenizer adds its
-BOS; qwen: it adds nothing); "shape file" is a gin/models/ file loaded from INIT_FROM_HF:
+BOS; qwen: it adds nothing); "shape file" is a gin/models/ file loaded from INIT_FROM_HF. The
+checkpoint is a tiny Llama but in the preference runs, which take the linear-attention hybrids
+(issue 66) as their family tests build them: a Qwen3-Next (Gated DeltaNet and gated full
+attention, experts and a shared one; tests/test_hf_qwen3_next.py) and a Kimi Linear (Kimi
+Delta Attention and latent attention, DeepSeek-V3's experts; tests/test_hf_kimi_linear.py):
 
-    Gin file                           tokenizer  model from             reads
-    finetune_hf.gin (JSONL flags)      qwen       convert.model_from_hf  SFT prompt-completion
-    jsonl_finetune.gin                 llama3     shape file             SFT prompt-completion
-    llama_lora.gin (train, infer)      llama3     shape file             same, LoRA; infer
-    chat_sft.gin                       qwen       convert.model_from_hf  SFT conversations
-    dpo.gin, a user's copy, scoped     llama3     convert.model_from_hf  DPO pairs
-    orpo.gin (the shipped dpo.gin's)   qwen       convert.model_from_hf  ORPO pairs
-    grpo.gin (its GRPO stage)          qwen       shape file (INIT_FROM) GRPOTrainer's prompts
+    Gin file                           tokenizer  model from                 reads
+    finetune_hf.gin (JSONL flags)      qwen       convert.model_from_hf      SFT prompt-completion
+    jsonl_finetune.gin                 llama3     shape file                 SFT prompt-completion
+    llama_lora.gin (train, infer)      llama3     shape file                 same, LoRA; infer
+    chat_sft.gin                       qwen       convert.model_from_hf      SFT conversations
+    dpo.gin, a user's copy, scoped     llama3     model_from_hf, Qwen3-Next  DPO pairs
+    orpo.gin (the shipped dpo.gin's)   qwen       model_from_hf, Kimi Linear ORPO pairs
+    grpo.gin (its GRPO stage)          qwen       shape file (INIT_FROM)     GRPOTrainer's prompts
 
 The GRPO loss itself is the paper's (TRL's `loss_type="grpo"`), checked in
 tests/test_loss_math.py; at learning rate 0 from one policy its step here is not compared.
@@ -32,6 +36,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+import transformers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from trl.data_utils import _tokenize as trl_tokenize
 from trl.data_utils import common_prefix_length
@@ -44,6 +49,10 @@ from flaxlm.models.row_start import HF_START, SEQIO_START
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import infer
 from tests.hf_helpers import random_hf_model, save_torch_model
+from tests.test_hf_kimi_linear import PERTURBED as KIMI_LINEAR_PERTURBED
+from tests.test_hf_kimi_linear import VARIANTS as KIMI_LINEAR_VARIANTS
+from tests.test_hf_qwen3_next import PERTURBED as QWEN3_NEXT_PERTURBED
+from tests.test_hf_qwen3_next import VARIANTS as QWEN3_NEXT_VARIANTS
 from tests.test_main import read_metrics, run_main
 from tests.test_trl_parity import (
     CONVERSATIONS,
@@ -82,11 +91,32 @@ PROMPT_COMPLETIONS = [
 GRPO_PROMPT = {"prompt": "Hi! 4+7=", "answer": "11"}
 
 
-def hf_checkpoint(root, style: str, **shape) -> tuple[str, object, LlamaForCausalLM]:
-    """A tiny random Llama (2 layers of width 32, or `shape`) with a tokenizer of `style`
-    (llama3: adds its BOS; qwen: none)."""
+# The linear-attention hybrids as their family tests build them tiny: (config class, model
+# class, config, the params HF starts at constants, perturbed).
+HYBRIDS = {
+    "qwen3_next": (*QWEN3_NEXT_VARIANTS["qwen3_next"], QWEN3_NEXT_PERTURBED),
+    "kimi_linear": (
+        transformers.KimiLinearConfig,
+        transformers.KimiLinearForCausalLM,
+        KIMI_LINEAR_VARIANTS["default_dense_first"],
+        KIMI_LINEAR_PERTURBED,
+    ),
+}
+
+
+def hf_checkpoint(root, style: str, family: str = "llama", **shape) -> tuple[str, object, object]:
+    """A tiny random HF model with a tokenizer of `style` (llama3: adds its BOS; qwen: none):
+    a Llama (2 layers of width 32, or `shape`) or a `HYBRIDS` family's, over the tokenizer's
+    vocabulary."""
     save_tokenizer(root, style)
     tok = AutoTokenizer.from_pretrained(str(root))
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    if family != "llama":
+        config_cls, model_cls, config, perturbed = HYBRIDS[family]
+        config = {**config, "vocab_size": len(tok), **ids}
+        model = random_hf_model(config_cls, model_cls, perturbed, **config)
+        save_torch_model(model, root)
+        return str(root), tok, model
     shape = shape or dict(
         vocab_size=len(tok),
         hidden_size=32,
@@ -96,13 +126,7 @@ def hf_checkpoint(root, style: str, **shape) -> tuple[str, object, LlamaForCausa
         num_key_value_heads=2,
         max_position_embeddings=128,
     )
-    model = random_hf_model(
-        LlamaConfig,
-        LlamaForCausalLM,
-        **shape,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
+    model = random_hf_model(LlamaConfig, LlamaForCausalLM, **shape, **ids)
     save_torch_model(model, root)
     return str(root), tok, model
 
@@ -260,15 +284,18 @@ def infer_prompt(model_dir: str, hf_dir: str, text: str) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("loss", "style"),
-    [("dpo", "llama3"), ("orpo", "qwen")],
+    ("loss", "style", "family"),
+    [("dpo", "llama3", "qwen3_next"), ("orpo", "qwen", "kimi_linear")],
 )
-def test_preference_gin_reads_trls_pairs_and_logs_trls_log_probs(tmp_path, repo_dir, loss, style):
+def test_preference_gin_reads_trls_pairs_and_logs_trls_log_probs(
+    tmp_path, repo_dir, loss, style, family
+):
     """DPO: a user's Gin file, gin/dpo.gin with the model from the HF directory and the
     converter bound scoped (`train/data.DatasetConfig.feature_converter`), a BOS-adding
-    tokenizer. ORPO: gin/orpo.gin as shipped (gin/dpo.gin's binding), a tokenizer that adds
-    nothing."""
-    hf_dir, tok, torch_model = hf_checkpoint(tmp_path / "hf", style)
+    tokenizer, a Qwen3-Next. ORPO: gin/orpo.gin as shipped (gin/dpo.gin's binding), a
+    tokenizer that adds nothing, a Kimi Linear. Both hybrids' linear layers run the chunked
+    rule over each pair's rows, and HF's torch model gives the log-probs."""
+    hf_dir, tok, torch_model = hf_checkpoint(tmp_path / "hf", style, family)
     pairs = with_eos(tok, PAIRS)
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
     user_gin = tmp_path / f"my_{loss}.gin"
