@@ -5,7 +5,8 @@ the chunked form at several chunk sizes (one that does not divide the length) eq
 recurrent one and HF's; the layer's gradients are torch autograd's; packed segments restart
 the state and the convolution; the layer decodes one token at a time from its cache as it
 reads the whole sequence, left padding unseen, and reads it in pieces (context parallelism's,
-`linear_context_parallel`) as whole."""
+`linear_context_parallel`) as whole. The checks Kimi Delta Attention's tests make alike:
+tests/linear_attention_helpers.py."""
 
 import flax.linen as nn
 import jax
@@ -17,15 +18,19 @@ import transformers
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from flaxlm.models import gated_deltanet, masks, qwen3_next_hf
+from tests.linear_attention_helpers import (
+    EPS,
+    ROWS,
+    check_chunked_rule_equals_recurrent_and_hf,
+    check_gated_norm_equals_hf,
+    check_layer_and_gradients_equal_hf,
+    check_layer_decodes_from_its_cache_as_it_reads,
+    check_layer_refuses_the_paged_cache,
+    check_packed_segments_restart_the_rule,
+    tolerance,
+)
 
-EPS = float(np.finfo(np.float32).eps)
-BATCH, LENGTH, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM = 2, 37, 2, 4, 8, 6
-
-
-def tolerance(reference: np.ndarray, depth: int) -> float:
-    """float32 round-off through `depth` sequential updates of values of the reference's
-    size (a state carried over `depth` positions)."""
-    return 4 * EPS * depth * max(1.0, float(np.abs(reference).max()))
+BATCH, LENGTH, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM = ROWS, 37, 2, 4, 8, 6
 
 
 @pytest.fixture(scope="module")
@@ -49,32 +54,14 @@ def as_rule_reads(q, k):
     return jnp.repeat(q, group, axis=2), jnp.repeat(gated_deltanet.l2_normalize(k), group, axis=2)
 
 
-def hf_rule(rule, inputs, **kwargs):
-    q, k, v, g, beta, state = (torch.from_numpy(x) for x in inputs)
-    out, final = rule(
-        q, k, v, g, beta, initial_state=state, output_final_state=True,
-        use_qk_l2norm_in_kernel=True, **kwargs,
-    )  # fmt: skip
-    return out.numpy(), final.numpy()
-
-
 @pytest.mark.parametrize("chunk_size", [1, 5, 16, 64])
 def test_chunked_rule_equals_recurrent_and_hf(inputs, chunk_size):
     """Chunks of 1, 5 (37 = 7 x 5 + 2), 16 and 64 (one padded chunk) give HF's outputs and
     final state, chunked (at its own chunk size) and recurrent alike."""
-    q, k, v, g, beta, state = inputs
-    hf_out, hf_state = hf_rule(hf_next.torch_chunk_gated_delta_rule, inputs, chunk_size=chunk_size)
-    rec_out, rec_state = hf_rule(hf_next.torch_recurrent_gated_delta_rule, inputs)
-    qn, kn = as_rule_reads(q, k)
-    out, final = gated_deltanet.chunk_gated_delta_rule(
-        qn, kn, v, g, beta, chunk_size=chunk_size, initial_state=state
-    )
-    tol = tolerance(rec_out, LENGTH)
-    for ours, theirs in ((out, hf_out), (out, rec_out), (final, hf_state), (final, rec_state)):
-        np.testing.assert_allclose(np.asarray(ours), theirs, rtol=0, atol=tol)
-    out, final = gated_deltanet.recurrent_gated_delta_rule(qn, kn, v, g, beta, state)
-    np.testing.assert_allclose(np.asarray(out), rec_out, rtol=0, atol=tol)
-    np.testing.assert_allclose(np.asarray(final), rec_state, rtol=0, atol=tol)
+    check_chunked_rule_equals_recurrent_and_hf(
+        gated_deltanet.chunk_gated_delta_rule, hf_next.torch_chunk_gated_delta_rule,
+        hf_next.torch_recurrent_gated_delta_rule, inputs, as_rule_reads, chunk_size,
+    )  # fmt: skip
 
 
 def test_packed_segments_restart_the_state_and_the_convolution(inputs):
@@ -82,21 +69,13 @@ def test_packed_segments_restart_the_state_and_the_convolution(inputs):
     each segment's outputs are those of the segment alone, from a zero state."""
     q, k, v, g, beta, _ = inputs
     qn, kn = as_rule_reads(q, k)
-    bounds = ((0, 10), (10, 25), (25, LENGTH))
-    segments = np.concatenate([np.full(stop - start, i + 1) for i, (start, stop) in
-                               enumerate(bounds)])  # fmt: skip
-    runs = gated_deltanet.segment_runs(jnp.asarray(np.stack([segments, segments])))
-    out, _ = gated_deltanet.chunk_gated_delta_rule(qn, kn, v, g, beta, chunk_size=8, runs=runs)
-    rec, _ = gated_deltanet.recurrent_gated_delta_rule(qn, kn, v, g, beta, runs=runs)
+    runs, bounds = check_packed_segments_restart_the_rule(
+        gated_deltanet.chunk_gated_delta_rule, (qn, kn, v, g, beta), chunk_size=8
+    )
     kernel = np.random.default_rng(2).normal(size=(4, VALUE_HEADS, VALUE_DIM)).astype(np.float32)
     context = jnp.zeros((BATCH, 3, VALUE_HEADS, VALUE_DIM))
     conv, _ = gated_deltanet.causal_conv1d(v, kernel, context, runs)
     for start, stop in bounds:
-        piece = [x[:, start:stop] for x in (qn, kn, v, g, beta)]
-        alone, _ = gated_deltanet.recurrent_gated_delta_rule(*piece)
-        tol = tolerance(np.asarray(alone), stop - start)
-        np.testing.assert_allclose(np.asarray(out[:, start:stop]), alone, rtol=0, atol=tol)
-        np.testing.assert_allclose(np.asarray(rec[:, start:stop]), alone, rtol=0, atol=tol)
         conv_alone, _ = gated_deltanet.causal_conv1d(v[:, start:stop], kernel, context)
         np.testing.assert_allclose(conv[:, start:stop], conv_alone, rtol=0, atol=16 * EPS)
 
@@ -125,15 +104,8 @@ def test_convolution_and_its_decoding_update_equal_hf():
 
 
 def test_gated_rms_norm_equals_hf():
-    rng = np.random.default_rng(4)
-    x, gate = (rng.normal(size=(3, 5, VALUE_DIM)).astype(np.float32) for _ in range(2))
-    scale = rng.normal(size=(VALUE_DIM,)).astype(np.float32)
-    norm = hf_next.Qwen3NextRMSNormGated(VALUE_DIM, eps=1e-6)
-    with torch.no_grad():
-        norm.weight.copy_(torch.from_numpy(scale))
-        theirs = norm(torch.from_numpy(x), torch.from_numpy(gate)).numpy()
-    ours = gated_deltanet.GatedRMSNorm(1e-6).apply({"params": {"scale": scale}}, x, gate)
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=4 * EPS * np.abs(theirs).max())
+    theirs = hf_next.Qwen3NextRMSNormGated(VALUE_DIM, eps=1e-6)
+    check_gated_norm_equals_hf(gated_deltanet.GatedRMSNorm(1e-6), theirs, VALUE_DIM)
 
 
 def layer(projection: str) -> gated_deltanet.GatedDeltaNet:
@@ -159,7 +131,6 @@ def test_layer_and_its_gradients_equal_hf_autograd():
     with torch.no_grad():
         for p in theirs.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    hf_params = {name: p.detach().numpy() for name, p in theirs.named_parameters()}
     key, value = KEY_HEADS * KEY_DIM, VALUE_HEADS * VALUE_DIM
     rows = {"q": (0, key), "k": (key, 2 * key), "v": (2 * key, 2 * key + value)}
     shapes = {"q": (KEY_HEADS, KEY_DIM), "k": (KEY_HEADS, KEY_DIM), "v": (VALUE_HEADS, VALUE_DIM)}
@@ -176,28 +147,7 @@ def test_layer_and_its_gradients_equal_hf_autograd():
             out[f"conv_{x}"] = qwen3_next_hf.conv_from_hf(weight, (4, *shapes[x]))
         return out
 
-    length = 21
-    rng = np.random.default_rng(6)
-    h, weights = (rng.normal(size=(BATCH, length, 16)).astype(np.float32) for _ in range(2))
-    mask = masks.causal_mask(None, BATCH, length)
-
-    def loss(params, h):
-        out = layer("grouped").apply({"params": params}, h, mask, None)
-        return jnp.sum(out * weights), out
-
-    grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
-    (grads, grad_h), out = grad(ours_of(hf_params), h)
-    h_torch = torch.from_numpy(h).requires_grad_(True)
-    expected = theirs(h_torch)
-    (expected * torch.from_numpy(weights)).sum().backward()
-    expected = expected.detach().numpy()
-    np.testing.assert_allclose(out, expected, rtol=0, atol=tolerance(expected, length))
-    hf_grads = {name: p.grad.numpy() for name, p in theirs.named_parameters()}
-    pairs = [(grad_h, h_torch.grad.numpy())]
-    pairs += list(zip(jax.tree.leaves(grads), jax.tree.leaves(ours_of(hf_grads)), strict=True))
-    depth = 2 * length * BATCH
-    for ours, reference in pairs:
-        np.testing.assert_allclose(ours, reference, rtol=0, atol=tolerance(reference, depth))
+    check_layer_and_gradients_equal_hf(layer("grouped"), theirs, ours_of, 16, 2 * BATCH)
 
 
 @pytest.mark.slow
@@ -206,36 +156,7 @@ def test_layer_decodes_from_its_cache_as_it_reads_the_sequence(projection):
     """A prompt of 6 (row 1 left-padded by 2 garbage positions), then one token at a time
     from the cached convolution inputs and state: the outputs of reading each row whole; a
     packed row's segments each as alone."""
-    module, length, prompt = layer(projection), 11, 6
-    h = np.random.default_rng(5).normal(size=(BATCH, length, 16)).astype(np.float32)
-    whole = masks.causal_mask(None, BATCH, length)
-    params = module.init(jax.random.PRNGKey(0), h, whole, None)["params"]
-    read = module.apply({"params": params}, h, whole, None)
-    row1 = module.apply({"params": params}, h[1:, 2:], masks.causal_mask(None, 1, length - 2), None)
-
-    start = jnp.asarray([0, 2], jnp.int32)
-    where = masks.Decoding(jnp.int32(0), start, length)
-    cache = module.init(jax.random.PRNGKey(0), h[:, :prompt], whole, where)["cache"]
-    cache = jax.tree.map(jnp.zeros_like, cache)
-    assert all(x.ndim == 4 for x in jax.tree.leaves(cache))  # rows in axis ndim - 4
-    outs = []
-    for index, stop in [(0, prompt), *((t, t + 1) for t in range(prompt, length))]:
-        where = masks.Decoding(jnp.int32(index), start, length)
-        out, variables = module.apply(
-            {"params": params, "cache": cache}, h[:, index:stop], whole, where, mutable=["cache"]
-        )
-        cache = variables["cache"]
-        outs.append(out)
-    decoded = np.concatenate(outs, axis=1)
-    tol = tolerance(np.asarray(read), length)
-    np.testing.assert_allclose(decoded[0], read[0], rtol=0, atol=tol)
-    np.testing.assert_allclose(decoded[1, 2:], row1[0], rtol=0, atol=tol)
-
-    segments = jnp.asarray([[1] * 4 + [2] * 7] * BATCH)
-    packed = module.apply({"params": params}, h, masks.causal_mask(segments, BATCH, length), None)
-    alone = module.apply({"params": params}, h[:, 4:], masks.causal_mask(None, BATCH, 7), None)
-    np.testing.assert_allclose(packed[:, :4], read[:, :4], rtol=0, atol=tol)
-    np.testing.assert_allclose(packed[:, 4:], alone, rtol=0, atol=tol)
+    check_layer_decodes_from_its_cache_as_it_reads(layer(projection), 16)
 
 
 @pytest.mark.slow
@@ -273,10 +194,4 @@ def test_layer_read_in_pieces_equals_read_whole():
 
 
 def test_layer_refuses_the_paged_cache():
-    module = layer("split")
-    h = np.zeros((1, 4, 16), np.float32)
-    mask = masks.causal_mask(None, 1, 4)
-    one = jnp.zeros((1, 1), jnp.int32)
-    paged = masks.Decoding(jnp.int32(0), one[0], 4, one, one, 2, 4)
-    with pytest.raises(ValueError, match="contiguous cache"):
-        module.init(jax.random.PRNGKey(0), h, mask, paged)
+    check_layer_refuses_the_paged_cache(layer("split"), 16)

@@ -16,7 +16,6 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from flaxlm.checkpoints import hf
-from flaxlm.inference.scheduler import Scheduler
 from flaxlm.models import base, kimi_linear, kimi_linear_hf, options
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import steps
@@ -31,6 +30,11 @@ from tests.hf_helpers import (
     random_hf_model,
     save_torch_model,
     torch_logits,
+)
+from tests.linear_attention_helpers import (
+    HYBRID_CONFIG_ERRORS,
+    check_serving_engine_refuses_to_page,
+    packed_batch,
 )
 
 VOCAB = 120
@@ -194,21 +198,14 @@ def tiny_config(**overrides) -> kimi_linear.KimiLinearConfig:
 
 def test_serving_engine_refuses_to_page_the_recurrent_state():
     """The paged engine names why (the serve run then decodes in fixed batches)."""
-    model = base.DecoderOnlyModel(tiny_config())
-    assert model.paged_refusal() == kimi_linear.PAGED_REFUSAL
-    partitioner = Partitioner(mesh_shape=(1, 1, 1), devices=jax.devices()[:1])
-    with pytest.raises(ValueError, match="recurrent state"):
-        Scheduler(model, None, partitioner)
+    check_serving_engine_refuses_to_page(tiny_config(), kimi_linear.PAGED_REFUSAL)
 
 
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(layer_types=(L, F)), "layer_types"),
-        (dict(layer_types=(L, L, "sliding_attention", F)), "layer_types"),
+        *HYBRID_CONFIG_ERRORS,
         (dict(linear_head_dim=0), "linear_head_dim"),
-        (dict(linear_attention_chunk_size=0), "linear_attention_chunk_size"),
-        (dict(scan_layers=True), "scan_layers"),
         (dict(scan_layers=True, layer_types=(L,) * 4), "scan_layers"),  # a dense first layer
         (dict(tie_word_embeddings=True), "tie_word_embeddings"),
         (dict(n_shared_experts=0), "n_shared_experts"),
@@ -341,29 +338,6 @@ def test_gin_model_file_builds_its_config_with_transformers_parameter_count(repo
     assert config.num_params() == GIN_FILES[name]["params"]
     lookup = config.vocab_size * config.hidden_size
     assert config.flops_per_token(4096) > 6 * (config.active_params() - lookup)
-
-
-def packed_batch(seed: int = 1) -> dict[str, np.ndarray]:
-    """Eight rows of 32 positions, each two or three examples packed (seqio's features)."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(8):
-        cuts = np.sort(rng.choice(np.arange(4, 28), size=rng.integers(1, 3), replace=False))
-        bounds = [0, *cuts.tolist(), 32]
-        rows.append(np.concatenate([np.full(b - a, i + 1) for i, (a, b) in
-                                    enumerate(zip(bounds, bounds[1:]))]))  # fmt: skip
-    segments = np.stack(rows).astype(np.int32)
-    starts = np.concatenate([np.ones((8, 1), bool), segments[:, 1:] != segments[:, :-1]], 1)
-    index = np.arange(32)[None, :]
-    positions = index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
-    tokens = rng.integers(1, 300, size=(8, 32)).astype(np.int32)
-    return {
-        "decoder_input_tokens": tokens,
-        "decoder_target_tokens": tokens,
-        "decoder_segment_ids": segments,
-        "decoder_positions": positions.astype(np.int32),
-        "decoder_loss_weights": np.ones((8, 32), np.int32),
-    }
 
 
 @pytest.mark.slow

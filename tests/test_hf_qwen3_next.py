@@ -14,7 +14,6 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from flaxlm.checkpoints import hf
-from flaxlm.inference.scheduler import Scheduler
 from flaxlm.models import base, options, qwen3_next, qwen3_next_hf
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora, steps
@@ -31,6 +30,11 @@ from tests.hf_helpers import (
     random_hf_model,
     save_torch_model,
     torch_logits,
+)
+from tests.linear_attention_helpers import (
+    HYBRID_CONFIG_ERRORS,
+    check_serving_engine_refuses_to_page,
+    packed_batch,
 )
 
 VOCAB = 250
@@ -198,34 +202,7 @@ def tiny_config(**overrides) -> qwen3_next.Qwen3NextConfig:
 
 def test_serving_engine_refuses_to_page_the_recurrent_state():
     """The paged engine names why (the serve run then decodes in fixed batches)."""
-    model = base.DecoderOnlyModel(tiny_config())
-    assert model.paged_refusal() == qwen3_next.PAGED_REFUSAL
-    partitioner = Partitioner(mesh_shape=(1, 1, 1), devices=jax.devices()[:1])
-    with pytest.raises(ValueError, match="recurrent state"):
-        Scheduler(model, None, partitioner)
-
-
-def packed_batch(seed: int = 1) -> dict[str, np.ndarray]:
-    """Eight rows of 32 positions, each two or three examples packed (seqio's features)."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(8):
-        cuts = np.sort(rng.choice(np.arange(4, 28), size=rng.integers(1, 3), replace=False))
-        bounds = [0, *cuts.tolist(), 32]
-        rows.append(np.concatenate([np.full(b - a, i + 1) for i, (a, b) in
-                                    enumerate(zip(bounds, bounds[1:]))]))  # fmt: skip
-    segments = np.stack(rows).astype(np.int32)
-    starts = np.concatenate([np.ones((8, 1), bool), segments[:, 1:] != segments[:, :-1]], 1)
-    index = np.arange(32)[None, :]
-    positions = index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
-    tokens = rng.integers(1, 300, size=(8, 32)).astype(np.int32)
-    return {
-        "decoder_input_tokens": tokens,
-        "decoder_target_tokens": tokens,
-        "decoder_segment_ids": segments,
-        "decoder_positions": positions.astype(np.int32),
-        "decoder_loss_weights": np.ones((8, 32), np.int32),
-    }
+    check_serving_engine_refuses_to_page(tiny_config(), qwen3_next.PAGED_REFUSAL)
 
 
 @pytest.mark.slow
@@ -256,14 +233,11 @@ def test_lora_steps_on_packed_rows_through_the_gin_file(repo_dir):
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(layer_types=(L, F)), "layer_types"),
-        (dict(layer_types=(L, L, "sliding_attention", F)), "layer_types"),
+        *HYBRID_CONFIG_ERRORS,
         (dict(full_attention_interval=0), "full_attention_interval"),
         (dict(linear_num_value_heads=3), "linear_num_value_heads"),
-        (dict(linear_attention_chunk_size=0), "linear_attention_chunk_size"),
         (dict(partial_rotary_factor=1.5), "partial_rotary_factor"),
         (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),
-        (dict(scan_layers=True), "scan_layers"),
         (dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
         (dict(model_type="qwen3_5_text"), "num_experts"),
         (dict(model_type="qwen3_5_moe_text", norm_topk_prob=False), "norm_topk_prob"),

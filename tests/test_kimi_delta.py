@@ -2,10 +2,11 @@
 torch references (`chunk_kimi_delta_attention`, `recurrent_kimi_delta_attention`,
 `KimiLinearRMSNormGated`, `KimiLinearDeltaAttention`): the chunked form at several chunk
 sizes (within one block of positions, across blocks, one that does not divide the length)
-equals the recurrent one and HF's, and so do its gradients; packed segments restart the
-state and the convolution; the layer is HF's, decodes one token at a time from its cache as
-it reads the whole sequence (left padding unseen), and refuses the paged cache. Context
-parallelism: tests/test_linear_context_parallel.py."""
+equals the recurrent one (Gated DeltaNet's, a decay a key channel) and HF's, and so do its
+gradients; packed segments restart the state; the layer is HF's, decodes one token at a time
+from its cache as it reads the whole sequence (left padding unseen), and refuses the paged
+cache. The checks Gated DeltaNet's tests make alike: tests/linear_attention_helpers.py.
+Context parallelism: tests/test_linear_context_parallel.py."""
 
 import jax
 import jax.numpy as jnp
@@ -15,16 +16,19 @@ import torch
 import transformers
 from transformers.models.kimi_linear import modeling_kimi_linear as hf_kimi
 
-from flaxlm.models import gated_deltanet, kimi_delta, masks, qwen3_next_hf
+from flaxlm.models import gated_deltanet, kimi_delta, qwen3_next_hf
+from tests.linear_attention_helpers import (
+    ROWS,
+    check_chunked_rule_equals_recurrent_and_hf,
+    check_gated_norm_equals_hf,
+    check_layer_and_gradients_equal_hf,
+    check_layer_decodes_from_its_cache_as_it_reads,
+    check_layer_refuses_the_paged_cache,
+    check_packed_segments_restart_the_rule,
+    tolerance,
+)
 
-EPS = float(np.finfo(np.float32).eps)
-BATCH, LENGTH, HEADS, KEY_DIM, VALUE_DIM = 2, 37, 2, 8, 6
-
-
-def tolerance(reference: np.ndarray, depth: int) -> float:
-    """float32 round-off through `depth` sequential updates of values of the reference's
-    size (a state carried over `depth` positions)."""
-    return 4 * EPS * depth * max(1.0, float(np.abs(reference).max()))
+BATCH, LENGTH, HEADS, KEY_DIM, VALUE_DIM = ROWS, 37, 2, 8, 6
 
 
 @pytest.fixture(scope="module")
@@ -47,33 +51,15 @@ def as_rule_reads(q, k):
     return q, gated_deltanet.l2_normalize(k)
 
 
-def hf_rule(rule, inputs, **kwargs):
-    q, k, v, g, beta, state = (torch.from_numpy(x) for x in inputs)
-    out, final = rule(
-        q, k, v, g, beta, initial_state=state, output_final_state=True,
-        use_qk_l2norm_in_kernel=True, **kwargs,
-    )  # fmt: skip
-    return out.numpy(), final.numpy()
-
-
 @pytest.mark.parametrize("chunk_size", [1, 5, 16, 32, 64])
 def test_chunked_rule_equals_recurrent_and_hf(inputs, chunk_size):
     """Chunks of 1, 5 (37 = 7 x 5 + 2), 16 (one block of pairs), 32 (two: 37 = 32 + 5) and
     64 (four, one padded chunk) give HF's outputs and final state, chunked (at its own chunk
     size) and recurrent alike."""
-    q, k, v, g, beta, state = inputs
-    hf_out, hf_state = hf_rule(hf_kimi.chunk_kimi_delta_attention, inputs, chunk_size=chunk_size)
-    rec_out, rec_state = hf_rule(hf_kimi.recurrent_kimi_delta_attention, inputs)
-    qn, kn = as_rule_reads(q, k)
-    out, final = kimi_delta.chunk_kimi_delta_rule(
-        qn, kn, v, g, beta, chunk_size=chunk_size, initial_state=state
-    )
-    tol = tolerance(rec_out, LENGTH)
-    for ours, theirs in ((out, hf_out), (out, rec_out), (final, hf_state), (final, rec_state)):
-        np.testing.assert_allclose(np.asarray(ours), theirs, rtol=0, atol=tol)
-    out, final = kimi_delta.recurrent_kimi_delta_rule(qn, kn, v, g, beta, state)
-    np.testing.assert_allclose(np.asarray(out), rec_out, rtol=0, atol=tol)
-    np.testing.assert_allclose(np.asarray(final), rec_state, rtol=0, atol=tol)
+    check_chunked_rule_equals_recurrent_and_hf(
+        kimi_delta.chunk_kimi_delta_rule, hf_kimi.chunk_kimi_delta_attention,
+        hf_kimi.recurrent_kimi_delta_attention, inputs, as_rule_reads, chunk_size,
+    )  # fmt: skip
 
 
 def test_steep_decays_stay_finite_where_one_factor_would_overflow(inputs):
@@ -87,7 +73,7 @@ def test_steep_decays_stay_finite_where_one_factor_would_overflow(inputs):
     out, final = kimi_delta.chunk_kimi_delta_rule(
         qn, kn, v, g, beta, chunk_size=64, initial_state=state
     )
-    rec_out, rec_state = kimi_delta.recurrent_kimi_delta_rule(qn, kn, v, g, beta, state)
+    rec_out, rec_state = gated_deltanet.recurrent_gated_delta_rule(qn, kn, v, g, beta, state)
     assert np.isfinite(np.asarray(out)).all()
     tol = tolerance(np.asarray(rec_out), LENGTH)
     np.testing.assert_allclose(np.asarray(out), rec_out, rtol=0, atol=tol)
@@ -112,7 +98,7 @@ def test_chunked_gradients_equal_the_recurrent_ones(inputs):
 
     argnums = tuple(range(1, 7))
     ours = jax.grad(loss, argnums)(chunked, *inputs)
-    reference = jax.grad(loss, argnums)(kimi_delta.recurrent_kimi_delta_rule, *inputs)
+    reference = jax.grad(loss, argnums)(gated_deltanet.recurrent_gated_delta_rule, *inputs)
     for got, want in zip(ours, reference, strict=True):
         want = np.asarray(want)
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=tolerance(want, 2 * LENGTH))
@@ -124,30 +110,14 @@ def test_packed_segments_restart_the_state_and_the_convolution(inputs):
     zero state."""
     q, k, v, g, beta, _ = inputs
     qn, kn = as_rule_reads(q, k)
-    bounds = ((0, 10), (10, 25), (25, LENGTH))
-    segments = np.concatenate([np.full(stop - start, i + 1) for i, (start, stop) in
-                               enumerate(bounds)])  # fmt: skip
-    runs = gated_deltanet.segment_runs(jnp.asarray(np.stack([segments, segments])))
-    out, _ = kimi_delta.chunk_kimi_delta_rule(qn, kn, v, g, beta, chunk_size=32, runs=runs)
-    rec, _ = kimi_delta.recurrent_kimi_delta_rule(qn, kn, v, g, beta, runs=runs)
-    for start, stop in bounds:
-        piece = [x[:, start:stop] for x in (qn, kn, v, g, beta)]
-        alone, _ = kimi_delta.recurrent_kimi_delta_rule(*piece)
-        tol = tolerance(np.asarray(alone), stop - start)
-        np.testing.assert_allclose(np.asarray(out[:, start:stop]), alone, rtol=0, atol=tol)
-        np.testing.assert_allclose(np.asarray(rec[:, start:stop]), alone, rtol=0, atol=tol)
+    check_packed_segments_restart_the_rule(
+        kimi_delta.chunk_kimi_delta_rule, (qn, kn, v, g, beta), chunk_size=32
+    )
 
 
 def test_sigmoid_gated_rms_norm_equals_hf():
-    rng = np.random.default_rng(4)
-    x, gate = (rng.normal(size=(3, 5, KEY_DIM)).astype(np.float32) for _ in range(2))
-    scale = rng.normal(size=(KEY_DIM,)).astype(np.float32)
-    norm = hf_kimi.KimiLinearRMSNormGated(KEY_DIM, eps=1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.from_numpy(scale))
-        theirs = norm(torch.from_numpy(x), torch.from_numpy(gate)).numpy()
-    ours = kimi_delta.SigmoidGatedRMSNorm(1e-5).apply({"params": {"scale": scale}}, x, gate)
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=4 * EPS * np.abs(theirs).max())
+    theirs = hf_kimi.KimiLinearRMSNormGated(KEY_DIM, eps=1e-5)
+    check_gated_norm_equals_hf(kimi_delta.SigmoidGatedRMSNorm(1e-5), theirs, KEY_DIM)
 
 
 WIDTH, TAPS = 16, 3
@@ -199,28 +169,7 @@ def test_layer_and_its_gradients_equal_hf_autograd():
         gate.dt_bias.copy_(torch.randn_like(gate.dt_bias) - 3)
         for p in theirs.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    hf_params = {name: p.detach().numpy() for name, p in theirs.named_parameters()}
-
-    length = 21
-    rng = np.random.default_rng(6)
-    h, weights = (rng.normal(size=(BATCH, length, WIDTH)).astype(np.float32) for _ in range(2))
-    mask = masks.causal_mask(None, BATCH, length)
-
-    def loss(params, h):
-        out = layer().apply({"params": params}, h, mask, None)
-        return jnp.sum(out * weights), out
-
-    (grads, grad_h), out = jax.grad(loss, argnums=(0, 1), has_aux=True)(ours_of(hf_params), h)
-    h_torch = torch.from_numpy(h).requires_grad_(True)
-    expected = theirs(h_torch)
-    (expected * torch.from_numpy(weights)).sum().backward()
-    expected = expected.detach().numpy()
-    np.testing.assert_allclose(out, expected, rtol=0, atol=tolerance(expected, length))
-    hf_grads = {name: p.grad.numpy() for name, p in theirs.named_parameters()}
-    pairs = [(grad_h, h_torch.grad.numpy())]
-    pairs += list(zip(jax.tree.leaves(grads), jax.tree.leaves(ours_of(hf_grads)), strict=True))
-    for got, reference in pairs:
-        np.testing.assert_allclose(got, reference, rtol=0, atol=tolerance(reference, 2 * length))
+    check_layer_and_gradients_equal_hf(layer(), theirs, ours_of, WIDTH, 2)
 
 
 @pytest.mark.slow
@@ -228,43 +177,8 @@ def test_layer_decodes_from_its_cache_as_it_reads_the_sequence():
     """A prompt of 6 (row 1 left-padded by 2 garbage positions), then one token at a time
     from the cached convolution inputs and state: the outputs of reading each row whole; a
     packed row's segments each as alone."""
-    module, length, prompt = layer(), 11, 6
-    h = np.random.default_rng(5).normal(size=(BATCH, length, WIDTH)).astype(np.float32)
-    whole = masks.causal_mask(None, BATCH, length)
-    params = module.init(jax.random.PRNGKey(0), h, whole, None)["params"]
-    read = module.apply({"params": params}, h, whole, None)
-    row1 = module.apply({"params": params}, h[1:, 2:], masks.causal_mask(None, 1, length - 2), None)
-
-    start = jnp.asarray([0, 2], jnp.int32)
-    where = masks.Decoding(jnp.int32(0), start, length)
-    cache = module.init(jax.random.PRNGKey(0), h[:, :prompt], whole, where)["cache"]
-    cache = jax.tree.map(jnp.zeros_like, cache)
-    assert all(x.ndim == 4 for x in jax.tree.leaves(cache))  # rows in axis ndim - 4
-    outs = []
-    for index, stop in [(0, prompt), *((t, t + 1) for t in range(prompt, length))]:
-        where = masks.Decoding(jnp.int32(index), start, length)
-        out, variables = module.apply(
-            {"params": params, "cache": cache}, h[:, index:stop], whole, where, mutable=["cache"]
-        )
-        cache = variables["cache"]
-        outs.append(out)
-    decoded = np.concatenate(outs, axis=1)
-    tol = tolerance(np.asarray(read), length)
-    np.testing.assert_allclose(decoded[0], read[0], rtol=0, atol=tol)
-    np.testing.assert_allclose(decoded[1, 2:], row1[0], rtol=0, atol=tol)
-
-    segments = jnp.asarray([[1] * 4 + [2] * 7] * BATCH)
-    packed = module.apply({"params": params}, h, masks.causal_mask(segments, BATCH, length), None)
-    alone = module.apply({"params": params}, h[:, 4:], masks.causal_mask(None, BATCH, 7), None)
-    np.testing.assert_allclose(packed[:, :4], read[:, :4], rtol=0, atol=tol)
-    np.testing.assert_allclose(packed[:, 4:], alone, rtol=0, atol=tol)
+    check_layer_decodes_from_its_cache_as_it_reads(layer(), WIDTH)
 
 
 def test_layer_refuses_the_paged_cache():
-    module = layer()
-    h = np.zeros((1, 4, WIDTH), np.float32)
-    mask = masks.causal_mask(None, 1, 4)
-    one = jnp.zeros((1, 1), jnp.int32)
-    paged = masks.Decoding(jnp.int32(0), one[0], 4, one, one, 2, 4)
-    with pytest.raises(ValueError, match="contiguous cache"):
-        module.init(jax.random.PRNGKey(0), h, mask, paged)
+    check_layer_refuses_the_paged_cache(layer(), WIDTH)

@@ -12,15 +12,18 @@ and its activation; after it, each head is RMS-normalised and gated by `silu(z)`
 and projected back to the width.
 
 Training and prefill run the chunked form (`chunk_gated_delta_rule`: a `lax.scan` over chunks
-of `chunk_size` positions, the delta rule inside a chunk one unit triangular system, solved
-by matmuls);
-decoding one token at a time runs the recurrent form (`recurrent_gated_delta_rule`), carrying
-the state and the convolution's last inputs in the Flax `cache` collection, each leaf
-`[batch, ...]` 4-D as every cache leaf (`decoding.RECURRENT_STATE`). Packed rows restart the
-state and the convolution at every segment start (`segment_runs`). A sequence split over the
-mesh's `sequence` axis (context parallelism, the load-balanced order too) is read where it
-lies, the state and the convolution's inputs passed between its pieces
-(`linear_context_parallel`).
+of `chunk_size` positions, `scan_chunks`, the delta rule inside a chunk one unit triangular
+system, solved by matmuls); decoding one token at a time runs the recurrent form
+(`recurrent_gated_delta_rule`), carrying the state and the convolution's last inputs in the
+Flax `cache` collection, each leaf `[batch, ...]` 4-D as every cache leaf
+(`decoding.RECURRENT_STATE`). Packed rows restart the state and the convolution at every
+segment start (`segment_runs`). A sequence split over the mesh's `sequence` axis (context
+parallelism, the load-balanced order too) is read where it lies, the state and the
+convolution's inputs passed between its pieces (`linear_context_parallel`).
+
+Kimi Delta Attention (`kimi_delta.py`: a decay a key channel) shares all but its projections,
+gates and chunk step: the layer's steps around them (`DeltaRuleLayer`), the recurrent form,
+the chunks' loop and the gated norm.
 
 Nothing here knows a mesh: activations carry logical axis names only.
 """
@@ -28,6 +31,8 @@ Nothing here knows a mesh: activations carry logical axis names only.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import ClassVar, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -35,6 +40,7 @@ import jax.numpy as jnp
 
 from flaxlm.models import attention, layers, linear_context_parallel, masks
 from flaxlm.models.layers import DenseGeneral, Dtype, as_dtype
+from flaxlm.models.linear_context_parallel import Rule
 
 Array = jax.Array
 
@@ -102,17 +108,19 @@ def recurrent_gated_delta_rule(
     runs: Array | None = None,
 ) -> tuple[Array, Array]:
     """The gated delta rule one token after another (decoding; the reference of the chunked
-    form).
+    forms), its decay one a head or (Kimi Delta Attention's) one a key channel.
 
     q, k: `[batch, length, heads, key_dim]` (normalised and scaled as the rule reads them);
-    v: `[batch, length, heads, value_dim]`; g: log decays, beta: write strengths, both
-    `[batch, length, heads]`; initial_state: `[batch, heads, key_dim, value_dim]` (None:
-    zeros); runs: `segment_runs` (the state restarts where a run starts; None: one run).
-    Returns (float32 out `[batch, length, heads, value_dim]`, the final state float32)."""
+    v: `[batch, length, heads, value_dim]`; g: log decays `[batch, length, heads]` or
+    `[batch, length, heads, key_dim]`; beta: write strengths `[batch, length, heads]`;
+    initial_state: `[batch, heads, key_dim, value_dim]` (None: zeros); runs: `segment_runs`
+    (the state restarts where a run starts; None: one run). Returns (float32 out `[batch,
+    length, heads, value_dim]`, the final state float32)."""
     b, length, h, dk = k.shape
     dv = v.shape[-1]
     state = _initial(initial_state, (b, h, dk, dv))
     runs = jnp.zeros((b, length), jnp.int32) if runs is None else runs
+    g = g[..., None] if g.ndim == 3 else g  # one a head: each key channel's the same
     xs = [jnp.moveaxis(x.astype(jnp.float32), 1, 0) for x in (q, k, v, g, beta)]
     xs.append(jnp.moveaxis(runs, 1, 0))
 
@@ -120,11 +128,11 @@ def recurrent_gated_delta_rule(
         state, previous = carry
         q_t, k_t, v_t, g_t, beta_t, run = x
         keep = (run == previous)[:, None, None, None]
-        state = jnp.where(keep, state, 0.0) * jnp.exp(g_t)[..., None, None]
-        memory = jnp.einsum("bhkv,bhk->bhv", state, k_t, precision=EXACT)
+        state = jnp.where(keep, state, 0.0) * jnp.exp(g_t)[..., None]
+        memory = dot("bhkv,bhk->bhv", state, k_t)
         delta = (v_t - memory) * beta_t[..., None]
         state = state + k_t[..., None] * delta[..., None, :]
-        return (state, run), jnp.einsum("bhkv,bhk->bhv", state, q_t, precision=EXACT)
+        return (state, run), dot("bhkv,bhk->bhv", state, q_t)
 
     (state, _), out = jax.lax.scan(step, (state, runs[:, 0]), xs)
     return jnp.moveaxis(out, 0, 1), state
@@ -162,24 +170,13 @@ def chunk_gated_delta_rule(
     Within a chunk of log decays cumulated `G`, the writes `delta` solve the unit lower
     triangular system `(I + tril(beta k k^T * D, -1)) delta = beta v - beta exp(G) k S0`
     (`D[i, j] = exp(G_i - G_j)` within a run, 0 across one; `unit_lower_inverse`), the
-    outputs are `exp(G) q S0 +
-    (q k^T * D) delta`, and the state leaves as `exp(G_last) S0 + (k * D[last])^T delta`;
-    positions of another run than the chunk's entry see none of `S0`."""
-    b, length, h, dk = k.shape
-    dv = v.shape[-1]
+    outputs are `exp(G) q S0 + (q k^T * D) delta`, and the state leaves as `exp(G_last) S0 +
+    (k * D[last])^T delta`; positions of another run than the chunk's entry see none of `S0`."""
     c = chunk_size
-    pad = -length % c
-    n = (length + pad) // c
-    runs = jnp.zeros((b, length), jnp.int32) if runs is None else runs
-
-    xs = [to_chunks(x.astype(jnp.float32), c) for x in (q, k, v, g, beta)]
-    xs.append(to_chunks(runs, c))
     causal = jnp.tril(jnp.ones((c, c), bool))
     strictly_lower = jnp.tril(jnp.ones((c, c), jnp.float32), -1)
 
-    def step(carry, x):
-        state, previous = carry
-        q, k, v, g, beta, run = x  # [b, h, c, d], [b, h, c], [b, c]
+    def step(state, previous, q, k, v, g, beta, run):  # [b, h, c, d], [b, h, c], [b, c]
         cum = jnp.cumsum(g, axis=-1)
         keep = (causal & (run[:, :, None] == run[:, None, :]))[:, None]  # [b, 1, c, c]
         diff = cum[..., :, None] - cum[..., None, :]
@@ -196,12 +193,37 @@ def chunk_gated_delta_rule(
         out = out + dot("bhij,bhjv->bhiv", scores, delta)
         decayed = k * decay[..., -1, :, None]  # each key's decay to the chunk's end
         state = entry[..., -1, None, None] * state + dot("bhjk,bhjv->bhkv", decayed, delta)
-        return (state, run[:, -1]), out
+        return state, out
+
+    return scan_chunks(step, (q, k, v, g, beta), c, initial_state, runs)
+
+
+def scan_chunks(
+    step: Callable[..., tuple[Array, Array]],
+    inputs: tuple[Array, ...],
+    chunk_size: int,
+    initial_state: Array | None,
+    runs: Array | None,
+) -> tuple[Array, Array]:
+    """The chunked rules' loop (`chunk_gated_delta_rule`'s, `kimi_delta.chunk_kimi_delta_rule`'s:
+    their q, k, v, g, beta `inputs` and arguments): `step(state, previous run, q, k, v, g, beta,
+    run) -> (state, out)` scanned from `initial_state` over the chunks (`to_chunks`: `[batch,
+    heads, chunk, ...]`; the runs `[batch, chunk]`). Returns (float32 out, the final state)."""
+    _, k, v, _, _ = inputs
+    b, length, h, dk = k.shape
+    dv = v.shape[-1]
+    runs = jnp.zeros((b, length), jnp.int32) if runs is None else runs
+    xs = [to_chunks(x.astype(jnp.float32), chunk_size) for x in inputs]
+    xs.append(to_chunks(runs, chunk_size))
+
+    def scanned(carry, x):
+        state, out = step(*carry, *x)
+        return (state, x[-1][:, -1]), out
 
     state = _initial(initial_state, (b, h, dk, dv))
-    (state, _), out = jax.lax.scan(step, (state, runs[:, 0]), xs)
+    (state, _), out = jax.lax.scan(scanned, (state, runs[:, 0]), xs)
     out = out.transpose(1, 0, 3, 2, 4)  # [chunks, b, h, c, dv] -> [b, chunks, c, h, dv]
-    return out.reshape(b, n * c, h, dv)[:, :length], state
+    return out.reshape(b, -1, h, dv)[:, :length], state
 
 
 SOLVE_BLOCK = 16  # the diagonal blocks `unit_lower_inverse` inverts by forward substitution
@@ -263,11 +285,15 @@ class GatedRMSNorm(nn.Module):
     def __call__(self, x: Array, gate: Array) -> Array:
         init = nn.with_logical_partitioning(nn.initializers.ones, ("head_dim",))
         scale = self.param("scale", init, (x.shape[-1],), as_dtype(self.param_dtype))
-        dtype = as_dtype(self.dtype)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
+        return self.gated(y, scale, gate.astype(jnp.float32))
+
+    def gated(self, y: Array, scale: Array, gate: Array) -> Array:
+        """float32 `y` (normalised) scaled in the compute dtype, times float32 `silu(gate)`."""
+        dtype = as_dtype(self.dtype)
         y = (scale.astype(dtype) * y.astype(dtype)).astype(jnp.float32)
-        return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(dtype)
+        return (y * jax.nn.silu(gate)).astype(dtype)
 
 
 def conv_init(key: Array, shape: tuple[int, ...], dtype: Dtype = jnp.float32) -> Array:
@@ -281,7 +307,105 @@ def a_log_init(key: Array, shape: tuple[int, ...], dtype: Dtype = jnp.float32) -
     return jnp.log(jax.random.uniform(key, shape, dtype, 0.01, 16.0))
 
 
-class GatedDeltaNet(nn.Module):
+class Reading(NamedTuple):
+    """How a delta-rule layer's call reads its positions (`DeltaRuleLayer.start`)."""
+
+    decoding: masks.Decoding | None  # where a contiguous cache's decoding is (None: training)
+    runs: Array | None  # `segment_runs` of a packed training row (None: one run, or decoding)
+    split: tuple[Array | None, Array | None] | None  # `linear_context_parallel.split`'s
+
+
+class DeltaRuleLayer(nn.Module, kw_only=True):
+    """The steps of the delta-rule token mixers (`GatedDeltaNet`, `kimi_delta.KimiDeltaAttention`)
+    around their own projections and gates. Called `(h, mask, decoding)` (the normed hidden
+    states `[batch, length, embed]`, the block's mask, where a contiguous cache's decoding is:
+    None in training), their `__call__` takes `start`, projects, `convolve`s q, k and v, gates,
+    takes `delta_rule`, norms and projects. Settings: keywords, after the layer's own. Cache
+    (decoding): `conv_q`, `conv_k`, `conv_v` `[batch, K - 1, heads, dim]` (the convolution's last
+    inputs), `recurrent_state` `[batch, heads, key_dim, value_dim]` float32."""
+
+    conv_kernel_size: int = 4
+    activation: str = "silu"  # the convolution's (HF: hidden_act)
+    chunk_size: int = 64
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    title: ClassVar[str]  # the layer's name in its errors
+
+    def start(
+        self, h: Array, mask: masks.Mask | Array, decoding: masks.Decoding | None
+    ) -> tuple[Array, Reading]:
+        """h `[batch, length, embed]` as the layer reads it (a left-padded prompt's padding
+        zeroed: it writes nothing, as HF zeroes its hidden states), and how (`__call__`'s
+        arguments: `mask`'s segment ids restart the state)."""
+        runs = None
+        if decoding is None:
+            segment_ids = getattr(mask, "q_segment_ids", None)
+            runs = None if segment_ids is None else segment_runs(segment_ids)
+        elif decoding.paged:
+            raise ValueError(
+                f"{self.title} layers decode over a contiguous cache only: the paged cache has "
+                "no recurrent-state slots yet."
+            )
+        else:
+            slots = decoding.index + jnp.arange(h.shape[1])
+            h = jnp.where((slots[None, :] >= decoding.start[:, None])[..., None], h, 0)
+        split = linear_context_parallel.split(mask, decoding, h.shape[1])  # None: read whole
+        return h, Reading(decoding, runs, split)
+
+    def convolve(self, name: str, x: Array, heads: str | None, reading: Reading) -> Array:
+        """The activation of the causal convolution of x `[batch, length, heads, dim]` (its
+        heads the logical axis `heads`), in the compute dtype: its kernel the param
+        `conv_{name}` `[K, heads, dim]`, the inputs before x the cache's `conv_{name}`."""
+        dtype, taps, channels = as_dtype(self.dtype), self.conv_kernel_size, x.shape[2:]
+        init = nn.with_logical_partitioning(conv_init, (None, None, None))
+        kernel = self.param(f"conv_{name}", init, (taps, *channels), as_dtype(self.param_dtype))
+        context = self._cache(f"conv_{name}", (x.shape[0], taps - 1, *channels), dtype, reading)
+        if reading.split is not None:
+            out = linear_context_parallel.causal_conv1d(
+                causal_conv1d, segment_runs, x, kernel, *reading.split, heads
+            )
+        else:
+            start = jnp.zeros((x.shape[0], taps - 1, *channels), dtype)
+            start = start if context is None else context.value
+            out, last = causal_conv1d(x, kernel, start, reading.runs)
+            if context is not None:
+                context.value = last.astype(dtype)
+        return layers.ACTIVATIONS[self.activation](out).astype(dtype)
+
+    def delta_rule(
+        self, chunked: Rule, q: Array, k: Array, v: Array, g: Array, beta: Array, reading: Reading
+    ) -> Array:
+        """float32 out `[batch, length, heads, value_dim]` of the rule (q, k, v, g, beta as
+        `recurrent_gated_delta_rule`'s): a decoded token's recurrent from the cache's
+        `recurrent_state`, else `chunked`'s at `chunk_size` (a split sequence in pieces)."""
+        batch, length, heads, key_dim = k.shape
+        shape = (batch, heads, key_dim, v.shape[-1])
+        state = self._cache("recurrent_state", shape, jnp.float32, reading)
+        initial = None if state is None else state.value
+        if state is not None and length == 1:
+            out, final = recurrent_gated_delta_rule(q, k, v, g, beta, initial)
+        elif reading.split is not None:
+            rule = functools.partial(chunked, chunk_size=self.chunk_size)
+            return linear_context_parallel.gated_delta_rule(
+                rule, segment_runs, q, k, v, g, beta, *reading.split
+            )
+        else:
+            out, final = chunked(
+                q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=initial,
+                runs=reading.runs,
+            )  # fmt: skip
+        if state is not None:
+            state.value = final
+        return out
+
+    def _cache(self, name: str, shape: tuple, dtype: Dtype, reading: Reading) -> nn.Variable | None:
+        """The cache variable `name` while decoding (zeros at first), else None."""
+        decoding = reading.decoding is not None
+        return self.variable("cache", name, jnp.zeros, shape, dtype) if decoding else None
+
+
+class GatedDeltaNet(DeltaRuleLayer):
     """The linear-attention token mixer: `[batch, length, embed]` -> `[batch, length, embed]`.
 
     Params (HF's names): the projections (`projection` 'grouped': Qwen3-Next's
@@ -292,9 +416,8 @@ class GatedDeltaNet(nn.Module):
     convolution's kernels `conv_q`, `conv_k`, `conv_v` `[K, heads, dim]` (rows of HF's
     `conv1d.weight`), `A_log` and `dt_bias` `[value_heads]`, `norm` and `out_proj`.
 
-    Cache (while decoding): `conv_q`, `conv_k`, `conv_v` `[batch, K - 1, heads, dim]` (the
-    last inputs of the convolution) and `recurrent_state` `[batch, value_heads, key_dim,
-    value_dim]` float32.
+    Cache (while decoding): `DeltaRuleLayer`'s, `recurrent_state` `[batch, value_heads,
+    key_dim, value_dim]`.
     """
 
     hidden_size: int
@@ -302,53 +425,23 @@ class GatedDeltaNet(nn.Module):
     num_value_heads: int
     key_dim: int
     value_dim: int
-    conv_kernel_size: int = 4
-    activation: str = "silu"  # the convolution's (HF: hidden_act)
     norm_eps: float = 1e-6
-    chunk_size: int = 64
     projection: str = "grouped"  # one of PROJECTIONS
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
+
+    title: ClassVar[str] = "Gated DeltaNet"
 
     @nn.compact
     def __call__(
         self, h: Array, mask: masks.Mask | Array, decoding: masks.Decoding | None
     ) -> Array:
-        """h: the normed hidden states `[batch, length, embed]`; `mask`: the block's
-        attention mask (its segment ids restart the state); `decoding`: where a contiguous
-        cache's decoding is (None: training, scoring)."""
-        batch, length, _ = h.shape
-        dtype, param_dtype = as_dtype(self.dtype), as_dtype(self.param_dtype)
-        runs = self._runs(mask, decoding)
-        split = linear_context_parallel.split(mask, decoding, length)  # None: read whole
-        if decoding is not None:
-            # Left-padded prompts: their padding writes nothing (HF zeroes its hidden states).
-            slots = decoding.index + jnp.arange(length)
-            h = jnp.where((slots[None, :] >= decoding.start[:, None])[..., None], h, 0)
+        h, reading = self.start(h, mask, decoding)
         q, k, v, z, b, a = self._project(h)
+        key_heads = attention.kv_heads_axis(self.num_key_heads)
+        q = self.convolve("q", q, key_heads, reading)
+        k = self.convolve("k", k, key_heads, reading)
+        v = self.convolve("v", v, "heads", reading)
 
-        act = layers.ACTIVATIONS[self.activation]
-        conved = []
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            taps = self.conv_kernel_size
-            init = nn.with_logical_partitioning(conv_init, (None, None, None))
-            kernel = self.param(f"conv_{name}", init, (taps, *x.shape[2:]), param_dtype)
-            context = self._cache(f"conv_{name}", (batch, taps - 1, *x.shape[2:]), dtype, decoding)
-            if split is not None:
-                axis = "heads" if name == "v" else attention.kv_heads_axis(self.num_key_heads)
-                out = linear_context_parallel.causal_conv1d(
-                    causal_conv1d, segment_runs, x, kernel, *split, axis
-                )
-            else:
-                start = jnp.zeros((batch, taps - 1, *x.shape[2:]), dtype)
-                start = start if context is None else context.value
-                out, last = causal_conv1d(x, kernel, start, runs)
-            if context is not None:
-                context.value = last.astype(dtype)
-            conved.append(act(out).astype(dtype))
-        q, k, v = conved
-
-        heads = (self.num_value_heads,)
+        param_dtype, heads = as_dtype(self.param_dtype), (self.num_value_heads,)
         a_log = self.param(
             "A_log", nn.with_logical_partitioning(a_log_init, (None,)), heads, param_dtype
         )
@@ -362,44 +455,13 @@ class GatedDeltaNet(nn.Module):
         q = jnp.repeat(l2_normalize(q) * self.key_dim**-0.5, group, axis=2)
         k = jnp.repeat(l2_normalize(k), group, axis=2)
 
-        shape = (batch, self.num_value_heads, self.key_dim, self.value_dim)
-        state = self._cache("recurrent_state", shape, jnp.float32, decoding)
-        initial = None if state is None else state.value
-        if state is not None and length == 1:
-            out, final = recurrent_gated_delta_rule(q, k, v, g, beta, initial)
-        elif split is not None:
-            rule = functools.partial(chunk_gated_delta_rule, chunk_size=self.chunk_size)
-            out = linear_context_parallel.gated_delta_rule(
-                rule, segment_runs, q, k, v, g, beta, *split
-            )
-        else:
-            out, final = chunk_gated_delta_rule(
-                q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=initial, runs=runs
-            )
-        if state is not None:
-            state.value = final
+        out = self.delta_rule(chunk_gated_delta_rule, q, k, v, g, beta, reading)
         norm = GatedRMSNorm(self.norm_eps, self.dtype, self.param_dtype, name="norm")
-        out = layers.constrain(norm(out.astype(dtype), z), layers.HEAD_AXES)
+        out = layers.constrain(norm(out.astype(as_dtype(self.dtype)), z), layers.HEAD_AXES)
         return DenseGeneral(
-            self.hidden_size,
-            ("heads", "head_dim", "embed"),
-            axis=(-2, -1),
-            name="out_proj",
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-        )(out)
-
-    def _runs(self, mask: masks.Mask | Array, decoding: masks.Decoding | None) -> Array | None:
-        """The segment runs of a packed training row (None: one run, or decoding)."""
-        if decoding is not None:
-            if decoding.paged:
-                raise ValueError(
-                    "Gated DeltaNet layers decode over a contiguous cache only: the paged "
-                    "cache has no recurrent-state slots yet."
-                )
-            return None
-        segment_ids = getattr(mask, "q_segment_ids", None)
-        return None if segment_ids is None else segment_runs(segment_ids)
+            self.hidden_size, ("heads", "head_dim", "embed"), axis=(-2, -1), name="out_proj",
+            dtype=self.dtype, param_dtype=self.param_dtype,
+        )(out)  # fmt: skip
 
     def _project(self, h: Array) -> tuple[Array, ...]:
         """q, k `[batch, length, key_heads, key_dim]`; v, z `[batch, length, value_heads,
@@ -433,11 +495,3 @@ class GatedDeltaNet(nn.Module):
             ],
         )
         return q, k, v, z, b, a
-
-    def _cache(
-        self, name: str, shape: tuple[int, ...], dtype: Dtype, decoding: masks.Decoding | None
-    ) -> nn.Variable | None:
-        """The cache variable `name` while decoding (zeros at first), else None."""
-        if decoding is None:
-            return None
-        return self.variable("cache", name, jnp.zeros, shape, dtype)

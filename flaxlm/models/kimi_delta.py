@@ -15,14 +15,16 @@ activation first; after the rule each head is RMS-normalised in float32 and gate
 sigmoid of another low-rank projection (`g_a_proj`, `g_b_proj`), then projected back.
 
 Training and prefill run the chunked form (`chunk_kimi_delta_rule`: a `lax.scan` over
-chunks, each chunk's writes one unit lower triangular system solved by matmuls,
-`gated_deltanet.unit_lower_inverse`); decoding one token at a time runs the recurrent form
-(`recurrent_kimi_delta_rule`), its state and the convolution's last inputs in the Flax
-`cache` collection under `decoding.RECURRENT_STATE`'s names. Packed rows restart both at
-every segment start (`gated_deltanet.segment_runs`). A sequence split over the mesh's
-`sequence` axis (context parallelism, the load-balanced order too) is read where it lies, as
-Gated DeltaNet's (`linear_context_parallel`: the state is affine in the state a piece starts
-from, whatever the decay's shape).
+chunks, `gated_deltanet.scan_chunks`, each chunk's writes one unit lower triangular system
+solved by matmuls, `gated_deltanet.unit_lower_inverse`); decoding one token at a time runs
+Gated DeltaNet's recurrent form (`gated_deltanet.recurrent_gated_delta_rule`, which takes a
+decay a key channel), its state and the convolution's last inputs in the Flax `cache`
+collection under `decoding.RECURRENT_STATE`'s names. Packed rows restart both at every
+segment start (`gated_deltanet.segment_runs`). A sequence split over the mesh's `sequence`
+axis (context parallelism, the load-balanced order too) is read where it lies, as Gated
+DeltaNet's (`linear_context_parallel`: the state is affine in the state a piece starts from,
+whatever the decay's shape). The layer's steps around its own projections and gates (the
+convolution, the segment runs, the rule's dispatch) are `gated_deltanet.DeltaRuleLayer`'s.
 
 Nothing here knows a mesh: activations carry logical axis names only.
 """
@@ -31,13 +33,14 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxlm.models import gated_deltanet, layers, linear_context_parallel, masks, mla
-from flaxlm.models.gated_deltanet import dot, to_chunks
+from flaxlm.models import gated_deltanet, layers, masks, mla
+from flaxlm.models.gated_deltanet import dot
 from flaxlm.models.layers import DenseGeneral, Dtype, as_dtype
 
 Array = jax.Array
@@ -49,44 +52,6 @@ SUB_BLOCK = 16
 
 
 # ---------------------------------------------------------------------------- the math
-
-
-@jax.jit
-def recurrent_kimi_delta_rule(
-    q: Array,
-    k: Array,
-    v: Array,
-    g: Array,
-    beta: Array,
-    initial_state: Array | None = None,
-    runs: Array | None = None,
-) -> tuple[Array, Array]:
-    """The rule one token after another (decoding; the reference of the chunked form).
-
-    q, k: `[batch, length, heads, key_dim]` (normalised and scaled as the rule reads them);
-    v: `[batch, length, heads, value_dim]`; g: log decays `[batch, length, heads, key_dim]`;
-    beta: write strengths `[batch, length, heads]`; initial_state: `[batch, heads, key_dim,
-    value_dim]` (None: zeros); runs: `segment_runs` (the state restarts where a run starts;
-    None: one run). Returns (float32 out `[batch, length, heads, value_dim]`, the final
-    state float32)."""
-    b, length, h, dk = k.shape
-    state = initial(initial_state, (b, h, dk, v.shape[-1]))
-    runs = jnp.zeros((b, length), jnp.int32) if runs is None else runs
-    xs = [jnp.moveaxis(x.astype(jnp.float32), 1, 0) for x in (q, k, v, g, beta)]
-    xs.append(jnp.moveaxis(runs, 1, 0))
-
-    def step(carry, x):
-        state, previous = carry
-        q_t, k_t, v_t, g_t, beta_t, run = x
-        keep = (run == previous)[:, None, None, None]
-        state = jnp.where(keep, state, 0.0) * jnp.exp(g_t)[..., None]
-        memory = dot("bhkv,bhk->bhv", state, k_t)
-        delta = (v_t - memory) * beta_t[..., None]
-        state = state + k_t[..., None] * delta[..., None, :]
-        return (state, run), dot("bhkv,bhk->bhv", state, q_t)
-
-    (state, _), out = jax.lax.scan(step, (state, runs[:, 0]), xs)
-    return jnp.moveaxis(out, 0, 1), state
 
 
 @functools.partial(jax.jit, static_argnames="chunk_size")
@@ -102,9 +67,10 @@ def chunk_kimi_delta_rule(
     runs: Array | None = None,
 ) -> tuple[Array, Array]:
     """The rule over chunks of `chunk_size` positions (training, prefill): the same result
-    as `recurrent_kimi_delta_rule` (same arguments; the log decays `g` <= 0), each chunk's
-    writes solved at once and the state carried by a `lax.scan`. A length the chunk does not
-    divide is padded with writes of strength 0.
+    as `gated_deltanet.recurrent_gated_delta_rule` (same arguments, the log decays `g` <= 0
+    `[batch, length, heads, key_dim]`), each chunk's writes solved at once and the state
+    carried by a `lax.scan`. A length the chunk does not divide is padded with writes of
+    strength 0.
 
     Within a chunk of log decays cumulated `G` `[c, key_dim]` and the pairwise decays
     `D_ij = exp(G_i - G_j)` per channel (within a run, causal), the writes `delta` solve
@@ -112,21 +78,11 @@ def chunk_kimi_delta_rule(
     outputs are `(q exp(G)) S0 + (sum_k q_i D_ij k_j) delta` and the state leaves as
     `exp(G_last) S0 + (k exp(G_last - G))^T delta`; positions of another run than the
     chunk's entry see none of `S0`."""
-    b, length, h, dk = k.shape
-    dv = v.shape[-1]
     c = chunk_size
-    pad = -length % c
-    n = (length + pad) // c
-    runs = jnp.zeros((b, length), jnp.int32) if runs is None else runs
-
-    xs = [to_chunks(x.astype(jnp.float32), c) for x in (q, k, v, g, beta)]
-    xs.append(to_chunks(runs, c))
     causal = jnp.tril(jnp.ones((c, c), bool))
     strictly = jnp.tril(jnp.ones((c, c), bool), -1)
 
-    def step(carry, x):
-        state, previous = carry
-        q, k, v, g, beta, run = x  # [b, h, c, dk] (v: dv), [b, h, c], [b, c]
+    def step(state, previous, q, k, v, g, beta, run):  # [b, h, c, dk] (v: dv), [b, h, c], [b, c]
         cum = jnp.cumsum(g, axis=-2)
         same = (run[:, :, None] == run[:, None, :])[:, None]  # [b, 1, c, c]
         entered = (run == previous[:, None])[:, None, :, None]  # [b, 1, c, 1]
@@ -144,12 +100,9 @@ def chunk_kimi_delta_rule(
         to_end = jnp.where(with_last, cum[..., -1:, :] - cum, 0.0)
         decayed = k * jnp.where(with_last, jnp.exp(to_end), 0.0)  # each key to the end
         state = entry[..., -1, :, None] * state + dot("bhjk,bhjv->bhkv", decayed, delta)
-        return (state, run[:, -1]), out
+        return state, out
 
-    state = initial(initial_state, (b, h, dk, dv))
-    (state, _), out = jax.lax.scan(step, (state, runs[:, 0]), xs)
-    out = out.transpose(1, 0, 3, 2, 4)  # [chunks, b, h, c, dv] -> [b, chunks, c, h, dv]
-    return out.reshape(b, n * c, h, dv)[:, :length], state
+    return gated_deltanet.scan_chunks(step, (q, k, v, g, beta), c, initial_state, runs)
 
 
 def decayed_products(a: Array, b: Array, cum: Array, keep: Array) -> Array:
@@ -179,30 +132,18 @@ def decayed_products(a: Array, b: Array, cum: Array, keep: Array) -> Array:
     return jnp.where(keep, out, 0.0)
 
 
-def initial(state: Array | None, shape: tuple[int, ...]) -> Array:
-    """The rules' starting state: float32 `state`, or zeros of `shape`."""
-    return jnp.zeros(shape, jnp.float32) if state is None else state.astype(jnp.float32)
-
-
 # ---------------------------------------------------------------------------- the layer
 
 
-class SigmoidGatedRMSNorm(nn.Module):
-    """Each head's output RMS-normalised times `scale` (initialised at one) and gated by
-    `sigmoid(gate)`, all in float32 (HF's `KimiLinearRMSNormGated`; Gated DeltaNet's
-    `GatedRMSNorm` gates by silu and scales in the compute dtype)."""
+class SigmoidGatedRMSNorm(gated_deltanet.GatedRMSNorm):
+    """Gated DeltaNet's `GatedRMSNorm` gated by `sigmoid(gate)` and scaled in float32 (HF's
+    `KimiLinearRMSNormGated`)."""
 
     epsilon: float = 1e-5
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
 
-    @nn.compact
-    def __call__(self, x: Array, gate: Array) -> Array:
-        init = nn.with_logical_partitioning(nn.initializers.ones, ("head_dim",))
-        scale = self.param("scale", init, (x.shape[-1],), as_dtype(self.param_dtype))
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
-        y = scale.astype(jnp.float32) * y * jax.nn.sigmoid(gate.astype(jnp.float32))
+    def gated(self, y: Array, scale: Array, gate: Array) -> Array:
+        """float32 `y` (normalised) times `scale` and `sigmoid(gate)` in float32."""
+        y = scale.astype(jnp.float32) * y * jax.nn.sigmoid(gate)
         return y.astype(as_dtype(self.dtype))
 
 
@@ -218,7 +159,7 @@ def dt_bias_init(key: Array, shape: tuple[int, ...], dtype: Dtype = jnp.float32)
     return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(gated_deltanet.DeltaRuleLayer):
     """The linear-attention token mixer: `[batch, length, embed]` -> `[batch, length, embed]`.
 
     Params (HF's names): `q_proj`, `k_proj`, `v_proj` `[embed, heads, head_dim]`, the
@@ -227,39 +168,24 @@ class KimiDeltaAttention(nn.Module):
     heads, head_dim]`, `A_log` `[heads]` and `dt_bias` `[heads, head_dim]`, `b_proj`
     `[embed, heads]`, the output gate's `g_a_proj`, `g_b_proj`, `o_norm` and `o_proj`.
 
-    Cache (while decoding): `conv_q`, `conv_k`, `conv_v` `[batch, K - 1, heads, head_dim]`
-    (the convolution's last inputs) and `recurrent_state` `[batch, heads, head_dim,
-    head_dim]` float32.
+    Cache (while decoding): `gated_deltanet.DeltaRuleLayer`'s, `recurrent_state` `[batch,
+    heads, head_dim, head_dim]`.
     """
 
     hidden_size: int
     num_heads: int
     head_dim: int
-    conv_kernel_size: int = 4
-    activation: str = "silu"  # the convolution's (HF: hidden_act)
     norm_eps: float = 1e-5
-    chunk_size: int = 64
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
+
+    title: ClassVar[str] = "Kimi Delta Attention"
 
     @nn.compact
     def __call__(
         self, h: Array, mask: masks.Mask | Array, decoding: masks.Decoding | None
     ) -> Array:
-        """h: the normed hidden states `[batch, length, embed]`; `mask`: the block's
-        attention mask (its segment ids restart the state); `decoding`: where a contiguous
-        cache's decoding is (None: training, scoring)."""
-        batch, length, _ = h.shape
         heads, dk = self.num_heads, self.head_dim
-        dtype, param_dtype = as_dtype(self.dtype), as_dtype(self.param_dtype)
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        runs = self._runs(mask, decoding)
-        split = linear_context_parallel.split(mask, decoding, length)  # None: read whole
-        if decoding is not None:
-            # Left-padded prompts: their padding writes nothing (HF zeroes its hidden states).
-            slots = decoding.index + jnp.arange(length)
-            h = jnp.where((slots[None, :] >= decoding.start[:, None])[..., None], h, 0)
-
+        h, reading = self.start(h, mask, decoding)
         head_axes = ("embed", "heads", "head_dim")
         q, k, v, b = layers.parallel_dense(
             h,
@@ -270,51 +196,16 @@ class KimiDeltaAttention(nn.Module):
                 DenseGeneral(heads, ("embed", "heads"), name="b_proj", **dense),
             ],
         )
-        act = layers.ACTIVATIONS[self.activation]
-        conved = []
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            taps = self.conv_kernel_size
-            init = nn.with_logical_partitioning(gated_deltanet.conv_init, (None, None, None))
-            kernel = self.param(f"conv_{name}", init, (taps, heads, dk), param_dtype)
-            context = self._cache(f"conv_{name}", (batch, taps - 1, heads, dk), dtype, decoding)
-            if split is not None:
-                out = linear_context_parallel.causal_conv1d(
-                    gated_deltanet.causal_conv1d, gated_deltanet.segment_runs, x, kernel,
-                    *split, "heads",
-                )  # fmt: skip
-            else:
-                start = jnp.zeros((batch, taps - 1, heads, dk), dtype)
-                out, last = gated_deltanet.causal_conv1d(
-                    x, kernel, start if context is None else context.value, runs
-                )
-            if context is not None:
-                context.value = last.astype(dtype)
-            conved.append(act(out).astype(dtype))
-        q, k, v = conved
+        q, k, v = (self.convolve(name, x, "heads", reading) for name, x in zip("qkv", (q, k, v)))
         q = gated_deltanet.l2_normalize(q) * dk**-0.5
         k = gated_deltanet.l2_normalize(k)
         g = self._forget_gate(h)
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
 
-        state = self._cache("recurrent_state", (batch, heads, dk, dk), jnp.float32, decoding)
-        start_state = None if state is None else state.value
-        if state is not None and length == 1:
-            out, final = recurrent_kimi_delta_rule(q, k, v, g, beta, start_state)
-        elif split is not None:
-            rule = functools.partial(chunk_kimi_delta_rule, chunk_size=self.chunk_size)
-            out = linear_context_parallel.gated_delta_rule(
-                rule, gated_deltanet.segment_runs, q, k, v, g, beta, *split
-            )
-        else:
-            out, final = chunk_kimi_delta_rule(
-                q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=start_state,
-                runs=runs,
-            )  # fmt: skip
-        if state is not None:
-            state.value = final
+        out = self.delta_rule(chunk_kimi_delta_rule, q, k, v, g, beta, reading)
         gate = self._low_rank(h, "g")
         norm = SigmoidGatedRMSNorm(self.norm_eps, name="o_norm", **dense)
-        out = layers.constrain(norm(out.astype(dtype), gate), layers.HEAD_AXES)
+        out = layers.constrain(norm(out.astype(as_dtype(self.dtype)), gate), layers.HEAD_AXES)
         return DenseGeneral(
             self.hidden_size, ("heads", "head_dim", "embed"), axis=(-2, -1), name="o_proj",
             **dense,
@@ -341,23 +232,3 @@ class KimiDeltaAttention(nn.Module):
         dt_bias = self.param("dt_bias", init, (heads, dk), param_dtype)
         x = self._low_rank(h, "f").astype(jnp.float32) + dt_bias.astype(jnp.float32)
         return -jnp.exp(a_log.astype(jnp.float32))[:, None] * jax.nn.softplus(x)
-
-    def _runs(self, mask: masks.Mask | Array, decoding: masks.Decoding | None) -> Array | None:
-        """The segment runs of a packed training row (None: one run, or decoding)."""
-        if decoding is not None:
-            if decoding.paged:
-                raise ValueError(
-                    "Kimi Delta Attention layers decode over a contiguous cache only: the "
-                    "paged cache has no recurrent-state slots yet."
-                )
-            return None
-        segment_ids = getattr(mask, "q_segment_ids", None)
-        return None if segment_ids is None else gated_deltanet.segment_runs(segment_ids)
-
-    def _cache(
-        self, name: str, shape: tuple[int, ...], dtype: Dtype, decoding: masks.Decoding | None
-    ) -> nn.Variable | None:
-        """The cache variable `name` while decoding (zeros at first), else None."""
-        if decoding is None:
-            return None
-        return self.variable("cache", name, jnp.zeros, shape, dtype)

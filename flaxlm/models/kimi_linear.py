@@ -16,7 +16,8 @@ head is never tied to the embedding (HF's model keeps both, whatever tie_word_em
 says). Decoding runs over a contiguous cache only (the paged cache has no recurrent-state
 slots yet). Under context parallelism (a `sequence` mesh axis) the linear layers pass their
 state between the pieces of a row (`linear_context_parallel`) and the full ones attend
-across them (`context_parallel`; no rotary to place).
+across them (`context_parallel`; no rotary to place). The hybrid's plumbing is Qwen3-Next's
+(`qwen3_next.check_layer_types`, `holds_full_attention`, `linear_layer_settings`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, ClassVar
 import gin
 import jax
 
-from flaxlm.models import deepseek, glm4_moe, kimi_delta, masks, qwen_moe
+from flaxlm.models import deepseek, glm4_moe, kimi_delta, masks, qwen3_next
 
 Array = jax.Array
 
@@ -105,14 +106,7 @@ class KimiLinearConfig(deepseek.DeepseekV3Config):
                 f"n_shared_experts {self.n_shared_experts}: HF's {ARCHITECTURE} always has "
                 "its shared experts (n_shared_experts x moe_intermediate_size wide); >= 1."
             )
-        types = self.layer_types
-        if types is not None and (
-            len(types) != self.num_layers or any(t not in (LINEAR, FULL) for t in types)
-        ):
-            raise ValueError(
-                f"layer_types {types}: expected num_layers ({self.num_layers}) entries, each "
-                f"{LINEAR!r} or {FULL!r}."
-            )
+        qwen3_next.check_layer_types(self)
         for name in (
             "linear_num_heads",
             "linear_head_dim",
@@ -205,21 +199,14 @@ class KimiLinearBlock(deepseek.DeepseekBlock):
         sin: Array | None,
         cos: Array | None,
     ) -> Array:
-        cfg = self.config
-        number = qwen_moe.layer_number(self)  # None when scanned: every layer alike
-        if cfg.per_layer_types[number or 0] == FULL:
+        if qwen3_next.holds_full_attention(self):
             return super().self_attention(h, index, mask, decoding, sin, cos)
+        cfg = self.config
         return kimi_delta.KimiDeltaAttention(
-            hidden_size=cfg.hidden_size,
             num_heads=cfg.linear_num_heads,
             head_dim=cfg.linear_head_dim,
-            conv_kernel_size=cfg.linear_conv_kernel_dim,
-            activation=cfg.activation,
-            norm_eps=cfg.rms_norm_eps,
-            chunk_size=cfg.linear_attention_chunk_size,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
             name="self_attn",
+            **qwen3_next.linear_layer_settings(cfg),
         )(h, mask, decoding)
 
 

@@ -16,6 +16,8 @@ linear layer are fused per key head (`in_proj_qkvz`, `in_proj_ba`), Qwen3.5's ap
 Follows transformers' `Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM` and `Qwen3_5MoeForCausalLM`
 (the HF mapping, and the Hub's multimodal Qwen3.5 files' text tower: `qwen3_next_hf.py`).
 Decoding runs over a contiguous cache only (the paged cache has no recurrent-state slots yet).
+The hybrid's plumbing (`check_layer_types`, `holds_full_attention`, `linear_layer_settings`)
+serves Kimi Linear's too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
@@ -32,7 +35,6 @@ from flaxlm.models import (
     gated_deltanet,
     glm4_moe,
     layers,
-    llama,
     masks,
     moe,
     qwen_moe,
@@ -124,14 +126,7 @@ class Qwen3NextConfig(glm4_moe.PartialRotary, rope.RopeScaling, moe.MoEOptions):
             raise ValueError(
                 f"full_attention_interval {self.full_attention_interval} must be >= 1."
             )
-        types = self.layer_types
-        if types is not None and (
-            len(types) != self.num_layers or any(t not in (LINEAR, FULL) for t in types)
-        ):
-            raise ValueError(
-                f"layer_types {types}: expected num_layers ({self.num_layers}) entries, each "
-                f"{LINEAR!r} or {FULL!r}."
-            )
+        check_layer_types(self)
         if self.scan_layers and not self.layers_alike:
             raise ValueError(
                 "scan_layers=True needs every layer alike, but layer_types mixes linear and "
@@ -256,10 +251,44 @@ class Qwen3NextConfig(glm4_moe.PartialRotary, rope.RopeScaling, moe.MoEOptions):
         return Qwen3Next(self)
 
 
-class Qwen3NextBlock(llama.LlamaBlock):
+def check_layer_types(cfg: Any) -> None:
+    """A hybrid's `layer_types` (None: its family's default): `num_layers` entries, each
+    LINEAR or FULL (Qwen3-Next's and Kimi Linear's)."""
+    types = cfg.layer_types
+    if types is not None and (
+        len(types) != cfg.num_layers or any(t not in (LINEAR, FULL) for t in types)
+    ):
+        raise ValueError(
+            f"layer_types {types}: expected num_layers ({cfg.num_layers}) entries, each "
+            f"{LINEAR!r} or {FULL!r}."
+        )
+
+
+def holds_full_attention(block: nn.Module) -> bool:
+    """Whether a hybrid's block (Qwen3-Next's, Kimi Linear's) holds full attention, not a
+    linear layer: its config's `per_layer_types` (scanned blocks are all alike)."""
+    number = qwen_moe.layer_number(block)  # None when scanned
+    return block.config.per_layer_types[number or 0] == FULL
+
+
+def linear_layer_settings(cfg: Any) -> dict[str, Any]:
+    """The settings of a hybrid's linear layer (`gated_deltanet.DeltaRuleLayer`'s, the width
+    and the norm's epsilon) that Qwen3-Next's and Kimi Linear's configs name alike."""
+    return dict(
+        hidden_size=cfg.hidden_size,
+        conv_kernel_size=cfg.linear_conv_kernel_dim,
+        activation=cfg.activation,
+        norm_eps=cfg.rms_norm_eps,
+        chunk_size=cfg.linear_attention_chunk_size,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+    )
+
+
+class Qwen3NextBlock(qwen_moe.QwenMoeBlock):
     """Llama's pre-norm block ((1 + w) RMSNorms) whose token mixer is this layer's type:
     `GatedDeltaNet` (`linear_attn`) or gated rotary attention; its MLP the mixture of
-    experts or a dense SwiGLU (`mlp`)."""
+    experts or a dense SwiGLU (`mlp`, `qwen_moe.QwenMoeBlock`'s)."""
 
     def self_attention(
         self,
@@ -270,32 +299,22 @@ class Qwen3NextBlock(llama.LlamaBlock):
         sin: Array,
         cos: Array,
     ) -> Array:
-        cfg = self.config
-        number = qwen_moe.layer_number(self)  # None when scanned: every layer alike
-        if cfg.per_layer_types[number or 0] == FULL:
+        if holds_full_attention(self):
             return super().self_attention(h, index, mask, decoding, sin, cos)
+        cfg = self.config
         return gated_deltanet.GatedDeltaNet(
-            hidden_size=cfg.hidden_size,
             num_key_heads=cfg.linear_num_key_heads,
             num_value_heads=cfg.linear_num_value_heads,
             key_dim=cfg.linear_key_head_dim,
             value_dim=cfg.linear_value_head_dim,
-            conv_kernel_size=cfg.linear_conv_kernel_dim,
-            activation=cfg.activation,
-            norm_eps=cfg.rms_norm_eps,
-            chunk_size=cfg.linear_attention_chunk_size,
             projection=cfg.projection,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
             name="linear_attn",
+            **linear_layer_settings(cfg),
         )(h, mask, decoding)
 
     def attention_options(self) -> dict[str, Any]:
         bias = self.config.attention_bias
         return dict(qkv_bias=bias, out_bias=bias, qk_norm="rms_plus_one", output_gate=True)
-
-    def feed_forward(self, h: Array, mask: masks.Mask) -> Array:
-        return qwen_moe.mlp_or_experts(self, self.config, h, mask)
 
 
 class Qwen3Next(CausalLM):
