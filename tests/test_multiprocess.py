@@ -272,9 +272,11 @@ def test_two_processes_reading_through_input_processes_give_the_one_process_loss
 ):
     """The default pre-training run on two processes joined by jax.distributed, each reading
     its rows through an input process of its own (data/input_process.py; forced on, as the
-    zygote's processes have TensorFlow loaded), then resumed for two more steps: the
-    per-step losses of one 8-device process reading in-process, and each logical shard's
-    position saved once between the two children."""
+    zygote's processes have TensorFlow loaded): the per-step losses of one 8-device process
+    reading in-process, and each logical shard's position saved once between the two
+    children. (A resume through an input process reads what an in-process run wrote, and the
+    other way round: tests/test_input_process.py; resumes onto other process counts:
+    test_two_processes_read_their_rows_of_the_one_process_batches.)"""
     args = [
         "-m",
         "flaxlm.main",
@@ -283,41 +285,32 @@ def test_two_processes_reading_through_input_processes_give_the_one_process_loss
         "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
         "--gin.LOG_PERIOD=1",
         "--gin.EVAL_PERIOD=0",
-        "--gin.CHECKPOINT_PERIOD=2",
+        "--gin.CHECKPOINT_PERIOD=4",
+        "--gin.TRAIN_STEPS=4",
         "--gin.Partitioner.mesh_shape=(2, -1, 1)",
     ]
-
-    def two(steps):
-        return launch(
+    # Both runs at once: the two-process run waits on its collectives, the other fills in.
+    with ThreadPoolExecutor(1) as pool:
+        one_process = pool.submit(
+            launch,
+            lambda addr, i: [*args, f"--gin.MODEL_DIR='{tmp_path / 'one'}'"],
+            num_processes=1,
+            devices_per_process=8,
+            cwd=repo_dir,
+        )
+        two = launch(
             joined(
-                [
-                    *args,
-                    f"--gin.TRAIN_STEPS={steps}",
-                    f"--gin.MODEL_DIR='{tmp_path / 'two'}'",
-                    "--gin.train.input_process=True",
-                ]
+                [*args, f"--gin.MODEL_DIR='{tmp_path / 'two'}'", "--gin.train.input_process=True"]
             ),
             num_processes=2,
             devices_per_process=4,
             cwd=repo_dir,
         )
-
-    with ThreadPoolExecutor(1) as pool:
-        one_process = pool.submit(
-            launch,
-            lambda addr, i: [*args, "--gin.TRAIN_STEPS=4", f"--gin.MODEL_DIR='{tmp_path / 'one'}'"],
-            num_processes=1,
-            devices_per_process=8,
-            cwd=repo_dir,
-        )
-        first = two(2)
-        files = os.listdir(os.path.join(tmp_path / "two", "checkpoints", "2", "dataset"))
-        resumed = two(4)
         ((code, _, err),) = one_process.result()
     assert code == 0, err[-3000:]
-    for code, _, stderr in first + resumed:
+    for code, _, stderr in two:
         assert code == 0, stderr[-3000:]
-    assert "Resumed from checkpoint step 2" in resumed[0][1]
+    files = os.listdir(os.path.join(tmp_path / "two", "checkpoints", "4", "dataset"))
     assert {f.split(".")[0] for f in files if f.startswith("shard_")} == {
         f"shard_{r}-of-8" for r in range(8)
     }
