@@ -133,9 +133,17 @@ def test_default_run_trains_with_falling_loss_then_resumes(tmp_path, repo_dir):
 
 
 @pytest.mark.slow
-def test_moe_pretrains_with_expert_parallelism_and_logs_expert_load(tmp_path, repo_dir):
-    # The issue's command on 4 devices, all on the `expert` axis (2 of the 8 experts each):
-    # it trains, its loss falls, and every log period writes the router's telemetry.
+def test_moe_pretrains_with_expert_parallelism_keeps_its_experts_loaded_and_logs_them(
+    tmp_path, repo_dir
+):
+    # The issue's command on 4 devices, all on the `expert` axis (2 of the 8 experts each),
+    # 8 x 128 bytes for 40 steps (warm-up 5, so that most of it runs at the full learning
+    # rate): it trains, its loss falls, every log period writes the router's telemetry, and
+    # the tiny file's per-layer load-balancing loss keeps every layer's experts loaded. With
+    # HF's pooled loss (0.001) every logged step has a layer at 3.6-4 (E/k = 4: all its
+    # tokens on 2 experts) and an expert no token reaches; with the per-layer loss the
+    # routers catch up by step ~30, the worst layer's busiest expert at 1.4-1.95x its fair
+    # share over steps 31-40 and every expert at >= 0.2x (docs/configuring.md).
     model_dir = str(tmp_path / "moe")
     result = run_main(
         [
@@ -144,11 +152,10 @@ def test_moe_pretrains_with_expert_parallelism_and_logs_expert_load(tmp_path, re
             "--gin_file=gin/partitioning/fsdp_ep.gin",
             f"--gin.MODEL_DIR='{model_dir}'",
             "--gin.MIXTURE_OR_TASK_NAME='stdlib_py'",
-            "--gin.TRAIN_STEPS=20",
+            "--gin.TRAIN_STEPS=40",
             "--gin.WARMUP_STEPS=5",
-            "--gin.LEARNING_RATE=2e-3",
-            "--gin.EVAL_PERIOD=20",
-            "--gin.CHECKPOINT_PERIOD=20",
+            "--gin.EVAL_PERIOD=40",
+            "--gin.CHECKPOINT_PERIOD=40",
             *SMALL,
         ],
         cwd=repo_dir,
@@ -157,16 +164,22 @@ def test_moe_pretrains_with_expert_parallelism_and_logs_expert_load(tmp_path, re
     assert result.returncode == 0, result.stderr[-3000:]
     assert "data=1, fsdp=1, expert=4, tensor=1" in result.stdout
     records = read_metrics(model_dir)
-    train = [r for r in records if "loss" in r]
-    assert [r["step"] for r in train] == [5, 10, 15, 20]
-    assert train[0]["loss"] - train[-1]["loss"] > 1.0, [r["loss"] for r in train]
-    layers = 4  # qwen3_moe_tiny.gin: every layer a mixture of experts
-    for r in train:
+    train = {r["step"]: r for r in records if "loss" in r}
+    assert list(train) == list(range(5, 41, 5))
+    assert train[5]["loss"] - train[40]["loss"] > 1.0, [r["loss"] for r in train.values()]
+    layers, experts, k = 4, 8, 2  # qwen3_moe_tiny.gin: every layer a mixture of experts
+    for r in train.values():
         loads = [r[f"moe_max_load_{i}"] for i in range(layers)]
-        assert all(1.0 <= x <= 8 / 2 for x in loads), loads  # between balanced and E/k
+        assert all(1.0 <= x <= experts / k for x in loads), loads  # balanced .. E/k
         assert r["moe_max_load"] == max(loads) and 0.0 <= r["moe_min_load"] <= 1.0
         assert r["moe_aux_loss"] > 0.0
         assert r["moe_dropped_fraction"] == 0.0  # dropless
+    # After the routers' catch-up, every layer's busiest expert well below the collapsed E/k
+    # (pooled: 3.6-4 from step 20 on; per-layer: 1.4-2.05 at steps 31-40 on 1 or 4 devices,
+    # whose numbers differ in the last bits and so take other paths) and no expert idle.
+    balance = {s: (train[s]["moe_max_load"], train[s]["moe_min_load"]) for s in (35, 40)}
+    for step, (busiest, idlest) in balance.items():
+        assert busiest <= 0.625 * experts / k and idlest > 0.0, (step, balance)
     assert any("eval/moe_aux_loss" in r for r in records)
 
 

@@ -381,6 +381,64 @@ def test_aux_loss_is_transformers_load_balancing_loss():
     np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-6)
 
 
+def test_per_layer_aux_loss_counts_each_layers_imbalance_that_pooled_hides():
+    # 2 layers of 4 tokens, 4 experts, k=1. Layer 0 sends its tokens to experts 0 and 1
+    # (f = [1/2, 1/2, 0, 0], mean probabilities p = [3/8, 3/8, 1/8, 1/8]), layer 1 to
+    # experts 2 and 3 (the mirror image): each layer's loss is 4 x (2 x 1/2 x 3/8) = 3/2,
+    # their mean 3/2; pooled, both layers' f and p are uniform: 4 x (4 x 1/4 x 1/4) = 1 = k,
+    # what perfect balance reads. The sums are of exact binary fractions: equal, not close.
+    stats = {
+        "expert_counts": jnp.array([[2.0, 2.0, 0.0, 0.0], [0.0, 0.0, 2.0, 2.0]]),
+        "prob_sums": jnp.array([[1.5, 1.5, 0.5, 0.5], [0.5, 0.5, 1.5, 1.5]]),
+        "tokens": jnp.array([4.0, 4.0]),
+        "z_sum": jnp.array([1.0, 3.0]),
+        "dropped": jnp.zeros(2),
+    }
+    per_layer = routing.router_losses(stats, 4, 1, scope="per_layer")
+    pooled = routing.router_losses(stats, 4, 1)
+    assert float(per_layer["aux"]) == 1.5 and float(pooled["aux"]) == 1.0
+    assert float(per_layer["z"]) == float(pooled["z"]) == 0.5  # (1 + 3) / 8 tokens
+
+
+def test_per_layer_aux_loss_is_the_layers_mean_of_transformers_loss():
+    # Switch Transformer's loss of each layer alone, as transformers computes it on that
+    # layer's logits (one-layer tuple), averaged over the layers; padding left out.
+    torch = pytest.importorskip("torch")
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    layers, tokens, experts, k = 3, 40, 8, 2
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(layers, tokens, experts)).astype(np.float32)
+    mask = (rng.random(tokens) > 0.3).astype(np.float32)
+    stats = [
+        routing.router_stats(
+            jnp.asarray(layer),
+            routing.route(jnp.asarray(layer), k, "softmax_topk", False)[1],
+            jnp.asarray(mask),
+            experts,
+        )  # fmt: skip
+        for layer in logits
+    ]
+    sown = {f"layers_{i}": {routing.ROUTER_STATS: (s,)} for i, s in enumerate(stats)}
+    stacked = routing.collect_router_stats(sown)
+    ours = routing.router_losses(stacked, experts, k, scope="per_layer")["aux"]
+    mask_rows = torch.from_numpy(mask).reshape(4, 10)
+    theirs = np.mean(
+        [
+            float(load_balancing_loss_func((torch.from_numpy(x),), experts, k, mask_rows))
+            for x in logits
+        ]
+    )
+    np.testing.assert_allclose(float(ours), theirs, rtol=1e-6)
+
+
+def test_aux_loss_scope_is_a_training_choice_config_json_leaves_out():
+    trained = dataclasses.replace(CONFIG, router_aux_loss_scope="per_layer")
+    written = qwen_moe.config_to_hf(trained)
+    assert not any("scope" in key for key in written)
+    assert qwen_moe.config_from_hf(written).router_aux_loss_scope == "pooled"
+
+
 def test_routers_agree_when_renormalised():
     logits = jax.random.normal(jax.random.PRNGKey(2), (16, 8))
     w1, i1 = routing.route(logits, 3, "softmax_topk", True)
@@ -422,6 +480,7 @@ def test_capacity_telemetry_reports_the_dropped_fraction():
         ("moe_impl", "megablocks"),
         ("moe_dispatch", "ragged"),
         ("grouped_matmul", "triton"),
+        ("router_aux_loss_scope", "global"),
     ],
     ids=str,
 )

@@ -81,6 +81,10 @@ class MoEOptions:
     # assignments a device sends each device of its expert group / the fair share.
     capacity_factor: float = 1.25
     router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in training
+    # What the load-balancing loss balances (routing.AUX_LOSS_SCOPES): 'pooled', the loads of
+    # all MoE layers at once (HF's), or 'per_layer', each layer's, averaged over the layers
+    # (Switch Transformer's, MaxText's). A training choice: config.json has no such key.
+    router_aux_loss_scope: str = "pooled"
     router_z_loss_coef: float = 0.0  # weight of the router z-loss (ST-MoE)
     # Which layers are sparse: every `decoder_sparse_step`-th (HF: layer i is sparse if
     # (i + 1) % step == 0), except those in `mlp_only_layers` (dense MLP of intermediate_size).
@@ -111,6 +115,11 @@ class MoEOptions:
                 )
         if self.router not in routing.ROUTERS:
             raise ValueError(f"router {self.router!r}: expected one of {routing.ROUTERS}.")
+        if self.router_aux_loss_scope not in routing.AUX_LOSS_SCOPES:
+            raise ValueError(
+                f"router_aux_loss_scope {self.router_aux_loss_scope!r}: expected one of "
+                f"{routing.AUX_LOSS_SCOPES}."
+            )
         if self.moe_impl not in IMPLEMENTATIONS:
             raise ValueError(f"moe_impl {self.moe_impl!r}: expected one of {IMPLEMENTATIONS}.")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:

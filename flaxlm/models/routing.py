@@ -14,8 +14,9 @@ Load balance: every layer sows (Flax `intermediates`, collection `ROUTER_COLLECT
 router statistics over the real tokens (segment id > 0): the top-k assignment count and the
 probability sum per expert, the token count, the squared log-normaliser sum (router z-loss) and
 the dropped assignments. `router_losses` turns the sown statistics of all layers into
-transformers' `load_balancing_loss_func` (Switch Transformer's auxiliary loss over all layers'
-logits at once) and the telemetry; `DecoderOnlyModel.loss_fn` adds
+the load-balancing loss (by `router_aux_loss_scope`: transformers' `load_balancing_loss_func`,
+Switch Transformer's auxiliary loss over all layers' logits at once, or the same loss within
+each layer, averaged over the layers) and the telemetry; `DecoderOnlyModel.loss_fn` adds
 `router_aux_loss_coef * aux + router_z_loss_coef * z` to the loss when the config has experts.
 """
 
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 Array = jax.Array
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
+AUX_LOSS_SCOPES = ("pooled", "per_layer")  # what `router_losses` balances the loads over
 ROUTER_COLLECTION = "intermediates"
 ROUTER_STATS = "router_stats"
 
@@ -192,16 +194,31 @@ def _layer_order(key: str) -> tuple[str, int]:
     return (stem, int(number)) if number.isdigit() else (key, -1)
 
 
-def router_losses(stats: Mapping[str, Array], num_experts: int, k: int) -> dict[str, Array]:
+def router_losses(
+    stats: Mapping[str, Array], num_experts: int, k: int, scope: str = "pooled"
+) -> dict[str, Array]:
     """The load-balance losses from `collect_router_stats`' output (`summarize` gives the
-    telemetry). `aux`: transformers' `load_balancing_loss_func` on the same logits (with the
-    attention mask): `E * sum_e f_e * p_e`, where f_e is the share of top-k assignments and
-    p_e the mean router probability of expert e, both over all layers' real tokens at once.
-    `z`: the mean squared log-normaliser over layers and tokens."""
+    telemetry). `aux`: `E * sum_e f_e * p_e`, where f_e is the share of top-k assignments and
+    p_e the mean router probability of expert e, over the real tokens of
+
+    - `scope='pooled'`: all layers at once: transformers' `load_balancing_loss_func` on the
+      same logits (with the attention mask). A layer that sends its tokens to a few experts
+      pays little while the other layers send theirs to the rest.
+    - `scope='per_layer'`: each layer apart, the losses averaged over the layers (Switch
+      Transformer's, MaxText's): every layer's own imbalance pays.
+
+    Both read k at perfect balance. `z`: the mean squared log-normaliser over layers and
+    tokens."""
     del k  # the counts already hold k assignments a token
-    counts, probs = stats["expert_counts"], stats["prob_sums"]
+    counts, probs = stats["expert_counts"], stats["prob_sums"]  # [layers, experts]
     rows = jnp.maximum(jnp.sum(stats["tokens"]), 1.0)
-    aux = num_experts * jnp.sum((counts.sum(0) / rows) * (probs.sum(0) / rows))
+    if scope == "pooled":
+        aux = num_experts * jnp.sum((counts.sum(0) / rows) * (probs.sum(0) / rows))
+    elif scope == "per_layer":
+        per_layer = jnp.maximum(stats["tokens"], 1.0)[:, None]  # [layers, 1]
+        aux = num_experts * jnp.sum((counts / per_layer) * (probs / per_layer), -1).mean()
+    else:
+        raise ValueError(f"router_aux_loss_scope {scope!r}: expected one of {AUX_LOSS_SCOPES}.")
     return {"aux": aux, "z": jnp.sum(stats["z_sum"]) / rows}
 
 
@@ -217,7 +234,9 @@ def loss_terms(
     if stats is None:
         zero = jnp.zeros((), jnp.float32)
         return zero, {}
-    terms = router_losses(stats, config.num_experts, config.num_experts_per_tok)
+    terms = router_losses(
+        stats, config.num_experts, config.num_experts_per_tok, config.router_aux_loss_scope
+    )
     loss = config.router_aux_loss_coef * terms["aux"] + config.router_z_loss_coef * terms["z"]
     return loss, {
         "moe_aux_loss_sum": terms["aux"] * weight_sum,
