@@ -353,11 +353,13 @@ def test_fsdp_reduce_scatters_the_experts_gradient(mesh_shape):
     assert max(_collective_arrays(text, "all-reduce")) < e * d * f
 
 
-def test_aux_loss_is_transformers_load_balancing_loss():
-    torch = pytest.importorskip("torch")
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+LAYERS_TOKENS_EXPERTS_K = (3, 40, 8, 2)
 
-    layers, tokens, experts, k = 3, 40, 8, 2
+
+def routed_layers():
+    """Random router logits of 3 layers of 40 tokens over 8 experts (k=2), a padding mask
+    (0 on padding) and the stacked router statistics of those layers."""
+    layers, tokens, experts, k = LAYERS_TOKENS_EXPERTS_K
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(layers, tokens, experts)).astype(np.float32)
     mask = (rng.random(tokens) > 0.3).astype(np.float32)
@@ -371,7 +373,16 @@ def test_aux_loss_is_transformers_load_balancing_loss():
         for layer in logits
     ]
     sown = {f"layers_{i}": {routing.ROUTER_STATS: (s,)} for i, s in enumerate(stats)}
-    ours = routing.router_losses(routing.collect_router_stats(sown), experts, k)["aux"]
+    return logits, mask, routing.collect_router_stats(sown)
+
+
+def test_aux_loss_is_transformers_load_balancing_loss():
+    torch = pytest.importorskip("torch")
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    _, _, experts, k = LAYERS_TOKENS_EXPERTS_K
+    logits, mask, stats = routed_layers()
+    ours = routing.router_losses(stats, experts, k)["aux"]
     theirs = load_balancing_loss_func(
         tuple(torch.from_numpy(x) for x in logits),
         experts,
@@ -406,22 +417,9 @@ def test_per_layer_aux_loss_is_the_layers_mean_of_transformers_loss():
     torch = pytest.importorskip("torch")
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    layers, tokens, experts, k = 3, 40, 8, 2
-    rng = np.random.default_rng(1)
-    logits = rng.normal(size=(layers, tokens, experts)).astype(np.float32)
-    mask = (rng.random(tokens) > 0.3).astype(np.float32)
-    stats = [
-        routing.router_stats(
-            jnp.asarray(layer),
-            routing.route(jnp.asarray(layer), k, "softmax_topk", False)[1],
-            jnp.asarray(mask),
-            experts,
-        )  # fmt: skip
-        for layer in logits
-    ]
-    sown = {f"layers_{i}": {routing.ROUTER_STATS: (s,)} for i, s in enumerate(stats)}
-    stacked = routing.collect_router_stats(sown)
-    ours = routing.router_losses(stacked, experts, k, scope="per_layer")["aux"]
+    _, _, experts, k = LAYERS_TOKENS_EXPERTS_K
+    logits, mask, stats = routed_layers()
+    ours = routing.router_losses(stats, experts, k, scope="per_layer")["aux"]
     mask_rows = torch.from_numpy(mask).reshape(4, 10)
     theirs = np.mean(
         [
