@@ -9,6 +9,7 @@ narrower than query/key heads) and one with the other branches (plain `q_proj`, 
 biases, half-split rotary, every layer sparse so the layers scan).
 """
 
+import collections
 import dataclasses
 import json
 import math
@@ -20,12 +21,13 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import traverse_util
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
 from flaxlm.checkpoints import fp8, hf, hf_files
-from flaxlm.models import deepseek, masks, mla, routing
+from flaxlm.models import deepseek, hf_spec, masks, mla, routing
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
 from tests.hf_helpers import (
@@ -379,6 +381,42 @@ def test_fp8_rows_of_a_fused_tensor_are_those_of_the_whole(hub_fp8):
     assert name + "_scale_inv" not in reader.file_of
     np.testing.assert_array_equal(reader.read(name), dequantized[name].numpy())
     np.testing.assert_array_equal(reader.read(name, (5, 21)), dequantized[name][5:21].numpy())
+
+
+def test_fp8_import_on_a_mesh_reads_each_shard_s_slice_only(hub_fp8, monkeypatch):
+    """On 8 devices splitting the experts, the embed and the MLP dims (at rows and columns
+    that are no multiple of the 16 x 12 blocks), each device shard reads only its part of an
+    FP8 weight (and of its experts' pieces only theirs), and the params are the whole
+    tensors' dequantization bit for bit (the one-device import's)."""
+    path, _, dequantized = hub_fp8
+    _, whole = hf.from_pretrained(str(path), ONE)
+    read_elements = collections.Counter()
+    plain_read = hf_files.SafetensorsReader.read
+
+    def counted(self, name, rows=None, box=None):
+        array = plain_read(self, name, rows, box)
+        read_elements[name] += array.size
+        return array
+
+    monkeypatch.setattr(hf_files.SafetensorsReader, "read", counted)
+    mesh = Partitioner((1, 2, 2, 2), ("data", "fsdp", "expert", "tensor"))
+    model, params = hf.from_pretrained(str(path), mesh)
+    assert jax.tree.all(jax.tree.map(np.array_equal, params, whole))
+    flat = traverse_util.flatten_dict(params, sep="/")
+    kernel, experts = flat["layers_0/mlp/gate_proj/kernel"], flat["layers_1/mlp/experts/wi"]
+    assert all(a < b for a, b in zip(kernel.sharding.shard_shape(kernel.shape), kernel.shape))
+    assert experts.sharding.shard_shape(experts.shape)[0] < experts.shape[0]
+
+    # What the 8 shards hold, replicas counted: no FP8 weight is read more than that.
+    names = hf_spec.expand(hf.spec_for_config(model.config).tensors(model.config), False)
+    for param, (record, (name,)) in names.items():
+        if name in dequantized and not record.pieces:
+            shards = 8 * math.prod(flat[param].sharding.shard_shape(flat[param].shape))
+            assert 0 < read_elements[name] <= shards < 8 * dequantized[name].numel(), name
+    # Each expert is on 4 of the 8 devices (expert axis 2): its pieces are read by those 4
+    # only (each whole: an expert's own layout is not cut within it).
+    for name in (n for n in dequantized if ".experts." in n):
+        assert read_elements[name] == 4 * dequantized[name].numel(), name
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from flaxlm.checkpoints.hf_files import read_hf_config
+from flaxlm.checkpoints.hf_files import Box, file_slices, read_hf_config
 
 SCALE = "_scale_inv"
 WEIGHT_DTYPE = "float8_e4m3fn"
@@ -80,17 +80,33 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[
 
 
 def dequantize(
-    weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] | None, first_row: int = 0
+    weight: np.ndarray,
+    scale_inv: np.ndarray,
+    block: tuple[int, int] | None,
+    first_row: int = 0,
+    first_col: int = 0,
 ) -> np.ndarray:
-    """float32 `weight x scale_inv`: `weight` `[..., rows, cols]` (rows `first_row` on of the
-    stored tensor: a part of a fused one), each value times its block's scale."""
+    """float32 `weight x scale_inv`: `weight` `[..., rows, cols]` (from row `first_row` and
+    column `first_col` of the block grid `scale_inv` covers: a part of the stored tensor),
+    each value times its block's scale."""
     values = np.asarray(weight).astype(np.float32)
     scale = np.asarray(scale_inv).astype(np.float32)
     if block is None:
         return values * scale.reshape(*values.shape[:-2], 1, 1)
     *_, rows, cols = values.shape
     row_scale = np.take(scale, (first_row + np.arange(rows)) // block[0], axis=-2)
-    return values * np.take(row_scale, np.arange(cols) // block[1], axis=-1)
+    return values * np.take(row_scale, (first_col + np.arange(cols)) // block[1], axis=-1)
+
+
+def scale_box(box: Box, block: tuple[int, int]) -> Box:
+    """The part of a weight's `_scale_inv` that covers `box` of the weight: the blocks its
+    last two axes' slices touch."""
+    *lead, rows, cols = box
+    return (
+        *lead,
+        slice(rows.start // block[0], -(-rows.stop // block[0])),
+        slice(cols.start // block[1], -(-cols.stop // block[1])),
+    )
 
 
 def float8_tensors(reader: Any) -> list[str]:
@@ -133,8 +149,10 @@ class DequantizedReader:
     tensors pass through. Each pair is checked first (`check_pair`), and an FP8 tensor with no
     scales is an error.
 
-    The last tensor dequantized is kept: every device shard of a param reads its whole
-    tensor."""
+    A read of a box (a device shard's part) reads that part of the weight and the scales of
+    the blocks it touches, and gives what the whole tensor's dequantization holds there, bit
+    for bit. The last tensor dequantized is kept (a param read whole by every shard: a
+    layout hf.py cannot cut)."""
 
     def __init__(self, reader: Any, block: tuple[int, int] | None):
         self._reader = reader
@@ -156,7 +174,7 @@ class DequantizedReader:
             )
         scales = {name + SCALE for name in self._quantized}
         self.file_of = {n: f for n, f in stored.items() if n not in scales}
-        self._last: tuple[Any, np.ndarray | None] = (None, None)
+        self._last: tuple[Any, Any] = (None, None)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._reader.shape(name)
@@ -168,15 +186,28 @@ class DequantizedReader:
     def file_path(self, name: str) -> epath.Path:
         return self._reader.file_path(name)
 
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+    def read(
+        self, name: str, rows: tuple[int, int] | None = None, box: Box | None = None
+    ) -> np.ndarray:
         if name not in self._quantized:
-            return self._reader.read(name, rows)
-        if self._last[0] != (name, rows):
-            weight = self._reader.read(name, rows)
-            scale = self._reader.read(name + SCALE)
-            tensor = dequantize(weight, scale, self._block, rows[0] if rows else 0)
-            self._last = ((name, rows), tensor)
-        return self._last[1]
+            return self._reader.read(name, rows, box)
+        if self._last[0] == (name, rows, box):
+            return self._last[1]
+        weight = self._reader.read(name, rows, box)
+        shape = self.shape(name)
+        where = file_slices(rows, box) + (slice(None),) * len(shape)
+        where = tuple(slice(*s.indices(n)[:2]) for s, n in zip(where, shape, strict=False))
+        if self._block is None:
+            scale = self._reader.read(name + SCALE).reshape(scale_shape(shape, None))
+            tensor = dequantize(weight, scale[where[:-2]], None)
+        else:
+            scales = scale_box(where, self._block)
+            scale = self._reader.read(name + SCALE, None, scales)
+            first_row = where[-2].start - scales[-2].start * self._block[0]
+            first_col = where[-1].start - scales[-1].start * self._block[1]
+            tensor = dequantize(weight, scale, self._block, first_row, first_col)
+        self._last = ((name, rows, box), tensor)
+        return tensor
 
 
 def dequantized(reader: Any, path: str | epath.Path) -> Any:

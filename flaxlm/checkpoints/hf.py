@@ -3,7 +3,9 @@
 Each family file registers an `HFSpec` (models/hf_spec.py) saying how its config and params
 correspond to HF's. Reading places every tensor straight onto its sharding, one tensor and
 one device shard at a time (`jax.make_array_from_callback` over a memory-mapped safetensors
-read), so a checkpoint larger than one device's memory loads. Writing gathers one param at
+read), so a checkpoint larger than one device's memory loads; a shard reads (and an FP8 or
+MXFP4 tensor dequantizes) only its part of the file's tensors, and of a stack of layers or
+experts only its own, so each host of many reads its share. Writing gathers one param at
 a time on the host and writes safetensors shards (with an index past `max_shard_size`) that
 `transformers` loads as is.
 
@@ -19,7 +21,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -28,7 +30,7 @@ import numpy as np
 from etils import epath
 from flax import traverse_util
 
-from flaxlm.checkpoints import fp8, mxfp4
+from flaxlm.checkpoints import fp8, hf_slices, mxfp4
 from flaxlm.checkpoints.hf_files import (
     GENERATION_FILE,
     INDEX_FILE,
@@ -168,38 +170,6 @@ def _check_tensors(
         )
 
 
-def _shard_reader(
-    reader: SafetensorsReader,
-    t: HFTensor,
-    names: Sequence[str],
-    aval: Any,
-    stacked: bool,
-    real_vocab: int,
-) -> Any:
-    """The `make_array_from_callback` callback of one param: index -> that shard's values."""
-    layer_shape = tuple(aval.shape[1:] if stacked else aval.shape)
-    unpadded = list(layer_shape)
-    if t.vocab_axis is not None:
-        unpadded[t.vocab_axis] = real_vocab
-
-    def layer(i: int) -> np.ndarray:
-        array = t.to_flax_layout(reader.read(names[i], t.rows), tuple(unpadded))
-        if t.vocab_axis is not None and layer_shape[t.vocab_axis] > real_vocab:
-            pad = [(0, 0)] * array.ndim
-            pad[t.vocab_axis] = (0, layer_shape[t.vocab_axis] - real_vocab)
-            array = np.pad(array, pad)
-        return array
-
-    def callback(index: tuple[slice, ...]) -> np.ndarray:
-        if not stacked:
-            return np.asarray(layer(0)[index], aval.dtype)
-        return np.stack(
-            [np.asarray(layer(i)[index[1:]], aval.dtype) for i in range(len(names))[index[0]]]
-        )
-
-    return callback
-
-
 def load_params(
     model: BaseModel,
     path: str | epath.Path,
@@ -239,7 +209,7 @@ def _place_params(
     # FP8 weights (DeepSeek-V3's, Kimi K2's) and MXFP4 pairs (gpt-oss's experts) read
     # dequantized; experts stored in pieces read whole.
     reader = mxfp4.DequantizedReader(fp8.dequantized(reader, path))
-    reader = PiecedReader(reader, hf_spec.pieces_of(tensors))
+    reader = hf_slices.PiecedReader(reader, hf_spec.pieces_of(tensors))
     real_vocab = model.config.real_vocab_size or model.config.vocab_size
     _check_tensors(spec, expanded, shapes, reader, real_vocab, path)
 
@@ -247,43 +217,9 @@ def _place_params(
     for param, (t, names) in expanded.items():
         aval = flat_abstract[param]
         stacked = t.layers > 0 and scan
-        callback = _shard_reader(reader, t, names, aval, stacked, real_vocab)
+        callback = hf_slices.shard_reader(reader, t, names, aval, stacked, real_vocab)
         flat_params[param] = jax.make_array_from_callback(aval.shape, aval.sharding, callback)
     return traverse_util.unflatten_dict(flat_params, sep="/")
-
-
-class PiecedReader:
-    """A `SafetensorsReader` that also serves each tensor the checkpoint stores in pieces
-    (`HFTensor.pieces`: one set per expert, the Hub's spelling) whole, as if stored so:
-    `file_of` names it in place of its pieces."""
-
-    def __init__(self, reader: SafetensorsReader, pieces: Mapping[str, list[list[str]]]):
-        self._reader = reader
-        self._pieces = {
-            name: experts
-            for name, experts in pieces.items()
-            if name not in reader.file_of
-            and all(p in reader.file_of for names in experts for p in names)
-        }
-        taken = {p for experts in self._pieces.values() for names in experts for p in names}
-        self.file_of = {n: f for n, f in reader.file_of.items() if n not in taken}
-        self.file_of.update({n: reader.file_of[e[0][0]] for n, e in self._pieces.items()})
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        if name not in self._pieces:
-            return self._reader.shape(name)
-        experts = self._pieces[name]
-        shapes = [self._reader.shape(p) for p in experts[0]]
-        return (len(experts), sum(s[0] for s in shapes), *shapes[0][1:])
-
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
-        if name not in self._pieces:
-            return self._reader.read(name, rows)
-        if rows is not None:
-            raise ValueError(f"{name}: a tensor stored in pieces has no fused rows.")
-        return np.stack(
-            [np.concatenate([self._reader.read(p) for p in names]) for names in self._pieces[name]]
-        )
 
 
 def head_differs(spec: HFSpec, reader: SafetensorsReader) -> bool:

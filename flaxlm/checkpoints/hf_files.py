@@ -16,6 +16,9 @@ import ml_dtypes
 import numpy as np
 from etils import epath
 
+# A part of a tensor: one `slice(start, stop)` (step 1, bounds given) for each leading axis.
+Box = tuple[slice, ...]
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 GENERATION_FILE = "generation_config.json"
@@ -163,17 +166,23 @@ class SafetensorsReader:
         """The safetensors file that holds the tensor (for messages that name it)."""
         return self._root / self.file_of[name]
 
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
-        """The tensor, or only its rows [start, stop) (a part of a fused tensor)."""
+    def read(
+        self, name: str, rows: tuple[int, int] | None = None, box: Box | None = None
+    ) -> np.ndarray:
+        """The tensor, or only its rows [start, stop) (a part of a fused tensor), or only
+        `box` of those (one slice an axis, counted from the rows' first): a box reads no
+        more of the file than it covers."""
         handle = self._handles[self.file_of[name]]
         try:
             raw = RAW_DTYPES.get(handle.get_slice(self._stored[name]).get_dtype())
+            if rows is None and box is None:
+                return (
+                    np.array(self._raw(name, raw)) if raw else handle.get_tensor(self._stored[name])
+                )
+            where = file_slices(rows, box)
             if raw is not None:
-                tensor = self._raw(name, raw)
-                return np.array(tensor if rows is None else tensor[rows[0] : rows[1]])
-            if rows is None:
-                return handle.get_tensor(self._stored[name])
-            return handle.get_slice(self._stored[name])[rows[0] : rows[1]]
+                return np.array(self._raw(name, raw)[where])
+            return handle.get_slice(self._stored[name])[where]
         except Exception as e:  # noqa: BLE001 - safetensors' errors have no common base
             raise ValueError(
                 f"{self._root / self.file_of[name]}: tensor {self._stored[name]!r} cannot be "
@@ -193,6 +202,16 @@ class SafetensorsReader:
         first, last = entry["data_offsets"]
         data = np.memmap(str(self._root / file), np.uint8, "r", start + first, (last - first,))
         return data.view(dtype).reshape(entry["shape"])
+
+
+def file_slices(rows: tuple[int, int] | None, box: Box | None) -> tuple[slice, ...]:
+    """The stored tensor's slices for rows [start, stop) of it (None: all) and `box` within
+    those (None: all)."""
+    start, stop = rows if rows is not None else (0, None)
+    if box is None:
+        return (slice(start, stop),)
+    first = box[0]
+    return (slice(start + first.start, start + first.stop), *box[1:])
 
 
 def _open_safetensors(path: epath.Path, safe_open: Any) -> Any:

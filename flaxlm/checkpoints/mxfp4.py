@@ -23,6 +23,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from flaxlm.checkpoints.hf_files import Box
+
 BLOCKS, SCALES = "_blocks", "_scales"
 # The 16 e2m1 codes: sign bit, 2 exponent bits, 1 mantissa bit.
 FP4_VALUES = np.array(
@@ -92,8 +94,10 @@ class DequantizedReader:
     in place of the pair, each pair checked first (`check_pair`); other tensors pass
     through.
 
-    The last tensor dequantized is kept: every device shard of a param reads its whole
-    tensor, and dequantizing one of gpt-oss-120b's layers takes seconds."""
+    A read of a box (a device shard's part) reads the blocks and scales of the groups it
+    touches and gives what the whole tensor's dequantization holds there, bit for bit. The
+    last tensor dequantized is kept (a param read whole by every shard: a layout hf.py cannot
+    cut; dequantizing one of gpt-oss-120b's layers takes seconds)."""
 
     def __init__(self, reader: Any):
         self._reader = reader
@@ -108,7 +112,7 @@ class DequantizedReader:
         taken = {p + suffix for p in self._pairs for suffix in (BLOCKS, SCALES)}
         self.file_of = {n: f for n, f in stored.items() if n not in taken}
         self.file_of.update({p: stored[p + BLOCKS] for p in self._pairs})
-        self._last: tuple[str | None, np.ndarray | None] = (None, None)
+        self._last: tuple[str | None, Any] = (None, None)
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self._pairs:
@@ -116,11 +120,28 @@ class DequantizedReader:
         *lead, rows, groups, width = self._reader.shape(name + BLOCKS)
         return (*lead, groups * width * 2, rows)
 
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+    def read(
+        self, name: str, rows: tuple[int, int] | None = None, box: Box | None = None
+    ) -> np.ndarray:
         if name not in self._pairs:
-            return self._reader.read(name, rows)
+            return self._reader.read(name, rows, box)
+        if rows is None and box is not None:
+            return self._read_box(name, box)
         if self._last[0] != name:
             blocks, scales = (self._reader.read(name + s) for s in (BLOCKS, SCALES))
             self._last = (name, dequantize(blocks, scales))
         tensor = self._last[1]
-        return tensor if rows is None else tensor[rows[0] : rows[1]]
+        tensor = tensor if rows is None else tensor[rows[0] : rows[1]]
+        return tensor if box is None else tensor[box]
+
+    def _read_box(self, name: str, box: Box) -> np.ndarray:
+        """`box` of `[..., groups * 32, rows]` from the groups' blocks and scales it touches."""
+        shape = self.shape(name)
+        full = tuple(box) + (slice(None),) * (len(shape) - len(box))
+        *lead, cols, rows = (slice(*s.indices(n)[:2]) for s, n in zip(full, shape, strict=True))
+        width = 2 * self._reader.shape(name + BLOCKS)[-1]
+        groups = slice(cols.start // width, -(-cols.stop // width))
+        blocks = self._reader.read(name + BLOCKS, None, (*lead, rows, groups, slice(None)))
+        scales = self._reader.read(name + SCALES, None, (*lead, rows, groups))
+        first = cols.start - groups.start * width
+        return dequantize(blocks, scales)[..., first : first + cols.stop - cols.start, :]
