@@ -42,7 +42,11 @@ def shard_reader(
         return array
 
     def layer(i: int, index: tuple[slice, ...]) -> np.ndarray:
-        if t.vocab_axis is not None or (t.to_flax is not None and not by_expert):
+        # A layout of its own (`to_flax`, or `to_hf` alone: e.g. Kimi's `A_log` `[heads]`,
+        # `[1, 1, heads, 1]` in the file) is read whole unless it keeps experts apart; the
+        # box of `_layer_part` is the default layout's (the param reshaped to 2-D).
+        custom = t.to_flax is not None or t.to_hf is not None
+        if t.vocab_axis is not None or (custom and not by_expert):
             return whole_layer(i)[index]
         box, take = _layer_part(t, layer_shape, index, by_expert)
         return take(reader.read(names[i], t.rows, box))
