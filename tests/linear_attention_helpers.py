@@ -1,19 +1,20 @@
 """The checks the two linear-attention families' tests make alike: their delta rules and
 layers (tests/test_gated_deltanet.py, tests/test_kimi_delta.py: against HF's torch
-references, packed segments, decoding from the cache, the paged cache refused) and their
-hybrid models (tests/test_hf_qwen3_next.py, tests/test_hf_kimi_linear.py: packed training
-rows, the serving engine's refusal, the config errors both families share)."""
+references, packed segments, decoding from the cache and from the paged cache's state
+slots) and their hybrid models (tests/test_hf_qwen3_next.py, tests/test_hf_kimi_linear.py:
+packed training rows, greedy tokens through the serving engine, the config errors both
+families share)."""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 
-from flaxlm.inference.scheduler import Scheduler
-from flaxlm.models import base, gated_deltanet, masks, qwen3_next
+from flaxlm.checkpoints import hf
+from flaxlm.models import gated_deltanet, masks, qwen3_next
 from flaxlm.parallel.partitioning import Partitioner
+from tests.hf_helpers import engine_greedy, hf_greedy_batch
 
 EPS = float(np.finfo(np.float32).eps)
 ROWS = 2  # the rows of each layer check
@@ -164,14 +165,67 @@ def check_layer_decodes_from_its_cache_as_it_reads(module: nn.Module, width: int
     np.testing.assert_allclose(packed[:, 4:], alone, rtol=0, atol=tol)
 
 
-def check_layer_refuses_the_paged_cache(module: nn.Module, width: int) -> None:
-    """Decoding over a paged cache: a ValueError that names the contiguous cache."""
-    h = np.zeros((1, 4, width), np.float32)
-    mask = masks.causal_mask(None, 1, 4)
-    one = jnp.zeros((1, 1), jnp.int32)
-    paged = masks.Decoding(jnp.int32(0), one[0], 4, one, one, 2, 4)
-    with pytest.raises(ValueError, match="contiguous cache"):
-        module.init(jax.random.PRNGKey(0), h, mask, paged)
+def check_layer_decodes_from_its_state_slots(module: nn.Module, width: int) -> None:
+    """Over the paged cache, three rows as the serving engine feeds them, each from its
+    state slot (`models/state_slots.py`): row 0 (slot 2) a prompt of 6 in a chunk of 8 (2
+    padding tokens after it), its next 3 tokens in another chunk (5 padding), then one
+    token; row 1 (slot 1) a prompt of 8, then padding only (a row with nothing to read);
+    row 2 padding throughout (slot 0, the scratch). Each row's real outputs are those of
+    reading its tokens whole; padding leaves every state as it was: row 1's slot bit for
+    bit, the scratch slot zeros. `width`: the layer's input width."""
+    rng = np.random.default_rng(8)
+    h = rng.normal(size=(2, 10, width)).astype(np.float32)
+    garbage = 30 * rng.normal(size=(3, 8, width)).astype(np.float32)  # padding's inputs
+    whole = masks.causal_mask(None, 2, 10)
+
+    @jax.jit
+    def init_and_read() -> tuple:
+        params = module.init(jax.random.PRNGKey(0), h, whole, None)["params"]
+        return params, module.apply({"params": params}, h, whole, None)
+
+    params, read = init_and_read()
+    read = np.asarray(read)  # (causal: each prefix's outputs too)
+
+    def paged(slots: list[list[int]]) -> masks.Decoding:
+        page_table = jnp.zeros((3, 1), jnp.int32)  # unread: no attention layer here
+        return masks.Decoding(
+            jnp.int32(0), jnp.zeros((3,), jnp.int32), 4, page_table, jnp.asarray(slots),
+            num_pages=2, page_size=4, state_slots=jnp.asarray([2, 1, 0]), num_state_slots=4,
+        )  # fmt: skip
+
+    pad = [-1] * 8
+    chunks = [  # (inputs, slots) of each dispatch
+        (
+            np.stack([np.concatenate([h[0, :6], garbage[0, :2]]), h[1, :8], garbage[2]]),
+            [[0, 1, 2, 3, 4, 5, -1, -1], list(range(8)), pad],
+        ),
+        (
+            np.stack([np.concatenate([h[0, 6:9], garbage[0, :5]]), *garbage[1:]]),
+            [[6, 7, 8] + pad[:5], pad, pad],
+        ),
+        (np.stack([h[0, 9:], garbage[1, :1], garbage[2, :1]]), [[9], [-1], [-1]]),
+    ]
+    init = jax.jit(lambda: module.init(jax.random.PRNGKey(0), garbage, None, paged([pad] * 3)))
+    cache = jax.tree.map(jnp.zeros_like, jax.eval_shape(init)["cache"])
+    step = jax.jit(
+        lambda cache, x, slots: module.apply(
+            {"params": params, "cache": cache}, x, None, paged(slots), mutable=["cache"]
+        )
+    )
+    outs, caches = [], []
+    for x, slots in chunks:
+        out, variables = step(cache, x, jnp.asarray(slots))
+        cache = variables["cache"]
+        outs.append(np.asarray(out))
+        caches.append(cache)
+    tol = tolerance(read, 10)
+    decoded = np.concatenate([outs[0][0, :6], outs[1][0, :3], outs[2][0]])
+    np.testing.assert_allclose(decoded, read[0], rtol=0, atol=tol)
+    np.testing.assert_allclose(outs[0][1], read[1, :8], rtol=0, atol=tol)
+    assert all(pool.shape[0] == 4 for pool in jax.tree.leaves(cache))
+    for after_read, last in zip(jax.tree.leaves(caches[0]), jax.tree.leaves(cache)):
+        np.testing.assert_array_equal(last[1], after_read[1])  # row 1's: as its prompt left it
+        np.testing.assert_array_equal(last[0], np.zeros_like(last[0]))  # the scratch
 
 
 # ---------------------------------------------------------------------------- the hybrids
@@ -186,14 +240,25 @@ HYBRID_CONFIG_ERRORS = [
 ]
 
 
-def check_serving_engine_refuses_to_page(config, refusal: str) -> None:
-    """The paged engine names why a hybrid of `config` is not paged (`refusal`, the recurrent
-    state); the serve run then decodes in fixed batches."""
-    model = base.DecoderOnlyModel(config)
-    assert model.paged_refusal() == refusal
-    partitioner = Partitioner(mesh_shape=(1, 1, 1), devices=jax.devices()[:1])
-    with pytest.raises(ValueError, match="recurrent state"):
-        Scheduler(model, None, partitioner)
+ENGINE_TOKENS = 8  # each prompt's greedy tokens through the engine
+
+
+def check_engine_greedy_is_hf_generate(torch_model, path, vocab_size: int) -> None:
+    """HF `generate`'s greedy tokens through the serving engine's pages and state slots
+    (`hf_helpers.engine_greedy`: 4 rows, pages of 4 slots, prefill chunks of 8 tokens of 2
+    prompts, 4 tokens a decode dispatch) for the hybrid saved at `path` (`torch_model`'s):
+    prompts of 7, 5, 7, 8 and 6 tokens, the third the first's (a follower: the prompt read
+    once, its last page and the state copied), the fifth waiting for a row and taking the
+    state slot of one that ended; rows start decoding at different dispatches. Short enough
+    for one prefill and one decode program (a prompt over several prefill chunks:
+    `check_layer_decodes_from_its_state_slots`)."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, vocab_size, n).tolist() for n in (7, 5, 8, 6)]
+    prompts.insert(2, prompts[0])
+    expected = hf_greedy_batch(torch_model, prompts, ENGINE_TOKENS)
+    model, params = hf.from_pretrained(path, Partitioner(devices=jax.devices()[:1]))
+    assert model.paged_refusal() is None
+    assert engine_greedy(model, params, prompts, ENGINE_TOKENS) == expected
 
 
 def packed_batch(seed: int = 1) -> dict[str, np.ndarray]:

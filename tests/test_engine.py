@@ -6,6 +6,8 @@ import os
 import queue
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import seqio
@@ -15,6 +17,10 @@ import transformers
 from flaxlm.checkpoints import hf
 from flaxlm.inference import generation
 from flaxlm.inference.pages import PagePool, prefix_keys
+from flaxlm.inference.scheduler import Scheduler
+from flaxlm.models import masks
+from flaxlm.models.cached_decoding import CachedDecoding
+from flaxlm.models.state_slots import gather, scatter
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve.api import Completion
 from flaxlm.runs.serve.engine import Engine
@@ -205,6 +211,79 @@ def test_page_pool_shares_caches_and_evicts_prefix_pages():
     pool.release(hits)
     pool.allocate(4)  # evicts the cached pages, least recently released first
     assert pool.lookup(keys) == [] and pool.available() == 0
+
+
+class RunningSum(CachedDecoding):
+    """A model with a recurrent state and nothing else: its next token is the sum of every
+    token it has read (each plus one: a padding token read would show), mod VOCAB, kept in
+    a state slot of the paged cache (`models/state_slots.py`), beside a pool of pages
+    nobody reads. The scheduler's state slots alone, with nothing to compile but a sum."""
+
+    eos_ids = ()
+
+    def paged_refusal(self) -> None:
+        return None
+
+    def decoding_params(self, params):
+        return params
+
+    def position_limit(self) -> None:
+        return None
+
+    def paged_cache(self, num_pages, page_size, max_rows=1):
+        return {
+            "key": jnp.zeros((1, num_pages, page_size, 1)),
+            "recurrent_state": jnp.zeros((max_rows + 1, 1, 1, 1)),
+        }
+
+    def paged_logits(self, params, cache, tokens, slots, table, last, _="", state_slots=None):
+        where = masks.Decoding(jnp.int32(0), slots[:, 0], 0, table, slots, state_slots=state_slots)
+        pool = cache["recurrent_state"]
+        total = gather(pool, where)[:, 0, 0, 0]
+        total = total + jnp.sum(jnp.where(slots >= 0, tokens + 1, 0), axis=1)
+        logits = 10.0 * jax.nn.one_hot(total.astype(jnp.int32) % VOCAB, VOCAB)
+        state = total[:, None, None, None]
+        return logits, {**cache, "recurrent_state": scatter(pool, where, state)}
+
+
+def running_sums(prompt, n):
+    """`RunningSum`'s greedy tokens after `prompt`."""
+    total, out = sum(t + 1 for t in prompt), []
+    for _ in range(n):
+        out.append(total % VOCAB)
+        total += out[-1] + 1
+    return out
+
+
+def test_each_sequence_decodes_from_its_own_state_slot_shared_prompts_copied_cancels_freed():
+    """Three rows for five jobs over a model that keeps a running sum in its state slot
+    (prompts in chunks of 4 beside others, padded; decode dispatches of 3 tokens): each job
+    gets the tokens of its prompt alone. The second follows the first's identical prompt
+    (read once, the state copied); the first is cancelled before its prompt is read (its
+    follower queued again: a slot of its own, its prompt read from a fresh state); the
+    fifth waits for a slot another job freed. Every slot and page comes back, and no
+    prefix is cached: pages do not hold the state."""
+    scheduler = Scheduler(
+        RunningSum(), None, Partitioner(devices=jax.devices()[:1]), max_rows=3, page_size=4,
+        max_seq_len=32, decode_steps=3, prefill_chunk=4, prefill_rows=2,
+    )  # fmt: skip
+    rng = np.random.default_rng(2)
+    shared, other = rng.integers(1, VOCAB, 10).tolist(), rng.integers(1, VOCAB, 9).tolist()
+    cases = [(shared, 5), (shared, 7), (other, 6), (other, 4), ([7, 8, 9], 8)]
+    jobs = [job(p, n) for p, n in cases]
+    for j in jobs:
+        scheduler.add(j)
+    scheduler.step()  # the first's and the third's first chunks read
+    assert jobs[1] in [s.job for s in scheduler.running if s.leader is not None]
+    scheduler.cancel(jobs[0], "gone")
+    while scheduler.busy:
+        scheduler.step()
+    assert result(jobs[0])[1] == ("cancelled", "gone")
+    for (p, n), j in zip(cases[1:], jobs[1:]):
+        assert result(j) == (running_sums(p, n), ("done", "length")), (p, n)
+    assert scheduler.pool.shared > 0  # the fourth followed the third
+    assert sorted(scheduler.free_state_slots) == [1, 2, 3]
+    assert scheduler.pool.in_use() == scheduler.pool.cached() == 0
 
 
 def test_stop_cancels_what_is_queued(llama):

@@ -4,7 +4,8 @@ torch references (`torch_chunk_gated_delta_rule`, `torch_recurrent_gated_delta_r
 the chunked form at several chunk sizes (one that does not divide the length) equals the
 recurrent one and HF's; the layer's gradients are torch autograd's; packed segments restart
 the state and the convolution; the layer decodes one token at a time from its cache as it
-reads the whole sequence, left padding unseen, and reads it in pieces (context parallelism's,
+reads the whole sequence, left padding unseen, and from the paged cache's state slots
+(padding leaving them as they were), and reads it in pieces (context parallelism's,
 `linear_context_parallel`) as whole. The checks Kimi Delta Attention's tests make alike:
 tests/linear_attention_helpers.py."""
 
@@ -25,7 +26,7 @@ from tests.linear_attention_helpers import (
     check_gated_norm_equals_hf,
     check_layer_and_gradients_equal_hf,
     check_layer_decodes_from_its_cache_as_it_reads,
-    check_layer_refuses_the_paged_cache,
+    check_layer_decodes_from_its_state_slots,
     check_packed_segments_restart_the_rule,
     tolerance,
 )
@@ -193,5 +194,8 @@ def test_layer_read_in_pieces_equals_read_whole():
         np.testing.assert_allclose(ours, reference, rtol=0, atol=atol)
 
 
-def test_layer_refuses_the_paged_cache():
-    check_layer_refuses_the_paged_cache(layer("split"), 16)
+def test_layer_decodes_from_its_state_slots_padding_leaving_them_as_they_were():
+    """The serving engine's paged cache: each row's state and convolution inputs in a state
+    slot, read and written back by prefill chunks (padding after a row's tokens) and a
+    decode step; a padding row's slot is left bit for bit."""
+    check_layer_decodes_from_its_state_slots(layer("grouped"), 16)

@@ -33,7 +33,7 @@ from tests.hf_helpers import (
 )
 from tests.linear_attention_helpers import (
     HYBRID_CONFIG_ERRORS,
-    check_serving_engine_refuses_to_page,
+    check_engine_greedy_is_hf_generate,
     packed_batch,
 )
 
@@ -196,9 +196,12 @@ def tiny_config(**overrides) -> kimi_linear.KimiLinearConfig:
     return kimi_linear.KimiLinearConfig(**{**fields, **overrides})
 
 
-def test_serving_engine_refuses_to_page_the_recurrent_state():
-    """The paged engine names why (the serve run then decodes in fixed batches)."""
-    check_serving_engine_refuses_to_page(tiny_config(), kimi_linear.PAGED_REFUSAL)
+@pytest.mark.slow
+def test_greedy_through_the_engines_pages_and_state_slots_is_hf_generate(tmp_path):
+    """Rows joining and leaving, a follower of an identical prompt (its state copied), a
+    state slot reused: HF's greedy tokens (`generate`'s are `check_family`'s)."""
+    torch_model, path = tiny_hf_model(tmp_path / "hf", "default_dense_first")
+    check_engine_greedy_is_hf_generate(torch_model, path, VOCAB)
 
 
 @pytest.mark.parametrize(

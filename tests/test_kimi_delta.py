@@ -4,8 +4,9 @@ torch references (`chunk_kimi_delta_attention`, `recurrent_kimi_delta_attention`
 sizes (within one block of positions, across blocks, one that does not divide the length)
 equals the recurrent one (Gated DeltaNet's, a decay a key channel) and HF's, and so do its
 gradients; packed segments restart the state; the layer is HF's, decodes one token at a time
-from its cache as it reads the whole sequence (left padding unseen), and refuses the paged
-cache. The checks Gated DeltaNet's tests make alike: tests/linear_attention_helpers.py.
+from its cache as it reads the whole sequence (left padding unseen), and from the paged
+cache's state slots (padding leaving them as they were). The checks Gated DeltaNet's tests
+make alike: tests/linear_attention_helpers.py.
 Context parallelism: tests/test_linear_context_parallel.py."""
 
 import jax
@@ -23,7 +24,7 @@ from tests.linear_attention_helpers import (
     check_gated_norm_equals_hf,
     check_layer_and_gradients_equal_hf,
     check_layer_decodes_from_its_cache_as_it_reads,
-    check_layer_refuses_the_paged_cache,
+    check_layer_decodes_from_its_state_slots,
     check_packed_segments_restart_the_rule,
     tolerance,
 )
@@ -180,5 +181,8 @@ def test_layer_decodes_from_its_cache_as_it_reads_the_sequence():
     check_layer_decodes_from_its_cache_as_it_reads(layer(), WIDTH)
 
 
-def test_layer_refuses_the_paged_cache():
-    check_layer_refuses_the_paged_cache(layer(), WIDTH)
+def test_layer_decodes_from_its_state_slots_padding_leaving_them_as_they_were():
+    """The serving engine's paged cache: each row's state and convolution inputs in a state
+    slot, read and written back by prefill chunks (padding after a row's tokens) and a
+    decode step; a padding row's slot is left bit for bit."""
+    check_layer_decodes_from_its_state_slots(layer(), WIDTH)

@@ -13,6 +13,11 @@ prefilled once; its full pages are shared, the page it ends in copied before eit
 there), and a prompt's full pages stay in the prefix cache after their sequence ends, found
 again by later jobs with the same prefix.
 
+Linear attention (Qwen3-Next, Kimi Linear): a running sequence also holds a state slot (its
+layers' recurrent states, `models/state_slots.py`) from admission to its end; a follower
+starts from a copy of its leader's. These models keep no prefix cache: the pages hold keys
+and values, not the recurrent state after them.
+
 Many LoRA adapters: params that hold stacked adapters (`lora.with_row_adapters`) serve each
 job with its own (`Job.adapter`; 0 the base) in the same dispatches, the adapter index of
 each row an argument of the compiled programs (`lora.adapters_per_row`). Keys and values
@@ -64,6 +69,7 @@ class _Sequence:
     pages: list[int]  # a follower's own pages until its leader's prompt is read
     keys: list[bytes]  # prefix-cache keys of the prompt's full pages
     adapter: int = 0  # its LoRA adapter's index (0: the base)
+    state_slot: int = 0  # its recurrent state's slot while running (a stateful model's)
     computed: int = 0  # prompt tokens whose keys and values are in the cache
     generated: int = 0
     last_token: int = 0  # sampled, not yet fed
@@ -98,7 +104,7 @@ class Scheduler:
     ):
         """
         Args:
-          max_rows: sequences decoded together (the decode dispatch's rows).
+          max_rows: sequences held at once (the decode dispatch's rows, each with a state slot).
           page_size: slots per page.
           num_pages: pages of the pool (page 0 reserved); default: `max_rows` sequences of
             `max_seq_len` slots.
@@ -144,8 +150,10 @@ class Scheduler:
         self.prefilled_tokens = 0  # prompt tokens read by prefill dispatches
         self.decode_dispatches = 0
         self.prefill_dispatches = 0
-        shapes = jax.eval_shape(lambda: model.paged_cache(self.num_pages, page_size))
-        self._shardings = jax.tree.map(self._pool_sharding, shapes)
+        new_cache = lambda: model.paged_cache(self.num_pages, page_size, max_rows)
+        shapes = jax.eval_shape(new_cache)
+        self.stateful = bool(decoding.recurrent_states(shapes))
+        self._shardings = jax.tree_util.tree_map_with_path(self._pool_sharding, shapes)
         if paged_attention == "pallas" and not all(
             s.is_fully_replicated for s in jax.tree.leaves(self._shardings)
         ):
@@ -157,9 +165,8 @@ class Scheduler:
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,))
         self._first = jax.jit(self._first_fn)
-        self._make_cache = jax.jit(  # one program, traced once (`reset` runs every rollout)
-            lambda: model.paged_cache(self.num_pages, page_size), out_shardings=self._shardings
-        )
+        # One program, traced once (`reset` runs every rollout).
+        self._make_cache = jax.jit(new_cache, out_shardings=self._shardings)
         self.reset()
 
     # ------------------------------------------------------------ the host's side
@@ -167,6 +174,7 @@ class Scheduler:
     def reset(self) -> None:
         """A fresh pool and cache (after a failed dispatch: the donated cache is gone)."""
         self.pool = PagePool(self.num_pages, self.page_size)
+        self.free_state_slots = list(range(self.max_rows, 0, -1)) if self.stateful else []
         with self.partitioner.context():
             self.cache = self._make_cache()
 
@@ -260,6 +268,7 @@ class Scheduler:
                 self.pool.release(hits)
                 return
             self.waiting.popleft()
+            seq.state_slot = self.free_state_slots.pop() if self.stateful else 0
             seq.pages = hits + self.pool.allocate(need)
             seq.computed = len(hits) * self.page_size
             if leader is not None:
@@ -273,18 +282,23 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.running:
-            self.running.remove(seq)
-            self.pool.release(seq.pages)
-        seq.pages = []
+            self._release(seq)
         if seq.leader is not None:
             seq.leader.followers.remove(seq)
         for f in reversed(seq.followers):
-            self.running.remove(f)
-            self.pool.release(f.pages)
-            f.pages, f.leader = [], None
+            self._release(f)
+            f.leader = None
             self.waiting.appendleft(f)
         seq.followers = []
         seq.job.events.put(event)
+
+    def _release(self, seq: _Sequence) -> None:
+        """`seq` leaves the running batch: its pages and its state slot are free again."""
+        self.running.remove(seq)
+        self.pool.release(seq.pages)
+        seq.pages = []
+        if self.stateful:
+            self.free_state_slots.append(seq.state_slot)
 
     def _emit(self, seq: _Sequence, token: int, logprob: float, top: list) -> bool:
         """Hands `seq` its sampled token; True while it goes on."""
@@ -320,9 +334,10 @@ class Scheduler:
         slots = np.full((size, chunk), -1, np.int32)
         last = np.zeros((size,), np.int32)
         adapters = np.zeros((size,), np.int32)
+        states = np.zeros((size,), np.int32)
         needed = []
         for i, seq in enumerate(rows):
-            adapters[i] = seq.adapter
+            adapters[i], states[i] = seq.adapter, seq.state_slot
             n = min(chunk, len(seq.prompt) - seq.computed)
             tokens[i, :n] = seq.prompt[seq.computed : seq.computed + n]
             slots[i, :n] = np.arange(seq.computed, seq.computed + n)
@@ -331,7 +346,7 @@ class Scheduler:
         table = self._table(rows, needed, size)
         with self.partitioner.context():
             logits, self.cache = self._prefill(
-                self.params, self.cache, tokens, slots, table, last, adapters
+                self.params, self.cache, tokens, slots, table, last, adapters, states
             )
         self.prefill_dispatches += 1
         finished = []  # (sequence, its logits row)
@@ -339,7 +354,8 @@ class Scheduler:
             n = int(last[i]) + 1
             self.prefilled_tokens += n
             seq.computed += n
-            for p in range(min(seq.computed // self.page_size, len(seq.keys))):
+            cached = 0 if self.stateful else min(seq.computed // self.page_size, len(seq.keys))
+            for p in range(cached):  # (a recurrent state is not in the pages: no prefix cache)
                 self.pool.register(seq.keys[p], seq.pages[p])
             if seq.computed == len(seq.prompt):
                 finished += [(seq, i)] + [(f, i) for f in seq.followers]
@@ -349,22 +365,20 @@ class Scheduler:
 
     def _fork(self, leader: _Sequence) -> None:
         """The leader's prompt is read: each follower takes its full prompt pages and a copy
-        of the page it ends in (written by each of them next)."""
+        of the page it ends in (written by each of them next), and a copy of its state."""
         full = len(leader.prompt) // self.page_size
-        copies = []
-        for f in leader.followers:
+        copies = np.zeros((4, self.max_rows), np.int32)  # pages, states: from, to (0 onto 0)
+        for i, f in enumerate(leader.followers):
             self.pool.share(leader.pages[:full])
             if len(leader.prompt) % self.page_size:
-                copies.append((leader.pages[full], f.pages[0]))
+                copies[:2, i] = leader.pages[full], f.pages[0]
+            copies[2:, i] = leader.state_slot, f.state_slot
             f.pages = leader.pages[:full] + f.pages
             f.computed, f.leader = len(f.prompt), None
         leader.followers = []
-        if copies:
-            src = np.zeros((self.max_rows,), np.int32)
-            dst = np.zeros((self.max_rows,), np.int32)
-            src[: len(copies)], dst[: len(copies)] = zip(*copies)
+        if copies.any():
             with self.partitioner.context():
-                self.cache = self._copy(self.cache, src, dst)
+                self.cache = self._copy(self.cache, *copies)
 
     def _start(self, logits: Array, finished: list[tuple[_Sequence, int]]) -> None:
         """Samples each finished prompt's first token (a follower its own)."""
@@ -395,9 +409,10 @@ class Scheduler:
         temperature = np.zeros((size,), np.float32)
         top_p = np.ones((size,), np.float32)
         adapters = np.zeros((size,), np.int32)
+        states = np.zeros((size,), np.int32)
         needed = []
         for i, seq in enumerate(rows):
-            adapters[i] = seq.adapter
+            adapters[i], states[i] = seq.adapter, seq.state_slot
             tokens[i] = seq.last_token
             slots[i] = len(seq.prompt) + seq.generated - 1
             remaining[i] = seq.job.max_tokens - seq.generated
@@ -405,7 +420,8 @@ class Scheduler:
             temperature[i], top_p[i] = seq.job.temperature, seq.job.top_p
             needed.append(min(len(seq.pages), pages_for(slots[i] + steps, self.page_size)))
         table = self._table(rows, needed, size)
-        args = (tokens, slots, table, adapters, remaining, seeds, counts, temperature, top_p)
+        args = (tokens, slots, table, adapters, remaining, seeds, counts)
+        args += (temperature, top_p, states)
         with self.partitioner.context():
             self.cache, *out = self._decode(self.params, self.cache, *args)
         self.decode_dispatches += 1
@@ -418,9 +434,11 @@ class Scheduler:
 
     # ------------------------------------------------------------ the device's side
 
-    def _pool_sharding(self, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
+    def _pool_sharding(self, path: tuple, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
         """A pool leaf `[(layers,) kv_heads, pages, page_size, head_dim]`: its heads split as
         the model splits them where they divide, the rest replicated."""
+        if decoding.is_recurrent_state(path):  # a pool of state slots: small beside the pages
+            return self.partitioner.replicated()
         heads = "kv_heads" if leaf.shape[-4] > 1 else None
         axes = (None,) * (leaf.ndim - 4) + (heads, None, None, "head_dim")
         sharding = NamedSharding(self.partitioner.mesh, self.partitioner.mesh_axes(axes))
@@ -428,10 +446,12 @@ class Scheduler:
             return self.partitioner.replicated()
         return sharding
 
-    def _prefill_fn(self, params, cache, tokens, slots, table, last, adapters):
+    def _prefill_fn(self, params, cache, tokens, slots, table, last, adapters, states):
         params = self._layout(params)
         with lora.adapters_per_row(adapters):
-            logits, cache = self.model.paged_logits(params, cache, tokens, slots, table, last)
+            logits, cache = self.model.paged_logits(
+                params, cache, tokens, slots, table, last, state_slots=states
+            )
         return logits, jax.lax.with_sharding_constraint(cache, self._shardings)
 
     def _first_fn(self, logits, index, seeds, counts, temperature, top_p):
@@ -441,10 +461,11 @@ class Scheduler:
         )
 
     def _decode_fn(
-        self, params, cache, tokens, slots, table, adapters, remaining, seeds, counts, *sample
-    ):
+        self, params, cache, tokens, slots, table, adapters, remaining, seeds, counts,
+        temperature, top_p, states=None,
+    ):  # fmt: skip
         """`decode_steps` tokens of every row: feed the last one, sample the next; a row
-        stops writing after an EOS or its last token."""
+        stops writing after an EOS or its last token. `states`: each row's state slot."""
         params = self._layout(params)
         keys = jax.vmap(jax.random.PRNGKey)(seeds)
         eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
@@ -456,10 +477,10 @@ class Scheduler:
             fed = jnp.where(active, slot, -1)[:, None]
             with lora.adapters_per_row(adapters):
                 logits, cache = self.model.paged_logits(
-                    params, cache, token[:, None], fed, table, last, self.paged_attention
+                    params, cache, token[:, None], fed, table, last, self.paged_attention, states
                 )
             step_keys = jax.vmap(jax.random.fold_in)(keys, count)
-            out = decoding.select(logits, step_keys, *sample, self.num_top)
+            out = decoding.select(logits, step_keys, temperature, top_p, self.num_top)
             stop = (out[0][:, None] == eos[None]).any(-1)
             remaining = jnp.where(active & ~stop, remaining - 1, 0)
             return (cache, out[0], slot + 1, remaining, count + 1), out
@@ -473,11 +494,6 @@ class Scheduler:
         rollouts on a mesh that spans processes)."""
         return jax.lax.with_sharding_constraint(tree, self.partitioner.replicated())
 
-    def _copy_fn(self, cache, src, dst):
-        def copy(leaf):
-            axis = leaf.ndim - 3  # the pages of `[(layers,) X, pages, page_size, width]`
-            pages = jnp.take(leaf, src, axis=axis)
-            index = (slice(None),) * axis + (dst,)
-            return leaf.at[index].set(pages)
-
-        return jax.lax.with_sharding_constraint(jax.tree.map(copy, cache), self._shardings)
+    def _copy_fn(self, cache, src, dst, state_src, state_dst):
+        cache = self.model.paged_copy(cache, (src, dst), (state_src, state_dst))
+        return jax.lax.with_sharding_constraint(cache, self._shardings)

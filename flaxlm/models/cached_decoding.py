@@ -147,14 +147,19 @@ class CachedDecoding:
             return f"{type(module).__name__} decodes over a contiguous KV cache only."
         return module.paged_refusal
 
-    def paged_cache(self, num_pages: int, page_size: int) -> Any:
+    def paged_cache(self, num_pages: int, page_size: int, max_rows: int = 1) -> Any:
         """Zeros of a paged KV cache (the `cache` collection): `num_pages` pages of
         `page_size` slots, each leaf `[(layers,) kv_heads, num_pages, page_size, head_dim]`
-        (`paged_attention.write_pages`)."""
+        (`paged_attention.write_pages`); a linear-attention layer's recurrent state
+        (`decoding.RECURRENT_STATE`) in `max_rows + 1` state slots, one for each of at most
+        `max_rows` sequences held at once and the padding rows' scratch (`state_slots.py`)."""
 
         def init_cache() -> Any:
             one = jnp.zeros((1, 1), jnp.int32)
-            where = masks.Decoding(jnp.int32(0), one[0], page_size, one, one, num_pages, page_size)
+            where = masks.Decoding(
+                jnp.int32(0), one[0], page_size, one, one, num_pages, page_size,
+                state_slots=one[0], num_state_slots=max_rows + 1,
+            )  # fmt: skip
             module = self._decode_module()
             return module.init(jax.random.PRNGKey(0), one, None, None, decoding=where)["cache"]
 
@@ -169,14 +174,20 @@ class CachedDecoding:
         page_table: Array,
         last: Array,
         paged_attention: str = "gather",
+        state_slots: Array | None = None,
     ) -> tuple[Array, Any]:
-        """Feeds `tokens` int32 `[rows, length]` at `slots` (their positions; -1: padding)
-        of the rows whose pages `page_table` int32 `[rows, pages]` lists, writing their keys
-        and values into the paged `cache`: float32 logits `[rows, vocab]` after the token at
-        index `last` int32 `[rows]` of each row, and the cache. `paged_attention`: how the
-        attention reads the pages (`models.paged_attention.PAGED_ATTENTION`)."""
-        leaf = jax.tree.leaves(cache)[0]
-        num_pages, page_size = leaf.shape[leaf.ndim - 3], leaf.shape[leaf.ndim - 2]
+        """Feeds `tokens` int32 `[rows, length]` at `slots` (their positions; -1: padding,
+        after a row's real tokens) of the rows whose pages `page_table` int32 `[rows, pages]`
+        lists, writing their keys and values into the paged `cache`: float32 logits `[rows,
+        vocab]` after the token at index `last` int32 `[rows]` of each row, and the cache.
+        `paged_attention`: how the attention reads the pages
+        (`models.paged_attention.PAGED_ATTENTION`). `state_slots` int32 `[rows]`: each row's
+        recurrent-state slot (0: a padding row's scratch; a model with a recurrent state
+        needs them, `state_slots.py`)."""
+        pools = jax.tree_util.tree_leaves_with_path(cache)
+        pages = [x for path, x in pools if not decoding.is_recurrent_state(path)]
+        states = decoding.recurrent_states(cache)
+        num_pages, page_size = pages[0].shape[-3:-1] if pages else (0, 1)
         rows = tokens.shape[0]
         where = masks.Decoding(
             jnp.int32(0),
@@ -187,6 +198,8 @@ class CachedDecoding:
             num_pages,
             page_size,
             paged_attention,
+            state_slots,
+            states[0].shape[-4] if states else 0,
         )
         with layers.decoding_products():
             hidden, variables = self._decode_module().apply(
@@ -201,3 +214,20 @@ class CachedDecoding:
         hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
         logits = self.module.head_logits(params, hidden)[:, 0]
         return self._mask_padded_vocab(logits), variables["cache"]
+
+    def paged_copy(
+        self, cache: Any, pages: tuple[Array, Array], states: tuple[Array, Array]
+    ) -> Any:
+        """`cache` (`paged_cache`'s) with the pages `pages[0]` int32 `[n]` copied onto
+        `pages[1]`, and the recurrent-state slots `states[0]` onto `states[1]` (a follower
+        takes its leader's state; 0 onto 0: nothing)."""
+
+        def copy(path: tuple, leaf: Array) -> Array:
+            stateful = decoding.is_recurrent_state(path)
+            # The slots of `[(layers,) slots, ...]`, the pages of `[(layers,) X, pages, ...]`.
+            axis = leaf.ndim - (4 if stateful else 3)
+            src, dst = states if stateful else pages
+            index = (slice(None),) * axis + (dst,)
+            return leaf.at[index].set(jnp.take(leaf, src, axis=axis))
+
+        return jax.tree_util.tree_map_with_path(copy, cache)

@@ -316,6 +316,17 @@ def decode(
 RECURRENT_STATE = ("conv_q", "conv_k", "conv_v", "recurrent_state")
 
 
+def is_recurrent_state(path: tuple) -> bool:
+    """Whether the cache leaf at `path` (its `jax.tree_util` keys) is a recurrent state's
+    (`RECURRENT_STATE`; in the paged cache a pool of state slots, `models/state_slots.py`)."""
+    return getattr(path[-1], "key", None) in RECURRENT_STATE
+
+
+def recurrent_states(cache: Any) -> list[Any]:
+    """The leaves of `cache` that hold a recurrent state (`is_recurrent_state`)."""
+    return [x for path, x in jax.tree_util.tree_leaves_with_path(cache) if is_recurrent_state(path)]
+
+
 def cache_length(cache: Any) -> int:
     """Slots of a KV cache: axis `ndim - 2` of its leaves, `[(layers,) rows, heads, slots,
     width]`, the values' aside (named "value", `[..., width, slots]`:

@@ -16,7 +16,8 @@ of `chunk_size` positions, `scan_chunks`, the delta rule inside a chunk one unit
 system, solved by matmuls); decoding one token at a time runs the recurrent form
 (`recurrent_gated_delta_rule`), carrying the state and the convolution's last inputs in the
 Flax `cache` collection, each leaf `[batch, ...]` 4-D as every cache leaf
-(`decoding.RECURRENT_STATE`). Packed rows restart the state and the convolution at every
+(`decoding.RECURRENT_STATE`); over the serving engine's paged cache, pools of state slots,
+one a sequence (`state_slots`). Packed rows restart the state and the convolution at every
 segment start (`segment_runs`). A sequence split over the mesh's `sequence` axis (context
 parallelism, the load-balanced order too) is read where it lies, the state and the
 convolution's inputs passed between its pieces (`linear_context_parallel`).
@@ -32,13 +33,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import ClassVar, NamedTuple
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxlm.models import attention, layers, linear_context_parallel, masks
+from flaxlm.models import attention, layers, linear_context_parallel, masks, state_slots
 from flaxlm.models.layers import DenseGeneral, Dtype, as_dtype
 from flaxlm.models.linear_context_parallel import Rule
 
@@ -314,6 +315,11 @@ class Reading(NamedTuple):
     runs: Array | None  # `segment_runs` of a packed training row (None: one run, or decoding)
     split: tuple[Array | None, Array | None] | None  # `linear_context_parallel.split`'s
 
+    @property
+    def paged(self) -> bool:
+        """Whether it decodes over the paged cache (the state in slots: `state_slots`)."""
+        return self.decoding is not None and self.decoding.paged
+
 
 class DeltaRuleLayer(nn.Module, kw_only=True):
     """The steps of the delta-rule token mixers (`GatedDeltaNet`, `kimi_delta.KimiDeltaAttention`)
@@ -322,15 +328,14 @@ class DeltaRuleLayer(nn.Module, kw_only=True):
     None in training), their `__call__` takes `start`, projects, `convolve`s q, k and v, gates,
     takes `delta_rule`, norms and projects. Settings: keywords, after the layer's own. Cache
     (decoding): `conv_q`, `conv_k`, `conv_v` `[batch, K - 1, heads, dim]` (the convolution's last
-    inputs), `recurrent_state` `[batch, heads, key_dim, value_dim]` float32."""
+    inputs), `recurrent_state` `[batch, heads, key_dim, value_dim]` float32; paged, pools of
+    them `[num_state_slots, ...]` (`state_slots`)."""
 
     conv_kernel_size: int = 4
     activation: str = "silu"  # the convolution's (HF: hidden_act)
     chunk_size: int = 64
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
-
-    title: ClassVar[str]  # the layer's name in its errors
 
     def start(
         self, h: Array, mask: masks.Mask | Array, decoding: masks.Decoding | None
@@ -342,12 +347,7 @@ class DeltaRuleLayer(nn.Module, kw_only=True):
         if decoding is None:
             segment_ids = getattr(mask, "q_segment_ids", None)
             runs = None if segment_ids is None else segment_runs(segment_ids)
-        elif decoding.paged:
-            raise ValueError(
-                f"{self.title} layers decode over a contiguous cache only: the paged cache has "
-                "no recurrent-state slots yet."
-            )
-        else:
+        elif not decoding.paged:  # paged: a row's padding comes after its real tokens
             slots = decoding.index + jnp.arange(h.shape[1])
             h = jnp.where((slots[None, :] >= decoding.start[:, None])[..., None], h, 0)
         split = linear_context_parallel.split(mask, decoding, h.shape[1])  # None: read whole
@@ -365,6 +365,9 @@ class DeltaRuleLayer(nn.Module, kw_only=True):
             out = linear_context_parallel.causal_conv1d(
                 causal_conv1d, segment_runs, x, kernel, *reading.split, heads
             )
+        elif reading.paged:
+            conv = (self, f"conv_{name}", causal_conv1d)
+            out = state_slots.convolve(*conv, x, kernel, reading.decoding)
         else:
             start = jnp.zeros((x.shape[0], taps - 1, *channels), dtype)
             start = start if context is None else context.value
@@ -378,30 +381,31 @@ class DeltaRuleLayer(nn.Module, kw_only=True):
     ) -> Array:
         """float32 out `[batch, length, heads, value_dim]` of the rule (q, k, v, g, beta as
         `recurrent_gated_delta_rule`'s): a decoded token's recurrent from the cache's
-        `recurrent_state`, else `chunked`'s at `chunk_size` (a split sequence in pieces)."""
+        `recurrent_state`, else `chunked`'s at `chunk_size` (a split sequence in pieces; over
+        the paged cache from each row's state slot, `state_slots.delta_rule`)."""
         batch, length, heads, key_dim = k.shape
+        if reading.paged:  # a prefill chunk shorter than a rule chunk: one of its length
+            rules = (recurrent_gated_delta_rule, chunked, min(self.chunk_size, length))
+            return state_slots.delta_rule(self, rules, q, k, v, g, beta, reading.decoding)
+        chunked = functools.partial(chunked, chunk_size=self.chunk_size)
         shape = (batch, heads, key_dim, v.shape[-1])
         state = self._cache("recurrent_state", shape, jnp.float32, reading)
         initial = None if state is None else state.value
         if state is not None and length == 1:
             out, final = recurrent_gated_delta_rule(q, k, v, g, beta, initial)
         elif reading.split is not None:
-            rule = functools.partial(chunked, chunk_size=self.chunk_size)
             return linear_context_parallel.gated_delta_rule(
-                rule, segment_runs, q, k, v, g, beta, *reading.split
+                chunked, segment_runs, q, k, v, g, beta, *reading.split
             )
         else:
-            out, final = chunked(
-                q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=initial,
-                runs=reading.runs,
-            )  # fmt: skip
+            out, final = chunked(q, k, v, g, beta, initial_state=initial, runs=reading.runs)
         if state is not None:
             state.value = final
         return out
 
     def _cache(self, name: str, shape: tuple, dtype: Dtype, reading: Reading) -> nn.Variable | None:
         """The cache variable `name` while decoding (zeros at first), else None."""
-        decoding = reading.decoding is not None
+        decoding = reading.decoding is not None and not reading.paged
         return self.variable("cache", name, jnp.zeros, shape, dtype) if decoding else None
 
 
@@ -427,8 +431,6 @@ class GatedDeltaNet(DeltaRuleLayer):
     value_dim: int
     norm_eps: float = 1e-6
     projection: str = "grouped"  # one of PROJECTIONS
-
-    title: ClassVar[str] = "Gated DeltaNet"
 
     @nn.compact
     def __call__(

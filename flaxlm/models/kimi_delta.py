@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -176,8 +175,6 @@ class KimiDeltaAttention(gated_deltanet.DeltaRuleLayer):
     num_heads: int
     head_dim: int
     norm_eps: float = 1e-5
-
-    title: ClassVar[str] = "Kimi Delta Attention"
 
     @nn.compact
     def __call__(

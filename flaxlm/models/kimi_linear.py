@@ -13,10 +13,11 @@ RMSNorms multiply by w (eps `rms_norm_eps`; the latent norms at HF's 1e-6).
 
 Follows transformers' `KimiLinearForCausalLM` (the HF mapping: `kimi_linear_hf.py`). Its
 head is never tied to the embedding (HF's model keeps both, whatever tie_word_embeddings
-says). Decoding runs over a contiguous cache only (the paged cache has no recurrent-state
-slots yet). Under context parallelism (a `sequence` mesh axis) the linear layers pass their
-state between the pieces of a row (`linear_context_parallel`) and the full ones attend
-across them (`context_parallel`; no rotary to place). The hybrid's plumbing is Qwen3-Next's
+says). Decoding runs over a contiguous cache or the serving engine's paged one (each
+sequence's Kimi Delta Attention states in a state slot beside the pages: `state_slots`).
+Under context parallelism (a `sequence` mesh axis) the linear layers pass their state
+between the pieces of a row (`linear_context_parallel`) and the full ones attend across
+them (`context_parallel`; no rotary to place). The hybrid's plumbing is Qwen3-Next's
 (`qwen3_next.check_layer_types`, `holds_full_attention`, `linear_layer_settings`).
 """
 
@@ -35,10 +36,6 @@ Array = jax.Array
 MODEL_TYPE = "kimi_linear"
 ARCHITECTURE = "KimiLinearForCausalLM"
 LINEAR, FULL = "linear_attention", "full_attention"  # HF's layer_types entries
-PAGED_REFUSAL = (
-    "Kimi Linear decodes over a contiguous cache only: its Kimi Delta Attention layers carry "
-    "a recurrent state that the paged KV cache has no slots for yet."
-)
 # What HF's KimiLinear hard-wires among the options DeepSeek-V3's config holds (no rotary:
 # no rope scaling, whose YaRN would scale the scores).
 FIXED = dict(
@@ -214,7 +211,6 @@ class KimiLinear(deepseek.Deepseek):
     """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
 
     block_cls = KimiLinearBlock
-    paged_refusal = PAGED_REFUSAL
 
     def block_inputs(
         self, x: Array, positions: Array, decoding: masks.Decoding | None

@@ -197,9 +197,12 @@ class Decoding:
     a pool of `num_pages` pages of `page_size` slots shared by all rows; row b's slot s
     lives in page `page_table[b, s // page_size]` at offset `s % page_size`, and `slots`
     says the slot (the position) of each query token, -1 for padding (written to page 0,
-    which no row reads). Rows are not padded on the left: `index` is 0, `start` zeros and
-    `length` the slots a row's page table covers. `paged_attention` says how a decode
-    step's attention reads the pages (`paged_attention.PAGED_ATTENTION`)."""
+    which no row reads). Rows are not padded on the left (a row's real tokens come first):
+    `index` is 0, `start` zeros and `length` the slots a row's page table covers.
+    `paged_attention` says how a decode step's attention reads the pages
+    (`paged_attention.PAGED_ATTENTION`). A linear-attention layer's recurrent state lives in
+    pools of `num_state_slots` state slots (`state_slots.py`): row b's is slot
+    `state_slots[b]`, slot 0 the padding rows' scratch."""
 
     index: Array  # int32 scalar
     start: Array  # int32 [batch]
@@ -209,6 +212,8 @@ class Decoding:
     num_pages: int = flax.struct.field(pytree_node=False, default=0)
     page_size: int = flax.struct.field(pytree_node=False, default=0)
     paged_attention: str = flax.struct.field(pytree_node=False, default="gather")
+    state_slots: Array | None = None  # int32 [batch]
+    num_state_slots: int = flax.struct.field(pytree_node=False, default=0)
 
     @property
     def paged(self) -> bool:

@@ -15,7 +15,8 @@ linear layer are fused per key head (`in_proj_qkvz`, `in_proj_ba`), Qwen3.5's ap
 
 Follows transformers' `Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM` and `Qwen3_5MoeForCausalLM`
 (the HF mapping, and the Hub's multimodal Qwen3.5 files' text tower: `qwen3_next_hf.py`).
-Decoding runs over a contiguous cache only (the paged cache has no recurrent-state slots yet).
+Decoding runs over a contiguous cache (`generate`) or the serving engine's paged one, each
+sequence's Gated DeltaNet states in a state slot beside the pages (`state_slots`).
 The hybrid's plumbing (`check_layer_types`, `holds_full_attention`, `linear_layer_settings`)
 serves Kimi Linear's too.
 """
@@ -53,10 +54,6 @@ ARCHITECTURES = {
 # The Hub's multimodal Qwen3.5 files: the model type of their text tower.
 MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 LINEAR, FULL = "linear_attention", "full_attention"  # HF's layer_types entries
-PAGED_REFUSAL = (
-    "Qwen3-Next / Qwen3.5 decode over a contiguous cache only: their Gated DeltaNet layers "
-    "carry a recurrent state that the paged KV cache has no slots for yet."
-)
 
 
 @gin.configurable
@@ -322,7 +319,6 @@ class Qwen3Next(CausalLM):
 
     block_cls = Qwen3NextBlock
     layer_index = True
-    paged_refusal = PAGED_REFUSAL
 
     def block_inputs(
         self, x: Array, positions: Array, decoding: masks.Decoding | None
