@@ -194,6 +194,7 @@ def test_layer_read_in_pieces_equals_read_whole():
         np.testing.assert_allclose(ours, reference, rtol=0, atol=atol)
 
 
+@pytest.mark.slow
 def test_layer_decodes_from_its_state_slots_padding_leaving_them_as_they_were():
     """The serving engine's paged cache: each row's state and convolution inputs in a state
     slot, read and written back by prefill chunks (padding after a row's tokens) and a

@@ -181,6 +181,7 @@ def test_layer_decodes_from_its_cache_as_it_reads_the_sequence():
     check_layer_decodes_from_its_cache_as_it_reads(layer(), WIDTH)
 
 
+@pytest.mark.slow
 def test_layer_decodes_from_its_state_slots_padding_leaving_them_as_they_were():
     """The serving engine's paged cache: each row's state and convolution inputs in a state
     slot, read and written back by prefill chunks (padding after a row's tokens) and a
