@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import profile_summary  # (a sibling script)
 
-from flaxlm.models import attention, gated_deltanet, kimi_delta, masks, rope
+from flaxlm.models import attention, gated_deltanet, kimi_delta, masks, qwen3_next, rope
 
 LAYERS = ("gdn", "full", "kda")
 LINEAR = ("gdn", "kda")
@@ -132,32 +132,20 @@ def build(name: str, args: argparse.Namespace, length: int) -> tuple[nn.Module, 
     if name == "kda":
         cfg = config(args.kimi_model, args)
         module = kimi_delta.KimiDeltaAttention(
-            hidden_size=cfg.hidden_size,
             num_heads=cfg.linear_num_heads,
             head_dim=cfg.linear_head_dim,
-            conv_kernel_size=cfg.linear_conv_kernel_dim,
-            activation=cfg.activation,
-            norm_eps=cfg.rms_norm_eps,
-            chunk_size=cfg.linear_attention_chunk_size,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
+            **qwen3_next.linear_layer_settings(cfg),
         )
         heads = f"{cfg.linear_num_heads} x {cfg.linear_head_dim}"
     elif name == "gdn":
         cfg = config(args.model, args)
         module = gated_deltanet.GatedDeltaNet(
-            hidden_size=cfg.hidden_size,
             num_key_heads=cfg.linear_num_key_heads,
             num_value_heads=cfg.linear_num_value_heads,
             key_dim=cfg.linear_key_head_dim,
             value_dim=cfg.linear_value_head_dim,
-            conv_kernel_size=cfg.linear_conv_kernel_dim,
-            activation=cfg.activation,
-            norm_eps=cfg.rms_norm_eps,
-            chunk_size=cfg.linear_attention_chunk_size,
             projection=cfg.projection,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
+            **qwen3_next.linear_layer_settings(cfg),
         )
         heads = (
             f"{cfg.linear_num_key_heads} key x {cfg.linear_key_head_dim}, "
