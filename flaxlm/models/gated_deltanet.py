@@ -246,12 +246,13 @@ def unit_lower_inverse(lower: Array) -> Array:
 def _inverse(lower: Array) -> Array:
     n = lower.shape[-1]
     if n <= SOLVE_BLOCK:
-        # Row i of the inverse is e_i minus `lower`'s row i times the rows above it.
-        inverse = jnp.broadcast_to(jnp.eye(n, dtype=lower.dtype), lower.shape)
-        for i in range(1, n):
-            row = -dot("...j,...jk->...k", lower[..., i, :i], inverse[..., :i, :])
-            inverse = inverse.at[..., i, :].add(row)
-        return inverse
+        # Row i: e_i - lower[i] @ inverse (its rows i.. are still e_j, times 0); a rolled loop.
+        def substitute(i: Array, inverse: Array) -> Array:
+            row = jax.lax.dynamic_index_in_dim(lower, i, -2, keepdims=False)
+            return inverse.at[..., i, :].add(-dot("...j,...jk->...k", row, inverse))
+
+        eye = jnp.broadcast_to(jnp.eye(n, dtype=lower.dtype), lower.shape)
+        return jax.lax.fori_loop(1, n, substitute, eye)
     m = n // 2
     halves = _inverse(jnp.stack([lower[..., :m, :m], lower[..., m:, m:]]))
     upper_left, lower_right = halves[0], halves[1]
