@@ -25,9 +25,7 @@ from flaxlm.training import lora, steps
 from tests.helpers import adamw, feature_lengths, random_batch, tiny_gptj
 from tests.hf_helpers import decoder_batch, max_abs_diff, padded_batch, torch_logits
 from tests.test_hf_llama import tiny_hf_llama
-from tests.test_main import read_metrics, run_main
 
-VALIDATION = "data/instructions/validation.jsonl"
 RULES = ((r"(q|v)_proj/kernel$", 4), (r"o_proj/kernel$", 2), (r"down_proj/kernel$", 4))
 
 
@@ -334,49 +332,3 @@ def test_lora_run_checkpoints_adapters_and_exports_merged_to_hf(tmp_path):
     assert step == 3
     ours = np.asarray(model.compute_logits(merged, decoder_batch(ids, mask)))
     assert max_abs_diff(ours, theirs, mask) < 1e-4
-
-
-@pytest.mark.slow
-def test_llama_lora_gin_trains_adapters_then_generates_and_resumes(tmp_path, repo_dir):
-    model_dir, gen_dir = tmp_path / "run", tmp_path / "gen"
-    args = [
-        "--gin_file=gin/llama_lora.gin",
-        f"--gin.MODEL_DIR='{model_dir}'",
-        f"--gin.OUTPUT_DIR='{gen_dir}'",
-        "--gin.BATCH_SIZE=8",
-        "--gin.LOG_PERIOD=1",
-        "--gin.EVAL_PERIOD=0",
-        "--gin.MAX_EXAMPLES=3",
-        "--gin.MAX_NEW_TOKENS=4",
-        # The gin's LoRA dropout (0.05) adds ~20 s of compile per run on 2 cores; the
-        # dropout path is tested in test_lora_dropout_acts_on_the_low_rank_path_only_in_training.
-        "--gin.lora.LoraConfig.dropout=0.0",
-    ]
-    # On 2 devices: fsdp's LoRA sharding is the in-process tests' (8 devices); here the
-    # gin file's run, for which 8 devices cost 8 input pipelines to build (~5 s a run).
-    result = run_main([*args, "--gin.TRAIN_STEPS=3"], cwd=repo_dir, devices=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "LoRA on 28 kernels" in result.stdout  # 7 projections x 4 layers
-    assert len(read_metrics(str(model_dir))) == 3
-    record = json.loads((model_dir / "lora.json").read_text())
-    assert record["base"] == {"checkpoint": str(model_dir / "base"), "step": 0}
-    assert record["config"]["rules"][0] == ["(q|k|v|o)_proj/kernel$", 8]
-    assert record["config"]["dropout"] == 0.0  # recorded with the rules
-    ckpt = checkpointer.Checkpointer(str(model_dir))
-    saved = ckpt.saved_param_shapes(3)
-    ckpt.close()
-    assert len(saved) == 56 and all(n.endswith(("/lora_a", "/lora_b")) for n in saved)
-    prompts = [json.loads(line)["in_text"] for line in open(repo_dir + "/" + VALIDATION)][:3]
-    outputs = [json.loads(line) for line in (gen_dir / "validation.jsonl").read_text().splitlines()]
-    assert [o["input"] for o in outputs] == prompts
-    assert all(isinstance(o["output"], str) for o in outputs)
-
-    # The same command with more steps resumes the adapters (the base is not re-created).
-    result = run_main(
-        [*args, "--gin.TRAIN_STEPS=5", "--gin.run_in_order.fns=[@train.train]"],
-        cwd=repo_dir,
-        devices=2,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Resumed from checkpoint step 3" in result.stdout
-    assert [m["step"] for m in read_metrics(str(model_dir))] == [1, 2, 3, 4, 5]

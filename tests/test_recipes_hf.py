@@ -42,7 +42,7 @@ from trl.data_utils import _tokenize as trl_tokenize
 from trl.data_utils import common_prefix_length
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from flaxlm.checkpoints import run_dir
+from flaxlm.checkpoints import checkpointer, run_dir
 from flaxlm.data.vocabularies import HuggingFaceVocabulary
 from flaxlm.inference import generation
 from flaxlm.models.row_start import HF_START, SEQIO_START
@@ -149,6 +149,8 @@ class Recorded:
     """What a run read (tests/record_rows.py): its batches, and the prompt ids `infer` and
     GRPO's rollouts read (`prompts["infer" | "grpo"]`, a list of ids a prompt)."""
 
+    stdout = ""  # the run's terminal output
+
     def __init__(self, directory):
         with open(directory / "rows.jsonl") as f:
             self.batches = [json.loads(line) for line in f]
@@ -185,7 +187,9 @@ def run_recipe(tmp_path, repo_dir, gin_file, hf_dir, *bindings) -> tuple[str, Re
     finally:
         del os.environ["FLAXLM_TEST_RECORD_DIR"]
     assert result.returncode == 0, result.stderr[-3000:]
-    return model_dir, Recorded(record)
+    recorded = Recorded(record)
+    recorded.stdout = result.stdout
+    return model_dir, recorded
 
 
 def token_logps(torch_model, ids: list[int]) -> np.ndarray:
@@ -499,6 +503,39 @@ def test_llama_lora_gin_from_an_hf_checkpoint_trains_on_trls_rows_then_infers_fr
     assert all(p == w[0][: len(p)] for p, w in zip(prompts, want))
     outputs = (tmp_path / "generations" / "train.jsonl").read_text().splitlines()
     assert len(outputs) == len(PROMPT_COMPLETIONS)
+    # Only the adapters train and are checkpointed, as the file's rules say, and the run
+    # records them with their base.
+    assert "LoRA on 28 kernels" in recorded.stdout  # 7 projections x 4 layers
+    record = json.loads((pathlib.Path(model_dir) / "lora.json").read_text())
+    assert record["base"] == {"hf": os.path.abspath(hf_dir)}
+    assert record["config"]["rules"][0] == ["(q|k|v|o)_proj/kernel$", 8]
+    assert record["config"]["dropout"] == 0.05
+    ckpt = checkpointer.Checkpointer(model_dir)
+    saved = ckpt.saved_param_shapes(1)
+    ckpt.close()
+    assert len(saved) == 56 and all(n.endswith(("/lora_a", "/lora_b")) for n in saved)
+
+    # The same command with more steps, training alone, resumes the adapters.
+    result = run_main(
+        [
+            f"--gin_file={user_gin}",
+            f"--gin.INIT_FROM_HF='{hf_dir}'",
+            f"--gin.MODEL_DIR='{model_dir}'",
+            f"--gin.TRAIN_FILE='{data}'",
+            f"--gin.VALIDATION_FILE='{data}'",
+            "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}",
+            "--gin.BATCH_SIZE=2",
+            "--gin.TRAIN_STEPS=2",
+            "--gin.WARMUP_STEPS=0",
+            "--gin.EVAL_PERIOD=0",
+            "--gin.LOG_PERIOD=1",
+            "--gin.run_in_order.fns=[@train.train]",
+        ],
+        cwd=repo_dir,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Resumed from checkpoint step 1" in result.stdout
+    assert [m["step"] for m in read_metrics(model_dir)] == [1, 2]
 
 
 @pytest.mark.slow

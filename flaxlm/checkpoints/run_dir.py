@@ -105,7 +105,7 @@ def write_model_record(
         record[RECORD_ROW_START] = row_start.decoder_start_id
         tmp = out / (MODEL_RECORD + ".tmp")
         tmp.write_text(json.dumps(record, indent=2))
-        tmp.rename(out / MODEL_RECORD)
+        tmp.replace(out / MODEL_RECORD)  # a resumed run writes it again
 
 
 def record_if_known(model: BaseModel, model_dir: str | epath.Path, row_start: RowStart) -> None:
