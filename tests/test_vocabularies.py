@@ -114,5 +114,9 @@ def test_hub_style_tokenizers_round_trip_any_text(tmp_path, style):
     assert ids == reference.encode(text, add_special_tokens=False)
     assert vocab.decode(ids) == text
     assert vocab.decode_tf(tf.constant(ids)).numpy().decode() == text
+    if reference.convert_ids_to_tokens(0) == "!":  # a token of text, not padding
+        assert vocab.decode([*ids, 0]) == text + "!"
+        padded = tf.constant([[*ids, 0, 0], [*ids, 0, vocab.eos_id]])  # seqio's padded rows
+        assert [t.decode() for t in vocab.decode_tf(padded).numpy()] == [text, text + "!"]
     assert vocab.eos_id == reference.convert_tokens_to_ids(eos)
     assert vocab.bos_id == (None if bos is None else reference.convert_tokens_to_ids(bos))

@@ -124,17 +124,23 @@ class PythonVocabulary(abc.ABC):
         return ids
 
     def decode_tf(self, ids: Any) -> Any:
-        """`decode` of each row of an int tensor `[..., length]`, as tf.string `[...]`."""
+        """`decode` of each row of an int tensor `[..., length]`, as tf.string `[...]`. Such
+        rows are seqio's, padded with 0 (`PAD_ID`): a row's trailing 0s are padding, even
+        where 0 is a token of the vocabulary (an HF tokenizer's "!")."""
         import tensorflow as tf
 
         if ids.shape == (0,):
             return tf.constant(b"", dtype=tf.string)
 
+        def unpadded(row: np.ndarray) -> np.ndarray:
+            real = np.flatnonzero(row != PAD_ID)
+            return row[: real[-1] + 1] if real.size else row[:0]
+
         def decode(x: np.ndarray) -> np.ndarray:
             x = np.asarray(x)
             if x.ndim == 1:
-                return np.asarray(self.decode(x).encode("utf-8"), dtype=object)
-            rows = [self.decode(r).encode("utf-8") for r in x.reshape(-1, x.shape[-1])]
+                return np.asarray(self.decode(unpadded(x)).encode("utf-8"), dtype=object)
+            rows = [self.decode(unpadded(r)).encode("utf-8") for r in x.reshape(-1, x.shape[-1])]
             return np.asarray(rows, dtype=object).reshape(x.shape[:-1])
 
         out = tf.numpy_function(decode, [ids], tf.string, stateful=False)
@@ -262,9 +268,13 @@ class HuggingFaceVocabulary(PythonVocabulary):
         return self.tokenizer.encode(s, add_special_tokens=False)
 
     def _decode(self, ids: list[int]) -> str:
-        # seqio pads with 0; drop that padding, keep everything else (special tokens too).
-        while ids and ids[-1] == self.pad_id:
-            ids.pop()
+        # seqio pads with 0: where 0 is one of the tokenizer's special tokens (a T5- or
+        # SentencePiece-style <pad>) trailing 0s are that padding; where it is a token of
+        # text (Qwen's and Llama 3's "!") it is kept. Everything else is decoded, special
+        # tokens too.
+        if self.pad_id in self.tokenizer.all_special_ids:
+            while ids and ids[-1] == self.pad_id:
+                ids.pop()
         if self.eos_id is not None and ids and ids[-1] == self.eos_id:
             ids.pop()
         return self.tokenizer.decode(ids, skip_special_tokens=False)
