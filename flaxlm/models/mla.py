@@ -172,11 +172,16 @@ class MultiHeadLatentAttention(nn.Module):
 
         out = None
         if decoding is not None and cfg.mla_cache == "latent":
+            step = h.shape[1] == 1  # a decoding step: the up-projection absorbed
+            # Sparse attention's step reads the latents of its chosen slots alone.
+            picked = chosen[:, 0] if step and chosen is not None else None  # [batch, n]
             cached, k_rope = DecodingCache(("latent", "rope_key"), LATENT_CACHE_AXES, name="cache")(
-                (c_kv[:, :, None], k_rope), decoding
+                (c_kv[:, :, None], k_rope), decoding, picked
             )
-            c_kv = cached[:, :, 0]  # [batch, slots, rank]
-            if h.shape[1] == 1:  # a decoding step: the up-projection absorbed
+            c_kv = cached[:, :, 0]  # [batch, slots (or n), rank]
+            if picked is not None:  # the narrowed mask at the chosen slots: [batch, 1, 1, n]
+                mask = jnp.take_along_axis(mask[:, :, 0], picked[:, None], axis=-1)[:, :, None]
+            if step:
                 w = kv_b.kernel_with_lora(rank)  # [rank, heads, nope + v]
                 out = absorbed_attention(
                     q_nope, q_rope, c_kv, k_rope[:, :, 0], w[..., :nope], w[..., nope:],
@@ -220,25 +225,30 @@ class DecodingCache(nn.Module):
     `[batch, X, width, slots]`) and returned whole as `[batch, slots, X, width]`
     (`attention.write_cache`); paged (the serving
     engine), written into their pages of a pool `[X, num_pages, page_size, width]` and
-    returned gathered in each row's slot order (`paged_attention`)."""
+    returned gathered in each row's slot order (`paged_attention`). With `slots` (int32
+    `[batch, n]`) only those slots of each row are returned, `[batch, n, X, width]`, read from
+    the pages they lie on alone (sparse attention's decoding step)."""
 
     names: tuple[str, ...]
     axes: tuple[str | None, ...]  # logical axes of `[batch, slots, X, width]`
 
     @nn.compact
-    def __call__(self, arrays: tuple[Array, ...], decoding: masks.Decoding) -> tuple[Array, ...]:
+    def __call__(
+        self, arrays: tuple[Array, ...], decoding: masks.Decoding, slots: Array | None = None
+    ) -> tuple[Array, ...]:
         out = []
         for name, x in zip(self.names, arrays, strict=True):
-            if decoding.paged:
-                out.append(self.paged(name, x, decoding))
+            if decoding.paged:  # as `attention.KVCache`'s paged mode
+                pool = paged_attention.write_pages(self, name, x, decoding, self.axes)
+                if slots is None:
+                    out.append(paged_attention.gather_pages(pool, decoding, self.axes))
+                else:
+                    out.append(paged_attention.gather_slots(pool, decoding, slots, self.axes))
                 continue
-            out.append(attention.write_cache(self, name, x, decoding, self.axes))
+            whole = attention.write_cache(self, name, x, decoding, self.axes)
+            picked = None if slots is None else slots[:, :, None, None]
+            out.append(whole if picked is None else jnp.take_along_axis(whole, picked, axis=1))
         return tuple(out)
-
-    def paged(self, name: str, x: Array, decoding: masks.Decoding) -> Array:
-        """As `attention.KVCache`'s paged mode, for one array."""
-        pool = paged_attention.write_pages(self, name, x, decoding, self.axes)
-        return paged_attention.gather_pages(pool, decoding, self.axes)
 
 
 def expand(kv_b: LatentUp, c_kv: Array, k_rope: Array, nope: int) -> tuple[Array, Array]:

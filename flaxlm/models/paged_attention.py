@@ -64,6 +64,15 @@ def gather_pages(pool: Array, decoding: Decoding, axes: tuple) -> Array:
     return constrain(jnp.moveaxis(rows, 0, 2), axes)
 
 
+def gather_slots(pool: Array, decoding: Decoding, slots: Array, axes: tuple) -> Array:
+    """Row b's slots `slots[b]` (int32 `[batch, n]`) of `pool`, read from the pages they lie
+    on alone: `[batch, n, X, width]`, `axes` its logical axes (as `gather_pages`')."""
+    size = decoding.page_size
+    page = jnp.take_along_axis(decoding.page_table, slots // size, axis=1)  # [batch, n]
+    rows = pool[:, page, slots % size]  # [X, batch, n, width]
+    return constrain(jnp.moveaxis(rows, 0, 2), axes)
+
+
 # Why the kernel was passed over for a decode step it was asked for, each said once.
 _DECLINED: set[str] = set()
 

@@ -19,12 +19,14 @@ shape) every visible key is chosen, so the layer is dense MLA exactly and the in
 scores are not computed; its projections still run, so its params exist and its keys reach
 the decoding cache for later steps.
 
-What is sparse here is the mask, not the work: the attention still scores every key (XLA's
-einsums, any `attention` implementation given a dense bool mask), as dense MLA costs;
-reading only the chosen keys (DeepSeek's FlashMLA sparse kernels) is not done. The decoding
-cache keeps the indexer's keys beside MLA's latents (`indexer/cache/key`, `[batch, slots, 1,
-index_head_dim]`), contiguous and paged alike: the serving engine gathers every page of a
-row, as for dense MLA, and masks to the chosen slots.
+A decoding step (one query a row) reads the latents of its chosen slots alone
+(`mla.DecodingCache`'s `slots`: from the contiguous cache, or from the engine's pool the pages
+they lie on) and attends over those `index_topk`; the indexer's keys (`indexer/cache/key`,
+`[batch, slots, 1, index_head_dim]`, a quarter of a latent's width or less) are all read, as
+the choice needs them. Training, scoring and prefill narrow the mask instead: the attention
+still scores every key (XLA's einsums, any `attention` implementation given a dense bool
+mask), as dense MLA costs, since a gather of `index_topk` keys for each of many queries
+would hold more than the dense scores; DeepSeek's FlashMLA sparse kernels are not here.
 
 As in HF (`torch.no_grad`), the indexer takes no gradient: the choice is integer top-k, and
 nothing of the language-model loss reaches its params (DeepSeek trains it with a KL term to
