@@ -129,7 +129,7 @@ def compile_paged(
     cache = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         cache,
-        scheduler._shardings,
+        scheduler.programs.shardings,
     )
 
     def rows(dtype: Any = jnp.int32, *shape: int) -> Any:
@@ -139,7 +139,7 @@ def compile_paged(
     inputs = (abstract(params, replicated), cache, rows(), rows(), table, None)
     sample = (rows(), rows(), rows(), rows(jnp.float32), rows(jnp.float32))
     with partitioner.context():
-        return scheduler._decode.lower(*inputs, *sample).compile()
+        return scheduler.programs.decode.lower(*inputs, *sample).compile()
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -160,16 +161,14 @@ def flaxlm_greedy_batch(model, params, prompts, new_tokens: int = GREEDY_TOKENS,
     return np.asarray(out).tolist()
 
 
-def engine_greedy(
-    model, params, prompts, new_tokens: int = GREEDY_TOKENS, partitioner=None
-) -> list[list[int]]:
-    """The serving engine's greedy tokens for `prompts` (ids only: no vocabulary), over its
-    paged cache with small pages and several dispatches a prompt, on one device unless
-    `partitioner`; `new_tokens` each (the tiny models have no EOS)."""
+@contextlib.contextmanager
+def paged_engine(model, params, partitioner=None):
+    """The serving engine, started, over a paged cache with small pages and several
+    dispatches a prompt (4 rows, pages of 4 slots, prefill chunks of 8 tokens of 2 prompts,
+    4 tokens a decode dispatch), on one device unless `partitioner`."""
     import jax
 
     from flaxlm.parallel.partitioning import Partitioner
-    from flaxlm.runs.serve.api import Completion
     from flaxlm.runs.serve.engine import Engine
 
     partitioner = partitioner or Partitioner(mesh_shape=(1, 1, 1), devices=jax.devices()[:1])
@@ -179,19 +178,35 @@ def engine_greedy(
     )  # fmt: skip
     engine.start()
     try:
-        jobs = [Completion(p, new_tokens, 0.0, 1.0, [], None, 0) for p in prompts]
-        for job in jobs:
-            engine.submit(job)
-        out = []
-        for job in jobs:
-            tokens = []
-            while (event := job.events.get(timeout=120))[0] == "token":
-                tokens.append(event[1])
-            assert event[:2] == ("done", "length"), event
-            out.append(tokens)
-        return out
+        yield engine
     finally:
         engine.stop()
+
+
+def engine_tokens(engine, prompts, new_tokens: int) -> list[list[int]]:
+    """`engine`'s greedy tokens for `prompts` (ids only: no vocabulary), `new_tokens` each
+    (the tiny models have no EOS), all submitted at once."""
+    from flaxlm.runs.serve.api import Completion
+
+    jobs = [Completion(p, new_tokens, 0.0, 1.0, [], None, 0) for p in prompts]
+    for job in jobs:
+        engine.submit(job)
+    out = []
+    for job in jobs:
+        tokens = []
+        while (event := job.events.get(timeout=120))[0] == "token":
+            tokens.append(event[1])
+        assert event[:2] == ("done", "length"), event
+        out.append(tokens)
+    return out
+
+
+def engine_greedy(
+    model, params, prompts, new_tokens: int = GREEDY_TOKENS, partitioner=None
+) -> list[list[int]]:
+    """The serving engine's greedy tokens for `prompts` (`paged_engine`, `engine_tokens`)."""
+    with paged_engine(model, params, partitioner) as engine:
+        return engine_tokens(engine, prompts, new_tokens)
 
 
 def check_family(

@@ -14,7 +14,7 @@ import torch
 from flaxlm.checkpoints import hf
 from flaxlm.models import gated_deltanet, masks, qwen3_next
 from flaxlm.parallel.partitioning import Partitioner
-from tests.hf_helpers import engine_greedy, hf_greedy_batch
+from tests.hf_helpers import engine_tokens, hf_greedy_batch, paged_engine
 
 EPS = float(np.finfo(np.float32).eps)
 ROWS = 2  # the rows of each layer check
@@ -245,20 +245,27 @@ ENGINE_TOKENS = 8  # each prompt's greedy tokens through the engine
 
 def check_engine_greedy_is_hf_generate(torch_model, path, vocab_size: int) -> None:
     """HF `generate`'s greedy tokens through the serving engine's pages and state slots
-    (`hf_helpers.engine_greedy`: 4 rows, pages of 4 slots, prefill chunks of 8 tokens of 2
-    prompts, 4 tokens a decode dispatch) for the hybrid saved at `path` (`torch_model`'s):
-    prompts of 7, 5, 7, 8 and 6 tokens, the third the first's (a follower: the prompt read
-    once, its last page and the state copied), the fifth waiting for a row and taking the
-    state slot of one that ended; rows start decoding at different dispatches. Short enough
-    for one prefill and one decode program (a prompt over several prefill chunks:
-    `check_layer_decodes_from_its_state_slots`)."""
+    (`hf_helpers.paged_engine`) for the hybrid saved at `path` (`torch_model`'s): prompts of
+    7, 5, 7, 8 and 6 tokens, the third the first's (a follower: the prompt read once, its
+    last page and the state copied), the fifth waiting for a row and taking the state slot
+    of one that ended; rows start decoding at different dispatches. Then a second wave
+    whose prompts share the first's and the second's first page resumes after it from the
+    state snapshot kept there (a chunk ends there), and a new prompt is read whole. Short
+    enough for few programs (page tables of up to 4 pages; a prompt over several prefill
+    chunks: `check_layer_decodes_from_its_state_slots`)."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, vocab_size, n).tolist() for n in (7, 5, 8, 6)]
     prompts.insert(2, prompts[0])
-    expected = hf_greedy_batch(torch_model, prompts, ENGINE_TOKENS)
+    fresh = rng.integers(1, vocab_size, 6).tolist()
+    later = [prompts[0][:4] + [5, 6, 7], prompts[1][:4] + [8, 9], fresh]
+    expected = hf_greedy_batch(torch_model, prompts + later, ENGINE_TOKENS)
     model, params = hf.from_pretrained(path, Partitioner(devices=jax.devices()[:1]))
     assert model.paged_refusal() is None
-    assert engine_greedy(model, params, prompts, ENGINE_TOKENS) == expected
+    with paged_engine(model, params) as engine:
+        assert engine_tokens(engine, prompts, ENGINE_TOKENS) == expected[:5]
+        assert engine.scheduler.cached_tokens == 0
+        assert engine_tokens(engine, later, ENGINE_TOKENS) == expected[5:]
+        assert engine.scheduler.cached_tokens == 4 + 4
 
 
 def packed_batch(seed: int = 1) -> dict[str, np.ndarray]:

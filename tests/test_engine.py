@@ -255,18 +255,35 @@ def running_sums(prompt, n):
     return out
 
 
-def test_each_sequence_decodes_from_its_own_state_slot_shared_prompts_copied_cancels_freed():
+def running_sum_scheduler(**kwargs) -> Scheduler:
+    settings = dict(max_rows=3, page_size=PAGE, max_seq_len=32, decode_steps=3, prefill_rows=2)
+    return Scheduler(RunningSum(), None, Partitioner(devices=jax.devices()[:1]),
+                     **{**settings, **kwargs})  # fmt: skip
+
+
+def run(scheduler, cases):
+    """The (tokens, last event) of each (prompt, max_tokens) of `cases`, queued at once."""
+    jobs = [job(p, n) for p, n in cases]
+    for j in jobs:
+        scheduler.add(j)
+    while scheduler.busy:
+        scheduler.step()
+    return [result(j) for j in jobs]
+
+
+@pytest.mark.parametrize("snapshots", [0, None])
+def test_each_sequence_decodes_from_its_own_state_slot_shared_prompts_copied_cancels_freed(
+    snapshots,
+):
     """Three rows for five jobs over a model that keeps a running sum in its state slot
     (prompts in chunks of 4 beside others, padded; decode dispatches of 3 tokens): each job
     gets the tokens of its prompt alone. The second follows the first's identical prompt
     (read once, the state copied); the first is cancelled before its prompt is read (its
-    follower queued again: a slot of its own, its prompt read from a fresh state); the
-    fifth waits for a slot another job freed. Every slot and page comes back, and no
+    follower queued again: a slot of its own, its prompt read from a fresh state, or with
+    prefix snapshots from the state the first kept after its first page); the fifth waits
+    for a slot another job freed. Every slot and page comes back; without snapshots no
     prefix is cached: pages do not hold the state."""
-    scheduler = Scheduler(
-        RunningSum(), None, Partitioner(devices=jax.devices()[:1]), max_rows=3, page_size=4,
-        max_seq_len=32, decode_steps=3, prefill_chunk=4, prefill_rows=2,
-    )  # fmt: skip
+    scheduler = running_sum_scheduler(prefill_chunk=4, prefix_snapshots=snapshots)
     rng = np.random.default_rng(2)
     shared, other = rng.integers(1, VOCAB, 10).tolist(), rng.integers(1, VOCAB, 9).tolist()
     cases = [(shared, 5), (shared, 7), (other, 6), (other, 4), ([7, 8, 9], 8)]
@@ -282,8 +299,58 @@ def test_each_sequence_decodes_from_its_own_state_slot_shared_prompts_copied_can
     for (p, n), j in zip(cases[1:], jobs[1:]):
         assert result(j) == (running_sums(p, n), ("done", "length")), (p, n)
     assert scheduler.pool.shared > 0  # the fourth followed the third
-    assert sorted(scheduler.free_state_slots) == [1, 2, 3]
-    assert scheduler.pool.in_use() == scheduler.pool.cached() == 0
+    assert sorted(scheduler.states.free) == [1, 2, 3]
+    assert scheduler.pool.in_use() == 0
+    if snapshots == 0:
+        assert scheduler.pool.cached() == scheduler.cached_tokens == 0
+    else:  # the second resumed after the first's first page
+        assert scheduler.cached_tokens == PAGE and scheduler.states.held() > 0
+
+
+def test_a_later_prompt_resumes_from_the_state_snapshot_after_its_cached_pages():
+    """Prompts read in chunks of 8 on pages of 4: a chunk ends at a page's end, and at the
+    prompt's last full page (a snapshot of the state is kept at each). A later prompt that
+    extends the first's last full page, or its first chunk, reads only the rest; one that
+    shares a page with no snapshot after it reads all. Each gets the tokens it gets with no
+    prefix cache."""
+    scheduler = running_sum_scheduler(prefill_chunk=8)
+    rng = np.random.default_rng(4)
+    first = rng.integers(1, VOCAB, 14).tolist()
+    assert run(scheduler, [(first, 3)]) == [(running_sums(first, 3), ("done", "length"))]
+    keys = prefix_keys(first, PAGE, 3)
+    assert [scheduler.states.has(k) for k in keys] == [False, True, True]
+    later = [first[:12] + [5, 6], first[:9] + [1, 2, 3], first[:6] + [7]]
+    read = scheduler.prefilled_tokens
+    for prompt in later:
+        assert run(scheduler, [(prompt, 4)]) == [(running_sums(prompt, 4), ("done", "length"))]
+    assert scheduler.cached_tokens == 12 + 8
+    assert scheduler.prefilled_tokens - read == 2 + 4 + 7
+    assert scheduler.pool.in_use() == 0 and scheduler.states.skipped == 0
+    scheduler.reset()  # e.g. new params: every page and snapshot free
+    assert scheduler.pool.cached() == scheduler.states.held() == 0
+
+
+def test_evicting_a_cached_page_frees_its_snapshot_and_a_full_pool_keeps_none():
+    """A snapshot lives as long as its page in the prefix cache: a long reply that needs
+    every page evicts them and frees their snapshots (the prompt is then read again). With
+    one snapshot slot taken, a snapshot after a page no sequence holds is replaced; one
+    after a page a sequence holds is kept, and another prompt read beside it keeps none
+    (counted, no error)."""
+    scheduler = running_sum_scheduler(prefill_chunk=8, num_pages=9, prefix_snapshots=1)
+    prompt = list(range(1, 11))
+    run(scheduler, [(prompt, 2)])
+    assert scheduler.states.held() == 1 and scheduler.pool.cached() == 2
+    assert run(scheduler, [([3], 31)]) == [(running_sums([3], 31), ("done", "length"))]
+    assert scheduler.states.held() == scheduler.pool.cached() == 0
+    assert run(scheduler, [(prompt, 2)])[0][0] == running_sums(prompt, 2)
+    assert scheduler.cached_tokens == 0 and scheduler.states.held() == 1
+
+    a, b = list(range(20, 29)), list(range(40, 49))
+    outputs = run(scheduler, [(a, 2), (b, 2)])
+    assert [o[0] for o in outputs] == [running_sums(a, 2), running_sums(b, 2)]
+    kept = [scheduler.states.has(prefix_keys(p, PAGE, 2)[1]) for p in (prompt, a, b)]
+    assert kept == [False, True, False]
+    assert scheduler.states.skipped == 1 and scheduler.states.held() == 1
 
 
 def test_stop_cancels_what_is_queued(llama):
@@ -388,7 +455,7 @@ def test_the_pallas_kernel_reads_the_pages_in_place_as_the_gather_path_attends(t
     # The kernel is in the decode dispatch's program (and not in the prefill's).
     cache = model.paged_cache(scheduler.num_pages, 16)
     rows = np.zeros((4,), np.int32)
-    decode_jaxpr = jax.make_jaxpr(scheduler._decode_fn)(
+    decode_jaxpr = jax.make_jaxpr(scheduler.programs.decode_fn)(
         scheduler.params, cache, rows, rows, np.zeros((4, 2), np.int32), None,
         rows, rows, rows, np.zeros(4, np.float32), np.ones(4, np.float32),
     )  # fmt: skip

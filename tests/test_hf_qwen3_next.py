@@ -203,7 +203,8 @@ def tiny_config(**overrides) -> qwen3_next.Qwen3NextConfig:
 @pytest.mark.slow
 def test_greedy_through_the_engines_pages_and_state_slots_is_hf_generate(tmp_path):
     """Rows joining and leaving, a follower of an identical prompt (its state copied), a
-    state slot reused: HF's greedy tokens (`generate`'s are `check_family`'s)."""
+    state slot reused, later prompts resumed from the prefix cache's pages and state
+    snapshots: HF's greedy tokens (`generate`'s are `check_family`'s)."""
     torch_model, path = tiny_hf_model(tmp_path / "hf", "qwen3_next")
     check_engine_greedy_is_hf_generate(torch_model, path, VOCAB)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -39,13 +39,20 @@ class PagePool:
 
     A page is free when no sequence holds it; a free page that holds a registered prompt
     prefix stays findable (`lookup`) until `allocate` needs it (least recently released
-    first)."""
+    first). `on_evict(key)` is told when the page `key` names leaves the prefix cache (a
+    model with recurrent state frees the state snapshot it kept after that page)."""
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        on_evict: Callable[[bytes], None] = lambda key: None,
+    ):
         if num_pages < 2:
             raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {num_pages}.")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.on_evict = on_evict
         self.refs = np.zeros(num_pages, np.int64)
         self._free: collections.deque[int] = collections.deque(range(1, num_pages))
         # Free pages that still hold a cached prefix, least recently released first.
@@ -76,7 +83,9 @@ class PagePool:
                 page = self._free.popleft()
             else:
                 page, _ = self._evictable.popitem(last=False)
-                del self._by_key[self._key_of.pop(page)]
+                key = self._key_of.pop(page)
+                del self._by_key[key]
+                self.on_evict(key)
             self.refs[page] = 1
             pages.append(page)
         return pages
@@ -117,6 +126,11 @@ class PagePool:
         if key not in self._by_key and page not in self._key_of:
             self._by_key[key] = page
             self._key_of[page] = key
+
+    def held(self, key: bytes) -> bool:
+        """Whether a sequence holds the cached page `key` names."""
+        page = self._by_key.get(key)
+        return page is not None and self.refs[page] > 0
 
     def cached(self) -> int:
         """Pages that hold a registered prefix."""

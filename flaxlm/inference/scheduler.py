@@ -15,8 +15,9 @@ again by later jobs with the same prefix.
 
 Linear attention (Qwen3-Next, Kimi Linear): a running sequence also holds a state slot (its
 layers' recurrent states, `models/state_slots.py`) from admission to its end; a follower
-starts from a copy of its leader's. These models keep no prefix cache: the pages hold keys
-and values, not the recurrent state after them.
+starts from a copy of its leader's. Their prefix cache keeps the state after a cached page
+in a snapshot slot (`state_pool.py`; `prefix_snapshots`): a prefill chunk ends where a page
+does, and a prompt resumes only after a page with a snapshot.
 
 Many LoRA adapters: params that hold stacked adapters (`lora.with_row_adapters`) serve each
 job with its own (`Job.adapter`; 0 the base) in the same dispatches, the adapter index of
@@ -33,18 +34,18 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from flaxlm.inference.pages import PagePool, pages_for, prefix_keys
+from flaxlm.inference.programs import PagedPrograms
+from flaxlm.inference.state_pool import StatePool
 from flaxlm.models import decoding
 from flaxlm.models.base import BaseModel
 from flaxlm.models.paged_attention import check_page_size, check_paged_attention
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.training import lora
 
 Array = jax.Array
+Copies = list[tuple[int, int]]  # (from, to) pages or state slots
 
 
 class Job(Protocol):
@@ -101,6 +102,7 @@ class Scheduler:
         num_top: int = 5,
         layout_in_program: bool = False,
         paged_attention: str = "gather",
+        prefix_snapshots: int | None = None,
     ):
         """
         Args:
@@ -120,6 +122,10 @@ class Scheduler:
           paged_attention: how a decode dispatch's attention reads the pages: 'gather'
             (each row's pages copied out, then the model's own attention) or 'pallas' (JAX's
             Pallas kernel reads them in place; GPU; `models.paged_attention`).
+          prefix_snapshots: for a model with recurrent state (linear attention), the state
+            slots beside the rows' that keep the state after cached prompt pages
+            (`state_pool.py`; each the size of a row's): default `max_rows`; 0 keeps no
+            prefix cache for such a model (a repeated prompt is read again).
         """
         check_paged_attention(paged_attention)
         if paged_attention == "pallas":
@@ -127,6 +133,8 @@ class Scheduler:
         refusal = model.paged_refusal()
         if refusal is not None:
             raise ValueError(refusal)
+        if prefix_snapshots is not None and prefix_snapshots < 0:
+            raise ValueError(f"prefix_snapshots must be at least 0, got {prefix_snapshots}.")
         self.model = model
         self.paged_attention = paged_attention
         # Unrolled layers: laid out once here, or inside each program.
@@ -150,31 +158,31 @@ class Scheduler:
         self.prefilled_tokens = 0  # prompt tokens read by prefill dispatches
         self.decode_dispatches = 0
         self.prefill_dispatches = 0
+        self.cached_tokens = 0  # prompt tokens found in the prefix cache
         new_cache = lambda: model.paged_cache(self.num_pages, page_size, max_rows)
         shapes = jax.eval_shape(new_cache)
         self.stateful = bool(decoding.recurrent_states(shapes))
-        self._shardings = jax.tree_util.tree_map_with_path(self._pool_sharding, shapes)
-        if paged_attention == "pallas" and not all(
-            s.is_fully_replicated for s in jax.tree.leaves(self._shardings)
-        ):
-            raise ValueError(
-                "paged_attention='pallas': the kernel reads a whole pool on each device, and "
-                "this mesh splits the pool's heads (tensor parallelism): use 'gather' here."
-            )
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
-        self._copy = jax.jit(self._copy_fn, donate_argnums=(0,))
-        self._first = jax.jit(self._first_fn)
+        self.snapshots = 0
+        if self.stateful:
+            self.snapshots = max_rows if prefix_snapshots is None else prefix_snapshots
+        if self.snapshots:
+            slots = max_rows + self.snapshots  # the rows' and the snapshots' (and the scratch)
+            new_cache = lambda: model.paged_cache(self.num_pages, page_size, slots)
+            shapes = jax.eval_shape(new_cache)
+        self.programs = PagedPrograms(
+            model, partitioner, shapes, layout=self._layout, decode_steps=decode_steps,
+            num_top=num_top, paged_attention=paged_attention,
+        )  # fmt: skip
         # One program, traced once (`reset` runs every rollout).
-        self._make_cache = jax.jit(new_cache, out_shardings=self._shardings)
+        self._make_cache = jax.jit(new_cache, out_shardings=self.programs.shardings)
         self.reset()
 
     # ------------------------------------------------------------ the host's side
 
     def reset(self) -> None:
         """A fresh pool and cache (after a failed dispatch: the donated cache is gone)."""
-        self.pool = PagePool(self.num_pages, self.page_size)
-        self.free_state_slots = list(range(self.max_rows, 0, -1)) if self.stateful else []
+        self.states = StatePool(self.max_rows if self.stateful else 0, self.snapshots)
+        self.pool = PagePool(self.num_pages, self.page_size, self.states.forget)
         with self.partitioner.context():
             self.cache = self._make_cache()
 
@@ -244,6 +252,7 @@ class Scheduler:
             self._decode_step()
 
     def _admit(self) -> None:
+        snapshots: Copies = []  # where admitted prompts resume
         while self.waiting and len(self.running) < self.max_rows:
             seq = self.waiting[0]
             total = pages_for(len(seq.prompt) + seq.job.max_tokens - 1, self.page_size)
@@ -262,19 +271,25 @@ class Scheduler:
                 need, hits = total - len(seq.keys), []
             else:  # the last prompt token is always read: its logits start the reply
                 hits = self.pool.lookup(seq.keys[: (len(seq.prompt) - 1) // self.page_size])
+                if self.stateful:  # resumes only where a snapshot holds the state
+                    hits = hits[: self.states.longest(seq.keys[: len(hits)])]
                 need = total - len(hits)
                 self.pool.share(hits)
             if need > self.pool.available():
                 self.pool.release(hits)
-                return
+                break
             self.waiting.popleft()
-            seq.state_slot = self.free_state_slots.pop() if self.stateful else 0
+            seq.state_slot = self.states.take() if self.stateful else 0
             seq.pages = hits + self.pool.allocate(need)
             seq.computed = len(hits) * self.page_size
+            self.cached_tokens += seq.computed
+            if self.stateful and hits:
+                snapshots.append((self.states.slot_of(seq.keys[len(hits) - 1]), seq.state_slot))
             if leader is not None:
                 seq.leader = leader
                 leader.followers.append(seq)
             self.running.append(seq)
+        self._copy_slots([], snapshots)
 
     def _end(self, seq: _Sequence, event: tuple) -> None:
         """Puts the last `event` of `seq` and frees its pages; its followers are queued
@@ -298,7 +313,7 @@ class Scheduler:
         self.pool.release(seq.pages)
         seq.pages = []
         if self.stateful:
-            self.free_state_slots.append(seq.state_slot)
+            self.states.give_back(seq.state_slot)
 
     def _emit(self, seq: _Sequence, token: int, logprob: float, top: list) -> bool:
         """Hands `seq` its sampled token; True while it goes on."""
@@ -338,47 +353,79 @@ class Scheduler:
         needed = []
         for i, seq in enumerate(rows):
             adapters[i], states[i] = seq.adapter, seq.state_slot
-            n = min(chunk, len(seq.prompt) - seq.computed)
+            n = self._chunk(seq)
             tokens[i, :n] = seq.prompt[seq.computed : seq.computed + n]
             slots[i, :n] = np.arange(seq.computed, seq.computed + n)
             last[i] = n - 1
-            needed.append(pages_for(seq.computed + n, self.page_size))
+            # Up to where an uncut chunk would end: a chunk cut at a page keeps its program.
+            uncut = min(chunk, len(seq.prompt) - seq.computed)
+            needed.append(pages_for(seq.computed + uncut, self.page_size))
         table = self._table(rows, needed, size)
         with self.partitioner.context():
-            logits, self.cache = self._prefill(
+            logits, self.cache = self.programs.prefill(
                 self.params, self.cache, tokens, slots, table, last, adapters, states
             )
         self.prefill_dispatches += 1
         finished = []  # (sequence, its logits row)
+        page_copies: Copies = []
+        state_copies: Copies = []
         for i, seq in enumerate(rows):
             n = int(last[i]) + 1
             self.prefilled_tokens += n
             seq.computed += n
-            cached = 0 if self.stateful else min(seq.computed // self.page_size, len(seq.keys))
-            for p in range(cached):  # (a recurrent state is not in the pages: no prefix cache)
+            full = seq.computed // self.page_size
+            cached = min(full, len(seq.keys)) if not self.stateful or self.snapshots else 0
+            for p in range(cached):
                 self.pool.register(seq.keys[p], seq.pages[p])
+            if self.snapshots and full and seq.computed % self.page_size == 0:
+                snapshot = self.states.snapshot(seq.keys[full - 1], self.pool.held)
+                state_copies += [(seq.state_slot, snapshot)] if snapshot else []
             if seq.computed == len(seq.prompt):
                 finished += [(seq, i)] + [(f, i) for f in seq.followers]
-                self._fork(seq)
+                self._fork(seq, page_copies, state_copies)
+        self._copy_slots(page_copies, state_copies)
         if finished:
             self._start(logits, finished)
 
-    def _fork(self, leader: _Sequence) -> None:
+    def _chunk(self, seq: _Sequence) -> int:
+        """Prompt tokens of `seq` the next prefill dispatch reads: up to `prefill_chunk`; with
+        state snapshots, ending where a page ends while the prompt goes on (a snapshot is
+        taken there), at its last full page while that has none."""
+        n = min(self.prefill_chunk, len(seq.prompt) - seq.computed)
+        end, size = seq.computed + n, self.page_size
+        if not self.snapshots or end == len(seq.prompt) and end % size == 0:
+            return n
+        last_full = len(seq.keys) * size
+        if seq.computed < last_full < end and not self.states.has(seq.keys[-1]):
+            return last_full - seq.computed
+        aligned = end // size * size
+        return aligned - seq.computed if end < len(seq.prompt) and aligned > seq.computed else n
+
+    def _fork(self, leader: _Sequence, pages: Copies, states: Copies) -> None:
         """The leader's prompt is read: each follower takes its full prompt pages and a copy
-        of the page it ends in (written by each of them next), and a copy of its state."""
+        of the page it ends in (written by each of them next), and a copy of its state (the
+        copies added to `pages` and `states`)."""
         full = len(leader.prompt) // self.page_size
-        copies = np.zeros((4, self.max_rows), np.int32)  # pages, states: from, to (0 onto 0)
-        for i, f in enumerate(leader.followers):
+        for f in leader.followers:
             self.pool.share(leader.pages[:full])
             if len(leader.prompt) % self.page_size:
-                copies[:2, i] = leader.pages[full], f.pages[0]
-            copies[2:, i] = leader.state_slot, f.state_slot
+                pages.append((leader.pages[full], f.pages[0]))
+            if self.stateful:
+                states.append((leader.state_slot, f.state_slot))
             f.pages = leader.pages[:full] + f.pages
             f.computed, f.leader = len(f.prompt), None
         leader.followers = []
-        if copies.any():
+
+    def _copy_slots(self, pages: Copies, states: Copies) -> None:
+        """Copies pages and state slots on the device, `max_rows` of each a dispatch."""
+        width = self.max_rows
+        for start in range(0, max(len(pages), len(states)), width):
+            copies = np.zeros((4, width), np.int32)  # pages, states: from, to (0 onto 0)
+            for row, pairs in ((0, pages), (2, states)):
+                if part := pairs[start : start + width]:
+                    copies[row : row + 2, : len(part)] = np.asarray(part).T
             with self.partitioner.context():
-                self.cache = self._copy(self.cache, *copies)
+                self.cache = self.programs.copy(self.cache, *copies)
 
     def _start(self, logits: Array, finished: list[tuple[_Sequence, int]]) -> None:
         """Samples each finished prompt's first token (a follower its own)."""
@@ -392,7 +439,7 @@ class Scheduler:
             temperature[j], top_p[j] = seq.job.temperature, seq.job.top_p
         counts = np.zeros((size,), np.int32)
         with self.partitioner.context():
-            out = self._first(logits, index, seeds, counts, temperature, top_p)
+            out = self.programs.first(logits, index, seeds, counts, temperature, top_p)
         token, lp, top_ids, top_lps = (np.asarray(x) for x in out)
         for j, (seq, _) in enumerate(finished):
             top = list(zip(top_ids[j].tolist(), top_lps[j].tolist()))
@@ -423,7 +470,7 @@ class Scheduler:
         args = (tokens, slots, table, adapters, remaining, seeds, counts)
         args += (temperature, top_p, states)
         with self.partitioner.context():
-            self.cache, *out = self._decode(self.params, self.cache, *args)
+            self.cache, *out = self.programs.decode(self.params, self.cache, *args)
         self.decode_dispatches += 1
         token, lp, top_ids, top_lps = (np.asarray(x) for x in out)  # [steps, rows, ...]
         for i, seq in enumerate(rows):
@@ -431,69 +478,3 @@ class Scheduler:
                 top = list(zip(top_ids[k, i].tolist(), top_lps[k, i].tolist()))
                 if not self._emit(seq, int(token[k, i]), float(lp[k, i]), top):
                     break
-
-    # ------------------------------------------------------------ the device's side
-
-    def _pool_sharding(self, path: tuple, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
-        """A pool leaf `[(layers,) kv_heads, pages, page_size, head_dim]`: its heads split as
-        the model splits them where they divide, the rest replicated."""
-        if decoding.is_recurrent_state(path):  # a pool of state slots: small beside the pages
-            return self.partitioner.replicated()
-        heads = "kv_heads" if leaf.shape[-4] > 1 else None
-        axes = (None,) * (leaf.ndim - 4) + (heads, None, None, "head_dim")
-        sharding = NamedSharding(self.partitioner.mesh, self.partitioner.mesh_axes(axes))
-        if not all(d % n == 0 for d, n in zip(leaf.shape, sharding.shard_shape(leaf.shape))):
-            return self.partitioner.replicated()
-        return sharding
-
-    def _prefill_fn(self, params, cache, tokens, slots, table, last, adapters, states):
-        params = self._layout(params)
-        with lora.adapters_per_row(adapters):
-            logits, cache = self.model.paged_logits(
-                params, cache, tokens, slots, table, last, state_slots=states
-            )
-        return logits, jax.lax.with_sharding_constraint(cache, self._shardings)
-
-    def _first_fn(self, logits, index, seeds, counts, temperature, top_p):
-        keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.PRNGKey)(seeds), counts)
-        return self._on_every_host(
-            decoding.select(logits[index], keys, temperature, top_p, self.num_top)
-        )
-
-    def _decode_fn(
-        self, params, cache, tokens, slots, table, adapters, remaining, seeds, counts,
-        temperature, top_p, states=None,
-    ):  # fmt: skip
-        """`decode_steps` tokens of every row: feed the last one, sample the next; a row
-        stops writing after an EOS or its last token. `states`: each row's state slot."""
-        params = self._layout(params)
-        keys = jax.vmap(jax.random.PRNGKey)(seeds)
-        eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
-        last = jnp.zeros_like(tokens)
-
-        def one(carry, _):
-            cache, token, slot, remaining, count = carry
-            active = remaining > 0
-            fed = jnp.where(active, slot, -1)[:, None]
-            with lora.adapters_per_row(adapters):
-                logits, cache = self.model.paged_logits(
-                    params, cache, token[:, None], fed, table, last, self.paged_attention, states
-                )
-            step_keys = jax.vmap(jax.random.fold_in)(keys, count)
-            out = decoding.select(logits, step_keys, temperature, top_p, self.num_top)
-            stop = (out[0][:, None] == eos[None]).any(-1)
-            remaining = jnp.where(active & ~stop, remaining - 1, 0)
-            return (cache, out[0], slot + 1, remaining, count + 1), out
-
-        init = (cache, tokens, slots, remaining, counts)
-        (cache, *_), out = jax.lax.scan(one, init, None, length=self.decode_steps)
-        return (jax.lax.with_sharding_constraint(cache, self._shardings), *self._on_every_host(out))
-
-    def _on_every_host(self, tree: Any) -> Any:
-        """`tree` replicated: what the host reads back, whole on every process (a trainer's
-        rollouts on a mesh that spans processes)."""
-        return jax.lax.with_sharding_constraint(tree, self.partitioner.replicated())
-
-    def _copy_fn(self, cache, src, dst, state_src, state_dst):
-        cache = self.model.paged_copy(cache, (src, dst), (state_src, state_dst))
-        return jax.lax.with_sharding_constraint(cache, self._shardings)

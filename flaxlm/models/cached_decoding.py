@@ -151,8 +151,9 @@ class CachedDecoding:
         """Zeros of a paged KV cache (the `cache` collection): `num_pages` pages of
         `page_size` slots, each leaf `[(layers,) kv_heads, num_pages, page_size, head_dim]`
         (`paged_attention.write_pages`); a linear-attention layer's recurrent state
-        (`decoding.RECURRENT_STATE`) in `max_rows + 1` state slots, one for each of at most
-        `max_rows` sequences held at once and the padding rows' scratch (`state_slots.py`)."""
+        (`decoding.RECURRENT_STATE`) in `max_rows + 1` state slots: the padding rows' scratch
+        and `max_rows` others (the engine's: one for each sequence held at once, and the
+        snapshots its prefix cache keeps; `state_slots.py`)."""
 
         def init_cache() -> Any:
             one = jnp.zeros((1, 1), jnp.int32)

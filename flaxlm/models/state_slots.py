@@ -13,7 +13,8 @@ state as it was: they write with strength 0 and do not decay it, and the convolu
 the last `K - 1` real inputs.
 
 The scheduler hands out the slots (`inference/scheduler.py`); `CachedDecoding.paged_copy`
-copies one onto another (a follower of an identical prompt starts from its leader's).
+copies one onto another (a follower of an identical prompt starts from its leader's, a
+prompt found in the prefix cache from the snapshot kept after its cached pages).
 
 Nothing here knows a mesh.
 """

@@ -261,6 +261,7 @@ class Engine(BatchEngine):
         prefill_rows: int = 2,
         adapters: Sequence[str] = (),
         paged_attention: str = "gather",
+        prefix_snapshots: int | None = None,
     ):
         """
         Args:
@@ -268,7 +269,7 @@ class Engine(BatchEngine):
           batch_wait_ms: an idle engine waits this long after a completion arrives for
             others to start with it.
           page_size, num_pages, decode_steps, prefill_chunk, prefill_rows,
-            paged_attention: see `Scheduler`.
+            paged_attention, prefix_snapshots: see `Scheduler`.
           max_seq_len: the longest prompt plus completion (default: the model's positions,
             at most 2048).
           adapters: the names of the LoRA adapters stacked in `params`
@@ -306,6 +307,7 @@ class Engine(BatchEngine):
                 prefill_rows=prefill_rows,
                 num_top=MAX_LOGPROBS,
                 paged_attention=paged_attention,
+                prefix_snapshots=prefix_snapshots,
             )
 
     def submit_many(self, completions: Sequence[Completion]) -> None:
