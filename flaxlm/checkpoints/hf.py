@@ -398,7 +398,7 @@ def save_pretrained(
     shards: list[dict[str, np.ndarray]] = [{}]
     sizes = [0]
     for name, tensor in hf_state_dict(model, params):
-        if dtype is not None:
+        if dtype is not None and not np.issubdtype(tensor.dtype, np.integer):  # ids stay ints
             tensor = tensor.astype(jnp.dtype(dtype))
         if sizes[-1] and sizes[-1] + tensor.nbytes > max_shard_size:
             shards.append({})

@@ -12,7 +12,8 @@ import optax
 from flaxlm.parallel.pytrees import path_name
 
 # Parameters whose leaf name is one of these get no weight decay (biases and norm scales).
-NO_DECAY_NAMES = ("bias", "scale")
+# DeepSeek-V4's hash routing table (`tid2eid`): expert ids held as float32, never stepped.
+NO_DECAY_NAMES = ("bias", "scale", "tid2eid")
 
 
 @gin.configurable

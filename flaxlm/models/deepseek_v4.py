@@ -1,0 +1,469 @@
+"""DeepSeek-V4 (`deepseek_v4`): a residual of `hc_mult` streams mixed by hyper-connections
+around each attention and mixture-of-experts sublayer.
+
+The embedded token is copied into `hc_mult` streams `[batch, length, hc_mult, embed]`. Before
+each sublayer a hyper-connection (`HyperConnection`, HF's `attn_hc` / `ffn_hc`: mHC) reads
+all streams (flattened, RMS-normalised, one linear map) and gives three weights: `pre`
+collapses the streams into the sublayer's input, `post` spreads its output back over them,
+and `comb`, made doubly stochastic by `hc_sinkhorn_iters` Sinkhorn-Knopp steps, mixes the
+streams into the residual: streams <- post x out + comb^T streams. After the last layer a
+`HyperHead` collapses the streams once more before the final norm and the head.
+
+Attention is `deepseek_v4_attention`'s, of the kind `layer_types` gives each layer; every
+MLP is `deepseek_v4_moe`'s mixture of experts, hash-routed or top-k by `mlp_layer_types`.
+Follows HuggingFace's `DeepseekV4ForCausalLM`; the multi-token-prediction layers of the
+Hub's files (`mtp.*`) are skipped on import, as transformers skips them.
+
+No decoding cache: `DeepseekV4LM` generates by re-reading each row whole every step (greedy
+and sampling; no beam search), and the paged engine (serving) refuses the family, naming why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxlm.models import (
+    causal_lm,
+    decoding,
+    deepseek_v4_attention,
+    deepseek_v4_moe,
+    glm4_moe,
+    layers,
+    masks,
+    moe,
+    qwen_moe,
+    rope,
+)
+from flaxlm.models.base import DecoderOnlyModel
+from flaxlm.models.deepseek_v4_attention import CSA, HCA, LAYER_TYPES, SLIDING
+
+Array = jax.Array
+
+MLP_LAYER_TYPES = ("hash_moe", "moe")
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")  # HF's ACT2FN has no 'softmax' for V4's router
+NO_CACHE = (
+    "DeepSeek-V4 keeps no decoding cache in flaxlm (its compressors' window buffers and "
+    "overlap are not kept): it decodes by re-reading each row whole every step"
+)
+NO_PAGED = f"{NO_CACHE}, so it cannot page a KV cache; serve it with the batch engine."
+NO_BEAMS = f"{NO_CACHE}; beam search (num_beams > 1) is not supported: greedy or sampling."
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class DeepseekV4Config(rope.RopeScaling, moe.MoEOptions):
+    """DeepSeek-V4 hyper-parameters (HF's names where they exist; `num_experts` is HF's
+    `n_routed_experts`, `csa_compress_rate` / `hca_compress_rate` its `compress_rates`; the
+    RopeScaling fields scale the 'compress' rotary only); the defaults are transformers'
+    `DeepseekV4Config`'s (DeepSeek-V4-Flash's shapes)."""
+
+    vocab_size: int = 129280
+    real_vocab_size: int | None = None  # ids from here up are padding (None: all real)
+    hidden_size: int = 4096
+    num_layers: int = 43  # HF: num_hidden_layers
+    num_heads: int = 64  # HF: num_attention_heads (one shared key-value head)
+    head_dim: int = 512
+    q_lora_rank: int = 1024
+    qk_rope_head_dim: int = 64  # HF: head_dim x partial_rotary_factor, the last features
+    max_position_embeddings: int = 1048576
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0  # the 'main' rotary (sliding-window layers)
+    compress_rope_theta: float = 160000.0  # the 'compress' rotary (CSA / HCA layers)
+    # Each layer's attention, one of LAYER_TYPES (None: HF's default, two HCA then CSA / HCA).
+    layer_types: tuple[str, ...] | None = None
+    csa_compress_rate: int = 4
+    hca_compress_rate: int = 128
+    sliding_window: int = 128
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    # Each layer's MoE, one of MLP_LAYER_TYPES (None: HF's default, three 'hash_moe' first).
+    mlp_layer_types: tuple[str, ...] | None = None
+    scoring_func: str = "sqrtsoftplus"
+    tie_word_embeddings: bool = False
+    activation: str = "silu"  # HF: hidden_act
+    num_experts: int = 256
+    num_experts_per_tok: int = 6
+    moe_intermediate_size: int = 2048
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    score_correction_bias: bool = True  # on 'moe' layers ('hash_moe' choose by the table)
+    n_shared_experts: int = 1
+    swiglu_limit: float | None = 10.0
+    # HF adds the aux loss only with output_router_logits (False by default): none here.
+    router_aux_loss_coef: float = 0.0
+
+    model_type: ClassVar[str] = "deepseek_v4"
+    architecture: ClassVar[str] = "DeepseekV4ForCausalLM"
+
+    def __post_init__(self) -> None:
+        n = self.num_layers
+        if self.layer_types is None:
+            mixed = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+            object.__setattr__(self, "layer_types", (HCA,) * min(n, 2) + tuple(mixed))
+        if self.mlp_layer_types is None:
+            kinds = ("hash_moe",) * min(n, 3) + ("moe",) * max(n - 3, 0)
+            object.__setattr__(self, "mlp_layer_types", kinds)
+        for name in ("layer_types", "mlp_layer_types"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        super().__post_init__()
+        self.check_moe()
+        fixed = dict(
+            router="softmax_topk", n_group=1, topk_group=1, norm_topk_prob=True,
+            score_correction_bias=True, n_shared_experts=1, shared_expert_intermediate_size=0,
+            decoder_sparse_step=1, mlp_only_layers=(), router_bias=False, expert_bias=False,
+            router_scales_input=False, per_expert_scale=False, swiglu_alpha=1.702,
+            dropout_rate=0.0,
+        )  # fmt: skip
+        glm4_moe.check_fixed(self, fixed, self.architecture)
+        self.check_kinds()
+        self.check_shapes()
+
+    def check_kinds(self) -> None:
+        """ValueErrors naming `layer_types`, `mlp_layer_types`, `scoring_func` or the
+        settings their kinds rule out."""
+        for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_LAYER_TYPES)):
+            kinds = getattr(self, name)
+            if len(kinds) != self.num_layers or not set(kinds) <= set(allowed):
+                raise ValueError(
+                    f"{name} {list(kinds)}: one of {allowed} for each of the "
+                    f"{self.num_layers} layers."
+                )
+        if self.attention not in ("auto", "xla"):
+            raise ValueError(
+                f"attention {self.attention!r}: DeepSeek-V4's attention (sinks, compressed "
+                "entries) runs XLA's einsums only: 'auto' or 'xla'."
+            )
+        if self.moe_impl not in ("dense", "dropless"):
+            raise ValueError(f"moe_impl {self.moe_impl!r}: DeepSeek-V4 runs 'dense' or 'dropless'.")
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(
+                f"scoring_func {self.scoring_func!r}: expected one of {SCORING_FUNCS}."
+            )
+        if self.scan_layers and (
+            len(set(self.layer_types)) > 1 or len(set(self.mlp_layer_types)) > 1
+        ):
+            raise ValueError(
+                "scan_layers=True needs every layer alike, but layer_types / mlp_layer_types "
+                "mix kinds: set scan_layers=False."
+            )
+        if self.correction_bias_update_rate and "hash_moe" in self.mlp_layer_types:
+            raise ValueError(
+                "correction_bias_update_rate > 0 moves every MoE layer's correction bias, but "
+                "'hash_moe' layers (mlp_layer_types) have none: set it 0."
+            )
+
+    def check_shapes(self) -> None:
+        """ValueErrors naming the width that cannot be."""
+        sizes = (
+            "head_dim",
+            "q_lora_rank",
+            "o_groups",
+            "o_lora_rank",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
+            "hc_mult",
+            "hc_sinkhorn_iters",
+            "csa_compress_rate",
+            "hca_compress_rate",
+            "sliding_window",
+            "num_heads",
+        )
+        for name in sizes:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)} must be positive.")
+        rot = self.qk_rope_head_dim
+        if rot < 2 or rot % 2 or rot > min(self.head_dim, self.index_head_dim):
+            raise ValueError(
+                f"qk_rope_head_dim {rot} must be even, >= 2 and at most head_dim "
+                f"{self.head_dim} and index_head_dim {self.index_head_dim}."
+            )
+        if (self.num_heads * self.head_dim) % self.o_groups:
+            raise ValueError(
+                f"o_groups {self.o_groups} must divide num_heads x head_dim "
+                f"({self.num_heads * self.head_dim})."
+            )
+
+    def param_counts(self) -> tuple[int, int]:
+        """(all, active per token) params; the hash tables count, as they are params here."""
+        e, v, f, hc = self.hidden_size, self.vocab_size, self.moe_intermediate_size, self.hc_mult
+        h, d, ql, r, g = (
+            self.num_heads,
+            self.head_dim,
+            self.q_lora_rank,
+            self.o_lora_rank,
+            self.o_groups,
+        )
+        mix = (2 + hc) * hc
+        attn = e * ql + ql + ql * h * d + e * d + d + h * d * r + g * r * e + h
+        hi, di = self.index_n_heads, self.index_head_dim
+        pooled = {
+            SLIDING: 0,
+            HCA: 2 * e * d + self.hca_compress_rate * d + d,
+            CSA: 4 * e * d + 2 * self.csa_compress_rate * d + d
+            + 4 * e * di + 2 * self.csa_compress_rate * di + di + ql * hi * di + e * hi,
+        }  # fmt: skip
+        hyper = 2 * (mix * hc * e + mix + 3) + 2 * e
+        router = {"moe": e * self.num_experts + self.num_experts, "hash_moe": e * self.num_experts}
+        router["hash_moe"] += v * self.num_experts_per_tok
+        total = active = v * e * (1 if self.tie_word_embeddings else 2) + e + hc * hc * e + hc + 1
+        for kind, mlp in zip(self.layer_types, self.mlp_layer_types, strict=True):
+            block = attn + pooled[kind] + hyper + router[mlp] + 3 * e * f
+            total += block + self.num_experts * 3 * e * f
+            active += block + self.num_experts_per_tok * 3 * e * f
+        return total, active
+
+    def num_params(self) -> int:
+        return self.param_counts()[0]
+
+    def active_params(self) -> int:
+        return self.param_counts()[1]
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x the active matmul params (not the lookups: the
+        embedding's, the hash tables') plus the attention over each layer's keys (its window
+        and the compressed entries it reads)."""
+        lookup = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        lookup += (
+            self.mlp_layer_types.count("hash_moe") * self.vocab_size * self.num_experts_per_tok
+        )
+        keys = {
+            SLIDING: 0,
+            HCA: seq_len // self.hca_compress_rate,
+            CSA: min(self.index_topk, seq_len // self.csa_compress_rate),
+        }
+        context = sum(min(seq_len, self.sliding_window) + keys[k] for k in self.layer_types)
+        return (
+            6.0 * (self.active_params() - lookup) + 12.0 * self.num_heads * self.head_dim * context
+        )
+
+    def make_module(self) -> DeepseekV4:
+        return DeepseekV4(self)
+
+
+class HyperConnection(nn.Module):
+    """`streams [batch, length, hc, embed]` -> (post `[batch, length, hc]`, comb `[batch,
+    length, hc, hc]`, the collapsed input `[batch, length, embed]`), in float32 as HF's.
+    Params (HF's `fn`, `base`, `scale`): `fn/kernel` `[hc x embed, (2 + hc) x hc]`,
+    `base` `[(2 + hc) x hc]`, `scale` `[3]`."""
+
+    config: Any
+
+    @nn.compact
+    def __call__(self, streams: Array) -> tuple[Array, Array, Array]:
+        cfg = self.config
+        hc, eps = cfg.hc_mult, cfg.hc_eps
+        b, s = streams.shape[:2]
+        mix = HyperMix((2 + hc) * hc, 3, cfg, name="mix")(streams)
+        pre_w, post_w, comb_w = jnp.split(mix["logits"], [hc, 2 * hc], axis=-1)
+        pre_b, post_b, comb_b = jnp.split(mix["base"], [hc, 2 * hc])
+        pre_s, post_s, comb_s = mix["scale"]
+        pre = jax.nn.sigmoid(pre_w * pre_s + pre_b) + eps
+        post = 2 * jax.nn.sigmoid(post_w * post_s + post_b)
+        comb = comb_w.reshape(b, s, hc, hc) * comb_s + comb_b.reshape(hc, hc)
+        comb = jax.nn.softmax(comb, axis=-1) + eps
+        comb = comb / (comb.sum(-2, keepdims=True) + eps)
+
+        def sinkhorn(_: Any, comb: Array) -> Array:  # Sinkhorn-Knopp: rows, then columns
+            comb = comb / (comb.sum(-1, keepdims=True) + eps)
+            return comb / (comb.sum(-2, keepdims=True) + eps)
+
+        comb = jax.lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, sinkhorn, comb)
+        collapsed = (pre[..., None] * streams.astype(jnp.float32)).sum(2)
+        return post, comb, collapsed.astype(streams.dtype)
+
+
+class HyperMix(nn.Module):
+    """The float32 linear map of the RMS-normalised flattened streams shared by
+    `HyperConnection` and `HyperHead`: {'logits' `[batch, length, out]`, 'base' `[out]`,
+    'scale' `[scales]`} (params `fn/kernel`, `base`, `scale`, in the parent's names)."""
+
+    out: int
+    scales: int
+    config: Any
+
+    @nn.compact
+    def __call__(self, streams: Array) -> dict[str, Array]:
+        cfg = self.config
+        flat = streams.reshape(*streams.shape[:2], -1).astype(jnp.float32)
+        flat = deepseek_v4_attention.unit_rms(flat, cfg.rms_norm_eps)
+        logits = layers.DenseGeneral(
+            self.out, ("embed", None), dtype=jnp.float32, param_dtype=cfg.param_dtype, name="fn"
+        )(flat)
+        zeros, ones = (
+            nn.with_logical_partitioning(init, (None,))
+            for init in (nn.initializers.zeros, nn.initializers.ones)
+        )
+        base = self.param("base", zeros, (self.out,), jnp.float32)
+        scale = self.param("scale", ones, (self.scales,), jnp.float32)
+        return {"logits": logits, "base": base, "scale": scale}
+
+
+class HyperHead(nn.Module):
+    """HF's `hc_head`: the streams `[batch, length, hc, embed]` collapsed into one, weighted
+    by `sigmoid(mix x hc_scale + hc_base) + hc_eps`."""
+
+    config: Any
+
+    @nn.compact
+    def __call__(self, streams: Array) -> Array:
+        cfg = self.config
+        mix = HyperMix(cfg.hc_mult, 1, cfg, name="mix")(streams)
+        pre = jax.nn.sigmoid(mix["logits"] * mix["scale"][0] + mix["base"]) + cfg.hc_eps
+        return (pre[..., None] * streams.astype(jnp.float32)).sum(2).astype(streams.dtype)
+
+
+class DeepseekV4Block(nn.Module):
+    """One layer on the streams: `(streams, mask, decoding, main, compress, positions,
+    tokens)` -> streams, each sublayer between its hyper-connection's collapse and spread."""
+
+    config: Any
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(
+        self,
+        streams: Array,
+        mask: masks.Mask,
+        decoding: masks.Decoding | None,
+        main: tuple[Array, Array],
+        compress: tuple[Array, Array],
+        positions: Array,
+        tokens: Array,
+    ) -> Array:
+        cfg = self.config
+        if decoding is not None:  # DeepseekV4LM decodes without a cache
+            raise ValueError(NO_PAGED)
+        if mask.slots is not None:  # the compressors pool neighbouring slots
+            raise ValueError(
+                "context_parallel_balance=True reorders the sequence, but DeepSeek-V4's "
+                "compressors pool windows of neighbouring tokens: set it False."
+            )
+        i = qwen_moe.layer_number(self) or 0  # scanned: every layer alike (checked)
+        norm = dict(epsilon=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+
+        def residual(name: str, sublayer: Any, streams: Array) -> Array:
+            post, comb, collapsed = HyperConnection(cfg, name=name)(streams)
+            out = sublayer(collapsed).astype(jnp.float32)
+            mixed = jnp.einsum("bsjk,bsjd->bskd", comb, streams.astype(jnp.float32))
+            return (post[..., None] * out[:, :, None] + mixed).astype(streams.dtype)
+
+        attn = deepseek_v4_attention.DeepseekV4Attention(cfg, cfg.layer_types[i], name="self_attn")
+        streams = residual(
+            "attn_hc",
+            lambda h: attn(layers.RMSNorm(name="input_layernorm", **norm)(h), mask, main,
+                           compress, positions),
+            streams,
+        )  # fmt: skip
+        mlp = deepseek_v4_moe.DeepseekV4MoE(cfg, cfg.mlp_layer_types[i] == "hash_moe", name="mlp")
+        real = moe.real_tokens(mask, streams.shape[1])
+        return residual(
+            "ffn_hc",
+            lambda h: mlp(layers.RMSNorm(name="post_attention_layernorm", **norm)(h), tokens, real),
+            streams,
+        )
+
+
+class DeepseekV4(causal_lm.CausalLM):
+    """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
+
+    block_cls = DeepseekV4Block
+    paged_refusal = NO_PAGED
+
+    def mask(
+        self,
+        segment_ids: Array | None,
+        positions: Array,
+        decoding: masks.Decoding | None,
+        deterministic: bool,
+    ) -> masks.Mask:
+        batch, length = positions.shape
+        return masks.causal_mask(
+            segment_ids, batch, length, decoding, sliding_window=self.config.sliding_window
+        )
+
+    def block_inputs(
+        self, x: Array, positions: Array, decoding: masks.Decoding | None
+    ) -> tuple[Array, tuple[Any, ...]]:
+        cfg = self.config
+        streams = jnp.broadcast_to(x[:, :, None], (*x.shape[:2], cfg.hc_mult, x.shape[-1]))
+        main = deepseek_v4_attention.main_sin_cos(positions, cfg)
+        compress = deepseek_v4_attention.compress_sin_cos(positions, cfg)
+        return streams, (main, compress, positions)
+
+    def token_inputs(self, tokens: Array, x: Array) -> tuple[Any, ...]:
+        return (tokens,)
+
+    def final_norm(self, streams: Array) -> Array:
+        cfg = self.config
+        x = HyperHead(cfg, name="hc_head")(streams)
+        return layers.RMSNorm(
+            cfg.rms_norm_eps, dtype=jnp.float32, param_dtype=cfg.param_dtype, name="norm"
+        )(x)
+
+
+@gin.configurable
+class DeepseekV4LM(DecoderOnlyModel):
+    """A decoder-only model of DeepSeek-V4 that decodes without a cache: the prompt and the
+    tokens so far are kept (right-padded, `[rows, prompt_len + max_new_tokens]`) and read
+    whole at every step, the logits taken at each row's last token: what the cached
+    computation gives (each row alone, from position 0), at a cost quadratic in the length.
+    No beam search, no paged cache (`NO_BEAMS`, `NO_PAGED`); training, evaluation and
+    scoring run as any family's."""
+
+    def check_decoding(
+        self, inputs: np.ndarray, lengths: np.ndarray, config: decoding.DecodingConfig
+    ) -> None:
+        super().check_decoding(inputs, lengths, config)
+        if config.num_beams > 1:
+            raise ValueError(NO_BEAMS)
+
+    def paged_refusal(self) -> str | None:
+        return NO_PAGED
+
+    def prefill(
+        self, params: Any, inputs: Array, lengths: Array, config: decoding.DecodingConfig
+    ) -> tuple[Array, dict[str, Any]]:
+        rows, prompt_len = inputs.shape
+        tokens = jnp.zeros((rows, prompt_len + config.max_new_tokens), jnp.int32)
+        state = {"tokens": tokens.at[:, :prompt_len].set(inputs), "lengths": lengths}
+        return self._last_logits(params, state), state
+
+    def decode_step(
+        self,
+        params: Any,
+        token: Array,
+        t: Array,
+        state: dict[str, Any],
+        config: decoding.DecodingConfig,
+    ) -> tuple[Array, dict[str, Any]]:
+        lengths = state["lengths"]
+        tokens = state["tokens"].at[jnp.arange(token.shape[0]), lengths].set(token)
+        state = {"tokens": tokens, "lengths": lengths + 1}
+        return self._last_logits(params, state), state
+
+    def _last_logits(self, params: Any, state: dict[str, Any]) -> Array:
+        """float32 `[rows, vocab]`: the logits after each row's last token."""
+        tokens, lengths = state["tokens"], state["lengths"]
+        slots = jnp.arange(tokens.shape[1])[None, :]
+        segment_ids = (slots < lengths[:, None]).astype(jnp.int32)
+        module = self._decode_module()
+        hidden = module.apply(
+            {"params": params}, tokens, jnp.broadcast_to(slots, tokens.shape), segment_ids,
+            return_hidden=True,
+        )  # fmt: skip
+        last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)
+        return self._mask_padded_vocab(module.head_logits(params, last)[:, 0])

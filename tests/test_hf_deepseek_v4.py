@@ -1,0 +1,323 @@
+"""DeepSeek-V4 from and to HuggingFace: logits against transformers' `DeepseekV4ForCausalLM`
+on two tiny random models, files in DeepSeek's spelling read, export reloaded by
+transformers, refusals by name (config.json keys, settings, decoding), and the gin files.
+
+Two configs, built once each for the file: 'mixed' has each attention kind once (sliding,
+compressed sparse with an indexer keeping 3 of up to 12 entries, heavily compressed), a
+hash-routed then two top-k routed MoE layers, 2 hyper-connection streams and a tight
+`swiglu_limit` (the clamps bite); 'other' has 3 streams, 5 Sinkhorn steps, other windows and
+rates, sigmoid scores, a tied head and YaRN on the compress rotary. Params HF starts at
+constants (norms, sinks, position biases, hyper-connection bases and scales; the routers'
+correction biases and hash tables) are randomised. The indexers have 16 heads, so that no two
+entries tie at the top-k boundary (all heads' ReLUs zero).
+"""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from flaxlm.checkpoints import hf
+from flaxlm.inference import generation
+from flaxlm.models import deepseek_v4, deepseek_v4_attention, deepseek_v4_hf, hf_spec
+from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.runs import infer
+from tests.hf_helpers import (
+    decoder_batch,
+    flaxlm_greedy_batch,
+    gin_config,
+    hf_greedy_batch,
+    max_abs_diff,
+    padded_batch,
+    random_hf_model,
+    torch_logits,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 120
+LENGTHS = (24, 13, 24, 6)
+GREEDY_TOKENS = 8
+S, C, H = deepseek_v4_attention.SLIDING, deepseek_v4_attention.CSA, deepseek_v4_attention.HCA
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    moe_intermediate_size=16,
+    num_attention_heads=4,
+    head_dim=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    o_groups=2,
+    o_lora_rank=8,
+    index_n_heads=16,
+    index_head_dim=8,
+    index_topk=3,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+CONFIGS = {
+    "mixed": dict(
+        COMMON,
+        num_hidden_layers=3,
+        layer_types=[S, C, H],
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        compress_rates={C: 2, H: 4},
+        hc_mult=2,
+        sliding_window=4,
+        swiglu_limit=0.5,
+    ),
+    "other": dict(
+        COMMON,
+        num_hidden_layers=2,
+        layer_types=[H, C],
+        mlp_layer_types=["moe", "hash_moe"],
+        compress_rates={C: 3, H: 8},
+        hc_mult=3,
+        hc_sinkhorn_iters=5,
+        sliding_window=6,
+        scoring_func="sigmoid",
+        tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
+    ),
+}
+# HF starts these at 1 or 0: made to count.
+PERTURB = ("norm.weight", "sinks", "position_bias", ".base", ".scale", "hc_base", "hc_scale")
+# float32 logits of 2-3 layers whose values are O(1): rounding in other summation orders is
+# ~eps (1.2e-7) x sqrt(width) x depth ~ 1e-6 (1.3e-6 seen); 1e-4 leaves a margin (and is what
+# every family meets).
+LOGITS_TOL = 1e-4
+ONE = Partitioner(devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """`name -> (torch model, its save_pretrained directory, flaxlm model, params)`, each
+    built once for the file (HF's save_pretrained writes DeepSeek's own names)."""
+    built = {}
+
+    def family(name):
+        if name not in built:
+            torch_model = random_hf_model(
+                transformers.DeepseekV4Config,
+                transformers.DeepseekV4ForCausalLM,
+                PERTURB,
+                **CONFIGS[name],
+            )
+            with torch.no_grad():
+                for buffer_name, buffer in torch_model.named_buffers():
+                    if buffer_name.endswith("e_score_correction_bias"):
+                        buffer.copy_(0.3 * torch.randn_like(buffer))
+                    if buffer_name.endswith("tid2eid"):
+                        buffer.copy_(torch.randint(0, 8, buffer.shape))
+            path = str(tmp_path_factory.mktemp(name))
+            torch_model.save_pretrained(path)
+            built[name] = (torch_model, path, *hf.from_pretrained(path, ONE))
+        return built[name]
+
+    return family
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_are_hf_logits_with_the_indexers_choice(families, name):
+    torch_model, _, model, params = families(name)
+    assert type(model) is deepseek_v4.DeepseekV4LM
+    assert model.config.layer_types == tuple(CONFIGS[name]["layer_types"])
+    ids, mask = padded_batch(VOCAB, LENGTHS)
+    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+    ours = jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
+    assert max_abs_diff(ours, theirs, mask) < LOGITS_TOL
+    # The indexer's choice matters: HF reading every compressed entry is far from both.
+    indexers = [layer.self_attn.compressor.indexer for layer in csa_layers(torch_model)]
+    for indexer in indexers:
+        indexer.index_topk = 64
+    try:
+        every = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+    finally:
+        for indexer in indexers:
+            indexer.index_topk = COMMON["index_topk"]
+    assert max_abs_diff(ours, every, mask) > 1e-3
+
+
+@pytest.mark.slow
+def test_logits_on_an_fsdp_by_tensor_mesh_are_hf_logits(families):
+    """The params split over FSDP x tensor (heads, output groups, the experts' widths, the
+    hash table's rows): HF's logits still."""
+    torch_model, path, _, _ = families("mixed")
+    model, params = hf.from_pretrained(path, Partitioner((1, 2, 2), devices=jax.devices()[:4]))
+    ids, mask = padded_batch(VOCAB, LENGTHS)
+    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+    got = jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
+    assert max_abs_diff(got, theirs, mask) < LOGITS_TOL
+
+
+def csa_layers(torch_model):
+    """The torch model's compressed-sparse-attention layers."""
+    return [
+        layer
+        for layer, kind in zip(torch_model.model.layers, torch_model.config.layer_types)
+        if kind == C
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_export_is_what_transformers_reloads(families, name, tmp_path):
+    torch_model, _, model, params = families(name)
+    hf.save_pretrained(model, params, tmp_path, dtype="float32")
+    hashed = CONFIGS[name]["mlp_layer_types"].index("hash_moe")
+    indexed = CONFIGS[name]["layer_types"].index(C)
+    with safe_open(str(tmp_path / "model.safetensors"), "np") as f:
+        assert f.get_tensor(f"model.layers.{hashed}.mlp.gate.tid2eid").dtype == np.int64
+        assert f"model.layers.{indexed}.self_attn.compressor.indexer.q_b_proj.weight" in f.keys()
+        assert ("lm_head.weight" in f.keys()) != CONFIGS[name].get("tie_word_embeddings", False)
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    exported = json.loads((tmp_path / "config.json").read_text())
+    for key in ("layer_types", "mlp_layer_types", "compress_rates", "hc_mult", "index_topk"):
+        assert exported[key] == getattr(torch_model.config, key), key
+    ids, mask = padded_batch(VOCAB, LENGTHS)
+    again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
+    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(again, theirs, mask) <= 1e-6 * max(1.0, np.abs(theirs).max())
+
+
+@pytest.mark.slow
+def test_multi_token_prediction_tensors_are_skipped(families, tmp_path):
+    """The Hub's files carry `mtp.*` layers after the last; transformers skips them, and so
+    does the import (the same params, no error)."""
+    _, path, model, params = families("other")
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    tensors["mtp.0.attn.wq_a.weight"] = np.zeros((24, 32), np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+    _, again = hf.from_pretrained(str(tmp_path), ONE)
+    assert jax.tree.all(jax.tree.map(np.array_equal, again, params))
+
+
+@pytest.mark.slow
+def test_greedy_is_hf_generate(families):
+    """Without a cache, each step re-reads the row: HF's greedy tokens (its cached
+    compressors, each prompt alone: HF's left padding would enter its windows), prompts of
+    5 to 17 tokens and 8 new ones crossing the compressors' windows (every attention kind
+    and router: 'mixed')."""
+    torch_model, _, model, params = families("mixed")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, VOCAB, n).tolist() for n in (11, 5, 17)]
+    tokens = flaxlm_greedy_batch(model, params, prompts, GREEDY_TOKENS)
+    assert tokens == [hf_greedy_batch(torch_model, [p], GREEDY_TOKENS)[0] for p in prompts]
+
+
+def test_beam_search_and_the_paged_engine_are_refused_naming_why(families):
+    _, _, model, params = families("mixed")
+    ids, _ = padded_batch(VOCAB, (5, 3))
+    with pytest.raises(ValueError, match="beam search"):
+        generation.generate(model, params, {"inputs": ids}, max_new_tokens=2, num_beams=2)
+    assert "cannot page a KV cache" in model.paged_refusal()
+    settings = generation.GenerationSettings(max_new_tokens=2)
+    with pytest.raises(ValueError, match="cannot page a KV cache"):
+        infer.choose_engine("paged", model, settings, [5, 3])
+    assert infer.choose_engine("auto", model, settings, [5, 3]) == "batch"
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        (dict(num_key_value_heads=2), "num_key_value_heads"),
+        (dict(n_shared_experts=2), "n_shared_experts"),
+        (dict(norm_topk_prob=False), "norm_topk_prob"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(scoring_func="softmax"), "scoring_func"),
+        (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+        (dict(layer_types=[S, "full_attention", H]), "layer_types"),
+        (dict(mlp_layer_types=["moe"]), "mlp_layer_types"),
+        (dict(rope_parameters={"main": {"rope_type": "yarn", "factor": 2.0}, "compress": {}}),
+         "main"),
+    ],
+    ids=str,
+)  # fmt: skip
+def test_config_json_flaxlm_cannot_read_is_refused_naming_the_key(change, key):
+    config = {**transformers.DeepseekV4Config(**CONFIGS["mixed"]).to_dict(), **change}
+    with pytest.raises(ValueError, match=key):
+        deepseek_v4_hf.config_from_hf(config)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(scan_layers=True), "scan_layers"),
+        (dict(correction_bias_update_rate=1e-3), "correction_bias_update_rate"),
+        (dict(moe_impl="capacity"), "moe_impl"),
+        (dict(n_group=2, topk_group=1), "n_group"),
+        (dict(o_groups=3), "o_groups"),
+        (dict(qk_rope_head_dim=7), "qk_rope_head_dim"),
+        (dict(attention="chunked"), "attention"),
+        (dict(dropout_rate=0.1), "dropout_rate"),
+    ],
+    ids=str,
+)
+def test_settings_that_cannot_be_are_errors_naming_them(kwargs, field):
+    fields = dict(num_layers=3, layer_types=(S, C, H), num_experts=8, num_experts_per_tok=2)
+    fields.update(head_dim=16, num_heads=4, qk_rope_head_dim=8, index_head_dim=8)
+    with pytest.raises(ValueError, match=field):
+        deepseek_v4.DeepseekV4Config(**{**fields, **kwargs})
+
+
+def test_config_json_round_trips_through_transformers():
+    """config_to_hf's dict loads in transformers as the same model, and reads back to the
+    same config (YaRN on the compress rotary, hash layers, the legacy-free keys)."""
+    config = deepseek_v4_hf.config_from_hf(
+        transformers.DeepseekV4Config(**CONFIGS["other"]).to_dict()
+    )
+    out = deepseek_v4_hf.config_to_hf(config)
+    theirs = transformers.DeepseekV4Config(**out)
+    assert theirs.rope_parameters["compress"]["rope_type"] == "yarn"
+    assert deepseek_v4_hf.config_from_hf(theirs.to_dict()) == config
+
+
+def test_alike_layers_scan_with_every_param_in_the_hf_table():
+    """Layers of one kind (every one CSA and top-k routed) scan, and the HF table covers
+    every param of the stack (one stacked record a tensor)."""
+    config = deepseek_v4.DeepseekV4Config(
+        num_layers=2, num_heads=4, head_dim=16, q_lora_rank=24, qk_rope_head_dim=8,
+        index_head_dim=8, layer_types=(C, C), mlp_layer_types=("moe", "moe"), num_experts=8,
+        num_experts_per_tok=2, hidden_size=32, vocab_size=128, scan_layers=True,
+    )  # fmt: skip
+    model = deepseek_v4.DeepseekV4LM(config)
+    shapes = jax.eval_shape(
+        lambda: model.init_params(jax.random.PRNGKey(0), {"decoder_input_tokens": (1, 8)})
+    )
+    paths = {
+        "/".join(str(k.key) for k in path)
+        for path, _ in jax.tree_util.tree_leaves_with_path(shapes)
+    }
+    table = hf_spec.expand(deepseek_v4_hf.hf_tensors(config), scan=True)
+    assert paths == set(table)
+    assert "layers/block/self_attn/compressor/indexer/q_b_proj/kernel" in paths
+
+
+def test_gin_sizes_match_the_model_card():
+    """DeepSeek-V4-Flash: 284B params, 13B active (outside the embedding and the head)."""
+    cfg = gin_config(REPO, "deepseek_v4_flash", deepseek_v4.DeepseekV4Config)
+    assert abs(cfg.num_params() / 1e9 - 284.0) / 284.0 < 0.01, cfg.num_params()
+    active = cfg.active_params() - 2 * cfg.vocab_size * cfg.hidden_size
+    assert abs(active / 1e9 - 13.0) / 13.0 < 0.035, active
+
+
+def test_tiny_gin_model_counts_its_params():
+    config = gin_config(REPO, "deepseek_v4_tiny", deepseek_v4.DeepseekV4Config)
+    assert set(config.layer_types) == {S, C, H} and "hash_moe" in config.mlp_layer_types
+    model = deepseek_v4.DeepseekV4LM(config)
+    shapes = jax.eval_shape(
+        lambda: model.init_params(jax.random.PRNGKey(0), {"decoder_input_tokens": (1, 8)})
+    )
+    assert sum(x.size for x in jax.tree.leaves(shapes)) == config.num_params()
