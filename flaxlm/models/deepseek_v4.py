@@ -36,6 +36,7 @@ from flaxlm.models import (
     deepseek_v4_moe,
     glm4_moe,
     layers,
+    llama,
     masks,
     moe,
     qwen_moe,
@@ -383,17 +384,7 @@ class DeepseekV4(causal_lm.CausalLM):
     block_cls = DeepseekV4Block
     paged_refusal = NO_PAGED
 
-    def mask(
-        self,
-        segment_ids: Array | None,
-        positions: Array,
-        decoding: masks.Decoding | None,
-        deterministic: bool,
-    ) -> masks.Mask:
-        batch, length = positions.shape
-        return masks.causal_mask(
-            segment_ids, batch, length, decoding, sliding_window=self.config.sliding_window
-        )
+    mask = llama.Llama.mask  # causal within segments, over `sliding_window` positions
 
     def block_inputs(
         self, x: Array, positions: Array, decoding: masks.Decoding | None
