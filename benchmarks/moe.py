@@ -22,8 +22,10 @@ Three parts, each a subcommand:
   reduce-scatter of their outputs and of the weights' gradient, all-reduce where a psum is
   left; all-to-all where a backend has it) against the all-to-all's 2 x k x d x bytes x
   tokens x MoE layers per device, x2 with the backward. `--dispatch all_to_all` compiles
-  the capacity-bounded all-to-all dispatch instead of the all-gather one; moe_dispatch.py
-  times and costs the two dispatches against each other.
+  the capacity-bounded all-to-all dispatch instead of the all-gather one, `--dispatch
+  ragged` the `ragged_all_to_all` one (its ragged-all-to-all counted as an all-to-all of
+  its whole receive buffer); moe_dispatch.py times and costs the dispatches against each
+  other.
 
     python benchmarks/moe.py time --json /tmp/moe_time.json
     python benchmarks/moe.py flops                           # this host (CPU)
@@ -56,6 +58,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from flaxlm.models.expert_parallel import DISPATCHES  # noqa: E402
 from flaxlm.parallel.partitioning import Partitioner  # noqa: E402
 from flaxlm.plan import hlo  # noqa: E402
 from flaxlm.training import steps  # noqa: E402
@@ -101,7 +104,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     memory.set_defaults(expert=8)
     memory.add_argument(
         "--dispatch",
-        choices=("all_gather", "all_to_all"),
+        choices=DISPATCHES,
         default="all_gather",
         help="moe_dispatch: how the tokens reach their experts' devices under --expert",
     )
@@ -110,6 +113,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         default=None,
         help="capacity_factor (the all_to_all dispatch's buffers); default: the model's",
+    )
+    memory.add_argument(
+        "--ragged-buffer-factor",
+        type=float,
+        default=None,
+        help="ragged_buffer_factor (the ragged dispatch's receive buffers); default: the model's",
     )
     memory.add_argument(
         "--expert-only",
@@ -363,6 +372,8 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
         changes: dict[str, Any] = {"moe_dispatch": args.dispatch}
         if args.capacity_factor is not None:
             changes["capacity_factor"] = args.capacity_factor
+        if args.ragged_buffer_factor is not None:
+            changes["ragged_buffer_factor"] = args.ragged_buffer_factor
         model = bench_common.reduce_layers(
             bench_common.gin_model(name, **changes), args.layers, args.first_dense
         )
@@ -371,8 +382,10 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
         kept = layer_description(c.num_layers, sparse)
         for expert in (args.expert,) if args.expert_only else (1, args.expert):
             label = "fsdp" if expert == 1 else f"fsdp + expert {expert}"
-            if expert > 1 and args.dispatch != "all_gather":
-                label += f" ({args.dispatch}, capacity x{c.capacity_factor:g})"
+            if expert > 1 and args.dispatch == "all_to_all":
+                label += f" (all_to_all, capacity x{c.capacity_factor:g})"
+            elif expert > 1 and args.dispatch == "ragged":
+                label += f" (ragged, buffer x{c.ragged_buffer_factor:g})"
             print(f"compiling {name} ({kept}) / {label} ...", flush=True)
             partitioner = bench_common.make_partitioner("fsdp", devices, expert=expert)
             step = bench_common.CompiledStep(
@@ -398,6 +411,7 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
                 "partitioning": label,
                 "moe_dispatch": c.moe_dispatch,
                 "capacity_factor": c.capacity_factor,
+                "ragged_buffer_factor": c.ragged_buffer_factor,
                 "num_params": sum(x.size for x in jax.tree.leaves(state.params)),
                 "state_total_bytes": total,
                 "state_bytes": per_device,
@@ -439,7 +453,7 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
                 moved("all-gather"),
                 moved("reduce-scatter"),
                 moved("all-reduce"),
-                moved("all-to-all"),
+                f"{float(moved('all-to-all')) + float(moved('ragged-all-to-all')):.3f}",
                 "-" if theory is None else f"{theory / GIB:.3f}",
                 "-" if not theory or not ring else f"{ring / theory:.2f}",
             ]

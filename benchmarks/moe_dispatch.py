@@ -1,9 +1,11 @@
-"""The two expert-parallel dispatches of a mixture-of-experts layer against each other
+"""The expert-parallel dispatches of a mixture-of-experts layer against each other
 (`moe_dispatch`, flaxlm/models/expert_parallel.py): `all_gather` (each device's tokens
 all-gathered over `expert`, every device runs its experts over the whole group's
 assignments, outputs reduce-scattered; never drops) and `all_to_all` (each assignment sent
 to its expert's device in a buffer of `capacity_factor` x the fair share per destination,
-run there and sent back; drops past the capacity).
+run there and sent back; drops past the capacity); `cost` also compiles `ragged`
+(`jax.lax.ragged_all_to_all` into a receive buffer of `ragged_buffer_factor` x the fair
+share; XLA:CPU, which `time` runs on, has not the op).
 
 Two parts, each a subcommand:
 
@@ -57,6 +59,8 @@ from flaxlm.plan.run import Knobs, plain_run, with_config  # noqa: E402
 
 GIB = 2**30
 AXES = ("data", "fsdp", "expert", "tensor")
+# What `time` runs against each other (`cost` compiles any of DISPATCHES, `ragged` too).
+TIMED = ("all_gather", "all_to_all")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -163,7 +167,7 @@ def run_time(args: argparse.Namespace) -> dict[str, Any]:
         for name in args.shapes:
             factor = args.capacity_factor or no_drop_capacity_factor(expert, *moe.SHAPES[name])
             factors[expert, name] = factor
-            for dispatch in DISPATCHES:
+            for dispatch in TIMED:
                 print(f"compiling {shape} {name} {dispatch} ...", flush=True)
                 model = moe.tiny_model(
                     name, "dropless", args.layers, moe_dispatch=dispatch, capacity_factor=factor
@@ -176,7 +180,7 @@ def run_time(args: argparse.Namespace) -> dict[str, Any]:
     keys = list(sides)
     steps = {}  # per (expert, shape): the same for both dispatches
     for expert, name, _ in keys[::2]:
-        once = min(sides[expert, name, d].run(1) for d in DISPATCHES)
+        once = min(sides[expert, name, d].run(1) for d in TIMED)
         steps[expert, name] = max(args.steps, math.ceil(args.call_seconds / once))
     times: dict[tuple[int, str, str], list[float]] = {key: [] for key in keys}
     for r in range(args.rounds):
@@ -188,7 +192,7 @@ def run_time(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for expert in args.expert:
         for name in args.shapes:
-            ag, a2a = (times[expert, name, d] for d in DISPATCHES)
+            ag, a2a = (times[expert, name, d] for d in TIMED)
             num_experts, k = moe.SHAPES[name]
             capacity = experts.expert_capacity(tokens, k, expert, factors[expert, name])
             last = sides[expert, name, "all_gather"].metrics[-1]
@@ -208,10 +212,10 @@ def run_time(args: argparse.Namespace) -> dict[str, Any]:
                         "all_to_all": expert * capacity,
                     },
                     "max_load": float(last["moe_max_load"]),
-                    "dropped_fraction": max(dropped[expert, name, d] for d in DISPATCHES),
-                    "first_losses": {d: first_loss[expert, name, d] for d in DISPATCHES},
-                    "losses": {d: sides[expert, name, d].loss for d in DISPATCHES},
-                    "times": {d: times[expert, name, d] for d in DISPATCHES},
+                    "dropped_fraction": max(dropped[expert, name, d] for d in TIMED),
+                    "first_losses": {d: first_loss[expert, name, d] for d in TIMED},
+                    "losses": {d: sides[expert, name, d].loss for d in TIMED},
+                    "times": {d: times[expert, name, d] for d in TIMED},
                 }
             )
     print(
@@ -243,7 +247,7 @@ def run_time(args: argparse.Namespace) -> dict[str, Any]:
                 f"{r['expert_rows']['all_gather']} / {r['expert_rows']['all_to_all']}",
                 f"{r['max_load']:.2f}",
                 f"{r['dropped_fraction']:g}",
-                " / ".join(f"{r['first_losses'][d]:.6f}" for d in DISPATCHES),
+                " / ".join(f"{r['first_losses'][d]:.6f}" for d in TIMED),
             ]
             for r in rows
         ],

@@ -30,10 +30,14 @@ def test_parse_hlo_counts_collectives_inside_loops():
 ENTRY %main (a: f32[4,8]) -> f32[4,8] {
   %w = (s32[], f32[4,8]{1,0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
   %ar = (f32[4,8]{1,0}, bf16[2]{0}) all-reduce(%a, %b), channel_id=2, replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, to_apply=%add, metadata={op_name="jit(f)/transpose(jvp(M))/dot"}
+  %ra = f32[24,8]{1,0} ragged-all-to-all(%a, %o, %io, %ss, %oo, %rr), channel_id=4, replica_groups={{0,1,2,3}}
   ROOT %rs = f32[1,8]{1,0} reduce-scatter(%a), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}
 }
 """  # noqa: E501
     out = collectives.parse_hlo(hlo, 8)
+    # ragged-all-to-all (the MoE `ragged` dispatch): an all-to-all of its whole buffer
+    ragged = out["by_kind"]["ragged-all-to-all"]
+    assert ragged["array_bytes"] == 768 and ragged["ring_bytes"] == pytest.approx(768 * 3 / 4)
     ag, ar, rs = (out["by_kind"][k] for k in ("all-gather", "all-reduce", "reduce-scatter"))
     # all-gather: 3 trips of a 16x8 f32 result over groups of 4
     assert ag["count"] == 3 and ag["array_bytes"] == 3 * 512

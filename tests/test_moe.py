@@ -268,18 +268,110 @@ def test_mosaic_gpu_off_a_hopper_gpu_is_an_error_naming_the_setting():
         grouped_matmul.ragged_dot(x, w, jnp.array([2, 2]), impl="mosaic_gpu")
 
 
-def test_all_to_all_dispatch_gives_the_dropless_loss_and_gradients():
-    """`moe_dispatch='all_to_all'` on (1, 1, 8, 1): each device's 16 tokens sent to their
-    experts' devices in buffers of capacity_factor x the fair share (4 x 2 x 16 / 8 = 16
-    rows a device: an expert takes a token at most once, so nothing drops) give the
-    unsplit loss and gradients."""
-    model = _model(moe_impl="dropless", moe_dispatch="all_to_all", capacity_factor=4.0)
-    got = _loss_and_grads(model, _params(), _batch(), (1, 1, 8, 1))
+@pytest.mark.parametrize(
+    "dispatch,mesh_shape,factor",
+    [
+        ("all_to_all", (1, 1, 8, 1), dict(capacity_factor=4.0)),
+        ("ragged", (1, 2, 4, 1), dict(ragged_buffer_factor=4.0)),
+    ],
+    ids=str,
+)
+def test_bounded_dispatches_give_the_dropless_loss_and_gradients(dispatch, mesh_shape, factor):
+    """Each device's 16 tokens sent to their experts' devices and back give the unsplit
+    loss and gradients, nothing dropped: `all_to_all` on (1, 1, 8, 1) in buffers of
+    capacity_factor x the fair share (4 x 2 x 16 / 8 = 16 rows a device: an expert takes a
+    token at most once), `ragged` on (1, 2, 4, 1) into receive buffers of the axis's size
+    (4) x the 16 x 2 assignments a device sends (the whole group's: none can drop; on CPU
+    through `dense_ragged_all_to_all`)."""
+    model = _model(moe_impl="dropless", moe_dispatch=dispatch, **factor)
+    got = _loss_and_grads(model, _params(), _batch(), mesh_shape)
     _assert_same(got, _reference())
     assert got[0][1]["moe_dropped"] == 0
-    with jax.set_mesh(_mesh((1, 1, 8, 1))), nn.logical_axis_rules(RULES):
+    with jax.set_mesh(_mesh(mesh_shape)), nn.logical_axis_rules(RULES):
         jaxpr = str(jax.make_jaxpr(lambda p: model.loss_fn(p, _batch(), None))(_params()))
     assert "all_to_all" in jaxpr
+
+
+def _over_experts(fn, args: int):
+    """`fn` in a `shard_map` over the mesh's `expert` axis, its `args` arguments and its
+    outputs split over it."""
+    return jax.shard_map(fn, in_specs=(P("expert"),) * args, out_specs=P("expert"))
+
+
+def test_dense_ragged_all_to_all_is_jax_ragged_all_to_all():
+    """The CPU formulation on `jax.lax.ragged_all_to_all`'s documented example (axis of
+    2): each sender's slices written where it says on their receivers, `output` elsewhere."""
+    example = [
+        [[1, 2, 2], [3, 4, 0]],  # operand, a row per device
+        [[0, 0, 0, 0]] * 2,  # output
+        [[0, 1], [0, 1]],  # input_offsets
+        [[1, 2], [1, 1]],  # send_sizes
+        [[0, 0], [1, 2]],  # output_offsets
+        [[1, 1], [2, 1]],  # recv_sizes
+    ]
+    args = [np.asarray(a, np.float32 if i < 2 else np.int32) for i, a in enumerate(example)]
+
+    def body(*args):
+        return expert_parallel.dense_ragged_all_to_all(*(a[0] for a in args))[None]
+
+    with jax.set_mesh(_mesh((2,), ("expert",))):
+        got = jax.jit(_over_experts(body, 6))(*args)
+    np.testing.assert_array_equal(got, [[1, 3, 0, 0], [2, 2, 4, 0]])
+
+
+def test_ragged_dispatch_drops_past_a_receivers_buffer_and_counts():
+    """Each receiver's buffer holds `rows` rows: the senders' chunks in device order, each
+    sorted by rank, then token; the rows past it are dropped, contribute zero and are
+    counted: the loss and gradients of the dense experts with their weights zeroed. On a
+    TPU mesh the rows travel by `jax.lax.ragged_all_to_all`, both ways, typed as varying
+    over `expert` (the op types its result as its `output` buffer)."""
+    n, local, tokens, k, d, f, rows = 4, 2, 6, 2, 8, 16, 16  # tokens a device
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(n * tokens, d)).astype(np.float32)
+    wi = rng.normal(size=(n * local, d, 2, f)).astype(np.float32)
+    wo = rng.normal(size=(n * local, f, d)).astype(np.float32)
+    ids = np.stack([rng.choice(n * local, k, replace=False) for _ in range(n * tokens)])
+    ids = ids.astype(np.int32)
+    ids[: 2 * tokens] = [0, 1]  # devices 0 and 1: all their 24 rows to device 0
+    weights = rng.random((n * tokens, k)).astype(np.float32)
+    want = np.zeros((n * tokens, k), np.float32)
+    filled = np.zeros(n, int)  # rows each receiver holds
+    for device in range(n):
+        mine = [(t, r) for r in range(k) for t in range(device * tokens, (device + 1) * tokens)]
+        for t, r in sorted(mine, key=lambda a: ids[a] // local):  # stable
+            want[t, r] = filled[ids[t, r] // local] >= rows
+            filled[ids[t, r] // local] += 1
+    # Device 0's 12 rows fit, then device 1's first 4 (its best experts, in token order).
+    assert want[:tokens].sum() == 0 and want[tokens : 2 * tokens].sum() == 8
+
+    def body(x, wi, wo, weights, ids):
+        return expert_parallel.ragged_experts(x, wi, wo, weights, ids, "silu", rows)
+
+    def ragged(x, wi, wo, weights):
+        y, dropped = _over_experts(body, 5)(x, wi, wo, weights, ids)
+        return jnp.sum(jnp.tanh(y)), dropped
+
+    def dense(x, wi, wo, weights):
+        y = experts.dense_experts(x, wi, wo, weights * (1 - want), ids, "silu")
+        return jnp.sum(jnp.tanh(y)), None
+
+    args = (x, wi, wo, weights)
+    with jax.set_mesh(_mesh((n,), ("expert",))):
+        (loss, dropped), grads = jax.jit(jax.value_and_grad(ragged, (0, 1, 2, 3), True))(*args)
+    (want_loss, _), want_grads = jax.value_and_grad(dense, (0, 1, 2, 3), True)(*args)
+    np.testing.assert_array_equal(dropped, want)
+    # float32 sums of d x f products of O(1) normals: rounding ~sqrt(terms) x eps x |y|.
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for g, r in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+    tpu = jax.sharding.AbstractDevice(device_kind="TPU v5", num_cores=None, platform="tpu")
+    with jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((n,), ("expert",), abstract_device=tpu)
+    ):
+        jaxpr = str(jax.make_jaxpr(jax.grad(lambda *a: ragged(*a)[0]))(*args))
+    assert jaxpr.count("ragged_all_to_all") == 5  # rows, ids, outputs; the two transposes
+    # Each device's rows and experts are its own: no gradient summed over the devices.
+    assert "psum" not in jaxpr
 
 
 def test_all_to_all_dispatch_drops_past_capacity_and_counts():
@@ -476,8 +568,9 @@ def test_capacity_telemetry_reports_the_dropped_fraction():
     [
         ("router", "sinkhorn"),
         ("moe_impl", "megablocks"),
-        ("moe_dispatch", "ragged"),
+        ("moe_dispatch", "ring"),
         ("grouped_matmul", "triton"),
+        ("ragged_buffer_factor", 0.0),
         ("router_aux_loss_scope", "global"),
     ],
     ids=str,

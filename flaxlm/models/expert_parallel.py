@@ -22,9 +22,24 @@ to the devices of its expert group that hold their experts:
   on what arrived, and a second all-to-all brings the outputs back. Assignments past a
   destination's capacity are dropped (they contribute zero) and counted, as `capacity` does.
   Buffers are bounded by the capacity, not n; 2 x capacity_factor x k x tokens x embed bytes
-  a layer move each way. `jax.lax.ragged_all_to_all` would need no capacity, but it does not
-  run on CPU (JAX 0.10: "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU"), the
-  tests' and the planner's platform; the fixed-size all-to-all does.
+  a layer move each way.
+- `ragged` (MaxText's): each device sorts its assignments by the device holding their
+  expert; the n x n matrix of how many each sends each (all-gathered: tiny) tells every
+  sender where its chunk lands in each receiver's buffer (after the earlier senders' chunks
+  to it) and every receiver what it gets. One `ragged_all_to_all` moves the rows (and their
+  experts' local ids), the receivers run their experts on the `ragged_buffer_factor x k x
+  tokens` rows of their buffer, and the reverse one brings the outputs back. Only a
+  receiver's total is bounded, not what each sender sends it: rows that would land past its
+  buffer (the last senders' last rows) are dropped and counted, as `all_to_all` does; at a
+  factor of n nothing can drop. Only the rows sent move, not a padded buffer per pair.
+
+`jax.lax.ragged_all_to_all` is XLA's `ragged-all-to-all`, which TPU and GPU have and XLA:CPU
+has not (JAX 0.10: "HLO opcode ragged-all-to-all is not supported by XLA:CPU"), the tests'
+platform. `ragged_all_to_all` chooses by the platform of the mesh in JAX's context (of the
+devices compiled for, so a TPU slice compiled ahead of time on a CPU host gets the op):
+the op on `RAGGED_PLATFORMS`, else `dense_ragged_all_to_all`, the same semantics through a
+fixed-size all-to-all of n x the rows. The two give the same numbers: what the CPU tests
+check is what the op computes.
 
 The experts' weights enter the shard_map split as their params lie (`expert` on the experts,
 fsdp on `embed`: `weight_spec`) and are all-gathered over fsdp inside it, fsdp's forward; the
@@ -44,12 +59,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.models import context_parallel, experts
+from flaxlm.models import context_parallel, experts, grouped_matmul
 
 Array = jax.Array
 
 EXPERT_AXIS = "expert"  # the mesh axis (and logical axis) that splits the experts
-DISPATCHES = ("all_gather", "all_to_all")
+DISPATCHES = ("all_gather", "all_to_all", "ragged")
+# The platforms whose XLA has `ragged-all-to-all` (`ragged_all_to_all`).
+RAGGED_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
 
 
 def expert_shards(num_experts: int) -> int:
@@ -82,6 +99,7 @@ def run_experts(
     *,
     dispatch: str = "all_gather",
     capacity_factor: float = 1.25,
+    ragged_buffer_factor: float = 2.0,
     matmul: str = "auto",
 ) -> tuple[Array, Array | None] | None:
     """`experts.grouped_experts` on each device's tokens, in a `shard_map` over the mesh axes
@@ -92,7 +110,7 @@ def run_experts(
     experts' weights enter split as their params are (`weight_spec`) and are all-gathered
     inside; the tokens reach the experts' devices by `dispatch` (the module's docstring).
 
-    Returns `y` `[batch, length, embed]` and, with the `all_to_all` dispatch, float32
+    Returns `y` `[batch, length, embed]` and, with the `all_to_all` or `ragged` dispatch, float32
     `[batch, length, k]`: 1 where an assignment was dropped (else None). None when no mesh
     splits the tokens or the experts (or the batch does not split evenly: a dummy batch),
     where XLA partitions the plain computation instead."""
@@ -106,7 +124,7 @@ def run_experts(
         return None
     # Without the batch split over `expert` each device of a group already holds the group's
     # tokens: nothing to send, each runs its experts and the outputs are summed.
-    to_all = gathered and dispatch == "all_to_all"
+    to_all = gathered and dispatch in ("all_to_all", "ragged")
     local = wi.shape[0] // shards
     logical = (experts.WI_AXES, experts.WO_AXES)
     if bias is not None:
@@ -117,6 +135,12 @@ def run_experts(
     def body(x: Array, weights: Array, ids: Array, *params: Array) -> Any:
         wi, wo, *b = (local_experts(w, s, manual) for w, s in zip(params, specs, strict=True))
         xt, wt, it = (a.reshape(-1, a.shape[-1]) for a in (x, weights, ids))
+        if to_all and dispatch == "ragged":
+            rows = ragged_rows(xt.shape[0], it.shape[1], shards, ragged_buffer_factor)
+            y, dropped = ragged_experts(
+                xt, wi, wo, wt, it, act, rows, tuple(b) or None, matmul=matmul
+            )
+            return y.reshape(x.shape), dropped.reshape(ids.shape)
         if to_all:
             # Rows a device sends each device of its group: as `capacity`'s rows an expert.
             capacity = experts.expert_capacity(xt.shape[0], it.shape[1], shards, capacity_factor)
@@ -191,6 +215,121 @@ def all_to_all_experts(
     ys = jnp.where(keep[:, None], back[jnp.minimum(slot, rows - 1)], 0).reshape(k, tokens, -1)
     y = jnp.einsum("ktd,tk->td", ys, weights.astype(ys.dtype))
     return y, (~keep).reshape(k, tokens).T.astype(jnp.float32)
+
+
+def ragged_rows(tokens: int, k: int, shards: int, factor: float) -> int:
+    """A receiver's buffer under the `ragged` dispatch: `factor` x the `tokens x k`
+    assignments of each device (its fair share), at most the `shards x tokens x k` the whole
+    expert group can send it (where nothing can drop)."""
+    return min(shards * tokens * k, max(1, math.ceil(factor * tokens * k)))
+
+
+def ragged_experts(
+    x: Array,
+    wi: Array,
+    wo: Array,
+    weights: Array,
+    ids: Array,
+    act: experts.Glu,
+    rows: int,
+    bias: experts.Bias = None,
+    matmul: str = "auto",
+) -> tuple[Array, Array]:
+    """Inside `run_experts`' body, on one device of an expert group (the mesh's `expert`
+    axis, n devices of E/n experts each): its assignments sorted by the device holding
+    their expert (then a token's best expert before its second, then in token order), sent
+    by `ragged_all_to_all` into each receiver's buffer of `rows` rows, the senders' chunks
+    in device order; what would land past it is dropped (the later senders' last rows).
+    The receivers run their experts on their buffers and send the outputs back the same way.
+
+    x `[tokens, embed]`, wi/wo (and `bias`) this device's experts', weights and ids
+    `[tokens, k]` -> the output `[tokens, embed]` and float32 `[tokens, k]`: 1 where an
+    assignment was dropped."""
+    tokens, k = ids.shape
+    local = wi.shape[0]
+    me = jax.lax.axis_index(EXPERT_AXIS)
+    n = jax.lax.axis_size(EXPERT_AXIS)
+    flat = ids.T.reshape(-1)  # rank-major: every token's first choice before any second
+    to = flat // local  # the device that holds the expert
+    order = jnp.argsort(to, stable=True)  # by destination, then rank, then token
+    sent = jax.lax.all_gather(jnp.bincount(to, length=n).astype(jnp.int32), EXPERT_AXIS)
+    # [sender, receiver]: where a chunk starts in the sender's sorted rows (`begin`) and in
+    # the receiver's buffer (`start`), and how much of it fits there (`fits`).
+    begin = jnp.cumsum(sent, axis=1) - sent
+    start = jnp.cumsum(sent, axis=0) - sent
+    fits = jnp.clip(rows - start, 0, sent)
+    start = jnp.minimum(start, rows)
+    there = (begin[me], fits[me], start[me], fits[:, me])  # as sender: to each receiver
+    back = (start[:, me], fits[:, me], begin[:, me], fits[me])  # as receiver: to each sender
+    token = jnp.tile(jnp.arange(tokens), k)[order]
+    arrived = ragged_all_to_all(x[token], jnp.zeros((rows, x.shape[-1]), x.dtype), *there)
+    # Each row's expert on this device; empty rows an id past the local experts (no group:
+    # grouped_experts gives them zeros).
+    expert = (flat % local)[order].astype(jnp.int32)
+    expert = ragged_all_to_all(expert, jnp.full((rows,), local, jnp.int32), *there)
+    ones = jnp.ones((rows, 1), x.dtype)
+    out = experts.grouped_experts(arrived, wi, wo, ones, expert[:, None], act, 0, bias, matmul)
+    ys = ragged_all_to_all(out, jnp.zeros((tokens * k, out.shape[-1]), out.dtype), *back)
+    # A sorted row was kept if its place in its chunk is within what of the chunk fit.
+    dest = to[order]
+    kept = jnp.arange(tokens * k) - begin[me][dest] < fits[me][dest]
+    unsort = jnp.argsort(order)
+    kept = kept.at[unsort].get(unique_indices=True)
+    ys = ys.at[unsort].get(unique_indices=True)
+    ys = jnp.where(kept[:, None], ys, 0).reshape(k, tokens, -1)
+    y = jnp.einsum("ktd,tk->td", ys, weights.astype(ys.dtype))
+    return y, (~kept).reshape(k, tokens).T.astype(jnp.float32)
+
+
+def ragged_all_to_all(
+    operand: Array,
+    output: Array,
+    input_offsets: Array,
+    send_sizes: Array,
+    output_offsets: Array,
+    recv_sizes: Array,
+) -> Array:
+    """`jax.lax.ragged_all_to_all` over the `expert` axis, one chunk to each device, where
+    the platform of the mesh in JAX's context has the op (`RAGGED_PLATFORMS`), else
+    `dense_ragged_all_to_all` (XLA:CPU); a mesh that names no platform: JAX's default
+    backend's."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    platform = jax.default_backend() if device is None else device.platform
+    if platform not in RAGGED_PLATFORMS:
+        return dense_ragged_all_to_all(
+            operand, output, input_offsets, send_sizes, output_offsets, recv_sizes
+        )
+    # The op types its result as `output` is typed; a buffer of zeros made here would be
+    # invariant over the axes the rows vary over, and the backward would sum the devices'
+    # cotangents over them (JAX 0.10: a psum_invariant per op).
+    output = grouped_matmul.vary(output, grouped_matmul.varying(operand))
+    return jax.lax.ragged_all_to_all(
+        operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+        axis_name=EXPERT_AXIS,
+    )  # fmt: skip
+
+
+def dense_ragged_all_to_all(
+    operand: Array,
+    output: Array,
+    input_offsets: Array,
+    send_sizes: Array,
+    output_offsets: Array,
+    recv_sizes: Array,
+) -> Array:
+    """`jax.lax.ragged_all_to_all`'s semantics over `expert`, one chunk to each of its n
+    devices, through a fixed-size `all_to_all`: each sender's chunks padded to `operand`'s
+    rows (n x `operand` a device), the received rows placed at the offsets their senders
+    name, `output` elsewhere. For platforms without the op (XLA:CPU); differentiable as
+    plain gathers and scatters are."""
+    rows = operand.shape[0]
+    place = jnp.arange(rows)
+    chunks = operand.at[input_offsets[:, None] + place].get(mode="fill", fill_value=0)
+    arrived = jax.lax.all_to_all(chunks, EXPERT_AXIS, 0, 0, tiled=True)  # [sender, rows, ...]
+    offsets = jax.lax.all_to_all(output_offsets, EXPERT_AXIS, 0, 0, tiled=True)
+    at = jnp.where(place < recv_sizes[:, None], offsets[:, None] + place, output.shape[0])
+    flat = arrived.reshape(-1, *arrived.shape[2:])
+    return output.at[at.reshape(-1)].set(flat, mode="drop")
 
 
 def weight_spec(

@@ -10,7 +10,7 @@ grouped matmul by `grouped_matmul` (XLA's, or JAX's Mosaic GPU kernels: `grouped
 
 Under a mesh with an `expert` axis the experts are split over it, and `dropless` runs on each
 device's own tokens in a `shard_map`, the tokens sent to their experts' devices by
-`moe_dispatch` ('all_gather' or the capacity-bounded 'all_to_all'): `expert_parallel`.
+`moe_dispatch` ('all_gather', the capacity-bounded 'all_to_all' or 'ragged'): `expert_parallel`.
 
 Routing, the router statistics every layer sows and the load-balance losses are in `routing`.
 """
@@ -70,8 +70,10 @@ class MoEOptions:
     n_shared_experts: int = 0
     moe_impl: str = "dropless"  # one of IMPLEMENTATIONS
     # How `dropless` tokens reach their experts' devices under an `expert` mesh axis
-    # (expert_parallel.DISPATCHES): 'all_gather' (no drops, buffers grow with the axis) or
-    # 'all_to_all' (buffers of capacity_factor x the fair share, the rest dropped).
+    # (expert_parallel.DISPATCHES): 'all_gather' (no drops, buffers grow with the axis),
+    # 'all_to_all' (buffers of capacity_factor x the fair share to each device, the rest
+    # dropped) or 'ragged' (`jax.lax.ragged_all_to_all`: a receive buffer of
+    # ragged_buffer_factor x the fair share, the rest dropped).
     moe_dispatch: str = "all_gather"
     # How `dropless` runs its grouped matmuls (grouped_matmul.GROUPED_MATMULS): 'xla'
     # (`jax.lax.ragged_dot`), 'mosaic_gpu' (JAX's Pallas kernels for Hopper GPUs), 'auto'
@@ -80,6 +82,11 @@ class MoEOptions:
     # `capacity`: assignments an expert takes / its fair share; the `all_to_all` dispatch:
     # assignments a device sends each device of its expert group / the fair share.
     capacity_factor: float = 1.25
+    # The `ragged` dispatch: rows a device receives / the assignments each device sends
+    # (tokens x k). The axis's size n (or more) never drops; 1 drops whatever routing
+    # leaves unbalanced. 2 is what MaxText's large MoE recipes run (its default, -1, is
+    # the worst case, n: at `expert` 64 as large as the all-gather's buffers).
+    ragged_buffer_factor: float = 2.0
     router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in training
     # What the load-balancing loss balances (routing.AUX_LOSS_SCOPES): 'pooled', the loads of
     # all MoE layers at once (HF's), or 'per_layer', each layer's, averaged over the layers
@@ -138,6 +145,8 @@ class MoEOptions:
             )
         if self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor {self.capacity_factor} must be positive.")
+        if self.ragged_buffer_factor <= 0:
+            raise ValueError(f"ragged_buffer_factor {self.ragged_buffer_factor} must be positive.")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step {self.decoder_sparse_step} must be >= 1.")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
@@ -313,7 +322,7 @@ class MoE(nn.Module):
                 out = expert_parallel.run_experts(
                     x.astype(dtype), wi, wo, weights3, ids3, glu, shards, expert_bias,
                     dispatch=cfg.moe_dispatch, capacity_factor=cfg.capacity_factor,
-                    matmul=cfg.grouped_matmul,
+                    ragged_buffer_factor=cfg.ragged_buffer_factor, matmul=cfg.grouped_matmul,
                 )  # fmt: skip
                 if out is None:
                     y = experts.grouped_experts(
@@ -362,7 +371,7 @@ class MoE(nn.Module):
             return routing.router_stats(*flat, e, router=cfg.router)
 
         stats = expert_parallel.on_own_tokens(count, (logits, ids3, real), summed=True)
-        if dropped is not None:  # capacity's, or the all-to-all dispatch's
+        if dropped is not None:  # capacity's, or the all_to_all or ragged dispatch's
             stats["dropped"] = jnp.sum(dropped * real.reshape(-1, 1))
         self.sow(routing.ROUTER_COLLECTION, routing.ROUTER_STATS, stats)
         return checkpoint_name(y.astype(dtype), "mlp_out")

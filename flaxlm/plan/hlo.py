@@ -1,10 +1,10 @@
 """What a compiled XLA program does per step, read from its HLO text.
 
-`parse_hlo` counts the collectives (all-gather, reduce-scatter, all-reduce, all-to-all,
-collective-permute) of a compiled step, each op as many times as the while loops around it
-run (`known_trip_count`, or read from the loop's condition as TPU's compiled HLO needs), in
-two units (array bytes and ring bytes, see `Op`). Shared by the planner (`flaxlm.plan`) and
-benchmarks/collectives.py.
+`parse_hlo` counts the collectives (all-gather, reduce-scatter, all-reduce, all-to-all and
+its ragged form, collective-permute) of a compiled step, each op as many times as the while
+loops around it run (`known_trip_count`, or read from the loop's condition as TPU's compiled
+HLO needs), in two units (array bytes and ring bytes, see `Op`). Shared by the planner
+(`flaxlm.plan`) and benchmarks/collectives.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,16 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+# A ragged-all-to-all (the MoE layer's `ragged` dispatch) counts as an all-to-all of its
+# whole output buffer: what the most it can receive would move, not what it does.
+COLLECTIVES = (
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+)
 DTYPE_BYTES = dict(pred=1, s8=1, u8=1, s16=2, u16=2, f16=2, bf16=2, s32=4, u32=4, f32=4)
 DTYPE_BYTES.update(s64=8, u64=8, f64=8, c64=8, c128=16)
 SHAPE_RE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
