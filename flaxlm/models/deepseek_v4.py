@@ -39,6 +39,7 @@ from flaxlm.models import (
     llama,
     masks,
     moe,
+    options,
     qwen_moe,
     rope,
 )
@@ -59,7 +60,7 @@ NO_BEAMS = f"{NO_CACHE}; beam search (num_beams > 1) is not supported: greedy or
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class DeepseekV4Config(rope.RopeScaling, moe.MoEOptions):
+class DeepseekV4Config(options.ParamCounts, rope.RopeScaling, moe.MoEOptions):
     """DeepSeek-V4 hyper-parameters (HF's names where they exist; `num_experts` is HF's
     `n_routed_experts`, `csa_compress_rate` / `hca_compress_rate` its `compress_rates`; the
     RopeScaling fields scale the 'compress' rotary only); the defaults are transformers'
@@ -226,12 +227,6 @@ class DeepseekV4Config(rope.RopeScaling, moe.MoEOptions):
             total += block + self.num_experts * 3 * e * f
             active += block + self.num_experts_per_tok * 3 * e * f
         return total, active
-
-    def num_params(self) -> int:
-        return self.param_counts()[0]
-
-    def active_params(self) -> int:
-        return self.param_counts()[1]
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x the active matmul params (not the lookups: the

@@ -71,6 +71,22 @@ class ModuleConfig(Protocol):
     def flops_per_token(self, seq_len: int) -> float: ...
 
 
+class ParamCounts:
+    """`num_params` and `active_params` of a config that counts both in one pass
+    (`param_counts`: all params, and those one token goes through: a mixture of experts')."""
+
+    def param_counts(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def num_params(self) -> int:
+        """All parameters (every expert)."""
+        return self.param_counts()[0]
+
+    def active_params(self) -> int:
+        """The parameters one token goes through (its k experts)."""
+        return self.param_counts()[1]
+
+
 MODEL_EOS = -1  # inference.generate(eos_id=MODEL_EOS): the model's own EOS ids
 
 

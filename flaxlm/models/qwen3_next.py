@@ -38,6 +38,7 @@ from flaxlm.models import (
     layers,
     masks,
     moe,
+    options,
     qwen_moe,
     rope,
 )
@@ -58,7 +59,9 @@ LINEAR, FULL = "linear_attention", "full_attention"  # HF's layer_types entries
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class Qwen3NextConfig(glm4_moe.PartialRotary, rope.RopeScaling, moe.MoEOptions):
+class Qwen3NextConfig(
+    options.ParamCounts, glm4_moe.PartialRotary, rope.RopeScaling, moe.MoEOptions
+):
     """Qwen3-Next / Qwen3.5 text hyper-parameters (HF's names where they exist); the
     defaults are Qwen3-Next-80B-A3B's. `num_experts` 0: dense MLPs only (Qwen3.5 text)."""
 
@@ -225,12 +228,6 @@ class Qwen3NextConfig(glm4_moe.PartialRotary, rope.RopeScaling, moe.MoEOptions):
             total += mixer + 2 * e + (moe_all if sparse else dense)
             active += mixer + 2 * e + (moe_active if sparse else dense)
         return total, active
-
-    def num_params(self) -> int:
-        return self.param_counts()[0]
-
-    def active_params(self) -> int:
-        return self.param_counts()[1]
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x the active matmul params, the full layers' attention

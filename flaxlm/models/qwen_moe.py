@@ -18,7 +18,7 @@ import gin
 import jax
 import numpy as np
 
-from flaxlm.models import llama, masks, moe, qwen, rope
+from flaxlm.models import llama, masks, moe, options, qwen, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
@@ -28,7 +28,7 @@ MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
 ARCHITECTURES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
-class MoESizes:
+class MoESizes(options.ParamCounts):
     """Parameter counts and FLOPs of a config with QwenFields' and MoEOptions' fields (every
     MoE family here); a family whose attention has other params overrides
     `attention_params`."""
@@ -54,14 +54,6 @@ class MoESizes:
             total += attn + 2 * e + mlp_all
             active += attn + 2 * e + mlp_active
         return total, active
-
-    def num_params(self) -> int:
-        """All parameters (every expert)."""
-        return self.param_counts()[0]
-
-    def active_params(self) -> int:
-        """The parameters one token goes through (its k experts)."""
-        return self.param_counts()[1]
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x the active matmul params plus attention scores."""
