@@ -74,7 +74,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 @dataclasses.dataclass(eq=False)
 class Job:
-    """What the scheduler reads of a request (`scheduler.Job`)."""
+    """What the scheduler reads of a request (`inference.jobs.Job`)."""
 
     prompt_ids: list[int]
     max_tokens: int

@@ -330,6 +330,65 @@ def test_a_later_prompt_resumes_from_the_state_snapshot_after_its_cached_pages()
     assert scheduler.pool.cached() == scheduler.states.held() == 0
 
 
+def test_the_next_decode_dispatch_is_enqueued_before_the_last_ones_tokens_are_read():
+    """While the decoding rows go on, each decode dispatch is enqueued before the tokens of
+    the one before it are read (the device never waits on the host between them), fed that
+    dispatch's last tokens on the device; a row's max_tokens, a new row or a cancel makes the
+    scheduler read first. Every job gets the tokens it gets alone, a cancelled one none
+    after its cancel, and every slot and page comes back."""
+    scheduler = running_sum_scheduler(prefill_chunk=8, prefix_snapshots=0)
+    log = []
+
+    class Read:  # a dispatch's output: logs when the host reads it
+        def __init__(self, x, n):
+            self.x, self.n = x, n
+
+        def __getitem__(self, index):
+            return self.x[index]
+
+        def __array__(self, dtype=None, copy=None):
+            log.append(("read", self.n))
+            return np.asarray(self.x, dtype)
+
+    decode = scheduler.programs.decode
+
+    def logged(*args):
+        cache, *out = decode(*args)
+        n = sum(1 for e in log if e[0] == "enqueue") + 1
+        log.append(("enqueue", n))
+        return (cache, *(Read(x, n) for x in out))
+
+    scheduler.programs.decode = logged
+    rng = np.random.default_rng(5)
+    cases = [(rng.integers(1, VOCAB, 5).tolist(), 20), (rng.integers(1, VOCAB, 3).tolist(), 11)]
+    jobs = [job(p, n) for p, n in cases]
+    for j in jobs:
+        scheduler.add(j)
+    while scheduler.busy:
+        scheduler.step()
+    for (p, n), j in zip(cases, jobs):
+        assert result(j) == (running_sums(p, n), ("done", "length")), (p, n)
+    order = [e for i, e in enumerate(log) if e not in log[:i]]  # a dispatch's first read
+    ahead = [n for kind, n in order if kind == "read" and ("enqueue", n + 1) in order]
+    ahead = [n for n in ahead if order.index(("enqueue", n + 1)) < order.index(("read", n))]
+    assert len(ahead) >= 2, order  # 20 tokens in dispatches of 3: most go on ahead
+    assert scheduler.pool.in_use() == 0 and sorted(scheduler.states.free) == [1, 2, 3]
+
+    # A cancel between dispatches: the job ends with no token after it, the other goes on.
+    first, second = job(cases[0][0], 20), job(cases[1][0], 11)
+    scheduler.add(first)
+    scheduler.add(second)
+    for _ in range(4):
+        scheduler.step()
+    scheduler.cancel(first, "gone")
+    while scheduler.busy:
+        scheduler.step()
+    tokens, event = result(first)
+    assert event == ("cancelled", "gone") and tokens == running_sums(cases[0][0], len(tokens))
+    assert result(second) == (running_sums(cases[1][0], 11), ("done", "length"))
+    assert scheduler.pool.in_use() == 0 and sorted(scheduler.states.free) == [1, 2, 3]
+
+
 def test_evicting_a_cached_page_frees_its_snapshot_and_a_full_pool_keeps_none():
     """A snapshot lives as long as its page in the prefix cache: a long reply that needs
     every page evicts them and frees their snapshots (the prompt is then read again). With

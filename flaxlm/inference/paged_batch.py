@@ -19,7 +19,7 @@ from flaxlm.parallel.partitioning import Partitioner
 
 @dataclasses.dataclass(eq=False)
 class BatchJob:
-    """One prompt's completion as the scheduler reads it (a `scheduler.Job`): its sampled
+    """One prompt's completion as the scheduler reads it (a `jobs.Job`): its sampled
     tokens and their log-probs, the EOS that ended it among them when `keep_eos`; appended
     to `finished` when it ends."""
 

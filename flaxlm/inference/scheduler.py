@@ -6,7 +6,9 @@ generate; a job that can never fit is refused, one that cannot fit yet waits its
 one prefill dispatch (the next chunk of up to `prefill_rows` prompts, so that a long prompt
 never stalls the running streams for more than a chunk) and one decode dispatch
 (`decode_steps` tokens for every running sequence in one `lax.scan` on the device: no host
-round trip per token).
+round trip per token). While the decoding rows go on, each decode dispatch is enqueued
+before the previous one's tokens are read (fed its last tokens on the device), so that the
+device does not wait on the host between them.
 
 Prefix sharing: a job whose prompt equals one being prefilled follows it (the prompt is
 prefilled once; its full pages are shared, the page it ends in copied before either writes
@@ -28,14 +30,14 @@ depend on the adapter, so only jobs with the same adapter share pages.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
 
+from flaxlm.inference.jobs import Dispatch, Job, JobState
 from flaxlm.inference.pages import PagePool, pages_for, prefix_keys
 from flaxlm.inference.programs import PagedPrograms
 from flaxlm.inference.state_pool import StatePool
@@ -46,40 +48,6 @@ from flaxlm.parallel.partitioning import Partitioner
 
 Array = jax.Array
 Copies = list[tuple[int, int]]  # (from, to) pages or state slots
-
-
-class Job(Protocol):
-    """What the scheduler reads of a job (the server's `Completion`); it puts ("token", id,
-    logprob, top), then ("done", "stop" | "length") on `events` (or ("cancelled", msg));
-    ("done", "stop") carries the EOS id and its log-prob as its third and fourth items.
-    A job may also have `adapter`: the index of its LoRA adapter in the params' stacked
-    adapters (0, the base, when it has none)."""
-
-    prompt_ids: Sequence[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    events: Any
-
-
-@dataclasses.dataclass(eq=False)
-class _Sequence:
-    job: Job
-    prompt: np.ndarray  # int32 [length]
-    pages: list[int]  # a follower's own pages until its leader's prompt is read
-    keys: list[bytes]  # prefix-cache keys of the prompt's full pages
-    adapter: int = 0  # its LoRA adapter's index (0: the base)
-    state_slot: int = 0  # its recurrent state's slot while running (a stateful model's)
-    computed: int = 0  # prompt tokens whose keys and values are in the cache
-    generated: int = 0
-    last_token: int = 0  # sampled, not yet fed
-    leader: _Sequence | None = None
-    followers: list[_Sequence] = dataclasses.field(default_factory=list)
-
-    @property
-    def decoding(self) -> bool:
-        return self.leader is None and self.computed == len(self.prompt)
 
 
 class Scheduler:
@@ -153,8 +121,8 @@ class Scheduler:
         self.num_top = num_top
         self.position_limit = model.position_limit()
         self.eos_ids = tuple(model.eos_ids)
-        self.waiting: collections.deque[_Sequence] = collections.deque()
-        self.running: list[_Sequence] = []
+        self.waiting: collections.deque[JobState] = collections.deque()
+        self.running: list[JobState] = []
         self.prefilled_tokens = 0  # prompt tokens read by prefill dispatches
         self.decode_dispatches = 0
         self.prefill_dispatches = 0
@@ -181,6 +149,7 @@ class Scheduler:
 
     def reset(self) -> None:
         """A fresh pool and cache (after a failed dispatch: the donated cache is gone)."""
+        self._pending = None
         self.states = StatePool(self.max_rows if self.stateful else 0, self.snapshots)
         self.pool = PagePool(self.num_pages, self.page_size, self.states.forget)
         with self.partitioner.context():
@@ -203,7 +172,7 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._pending)
 
     def add(self, job: Job) -> None:
         """Queues `job`; a ValueError when it could never fit (nothing queued then)."""
@@ -227,7 +196,7 @@ class Scheduler:
         if adapter:  # another adapter's keys and values: other pages
             salt = adapter.to_bytes(8, "little")
             keys = [hashlib.sha1(salt + key).digest() for key in keys]
-        self.waiting.append(_Sequence(job, prompt, [], keys, adapter=adapter))
+        self.waiting.append(JobState(job, prompt, [], keys, adapter=adapter))
 
     def cancel(self, job: Job, message: str) -> bool:
         """Drops `job` (its pages freed) with a ("cancelled", message) event; False when the
@@ -248,7 +217,7 @@ class Scheduler:
         self._admit()
         if any(s.leader is None and s.computed < len(s.prompt) for s in self.running):
             self._prefill_step()
-        if any(s.decoding for s in self.running):
+        if any(s.decoding for s in self.running) or self._pending:
             self._decode_step()
 
     def _admit(self) -> None:
@@ -291,7 +260,7 @@ class Scheduler:
             self.running.append(seq)
         self._copy_slots([], snapshots)
 
-    def _end(self, seq: _Sequence, event: tuple) -> None:
+    def _end(self, seq: JobState, event: tuple) -> None:
         """Puts the last `event` of `seq` and frees its pages; its followers are queued
         again on their own when it had not read its prompt yet."""
         if seq in self.waiting:
@@ -307,7 +276,7 @@ class Scheduler:
         seq.followers = []
         seq.job.events.put(event)
 
-    def _release(self, seq: _Sequence) -> None:
+    def _release(self, seq: JobState) -> None:
         """`seq` leaves the running batch: its pages and its state slot are free again."""
         self.running.remove(seq)
         self.pool.release(seq.pages)
@@ -315,7 +284,7 @@ class Scheduler:
         if self.stateful:
             self.states.give_back(seq.state_slot)
 
-    def _emit(self, seq: _Sequence, token: int, logprob: float, top: list) -> bool:
+    def _emit(self, seq: JobState, token: int, logprob: float, top: list) -> bool:
         """Hands `seq` its sampled token; True while it goes on."""
         if token in self.eos_ids:
             self._end(seq, ("done", "stop", token, logprob))
@@ -335,7 +304,7 @@ class Scheduler:
             width *= 2
         return min(width, self.max_table)
 
-    def _table(self, rows: Sequence[_Sequence], pages: Sequence[int], count: int) -> np.ndarray:
+    def _table(self, rows: Sequence[JobState], pages: Sequence[int], count: int) -> np.ndarray:
         table = np.zeros((count, self._bucket(max(pages))), np.int32)
         for i, (seq, n) in enumerate(zip(rows, pages)):
             table[i, :n] = seq.pages[:n]
@@ -387,7 +356,7 @@ class Scheduler:
         if finished:
             self._start(logits, finished)
 
-    def _chunk(self, seq: _Sequence) -> int:
+    def _chunk(self, seq: JobState) -> int:
         """Prompt tokens of `seq` the next prefill dispatch reads: up to `prefill_chunk`; with
         state snapshots, ending where a page ends while the prompt goes on (a snapshot is
         taken there), at its last full page while that has none."""
@@ -401,7 +370,7 @@ class Scheduler:
         aligned = end // size * size
         return aligned - seq.computed if end < len(seq.prompt) and aligned > seq.computed else n
 
-    def _fork(self, leader: _Sequence, pages: Copies, states: Copies) -> None:
+    def _fork(self, leader: JobState, pages: Copies, states: Copies) -> None:
         """The leader's prompt is read: each follower takes its full prompt pages and a copy
         of the page it ends in (written by each of them next), and a copy of its state (the
         copies added to `pages` and `states`)."""
@@ -427,7 +396,7 @@ class Scheduler:
             with self.partitioner.context():
                 self.cache = self.programs.copy(self.cache, *copies)
 
-    def _start(self, logits: Array, finished: list[tuple[_Sequence, int]]) -> None:
+    def _start(self, logits: Array, finished: list[tuple[JobState, int]]) -> None:
         """Samples each finished prompt's first token (a follower its own)."""
         size = self.max_rows
         index = np.zeros((size,), np.int32)
@@ -446,8 +415,22 @@ class Scheduler:
             self._emit(seq, int(token[j]), float(lp[j]), top)
 
     def _decode_step(self) -> None:
+        """One decode dispatch of every decoding row, enqueued before the tokens of the one
+        before it are read (`Dispatch`) where its rows go on: the same rows, none at its
+        max_tokens by then. A row that ended in the dispatch read (EOS, a stop, a cancel)
+        has run one more for nothing; its pages and state slot are reused only by dispatches
+        enqueued after it. Elsewhere the dispatch before is read first."""
         rows = [s for s in self.running if s.decoding]
-        size, steps = self.max_rows, self.decode_steps
+        steps, ahead = self.decode_steps, self._pending
+        if ahead is not None and (
+            ahead.rows != rows or any(s.generated + steps >= s.job.max_tokens for s in rows)
+        ):
+            self._read_pending()
+            rows, ahead = [s for s in self.running if s.decoding], None
+        if not rows:
+            return
+        done = steps if ahead else 0  # tokens each row has in the dispatch not read yet
+        size = self.max_rows
         tokens = np.zeros((size,), np.int32)
         slots = np.zeros((size,), np.int32)
         remaining = np.zeros((size,), np.int32)
@@ -461,20 +444,34 @@ class Scheduler:
         for i, seq in enumerate(rows):
             adapters[i], states[i] = seq.adapter, seq.state_slot
             tokens[i] = seq.last_token
-            slots[i] = len(seq.prompt) + seq.generated - 1
-            remaining[i] = seq.job.max_tokens - seq.generated
-            seeds[i], counts[i] = seq.job.seed, seq.generated
+            slots[i] = len(seq.prompt) + seq.generated + done - 1
+            remaining[i] = seq.job.max_tokens - seq.generated - done
+            seeds[i], counts[i] = seq.job.seed, seq.generated + done
             temperature[i], top_p[i] = seq.job.temperature, seq.job.top_p
             needed.append(min(len(seq.pages), pages_for(slots[i] + steps, self.page_size)))
         table = self._table(rows, needed, size)
-        args = (tokens, slots, table, adapters, remaining, seeds, counts)
+        # Ahead of a dispatch not read, each row is fed that dispatch's last token, on the
+        # device (rows in the same order).
+        fed = tokens if ahead is None else ahead.out[0][-1]
+        args = (fed, slots, table, adapters, remaining, seeds, counts)
         args += (temperature, top_p, states)
         with self.partitioner.context():
             self.cache, *out = self.programs.decode(self.params, self.cache, *args)
         self.decode_dispatches += 1
-        token, lp, top_ids, top_lps = (np.asarray(x) for x in out)  # [steps, rows, ...]
-        for i, seq in enumerate(rows):
-            for k in range(steps):
+        self._read_pending()
+        self._pending = Dispatch(rows, tuple(out))
+
+    def _read_pending(self) -> None:
+        """Hands each row of the dispatch not read yet its tokens (none to a row that has
+        ended since)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        token, lp, top_ids, top_lps = (np.asarray(x) for x in pending.out)  # [steps, rows, ...]
+        for i, seq in enumerate(pending.rows):
+            for k in range(self.decode_steps):
+                if seq not in self.running:
+                    break
                 top = list(zip(top_ids[k, i].tolist(), top_lps[k, i].tolist()))
                 if not self._emit(seq, int(token[k, i]), float(lp[k, i]), top):
                     break

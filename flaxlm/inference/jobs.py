@@ -1,0 +1,60 @@
+"""What the continuous-batching scheduler (`scheduler.py`) holds: a job as it reads it, each
+job's progress (`JobState`: its pages, state slot, prompt read, tokens generated, prefix
+sharing), and a decode dispatch whose tokens are not read yet (`Dispatch`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+Array = jax.Array
+
+
+class Job(Protocol):
+    """What the scheduler reads of a job (the server's `Completion`); it puts ("token", id,
+    logprob, top), then ("done", "stop" | "length") on `events` (or ("cancelled", msg));
+    ("done", "stop") carries the EOS id and its log-prob as its third and fourth items.
+    A job may also have `adapter`: the index of its LoRA adapter in the params' stacked
+    adapters (0, the base, when it has none)."""
+
+    prompt_ids: Sequence[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    events: Any
+
+
+@dataclasses.dataclass(eq=False)
+class JobState:
+    """A job held: waiting, reading its prompt or decoding."""
+
+    job: Job
+    prompt: np.ndarray  # int32 [length]
+    pages: list[int]  # a follower's own pages until its leader's prompt is read
+    keys: list[bytes]  # prefix-cache keys of the prompt's full pages
+    adapter: int = 0  # its LoRA adapter's index (0: the base)
+    state_slot: int = 0  # its recurrent state's slot while running (a stateful model's)
+    computed: int = 0  # prompt tokens whose keys and values are in the cache
+    generated: int = 0
+    last_token: int = 0  # sampled, not yet fed
+    leader: JobState | None = None
+    followers: list[JobState] = dataclasses.field(default_factory=list)
+
+    @property
+    def decoding(self) -> bool:
+        return self.leader is None and self.computed == len(self.prompt)
+
+
+@dataclasses.dataclass(eq=False)
+class Dispatch:
+    """A decode dispatch enqueued whose tokens are not read yet: its rows, in order, and its
+    outputs on the device (tokens, logprobs, top ids and logprobs: `[steps, max_rows, ...]`)."""
+
+    rows: list[JobState]
+    out: tuple[Array, ...]
