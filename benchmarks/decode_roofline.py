@@ -16,9 +16,12 @@ the roofline is `B` tokens per that time. For each batch this times
 - `pallas`: the same with `paged_attention='pallas'` (JAX's Pallas kernel reads the pages in
   place: a GPU's path; on CPU it runs interpreted, slowly),
 
-and reports tokens/s and the share of the roofline (the chip's datasheet bandwidth,
-`flaxlm.plan.chips`; on CPU there is none). Parameters are cast to `--dtype` as an inference
-server holds them. One process, the paths alternating per batch size.
+and reports tokens/s, the share of the roofline (the chip's datasheet bandwidth,
+`flaxlm.plan.chips`; on CPU there is none) and, for the engine, the host's own time a
+dispatch (a full run's wall time less the time `step` waited for tokens,
+`Scheduler.read_wait_s`, over its dispatches: the host work the device may wait on).
+Parameters are cast to `--dtype` as an inference server holds them. One process, the paths
+alternating per batch size.
 """
 
 from __future__ import annotations
@@ -187,19 +190,30 @@ def time_paged(
     )
     rng = np.random.default_rng(batch)
 
+    host = []  # per full run: the host's own seconds a dispatch (waits for tokens excluded)
+
     def run(new: int) -> float:
         fresh = rng.integers(3, model.config.vocab_size, (batch, context), np.int32)
+        waited, dispatches = scheduler.read_wait_s, scheduler_dispatches(scheduler)
         start = time.perf_counter()
         for i, row in enumerate(fresh):
             scheduler.add(Job(row.tolist(), new, seed=i))
         while scheduler.busy:
             scheduler.step()
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        if new == args.new:
+            own = elapsed - (scheduler.read_wait_s - waited)
+            host.append(own / max(scheduler_dispatches(scheduler) - dispatches, 1))
+        return elapsed
 
     run(1), run(args.new)  # compiles
+    host.clear()
     first = statistics.median(run(1) for _ in range(args.repeats))
     full = statistics.median(run(args.new) for _ in range(args.repeats))
-    out = {"tokens_per_second": batch * (args.new - 1) / max(full - first, 1e-9)}
+    out = {
+        "tokens_per_second": batch * (args.new - 1) / max(full - first, 1e-9),
+        "host_ms_per_dispatch": 1e3 * statistics.median(host),
+    }
     if args.profile and batch == max(args.batches):
         dispatches = -(-args.new // args.decode_steps)
         out["profile"] = profile_summary.trace_steps(
@@ -208,6 +222,11 @@ def time_paged(
             dispatches,
         )
     return out
+
+
+def scheduler_dispatches(scheduler: Any) -> int:
+    """The prefill and decode dispatches a scheduler has run."""
+    return scheduler.prefill_dispatches + scheduler.decode_dispatches
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
@@ -246,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             rows.append(row)
             print(row, flush=True)
     bench_common.print_table(
-        ["batch", "path", "tokens/s", "roofline tokens/s", "of roofline"],
+        ["batch", "path", "tokens/s", "roofline tokens/s", "of roofline", "host ms/dispatch"],
         [
             [
                 r["batch"],
@@ -254,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                 f"{r['tokens_per_second']:,.0f}" if "tokens_per_second" in r else r["failed"],
                 f"{r['roofline_tokens_per_second']:,.0f}",
                 f"{r.get('of_roofline', float('nan')):.1%}",
+                f"{r['host_ms_per_dispatch']:.2f}" if "host_ms_per_dispatch" in r else "-",
             ]
             for r in rows
         ],

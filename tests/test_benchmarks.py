@@ -507,3 +507,37 @@ def test_published_moe_shapes_split_their_state_evenly_over_expert_and_fsdp(name
         # Every large array splits 8 ways; only scalars and small vectors (norm scales, the
         # router's biases, AdamW's count) are whole on each device, well under 1%.
         assert total / 8 <= per_device <= 1.01 * total / 8, (expert, per_device / (total / 8))
+
+
+@pytest.mark.slow
+def test_ragged_dispatch_compiled_for_a_v5p_slice_holds_less_per_device_with_more_experts():
+    """A small MoE (qwen3_moe_tiny.gin's layers at 32 experts of width 256) with the ragged
+    dispatch, compiled ahead of time for v5p:2x2x2 (libtpu, no TPU) on the fsdp mesh with
+    its `expert` axis at 2 and at 8: the real `ragged-all-to-all` in the program, and the
+    temporaries per device fall as the experts spread (each device gathers only its own
+    experts' weights, and the buffers follow the tokens it sends, not the group's)."""
+    script = (
+        "import bench_common; bench_common.force_host_devices(8)\n"
+        "devices = bench_common.topology_devices('v5p:2x2x2')\n"
+        "model = bench_common.gin_model('qwen3_moe_tiny', num_layers=1, num_experts=32,\n"
+        "    moe_intermediate_size=256, moe_dispatch='ragged')\n"
+        "for expert in (2, 8):\n"
+        "    partitioner = bench_common.make_partitioner('fsdp', devices, expert=expert)\n"
+        "    step = bench_common.CompiledStep(model, partitioner, 16, 64)\n"
+        "    temp = step.compiled.memory_analysis().temp_size_in_bytes\n"
+        "    ragged = step.hlo_text().count(' ragged-all-to-all(')\n"
+        "    print('expert', expert, temp, ragged)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=BENCHMARKS,
+        env=dict(os.environ, PYTHONPATH=REPO),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith("expert ")]
+    (two, temp2, ragged2), (eight, temp8, ragged8) = ((int(x) for x in r[1:]) for r in rows)
+    assert (two, eight) == (2, 8) and ragged2 > 0 and ragged8 > 0, rows
+    assert int(temp8) < int(temp2), rows

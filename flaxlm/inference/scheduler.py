@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -127,6 +128,7 @@ class Scheduler:
         self.decode_dispatches = 0
         self.prefill_dispatches = 0
         self.cached_tokens = 0  # prompt tokens found in the prefix cache
+        self.read_wait_s = 0.0  # seconds `step` waited for dispatches' tokens (`_read`)
         new_cache = lambda: model.paged_cache(self.num_pages, page_size, max_rows)
         shapes = jax.eval_shape(new_cache)
         self.stateful = bool(decoding.recurrent_states(shapes))
@@ -409,7 +411,7 @@ class Scheduler:
         counts = np.zeros((size,), np.int32)
         with self.partitioner.context():
             out = self.programs.first(logits, index, seeds, counts, temperature, top_p)
-        token, lp, top_ids, top_lps = (np.asarray(x) for x in out)
+        token, lp, top_ids, top_lps = self._read(out)
         for j, (seq, _) in enumerate(finished):
             top = list(zip(top_ids[j].tolist(), top_lps[j].tolist()))
             self._emit(seq, int(token[j]), float(lp[j]), top)
@@ -461,13 +463,21 @@ class Scheduler:
         self._read_pending()
         self._pending = Dispatch(rows, tuple(out))
 
+    def _read(self, out: Sequence[Array]) -> list[np.ndarray]:
+        """A dispatch's outputs on the host; the time spent waiting for them is counted
+        (`read_wait_s`: the rest of a step is the host's own work)."""
+        start = time.perf_counter()
+        arrays = [np.asarray(x) for x in out]
+        self.read_wait_s += time.perf_counter() - start
+        return arrays
+
     def _read_pending(self) -> None:
         """Hands each row of the dispatch not read yet its tokens (none to a row that has
         ended since)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        token, lp, top_ids, top_lps = (np.asarray(x) for x in pending.out)  # [steps, rows, ...]
+        token, lp, top_ids, top_lps = self._read(pending.out)  # [steps, rows, ...]
         for i, seq in enumerate(pending.rows):
             for k in range(self.decode_steps):
                 if seq not in self.running:
