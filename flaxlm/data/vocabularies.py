@@ -206,6 +206,7 @@ class HuggingFaceVocabulary(PythonVocabulary):
         self._path = str(path)
         self._tokenizer: Any = None
         self._prefix: tuple[int, ...] | None = None
+        self._pad_is_special: bool | None = None  # `_decode`'s, from the tokenizer once
         super().__init__(extra_ids=extra_ids)
 
     @property
@@ -272,7 +273,9 @@ class HuggingFaceVocabulary(PythonVocabulary):
         # SentencePiece-style <pad>) trailing 0s are that padding; where it is a token of
         # text (Qwen's and Llama 3's "!") it is kept. Everything else is decoded, special
         # tokens too.
-        if self.pad_id in self.tokenizer.all_special_ids:
+        if self._pad_is_special is None:
+            self._pad_is_special = self.pad_id in self.tokenizer.all_special_ids
+        if self._pad_is_special:
             while ids and ids[-1] == self.pad_id:
                 ids.pop()
         if self.eos_id is not None and ids and ids[-1] == self.eos_id:

@@ -479,9 +479,9 @@ class Scheduler:
             return
         token, lp, top_ids, top_lps = self._read(pending.out)  # [steps, rows, ...]
         for i, seq in enumerate(pending.rows):
+            if seq not in self.running:  # ended in the dispatch before, or cancelled
+                continue
             for k in range(self.decode_steps):
-                if seq not in self.running:
-                    break
                 top = list(zip(top_ids[k, i].tolist(), top_lps[k, i].tolist()))
                 if not self._emit(seq, int(token[k, i]), float(lp[k, i]), top):
                     break
