@@ -246,8 +246,9 @@ class DecodingCache(nn.Module):
                     out.append(paged_attention.gather_slots(pool, decoding, slots, self.axes))
                 continue
             whole = attention.write_cache(self, name, x, decoding, self.axes)
-            picked = None if slots is None else slots[:, :, None, None]
-            out.append(whole if picked is None else jnp.take_along_axis(whole, picked, axis=1))
+            if slots is not None:
+                whole = jnp.take_along_axis(whole, slots[:, :, None, None], axis=1)
+            out.append(whole)
         return tuple(out)
 
 
