@@ -11,8 +11,13 @@ half-split, GLM-5 interleaved: `indexer_rope_interleave`), and a weight per quer
 (`weights_proj` of the input, in float32, over sqrt(index_n_heads)). Key t's score for query
 s is `sum_h w[s, h] relu(q[s, h] . k[t] / sqrt(index_head_dim))`; of the keys the mask lets
 the query see, it attends to the `index_topk` best (all of them where there are fewer), and
-the rest are masked. No Hadamard rotation and no FP8 scoring: HF's bf16/fp32 equivalent of
-DeepSeek's kernels, which this follows (`DeepseekV32Indexer`, `GlmMoeDsaIndexer`).
+the rest are masked. Where the `index_topk`-th best score ties with keys left out (the
+ReLU makes a score exactly 0 wherever every head's dot product is negative, which is common
+with few `index_n_heads`), `jax.lax.top_k` keeps the earliest positions; torch's `topk`
+order among equal values is unspecified (its partial sort's), so such a config can choose
+other keys than HF's model does and its logits differ there. No Hadamard rotation and no FP8
+scoring: HF's bf16/fp32 equivalent of DeepSeek's kernels, which this follows
+(`DeepseekV32Indexer`, `GlmMoeDsaIndexer`).
 
 Where the keys are no more than `index_topk` (a short sequence, a small cache: a static
 shape) every visible key is chosen, so the layer is dense MLA exactly and the indexer's
