@@ -1,6 +1,8 @@
 """DeepSeek-V4 from and to HuggingFace: logits against transformers' `DeepseekV4ForCausalLM`
 on two tiny random models, files in DeepSeek's spelling read, export reloaded by
-transformers, refusals by name (config.json keys, settings, decoding), and the gin files.
+transformers, decoding over the family's cache (the whole rows' logits at every step, HF's
+greedy and beam-search tokens), refusals by name (config.json keys, settings, the paged
+engine), and the gin files.
 
 Two configs, built once each for the file: 'mixed' has each attention kind once (sliding,
 compressed sparse with an indexer keeping 3 of up to 12 entries, heavily compressed), a
@@ -16,6 +18,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -25,7 +28,14 @@ from safetensors.numpy import load_file, save_file
 
 from flaxlm.checkpoints import hf
 from flaxlm.inference import generation
-from flaxlm.models import base, deepseek_v4, deepseek_v4_attention, deepseek_v4_hf, hf_spec
+from flaxlm.models import (
+    base,
+    decoding,
+    deepseek_v4,
+    deepseek_v4_attention,
+    deepseek_v4_hf,
+    hf_spec,
+)
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import infer
 from flaxlm.training import steps
@@ -207,25 +217,131 @@ def test_multi_token_prediction_tensors_are_skipped(families, tmp_path):
     assert jax.tree.all(jax.tree.map(np.array_equal, again, params))
 
 
-@pytest.mark.slow
-def test_greedy_is_hf_generate(families):
-    """Without a cache, each step re-reads the row: HF's greedy tokens (its cached
-    compressors, each prompt alone: HF's left padding would enter its windows), prompts of
-    5 to 17 tokens and 8 new ones crossing the compressors' windows (every attention kind
-    and router: 'mixed')."""
-    torch_model, _, model, params = families("mixed")
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(1, VOCAB, n).tolist() for n in (11, 5, 17)]
-    tokens = flaxlm_greedy_batch(model, params, prompts, GREEDY_TOKENS)
-    assert tokens == [hf_greedy_batch(torch_model, [p], GREEDY_TOKENS)[0] for p in prompts]
+# Prompts of 1 to 17 tokens in one batch, and what follows them: every row crosses the
+# compressors' windows (rates 2 and 4, 3 and 8) and its sliding window (4, 6) while decoding.
+PROMPT_LENGTHS = (11, 5, 17, 1)
+STEPS = 9
 
 
-def test_beam_search_and_the_paged_engine_are_refused_naming_why(families):
+def prompts_of(lengths=PROMPT_LENGTHS, seed=3):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, VOCAB, n).tolist() for n in lengths]
+
+
+def cached_logits(model, params, prompts, fed):
+    """float32 `[rows, 1 + steps, vocab]`: the logits after each prompt (right-padded, read
+    whole into the cache), then after each token of `fed` int32 `[rows, steps]` decoded one
+    a step over the cache."""
+    inputs = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
+    for row, p in enumerate(prompts):
+        inputs[row, : len(p)] = p
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    config = decoding.DecodingConfig(max_new_tokens=fed.shape[1])
+
+    @jax.jit
+    def run(params, inputs, lengths, fed):
+        params = model.decoding_params(params)
+        first, state = model.prefill(params, inputs, lengths, config)
+
+        def step(state, xs):
+            t, token = xs
+            logits, state = model.decode_step(params, token, t, state, config)
+            return state, logits
+
+        steps = jnp.arange(fed.shape[1], dtype=jnp.int32)
+        _, logits = jax.lax.scan(step, state, (steps, fed.T))
+        return jnp.concatenate([first[:, None], logits.transpose(1, 0, 2)], axis=1)
+
+    return np.asarray(run(params, inputs, lengths, fed))
+
+
+def assert_cached_logits_are_whole_rows(model, params, prompts, layers):
+    """The cached logits after each prompt and each of `STEPS` random tokens fed are the
+    logits of the whole rows (prompt and tokens) read at once."""
+    fed = np.random.default_rng(4).integers(1, VOCAB, (len(prompts), STEPS)).astype(np.int32)
+    ours = cached_logits(model, params, prompts, fed)
+    rows = [p + f.tolist() for p, f in zip(prompts, fed, strict=True)]
+    ids, mask = padded_batch(VOCAB, [len(r) for r in rows])
+    for row, r in enumerate(rows):
+        ids[row, : len(r)] = r
+    whole = np.asarray(jax.jit(model.compute_logits)(params, decoder_batch(ids, mask)))
+    theirs = np.stack([whole[row, len(p) - 1 : len(p) + STEPS] for row, p in enumerate(prompts)])
+    ours, theirs = ours[..., :VOCAB], theirs[..., :VOCAB]  # not the ids padded on
+    # The same float32 products summed in other orders (keys in a ring, entries pooled one
+    # window at a time): a few eps x sqrt(width) per layer, at the logits' scale.
+    tol = 8 * np.finfo(np.float32).eps * np.sqrt(COMMON["hidden_size"])
+    tol *= layers * max(1.0, np.abs(theirs).max())
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_cached_decoding_logits_are_the_whole_rows_logits_at_each_step(families, name):
+    """Prefill then one token a step over the cache (the sliding window's ring, the
+    compressors' open windows and entries, the indexer's keys) gives, at every step, the
+    logits of reading each row whole: rows of 1 to 17 tokens in one batch, the windows
+    closing during the steps at each row's own positions."""
+    _, _, model, params = families(name)
+    layers = CONFIGS[name]["num_hidden_layers"]
+    assert_cached_logits_are_whole_rows(model, params, prompts_of(), layers)
+
+
+def test_prompts_of_one_token_decode_from_an_empty_cache(families):
+    """A batch of 1-token prompts: the prefill is a step over the empty cache it makes."""
     _, _, model, params = families("mixed")
-    ids, _ = padded_batch(VOCAB, (5, 3))
-    with pytest.raises(ValueError, match="beam search"):
-        generation.generate(model, params, {"inputs": ids}, max_new_tokens=2, num_beams=2)
+    layers = CONFIGS["mixed"]["num_hidden_layers"]
+    assert_cached_logits_are_whole_rows(model, params, prompts_of((1, 1), seed=7), layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_over_the_cache_is_hf_generate(families, name):
+    """HF's greedy tokens (its cached compressors, each prompt alone: HF's left padding
+    would enter its windows) from flaxlm's `generate` over the cache, prompts of 1 to 17
+    tokens in one batch and 9 new ones crossing the compressors' windows."""
+    torch_model, _, model, params = families(name)
+    prompts = prompts_of()
+    tokens = flaxlm_greedy_batch(model, params, prompts, STEPS)
+    assert tokens == [hf_greedy_batch(torch_model, [p], STEPS)[0] for p in prompts]
+    # Sampling reads the same cache: its most likely token alone is the greedy one.
+    sampled = flaxlm_greedy_batch(model, params, prompts, STEPS, temperature=0.7, top_k=1)
+    assert sampled == tokens
+
+
+@pytest.mark.slow
+def test_greedy_over_the_cache_on_an_fsdp_by_tensor_mesh_is_hf_generate(families):
+    """The cache's rows split over the batch axes, the params over FSDP x tensor."""
+    torch_model, path, _, _ = families("mixed")
+    partitioner = Partitioner((1, 2, 2), devices=jax.devices()[:4])
+    model, params = hf.from_pretrained(path, partitioner)
+    prompts = prompts_of()
+    tokens = flaxlm_greedy_batch(model, params, prompts, STEPS, partitioner=partitioner)
+    assert tokens == [hf_greedy_batch(torch_model, [p], STEPS)[0] for p in prompts]
+
+
+@pytest.mark.slow
+def test_beam_search_over_the_cache_is_hf_beam_search(families):
+    """`decoding.gather_rows` reorders every cache leaf's rows (the rings, the open
+    windows, the entries): HF's beam search (3 beams, each prompt alone) on 'mixed'."""
+    torch_model, _, model, params = families("mixed")
+    prompts = prompts_of((11, 5, 1), seed=5)
+    ours = flaxlm_greedy_batch(model, params, prompts, STEPS, num_beams=3)
+    for row, p in enumerate(prompts):
+        with torch.no_grad():
+            theirs = torch_model.generate(
+                torch.tensor([p]), attention_mask=torch.ones((1, len(p)), dtype=torch.long),
+                do_sample=False, num_beams=3, max_new_tokens=STEPS, min_new_tokens=STEPS,
+                pad_token_id=0, early_stopping=False, length_penalty=1.0,
+            )  # fmt: skip
+        assert ours[row] == theirs[0, len(p) :].tolist(), row
+
+
+def test_the_paged_engine_and_a_left_padded_cache_are_refused_naming_why(families):
+    _, _, model, params = families("mixed")
     assert "cannot page a KV cache" in model.paged_refusal()
+    plain = base.DecoderOnlyModel(model.config)  # the other families' left-padded cache
+    ids, _ = padded_batch(VOCAB, (5, 3))
+    with pytest.raises(ValueError, match="generate with deepseek_v4.DeepseekV4LM"):
+        generation.generate(plain, params, {"inputs": ids}, max_new_tokens=2)
     settings = generation.GenerationSettings(max_new_tokens=2)
     with pytest.raises(ValueError, match="cannot page a KV cache"):
         infer.choose_engine("paged", model, settings, [5, 3])

@@ -14,8 +14,11 @@ MLP is `deepseek_v4_moe`'s mixture of experts, hash-routed or top-k by `mlp_laye
 Follows HuggingFace's `DeepseekV4ForCausalLM`; the multi-token-prediction layers of the
 Hub's files (`mtp.*`) are skipped on import, as transformers skips them.
 
-No decoding cache: `DeepseekV4LM` generates by re-reading each row whole every step (greedy
-and sampling; no beam search), and the paged engine (serving) refuses the family, naming why.
+`DeepseekV4LM` decodes over a contiguous cache of its own (`deepseek_v4_attention`'s module
+docstring: each layer's sliding window of keys, its compressors' open windows and their
+compressed entries), its rows right-padded so that each row's windows count from its first
+token: `generate`'s greedy, sampling and beam search. The paged engine (serving) refuses the
+family (`NO_PAGED`): its pages and state slots hold no compressor windows.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from flaxlm.models import (
     causal_lm,
@@ -36,7 +38,6 @@ from flaxlm.models import (
     deepseek_v4_moe,
     glm4_moe,
     layers,
-    llama,
     masks,
     moe,
     options,
@@ -50,12 +51,16 @@ Array = jax.Array
 
 MLP_LAYER_TYPES = ("hash_moe", "moe")
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")  # HF's ACT2FN has no 'softmax' for V4's router
-NO_CACHE = (
-    "DeepSeek-V4 keeps no decoding cache in flaxlm (its compressors' window buffers and "
-    "overlap are not kept): it decodes by re-reading each row whole every step"
+NO_PAGED = (
+    "DeepSeek-V4 decodes over a contiguous cache only (its compressors' open windows and "
+    "compressed entries have no place in the paged engine's pages or state slots), so it "
+    "cannot page a KV cache; serve it with the batch engine."
 )
-NO_PAGED = f"{NO_CACHE}, so it cannot page a KV cache; serve it with the batch engine."
-NO_BEAMS = f"{NO_CACHE}; beam search (num_beams > 1) is not supported: greedy or sampling."
+LEFT_PADDED = (
+    "DeepSeek-V4's compressors count windows from each row's first token, so it decodes "
+    "right-padded rows over its own cache, not a left-padded KV cache: generate with "
+    "deepseek_v4.DeepseekV4LM (the model gin/models/deepseek_v4_*.gin and an HF import give)."
+)
 
 
 @gin.configurable
@@ -341,8 +346,10 @@ class DeepseekV4Block(nn.Module):
         tokens: Array,
     ) -> Array:
         cfg = self.config
-        if decoding is not None:  # DeepseekV4LM decodes without a cache
+        if decoding is not None and decoding.paged:
             raise ValueError(NO_PAGED)
+        if decoding is not None and decoding.slots is None:  # `CachedDecoding`'s layout
+            raise ValueError(LEFT_PADDED)
         if mask.slots is not None:  # the compressors pool neighbouring slots
             raise ValueError(
                 "context_parallel_balance=True reorders the sequence, but DeepSeek-V4's "
@@ -361,7 +368,7 @@ class DeepseekV4Block(nn.Module):
         streams = residual(
             "attn_hc",
             lambda h: attn(layers.RMSNorm(name="input_layernorm", **norm)(h), mask, main,
-                           compress, positions),
+                           compress, positions, decoding),
             streams,
         )  # fmt: skip
         mlp = deepseek_v4_moe.DeepseekV4MoE(cfg, cfg.mlp_layer_types[i] == "hash_moe", name="mlp")
@@ -379,7 +386,19 @@ class DeepseekV4(causal_lm.CausalLM):
     block_cls = DeepseekV4Block
     paged_refusal = NO_PAGED
 
-    mask = llama.Llama.mask  # causal within segments, over `sliding_window` positions
+    def mask(
+        self,
+        segment_ids: Array | None,
+        positions: Array,
+        decoding: masks.Decoding | None,
+        deterministic: bool,
+    ) -> masks.Mask:
+        """Causal within segments, over `sliding_window` positions: a prompt read while
+        decoding is a whole sequence too (a step's layers mask their caches themselves)."""
+        batch, length = positions.shape
+        return masks.causal_mask(
+            segment_ids, batch, length, None, sliding_window=self.config.sliding_window
+        )
 
     def block_inputs(
         self, x: Array, positions: Array, decoding: masks.Decoding | None
@@ -403,19 +422,11 @@ class DeepseekV4(causal_lm.CausalLM):
 
 @gin.configurable
 class DeepseekV4LM(DecoderOnlyModel):
-    """A decoder-only model of DeepSeek-V4 that decodes without a cache: the prompt and the
-    tokens so far are kept (right-padded, `[rows, prompt_len + max_new_tokens]`) and read
-    whole at every step, the logits taken at each row's last token: what the cached
-    computation gives (each row alone, from position 0), at a cost quadratic in the length.
-    No beam search, no paged cache (`NO_BEAMS`, `NO_PAGED`); training, evaluation and
-    scoring run as any family's."""
-
-    def check_decoding(
-        self, inputs: np.ndarray, lengths: np.ndarray, config: decoding.DecodingConfig
-    ) -> None:
-        super().check_decoding(inputs, lengths, config)
-        if config.num_beams > 1:
-            raise ValueError(NO_BEAMS)
+    """A decoder-only model of DeepSeek-V4 with its own contiguous decoding cache
+    (`deepseek_v4_attention`): the prompts right-padded and read whole, each row's tokens
+    from position 0 (`masks.Decoding.slots`: each token's position, -1 past the row's end),
+    then one token a step at each row's own position. Greedy, sampling and beam search; no
+    paged cache (`NO_PAGED`); training, evaluation and scoring run as any family's."""
 
     def paged_refusal(self) -> str | None:
         return NO_PAGED
@@ -423,10 +434,19 @@ class DeepseekV4LM(DecoderOnlyModel):
     def prefill(
         self, params: Any, inputs: Array, lengths: Array, config: decoding.DecodingConfig
     ) -> tuple[Array, dict[str, Any]]:
+        inputs, lengths = (jnp.repeat(x, config.num_beams, axis=0) for x in (inputs, lengths))
         rows, prompt_len = inputs.shape
-        tokens = jnp.zeros((rows, prompt_len + config.max_new_tokens), jnp.int32)
-        state = {"tokens": tokens.at[:, :prompt_len].set(inputs), "lengths": lengths}
-        return self._last_logits(params, state), state
+        positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), inputs.shape)
+        real = positions < lengths[:, None]
+        where = masks.Decoding(
+            jnp.int32(0),
+            jnp.zeros((rows,), jnp.int32),
+            prompt_len + config.max_new_tokens,
+            slots=jnp.where(real, positions, -1),
+        )
+        hidden, cache = self._read(params, {}, inputs, positions, real.astype(jnp.int32), where)
+        last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)
+        return self._logits_of(params, last), {"cache": cache, "lengths": lengths}
 
     def decode_step(
         self,
@@ -436,20 +456,35 @@ class DeepseekV4LM(DecoderOnlyModel):
         state: dict[str, Any],
         config: decoding.DecodingConfig,
     ) -> tuple[Array, dict[str, Any]]:
+        # Beams of one row share its length: reordering them leaves `lengths` right.
         lengths = state["lengths"]
-        tokens = state["tokens"].at[jnp.arange(token.shape[0]), lengths].set(token)
-        state = {"tokens": tokens, "lengths": lengths + 1}
-        return self._last_logits(params, state), state
+        rows = token.shape[0]
+        # length 0: the cache prefill made gives the sizes.
+        where = masks.Decoding(
+            jnp.int32(0), jnp.zeros((rows,), jnp.int32), 0, slots=lengths[:, None]
+        )
+        hidden, cache = self._read(
+            params, state["cache"], token[:, None], lengths[:, None], None, where
+        )
+        return self._logits_of(params, hidden), {"cache": cache, "lengths": lengths + 1}
 
-    def _last_logits(self, params: Any, state: dict[str, Any]) -> Array:
-        """float32 `[rows, vocab]`: the logits after each row's last token."""
-        tokens, lengths = state["tokens"], state["lengths"]
-        slots = jnp.arange(tokens.shape[1])[None, :]
-        segment_ids = (slots < lengths[:, None]).astype(jnp.int32)
-        module = self._decode_module()
-        hidden = module.apply(
-            {"params": params}, tokens, jnp.broadcast_to(slots, tokens.shape), segment_ids,
-            return_hidden=True,
-        )  # fmt: skip
-        last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)
-        return self._mask_padded_vocab(module.head_logits(params, last)[:, 0])
+    def _read(
+        self,
+        params: Any,
+        cache: Any,
+        tokens: Array,
+        positions: Array,
+        segment_ids: Array | None,
+        where: masks.Decoding,
+    ) -> tuple[Array, Any]:
+        """The final hidden states of `tokens` at `positions` and the cache after them."""
+        with layers.decoding_products():
+            hidden, variables = self._decode_module().apply(
+                {"params": params, "cache": cache}, tokens, positions, segment_ids,
+                decoding=where, return_hidden=True, mutable=["cache"],
+            )  # fmt: skip
+        return hidden, variables["cache"]
+
+    def _logits_of(self, params: Any, hidden: Array) -> Array:
+        """float32 `[rows, vocab]` of the final hidden states `hidden` `[rows, 1, embed]`."""
+        return self._mask_padded_vocab(self._decode_module().head_logits(params, hidden)[:, 0])

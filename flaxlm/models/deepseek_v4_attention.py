@@ -22,11 +22,23 @@ entries (`Compressor`), each query seeing those whose windows it has read whole:
   `sparse_attention.index_scores`) keeping each query's `index_topk` best entries.
 
 Sliding-window layers use the 'main' rotary (`rope_theta`, no scaling), compressing ones the
-'compress' rotary for everything. Whole sequences only: the compressors' decoding state
-(window buffers, overlap) is not kept, so `deepseek_v4.DeepseekV4LM` decodes by re-reading
-each row. Packed rows: a query sees no entry whose window holds another
-segment's tokens, but windows count from the row's start, so a packed example is not
+'compress' rotary for everything. Packed rows: a query sees no entry whose window holds
+another segment's tokens, but windows count from the row's start, so a packed example is not
 compressed as it would be alone.
+
+Decoding (`deepseek_v4.DeepseekV4LM`, a contiguous cache): rows are right-padded (each row's
+tokens from position 0, `masks.Decoding.slots` their positions), so that the compressors'
+windows count from each row's first token, and each layer keeps in the `cache` collection
+what the next token reads, each leaf `[batch, 1, slots, width]` (rows in axis `ndim - 4`,
+where `decoding.gather_rows` reorders them for beam search): `kv` the keys (= values) of the
+`sliding_window` latest positions, a ring (position p in slot p % sliding_window); per
+compressor (and CSA's indexer) `window_kv` / `window_gate` the projections of the open
+window's tokens (CSA: and of the window before it, whose first series the next entry pools:
+a ring of 2 x rate slots) and `entries` the compressed entries, entry w in slot w. A prompt
+is read whole (the sequence's own attention) and fills the caches; a step of one token
+writes its key and projections, pools its window's entry again (read only once the window
+is whole), and attends over the ring and the entries: O(sliding_window + entries) a step,
+what HF's `DeepseekV4HCACache` / `DeepseekV4CSACache` keep.
 """
 
 from __future__ import annotations
@@ -102,14 +114,98 @@ class GroupedLinear(nn.Module):
         return jnp.einsum("...gi,gio->...go", x.astype(dtype), kernel.astype(dtype))
 
 
+CACHE_AXES = ("batch", None, None, None)  # every cache leaf: [batch, 1, slots, width]
+
+
+def ring_positions(last: Array, size: int) -> Array:
+    """int32 `[batch, size]`: the position each slot of a ring of `size` slots holds once the
+    positions up to `last` int32 `[batch]` are written (position p in slot p % size;
+    negative: none yet)."""
+    last = last[:, None]
+    return last - (last - jnp.arange(size, dtype=jnp.int32)) % size
+
+
+def cache_variable(
+    module: nn.Module, name: str, shape: tuple[int, ...], dtype: Any, decoding: masks.Decoding
+) -> Any:
+    """`module`'s decoding-cache variable `name` (`[batch, 1, slots, width]`), zeros when
+    the prompt's reading makes it (`decoding.length`: the positions it covers)."""
+    if decoding.length < 1 and not module.has_variable("cache", name):
+        raise ValueError(
+            f"{module.name} has no cached {name!r}: a decoding step follows the prefill that "
+            "makes the cache (DeepseekV4LM.prefill)."
+        )
+    return module.variable("cache", name, jnp.zeros, shape, layers.as_dtype(dtype))
+
+
+def store(variable: Any, value: Array) -> Array:
+    """`value` written as the cache `variable`'s (its dtype, rows over the batch axes)."""
+    variable.value = layers.constrain(value.astype(variable.value.dtype), CACHE_AXES)
+    return variable.value
+
+
+def read_prompt(
+    module: nn.Module, name: str, x: Array, size: int, decoding: masks.Decoding
+) -> None:
+    """Keeps in `module`'s ring `name` `[batch, 1, size, width]` the `size` latest of the
+    prompt's `x` `[batch, length, width]` (each row's end: its largest `decoding.slots`)."""
+    last = jnp.max(decoding.slots, axis=1)
+    take = jnp.maximum(ring_positions(last, size), 0)[..., None]
+    ring = cache_variable(module, name, (x.shape[0], 1, size, x.shape[-1]), x.dtype, decoding)
+    store(ring, jnp.take_along_axis(x, take, axis=1)[:, None])
+
+
+def write_step(
+    module: nn.Module, name: str, x: Array, position: Array, size: int, decoding: masks.Decoding
+) -> Array:
+    """Writes a step's `x` `[batch, 1, width]` at `position` int32 `[batch]` of `module`'s
+    ring `name`: the ring `[batch, size, width]`."""
+    shape = (x.shape[0], 1, size, x.shape[-1])
+    ring = cache_variable(module, name, shape, x.dtype, decoding)
+    at = (jnp.arange(x.shape[0]), 0, position % size)
+    return store(ring, ring.value.at[at].set(x[:, 0].astype(ring.value.dtype)))[:, 0]
+
+
+def pool(kv: Array, gate: Array, norm: nn.Module, starts: Array, cfg: Any) -> Array:
+    """Entries `[batch, n, dim]` of the windows `kv` `[batch, n, span, dim]`, weighted by a
+    float32 softmax of `gate` (position bias added; -inf: not pooled) over each window,
+    RMS-normalised and rotated at their first positions `starts` int32 `[batch, n]`."""
+    probs = jax.nn.softmax(gate, axis=2).astype(kv.dtype)
+    pooled = norm((kv * probs).sum(axis=2))
+    sin, cos = compress_sin_cos(starts, cfg)
+    return rotate_tail(pooled[:, :, None], sin, cos)[:, :, 0]
+
+
+def overlapped(
+    kv: Array, gate: Array, earlier_kv: Array, earlier_gate: Array, dim: int
+) -> tuple[Array, Array]:
+    """CSA's windows of twice the rate `[batch, n, 2 x rate, dim]`: the earlier window's
+    first series, then this window's second."""
+    return (
+        jnp.concatenate([earlier_kv[..., :dim], kv[..., dim:]], axis=2),
+        jnp.concatenate([earlier_gate[..., :dim], gate[..., dim:]], axis=2),
+    )
+
+
 def pooled_windows(
-    module: nn.Module, h: Array, dim: int, ratio: int, overlap: bool, eps: float, cfg: Any
+    module: nn.Module,
+    h: Array,
+    dim: int,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+    cfg: Any,
+    decoding: masks.Decoding | None = None,
+    positions: Array | None = None,
 ) -> Array | None:
     """float32-pooled compressed entries `[batch, windows, dim]` of `h` `[batch, length,
     embed]`, with their params (`kv_proj`, `gate_proj`, `position_bias`, `kv_norm`) in
     `module`'s scope, rotated at each window's first position; None when the sequence holds
     no whole window. `overlap`: two series per token, entry w pooling window w's second and
-    window w - 1's first (CSA)."""
+    window w - 1's first (CSA). While `decoding` (module docstring), a prompt also keeps its
+    open window's projections and its entries in `module`'s cache, and a step of one token
+    (at `positions` `[batch, 1]`) gives every cached entry (`[batch, slots, dim]`, the
+    unclosed ones to be hidden: `visible_entries`)."""
     batch, length, _ = h.shape
     n = length // ratio
     width = 2 * dim if overlap else dim
@@ -123,6 +219,15 @@ def pooled_windows(
         jnp.float32,
     )
     norm = layers.RMSNorm(eps, axes=(None,), name="kv_norm", **dense)
+    if decoding is not None:
+        span = 2 * ratio if overlap else ratio  # the open window (CSA: and the one before)
+        slots = -(-decoding.length // ratio)  # entry w in slot w
+        entries = cache_variable(module, "entries", (batch, 1, slots, dim), cfg.dtype, decoding)
+        if length == 1:
+            projected = (kv, gate, bias, norm)
+            return step_entries(module, projected, entries, ratio, overlap, positions, decoding)
+        read_prompt(module, "window_kv", kv, span, decoding)
+        read_prompt(module, "window_gate", gate, span, decoding)
     if n == 0:
         if module.is_initializing():  # its params exist whatever the length
             norm(jnp.zeros((1, 1, dim), jnp.float32))
@@ -131,15 +236,48 @@ def pooled_windows(
     gate = gate[:, : n * ratio].reshape(batch, n, ratio, width).astype(jnp.float32) + bias
     if overlap:  # [batch, n, 2 * ratio, dim]: window w - 1's first series, then w's second
         before = ((0, 0), (1, 0), (0, 0), (0, 0))
-        kv = jnp.concatenate([jnp.pad(kv[:, :-1, :, :dim], before), kv[..., dim:]], axis=2)
-        earlier = jnp.pad(gate[:, :-1, :, :dim], before, constant_values=-jnp.inf)
-        gate = jnp.concatenate([earlier, gate[..., dim:]], axis=2)
-    probs = jax.nn.softmax(gate, axis=2).astype(kv.dtype)
-    pooled = (kv * probs).sum(axis=2)
-    pooled = norm(pooled)
+        earlier_gate = jnp.pad(gate[:, :-1], before, constant_values=-jnp.inf)
+        kv, gate = overlapped(kv, gate, jnp.pad(kv[:, :-1], before), earlier_gate, dim)
     starts = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) * ratio, (batch, n))
-    sin, cos = compress_sin_cos(starts, cfg)
-    return rotate_tail(pooled[:, :, None], sin, cos)[:, :, 0]
+    pooled = pool(kv, gate, norm, starts, cfg)
+    if decoding is not None:  # windows past a row's end are rewritten before they are read
+        store(entries, entries.value.at[:, 0, :n].set(pooled.astype(entries.value.dtype)))
+    return pooled
+
+
+def step_entries(
+    module: nn.Module,
+    projected: tuple[Array, Array, Array, nn.Module],
+    entries: Any,
+    ratio: int,
+    overlap: bool,
+    positions: Array,
+    decoding: masks.Decoding,
+) -> Array:
+    """A step's cached `entries` (the variable `[batch, 1, slots, dim]`) `[batch, slots,
+    dim]`: its token's `projected` (kv, gate `[batch, 1, width]`, the position bias and the
+    norm) written into the open window, whose entry is pooled again (whole once the step
+    closes it)."""
+    kv, gate, bias, norm = projected
+    dim = entries.value.shape[-1]
+    position = positions[:, 0]
+    span = 2 * ratio if overlap else ratio
+    kv_ring = write_step(module, "window_kv", kv, position, span, decoding)
+    gate_ring = write_step(module, "window_gate", gate, position, span, decoding)
+    window = position // ratio
+
+    def read(ring: Array, w: Array) -> Array:  # [batch, 1, ratio, width]: window w's tokens
+        slots = (w % (span // ratio) * ratio)[:, None] + jnp.arange(ratio)
+        return jnp.take_along_axis(ring, slots[..., None], axis=1)[:, None]
+
+    kv, gate = read(kv_ring, window), read(gate_ring, window).astype(jnp.float32) + bias
+    if overlap:  # the first window pools nothing before it
+        earlier_gate = read(gate_ring, window + 1).astype(jnp.float32) + bias
+        earlier_gate = jnp.where((window > 0)[:, None, None, None], earlier_gate, -jnp.inf)
+        kv, gate = overlapped(kv, gate, read(kv_ring, window + 1), earlier_gate, dim)
+    entry = pool(kv, gate, norm, (window * ratio)[:, None], module.config)
+    at = (jnp.arange(kv.shape[0]), 0, window)
+    return store(entries, entries.value.at[at].set(entry[:, 0].astype(entries.value.dtype)))[:, 0]
 
 
 def visible_entries(
@@ -164,17 +302,24 @@ def visible_entries(
 
 class Indexer(nn.Module):
     """CSA's lightning indexer (HF's `compressor.indexer`): `(h, q_latent, positions,
-    visible)` -> bool `[batch, length, windows]`, the `index_topk` visible entries each query
-    scores best (all of them where fewer). Params: the compression's, `q_b_proj`, and
-    `scorer/weights_proj`."""
+    visible, decoding)` -> bool `[batch, length, windows]`, the `index_topk` visible entries
+    each query scores best (all of them where fewer). Params: the compression's, `q_b_proj`,
+    and `scorer/weights_proj`; while decoding, its compression's cache (`pooled_windows`)."""
 
     config: Any
 
     @nn.compact
-    def __call__(self, h: Array, q_latent: Array, positions: Array, visible: Array) -> Array:
+    def __call__(
+        self,
+        h: Array,
+        q_latent: Array,
+        positions: Array,
+        visible: Array,
+        decoding: masks.Decoding | None = None,
+    ) -> Array:
         cfg = self.config
-        heads, dim = cfg.index_n_heads, cfg.index_head_dim
-        keys = pooled_windows(self, h, dim, cfg.csa_compress_rate, True, cfg.rms_norm_eps, cfg)
+        heads, dim, rate = cfg.index_n_heads, cfg.index_head_dim, cfg.csa_compress_rate
+        keys = pooled_windows(self, h, dim, rate, True, cfg.rms_norm_eps, cfg, decoding, positions)
         q = layers.DenseGeneral(
             (heads, dim), (mla.LATENT_IN, "heads", "head_dim"), name="q_b_proj",
             dtype=cfg.dtype, param_dtype=cfg.param_dtype,
@@ -207,31 +352,40 @@ class IndexerScorer(nn.Module):
 
 class Compressor(nn.Module):
     """A compressing layer's entries (HF's `self_attn.compressor`): `(h, q_latent,
-    positions, segment_ids)` -> (entries `[batch, windows, head_dim]` or None, bool
-    `[batch, length, windows]` the entries each query reads)."""
+    positions, segment_ids, decoding)` -> (entries `[batch, windows, head_dim]` or None, bool
+    `[batch, length, windows]` the entries each query reads); a decoding step's are every
+    cached entry, those of windows not yet whole hidden."""
 
     config: Any
     kind: str  # CSA or HCA
 
     @nn.compact
     def __call__(
-        self, h: Array, q_latent: Array, positions: Array, segment_ids: Array | None
+        self,
+        h: Array,
+        q_latent: Array,
+        positions: Array,
+        segment_ids: Array | None,
+        decoding: masks.Decoding | None = None,
     ) -> tuple[Array | None, Array | None]:
         cfg = self.config
         csa = self.kind == CSA
         ratio = cfg.csa_compress_rate if csa else cfg.hca_compress_rate
-        entries = pooled_windows(self, h, cfg.head_dim, ratio, csa, cfg.rms_norm_eps, cfg)
+        entries = pooled_windows(
+            self, h, cfg.head_dim, ratio, csa, cfg.rms_norm_eps, cfg, decoding, positions
+        )
         n = 0 if entries is None else entries.shape[1]
         visible = visible_entries(positions, segment_ids, n, ratio, csa)
         if csa:
-            visible = Indexer(cfg, name="indexer")(h, q_latent, positions, visible)
+            visible = Indexer(cfg, name="indexer")(h, q_latent, positions, visible, decoding)
         return (None, None) if entries is None else (entries, visible)
 
 
 class DeepseekV4Attention(nn.Module):
-    """`(h, mask, main, compress, positions)` -> `[batch, length, embed]`: the layer's
-    `kind` of attention (module docstring), `main` and `compress` the two rotaries' tables at
-    the tokens' positions. Params are HF's names (`q_a_proj`, `q_a_norm`, `q_b_proj`,
+    """`(h, mask, main, compress, positions, decoding)` -> `[batch, length, embed]`: the
+    layer's `kind` of attention (module docstring), `main` and `compress` the two rotaries'
+    tables at the tokens' positions; `decoding` (None: a whole sequence) reads or fills the
+    cache (module docstring). Params are HF's names (`q_a_proj`, `q_a_norm`, `q_b_proj`,
     `kv_proj`, `kv_norm`, `sinks`, `o_a_proj`, `o_b_proj`, `compressor`)."""
 
     config: Any
@@ -245,6 +399,7 @@ class DeepseekV4Attention(nn.Module):
         main: RopeTables,
         compress: RopeTables,
         positions: Array,
+        decoding: masks.Decoding | None = None,
     ) -> Array:
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
@@ -261,10 +416,19 @@ class DeepseekV4Attention(nn.Module):
         kv = layers.DenseGeneral(dim, ("embed", "head_dim"), name="kv_proj", **dense)(h)
         kv = layers.RMSNorm(eps, axes=("head_dim",), name="kv_norm", **dense)(kv)
         kv = rotate_tail(kv[:, :, None], sin, cos)  # [batch, length, 1, dim]: key = value
-        keep = mask.dense()  # [batch, 1, length, length]
-        if self.kind != SLIDING:
+        step = decoding is not None and h.shape[1] == 1
+        if step:  # the window's keys from the ring, the new one written
+            window = cfg.sliding_window
+            kv = write_step(self, "kv", kv[:, :, 0], positions[:, 0], window, decoding)[:, :, None]
+            keep = (ring_positions(positions[:, 0], window) >= 0)[:, None, None]
+        else:  # [batch, 1, length, length]
+            keep = mask.dense()
+            if decoding is not None:
+                read_prompt(self, "kv", kv[:, :, 0], cfg.sliding_window, decoding)
+        if self.kind != SLIDING:  # a step's row is one sequence: no segments
+            segment_ids = None if step else mask.q_segment_ids
             entries, visible = Compressor(cfg, self.kind, name="compressor")(
-                h, q_latent, positions, mask.q_segment_ids
+                h, q_latent, positions, segment_ids, decoding
             )
             if entries is not None:
                 kv = jnp.concatenate([kv, entries[:, :, None].astype(kv.dtype)], axis=1)

@@ -202,7 +202,9 @@ class Decoding:
     `paged_attention` says how a decode step's attention reads the pages
     (`paged_attention.PAGED_ATTENTION`). A linear-attention layer's recurrent state lives in
     pools of `num_state_slots` state slots (`state_slots.py`): row b's is slot
-    `state_slots[b]`, slot 0 the padding rows' scratch."""
+    `state_slots[b]`, slot 0 the padding rows' scratch. DeepSeek-V4's own contiguous cache
+    (`deepseek_v4_attention`) lays rows out as the paged ones do, `slots` set and no
+    `page_table`: its compressors' windows count from each row's first token."""
 
     index: Array  # int32 scalar
     start: Array  # int32 [batch]
