@@ -40,6 +40,7 @@ from tests.hf_helpers import (
     padded_batch,
     random_hf_model,
     torch_logits,
+    train_on_batch,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -492,3 +493,183 @@ def test_configs_flaxlm_cannot_read_are_refused_naming_the_field(change, field):
     config = {**transformers.DeepseekV3Config(**FULL).to_dict(), **change}
     with pytest.raises(ValueError, match=field):
         deepseek.config_from_hf(config)
+
+
+# ------------------------------------------------------------ multi-token prediction
+
+MTP_DEPTHS = 2
+
+
+@pytest.fixture(scope="module")
+def with_mtp(full, tmp_path_factory):
+    """A copy of the `full` checkpoint with two multi-token-prediction layers, laid out as
+    the Hub's DeepSeek-V3 files lay out theirs (decoder layers `num_hidden_layers + k`, the
+    norm after each as `shared_head.norm`, and their copies of the embedding and head), from
+    transformers' own `MtpModel` on a copy of the main model (random weights, norms and
+    correction biases perturbed as the main model's); (main torch model, MtpModel,
+    directory)."""
+    import copy
+
+    from transformers.modeling_layers import MtpModel
+
+    torch_model, path, _, _ = full
+    main = copy.deepcopy(torch_model)
+    torch.manual_seed(5)
+    mtp_model = MtpModel(main, MTP_DEPTHS).eval()
+    with torch.no_grad():  # set here: MtpModel's own init leaves them empty in some states
+        for name, param in mtp_model.named_parameters():
+            if name.startswith(("embed_tokens", "shared_head")):  # the main model's
+                continue
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.1 * torch.randn_like(param))
+        for name, buffer in mtp_model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn_like(buffer))
+    out = tmp_path_factory.mktemp("deepseek_mtp")
+    layers = main.config.num_hidden_layers
+    tensors = {k: v.contiguous() for k, v in main.state_dict().items()}
+    for name, tensor in mtp_model.state_dict().items():
+        if name.startswith(("embed_tokens", "shared_head")):  # the main model's, tied
+            continue
+        _, k, rest = name.split(".", 2)
+        rest = rest.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
+        tensors[f"model.layers.{layers + int(k)}.{rest}"] = tensor.contiguous()
+    for k in range(MTP_DEPTHS):  # the Hub's copies in each MTP layer, not read
+        prefix = f"model.layers.{layers + k}"
+        tensors[f"{prefix}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[f"{prefix}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads(open(os.path.join(path, "config.json")).read())
+    config["num_nextn_predict_layers"] = MTP_DEPTHS
+    (out / "config.json").write_text(json.dumps(config))
+    return main, mtp_model, str(out)
+
+
+def hf_mtp_logits(main, mtp_model, ids: torch.Tensor) -> list[np.ndarray]:
+    """Each MTP depth's logits over a whole batch of unpadded rows, as transformers' MTP
+    drafting computes them: depth k (from 0) reads the previous depth's (the trunk's final
+    hidden states for the first) at positions 0.. and the tokens k + 1 places on, at their
+    positions; `[rows, length - k - 1, vocab]`."""
+    length = ids.shape[1]
+    with torch.no_grad():
+        hidden = main(ids, output_hidden_states=True).hidden_states[-1]
+        out = []
+        for k in range(MTP_DEPTHS):
+            positions = torch.arange(k + 1, length)[None].expand(ids.shape[0], -1)
+            hidden = mtp_model.forward_layer(
+                k, hidden[:, : length - k - 1], positions, None, input_ids=ids[:, k + 1 :]
+            )
+            out.append(mtp_model._project_to_logits(hidden).float().numpy())
+    return out
+
+
+@pytest.mark.slow
+def test_mtp_layers_load_and_predict_as_transformers_mtp_model(with_mtp, tmp_path):
+    """The Hub's MTP layers read (`num_mtp_layers`): each depth's logits are transformers'
+    `MtpModel`'s; the MTP loss is the depths' mean cross-entropy on the targets k + 1 tokens
+    on, times `mtp_loss_weight`; the export writes the layers back as it read them."""
+    main, mtp_model, path = with_mtp
+    model, params = hf.from_pretrained(path, ONE, num_mtp_layers=MTP_DEPTHS)
+    assert sorted(k for k in params if k.startswith("mtp_")) == ["mtp_0", "mtp_1"]
+    # Each MTP layer's params: transformers' (its correction bias, a buffer there, too).
+    plain = dataclasses.replace(model.config, num_mtp_layers=0).num_params()
+    own = [(n, t) for n, t in mtp_model.state_dict().items() if n.startswith("layers.")]
+    assert model.config.num_params() - plain == sum(t.numel() for _, t in own)
+    ids = np.random.default_rng(4).integers(1, VOCAB, (2, 17))
+    want = hf_mtp_logits(main, mtp_model, torch.tensor(ids))
+    _, sown = model.module.apply(
+        {"params": params}, jnp.asarray(ids), mutable=["mtp", routing.ROUTER_COLLECTION]
+    )
+    hiddens = sown["mtp"]["hidden"]
+    assert len(hiddens) == MTP_DEPTHS
+    for k, hidden in enumerate(hiddens):
+        got = np.asarray(model.module.head_logits(params, hidden))
+        got = got[:, : ids.shape[1] - k - 1, :VOCAB]
+        assert np.abs(got - want[k]).max() < LOGITS_TOL, k
+    # Plain logits do not run the MTP layers (nothing is sown), and equal the main model's.
+    logits = model.compute_logits(params, decoder_batch(ids, np.ones_like(ids)))
+    assert max_abs_diff(logits, torch_logits(main, input_ids=ids), np.ones_like(ids)) < LOGITS_TOL
+
+    # The loss on rows ids[:, :-1] -> ids[:, 1:]: depth k predicts ids[i + k + 1].
+    batch = {
+        "decoder_input_tokens": jnp.asarray(ids[:, :-1]),
+        "decoder_target_tokens": jnp.asarray(ids[:, 1:]),
+        "decoder_loss_weights": jnp.ones(ids[:, 1:].shape, jnp.float32),
+    }
+    inputs = hf_mtp_logits(main, mtp_model, torch.tensor(ids[:, :-1]))
+    ce = sum(
+        torch.nn.functional.cross_entropy(
+            torch.tensor(logits).flatten(0, 1), torch.tensor(ids[:, k + 2 :]).flatten(),
+            reduction="sum",
+        ).item()
+        for k, logits in enumerate(inputs)
+    )  # fmt: skip
+    plain, plain_sums = model.loss_fn(params, batch, None)
+    weighted = DecoderOnlyModel(dataclasses.replace(model.config, mtp_loss_weight=0.3))
+    loss, sums = weighted.loss_fn(params, batch, None)
+    assert abs(float(sums["mtp_loss_sum"]) - ce / MTP_DEPTHS) < 1e-4 * ce
+    assert float(plain_sums["mtp_loss_sum"]) == pytest.approx(float(sums["mtp_loss_sum"]))
+    tokens = ids[:, 1:].size
+    assert float(loss) - float(plain) == pytest.approx(0.3 * ce / MTP_DEPTHS / tokens, rel=1e-4)
+
+    hf.save_pretrained(model, params, tmp_path / "export")
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["num_nextn_predict_layers"] == MTP_DEPTHS
+    again, again_params = hf.from_pretrained(tmp_path / "export", ONE, num_mtp_layers=MTP_DEPTHS)
+    assert jax.tree.all(jax.tree.map(np.array_equal, again_params, params))
+
+
+@pytest.mark.slow
+def test_tiny_gin_trains_with_an_mtp_loss(tmp_path):
+    """gin/models/deepseek_v3_tiny.gin with `num_mtp_layers` and `mtp_loss_weight` bound
+    as a user's flags bind them: partitioned train steps lower both losses and report
+    `mtp_loss`; the aux-loss-free balance moves the MTP layer's correction bias too."""
+    import gin
+
+    gin.clear_config()
+    try:
+        gin.parse_config_files_and_bindings(
+            [f"{REPO}/gin/models/deepseek_v3_tiny.gin"],
+            ["deepseek.DeepseekV3Config.num_mtp_layers = 1",
+             "deepseek.DeepseekV3Config.mtp_loss_weight = 0.3"],
+        )  # fmt: skip
+        config = deepseek.DeepseekV3Config()
+    finally:
+        gin.clear_config()
+    model = DecoderOnlyModel(dataclasses.replace(config, num_layers=2, vocab_size=128))
+    ids, mask = padded_batch(128, (16, 9, 16, 5))
+    batch = decoder_batch(ids, mask)
+    params = model.init_params(jax.random.PRNGKey(0), {k: v.shape for k, v in batch.items()})
+    assert "mtp_0" in params
+    partitioner = Partitioner(mesh_shape=(1, 4, 2))
+    state, history = train_on_batch(model, params, partitioner, batch, steps=4, learning_rate=1e-2)
+    assert history[-1]["loss"] < history[0]["loss"], history
+    assert history[-1]["mtp_loss"] < history[0]["mtp_loss"], history
+    assert config.correction_bias_update_rate > 0
+    bias = params["mtp_0"]["block"]["mlp"]["e_score_correction_bias"]
+    moved = state.params["mtp_0"]["block"]["mlp"]["e_score_correction_bias"]
+    assert not np.array_equal(np.asarray(moved), np.asarray(bias))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(mtp_loss_weight=0.3), "num_mtp_layers"),
+        (dict(num_mtp_layers=-1), "num_mtp_layers"),
+    ],
+)
+def test_mtp_settings_that_cannot_be_are_errors_naming_them(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        deepseek.DeepseekV3Config(**kwargs)
+
+
+def test_mtp_layers_asked_of_a_file_without_them_or_of_another_family_are_errors(full):
+    _, path, _, _ = full
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.enorm\.weight.* is missing"):
+        hf.from_pretrained(path, ONE, num_mtp_layers=1)
+    from flaxlm.models import mistral4
+
+    with pytest.raises(ValueError, match="num_mtp_layers"):
+        mistral4.Mistral4Config(num_mtp_layers=1)

@@ -71,7 +71,7 @@ def spec_for_config(config: Any) -> HFSpec:
         raise ValueError(f"No HuggingFace mapping for {type(config).__name__}.")
     # A family whose config extends another's (Mistral 4's DeepSeek-V3's) is its own: the
     # most derived config class wins.
-    return max(matches, key=lambda spec: len(spec.config_cls.__mro__))
+    return max(matches, key=lambda spec: len(spec.config_cls.__mro__)).for_config(config)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:

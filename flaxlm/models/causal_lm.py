@@ -102,6 +102,21 @@ class CausalLM(nn.Module):
         """The norm after the last block (and anything between it and the head)."""
         raise NotImplementedError(f"{type(self).__name__} must define final_norm.")
 
+    def after_trunk(
+        self,
+        hidden: Array,
+        tokens: Array,
+        positions: Array,
+        segment_ids: Array | None,
+        mask: masks.Mask,
+        embed: layers.Embed,
+        decoding: masks.Decoding | None,
+        slots: Array | None,
+        deterministic: bool,
+    ) -> None:
+        """Modules that read the final hidden states beside the head and sow what they
+        compute (DeepSeek-V3's multi-token prediction, `mtp.py`); nothing by default."""
+
     # ------------------------------------------------------------ the skeleton
 
     @nn.compact
@@ -143,6 +158,9 @@ class CausalLM(nn.Module):
             deterministic=deterministic,
         )(x, mask, decoding, *extra)
         x = self.final_norm(x)
+        self.after_trunk(
+            x, tokens, positions, segment_ids, mask, embed, decoding, slots, deterministic
+        )
         if return_hidden:
             return x
         head = embed if self.tied_head else self._lm_head(name="lm_head")

@@ -10,9 +10,10 @@ ungated shared experts every token goes through. The first layers have a dense S
 `intermediate_size`. Rotary embeddings cover `qk_rope_head_dim` features (YaRN with
 DeepSeek's mscale for the 128k-context checkpoints). Follows HuggingFace's
 `DeepseekV3ForCausalLM`; the multi-token-prediction layer that the Hub's DeepSeek-V3 files
-carry (`model.layers.61`) is skipped on import, as transformers skips it, and their FP8
-weights (128 x 128 blocks of float8 with a scale each) are dequantized to the param dtype
-(`checkpoints/fp8.py`).
+carry (`model.layers.61`) is skipped on import, as transformers skips it, unless the config
+asks for it (`num_mtp_layers`, `mtp.py`: then it is read, trained with `mtp_loss_weight` and
+written back), and their FP8 weights (128 x 128 blocks of float8 with a scale each) are
+dequantized to the param dtype (`checkpoints/fp8.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, ClassVar
 import gin
 import jax
 
-from flaxlm.models import llama, masks, mla, moe, qwen_moe, rope
+from flaxlm.models import layers, llama, masks, mla, moe, mtp, qwen_moe, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
@@ -79,6 +80,11 @@ class DeepseekV3Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
     rope_original_max_position_embeddings: int = 4096
     rope_mscale: float | None = 1.0
     rope_mscale_all_dim: float | None = 1.0
+    # Multi-token prediction (`mtp.py`): the MTP layers the model holds after its
+    # `num_layers` (HF: num_nextn_predict_layers; 0 reads none of the Hub's, as transformers'
+    # causal LM) and the weight of their loss in training (DeepSeek-V3's lambda: 0.3, 0.1).
+    num_mtp_layers: int = 0
+    mtp_loss_weight: float = 0.0
 
     # What llama.Llama and qwen_moe.mlp_or_experts read beside the fields.
     scale_embedding: ClassVar[bool] = False
@@ -101,6 +107,28 @@ class DeepseekV3Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
             raise ValueError(f"q_lora_rank {self.q_lora_rank} must be None or positive.")
         if self.rotary and self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even (rotary).")
+        self.check_mtp()
+
+    def check_mtp(self) -> None:
+        """ValueErrors for multi-token prediction flaxlm does not build."""
+        if self.num_mtp_layers < 0 or self.mtp_loss_weight < 0:
+            raise ValueError(
+                f"num_mtp_layers {self.num_mtp_layers} / mtp_loss_weight "
+                f"{self.mtp_loss_weight}: both must be >= 0."
+            )
+        if self.mtp_loss_weight and not self.num_mtp_layers:
+            raise ValueError(
+                f"mtp_loss_weight {self.mtp_loss_weight} with num_mtp_layers 0: set "
+                "num_mtp_layers (DeepSeek-V3's is 1) or leave mtp_loss_weight at 0."
+            )
+        if self.num_mtp_layers and type(self) is not DeepseekV3Config:
+            raise ValueError(
+                f"num_mtp_layers {self.num_mtp_layers}: multi-token prediction is built for "
+                f"DeepSeek-V3 and Kimi K2 (DeepseekV3Config), not {type(self).__name__}; "
+                "set num_mtp_layers=0."
+            )
+        if self.num_mtp_layers and not self.num_experts:
+            raise ValueError("num_mtp_layers needs experts: an MTP layer is a MoE block.")
 
     def check_dense_layers(self) -> None:
         """ValueErrors for dense layers HF's model cannot have: DeepSeek-V3's are its first
@@ -152,13 +180,28 @@ class DeepseekV3Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
         kv += kv_a if bias else 0
         return q + kv + h * self.v_head_dim * e + (e if bias else 0)
 
+    def param_counts(self) -> tuple[int, int]:
+        """(all, active per token) params, the MTP layers' included (each: a MoE block,
+        three norms and the 2 x hidden -> hidden projection)."""
+        total, active = super().param_counts()
+        if self.num_mtp_layers:
+            e = self.hidden_size
+            moe_all, moe_active = self.moe_params(e)
+            extra = self.attention_params() + 2 * e + 3 * e + 2 * e * e
+            total += self.num_mtp_layers * (extra + moe_all)
+            active += self.num_mtp_layers * (extra + moe_active)
+        return total, active
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x the active matmul params plus the attention scores
-        (queries . keys `qk_head_dim` wide, probabilities . values `v_head_dim` wide)."""
+        (queries . keys `qk_head_dim` wide, probabilities . values `v_head_dim` wide); with
+        MTP layers, each one's block and its pass through the head too."""
         lookup = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         widths = self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim
-        scores = 6.0 * self.num_heads * widths * seq_len * self.num_layers
-        return 6.0 * (self.active_params() - lookup) + scores
+        layers = self.num_layers + self.num_mtp_layers
+        scores = 6.0 * self.num_heads * widths * seq_len * layers
+        head = self.num_mtp_layers * self.vocab_size * self.hidden_size
+        return 6.0 * (self.active_params() - lookup + head) + scores
 
     def make_module(self) -> Deepseek:
         return Deepseek(self)
@@ -183,9 +226,43 @@ class DeepseekBlock(qwen_moe.QwenMoeBlock):
 
 
 class Deepseek(llama.Llama):
-    """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
+    """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`, and
+    the MTP layers' hidden states sown where the config has them (`mtp.py`)."""
 
     block_cls = DeepseekBlock
+
+    def after_trunk(
+        self,
+        hidden: Array,
+        tokens: Array,
+        positions: Array,
+        segment_ids: Array | None,
+        mask: masks.Mask,
+        embed: layers.Embed,
+        decoding: masks.Decoding | None,
+        slots: Array | None,
+        deterministic: bool,
+    ) -> None:
+        cfg = self.config
+        depths = getattr(cfg, "num_mtp_layers", 0)
+        if not depths or decoding is not None:
+            return
+        if not (self.is_initializing() or self.is_mutable_collection(mtp.MTP_COLLECTION)):
+            return
+        if slots is not None:
+            raise ValueError(
+                "num_mtp_layers with context parallelism (a `sequence` mesh axis): the MTP "
+                "layers read each row in order, which the load-balanced split reorders; set "
+                "num_mtp_layers=0 or context_parallel_balance=False."
+            )
+        block_cfg = mtp.block_config(cfg)
+        for k in range(1, depths + 1):
+            x, args = self.block_inputs(
+                embed(mtp.shifted(tokens, k)), mtp.shifted(positions, k), None
+            )
+            layer = mtp.MtpLayer(block_cfg, self.block_cls, deterministic, name=f"mtp_{k - 1}")
+            hidden = layer(x, hidden, mask, args)
+            self.sow(mtp.MTP_COLLECTION, mtp.HIDDEN, hidden)
 
 
 # ------------------------------------------------------------------ HuggingFace
@@ -295,18 +372,79 @@ def config_to_hf(cfg: DeepseekV3Config) -> dict:
         "topk_group": cfg.topk_group,
         "n_shared_experts": cfg.n_shared_experts,
         "first_k_dense_replace": cfg.first_k_dense_replace,
-        "num_nextn_predict_layers": 0,  # no multi-token-prediction layer is exported
+        "num_nextn_predict_layers": cfg.num_mtp_layers,
     }
 
 
 def hf_tensors(cfg: DeepseekV3Config) -> list[HFTensor]:
     """Llama's embedding, norms and head; each layer's latent attention; the MLPs as the
-    Qwen-line MoEs map them, plus the shared experts and the router's correction bias."""
+    Qwen-line MoEs map them, plus the shared experts and the router's correction bias; the
+    MTP layers after the decoder layers (`mtp.hf_tensors`)."""
     table = [t for t in llama.hf_tensors_but_mlp(cfg) if ".self_attn." not in t.hf]
     table += mla_hf_tensors(
         cfg, "layers_{i}/self_attn", "model.layers.{i}.self_attn", cfg.num_layers
     )
-    return table + moe_hf_tensors(cfg)
+    table += moe_hf_tensors(cfg)
+    if cfg.num_mtp_layers:
+        one = dataclasses.replace(
+            cfg, num_layers=1, mlp_only_layers=(), num_mtp_layers=0, mtp_loss_weight=0.0
+        )
+        table += mtp_tensors(cfg.num_layers, cfg.num_mtp_layers, hf_tensors(one))
+    return table
+
+
+def mtp_relayered(table: list[HFTensor], scope: str, index: int) -> list[HFTensor]:
+    """The records of one block (`{i}` in their names, `layers_{i}/...` params) for the block
+    at param scope `scope` and HF layer `index`."""
+    out = []
+    for t in table:
+        if not t.param.startswith("layers_{i}/"):
+            continue
+        out.append(
+            dataclasses.replace(
+                t,
+                param=scope + t.param[len("layers_{i}") :],
+                hf=t.hf.replace("{i}", str(index)),
+                pieces=tuple(p.replace("{i}", str(index)) for p in t.pieces),
+                layers=0,
+            )
+        )
+    return out
+
+
+def mtp_tensors(num_layers: int, depths: int, block_table: list[HFTensor]) -> list[HFTensor]:
+    """The records of `depths` MTP layers after `num_layers` decoder layers: each one's norms,
+    projection and block (`block_table`: an all-MoE config's records of one layer `{i}`)."""
+    out = []
+    for k in range(depths):
+        scope, i = f"mtp_{k}", num_layers + k
+        prefix = f"model.layers.{i}"
+        out += [
+            HFTensor(f"{scope}/enorm/scale", f"{prefix}.enorm.weight"),
+            HFTensor(f"{scope}/hnorm/scale", f"{prefix}.hnorm.weight"),
+            linear(f"{scope}/eh_proj/kernel", f"{prefix}.eh_proj.weight"),
+            HFTensor(f"{scope}/post_norm/scale", f"{prefix}.shared_head.norm.weight"),
+            *mtp_relayered(block_table, f"{scope}/block", i),
+        ]
+    return out
+
+
+def mtp_copies(num_layers: int, depths: int) -> list[str]:
+    """Patterns of what the Hub's MTP layers also hold, not read: their copies of the
+    embedding and the head."""
+    return [
+        rf"^model\.layers\.{num_layers + k}\.(embed_tokens|shared_head\.head)\.weight$"
+        for k in range(depths)
+    ]
+
+
+def mtp_spec_fields(cfg: DeepseekV3Config) -> dict[str, Any]:
+    """`HF_SPEC`'s fields for a config with MTP layers: the Hub's MTP layer read, not skipped,
+    and its copies of the embedding and head passed over (`HFSpec.config_fields`)."""
+    if not cfg.num_mtp_layers:
+        return {}
+    copies = mtp_copies(cfg.num_layers, cfg.num_mtp_layers)
+    return dict(skip=(), ignore=(*llama.HF_SPEC.ignore, *copies))
 
 
 def mla_hf_tensors(cfg: DeepseekV3Config, scope: str, attn: str, n: int) -> list[HFTensor]:
@@ -371,7 +509,8 @@ HF_SPEC = register_hf(
         base_model_prefix="model",
         tied_head=llama.HF_SPEC.tied_head,
         # The multi-token-prediction layer of DeepSeek-V3's 61-layer files (as transformers'
-        # _keys_to_ignore_on_load_unexpected).
+        # _keys_to_ignore_on_load_unexpected), unless the config holds MTP layers.
         skip=(r"^model\.layers\.61\.",),
+        config_fields=mtp_spec_fields,
     )
 )

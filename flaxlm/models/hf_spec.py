@@ -146,6 +146,15 @@ class HFSpec:
     # that matches applies), and patterns of stored tensors skipped (with one note on load).
     renames: tuple[tuple[str, str], ...] = ()
     skip: tuple[str, ...] = ()
+    # config -> the fields above whose value depends on the config (DeepSeek-V3's `skip` and
+    # `ignore`: its MTP layer is skipped unless the config holds it); `for_config` applies it.
+    config_fields: Callable[[Any], dict[str, Any]] | None = None
+
+    def for_config(self, config: Any) -> HFSpec:
+        """This spec for a model of `config` (`config_fields` applied)."""
+        if self.config_fields is None:
+            return self
+        return dataclasses.replace(self, **self.config_fields(config))
 
     def own_names(self, stored: Iterable[str]) -> tuple[dict[str, str], list[str]]:
         """Our HF name -> the stored name of each tensor of a checkpoint (after `renames`),

@@ -29,6 +29,8 @@ def summarize(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         "accuracy": sums["correct_sum"] / denom,
         "num_tokens": sums["weight_sum"],
         **routing.summarize(sums),
+        # Multi-token prediction's mean cross-entropy over its depths (models/mtp.py).
+        **({"mtp_loss": sums["mtp_loss_sum"] / denom} if "mtp_loss_sum" in sums else {}),
     }
 
 
