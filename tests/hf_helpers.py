@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 import numpy as np
@@ -372,3 +373,73 @@ def save_byte_bpe_tokenizer(path, vocab_size: int = 320, style: str = "qwen") ->
         )
     fast.save_pretrained(str(path))
     return len(fast)
+
+
+def save_with_mtp_layers(torch_model, path, out, depths: int):
+    """A copy of the checkpoint saved at `path` with `depths` multi-token-prediction layers,
+    written to `out` as the Hub's DeepSeek-V3 and GLM-4.5 files lay theirs out (decoder layers
+    `num_hidden_layers + k`, the norm after each as `shared_head.norm`, and their copies of
+    the embedding and head), from transformers' own `MtpModel` on a copy of `torch_model`
+    (random weights, norms and correction biases perturbed as `random_hf_model` does);
+    config.json's `num_nextn_predict_layers` says how many. Returns (main torch model,
+    MtpModel)."""
+    import copy
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers.modeling_layers import MtpModel
+
+    main = copy.deepcopy(torch_model)
+    torch.manual_seed(5)
+    mtp_model = MtpModel(main, depths).eval()
+    with torch.no_grad():  # set here: MtpModel's own init leaves them empty in some states
+        for name, param in mtp_model.named_parameters():
+            if name.startswith(("embed_tokens", "shared_head")):  # the main model's
+                continue
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.1 * torch.randn_like(param))
+        for name, buffer in mtp_model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn_like(buffer))
+    layers = main.config.num_hidden_layers
+    tensors = {k: v.contiguous() for k, v in main.state_dict().items()}
+    for name, tensor in mtp_model.state_dict().items():
+        if name.startswith(("embed_tokens", "shared_head")):  # the main model's, tied
+            continue
+        _, k, rest = name.split(".", 2)
+        rest = rest.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
+        tensors[f"model.layers.{layers + int(k)}.{rest}"] = tensor.contiguous()
+    for k in range(depths):  # the Hub's copies in each MTP layer, not read
+        prefix = f"model.layers.{layers + k}"
+        tensors[f"{prefix}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[f"{prefix}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["num_nextn_predict_layers"] = depths
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    return main, mtp_model
+
+
+def hf_mtp_logits(main, mtp_model, ids, depths: int) -> list[np.ndarray]:
+    """Each MTP depth's logits over a whole batch of unpadded rows, as transformers' MTP
+    drafting computes them: depth k (from 0) reads the previous depth's (the trunk's final
+    hidden states for the first) at positions 0.. and the tokens k + 1 places on, at their
+    positions; `[rows, length - k - 1, vocab]`."""
+    import torch
+
+    length = ids.shape[1]
+    with torch.no_grad():
+        hidden = main(ids, output_hidden_states=True).hidden_states[-1]
+        out = []
+        for k in range(depths):
+            positions = torch.arange(k + 1, length)[None].expand(ids.shape[0], -1)
+            hidden = mtp_model.forward_layer(
+                k, hidden[:, : length - k - 1], positions, None, input_ids=ids[:, k + 1 :]
+            )
+            out.append(mtp_model._project_to_logits(hidden).float().numpy())
+    return out

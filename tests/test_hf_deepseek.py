@@ -36,9 +36,11 @@ from tests.hf_helpers import (
     flaxlm_greedy_batch,
     gin_config,
     hf_greedy_batch,
+    hf_mtp_logits,
     max_abs_diff,
     padded_batch,
     random_hf_model,
+    save_with_mtp_layers,
     torch_logits,
     train_on_batch,
 )
@@ -502,67 +504,11 @@ MTP_DEPTHS = 2
 
 @pytest.fixture(scope="module")
 def with_mtp(full, tmp_path_factory):
-    """A copy of the `full` checkpoint with two multi-token-prediction layers, laid out as
-    the Hub's DeepSeek-V3 files lay out theirs (decoder layers `num_hidden_layers + k`, the
-    norm after each as `shared_head.norm`, and their copies of the embedding and head), from
-    transformers' own `MtpModel` on a copy of the main model (random weights, norms and
-    correction biases perturbed as the main model's); (main torch model, MtpModel,
-    directory)."""
-    import copy
-
-    from transformers.modeling_layers import MtpModel
-
+    """The `full` checkpoint with two MTP layers as the Hub lays them out
+    (`hf_helpers.save_with_mtp_layers`): (main torch model, MtpModel, directory)."""
     torch_model, path, _, _ = full
-    main = copy.deepcopy(torch_model)
-    torch.manual_seed(5)
-    mtp_model = MtpModel(main, MTP_DEPTHS).eval()
-    with torch.no_grad():  # set here: MtpModel's own init leaves them empty in some states
-        for name, param in mtp_model.named_parameters():
-            if name.startswith(("embed_tokens", "shared_head")):  # the main model's
-                continue
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            else:
-                param.copy_(0.1 * torch.randn_like(param))
-        for name, buffer in mtp_model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.3 * torch.randn_like(buffer))
     out = tmp_path_factory.mktemp("deepseek_mtp")
-    layers = main.config.num_hidden_layers
-    tensors = {k: v.contiguous() for k, v in main.state_dict().items()}
-    for name, tensor in mtp_model.state_dict().items():
-        if name.startswith(("embed_tokens", "shared_head")):  # the main model's, tied
-            continue
-        _, k, rest = name.split(".", 2)
-        rest = rest.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
-        tensors[f"model.layers.{layers + int(k)}.{rest}"] = tensor.contiguous()
-    for k in range(MTP_DEPTHS):  # the Hub's copies in each MTP layer, not read
-        prefix = f"model.layers.{layers + k}"
-        tensors[f"{prefix}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-        tensors[f"{prefix}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads(open(os.path.join(path, "config.json")).read())
-    config["num_nextn_predict_layers"] = MTP_DEPTHS
-    (out / "config.json").write_text(json.dumps(config))
-    return main, mtp_model, str(out)
-
-
-def hf_mtp_logits(main, mtp_model, ids: torch.Tensor) -> list[np.ndarray]:
-    """Each MTP depth's logits over a whole batch of unpadded rows, as transformers' MTP
-    drafting computes them: depth k (from 0) reads the previous depth's (the trunk's final
-    hidden states for the first) at positions 0.. and the tokens k + 1 places on, at their
-    positions; `[rows, length - k - 1, vocab]`."""
-    length = ids.shape[1]
-    with torch.no_grad():
-        hidden = main(ids, output_hidden_states=True).hidden_states[-1]
-        out = []
-        for k in range(MTP_DEPTHS):
-            positions = torch.arange(k + 1, length)[None].expand(ids.shape[0], -1)
-            hidden = mtp_model.forward_layer(
-                k, hidden[:, : length - k - 1], positions, None, input_ids=ids[:, k + 1 :]
-            )
-            out.append(mtp_model._project_to_logits(hidden).float().numpy())
-    return out
+    return (*save_with_mtp_layers(torch_model, path, out, MTP_DEPTHS), str(out))
 
 
 @pytest.mark.slow
@@ -578,7 +524,7 @@ def test_mtp_layers_load_and_predict_as_transformers_mtp_model(with_mtp, tmp_pat
     own = [(n, t) for n, t in mtp_model.state_dict().items() if n.startswith("layers.")]
     assert model.config.num_params() - plain == sum(t.numel() for _, t in own)
     ids = np.random.default_rng(4).integers(1, VOCAB, (2, 17))
-    want = hf_mtp_logits(main, mtp_model, torch.tensor(ids))
+    want = hf_mtp_logits(main, mtp_model, torch.tensor(ids), MTP_DEPTHS)
     _, sown = model.module.apply(
         {"params": params}, jnp.asarray(ids), mutable=["mtp", routing.ROUTER_COLLECTION]
     )
@@ -598,7 +544,7 @@ def test_mtp_layers_load_and_predict_as_transformers_mtp_model(with_mtp, tmp_pat
         "decoder_target_tokens": jnp.asarray(ids[:, 1:]),
         "decoder_loss_weights": jnp.ones(ids[:, 1:].shape, jnp.float32),
     }
-    inputs = hf_mtp_logits(main, mtp_model, torch.tensor(ids[:, :-1]))
+    inputs = hf_mtp_logits(main, mtp_model, torch.tensor(ids[:, :-1]), MTP_DEPTHS)
     ce = sum(
         torch.nn.functional.cross_entropy(
             torch.tensor(logits).flatten(0, 1), torch.tensor(ids[:, k + 2 :]).flatten(),

@@ -11,6 +11,7 @@ key/value head and rotary over three quarters of each head. MiniMax-M2 with rota
 12 features (its files' `rotary_dim`) and whole-projection q/k norms.
 """
 
+import dataclasses
 import json
 import os
 
@@ -34,9 +35,11 @@ from tests.hf_helpers import (
     engine_greedy,
     gin_config,
     hf_greedy_batch,
+    hf_mtp_logits,
     max_abs_diff,
     padded_batch,
     random_hf_model,
+    save_with_mtp_layers,
     torch_logits,
     train_on_batch,
 )
@@ -228,6 +231,35 @@ def test_glm_mtp_layer_is_skipped_and_other_extra_layers_refused(tmp_path):
         else:
             model, _ = hf.from_pretrained(str(tmp_path), ONE)
             assert isinstance(model.config, glm4_moe.Glm4MoeConfig)
+
+
+@pytest.mark.slow
+def test_glm_mtp_layer_loads_predicts_trains_and_exports_as_transformers(tmp_path):
+    """GLM-4.5's MTP layer read where the config asks for it (`num_mtp_layers`): its logits
+    are transformers' `MtpModel`'s, its loss counts with `mtp_loss_weight`, and the export
+    writes it back as it was read."""
+    torch_model = tiny_hf("glm4_moe", **GLM_DENSE_FIRST)
+    torch_model.save_pretrained(tmp_path / "hf")
+    main, mtp_model = save_with_mtp_layers(torch_model, tmp_path / "hf", tmp_path / "mtp", 1)
+    model, params = hf.from_pretrained(tmp_path / "mtp", ONE, num_mtp_layers=1)
+    ids = np.random.default_rng(4).integers(1, VOCAB, (2, 13))
+    (want,) = hf_mtp_logits(main, mtp_model, torch.tensor(ids), 1)
+    _, sown = model.module.apply({"params": params}, ids, mutable=["mtp", "intermediates"])
+    got = np.asarray(model.module.head_logits(params, sown["mtp"]["hidden"][0]))
+    assert np.abs(got[:, :-1, :VOCAB] - want).max() < LOGITS_TOL
+    batch = {
+        "decoder_input_tokens": ids[:, :-1],
+        "decoder_target_tokens": ids[:, 1:],
+        "decoder_loss_weights": np.ones(ids[:, 1:].shape, np.float32),
+    }
+    plain, sums = model.loss_fn(params, batch, None)
+    weighted = DecoderOnlyModel(dataclasses.replace(model.config, mtp_loss_weight=0.5))
+    loss, _ = weighted.loss_fn(params, batch, None)
+    mean = float(sums["mtp_loss_sum"]) / ids[:, 1:].size
+    assert float(loss) - float(plain) == pytest.approx(0.5 * mean, rel=1e-5)
+    hf.save_pretrained(model, params, tmp_path / "export")
+    again = hf.from_pretrained(tmp_path / "export", ONE, num_mtp_layers=1)[1]
+    assert jax.tree.all(jax.tree.map(np.array_equal, again, params))
 
 
 # Published sizes (model cards): (all, active) params in billions. The totals agree to 1%;

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import gin
 import jax
 
-from flaxlm.models import layers, llama, masks, mla, moe, mtp, qwen_moe, rope
+from flaxlm.models import llama, masks, mla, moe, mtp, mtp_hf, qwen_moe, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
@@ -36,7 +36,7 @@ MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class DeepseekV3Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
+class DeepseekV3Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions, mtp.MtpOptions):
     """DeepSeek-V3 hyper-parameters (HF's names where they exist; `num_experts` is HF's
     `n_routed_experts`, `mlp_only_layers` its first `first_k_dense_replace` layers); the
     defaults are DeepSeek-V3's (671B)."""
@@ -80,11 +80,6 @@ class DeepseekV3Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
     rope_original_max_position_embeddings: int = 4096
     rope_mscale: float | None = 1.0
     rope_mscale_all_dim: float | None = 1.0
-    # Multi-token prediction (`mtp.py`): the MTP layers the model holds after its
-    # `num_layers` (HF: num_nextn_predict_layers; 0 reads none of the Hub's, as transformers'
-    # causal LM) and the weight of their loss in training (DeepSeek-V3's lambda: 0.3, 0.1).
-    num_mtp_layers: int = 0
-    mtp_loss_weight: float = 0.0
 
     # What llama.Llama and qwen_moe.mlp_or_experts read beside the fields.
     scale_embedding: ClassVar[bool] = False
@@ -110,25 +105,13 @@ class DeepseekV3Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
         self.check_mtp()
 
     def check_mtp(self) -> None:
-        """ValueErrors for multi-token prediction flaxlm does not build."""
-        if self.num_mtp_layers < 0 or self.mtp_loss_weight < 0:
-            raise ValueError(
-                f"num_mtp_layers {self.num_mtp_layers} / mtp_loss_weight "
-                f"{self.mtp_loss_weight}: both must be >= 0."
-            )
-        if self.mtp_loss_weight and not self.num_mtp_layers:
-            raise ValueError(
-                f"mtp_loss_weight {self.mtp_loss_weight} with num_mtp_layers 0: set "
-                "num_mtp_layers (DeepSeek-V3's is 1) or leave mtp_loss_weight at 0."
-            )
+        super().check_mtp()
         if self.num_mtp_layers and type(self) is not DeepseekV3Config:
             raise ValueError(
                 f"num_mtp_layers {self.num_mtp_layers}: multi-token prediction is built for "
                 f"DeepSeek-V3 and Kimi K2 (DeepseekV3Config), not {type(self).__name__}; "
                 "set num_mtp_layers=0."
             )
-        if self.num_mtp_layers and not self.num_experts:
-            raise ValueError("num_mtp_layers needs experts: an MTP layer is a MoE block.")
 
     def check_dense_layers(self) -> None:
         """ValueErrors for dense layers HF's model cannot have: DeepSeek-V3's are its first
@@ -181,16 +164,9 @@ class DeepseekV3Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
         return q + kv + h * self.v_head_dim * e + (e if bias else 0)
 
     def param_counts(self) -> tuple[int, int]:
-        """(all, active per token) params, the MTP layers' included (each: a MoE block,
-        three norms and the 2 x hidden -> hidden projection)."""
-        total, active = super().param_counts()
-        if self.num_mtp_layers:
-            e = self.hidden_size
-            moe_all, moe_active = self.moe_params(e)
-            extra = self.attention_params() + 2 * e + 3 * e + 2 * e * e
-            total += self.num_mtp_layers * (extra + moe_all)
-            active += self.num_mtp_layers * (extra + moe_active)
-        return total, active
+        """(all, active per token) params, the MTP layers' included."""
+        (total, active), (mtp_all, mtp_active) = super().param_counts(), self.mtp_param_counts()
+        return total + mtp_all, active + mtp_active
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x the active matmul params plus the attention scores
@@ -231,38 +207,7 @@ class Deepseek(llama.Llama):
 
     block_cls = DeepseekBlock
 
-    def after_trunk(
-        self,
-        hidden: Array,
-        tokens: Array,
-        positions: Array,
-        segment_ids: Array | None,
-        mask: masks.Mask,
-        embed: layers.Embed,
-        decoding: masks.Decoding | None,
-        slots: Array | None,
-        deterministic: bool,
-    ) -> None:
-        cfg = self.config
-        depths = getattr(cfg, "num_mtp_layers", 0)
-        if not depths or decoding is not None:
-            return
-        if not (self.is_initializing() or self.is_mutable_collection(mtp.MTP_COLLECTION)):
-            return
-        if slots is not None:
-            raise ValueError(
-                "num_mtp_layers with context parallelism (a `sequence` mesh axis): the MTP "
-                "layers read each row in order, which the load-balanced split reorders; set "
-                "num_mtp_layers=0 or context_parallel_balance=False."
-            )
-        block_cfg = mtp.block_config(cfg)
-        for k in range(1, depths + 1):
-            x, args = self.block_inputs(
-                embed(mtp.shifted(tokens, k)), mtp.shifted(positions, k), None
-            )
-            layer = mtp.MtpLayer(block_cfg, self.block_cls, deterministic, name=f"mtp_{k - 1}")
-            hidden = layer(x, hidden, mask, args)
-            self.sow(mtp.MTP_COLLECTION, mtp.HIDDEN, hidden)
+    after_trunk = mtp.after_trunk
 
 
 # ------------------------------------------------------------------ HuggingFace
@@ -379,72 +324,12 @@ def config_to_hf(cfg: DeepseekV3Config) -> dict:
 def hf_tensors(cfg: DeepseekV3Config) -> list[HFTensor]:
     """Llama's embedding, norms and head; each layer's latent attention; the MLPs as the
     Qwen-line MoEs map them, plus the shared experts and the router's correction bias; the
-    MTP layers after the decoder layers (`mtp.hf_tensors`)."""
+    MTP layers after the decoder layers (`mtp_hf.tables`)."""
     table = [t for t in llama.hf_tensors_but_mlp(cfg) if ".self_attn." not in t.hf]
     table += mla_hf_tensors(
         cfg, "layers_{i}/self_attn", "model.layers.{i}.self_attn", cfg.num_layers
     )
-    table += moe_hf_tensors(cfg)
-    if cfg.num_mtp_layers:
-        one = dataclasses.replace(
-            cfg, num_layers=1, mlp_only_layers=(), num_mtp_layers=0, mtp_loss_weight=0.0
-        )
-        table += mtp_tensors(cfg.num_layers, cfg.num_mtp_layers, hf_tensors(one))
-    return table
-
-
-def mtp_relayered(table: list[HFTensor], scope: str, index: int) -> list[HFTensor]:
-    """The records of one block (`{i}` in their names, `layers_{i}/...` params) for the block
-    at param scope `scope` and HF layer `index`."""
-    out = []
-    for t in table:
-        if not t.param.startswith("layers_{i}/"):
-            continue
-        out.append(
-            dataclasses.replace(
-                t,
-                param=scope + t.param[len("layers_{i}") :],
-                hf=t.hf.replace("{i}", str(index)),
-                pieces=tuple(p.replace("{i}", str(index)) for p in t.pieces),
-                layers=0,
-            )
-        )
-    return out
-
-
-def mtp_tensors(num_layers: int, depths: int, block_table: list[HFTensor]) -> list[HFTensor]:
-    """The records of `depths` MTP layers after `num_layers` decoder layers: each one's norms,
-    projection and block (`block_table`: an all-MoE config's records of one layer `{i}`)."""
-    out = []
-    for k in range(depths):
-        scope, i = f"mtp_{k}", num_layers + k
-        prefix = f"model.layers.{i}"
-        out += [
-            HFTensor(f"{scope}/enorm/scale", f"{prefix}.enorm.weight"),
-            HFTensor(f"{scope}/hnorm/scale", f"{prefix}.hnorm.weight"),
-            linear(f"{scope}/eh_proj/kernel", f"{prefix}.eh_proj.weight"),
-            HFTensor(f"{scope}/post_norm/scale", f"{prefix}.shared_head.norm.weight"),
-            *mtp_relayered(block_table, f"{scope}/block", i),
-        ]
-    return out
-
-
-def mtp_copies(num_layers: int, depths: int) -> list[str]:
-    """Patterns of what the Hub's MTP layers also hold, not read: their copies of the
-    embedding and the head."""
-    return [
-        rf"^model\.layers\.{num_layers + k}\.(embed_tokens|shared_head\.head)\.weight$"
-        for k in range(depths)
-    ]
-
-
-def mtp_spec_fields(cfg: DeepseekV3Config) -> dict[str, Any]:
-    """`HF_SPEC`'s fields for a config with MTP layers: the Hub's MTP layer read, not skipped,
-    and its copies of the embedding and head passed over (`HFSpec.config_fields`)."""
-    if not cfg.num_mtp_layers:
-        return {}
-    copies = mtp_copies(cfg.num_layers, cfg.num_mtp_layers)
-    return dict(skip=(), ignore=(*llama.HF_SPEC.ignore, *copies))
+    return table + moe_hf_tensors(cfg) + mtp_hf.tables(cfg, hf_tensors)
 
 
 def mla_hf_tensors(cfg: DeepseekV3Config, scope: str, attn: str, n: int) -> list[HFTensor]:
@@ -511,6 +396,6 @@ HF_SPEC = register_hf(
         # The multi-token-prediction layer of DeepSeek-V3's 61-layer files (as transformers'
         # _keys_to_ignore_on_load_unexpected), unless the config holds MTP layers.
         skip=(r"^model\.layers\.61\.",),
-        config_fields=mtp_spec_fields,
+        config_fields=lambda cfg: mtp_hf.spec_fields(cfg, llama.HF_SPEC.ignore),
     )
 )

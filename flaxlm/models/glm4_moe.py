@@ -10,7 +10,9 @@ score per expert, the choice moved by `e_score_correction_bias` and limited to t
 `topk_group` best of `n_group` groups, the chosen scores renormalised with `norm_topk_prob`
 and scaled by `routed_scaling_factor`) plus `n_shared_experts` ungated shared experts.
 Follows HuggingFace's `Glm4MoeForCausalLM`; the multi-token-prediction layer the Hub's files
-carry (`model.layers.92` / `.46`) is skipped on import, as transformers skips it.
+carry (`model.layers.92` / `.46`) is skipped on import, as transformers skips it, unless the
+config asks for it (`num_mtp_layers`, `mtp.py`: read, trained with `mtp_loss_weight`, written
+back).
 
 `Glm4Moe` (the model with partial rotary) and `Glm4MoeBlock` (attention options read off the
 config) also carry MiniMax-M2 (`minimax_m2.py`).
@@ -24,7 +26,7 @@ from typing import Any, ClassVar
 import gin
 import jax
 
-from flaxlm.models import attention, deepseek, llama, masks, moe, qwen_moe, rope
+from flaxlm.models import attention, deepseek, llama, masks, moe, mtp, mtp_hf, qwen_moe, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
 
@@ -90,7 +92,9 @@ class PartialRotary:
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class Glm4MoeConfig(PartialRotary, qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
+class Glm4MoeConfig(
+    PartialRotary, qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions, mtp.MtpOptions
+):
     """GLM-4.5 / 4.6 hyper-parameters (HF's names where they exist; `num_experts` is HF's
     `n_routed_experts`, `mlp_only_layers` its first `first_k_dense_replace` layers); the
     defaults are GLM-4.5's (355B)."""
@@ -144,6 +148,7 @@ class Glm4MoeConfig(PartialRotary, qwen_moe.MoESizes, rope.RopeScaling, moe.MoEO
     def __post_init__(self) -> None:
         super().__post_init__()
         self.check_moe()
+        self.check_mtp()
         check_fixed(self, self.FIXED, "Glm4MoeForCausalLM")
         attention.check_heads(self.hidden_size, self.num_heads, self.kv_heads, self.head_dim)
         check_rotary(self)
@@ -190,6 +195,11 @@ class Glm4MoeConfig(PartialRotary, qwen_moe.MoESizes, rope.RopeScaling, moe.MoEO
         bias = q + 2 * kv if self.attention_bias else 0
         return e * (q + 2 * kv) + q * e + bias + (2 * d if self.use_qk_norm else 0)
 
+    def param_counts(self) -> tuple[int, int]:
+        """(all, active per token) params, the MTP layers' included."""
+        (total, active), (mtp_all, mtp_active) = super().param_counts(), self.mtp_param_counts()
+        return total + mtp_all, active + mtp_active
+
     def make_module(self) -> Glm4Moe:
         return Glm4Moe(self)
 
@@ -209,6 +219,7 @@ class Glm4Moe(llama.Llama):
     over each head's first `rotary_dim` features."""
 
     block_cls = Glm4MoeBlock
+    after_trunk = mtp.after_trunk  # MTP layers where the config has them
 
     def block_inputs(
         self, x: Array, positions: Array, decoding: masks.Decoding | None
@@ -299,7 +310,7 @@ def config_to_hf(cfg: Glm4MoeConfig) -> dict:
         "topk_group": cfg.topk_group,
         "n_shared_experts": cfg.n_shared_experts,
         "first_k_dense_replace": cfg.first_k_dense_replace,
-        "num_nextn_predict_layers": 0,  # no multi-token-prediction layer is exported
+        "num_nextn_predict_layers": cfg.num_mtp_layers,
     }
 
 
@@ -326,9 +337,10 @@ def attention_hf_tensors(cfg: Any) -> list[HFTensor]:
 def hf_tensors(cfg: Glm4MoeConfig) -> list[HFTensor]:
     """The attention table, then each layer's MLP as DeepSeek-V3's: router, experts, shared
     experts and correction bias, or the dense SwiGLU."""
-    return attention_hf_tensors(cfg) + deepseek.moe_hf_tensors(cfg)
+    return attention_hf_tensors(cfg) + deepseek.moe_hf_tensors(cfg) + mtp_hf.tables(cfg, hf_tensors)
 
 
+HF_IGNORE = (*llama.HF_SPEC.ignore, r"^model\.layers\.(46|92)\.")
 HF_SPEC = register_hf(
     HFSpec(
         model_types=MODEL_TYPES,
@@ -339,8 +351,9 @@ HF_SPEC = register_hf(
         tensors=hf_tensors,
         # The multi-token-prediction layer of GLM-4.5's (92-layer) and GLM-4.5-Air's
         # (46-layer) files, as transformers' _keys_to_ignore_on_load_unexpected: ignored
-        # only where no layer of this config claims it.
-        ignore=(*llama.HF_SPEC.ignore, r"^model\.layers\.(46|92)\."),
+        # only where no layer of this config claims it (num_mtp_layers reads it).
+        ignore=HF_IGNORE,
+        config_fields=lambda cfg: mtp_hf.spec_fields(cfg, HF_IGNORE),
         base_model_prefix="model",
         tied_head=llama.HF_SPEC.tied_head,
     )

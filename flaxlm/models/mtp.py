@@ -37,9 +37,48 @@ MTP_COLLECTION = "mtp"  # the sown hidden states of each depth
 HIDDEN = "hidden"
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MtpOptions:
+    """The fields a family with MTP layers adds to its config (a MoE config: each MTP
+    layer is a MoE block of the family), checked by `check_mtp()` in its `__post_init__`."""
+
+    # The MTP layers after the `num_layers` decoder layers (HF: num_nextn_predict_layers;
+    # 0 reads none of the Hub's, as transformers' causal LM), and the weight of their loss
+    # in training (DeepSeek-V3's lambda: 0.3, then 0.1).
+    num_mtp_layers: int = 0
+    mtp_loss_weight: float = 0.0
+
+    def check_mtp(self) -> None:
+        """ValueErrors for settings no MTP layer can have."""
+        if self.num_mtp_layers < 0 or self.mtp_loss_weight < 0:
+            raise ValueError(
+                f"num_mtp_layers {self.num_mtp_layers} / mtp_loss_weight "
+                f"{self.mtp_loss_weight}: both must be >= 0."
+            )
+        if self.mtp_loss_weight and not self.num_mtp_layers:
+            raise ValueError(
+                f"mtp_loss_weight {self.mtp_loss_weight} with num_mtp_layers 0: set "
+                "num_mtp_layers (DeepSeek-V3's and GLM-4.5's is 1) or leave mtp_loss_weight at 0."
+            )
+        if self.num_mtp_layers and not getattr(self, "num_experts", 0):
+            raise ValueError("num_mtp_layers needs experts: an MTP layer is a MoE block.")
+
+    def mtp_param_counts(self) -> tuple[int, int]:
+        """(all, active per token) params of the MTP layers: each a MoE block (the family's
+        `attention_params` and `moe_params`, two norms), three norms and the 2 x hidden ->
+        hidden projection."""
+        if not self.num_mtp_layers:
+            return 0, 0
+        e = self.hidden_size
+        moe_all, moe_active = self.moe_params(e)
+        extra = self.attention_params() + 2 * e + 3 * e + 2 * e * e
+        return self.num_mtp_layers * (extra + moe_all), self.num_mtp_layers * (extra + moe_active)
+
+
 def shifted(x: Array, k: int, fill: Any = 0) -> Array:
     """`x` `[batch, length, ...]` moved k places earlier along its length: position i holds
     x[i + k], the last k positions `fill`."""
+    x = jnp.asarray(x)
     if k == 0:
         return x
     pad = jnp.full((x.shape[0], k, *x.shape[2:]), fill, x.dtype)
@@ -89,3 +128,39 @@ def block_config(config: Any) -> Any:
     """The config an MTP block is built with: every layer a mixture of experts (HF's MTP
     config sets `first_k_dense_replace = 0`)."""
     return dataclasses.replace(config, mlp_only_layers=())
+
+
+def after_trunk(
+    module: nn.Module,
+    hidden: Array,
+    tokens: Array,
+    positions: Array,
+    segment_ids: Array | None,
+    mask: masks.Mask,
+    embed: layers.Embed,
+    decoding: masks.Decoding | None,
+    slots: Array | None,
+    deterministic: bool,
+) -> None:
+    """`causal_lm.CausalLM.after_trunk` of a family with MTP layers (its config an
+    `MtpOptions`): the depths run and their hidden states sown where a loss asks for them
+    (`MTP_COLLECTION` mutable) or the params are built; never while decoding."""
+    del segment_ids  # the trunk's mask holds them
+    cfg = module.config
+    depths = getattr(cfg, "num_mtp_layers", 0)  # a family sharing the module may have none
+    if not depths or decoding is not None:
+        return
+    if not (module.is_initializing() or module.is_mutable_collection(MTP_COLLECTION)):
+        return
+    if slots is not None:
+        raise ValueError(
+            "num_mtp_layers with context parallelism (a `sequence` mesh axis): the MTP "
+            "layers read each row in order, which the load-balanced split reorders; set "
+            "num_mtp_layers=0 or context_parallel_balance=False."
+        )
+    block_cfg = block_config(cfg)
+    for k in range(1, depths + 1):
+        x, args = module.block_inputs(embed(shifted(tokens, k)), shifted(positions, k), None)
+        layer = MtpLayer(block_cfg, module.block_cls, deterministic, name=f"mtp_{k - 1}")
+        hidden = layer(x, hidden, mask, args)
+        module.sow(MTP_COLLECTION, HIDDEN, hidden)
