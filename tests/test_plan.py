@@ -401,6 +401,8 @@ def test_an_moe_model_is_planned_over_an_expert_axis():
     assert "experts" in reason and "not divisible by expert=8" in reason
     ep = p.evaluate(dataclasses.replace(p.run.base, mesh_shape=(1, 2, 4, 1)))
     assert ep.status == "fits" and ep.predicted_s > 0 and ep.collective_bytes > 0
+    assert ep.knobs.moe_dispatch == "all_gather" and ep.state_bytes > 0
+    assert ep.moe_collectives["all-gather"]["ring_bytes"] > 0  # the dispatch's, apart
     assert report.overrides(p.run, ep.knobs)[0] == (
         "--gin.Partitioner.mesh_axis_names=\"('data', 'fsdp', 'expert', 'tensor')\""
     )
@@ -429,3 +431,57 @@ def test_a_gin_run_of_an_moe_model_gets_an_expert_axis():
         gin.clear_config()
     assert run.axis_names == ("data", "fsdp", "expert", "tensor")
     assert run.base.mesh_shape == (1, -1, 1, 1)
+
+
+def test_the_moe_dispatch_is_enumerated_where_the_expert_axis_is_split():
+    """For a model with experts the first stage crosses each mesh whose `expert` axis is split
+    with every dispatch (the bound one first), a mesh with `expert` = 1 with the bound one
+    alone; a dense model's candidates carry none; `meshes` limits the first stage; the
+    overrides name the dispatch and bind it when given to the run's Gin files."""
+    p = planner.Planner(tiny_moe_run(), jax.devices(), CHIP)
+    assert p.run.base.moe_dispatch == "all_gather"
+    first = p.first_stage()
+    by_mesh = {}
+    for k in first:
+        if k.optimizer_sharding == "params":
+            by_mesh.setdefault(k.mesh_shape, []).append(k.moe_dispatch)
+    assert by_mesh[(1, 2, 4, 1)] == ["all_gather", "all_to_all", "ragged"]
+    assert by_mesh[(1, 8, 1, 1)] == ["all_gather"]
+    dense = planner.Planner(tiny_run(), jax.devices(), CHIP)
+    assert {k.moe_dispatch for k in dense.first_stage()} == {None}
+    assert "dispatch" not in report.header(dense.run)
+    only = planner.Planner(tiny_moe_run(), jax.devices(), CHIP, meshes=[(2, 1, 4, 1)])
+    assert [(k.optimizer_sharding, k.moe_dispatch) for k in only.first_stage()] == [
+        (s, d) for s in ("params", "zero1") for d in ("all_gather", "all_to_all", "ragged")
+    ]
+    with pytest.raises(ValueError, match="not a shape"):
+        planner.Planner(tiny_moe_run(), jax.devices(), CHIP, meshes=[(2, 2)]).first_stage()
+    chosen = dataclasses.replace(p.run.base, mesh_shape=(1, 2, 4, 1), moe_dispatch="ragged")
+    assert p.model(chosen).config.moe_dispatch == "ragged"
+    assert "dispatch=ragged" in report.knobs_text(chosen)
+    assert report.header(p.run)[3] == "dispatch"
+    flags = report.overrides(p.run, chosen)
+    assert "--gin.QwenMoeConfig.moe_dispatch=\"'ragged'\"" in flags
+    gin.clear_config()
+    try:
+        files = (
+            "gin/models/qwen3_moe_tiny.gin",
+            "gin/partitioning/fsdp.gin",
+            "gin/runs/pretrain.gin",
+        )
+        macros = [
+            "MODEL_DIR='/tmp/unused'",
+            "MIXTURE_OR_TASK_NAME='stdlib_py'",
+            "TASK_FEATURE_LENGTHS={'targets': 32}",
+            "BATCH_SIZE=8",
+            "TRAIN_STEPS=1",
+        ]
+        bindings = gin_utils.rewrite_gin_args(["x", *shlex.split(" ".join(flags))])[1:]
+        macros += [b.split("=", 1)[1] for b in bindings]
+        gin_utils.parse_gin([os.path.join(REPO, f) for f in files], macros, [])
+        run = plan_run.run_from_gin()
+        assert gin.query_parameter("partitioning.Partitioner.mesh_shape") == (1, 2, 4, 1)
+    finally:
+        gin.clear_config()
+    assert run.axis_names == ("data", "fsdp", "expert", "tensor")
+    assert run.base.moe_dispatch == "ragged" and run.base.mesh_shape == (1, 2, 4, 1)

@@ -6,18 +6,20 @@ layer scan to train with, found by compiling the run ahead of time for the targe
       --gin_file=models/gptj_6b.gin --topology=v5e:2x4 --gin.BATCH_SIZE=8 \
       --gin.TASK_FEATURE_LENGTHS="{'targets': 2048}"
 
-The run is the one the Gin files bind to `train.train` (model, batch, lengths, optimizer,
-LoRA, objective); `gin/runs/plan.gin` binds `run.fn = @plan.plan` after it. Candidates:
-every mesh shape over the bound Partitioner's axes, `optimizer_sharding` (zero1 where the
-`data` axis is split), then, for the best meshes, every remat policy, microbatch count and
-`scan_layers`. What cannot divide (batch over the batch axes, a param over its mesh axes) is
-rejected before compiling; the rest is compiled for the target (`aot.target_devices`) and
-read: memory per device (`memory_analysis`), FLOPs and bytes (`cost_analysis`), collectives
-(`hlo.parse_hlo`). The step time is a roofline (`chips`): on accelerators
-max(compute, memory, collectives), which assumes XLA overlaps them; on CPU compute-or-memory
-plus collectives, which it does not. `cost_analysis` counts a loop's body once, so a
-candidate with loops (scanned layers, microbatches) takes its FLOPs and bytes from two
-extra compiles of 1 and 2 unscanned layers: body = c2 - c1, step = c1 + (L - 1) body, then
+The run is the one the Gin files bind to `train.train` (model, batch, lengths, optimizer, LoRA,
+objective); `gin/runs/plan.gin` binds `run.fn = @plan.plan` after it. Candidates: every mesh
+shape over the bound Partitioner's axes, `optimizer_sharding` (zero1 where the `data` axis is
+split) and, for a model with experts on a mesh whose `expert` axis is split, the MoE dispatch
+(`moe_dispatch`: all-gather, capacity all-to-all, ragged all-to-all), then, for the best of
+these, every remat policy, microbatch count and `scan_layers`. What cannot divide (batch over
+the batch axes, a param over its mesh axes) is rejected before compiling; the rest is compiled
+for the target (`aot.target_devices`) and read: memory per device (`memory_analysis`), FLOPs
+and bytes (`cost_analysis`), collectives (`hlo.parse_hlo`); for a model with experts also those
+of its MoE layers apart (`hlo.shard_map_collectives`). The step time is a roofline (`chips`):
+on accelerators max(compute, memory, collectives), which assumes XLA overlaps them; on CPU
+compute-or-memory plus collectives, which it does not. `cost_analysis` counts a loop's body
+once, so a candidate with loops (scanned layers, microbatches) takes its FLOPs and bytes from
+two extra compiles of 1 and 2 unscanned layers: body = c2 - c1, step = c1 + (L - 1) body, then
 x microbatches (the optimizer's bytes once).
 """
 
@@ -37,7 +39,7 @@ from typing import Any
 import gin
 import jax
 
-from flaxlm.models import layers
+from flaxlm.models import expert_parallel, layers, moe
 from flaxlm.parallel import pytrees
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.plan import aot, chips, hlo
@@ -62,8 +64,20 @@ def mesh_shapes(num_devices: int, num_axes: int) -> list[tuple[int, ...]]:
 class Planner:
     """Enumerates, rejects, compiles and predicts (see the module docstring)."""
 
-    def __init__(self, run: Run, devices: Sequence[Any], chip: chips.Chip):
+    def __init__(
+        self,
+        run: Run,
+        devices: Sequence[Any],
+        chip: chips.Chip,
+        meshes: Sequence[Sequence[int]] | None = None,
+    ):
+        if run.base.moe_dispatch is None and moe.has_experts(run.model.config):
+            # (a Run not read from Gin, as the benchmarks build: the config's dispatch)
+            base = dataclasses.replace(run.base, moe_dispatch=run.model.config.moe_dispatch)
+            run = dataclasses.replace(run, base=base)
         self.run = run
+        # Only these mesh shapes (over run.axis_names) in the first stage; None: every one.
+        self.meshes = None if meshes is None else [tuple(int(n) for n in m) for m in meshes]
         self.devices = list(devices)
         self.chip = chip
         # The per-device memory the planner itself holds candidates to: none on TPU, whose
@@ -84,7 +98,10 @@ class Planner:
 
     def model(self, knobs: Knobs, **changes: Any) -> Any:
         fields = {f.name for f in dataclasses.fields(self.run.model.config)}
-        wanted = dict(remat_policy=knobs.remat_policy, scan_layers=knobs.scan_layers, **changes)
+        wanted = dict(remat_policy=knobs.remat_policy, scan_layers=knobs.scan_layers)
+        if knobs.moe_dispatch is not None:
+            wanted["moe_dispatch"] = knobs.moe_dispatch
+        wanted.update(changes)
         return with_config(self.run.model, **{k: v for k, v in wanted.items() if k in fields})
 
     # ------------------------------------------------------------------ rejection
@@ -149,7 +166,7 @@ class Planner:
             step = self.compile(knobs)
         except Exception as e:  # noqa: BLE001 - one candidate's failure is a table row
             return Result(knobs, "failed", _first_line(e), compile_s=time.perf_counter() - start)
-        result = Result(knobs, "fits", step=step)
+        result = Result(knobs, "fits", step=step, state_bytes=step.state_bytes)
         if step.compiled is None:
             result.status, result.reason = "does not fit", step.out_of_memory or ""
             # "... HLO temporaries (19.95G) exceeds ...": rank by temporaries + the state
@@ -170,6 +187,8 @@ class Planner:
         result.collective_ops = int(
             sum(v["count"] for k, v in collectives["by_kind"].items() if "/" not in k)
         )
+        if knobs.moe_dispatch is not None:
+            result.moe_collectives = hlo.shard_map_collectives(step.hlo_text(), len(self.devices))
         cost = self.step_cost(knobs, step)
         result.compile_s = time.perf_counter() - start
         if cost is not None:
@@ -198,6 +217,7 @@ class Planner:
             knobs.optimizer_sharding,
             knobs.remat_policy,
             knobs.num_microbatches,
+            knobs.moe_dispatch,
         )
         if key not in self._costs:
             self._costs[key] = self._calibrate(knobs)
@@ -246,15 +266,35 @@ class Planner:
 
     # ------------------------------------------------------------------ search
 
+    def dispatches(self, mesh_shape: Sequence[int]) -> tuple[str | None, ...]:
+        """The MoE dispatches worth compiling on `mesh_shape`: every one (the bound one first)
+        for a model with experts whose `expert` axis is split, else the bound one alone (None
+        for a model without experts): with `expert` = 1 every dispatch is the same program."""
+        bound = self.run.base.moe_dispatch
+        sizes = dict(zip(self.run.axis_names, mesh_shape))
+        if bound is None or sizes.get(expert_parallel.EXPERT_AXIS, 1) == 1:
+            return (bound,)
+        return (bound, *(d for d in expert_parallel.DISPATCHES if d != bound))
+
     def first_stage(self) -> list[Knobs]:
         out = []
-        for shape in mesh_shapes(len(self.devices), len(self.run.axis_names)):
-            for sharding in ("params", "zero1"):
-                out.append(
-                    dataclasses.replace(
-                        self.run.base, mesh_shape=shape, optimizer_sharding=sharding
-                    )
+        shapes = self.meshes or mesh_shapes(len(self.devices), len(self.run.axis_names))
+        for shape in shapes:
+            if len(shape) != len(self.run.axis_names) or math.prod(shape) != len(self.devices):
+                raise ValueError(
+                    f"mesh {shape} is not a shape over {self.run.axis_names} of "
+                    f"{len(self.devices)} devices"
                 )
+            for sharding in ("params", "zero1"):
+                for dispatch in self.dispatches(shape):
+                    out.append(
+                        dataclasses.replace(
+                            self.run.base,
+                            mesh_shape=shape,
+                            optimizer_sharding=sharding,
+                            moe_dispatch=dispatch,
+                        )
+                    )
         return out
 
     def second_stage(self, ranked: Sequence[Result]) -> list[Knobs]:
@@ -370,17 +410,21 @@ def plan(
     measure: int = 0,
     measure_steps: int = 3,
     measure_rounds: int = 3,
+    meshes: Sequence[Sequence[int]] | None = None,
 ) -> list[Result]:
     """Plans the training run the Gin files bind (see the module docstring); prints the
     ranked table and the best candidate's `--gin.` overrides. `measure` > 0 (CPU or `this`
     only) also runs that many of the best candidates, alternating, and reports their
-    measured step times and the rank correlation with the prediction."""
+    measured step times and the rank correlation with the prediction. `meshes` (shapes over
+    the run's mesh axes, the `expert` axis included for a model with experts) limits the
+    first stage to those meshes (a large slice's many shapes cost minutes a compile)."""
     if max_candidates < 1 or budget_s <= 0:
         raise ValueError("PLAN_MAX_CANDIDATES must be >= 1 and PLAN_BUDGET_S > 0.")
     devices = aot.target_devices(topology)
     run = run_from_gin()
     chip = chips.for_devices(topology, devices)
-    planner = Planner(run, devices, chip)
+    planner = Planner(run, devices, chip, meshes)
+    run = planner.run  # (its base knobs as the planner holds them: the dispatch included)
     print(plan_report.describe(run, topology, devices, chip), flush=True)
     results = planner.search(max_candidates, budget_s, plan_report.Progress(sys.stderr))
     plan_report.print_table(results, run)

@@ -56,8 +56,9 @@ class Progress:
 
 
 def knobs_text(k: Any) -> str:
+    dispatch = "" if k.moe_dispatch is None else f" dispatch={k.moe_dispatch}"
     return (
-        f"mesh {k.mesh_shape} {k.optimizer_sharding} remat={k.remat_policy} "
+        f"mesh {k.mesh_shape} {k.optimizer_sharding}{dispatch} remat={k.remat_policy} "
         f"mb={k.num_microbatches} scan={k.scan_layers}"
     )
 
@@ -76,6 +77,8 @@ def overrides(run: Any, k: Any) -> list[str]:
         f"--gin.{config}.scan_layers={k.scan_layers}",
         f"--gin.train.num_microbatches={k.num_microbatches}",
     ]
+    if k.moe_dispatch is not None:
+        out.insert(3, f"--gin.{config}.moe_dispatch=\"'{k.moe_dispatch}'\"")
     if "expert" in run.axis_names:  # the planner may have added it (run.with_expert_axis)
         out.insert(0, f'--gin.Partitioner.mesh_axis_names="{tuple(run.axis_names)}"')
     return out
@@ -87,6 +90,7 @@ def _cell(value: float | None, fmt: str) -> str:
 
 def table_rows(results: Sequence[Any], run: Any) -> list[list[str]]:
     rows = []
+    experts = run.base.moe_dispatch is not None
     for i, r in enumerate(results, 1):
         k = r.knobs
         rows.append(
@@ -94,6 +98,7 @@ def table_rows(results: Sequence[Any], run: Any) -> list[list[str]]:
                 str(i) if r.status in ("fits", "does not fit") else "",
                 mesh_text(run, k),
                 k.optimizer_sharding,
+                *([k.moe_dispatch] if experts else []),
                 k.remat_policy,
                 str(k.num_microbatches),
                 str(k.scan_layers),
@@ -101,6 +106,14 @@ def table_rows(results: Sequence[Any], run: Any) -> list[list[str]]:
                 _cell(
                     None if r.device_bytes is None else r.device_bytes / GIB,
                     ">{:.2f}" if r.at_least else "{:.2f}",
+                ),
+                *(
+                    [
+                        _cell(None if r.state_bytes is None else r.state_bytes / GIB, "{:.2f}"),
+                        _cell(moe_ring_bytes(r), "{:.3f}"),
+                    ]
+                    if experts
+                    else []
                 ),
                 _cell(None if r.predicted_s is None else r.predicted_s * 1e3, "{:.1f}"),
                 _cell(None if r.mfu is None else r.mfu * 100, "{:.1f}%"),
@@ -125,11 +138,31 @@ HEADER = [
 ]
 
 
+def moe_ring_bytes(r: Any) -> float | None:
+    """GiB a device moves a step over the ring in the MoE layers' collectives (None where
+    they were not read)."""
+    if r.moe_collectives is None:
+        return None
+    return sum(v["ring_bytes"] for k, v in r.moe_collectives.items() if "/" not in k) / GIB
+
+
+def header(run: Any) -> list[str]:
+    """The table's columns; for a model with experts also its dispatch, of the GiB a device
+    holds the training state's (the rest: temporaries and outputs), and the GiB its MoE
+    layers' collectives move (the dispatch, the ring's bytes)."""
+    if run.base.moe_dispatch is None:
+        return HEADER
+    at = HEADER.index("GiB/device") + 1
+    extra = ["of which state", "MoE collectives GiB"]
+    return [*HEADER[:3], "dispatch", *HEADER[3:at], *extra, *HEADER[at:]]
+
+
 def print_table(results: Sequence[Any], run: Any) -> None:
     shown = [r for r in results if r.status != "rejected"]
+    columns = header(run)
     print()
-    print("| " + " | ".join(HEADER) + " |")
-    print("| " + " | ".join("---" for _ in HEADER) + " |")
+    print("| " + " | ".join(columns) + " |")
+    print("| " + " | ".join("---" for _ in columns) + " |")
     for row in table_rows(shown, run):
         print("| " + " | ".join(row) + " |")
     for r in shown:

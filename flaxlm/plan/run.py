@@ -23,6 +23,9 @@ class Knobs:
     remat_policy: str
     num_microbatches: int
     scan_layers: bool
+    # How a model with experts sends tokens to their experts' devices (MoEOptions.moe_dispatch:
+    # expert_parallel.DISPATCHES); None for a model without experts.
+    moe_dispatch: str | None = None
 
 
 @dataclasses.dataclass
@@ -34,10 +37,14 @@ class Result:
     status: str  # fits | does not fit | rejected | failed
     reason: str = ""
     device_bytes: int | None = None
+    state_bytes: int | None = None  # of device_bytes, the training state's (params, optimizer)
     flops: float | None = None
     bytes_accessed: float | None = None
     collective_bytes: float = 0.0
     collective_ops: int = 0
+    # A model with experts: bytes and ops by kind of the collectives inside its MoE layers'
+    # shard_map (the dispatch; hlo.shard_map_collectives), or None.
+    moe_collectives: dict[str, dict[str, float]] | None = None
     predicted_s: float | None = None
     mfu: float | None = None
     compile_s: float = 0.0
@@ -120,6 +127,7 @@ def run_from_gin() -> Run:
         getattr(model.config, "remat_policy", "none"),
         mb,
         bool(getattr(model.config, "scan_layers", False)),
+        model.config.moe_dispatch if moe.has_experts(model.config) else None,
     )
     kwargs = {k: p[k] for k in ("logical_axis_rules", "dcn_mesh_shape") if k in p}
     return Run(
