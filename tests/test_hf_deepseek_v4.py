@@ -2,7 +2,9 @@
 on two tiny random models, files in DeepSeek's spelling read, export reloaded by
 transformers, decoding over the family's cache (the whole rows' logits at every step, HF's
 greedy and beam-search tokens), refusals by name (config.json keys, settings, the paged
-engine), and the gin files.
+engine), the gin files, and the multi-token-prediction layer (read from a release-spelled
+file, against transformers' V4 modules composed as DeepSeek's reference `MTPBlock`; its loss
+through the tiny gin file).
 
 Two configs, built once each for the file: 'mixed' has each attention kind once (sliding,
 compressed sparse with an indexer keeping 3 of up to 12 entries, heavily compressed), a
@@ -14,8 +16,10 @@ correction biases and hash tables) are randomised. The indexers have 16 heads, s
 entries tie at the top-k boundary (all heads' ReLUs zero).
 """
 
+import dataclasses
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +39,7 @@ from flaxlm.models import (
     deepseek_v4_attention,
     deepseek_v4_hf,
     hf_spec,
+    routing,
 )
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import infer
@@ -49,6 +54,7 @@ from tests.hf_helpers import (
     padded_batch,
     random_hf_model,
     torch_logits,
+    train_on_batch,
 )
 from tests.linear_attention_helpers import packed_batch
 
@@ -215,6 +221,197 @@ def test_multi_token_prediction_tensors_are_skipped(families, tmp_path):
     (tmp_path / "config.json").write_text(open(os.path.join(path, "config.json")).read())
     _, again = hf.from_pretrained(str(tmp_path), ONE)
     assert jax.tree.all(jax.tree.map(np.array_equal, again, params))
+
+
+# ------------------------------------------------------------ multi-token prediction
+
+
+def release_spelling(name: str) -> str:
+    """A tensor name as transformers' save_pretrained writes it -> as DeepSeek's release
+    files spell it (no `model.` prefix, `embed`, `hc_head_fn`, the attention's `kv_norm`)."""
+    name = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}.get(
+        name, name
+    )
+    name = re.sub(r"^model\.hc_head\.hc_", "hc_head_", name)
+    name = re.sub(r"^model\.layers\.", "layers.", name)
+    return name.replace(".attn.norm.weight", ".attn.kv_norm.weight")
+
+
+@pytest.fixture(scope="module")
+def with_mtp(families, tmp_path_factory):
+    """The 'mixed' checkpoint in the release's spelling with one MTP layer (`mtp.0.*`, as
+    DeepSeek's files hold it: a sliding-window, top-k routed block, enorm / hnorm, e_proj /
+    h_proj, its own hyper-head and norm; config.json's `compress_ratios` ending in 0 for it).
+    The layer's modules are transformers' own (a one-layer `DeepseekV4ForCausalLM`'s layer,
+    hyper-head and norm; `DeepseekV4RMSNorm`s and linears), randomised: (main torch model,
+    MTP modules, directory)."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+    torch_model, path, _, _ = families("mixed")
+    one = dict(CONFIGS["mixed"], num_hidden_layers=1, layer_types=[S], mlp_layer_types=["moe"])
+    block = random_hf_model(
+        transformers.DeepseekV4Config, transformers.DeepseekV4ForCausalLM, **one
+    )
+    width, eps = COMMON["hidden_size"], torch_model.config.rms_norm_eps
+    parts = torch.nn.ModuleDict(
+        {
+            "block": block,
+            "enorm": v4.DeepseekV4RMSNorm(width, eps=eps),
+            "hnorm": v4.DeepseekV4RMSNorm(width, eps=eps),
+            "e_proj": torch.nn.Linear(width, width, bias=False),
+            "h_proj": torch.nn.Linear(width, width, bias=False),
+        }
+    ).eval()
+    torch.manual_seed(7)  # other values than the trunk's layers (the same seed made both)
+    with torch.no_grad():
+        for name, param in parts.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.1 * torch.randn_like(param))
+        for name, buffer in parts.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn_like(buffer))
+    out = tmp_path_factory.mktemp("v4_mtp")
+    tensors = {
+        release_spelling(k): v
+        for k, v in load_file(os.path.join(path, "model.safetensors")).items()
+    }
+    block.save_pretrained(str(out / "block"))
+    for name, tensor in load_file(str(out / "block" / "model.safetensors")).items():
+        if name in ("model.embed_tokens.weight", "head.weight"):  # the trunk's are read
+            continue
+        name = release_spelling(name)  # the one layer's, its hyper-head's and norm's
+        mtp_name = "mtp.0." + name if not name.startswith("layers.0.") else name
+        tensors[mtp_name.replace("layers.0.", "mtp.0.", 1)] = tensor
+    for name in ("enorm", "hnorm", "e_proj", "h_proj"):
+        tensors[f"mtp.0.{name}.weight"] = parts[name].weight.detach().numpy()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads(open(os.path.join(path, "config.json")).read())
+    config.update(num_nextn_predict_layers=1, compress_ratios=[0, 4, 128, 0])
+    (out / "config.json").write_text(json.dumps(config))
+    return torch_model, parts, str(out)
+
+
+def hf_mtp_logits(main, parts, ids: np.ndarray) -> np.ndarray:
+    """The MTP layer's logits `[rows, length - 1, vocab]` from transformers' modules composed
+    as DeepSeek's reference `MTPBlock` runs them: the trunk's streams before its hyper-head,
+    the next tokens' embeddings, the block at those tokens' positions under the trunk's
+    sliding-window mask, the layer's hyper-head and norm, the model's head."""
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    ids = torch.tensor(ids)
+    seen = {}
+    hook = main.model.hc_head.register_forward_pre_hook(lambda m, args: seen.update(x=args[0]))
+    with torch.no_grad():
+        try:
+            main(ids)
+        finally:
+            hook.remove()
+        length = ids.shape[1]
+        following = ids[:, 1:]
+        e = main.model.embed_tokens(following)
+        x = parts["e_proj"](parts["enorm"](e)).unsqueeze(2)
+        x = x + parts["h_proj"](parts["hnorm"](seen["x"][:, : length - 1]))
+        positions = torch.arange(1, length)[None].expand(ids.shape[0], -1)
+        inner = parts["block"].model
+        mask = create_sliding_window_causal_mask(
+            config=inner.config, inputs_embeds=e, attention_mask=None, past_key_values=None,
+            position_ids=positions,
+        )  # fmt: skip
+        rotary = {
+            kind: main.model.rotary_emb(e, position_ids=positions, layer_type=kind)
+            for kind in ("main", "compress")
+        }
+        x = inner.layers[0](
+            x, position_embeddings=rotary, position_ids=positions, attention_mask=mask,
+            input_ids=following, past_key_values=None,
+        )  # fmt: skip
+        return main.lm_head(inner.norm(inner.hc_head(x))).float().numpy()
+
+
+@pytest.mark.slow
+def test_mtp_layer_loads_predicts_trains_and_exports(with_mtp, tmp_path):
+    """A release-spelled file's MTP layer read (`num_mtp_layers=1`; its kind from
+    `compress_ratios`' last entry): its logits are the reference composition of transformers'
+    modules; the loss adds `mtp_loss_weight` x its cross-entropy on the tokens two on; plain
+    logits are the main model's; the export writes `mtp.0.*` back in the release's spelling,
+    which reads again to the same params."""
+    main, parts, path = with_mtp
+    model, params = hf.from_pretrained(path, ONE, num_mtp_layers=1)
+    assert model.config.mtp_layer_types == (S,) and sorted(params["mtp_0"]) == [
+        "block", "e_proj", "enorm", "h_proj", "hc_head", "hnorm", "norm"
+    ]  # fmt: skip
+    plain = dataclasses.replace(model.config, num_mtp_layers=0, mtp_layer_types=None)
+    extra = [
+        t for n, t in parts.state_dict().items() if "embed_tokens" not in n and "lm_head" not in n
+    ]
+    assert model.config.num_params() - plain.num_params() == sum(t.numel() for t in extra)
+    ids = np.random.default_rng(4).integers(1, VOCAB, (2, 17))
+    want = hf_mtp_logits(main, parts, ids)
+    _, sown = model.module.apply(
+        {"params": params}, jnp.asarray(ids), mutable=["mtp", routing.ROUTER_COLLECTION]
+    )
+    (hidden,) = sown["mtp"]["hidden"]
+    got = np.asarray(model.module.head_logits(params, hidden))[:, : ids.shape[1] - 1, :VOCAB]
+    assert np.abs(got - want).max() < LOGITS_TOL
+    logits = model.compute_logits(params, decoder_batch(ids, np.ones_like(ids)))
+    trunk = torch_logits(main, input_ids=ids)
+    assert max_abs_diff(logits, trunk, np.ones_like(ids)) < LOGITS_TOL
+    assert np.abs(want - trunk[:, 1:]).max() > 100 * LOGITS_TOL  # another prediction
+
+    batch = {
+        "decoder_input_tokens": jnp.asarray(ids[:, :-1]),
+        "decoder_target_tokens": jnp.asarray(ids[:, 1:]),
+        "decoder_loss_weights": jnp.ones(ids[:, 1:].shape, jnp.float32),
+    }
+    inputs = hf_mtp_logits(main, parts, ids[:, :-1])
+    ce = torch.nn.functional.cross_entropy(
+        torch.tensor(inputs).flatten(0, 1), torch.tensor(ids[:, 2:]).flatten(), reduction="sum"
+    ).item()
+    no_weight, _ = model.loss_fn(params, batch, None)
+    weighted = base.DecoderOnlyModel(dataclasses.replace(model.config, mtp_loss_weight=0.3))
+    loss, sums = weighted.loss_fn(params, batch, None)
+    assert abs(float(sums["mtp_loss_sum"]) - ce) < 1e-4 * ce
+    assert float(loss) - float(no_weight) == pytest.approx(0.3 * ce / ids[:, 1:].size, rel=1e-4)
+
+    hf.save_pretrained(model, params, tmp_path / "export")
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["num_nextn_predict_layers"] == 1 and exported["mtp_layer_types"] == [S]
+    with safe_open(str(tmp_path / "export" / "model.safetensors"), "np") as f:
+        written = {k for k in f.keys() if k.startswith("mtp.")}
+    on_disk = load_file(os.path.join(path, "model.safetensors"))
+    assert written == {k for k in on_disk if k.startswith("mtp.")}
+    again, again_params = hf.from_pretrained(tmp_path / "export", ONE, num_mtp_layers=1)
+    assert jax.tree.all(jax.tree.map(np.array_equal, again_params, params))
+
+
+@pytest.mark.slow
+def test_tiny_gin_trains_with_an_mtp_loss():
+    """gin/models/deepseek_v4_tiny.gin with `num_mtp_layers` and `mtp_loss_weight` bound as a
+    user binds them: partitioned steps on packed rows lower both losses, report `mtp_loss`."""
+    import gin
+
+    gin.clear_config()
+    try:
+        gin.parse_config_files_and_bindings(
+            [f"{REPO}/gin/models/deepseek_v4_tiny.gin"],
+            ["deepseek_v4.DeepseekV4Config.num_mtp_layers = 1",
+             "deepseek_v4.DeepseekV4Config.mtp_loss_weight = 0.3"],
+        )  # fmt: skip
+        config = deepseek_v4.DeepseekV4Config()
+    finally:
+        gin.clear_config()
+    model = base.DecoderOnlyModel(config)
+    batch = packed_batch()
+    params = model.init_params(jax.random.PRNGKey(0), {k: v.shape for k, v in batch.items()})
+    assert "mtp_0" in params
+    state, history = train_on_batch(
+        model, params, Partitioner(mesh_shape=(1, 4, 2)), batch, steps=4, learning_rate=1e-2
+    )
+    assert history[-1]["loss"] < history[0]["loss"], history
+    assert history[-1]["mtp_loss"] < history[0]["mtp_loss"], history
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
 
 
 # Prompts of 1 to 17 tokens in one batch, and what follows them: every row crosses the

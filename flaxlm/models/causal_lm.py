@@ -105,6 +105,7 @@ class CausalLM(nn.Module):
     def after_trunk(
         self,
         hidden: Array,
+        trunk: Array,
         tokens: Array,
         positions: Array,
         segment_ids: Array | None,
@@ -115,7 +116,9 @@ class CausalLM(nn.Module):
         deterministic: bool,
     ) -> None:
         """Modules that read the final hidden states beside the head and sow what they
-        compute (DeepSeek-V3's multi-token prediction, `mtp.py`); nothing by default."""
+        compute (DeepSeek-V3's multi-token prediction, `mtp.py`); nothing by default.
+        `hidden`: after `final_norm`; `trunk`: the last block's output before it (DeepSeek-V4's
+        hyper-connection streams)."""
 
     # ------------------------------------------------------------ the skeleton
 
@@ -157,9 +160,9 @@ class CausalLM(nn.Module):
             config=cfg,
             deterministic=deterministic,
         )(x, mask, decoding, *extra)
-        x = self.final_norm(x)
+        trunk, x = x, self.final_norm(x)
         self.after_trunk(
-            x, tokens, positions, segment_ids, mask, embed, decoding, slots, deterministic
+            x, trunk, tokens, positions, segment_ids, mask, embed, decoding, slots, deterministic
         )
         if return_hidden:
             return x

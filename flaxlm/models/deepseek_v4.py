@@ -11,8 +11,18 @@ streams into the residual: streams <- post x out + comb^T streams. After the las
 
 Attention is `deepseek_v4_attention`'s, of the kind `layer_types` gives each layer; every
 MLP is `deepseek_v4_moe`'s mixture of experts, hash-routed or top-k by `mlp_layer_types`.
-Follows HuggingFace's `DeepseekV4ForCausalLM`; the multi-token-prediction layers of the
-Hub's files (`mtp.*`) are skipped on import, as transformers skips them.
+Follows HuggingFace's `DeepseekV4ForCausalLM`.
+
+Multi-token prediction (`num_mtp_layers`, `mtp.py`'s loss; the Hub's files keep one layer,
+`mtp.0.*`, which transformers skips and the import reads only when asked): depth k at
+position i RMS-normalises the embedding of token i + k (`enorm`) and each of the previous
+depth's streams (`hnorm`; depth 0: the trunk's, before its `HyperHead`), adds `e_proj` of the
+one to `h_proj` of each of the others, runs one block of the kind `mtp_layer_types` gives
+(sliding-window attention and a top-k routed MoE in the release) over those streams, and
+collapses them with its own `HyperHead` and `norm` into the hidden state the model's head
+reads; depth k + 1 reads its streams. This is DeepSeek's reference `MTPBlock` (transformers
+has no V4 MTP), run over whole sequences with the rotary at token i + k's position, as
+`mtp.py` does for DeepSeek-V3.
 
 `DeepseekV4LM` decodes over a contiguous cache of its own (`deepseek_v4_attention`'s module
 docstring: each layer's sliding window of keys, its compressors' open windows and their
@@ -40,6 +50,7 @@ from flaxlm.models import (
     layers,
     masks,
     moe,
+    mtp,
     options,
     qwen_moe,
     rope,
@@ -65,7 +76,7 @@ LEFT_PADDED = (
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class DeepseekV4Config(options.ParamCounts, rope.RopeScaling, moe.MoEOptions):
+class DeepseekV4Config(options.ParamCounts, rope.RopeScaling, moe.MoEOptions, mtp.MtpOptions):
     """DeepSeek-V4 hyper-parameters (HF's names where they exist; `num_experts` is HF's
     `n_routed_experts`, `csa_compress_rate` / `hca_compress_rate` its `compress_rates`; the
     RopeScaling fields scale the 'compress' rotary only); the defaults are transformers'
@@ -111,6 +122,10 @@ class DeepseekV4Config(options.ParamCounts, rope.RopeScaling, moe.MoEOptions):
     swiglu_limit: float | None = 10.0
     # HF adds the aux loss only with output_router_logits (False by default): none here.
     router_aux_loss_coef: float = 0.0
+    # The attention of each MTP layer the files hold (at least `num_mtp_layers`, the ones
+    # built: mtp.MtpOptions), one of LAYER_TYPES; None: sliding-window, the release's
+    # (config.json's `compress_ratios` ends with a 0 for it). `mtp_kinds()` reads it.
+    mtp_layer_types: tuple[str, ...] | None = None
 
     model_type: ClassVar[str] = "deepseek_v4"
     architecture: ClassVar[str] = "DeepseekV4ForCausalLM"
@@ -123,6 +138,8 @@ class DeepseekV4Config(options.ParamCounts, rope.RopeScaling, moe.MoEOptions):
         if self.mlp_layer_types is None:
             kinds = ("hash_moe",) * min(n, 3) + ("moe",) * max(n - 3, 0)
             object.__setattr__(self, "mlp_layer_types", kinds)
+        if self.mtp_layer_types is not None:
+            object.__setattr__(self, "mtp_layer_types", tuple(self.mtp_layer_types))
         for name in ("layer_types", "mlp_layer_types"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         super().__post_init__()
@@ -135,6 +152,7 @@ class DeepseekV4Config(options.ParamCounts, rope.RopeScaling, moe.MoEOptions):
             dropout_rate=0.0,
         )  # fmt: skip
         glm4_moe.check_fixed(self, fixed, self.architecture)
+        self.check_mtp()
         self.check_kinds()
         self.check_shapes()
 
@@ -148,6 +166,14 @@ class DeepseekV4Config(options.ParamCounts, rope.RopeScaling, moe.MoEOptions):
                     f"{name} {list(kinds)}: one of {allowed} for each of the "
                     f"{self.num_layers} layers."
                 )
+        kinds = self.mtp_layer_types
+        if kinds is not None and (
+            len(kinds) < self.num_mtp_layers or not set(kinds) <= set(LAYER_TYPES)
+        ):
+            raise ValueError(
+                f"mtp_layer_types {list(kinds)}: one of {LAYER_TYPES} for each of the "
+                f"{self.num_mtp_layers} MTP layers (num_mtp_layers) at least."
+            )
         if self.attention not in ("auto", "xla"):
             raise ValueError(
                 f"attention {self.attention!r}: DeepSeek-V4's attention (sinks, compressed "
@@ -171,6 +197,11 @@ class DeepseekV4Config(options.ParamCounts, rope.RopeScaling, moe.MoEOptions):
                 "correction_bias_update_rate > 0 moves every MoE layer's correction bias, but "
                 "'hash_moe' layers (mlp_layer_types) have none: set it 0."
             )
+
+    def mtp_kinds(self) -> tuple[str, ...]:
+        """The attention kind of each of the `num_mtp_layers` MTP layers."""
+        kinds = self.mtp_layer_types or (SLIDING,) * self.num_mtp_layers
+        return tuple(kinds[: self.num_mtp_layers])
 
     def check_shapes(self) -> None:
         """ValueErrors naming the width that cannot be."""
@@ -226,8 +257,14 @@ class DeepseekV4Config(options.ParamCounts, rope.RopeScaling, moe.MoEOptions):
         hyper = 2 * (mix * hc * e + mix + 3) + 2 * e
         router = {"moe": e * self.num_experts + self.num_experts, "hash_moe": e * self.num_experts}
         router["hash_moe"] += v * self.num_experts_per_tok
-        total = active = v * e * (1 if self.tie_word_embeddings else 2) + e + hc * hc * e + hc + 1
-        for kind, mlp in zip(self.layer_types, self.mlp_layer_types, strict=True):
+        head = hc * hc * e + hc + 1 + e  # a HyperHead and the norm after it
+        total = active = v * e * (1 if self.tie_word_embeddings else 2) + head
+        blocks = list(zip(self.layer_types, self.mlp_layer_types, strict=True))
+        # An MTP layer: its block (top-k routed), enorm, hnorm, e_proj, h_proj, head and norm.
+        blocks += [(kind, "moe") for kind in self.mtp_kinds()]
+        total += self.num_mtp_layers * (2 * e + 2 * e * e + head)
+        active += self.num_mtp_layers * (2 * e + 2 * e * e + head)
+        for kind, mlp in blocks:
             block = attn + pooled[kind] + hyper + router[mlp] + 3 * e * f
             total += block + self.num_experts * 3 * e * f
             active += block + self.num_experts_per_tok * 3 * e * f
@@ -236,7 +273,8 @@ class DeepseekV4Config(options.ParamCounts, rope.RopeScaling, moe.MoEOptions):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x the active matmul params (not the lookups: the
         embedding's, the hash tables') plus the attention over each layer's keys (its window
-        and the compressed entries it reads)."""
+        and the compressed entries it reads); with MTP layers, each one's block and its pass
+        through the head too."""
         lookup = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         lookup += (
             self.mlp_layer_types.count("hash_moe") * self.vocab_size * self.num_experts_per_tok
@@ -246,9 +284,12 @@ class DeepseekV4Config(options.ParamCounts, rope.RopeScaling, moe.MoEOptions):
             HCA: seq_len // self.hca_compress_rate,
             CSA: min(self.index_topk, seq_len // self.csa_compress_rate),
         }
-        context = sum(min(seq_len, self.sliding_window) + keys[k] for k in self.layer_types)
+        kinds = (*self.layer_types, *self.mtp_kinds())
+        context = sum(min(seq_len, self.sliding_window) + keys[k] for k in kinds)
+        head = self.num_mtp_layers * self.vocab_size * self.hidden_size  # each depth's logits
         return (
-            6.0 * (self.active_params() - lookup) + 12.0 * self.num_heads * self.head_dim * context
+            6.0 * (self.active_params() - lookup + head)
+            + 12.0 * self.num_heads * self.head_dim * context
         )
 
     def make_module(self) -> DeepseekV4:
@@ -380,6 +421,51 @@ class DeepseekV4Block(nn.Module):
         )
 
 
+class DeepseekV4MtpLayer(nn.Module):
+    """One multi-token-prediction depth (the module docstring): `(embedded [batch, length,
+    embed], streams [batch, length, hc, embed], mask, block_args)` -> (its streams, its
+    hidden state after `hc_head` and `norm`, float32). `config`: `mtp_block_config`'s."""
+
+    config: Any
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(
+        self, embedded: Array, streams: Array, mask: masks.Mask, block_args: tuple[Any, ...]
+    ) -> tuple[Array, Array]:
+        cfg = self.config
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        norm = dict(epsilon=cfg.rms_norm_eps, **dense)
+
+        def proj(name: str, x: Array) -> Array:
+            return layers.DenseGeneral(cfg.hidden_size, ("mlp", "embed"), name=name, **dense)(x)
+
+        e = proj("e_proj", layers.RMSNorm(name="enorm", **norm)(embedded))
+        h = proj("h_proj", layers.RMSNorm(name="hnorm", **norm)(streams))
+        x = (e[:, :, None] + h).astype(streams.dtype)
+        x = DeepseekV4Block(cfg, self.deterministic, name="block")(x, mask, None, *block_args)
+        hidden = HyperHead(cfg, name="hc_head")(x)
+        hidden = layers.RMSNorm(
+            cfg.rms_norm_eps, dtype=jnp.float32, param_dtype=cfg.param_dtype, name="norm"
+        )(hidden)
+        return x, hidden
+
+
+def mtp_block_config(cfg: DeepseekV4Config, k: int) -> DeepseekV4Config:
+    """The config MTP layer `k` (from 0) is built with: one layer of its attention kind
+    (`mtp_layer_types`), top-k routed."""
+    return dataclasses.replace(
+        cfg,
+        num_layers=1,
+        layer_types=(cfg.mtp_kinds()[k],),
+        mlp_layer_types=("moe",),
+        num_mtp_layers=0,
+        mtp_loss_weight=0.0,
+        mtp_layer_types=None,
+        scan_layers=False,
+    )
+
+
 class DeepseekV4(causal_lm.CausalLM):
     """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
 
@@ -411,6 +497,35 @@ class DeepseekV4(causal_lm.CausalLM):
 
     def token_inputs(self, tokens: Array, x: Array) -> tuple[Any, ...]:
         return (tokens,)
+
+    def after_trunk(
+        self,
+        hidden: Array,
+        trunk: Array,
+        tokens: Array,
+        positions: Array,
+        segment_ids: Array | None,
+        mask: masks.Mask,
+        embed: layers.Embed,
+        decoding: masks.Decoding | None,
+        slots: Array | None,
+        deterministic: bool,
+    ) -> None:
+        """The MTP layers (the module docstring) from the trunk's streams, each depth's
+        hidden state sown as `mtp.after_trunk` sows DeepSeek-V3's."""
+        del hidden, segment_ids  # the trunk's mask holds the segments
+        if not mtp.runs(self, decoding, slots):
+            return
+        streams = trunk
+        for k in range(1, self.config.num_mtp_layers + 1):
+            ids = mtp.shifted(tokens, k)
+            x = embed(ids)
+            _, args = self.block_inputs(x, mtp.shifted(positions, k), None)
+            layer = DeepseekV4MtpLayer(
+                mtp_block_config(self.config, k - 1), deterministic, name=f"mtp_{k - 1}"
+            )
+            streams, depth = layer(x, streams, mask, (*args, *self.token_inputs(ids, x)))
+            self.sow(mtp.MTP_COLLECTION, mtp.HIDDEN, depth)
 
     def final_norm(self, streams: Array) -> Array:
         cfg = self.config

@@ -5,7 +5,10 @@ Tensors are written with transformers' in-memory names (the experts as the Hub's
 `mlp.experts.{e}.w1/w3/w2`), which transformers reads; files in DeepSeek's own spelling (the
 Hub's, and what transformers' `save_pretrained` writes back: `attn.wq_a`, `ffn.experts.{e}.w1`,
 `hc_attn_fn`, ...) are read through `STORED_NAMES`. The Hub's multi-token-prediction layers
-(`mtp.*`) are skipped, as transformers skips them.
+(`mtp.{k}.*`, in DeepSeek's spelling only: transformers skips them) are skipped unless the
+config asks for them (`num_mtp_layers`, e.g. `hf.from_pretrained(path, num_mtp_layers=1)`),
+then read and written back in that spelling (`mtp_tensors`); their attention kinds come from
+config.json's `mtp_layer_types`, else the tail of its `compress_ratios`, else sliding-window.
 
 Refused (a ValueError naming the key): settings HF's model ignores or hard-wires where
 config.json says otherwise (`num_key_value_heads` other than 1, `n_shared_experts` other than
@@ -16,6 +19,7 @@ config.json says otherwise (`num_key_value_heads` other than 1, `n_shared_expert
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any
 
@@ -77,7 +81,8 @@ _LAYER_NAMES = {
     "attn.q_norm.weight": "self_attn.q_a_norm.weight",
     "attn.wq_b.weight": "self_attn.q_b_proj.weight",
     "attn.wkv.weight": "self_attn.kv_proj.weight",
-    "attn.norm.weight": "self_attn.kv_norm.weight",
+    "attn.norm.weight": "self_attn.kv_norm.weight",  # transformers' save_pretrained
+    "attn.kv_norm.weight": "self_attn.kv_norm.weight",  # the Hub's release (written back)
     "attn.wo_a.weight": "self_attn.o_a_proj.weight",
     "attn.wo_b.weight": "self_attn.o_b_proj.weight",
     "attn.indexer.wq_b.weight": f"{_INDEXER}.q_b_proj.weight",
@@ -120,6 +125,29 @@ STORED_NAMES = (
     (r"^norm\.weight$", "model.norm.weight"),
     *((rf"^(?:model\.)?hc_head_{p}$", f"model.hc_head.hc_{p}") for p in ("fn", "base", "scale")),
 )
+
+
+# transformers' in-memory names under `layers.{i}.` -> DeepSeek's (the release's, where two
+# spellings read: the Hub's `mtp.{k}.` names).
+_DEEPSEEK_NAMES = {ours: theirs for theirs, ours in _LAYER_NAMES.items()}
+
+
+def deepseek_name(ours: str) -> str:
+    """A layer's tensor name (after `layers.{i}.`) in DeepSeek's spelling."""
+    if ours.startswith("mlp.experts."):
+        return "ffn." + ours[len("mlp.") :]
+    return _DEEPSEEK_NAMES[ours]
+
+
+def mtp_layer_types_from_hf(hf: dict, n: int, depths: int) -> tuple[str, ...] | None:
+    """The MTP layers' attention kinds: config.json's `mtp_layer_types`, or the entries of
+    its `compress_ratios` after the `n` decoder layers' (DeepSeek's files hold one more, 0,
+    for the MTP layer); None (sliding-window) where neither says."""
+    kinds = hf.get("mtp_layer_types")
+    ratios = hf.get("compress_ratios") or []
+    if kinds is None and len(ratios) >= n + depths:
+        kinds = [LEGACY_RATIOS[r] for r in ratios[n : n + depths]]
+    return None if kinds is None or not depths else tuple(kinds[:depths])
 
 
 def layer_types_from_hf(hf: dict, n: int) -> tuple[str, ...] | None:
@@ -224,12 +252,14 @@ def config_from_hf(hf: dict, **overrides: Any) -> deepseek_v4.DeepseekV4Config:
         router_aux_loss_coef=coef,
         **rope_fields_from_hf(hf, rope_dim, head_dim),
     )
+    nextn = hf.get("num_nextn_predict_layers", 1)  # HF's default; read where asked for
+    kwargs["mtp_layer_types"] = mtp_layer_types_from_hf(hf, n, nextn)
     kwargs.update(overrides)
     return deepseek_v4.DeepseekV4Config(**kwargs)
 
 
 def config_to_hf(cfg: deepseek_v4.DeepseekV4Config) -> dict:
-    """config.json for `cfg` (no multi-token-prediction layer is exported)."""
+    """config.json for `cfg` (its MTP layers' count and kinds included)."""
     compress = rope.to_hf(dataclass_view(cfg))
     compress["partial_rotary_factor"] = cfg.qk_rope_head_dim / cfg.head_dim
     if cfg.rope_scaling_type == "yarn":
@@ -270,7 +300,8 @@ def config_to_hf(cfg: deepseek_v4.DeepseekV4Config) -> dict:
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "output_router_logits": bool(cfg.router_aux_loss_coef),
         "router_aux_loss_coef": cfg.router_aux_loss_coef or 0.001,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.num_mtp_layers,
+        **({"mtp_layer_types": list(cfg.mtp_kinds())} if cfg.num_mtp_layers else {}),
     }
 
 
@@ -412,10 +443,46 @@ def hf_tensors(cfg: deepseek_v4.DeepseekV4Config) -> list[HFTensor]:
         table.append(linear("lm_head/kernel", "lm_head.weight", vocab_axis=1))
     kinds = list(zip(cfg.layer_types, cfg.mlp_layer_types, strict=True))
     if len(set(kinds)) == 1:
-        return table + layer_tensors(cfg, "{i}", *kinds[0], cfg.num_layers)
+        return table + layer_tensors(cfg, "{i}", *kinds[0], cfg.num_layers) + mtp_tensors(cfg)
     for i, (kind, mlp) in enumerate(kinds):
         table += layer_tensors(cfg, str(i), kind, mlp, 0)
-    return table
+    return table + mtp_tensors(cfg)
+
+
+def mtp_tensors(cfg: deepseek_v4.DeepseekV4Config) -> list[HFTensor]:
+    """The records of `cfg`'s MTP layers in DeepSeek's spelling (`mtp.{k}.attn.wq_a.weight`,
+    `mtp.{k}.e_proj.weight`, `mtp.{k}.hc_head_fn`, ...): each one's block as a decoder layer's
+    (`layer_tensors`), its norms, projections and hyper-head."""
+    out = []
+    for k in range(cfg.num_mtp_layers):
+        scope, prefix = f"mtp_{k}", f"mtp.{k}"
+        inner = "model.layers.0."
+
+        def spelled(name: str, prefix: str = prefix, inner: str = inner) -> str:
+            return f"{prefix}.{deepseek_name(name[len(inner) :])}"
+
+        block = deepseek_v4.mtp_block_config(cfg, k)
+        for t in layer_tensors(block, "0", block.layer_types[0], "moe", 0):
+            out.append(
+                dataclasses.replace(
+                    t,
+                    param=f"{scope}/block" + t.param[len("layers_0") :],
+                    hf=spelled(t.hf),
+                    pieces=tuple(spelled(p) for p in t.pieces),
+                )
+            )
+        out += [
+            *(HFTensor(f"{scope}/{p}/scale", f"{prefix}.{p}.weight") for p in NORMS),
+            *(linear(f"{scope}/{p}/kernel", f"{prefix}.{p}.weight") for p in ("e_proj", "h_proj")),
+            linear(f"{scope}/hc_head/mix/fn/kernel", f"{prefix}.hc_head_fn"),
+            HFTensor(f"{scope}/hc_head/mix/base", f"{prefix}.hc_head_base"),
+            HFTensor(f"{scope}/hc_head/mix/scale", f"{prefix}.hc_head_scale"),
+        ]
+    return out
+
+
+NORMS = ("enorm", "hnorm", "norm")  # an MTP layer's, beside its block's
+MTP_FILES = r"^(?:model\.)?mtp\."
 
 
 HF_SPEC = register_hf(
@@ -430,6 +497,8 @@ HF_SPEC = register_hf(
         base_model_prefix="model",
         tied_head=("lm_head.weight", "model.embed_tokens.weight"),
         renames=STORED_NAMES,
-        skip=(r"^(?:model\.)?mtp\.",),
+        skip=(MTP_FILES,),
+        # The MTP layers are read where the config has them (`num_mtp_layers`).
+        config_fields=lambda cfg: {"skip": ()} if cfg.num_mtp_layers else {},
     )
 )

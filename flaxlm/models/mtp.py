@@ -130,9 +130,27 @@ def block_config(config: Any) -> Any:
     return dataclasses.replace(config, mlp_only_layers=())
 
 
+def runs(module: nn.Module, decoding: masks.Decoding | None, slots: Array | None) -> bool:
+    """Whether `module`'s MTP layers run in this call: where its config has some, a loss asks
+    for their hidden states (`MTP_COLLECTION` mutable) or the params are built; never while
+    decoding. A ValueError under context parallelism's reordered rows."""
+    if not getattr(module.config, "num_mtp_layers", 0) or decoding is not None:
+        return False  # (a family sharing the module may have none)
+    if not (module.is_initializing() or module.is_mutable_collection(MTP_COLLECTION)):
+        return False
+    if slots is not None:
+        raise ValueError(
+            "num_mtp_layers with context parallelism (a `sequence` mesh axis): the MTP "
+            "layers read each row in order, which the load-balanced split reorders; set "
+            "num_mtp_layers=0 or context_parallel_balance=False."
+        )
+    return True
+
+
 def after_trunk(
     module: nn.Module,
     hidden: Array,
+    trunk: Array,
     tokens: Array,
     positions: Array,
     segment_ids: Array | None,
@@ -145,21 +163,11 @@ def after_trunk(
     """`causal_lm.CausalLM.after_trunk` of a family with MTP layers (its config an
     `MtpOptions`): the depths run and their hidden states sown where a loss asks for them
     (`MTP_COLLECTION` mutable) or the params are built; never while decoding."""
-    del segment_ids  # the trunk's mask holds them
-    cfg = module.config
-    depths = getattr(cfg, "num_mtp_layers", 0)  # a family sharing the module may have none
-    if not depths or decoding is not None:
+    del trunk, segment_ids  # the trunk's mask holds the segments
+    if not runs(module, decoding, slots):
         return
-    if not (module.is_initializing() or module.is_mutable_collection(MTP_COLLECTION)):
-        return
-    if slots is not None:
-        raise ValueError(
-            "num_mtp_layers with context parallelism (a `sequence` mesh axis): the MTP "
-            "layers read each row in order, which the load-balanced split reorders; set "
-            "num_mtp_layers=0 or context_parallel_balance=False."
-        )
-    block_cfg = block_config(cfg)
-    for k in range(1, depths + 1):
+    block_cfg = block_config(module.config)
+    for k in range(1, module.config.num_mtp_layers + 1):
         x, args = module.block_inputs(embed(shifted(tokens, k)), shifted(positions, k), None)
         layer = MtpLayer(block_cfg, module.block_cls, deterministic, name=f"mtp_{k - 1}")
         hidden = layer(x, hidden, mask, args)
