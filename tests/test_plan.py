@@ -10,8 +10,10 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import redirect_stdout
+from typing import Any
 
 import gin
 import jax
@@ -408,9 +410,9 @@ def test_an_moe_model_is_planned_over_an_expert_axis():
     )
 
 
-def test_a_gin_run_of_an_moe_model_gets_an_expert_axis():
-    """run_from_gin: qwen3_moe_tiny under fsdp.gin is planned over (data, fsdp, expert,
-    tensor), the bound mesh with expert = 1."""
+def moe_gin_run(bindings: Sequence[str] = ()) -> tuple[Any, Any]:
+    """run_from_gin of qwen3_moe_tiny under fsdp.gin with `bindings` (a user's `--gin.`
+    values): (the Run, the bound Partitioner mesh_shape)."""
     gin.clear_config()
     try:
         files = (
@@ -424,11 +426,18 @@ def test_a_gin_run_of_an_moe_model_gets_an_expert_axis():
             "TASK_FEATURE_LENGTHS={'targets': 32}",
             "BATCH_SIZE=8",
             "TRAIN_STEPS=1",
+            *bindings,
         ]
         gin_utils.parse_gin([os.path.join(REPO, f) for f in files], macros, [])
-        run = plan_run.run_from_gin()
+        return plan_run.run_from_gin(), gin.query_parameter("partitioning.Partitioner.mesh_shape")
     finally:
         gin.clear_config()
+
+
+def test_a_gin_run_of_an_moe_model_gets_an_expert_axis():
+    """run_from_gin: qwen3_moe_tiny under fsdp.gin is planned over (data, fsdp, expert,
+    tensor), the bound mesh with expert = 1."""
+    run, _ = moe_gin_run()
     assert run.axis_names == ("data", "fsdp", "expert", "tensor")
     assert run.base.mesh_shape == (1, -1, 1, 1)
 
@@ -462,26 +471,8 @@ def test_the_moe_dispatch_is_enumerated_where_the_expert_axis_is_split():
     assert report.header(p.run)[3] == "dispatch"
     flags = report.overrides(p.run, chosen)
     assert "--gin.QwenMoeConfig.moe_dispatch=\"'ragged'\"" in flags
-    gin.clear_config()
-    try:
-        files = (
-            "gin/models/qwen3_moe_tiny.gin",
-            "gin/partitioning/fsdp.gin",
-            "gin/runs/pretrain.gin",
-        )
-        macros = [
-            "MODEL_DIR='/tmp/unused'",
-            "MIXTURE_OR_TASK_NAME='stdlib_py'",
-            "TASK_FEATURE_LENGTHS={'targets': 32}",
-            "BATCH_SIZE=8",
-            "TRAIN_STEPS=1",
-        ]
-        bindings = gin_utils.rewrite_gin_args(["x", *shlex.split(" ".join(flags))])[1:]
-        macros += [b.split("=", 1)[1] for b in bindings]
-        gin_utils.parse_gin([os.path.join(REPO, f) for f in files], macros, [])
-        run = plan_run.run_from_gin()
-        assert gin.query_parameter("partitioning.Partitioner.mesh_shape") == (1, 2, 4, 1)
-    finally:
-        gin.clear_config()
+    bindings = gin_utils.rewrite_gin_args(["x", *shlex.split(" ".join(flags))])[1:]
+    run, mesh_shape = moe_gin_run([b.split("=", 1)[1] for b in bindings])
+    assert mesh_shape == (1, 2, 4, 1)
     assert run.axis_names == ("data", "fsdp", "expert", "tensor")
     assert run.base.moe_dispatch == "ragged" and run.base.mesh_shape == (1, 2, 4, 1)
