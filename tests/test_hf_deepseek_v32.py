@@ -19,6 +19,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -26,7 +27,7 @@ import transformers
 from safetensors import safe_open
 
 from flaxlm.checkpoints import hf, peft_experts
-from flaxlm.models import deepseek, deepseek_v32
+from flaxlm.models import deepseek, deepseek_v32, routing
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
 from tests.hf_helpers import (
@@ -35,9 +36,11 @@ from tests.hf_helpers import (
     flaxlm_greedy_batch,
     gin_config,
     hf_greedy_batch,
+    hf_mtp_logits,
     max_abs_diff,
     padded_batch,
     random_hf_model,
+    save_with_mtp_layers,
     torch_logits,
 )
 
@@ -268,6 +271,60 @@ def test_export_is_what_transformers_reloads(families, name, tmp_path):
     again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
     assert max_abs_diff(again, theirs, mask) <= 1e-6 * max(1.0, np.abs(theirs).max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_mtp_layer_loads_and_predicts_as_transformers_mtp_model(families, name, tmp_path):
+    """The Hub's MTP layer (DeepSeek-V3's layout after the last layer, its block with an
+    indexer of its own) read with `num_mtp_layers=1`: its logits are those of transformers'
+    `MtpModel` built from these models (given the `num_mtp_layers` and MTP layer kinds their
+    configs lack; GLM-5's block also returns its choice, which `MtpModel` does not expect,
+    so its hidden states are taken); its loss counts; the export reads back to the same
+    params."""
+    torch_model, path, _, _ = families(name)
+    config = torch_model.config
+    added = dict(
+        num_mtp_layers=1, mtp_layer_types=["full_attention"], mtp_mlp_layer_types=["sparse"]
+    )
+    for key, value in added.items():
+        setattr(config, key, value)
+    try:
+        main, mtp_model = save_with_mtp_layers(torch_model, path, tmp_path / "mtp", 1)
+    finally:
+        for key in added:
+            delattr(config, key)
+    if name == "glm_moe_dsa":
+        for layer in mtp_model.layers:
+            block_forward = layer.mtp_block.forward
+            layer.mtp_block.forward = lambda *a, _f=block_forward, **k: _f(*a, **k)[0]
+    model, params = hf.from_pretrained(str(tmp_path / "mtp"), ONE, num_mtp_layers=1)
+    assert "indexer" in params["mtp_0"]["block"]["self_attn"]
+    ids = np.random.default_rng(4).integers(1, VOCAB, (2, 17))  # longer than index_topk
+    (want,) = hf_mtp_logits(main, mtp_model, torch.tensor(ids), 1)
+    _, sown = model.module.apply(
+        {"params": params}, jnp.asarray(ids), mutable=["mtp", routing.ROUTER_COLLECTION]
+    )
+    (hidden,) = sown["mtp"]["hidden"]
+    got = np.asarray(model.module.head_logits(params, hidden))[:, : ids.shape[1] - 1, :VOCAB]
+    assert np.abs(got - want).max() < LOGITS_TOL
+
+    batch = {
+        "decoder_input_tokens": jnp.asarray(ids[:, :-1]),
+        "decoder_target_tokens": jnp.asarray(ids[:, 1:]),
+        "decoder_loss_weights": jnp.ones(ids[:, 1:].shape, jnp.float32),
+    }
+    (inputs,) = hf_mtp_logits(main, mtp_model, torch.tensor(ids[:, :-1]), 1)
+    ce = torch.nn.functional.cross_entropy(
+        torch.tensor(inputs).flatten(0, 1), torch.tensor(ids[:, 2:]).flatten(), reduction="sum"
+    ).item()
+    weighted = DecoderOnlyModel(dataclasses.replace(model.config, mtp_loss_weight=0.3))
+    _, sums = weighted.loss_fn(params, batch, None)
+    assert abs(float(sums["mtp_loss_sum"]) - ce) < 1e-4 * ce
+
+    hf.save_pretrained(model, params, tmp_path / "export")
+    again, again_params = hf.from_pretrained(tmp_path / "export", ONE, num_mtp_layers=1)
+    assert jax.tree.all(jax.tree.map(np.array_equal, again_params, params))
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,9 @@ class DeepseekV3Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions, mtp.
     sliding_window: ClassVar[None] = None
     # The latent attention rotates its qk_rope_head_dim features (Kimi Linear's does not).
     rotary: ClassVar[bool] = True
+    # Whether `num_mtp_layers` builds MTP layers for this family (those whose Hub files lay
+    # them out as DeepSeek-V3's, with an oracle in transformers); else it is refused.
+    mtp_layers_built: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -106,11 +109,11 @@ class DeepseekV3Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions, mtp.
 
     def check_mtp(self) -> None:
         super().check_mtp()
-        if self.num_mtp_layers and type(self) is not DeepseekV3Config:
+        if self.num_mtp_layers and not self.mtp_layers_built:
             raise ValueError(
                 f"num_mtp_layers {self.num_mtp_layers}: multi-token prediction is built for "
-                f"DeepSeek-V3 and Kimi K2 (DeepseekV3Config), not {type(self).__name__}; "
-                "set num_mtp_layers=0."
+                "DeepSeek-V3, Kimi K2, DeepSeek-V3.2 and GLM-5, not "
+                f"{type(self).__name__}; set num_mtp_layers=0."
             )
 
     def check_dense_layers(self) -> None:

@@ -10,9 +10,12 @@ in any order (`mlp_layer_types`, by default the first `first_k_dense_replace` de
 differs from DeepSeek-V3.2 in its sizes, in its indexer's rotary pairs (interleaved, V3.2's
 half-split) and in layers that may share a choice (`indexer_types`: a 'shared' layer has no
 indexer and attends to the keys the last 'full' one chose). Follows HuggingFace's
-`DeepseekV32ForCausalLM` and `GlmMoeDsaForCausalLM`; the multi-token-prediction layer of
-the Hub's files (`model.layers.61`, GLM-5's `model.layers.78`) is skipped on import, as
-transformers skips it, and block-FP8 files are dequantized (`checkpoints/fp8.py`).
+`DeepseekV32ForCausalLM` and `GlmMoeDsaForCausalLM`; block-FP8 files are dequantized
+(`checkpoints/fp8.py`). The multi-token-prediction layer of the Hub's files
+(`model.layers.61`, GLM-5's `model.layers.78`) is skipped on import, as transformers'
+causal LM skips it, unless `num_mtp_layers` asks for it: then it is DeepSeek-V3's MTP layer
+(`mtp.py`) around a block of this family (its own full indexer, a mixture of experts), as
+transformers' `MtpModel` builds one from these models.
 
 Refused (a ValueError naming the setting, where HF's model fails or flaxlm cannot run it):
 `q_lora_rank` None, `index_head_dim` narrower than `qk_rope_head_dim`, `layer_types` other
@@ -31,7 +34,7 @@ import flax.linen as nn
 import gin
 import jax
 
-from flaxlm.models import deepseek, glm4_moe, layers, masks, qwen_moe, sparse_attention
+from flaxlm.models import deepseek, glm4_moe, layers, masks, mtp_hf, qwen_moe, sparse_attention
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
@@ -130,23 +133,32 @@ class DeepseekV32Config(deepseek.DeepseekV3Config):
         return self.q_lora_rank * h * d + e * d + 2 * d + e * h
 
     def param_counts(self) -> tuple[int, int]:
-        """(all, active per token) params: DeepSeek-V3's and every full layer's indexer."""
+        """(all, active per token) params: DeepSeek-V3's (the MTP layers' included) and
+        every full layer's and MTP layer's indexer."""
         total, active = super().param_counts()
-        indexers = self.indexer_params() * self.layer_indexers.count("full")
+        indexers = self.indexer_params() * self.indexers()
         return total + indexers, active + indexers
+
+    def indexers(self) -> int:
+        """How many indexers the model holds: its full layers' and its MTP layers'."""
+        return self.layer_indexers.count("full") + self.num_mtp_layers
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x the active matmul params but the indexers' (2 x:
         they take no gradient), the attention over `min(seq_len, index_topk)` keys and the
-        indexers' scores over `seq_len` (forward only)."""
+        indexers' scores over `seq_len` (forward only); with MTP layers, each one's block
+        and its pass through the head too."""
         lookup = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-        full = self.layer_indexers.count("full")
+        full = self.indexers()
         indexers = self.indexer_params() * full
         widths = self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim
         keys = min(seq_len, self.index_topk)
-        scores = 6.0 * self.num_heads * widths * keys * self.num_layers
+        layers = self.num_layers + self.num_mtp_layers
+        scores = 6.0 * self.num_heads * widths * keys * layers
         index = 2.0 * self.index_n_heads * self.index_head_dim * seq_len * full
-        return 6.0 * (self.active_params() - lookup - indexers) + 2.0 * indexers + scores + index
+        head = self.num_mtp_layers * self.vocab_size * self.hidden_size
+        matmuls = self.active_params() - lookup - indexers + head
+        return 6.0 * matmuls + 2.0 * indexers + scores + index
 
     def make_module(self) -> DeepseekV32:
         return DeepseekV32(self)
@@ -190,6 +202,11 @@ class GlmMoeDsaConfig(DeepseekV32Config):
     @property
     def layer_indexers(self) -> tuple[str, ...]:
         return self.indexer_types or ("full",) * self.num_layers
+
+    def mtp_block_fields(self) -> dict[str, Any]:
+        """An MTP block has its own indexer (transformers' MTP config keeps the first
+        layer's kind, always 'full')."""
+        return {**super().mtp_block_fields(), "indexer_types": None}
 
 
 class DeepseekV32Block(deepseek.DeepseekBlock):
@@ -341,13 +358,15 @@ def config_to_hf(cfg: DeepseekV32Config) -> dict:
 
 
 def hf_tensors(cfg: DeepseekV32Config) -> list[HFTensor]:
-    """DeepSeek-V3's table (`deepseek.hf_tensors`) and each full layer's indexer."""
+    """DeepSeek-V3's table (`deepseek.hf_tensors`), each full layer's indexer and the MTP
+    layers' (`mtp_hf.tables`, each block with its indexer)."""
     full = [kind == "full" for kind in cfg.layer_indexers]
     if all(full):  # one record a tensor for all layers (scanned or not)
         scopes = [("layers_{i}", "model.layers.{i}", cfg.num_layers)]
     else:
         scopes = [(f"layers_{i}", f"model.layers.{i}", 0) for i, f in enumerate(full) if f]
-    table = deepseek.hf_tensors(cfg)
+    trunk = dataclasses.replace(cfg, num_mtp_layers=0, mtp_loss_weight=0.0)
+    table = deepseek.hf_tensors(trunk) + mtp_hf.tables(cfg, hf_tensors)
     for scope, prefix, n in scopes:
         ours, theirs = f"{scope}/self_attn/indexer", f"{prefix}.self_attn.indexer"
         table += [
@@ -374,6 +393,7 @@ def hf_spec(model_type: str) -> HFSpec:
         base_model_prefix="model",
         tied_head=deepseek.HF_SPEC.tied_head,
         skip=(rf"^model\.layers\.{MTP_LAYER[model_type]}\.",),
+        config_fields=lambda cfg: mtp_hf.spec_fields(cfg, deepseek.HF_SPEC.ignore),
     )
 
 

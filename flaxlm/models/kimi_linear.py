@@ -92,6 +92,7 @@ class KimiLinearConfig(deepseek.DeepseekV3Config):
     linear_attention_chunk_size: int = 64
 
     rotary: ClassVar[bool] = False
+    mtp_layers_built: ClassVar[bool] = False  # (Kimi Linear's files carry none)
 
     def __post_init__(self) -> None:
         if self.layer_types is not None:  # Gin, JSON: lists

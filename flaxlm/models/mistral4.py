@@ -24,7 +24,7 @@ other than block FP8.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import gin
 import jax
@@ -75,6 +75,7 @@ class Mistral4Config(deepseek.DeepseekV3Config):
     # Each query times 1 + beta * log(1 + floor(position / rope_original_max_position_
     # embeddings)): 1 within the original context, growing by steps of it.
     llama_4_scaling_beta: float = 0.1
+    mtp_layers_built: ClassVar[bool] = False  # (Mistral 4's files carry none)
     # The rotated share of qk_nope_head_dim + qk_rope_head_dim (None: HF's default,
     # qk_rope_head_dim of it); HF rotates int(that product) features.
     partial_rotary_factor: float | None = None

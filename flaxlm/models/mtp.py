@@ -63,6 +63,11 @@ class MtpOptions:
         if self.num_mtp_layers and not getattr(self, "num_experts", 0):
             raise ValueError("num_mtp_layers needs experts: an MTP layer is a MoE block.")
 
+    def mtp_block_fields(self) -> dict[str, Any]:
+        """The fields an MTP layer's block is built with (`block_config`): every layer a
+        mixture of experts (HF's MTP config sets `first_k_dense_replace = 0`)."""
+        return {"mlp_only_layers": ()}
+
     def mtp_param_counts(self) -> tuple[int, int]:
         """(all, active per token) params of the MTP layers: each a MoE block (the family's
         `attention_params` and `moe_params`, two norms), three norms and the 2 x hidden ->
@@ -125,9 +130,8 @@ class MtpLayer(nn.Module):
 
 
 def block_config(config: Any) -> Any:
-    """The config an MTP block is built with: every layer a mixture of experts (HF's MTP
-    config sets `first_k_dense_replace = 0`)."""
-    return dataclasses.replace(config, mlp_only_layers=())
+    """The config an MTP block is built with (`MtpOptions.mtp_block_fields`)."""
+    return dataclasses.replace(config, **config.mtp_block_fields())
 
 
 def runs(module: nn.Module, decoding: masks.Decoding | None, slots: Array | None) -> bool:

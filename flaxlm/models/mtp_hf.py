@@ -56,12 +56,12 @@ def copies(num_layers: int, depths: int) -> list[str]:
 
 
 def tables(cfg: Any, family_tensors: Callable[[Any], list[HFTensor]]) -> list[HFTensor]:
-    """The records of `cfg`'s MTP layers, each block's from `family_tensors` of an all-MoE
-    one-layer copy of `cfg`."""
+    """The records of `cfg`'s MTP layers, each block's from `family_tensors` of a one-layer
+    copy of `cfg` with the MTP block's fields (`MtpOptions.mtp_block_fields`)."""
     if not cfg.num_mtp_layers:
         return []
     one = dataclasses.replace(
-        cfg, num_layers=1, mlp_only_layers=(), num_mtp_layers=0, mtp_loss_weight=0.0
+        cfg, num_layers=1, num_mtp_layers=0, mtp_loss_weight=0.0, **cfg.mtp_block_fields()
     )
     return tensors(cfg.num_layers, cfg.num_mtp_layers, family_tensors(one))
 
