@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import seqio
 import torch
 import transformers
 from safetensors import safe_open
@@ -43,6 +44,8 @@ from flaxlm.models import (
 )
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import infer
+from flaxlm.runs.serve.api import Completion
+from flaxlm.runs.serve.engine import Engine
 from flaxlm.training import steps
 from tests.helpers import adamw
 from tests.hf_helpers import (
@@ -530,6 +533,40 @@ def test_beam_search_over_the_cache_is_hf_beam_search(families):
                 pad_token_id=0, early_stopping=False, length_penalty=1.0,
             )  # fmt: skip
         assert ours[row] == theirs[0, len(p) :].tolist(), row
+
+
+@pytest.mark.slow
+def test_serving_decodes_through_the_batch_engine_as_hf_generate(families):
+    """`serve`'s engine given DeepSeek-V4, which cannot page, decodes as the batch engine:
+    completions of different prompt lengths and token counts, submitted together and
+    decoded as one batch over the family's cache, each get HF's greedy tokens."""
+    torch_model, _, model, params = families("mixed")
+    served = Engine(model, params, ONE, seqio.ByteVocabulary(), batch_wait_ms=500.0)
+    assert served.scheduler is None  # the batch engine's loop
+    cases = list(zip(prompts_of(), (5, 9, 3, 7)))
+    jobs = [Completion(list(p), n, 0.0, 1.0, [], None, 0) for p, n in cases]
+    served.start()
+    try:
+        for c in jobs:
+            served.submit(c)
+        outputs = []
+        for c in jobs:
+            tokens, event = [], c.events.get(timeout=300)
+            while event[0] == "token":
+                tokens.append(event[1])
+                event = c.events.get(timeout=300)
+            outputs.append((tokens, event))
+    finally:
+        served.stop()
+    assert served.batches == 1  # all four decoded together
+    for (p, n), (tokens, last) in zip(cases, outputs):
+        assert last == ("done", "length")
+        with torch.no_grad():
+            theirs = torch_model.generate(
+                torch.tensor([p]), attention_mask=torch.ones((1, len(p)), dtype=torch.long),
+                do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
+            )  # fmt: skip
+        assert tokens == theirs[0, len(p) :].tolist(), p
 
 
 def test_the_paged_engine_and_a_left_padded_cache_are_refused_naming_why(families):
