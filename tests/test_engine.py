@@ -230,7 +230,7 @@ class RunningSum(CachedDecoding):
     def position_limit(self) -> None:
         return None
 
-    def paged_cache(self, num_pages, page_size, max_rows=1):
+    def paged_cache(self, num_pages, page_size, max_rows=1, max_seq_len=None):
         return {
             "key": jnp.zeros((1, num_pages, page_size, 1)),
             "recurrent_state": jnp.zeros((max_rows + 1, 1, 1, 1)),

@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import seqio
 import torch
 import transformers
 from safetensors import safe_open
@@ -44,17 +43,17 @@ from flaxlm.models import (
 )
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import infer
-from flaxlm.runs.serve.api import Completion
-from flaxlm.runs.serve.engine import Engine
 from flaxlm.training import steps
 from tests.helpers import adamw
 from tests.hf_helpers import (
     decoder_batch,
+    engine_tokens,
     flaxlm_greedy_batch,
     gin_config,
     hf_greedy_batch,
     max_abs_diff,
     padded_batch,
+    paged_engine,
     random_hf_model,
     torch_logits,
     train_on_batch,
@@ -536,50 +535,38 @@ def test_beam_search_over_the_cache_is_hf_beam_search(families):
 
 
 @pytest.mark.slow
-def test_serving_decodes_through_the_batch_engine_as_hf_generate(families):
-    """`serve`'s engine given DeepSeek-V4, which cannot page, decodes as the batch engine:
-    completions of different prompt lengths and token counts, submitted together and
-    decoded as one batch over the family's cache, each get HF's greedy tokens."""
+def test_the_serving_engine_decodes_as_hf_generate_and_resumes_cached_prefixes(families):
+    """The serving engine (`paged_engine`: 4 rows, prompts read in chunks of 8 across the
+    compressors' windows, 4 tokens a decode dispatch), every layer's cache in state slots:
+    HF's greedy tokens. A prompt that shares 12 tokens (3 pages) with an earlier one resumes
+    from the prefix cache's state snapshot after the first 8 and still gets HF's tokens."""
     torch_model, _, model, params = families("mixed")
-    served = Engine(model, params, ONE, seqio.ByteVocabulary(), batch_wait_ms=500.0)
-    assert served.scheduler is None  # the batch engine's loop
-    cases = list(zip(prompts_of(), (5, 9, 3, 7)))
-    jobs = [Completion(list(p), n, 0.0, 1.0, [], None, 0) for p, n in cases]
-    served.start()
-    try:
-        for c in jobs:
-            served.submit(c)
-        outputs = []
-        for c in jobs:
-            tokens, event = [], c.events.get(timeout=300)
-            while event[0] == "token":
-                tokens.append(event[1])
-                event = c.events.get(timeout=300)
-            outputs.append((tokens, event))
-    finally:
-        served.stop()
-    assert served.batches == 1  # all four decoded together
-    for (p, n), (tokens, last) in zip(cases, outputs):
-        assert last == ("done", "length")
-        with torch.no_grad():
-            theirs = torch_model.generate(
-                torch.tensor([p]), attention_mask=torch.ones((1, len(p)), dtype=torch.long),
-                do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
-            )  # fmt: skip
-        assert tokens == theirs[0, len(p) :].tolist(), p
+    prompts = prompts_of()
+    shared = prompts[2][:12] + [7, 9, 11]
+    with paged_engine(model, params) as engine:
+        first = engine_tokens(engine, prompts, STEPS)
+        cached = engine.scheduler.cached_tokens
+        again = engine_tokens(engine, [shared], STEPS)
+        # (a snapshot where a prefill chunk ends on a page: after 8 of the 12)
+        assert engine.scheduler.cached_tokens - cached == 8
+    want = [hf_greedy_batch(torch_model, [p], STEPS)[0] for p in (*prompts, shared)]
+    assert [*first, *again] == want
 
 
-def test_the_paged_engine_and_a_left_padded_cache_are_refused_naming_why(families):
+def test_a_left_padded_or_paged_kv_cache_is_refused_naming_the_model_that_decodes(families):
+    """The other families' caches (left-padded rows; keys and values in pages) are refused
+    for a DecoderOnlyModel of DeepSeek-V4, naming DeepseekV4LM, whose own caches decode."""
     _, _, model, params = families("mixed")
-    assert "cannot page a KV cache" in model.paged_refusal()
-    plain = base.DecoderOnlyModel(model.config)  # the other families' left-padded cache
+    assert model.paged_refusal() is None
+    plain = base.DecoderOnlyModel(model.config)
     ids, _ = padded_batch(VOCAB, (5, 3))
     with pytest.raises(ValueError, match="generate with deepseek_v4.DeepseekV4LM"):
         generation.generate(plain, params, {"inputs": ids}, max_new_tokens=2)
+    assert "DeepseekV4LM" in plain.paged_refusal()
     settings = generation.GenerationSettings(max_new_tokens=2)
-    with pytest.raises(ValueError, match="cannot page a KV cache"):
-        infer.choose_engine("paged", model, settings, [5, 3])
-    assert infer.choose_engine("auto", model, settings, [5, 3]) == "batch"
+    with pytest.raises(ValueError, match="DeepseekV4LM"):
+        infer.choose_engine("paged", plain, settings, [5, 3])
+    assert infer.choose_engine("paged", model, settings, [5, 3]) == "paged"
 
 
 @pytest.mark.parametrize(

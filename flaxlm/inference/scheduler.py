@@ -129,7 +129,7 @@ class Scheduler:
         self.prefill_dispatches = 0
         self.cached_tokens = 0  # prompt tokens found in the prefix cache
         self.read_wait_s = 0.0  # seconds `step` waited for dispatches' tokens (`_read`)
-        new_cache = lambda: model.paged_cache(self.num_pages, page_size, max_rows)
+        new_cache = lambda: model.paged_cache(self.num_pages, page_size, max_rows, self.max_seq_len)
         shapes = jax.eval_shape(new_cache)
         self.stateful = bool(decoding.recurrent_states(shapes))
         self.snapshots = 0
@@ -137,7 +137,9 @@ class Scheduler:
             self.snapshots = max_rows if prefix_snapshots is None else prefix_snapshots
         if self.snapshots:
             slots = max_rows + self.snapshots  # the rows' and the snapshots' (and the scratch)
-            new_cache = lambda: model.paged_cache(self.num_pages, page_size, slots)
+            new_cache = lambda: model.paged_cache(
+                self.num_pages, page_size, slots, self.max_seq_len
+            )
             shapes = jax.eval_shape(new_cache)
         self.programs = PagedPrograms(
             model, partitioner, shapes, layout=self._layout, decode_steps=decode_steps,

@@ -147,13 +147,18 @@ class CachedDecoding:
             return f"{type(module).__name__} decodes over a contiguous KV cache only."
         return module.paged_refusal
 
-    def paged_cache(self, num_pages: int, page_size: int, max_rows: int = 1) -> Any:
+    def paged_cache(
+        self, num_pages: int, page_size: int, max_rows: int = 1, max_seq_len: int | None = None
+    ) -> Any:
         """Zeros of a paged KV cache (the `cache` collection): `num_pages` pages of
         `page_size` slots, each leaf `[(layers,) kv_heads, num_pages, page_size, head_dim]`
         (`paged_attention.write_pages`); a linear-attention layer's recurrent state
         (`decoding.RECURRENT_STATE`) in `max_rows + 1` state slots: the padding rows' scratch
         and `max_rows` others (the engine's: one for each sequence held at once, and the
-        snapshots its prefix cache keeps; `state_slots.py`)."""
+        snapshots its prefix cache keeps; `state_slots.py`). `max_seq_len`: the longest
+        sequence the engine holds, for a model whose per-sequence state grows with it
+        (DeepSeek-V4's compressed entries; None: the pool's `num_pages x page_size`)."""
+        del max_seq_len  # pages hold what grows here
 
         def init_cache() -> Any:
             one = jnp.zeros((1, 1), jnp.int32)

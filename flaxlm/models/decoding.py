@@ -313,7 +313,14 @@ def decode(
 
 # Cache leaves of a recurrent state (linear attention: `gated_deltanet.GatedDeltaNet`), rows
 # in axis `ndim - 4` as every leaf, but no slots.
-RECURRENT_STATE = ("conv_q", "conv_k", "conv_v", "recurrent_state")
+# A sequence's state that is not keys and values in pages: a linear-attention layer's
+# convolution inputs and recurrent state, and DeepSeek-V4's per-layer caches (its sliding
+# window, its compressors' open windows and compressed entries: `deepseek_v4_attention`).
+# Over the paged engine each is a pool of state slots (`models/state_slots.py`).
+RECURRENT_STATE = (
+    "conv_q", "conv_k", "conv_v", "recurrent_state",
+    "sliding_kv", "window_kv", "window_gate", "entries",
+)  # fmt: skip
 
 
 def is_recurrent_state(path: tuple) -> bool:

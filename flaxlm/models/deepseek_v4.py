@@ -27,8 +27,12 @@ has no V4 MTP), run over whole sequences with the rotary at token i + k's positi
 `DeepseekV4LM` decodes over a contiguous cache of its own (`deepseek_v4_attention`'s module
 docstring: each layer's sliding window of keys, its compressors' open windows and their
 compressed entries), its rows right-padded so that each row's windows count from its first
-token: `generate`'s greedy, sampling and beam search. The paged engine (serving) refuses the
-family (`NO_PAGED`): its pages and state slots hold no compressor windows.
+token: `generate`'s greedy, sampling and beam search. The serving engine holds the same
+caches in state slots (no pages: `DeepseekV4LM.paged_cache`) and feeds each row its tokens
+one at a time, a prompt chunk too (`paged_logits`); its prefix cache resumes a prompt from
+the state snapshot after a cached prefix. A plain `DecoderOnlyModel` of the family refuses
+both the left-padded and the paged KV cache of the other families (`LEFT_PADDED`,
+`NO_PAGED`).
 """
 
 from __future__ import annotations
@@ -63,9 +67,9 @@ Array = jax.Array
 MLP_LAYER_TYPES = ("hash_moe", "moe")
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")  # HF's ACT2FN has no 'softmax' for V4's router
 NO_PAGED = (
-    "DeepSeek-V4 decodes over a contiguous cache only (its compressors' open windows and "
-    "compressed entries have no place in the paged engine's pages or state slots), so it "
-    "cannot page a KV cache; serve it with the batch engine."
+    "DeepSeek-V4's layers keep sliding windows, open compressor windows and compressed "
+    "entries, not keys and values in pages: serve deepseek_v4.DeepseekV4LM (the model "
+    "gin/models/deepseek_v4_*.gin and an HF import give), which holds them in state slots."
 )
 LEFT_PADDED = (
     "DeepSeek-V4's compressors count windows from each row's first token, so it decodes "
@@ -540,11 +544,94 @@ class DeepseekV4LM(DecoderOnlyModel):
     """A decoder-only model of DeepSeek-V4 with its own contiguous decoding cache
     (`deepseek_v4_attention`): the prompts right-padded and read whole, each row's tokens
     from position 0 (`masks.Decoding.slots`: each token's position, -1 past the row's end),
-    then one token a step at each row's own position. Greedy, sampling and beam search; no
-    paged cache (`NO_PAGED`); training, evaluation and scoring run as any family's."""
+    then one token a step at each row's own position. Greedy, sampling and beam search; the
+    serving engine's cache in state slots (`paged_cache`, `paged_logits`); training,
+    evaluation and scoring run as any family's."""
 
     def paged_refusal(self) -> str | None:
-        return NO_PAGED
+        return None
+
+    def paged_cache(
+        self, num_pages: int, page_size: int, max_rows: int = 1, max_seq_len: int | None = None
+    ) -> Any:
+        """The serving engine's cache: no pages (nothing here is paged), every layer's cache
+        (the module docstring's, each leaf a `decoding.RECURRENT_STATE`) as a pool of
+        `max_rows + 1` state slots, slot 0 the padding rows' scratch, the compressed entries
+        sized for `max_seq_len` positions (None: `num_pages x page_size`)."""
+        length = max_seq_len or num_pages * page_size
+        rows = max_rows + 1
+
+        def init_cache() -> Any:
+            one = jnp.zeros((rows, 1), jnp.int32)
+            where = masks.Decoding(jnp.int32(0), one[:, 0], length, slots=one)
+            module = self._decode_module()
+            return module.init(jax.random.PRNGKey(0), one, one, None, decoding=where)["cache"]
+
+        return decoding.empty_cache(init_cache)
+
+    def paged_logits(
+        self,
+        params: Any,
+        cache: Any,
+        tokens: Array,
+        slots: Array,
+        page_table: Array,
+        last: Array,
+        paged_attention: str = "gather",
+        state_slots: Array | None = None,
+    ) -> tuple[Array, Any]:
+        """The serving engine's read (`CachedDecoding.paged_logits`) over `paged_cache`'s
+        pools: each row's cache gathered from its state slot (zeros where the row starts
+        its sequence at position 0), its tokens read, the caches scattered back. Where every
+        row of the dispatch starts its sequence (or is padding), the chunk is read whole as
+        `prefill` reads a prompt; else each row's tokens are fed one at a time as
+        `decode_step` feeds them (the compressors have no path that resumes a window in the
+        middle of a prompt; padding, slot -1, leaves a row's cache as it was).
+        `page_table` and `paged_attention` have nothing to read here."""
+        del page_table, paged_attention
+        if state_slots is None:
+            raise ValueError(
+                "DeepSeek-V4 decodes over the engine's state slots: state_slots is None."
+            )
+        rows, length = tokens.shape
+        fresh = slots[:, 0] == 0
+
+        def by_row(x: Array, keep: Array) -> Array:  # `keep` [rows] over x's other axes
+            return keep.reshape(-1, *(1,) * (x.ndim - 1))
+
+        own = jax.tree.map(
+            lambda pool: jnp.where(by_row(pool, fresh), 0, pool[state_slots]).astype(pool.dtype),
+            cache,
+        )
+
+        def one(held: Any, i: Array) -> tuple[Any, Array]:
+            position = slots[:, i]
+            at = jnp.maximum(position, 0)[:, None]
+            where = masks.Decoding(jnp.int32(0), jnp.zeros((rows,), jnp.int32), 0, slots=at)
+            token = jax.lax.dynamic_index_in_dim(tokens, i, axis=1)
+            hidden, new = self._read(params, held, token, at, None, where)
+            real = position >= 0
+            held = jax.tree.map(lambda n, o: jnp.where(by_row(n, real), n, o), new, held)
+            return held, hidden[:, 0]
+
+        def token_by_token(own: Any) -> tuple[Any, Array]:
+            own, hidden = jax.lax.scan(one, own, jnp.arange(length))  # [length, rows, e]
+            return own, hidden[last, jnp.arange(rows)]
+
+        def whole(own: Any) -> tuple[Any, Array]:
+            real = slots >= 0
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens.shape)
+            where = masks.Decoding(jnp.int32(0), jnp.zeros((rows,), jnp.int32), length, slots=slots)
+            hidden, own = self._read(params, own, tokens, positions, real.astype(jnp.int32), where)
+            return own, jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+
+        starts = jnp.all(fresh | (slots[:, 0] < 0))
+        own, hidden = jax.lax.cond(starts, whole, token_by_token, own)
+        hidden = hidden[:, None]
+        cache = jax.tree.map(
+            lambda pool, x: pool.at[state_slots].set(x.astype(pool.dtype)), cache, own
+        )
+        return self._logits_of(params, hidden), cache
 
     def prefill(
         self, params: Any, inputs: Array, lengths: Array, config: decoding.DecodingConfig

@@ -30,7 +30,7 @@ Decoding (`deepseek_v4.DeepseekV4LM`, a contiguous cache): rows are right-padded
 tokens from position 0, `masks.Decoding.slots` their positions), so that the compressors'
 windows count from each row's first token, and each layer keeps in the `cache` collection
 what the next token reads, each leaf `[batch, 1, slots, width]` (rows in axis `ndim - 4`,
-where `decoding.gather_rows` reorders them for beam search): `kv` the keys (= values) of the
+where `decoding.gather_rows` reorders them for beam search): `sliding_kv` the keys (= values) of the
 `sliding_window` latest positions, a ring (position p in slot p % sliding_window); per
 compressor (and CSA's indexer) `window_kv` / `window_gate` the projections of the open
 window's tokens (CSA: and of the window before it, whose first series the next entry pools:
@@ -419,12 +419,14 @@ class DeepseekV4Attention(nn.Module):
         step = decoding is not None and h.shape[1] == 1
         if step:  # the window's keys from the ring, the new one written
             window = cfg.sliding_window
-            kv = write_step(self, "kv", kv[:, :, 0], positions[:, 0], window, decoding)[:, :, None]
+            kv = write_step(self, "sliding_kv", kv[:, :, 0], positions[:, 0], window, decoding)[
+                :, :, None
+            ]
             keep = (ring_positions(positions[:, 0], window) >= 0)[:, None, None]
         else:  # [batch, 1, length, length]
             keep = mask.dense()
             if decoding is not None:
-                read_prompt(self, "kv", kv[:, :, 0], cfg.sliding_window, decoding)
+                read_prompt(self, "sliding_kv", kv[:, :, 0], cfg.sliding_window, decoding)
         if self.kind != SLIDING:  # a step's row is one sequence: no segments
             segment_ids = None if step else mask.q_segment_ids
             entries, visible = Compressor(cfg, self.kind, name="compressor")(
