@@ -8,13 +8,14 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
 from safetensors.numpy import load_file, save_file
 
 from flaxlm.checkpoints import hf
-from flaxlm.models import base, options, qwen3_next, qwen3_next_hf
+from flaxlm.models import base, options, qwen3_next, qwen3_next_hf, routing
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora, steps
 from tests.helpers import adamw
@@ -188,6 +189,111 @@ def test_multimodal_file_loads_its_text_tower_and_exports_it(tmp_path):
     assert type(reloaded) is transformers.Qwen3_5MoeForCausalLM
     again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
     assert max_abs_diff(ours, again, mask) <= 1e-5 * max(1.0, np.abs(again).max())
+
+
+def with_mtp_layer(torch_model, path, out, variant: str):
+    """The saved checkpoint with a multi-token-prediction layer as the Hub's files hold one
+    (`mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*` a
+    full-attention decoder layer, `mtp.norm`; config.json's `mtp_num_hidden_layers`), made of
+    transformers' modules: a one-layer full-attention model of the variant (its layer and its
+    final norm) and norms of its class, randomised. Returns the modules."""
+    import torch
+
+    config_cls, model_cls, kwargs = VARIANTS[variant]
+    one = dict(kwargs, num_hidden_layers=1, layer_types=[F])
+    if "mlp_only_layers" in one:
+        one["mlp_only_layers"] = []
+    block = random_hf_model(config_cls, model_cls, PERTURBED, **one)
+    norm_cls, width = type(block.model.norm), COMMON["hidden_size"]
+    parts = torch.nn.ModuleDict(
+        {
+            "block": block,
+            "enorm": norm_cls(width, eps=COMMON["rms_norm_eps"]),
+            "hnorm": norm_cls(width, eps=COMMON["rms_norm_eps"]),
+            "fc": torch.nn.Linear(2 * width, width, bias=False),
+        }
+    ).eval()
+    torch.manual_seed(7)  # other values than the trunk's layers
+    with torch.no_grad():
+        for name, param in parts.named_parameters():
+            param.copy_((0.2 if "norm" in name else 0.1) * torch.randn_like(param))
+    out.mkdir()
+    tensors = load_file(f"{path}/model.safetensors")
+    block.save_pretrained(str(out / "block"))
+    for name, array in load_file(str(out / "block" / "model.safetensors")).items():
+        if name.startswith("model.layers.0."):
+            tensors[name.replace("model.layers.0.", "mtp.layers.0.")] = array
+        elif name == "model.norm.weight":
+            tensors["mtp.norm.weight"] = array
+    names = {"fc": "fc", "enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden"}
+    for ours, theirs in names.items():
+        tensors[f"mtp.{theirs}.weight"] = parts[ours].weight.detach().numpy()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads(open(f"{path}/config.json").read())
+    (out / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    return parts
+
+
+def hf_mtp_logits(main, parts, ids: np.ndarray) -> np.ndarray:
+    """The MTP layer's logits `[rows, length - 1, vocab]` from transformers' modules as vLLM's
+    `Qwen3NextMultiTokenPredictor` composes them: the next tokens' embeddings and the final
+    hidden states normalised, `fc` of the two (embedding first), the full-attention layer and
+    its norm (the one-layer model's: its rotary at positions from 0, the same attention as
+    from each token's own, rotary being relative), the model's head."""
+    import torch
+
+    ids = torch.tensor(ids)
+    with torch.no_grad():
+        hidden = main.model(ids).last_hidden_state[:, :-1]
+        e = main.model.embed_tokens(ids[:, 1:])
+        x = parts["fc"](torch.cat([parts["enorm"](e), parts["hnorm"](hidden)], dim=-1))
+        return main.lm_head(parts["block"].model(inputs_embeds=x).last_hidden_state).numpy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_5_text"])
+def test_mtp_layer_loads_predicts_trains_and_exports(tmp_path, variant):
+    """The Hub's MTP layer read with `num_mtp_layers=1` (vLLM's composition of a decoder
+    layer of the family: MoE on Qwen3-Next, dense on Qwen3.5): its logits are that of
+    transformers' modules; its loss counts; the export writes `mtp.*` back and reads again
+    to the same params. Without `num_mtp_layers` the layer is passed over, as transformers
+    does."""
+    import torch
+
+    torch_model, path = tiny_hf_model(tmp_path / "hf", variant)
+    parts = with_mtp_layer(torch_model, path, tmp_path / "mtp", variant)
+    model, params = hf.from_pretrained(tmp_path / "mtp", num_mtp_layers=1)
+    own = [p for n, p in parts.named_parameters() if "embed_tokens" not in n and "lm_head" not in n]
+    plain = dataclasses.replace(model.config, num_mtp_layers=0)
+    assert model.config.num_params() - plain.num_params() == sum(p.numel() for p in own)
+    ids = np.random.default_rng(4).integers(1, VOCAB, (2, 17))
+    want = hf_mtp_logits(torch_model, parts, ids)
+    _, sown = model.module.apply(
+        {"params": params}, jnp.asarray(ids), mutable=["mtp", routing.ROUTER_COLLECTION]
+    )
+    (hidden,) = sown["mtp"]["hidden"]
+    got = np.asarray(model.module.head_logits(params, hidden))[:, : ids.shape[1] - 1, :VOCAB]
+    assert np.abs(got - want).max() < 1e-4
+    batch = {
+        "decoder_input_tokens": jnp.asarray(ids[:, :-1]),
+        "decoder_target_tokens": jnp.asarray(ids[:, 1:]),
+        "decoder_loss_weights": jnp.ones(ids[:, 1:].shape, jnp.float32),
+    }
+    inputs = hf_mtp_logits(torch_model, parts, ids[:, :-1])
+    ce = torch.nn.functional.cross_entropy(
+        torch.tensor(inputs).flatten(0, 1), torch.tensor(ids[:, 2:]).flatten(), reduction="sum"
+    ).item()
+    weighted = base.DecoderOnlyModel(dataclasses.replace(model.config, mtp_loss_weight=0.3))
+    _, sums = weighted.loss_fn(params, batch, None)
+    assert abs(float(sums["mtp_loss_sum"]) - ce) < 1e-4 * ce
+
+    hf.save_pretrained(model, params, tmp_path / "export")
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["mtp_num_hidden_layers"] == 1
+    _, again = hf.from_pretrained(tmp_path / "export", num_mtp_layers=1)
+    assert jax.tree.all(jax.tree.map(np.array_equal, again, params))
+    _, without = hf.from_pretrained(tmp_path / "mtp")
+    assert "mtp_0" not in without
 
 
 def tiny_config(**overrides) -> qwen3_next.Qwen3NextConfig:

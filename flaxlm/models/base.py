@@ -126,7 +126,7 @@ class BaseModel(abc.ABC):
         """
         batch = self._arranged(batch)
         targets, weights = self.targets_and_weights(batch)
-        if moe.has_experts(self.config):
+        if moe.has_experts(self.config) or getattr(self.config, "num_mtp_layers", 0):
             return self._moe_loss_fn(params, batch, rng, normalizer, targets, weights)
         if self.loss_chunk_size is None:
             logits = self._logits(params, batch, rng)
@@ -153,7 +153,8 @@ class BaseModel(abc.ABC):
         targets: Array,
         weights: Array,
     ) -> tuple[Array, dict[str, Array]]:
-        """`loss_fn` of a mixture of experts: the same cross-entropy plus the router losses
+        """`loss_fn` of a mixture of experts or a model with MTP layers (Qwen3.5's dense
+        one): the same cross-entropy plus the router losses
         (`routing.loss_terms`) from the statistics its layers sow, weighted by this batch's share
         of the normalizer (so microbatches add up to the whole batch's); with MTP layers
         (DeepSeek-V3's `num_mtp_layers`), their loss (`mtp.py`)."""

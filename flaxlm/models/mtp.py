@@ -48,8 +48,8 @@ class MtpOptions:
     num_mtp_layers: int = 0
     mtp_loss_weight: float = 0.0
 
-    def check_mtp(self) -> None:
-        """ValueErrors for settings no MTP layer can have."""
+    def check_mtp_counts(self) -> None:
+        """ValueErrors for counts and weights no MTP layer can have."""
         if self.num_mtp_layers < 0 or self.mtp_loss_weight < 0:
             raise ValueError(
                 f"num_mtp_layers {self.num_mtp_layers} / mtp_loss_weight "
@@ -58,8 +58,12 @@ class MtpOptions:
         if self.mtp_loss_weight and not self.num_mtp_layers:
             raise ValueError(
                 f"mtp_loss_weight {self.mtp_loss_weight} with num_mtp_layers 0: set "
-                "num_mtp_layers (DeepSeek-V3's and GLM-4.5's is 1) or leave mtp_loss_weight at 0."
+                "num_mtp_layers (the Hub's files hold 1) or leave mtp_loss_weight at 0."
             )
+
+    def check_mtp(self) -> None:
+        """ValueErrors for settings no MTP layer of DeepSeek-V3's kind can have."""
+        self.check_mtp_counts()
         if self.num_mtp_layers and not getattr(self, "num_experts", 0):
             raise ValueError("num_mtp_layers needs experts: an MTP layer is a MoE block.")
 
@@ -116,6 +120,7 @@ class MtpLayer(nn.Module):
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         norm = dict(epsilon=cfg.rms_norm_eps, **dense)
+        norm["scale_plus_one"] = cfg.norm_scale_plus_one  # Qwen3-Next's (1 + w) norms
         e = layers.RMSNorm(name="enorm", **norm)(embedded)
         h = layers.RMSNorm(name="hnorm", **norm)(hidden.astype(e.dtype))
         x = layers.DenseGeneral(cfg.hidden_size, ("mlp", "embed"), name="eh_proj", **dense)(
@@ -125,7 +130,11 @@ class MtpLayer(nn.Module):
         block = self.block_cls(config=cfg, deterministic=self.deterministic, name="block")
         x = block(x, jnp.asarray(0, jnp.int32), mask, None, *block_args)
         return layers.RMSNorm(
-            cfg.rms_norm_eps, dtype=jnp.float32, param_dtype=cfg.param_dtype, name="post_norm"
+            cfg.rms_norm_eps,
+            scale_plus_one=cfg.norm_scale_plus_one,
+            dtype=jnp.float32,
+            param_dtype=cfg.param_dtype,
+            name="post_norm",
         )(x)
 
 

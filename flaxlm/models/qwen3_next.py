@@ -15,6 +15,10 @@ linear layer are fused per key head (`in_proj_qkvz`, `in_proj_ba`), Qwen3.5's ap
 
 Follows transformers' `Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM` and `Qwen3_5MoeForCausalLM`
 (the HF mapping, and the Hub's multimodal Qwen3.5 files' text tower: `qwen3_next_hf.py`).
+The Hub's files also hold one multi-token-prediction layer (`mtp.*`, which transformers
+skips): read where `num_mtp_layers` is 1 (`mtp.py`: DeepSeek-V3's layer, as vLLM's
+`Qwen3NextMultiTokenPredictor` runs it: the next token's embedding and the final hidden
+state each normalised, joined embedding first by `fc`, one full-attention block, `norm`).
 Decoding runs over a contiguous cache (`generate`) or the serving engine's paged one, each
 sequence's Gated DeltaNet states in a state slot beside the pages (`state_slots`).
 The hybrid's plumbing (`check_layer_types`, `holds_full_attention`, `linear_layer_settings`)
@@ -38,6 +42,7 @@ from flaxlm.models import (
     layers,
     masks,
     moe,
+    mtp,
     options,
     qwen_moe,
     rope,
@@ -60,7 +65,7 @@ LINEAR, FULL = "linear_attention", "full_attention"  # HF's layer_types entries
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class Qwen3NextConfig(
-    options.ParamCounts, glm4_moe.PartialRotary, rope.RopeScaling, moe.MoEOptions
+    options.ParamCounts, glm4_moe.PartialRotary, rope.RopeScaling, moe.MoEOptions, mtp.MtpOptions
 ):
     """Qwen3-Next / Qwen3.5 text hyper-parameters (HF's names where they exist); the
     defaults are Qwen3-Next-80B-A3B's. `num_experts` 0: dense MLPs only (Qwen3.5 text)."""
@@ -120,6 +125,20 @@ class Qwen3NextConfig(
         self._check_moe()
         if self.model_type == "qwen3_next" and self.mrope_section is not None:
             raise ValueError("mrope_section is Qwen3.5's: set it None for model_type qwen3_next.")
+        self.check_mtp()
+
+    def check_mtp(self) -> None:
+        """The Hub's files hold one MTP layer and one norm after it (`mtp.norm`)."""
+        self.check_mtp_counts()
+        if self.num_mtp_layers > 1:
+            raise ValueError(
+                f"num_mtp_layers {self.num_mtp_layers}: Qwen3-Next's and Qwen3.5's files hold "
+                "one MTP layer (and one norm after it): set 1 or 0."
+            )
+
+    def mtp_block_fields(self) -> dict[str, Any]:
+        """The MTP block: full attention, the MLP of a sparse layer (vLLM's)."""
+        return {"mlp_only_layers": (), "layer_types": (FULL,) * self.num_layers}
 
     def _check_layers(self) -> None:
         if self.full_attention_interval < 1:
@@ -227,6 +246,10 @@ class Qwen3NextConfig(
             )
             total += mixer + 2 * e + (moe_all if sparse else dense)
             active += mixer + 2 * e + (moe_active if sparse else dense)
+        # An MTP layer: a full-attention block, three norms and the 2 x hidden -> hidden `fc`.
+        extra = self.full_attention_params() + 2 * e + 3 * e + 2 * e * e
+        total += self.num_mtp_layers * (extra + (moe_all if self.num_experts else dense))
+        active += self.num_mtp_layers * (extra + (moe_active if self.num_experts else dense))
         return total, active
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -235,11 +258,13 @@ class Qwen3NextConfig(
         products and the chunk's scores, system and solve, x 3 for the backward."""
         lookup = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         types = self.per_layer_types
-        full = 12.0 * self.num_heads * self.dim_per_head * seq_len * types.count(FULL)
+        full_layers = types.count(FULL) + self.num_mtp_layers  # an MTP layer's is full
+        full = 12.0 * self.num_heads * self.dim_per_head * seq_len * full_layers
         dk, dv = self.linear_key_head_dim, self.linear_value_head_dim
         c = min(self.linear_attention_chunk_size, seq_len)
         rule = 3.0 * self.linear_num_value_heads * (6 * dk * dv + c * (5 * dk + 3 * dv))
-        return 6.0 * (self.active_params() - lookup) + full + rule * types.count(LINEAR)
+        head = self.num_mtp_layers * self.vocab_size * self.hidden_size  # the MTP's logits
+        return 6.0 * (self.active_params() - lookup + head) + full + rule * types.count(LINEAR)
 
     def make_module(self) -> Qwen3Next:
         return Qwen3Next(self)
@@ -316,6 +341,8 @@ class Qwen3Next(CausalLM):
 
     block_cls = Qwen3NextBlock
     layer_index = True
+
+    after_trunk = mtp.after_trunk  # the MTP layer where the config has it
 
     def block_inputs(
         self, x: Array, positions: Array, decoding: masks.Decoding | None

@@ -3,16 +3,18 @@ config.json fields as transformers' config classes resolve them, and each layer'
 (the Gated DeltaNet's fused rows of `in_proj_qkv` and `conv1d.weight` split per q, k, v).
 The Hub's multimodal Qwen3.5 files (`qwen3_5`, `qwen3_5_moe`) load their text tower: its
 `text_config`, its tensors under `model.language_model.`; the vision tower is skipped and the
-multi-token-prediction layer (`mtp.`) ignored, as transformers' causal LM does.
+multi-token-prediction layer (`mtp.`) ignored, as transformers' causal LM does, unless the
+config reads it (`num_mtp_layers`: `mtp_tensors`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
-from flaxlm.models import glm4_moe, llama, qwen_moe, rope
+from flaxlm.models import glm4_moe, llama, mtp_hf, qwen_moe, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 from flaxlm.models.qwen3_next import ARCHITECTURES, FULL, MODEL_TYPES, MULTIMODAL, Qwen3NextConfig
@@ -172,6 +174,8 @@ def config_to_hf(cfg: Qwen3NextConfig) -> dict:
             decoder_sparse_step=cfg.decoder_sparse_step,
             mlp_only_layers=list(cfg.mlp_only_layers),
         )
+    if cfg.num_mtp_layers:  # the Hub's Qwen3.5 key (and an MTP layer of its embedding)
+        out.update(mtp_num_hidden_layers=cfg.num_mtp_layers, mtp_use_dedicated_embeddings=False)
     return out
 
 
@@ -254,7 +258,31 @@ def hf_tensors(cfg: Qwen3NextConfig) -> list[HFTensor]:
     else:
         for i, kind in enumerate(kinds):
             out += mixer_hf_tensors(cfg, kind, f"layers_{i}", f"model.layers.{i}", 0)
-    return out + qwen_moe.moe_hf_tensors(cfg, "model.layers.{i}.mlp")
+    return out + qwen_moe.moe_hf_tensors(cfg, "model.layers.{i}.mlp") + mtp_tensors(cfg)
+
+
+def mtp_tensors(cfg: Qwen3NextConfig) -> list[HFTensor]:
+    """The MTP layer's records where the config has it, as the Hub's files name them
+    (`mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*` a
+    decoder layer's, `mtp.norm`)."""
+    if not cfg.num_mtp_layers:
+        return []
+    one = dataclasses.replace(
+        cfg, num_layers=1, num_mtp_layers=0, mtp_loss_weight=0.0, mlp_only_layers=(),
+        layer_types=(FULL,),
+    )  # fmt: skip
+    out = [
+        linear("mtp_0/eh_proj/kernel", "mtp.fc.weight"),
+        HFTensor("mtp_0/enorm/scale", "mtp.pre_fc_norm_embedding.weight"),
+        HFTensor("mtp_0/hnorm/scale", "mtp.pre_fc_norm_hidden.weight"),
+        HFTensor("mtp_0/post_norm/scale", "mtp.norm.weight"),
+    ]
+    for t in mtp_hf.relayered(hf_tensors(one), "mtp_0/block", 0):
+        spelled = lambda name: name.replace("model.layers.0.", "mtp.layers.0.")  # noqa: E731
+        out.append(
+            dataclasses.replace(t, hf=spelled(t.hf), pieces=tuple(spelled(p) for p in t.pieces))
+        )
+    return out
 
 
 HF_SPEC = register_hf(
@@ -265,8 +293,10 @@ HF_SPEC = register_hf(
         config_from_hf=config_from_hf,
         config_to_hf=config_to_hf,
         tensors=hf_tensors,
-        # The multi-token-prediction layer the Hub's files carry, as transformers ignores it.
+        # The multi-token-prediction layer the Hub's files carry, as transformers ignores it,
+        # unless the config reads it (`num_mtp_layers`).
         ignore=(*llama.HF_SPEC.ignore, r"^mtp\."),
+        config_fields=lambda cfg: {"ignore": llama.HF_SPEC.ignore} if cfg.num_mtp_layers else {},
         base_model_prefix="model",
         tied_head=llama.HF_SPEC.tied_head,
         # Qwen3.5's multimodal files: the text tower under `model.language_model.`.
