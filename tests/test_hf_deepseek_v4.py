@@ -535,12 +535,13 @@ def test_beam_search_over_the_cache_is_hf_beam_search(families):
 
 
 @pytest.mark.slow
-def test_the_serving_engine_decodes_as_hf_generate_and_resumes_cached_prefixes(families):
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_serving_engine_decodes_as_hf_generate_and_resumes_cached_prefixes(families, name):
     """The serving engine (`paged_engine`: 4 rows, prompts read in chunks of 8 across the
     compressors' windows, 4 tokens a decode dispatch), every layer's cache in state slots:
     HF's greedy tokens. A prompt that shares 12 tokens (3 pages) with an earlier one resumes
     from the prefix cache's state snapshot after the first 8 and still gets HF's tokens."""
-    torch_model, _, model, params = families("mixed")
+    torch_model, _, model, params = families(name)
     prompts = prompts_of()
     shared = prompts[2][:12] + [7, 9, 11]
     with paged_engine(model, params) as engine:
