@@ -28,9 +28,10 @@ has no V4 MTP), run over whole sequences with the rotary at token i + k's positi
 docstring: each layer's sliding window of keys, its compressors' open windows and their
 compressed entries), its rows right-padded so that each row's windows count from its first
 token: `generate`'s greedy, sampling and beam search. The serving engine holds the same
-caches in state slots (no pages: `DeepseekV4LM.paged_cache`) and feeds each row its tokens
-one at a time, a prompt chunk too (`paged_logits`); its prefix cache resumes a prompt from
-the state snapshot after a cached prefix. A plain `DecoderOnlyModel` of the family refuses
+caches in state slots (no pages: `DeepseekV4LM.paged_cache`): a dispatch whose rows all start
+their sequences reads its prompt chunk whole, any other feeds each row its tokens one at a
+time (`paged_logits`); its prefix cache resumes a prompt from the state snapshot after a
+cached prefix. A plain `DecoderOnlyModel` of the family refuses
 both the left-padded and the paged KV cache of the other families (`LEFT_PADDED`,
 `NO_PAGED`).
 """
