@@ -392,17 +392,9 @@ def save_with_mtp_layers(torch_model, path, out, depths: int):
     main = copy.deepcopy(torch_model)
     torch.manual_seed(5)
     mtp_model = MtpModel(main, depths).eval()
-    with torch.no_grad():  # set here: MtpModel's own init leaves them empty in some states
-        for name, param in mtp_model.named_parameters():
-            if name.startswith(("embed_tokens", "shared_head")):  # the main model's
-                continue
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            else:
-                param.copy_(0.1 * torch.randn_like(param))
-        for name, buffer in mtp_model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.3 * torch.randn_like(buffer))
+    # Set here (MtpModel's own init leaves them empty in some states); the embedding and the
+    # head are the main model's.
+    randomise_params(mtp_model, 5, skip=("embed_tokens", "shared_head"))
     layers = main.config.num_hidden_layers
     tensors = {k: v.contiguous() for k, v in main.state_dict().items()}
     for name, tensor in mtp_model.state_dict().items():
@@ -443,3 +435,76 @@ def hf_mtp_logits(main, mtp_model, ids, depths: int) -> list[np.ndarray]:
             )
             out.append(mtp_model._project_to_logits(hidden).float().numpy())
     return out
+
+
+def randomise_params(module, seed: int, norm_center: float = 1.0, skip=()) -> None:
+    """Seeded random values for `module`'s params but those whose names start with `skip`:
+    norms `norm_center` + 0.2 x N(0, 1) (1 for x w norms, 0 for (1 + w) ones), the others
+    0.1 x N(0, 1), and the routers' correction biases (buffers) 0.3 x N(0, 1)."""
+    import torch
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name.startswith(tuple(skip)):
+                continue
+            if name.endswith("norm.weight"):
+                param.copy_(norm_center + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.1 * torch.randn_like(param))
+        for name, buffer in module.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn_like(buffer))
+
+
+def mtp_depth_logits(model, params, ids: np.ndarray) -> list[np.ndarray]:
+    """Each MTP depth's logits `[rows, length - k - 1, vocab]` (k from 0) of the flaxlm
+    `model` on unpadded rows `ids`: its sown hidden states through its head."""
+    import jax.numpy as jnp
+
+    from flaxlm.models import mtp, routing
+
+    _, sown = model.module.apply(
+        {"params": params},
+        jnp.asarray(ids),
+        mutable=[mtp.MTP_COLLECTION, routing.ROUTER_COLLECTION],
+    )
+    length = ids.shape[1]
+    return [
+        np.asarray(model.module.head_logits(params, hidden))[:, : length - k - 1]
+        for k, hidden in enumerate(sown[mtp.MTP_COLLECTION][mtp.HIDDEN])
+    ]
+
+
+def check_mtp_loss(model, params, ids: np.ndarray, theirs: list[np.ndarray]) -> float:
+    """`model`'s MTP loss on rows `ids[:, :-1]` -> `ids[:, 1:]` with `mtp_loss_weight` 0.3:
+    its `mtp_loss_sum` is the depths' mean summed cross-entropy of `theirs` (the reference's
+    logits of each depth k on `ids[:, :-1]`) on the tokens k + 2 places on, and the loss
+    grows by 0.3 x that over the tokens. Returns that cross-entropy."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    import torch
+
+    from flaxlm.models.base import DecoderOnlyModel
+
+    batch = {
+        "decoder_input_tokens": jnp.asarray(ids[:, :-1]),
+        "decoder_target_tokens": jnp.asarray(ids[:, 1:]),
+        "decoder_loss_weights": jnp.ones(ids[:, 1:].shape, jnp.float32),
+    }
+    ce = sum(
+        torch.nn.functional.cross_entropy(
+            torch.tensor(logits).flatten(0, 1), torch.tensor(ids[:, k + 2 :]).flatten(),
+            reduction="sum",
+        ).item()
+        for k, logits in enumerate(theirs)
+    ) / len(theirs)  # fmt: skip
+    unweighted = DecoderOnlyModel(dataclasses.replace(model.config, mtp_loss_weight=0.0))
+    plain, _ = unweighted.loss_fn(params, batch, None)
+    weighted = DecoderOnlyModel(dataclasses.replace(model.config, mtp_loss_weight=0.3))
+    loss, sums = weighted.loss_fn(params, batch, None)
+    assert abs(float(sums["mtp_loss_sum"]) - ce) < 1e-4 * ce
+    tokens = ids[:, 1:].size
+    assert abs(float(loss) - float(plain) - 0.3 * ce / tokens) < 1e-4 * 0.3 * ce / tokens
+    return ce

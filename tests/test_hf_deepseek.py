@@ -31,6 +31,7 @@ from flaxlm.models import deepseek, hf_spec, masks, mla, routing
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
 from tests.hf_helpers import (
+    check_mtp_loss,
     decoder_batch,
     engine_greedy,
     flaxlm_greedy_batch,
@@ -38,6 +39,7 @@ from tests.hf_helpers import (
     hf_greedy_batch,
     hf_mtp_logits,
     max_abs_diff,
+    mtp_depth_logits,
     padded_batch,
     random_hf_model,
     save_with_mtp_layers,
@@ -525,40 +527,16 @@ def test_mtp_layers_load_and_predict_as_transformers_mtp_model(with_mtp, tmp_pat
     assert model.config.num_params() - plain == sum(t.numel() for _, t in own)
     ids = np.random.default_rng(4).integers(1, VOCAB, (2, 17))
     want = hf_mtp_logits(main, mtp_model, torch.tensor(ids), MTP_DEPTHS)
-    _, sown = model.module.apply(
-        {"params": params}, jnp.asarray(ids), mutable=["mtp", routing.ROUTER_COLLECTION]
-    )
-    hiddens = sown["mtp"]["hidden"]
-    assert len(hiddens) == MTP_DEPTHS
-    for k, hidden in enumerate(hiddens):
-        got = np.asarray(model.module.head_logits(params, hidden))
-        got = got[:, : ids.shape[1] - k - 1, :VOCAB]
-        assert np.abs(got - want[k]).max() < LOGITS_TOL, k
+    got = mtp_depth_logits(model, params, ids)
+    assert len(got) == MTP_DEPTHS
+    for k in range(MTP_DEPTHS):
+        assert np.abs(got[k][..., :VOCAB] - want[k]).max() < LOGITS_TOL, k
     # Plain logits do not run the MTP layers (nothing is sown), and equal the main model's.
     logits = model.compute_logits(params, decoder_batch(ids, np.ones_like(ids)))
     assert max_abs_diff(logits, torch_logits(main, input_ids=ids), np.ones_like(ids)) < LOGITS_TOL
 
     # The loss on rows ids[:, :-1] -> ids[:, 1:]: depth k predicts ids[i + k + 1].
-    batch = {
-        "decoder_input_tokens": jnp.asarray(ids[:, :-1]),
-        "decoder_target_tokens": jnp.asarray(ids[:, 1:]),
-        "decoder_loss_weights": jnp.ones(ids[:, 1:].shape, jnp.float32),
-    }
-    inputs = hf_mtp_logits(main, mtp_model, torch.tensor(ids[:, :-1]), MTP_DEPTHS)
-    ce = sum(
-        torch.nn.functional.cross_entropy(
-            torch.tensor(logits).flatten(0, 1), torch.tensor(ids[:, k + 2 :]).flatten(),
-            reduction="sum",
-        ).item()
-        for k, logits in enumerate(inputs)
-    )  # fmt: skip
-    plain, plain_sums = model.loss_fn(params, batch, None)
-    weighted = DecoderOnlyModel(dataclasses.replace(model.config, mtp_loss_weight=0.3))
-    loss, sums = weighted.loss_fn(params, batch, None)
-    assert abs(float(sums["mtp_loss_sum"]) - ce / MTP_DEPTHS) < 1e-4 * ce
-    assert float(plain_sums["mtp_loss_sum"]) == pytest.approx(float(sums["mtp_loss_sum"]))
-    tokens = ids[:, 1:].size
-    assert float(loss) - float(plain) == pytest.approx(0.3 * ce / MTP_DEPTHS / tokens, rel=1e-4)
+    check_mtp_loss(model, params, ids, hf_mtp_logits(main, mtp_model, torch.tensor(ids[:, :-1]), 2))
 
     hf.save_pretrained(model, params, tmp_path / "export")
     exported = json.loads((tmp_path / "export" / "config.json").read_text())

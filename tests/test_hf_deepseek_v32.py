@@ -19,7 +19,6 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -27,10 +26,11 @@ import transformers
 from safetensors import safe_open
 
 from flaxlm.checkpoints import hf, peft_experts
-from flaxlm.models import deepseek, deepseek_v32, routing
+from flaxlm.models import deepseek, deepseek_v32
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
 from tests.hf_helpers import (
+    check_mtp_loss,
     decoder_batch,
     engine_greedy,
     flaxlm_greedy_batch,
@@ -38,6 +38,7 @@ from tests.hf_helpers import (
     hf_greedy_batch,
     hf_mtp_logits,
     max_abs_diff,
+    mtp_depth_logits,
     padded_batch,
     random_hf_model,
     save_with_mtp_layers,
@@ -302,25 +303,9 @@ def test_mtp_layer_loads_and_predicts_as_transformers_mtp_model(families, name, 
     assert "indexer" in params["mtp_0"]["block"]["self_attn"]
     ids = np.random.default_rng(4).integers(1, VOCAB, (2, 17))  # longer than index_topk
     (want,) = hf_mtp_logits(main, mtp_model, torch.tensor(ids), 1)
-    _, sown = model.module.apply(
-        {"params": params}, jnp.asarray(ids), mutable=["mtp", routing.ROUTER_COLLECTION]
-    )
-    (hidden,) = sown["mtp"]["hidden"]
-    got = np.asarray(model.module.head_logits(params, hidden))[:, : ids.shape[1] - 1, :VOCAB]
-    assert np.abs(got - want).max() < LOGITS_TOL
-
-    batch = {
-        "decoder_input_tokens": jnp.asarray(ids[:, :-1]),
-        "decoder_target_tokens": jnp.asarray(ids[:, 1:]),
-        "decoder_loss_weights": jnp.ones(ids[:, 1:].shape, jnp.float32),
-    }
-    (inputs,) = hf_mtp_logits(main, mtp_model, torch.tensor(ids[:, :-1]), 1)
-    ce = torch.nn.functional.cross_entropy(
-        torch.tensor(inputs).flatten(0, 1), torch.tensor(ids[:, 2:]).flatten(), reduction="sum"
-    ).item()
-    weighted = DecoderOnlyModel(dataclasses.replace(model.config, mtp_loss_weight=0.3))
-    _, sums = weighted.loss_fn(params, batch, None)
-    assert abs(float(sums["mtp_loss_sum"]) - ce) < 1e-4 * ce
+    (got,) = mtp_depth_logits(model, params, ids)
+    assert np.abs(got[..., :VOCAB] - want).max() < LOGITS_TOL
+    check_mtp_loss(model, params, ids, hf_mtp_logits(main, mtp_model, torch.tensor(ids[:, :-1]), 1))
 
     hf.save_pretrained(model, params, tmp_path / "export")
     again, again_params = hf.from_pretrained(tmp_path / "export", ONE, num_mtp_layers=1)

@@ -39,22 +39,24 @@ from flaxlm.models import (
     deepseek_v4_attention,
     deepseek_v4_hf,
     hf_spec,
-    routing,
 )
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import infer
 from flaxlm.training import steps
 from tests.helpers import adamw
 from tests.hf_helpers import (
+    check_mtp_loss,
     decoder_batch,
     engine_tokens,
     flaxlm_greedy_batch,
     gin_config,
     hf_greedy_batch,
     max_abs_diff,
+    mtp_depth_logits,
     padded_batch,
     paged_engine,
     random_hf_model,
+    randomise_params,
     torch_logits,
     train_on_batch,
 )
@@ -264,16 +266,7 @@ def with_mtp(families, tmp_path_factory):
             "h_proj": torch.nn.Linear(width, width, bias=False),
         }
     ).eval()
-    torch.manual_seed(7)  # other values than the trunk's layers (the same seed made both)
-    with torch.no_grad():
-        for name, param in parts.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            else:
-                param.copy_(0.1 * torch.randn_like(param))
-        for name, buffer in parts.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.3 * torch.randn_like(buffer))
+    randomise_params(parts, 7)  # other values than the trunk's (the same seed made both)
     out = tmp_path_factory.mktemp("v4_mtp")
     tensors = {
         release_spelling(k): v
@@ -351,31 +344,14 @@ def test_mtp_layer_loads_predicts_trains_and_exports(with_mtp, tmp_path):
     assert model.config.num_params() - plain.num_params() == sum(t.numel() for t in extra)
     ids = np.random.default_rng(4).integers(1, VOCAB, (2, 17))
     want = hf_mtp_logits(main, parts, ids)
-    _, sown = model.module.apply(
-        {"params": params}, jnp.asarray(ids), mutable=["mtp", routing.ROUTER_COLLECTION]
-    )
-    (hidden,) = sown["mtp"]["hidden"]
-    got = np.asarray(model.module.head_logits(params, hidden))[:, : ids.shape[1] - 1, :VOCAB]
-    assert np.abs(got - want).max() < LOGITS_TOL
+    (got,) = mtp_depth_logits(model, params, ids)
+    assert np.abs(got[..., :VOCAB] - want).max() < LOGITS_TOL
     logits = model.compute_logits(params, decoder_batch(ids, np.ones_like(ids)))
     trunk = torch_logits(main, input_ids=ids)
     assert max_abs_diff(logits, trunk, np.ones_like(ids)) < LOGITS_TOL
     assert np.abs(want - trunk[:, 1:]).max() > 100 * LOGITS_TOL  # another prediction
 
-    batch = {
-        "decoder_input_tokens": jnp.asarray(ids[:, :-1]),
-        "decoder_target_tokens": jnp.asarray(ids[:, 1:]),
-        "decoder_loss_weights": jnp.ones(ids[:, 1:].shape, jnp.float32),
-    }
-    inputs = hf_mtp_logits(main, parts, ids[:, :-1])
-    ce = torch.nn.functional.cross_entropy(
-        torch.tensor(inputs).flatten(0, 1), torch.tensor(ids[:, 2:]).flatten(), reduction="sum"
-    ).item()
-    no_weight, _ = model.loss_fn(params, batch, None)
-    weighted = base.DecoderOnlyModel(dataclasses.replace(model.config, mtp_loss_weight=0.3))
-    loss, sums = weighted.loss_fn(params, batch, None)
-    assert abs(float(sums["mtp_loss_sum"]) - ce) < 1e-4 * ce
-    assert float(loss) - float(no_weight) == pytest.approx(0.3 * ce / ids[:, 1:].size, rel=1e-4)
+    check_mtp_loss(model, params, ids, [hf_mtp_logits(main, parts, ids[:, :-1])])
 
     hf.save_pretrained(model, params, tmp_path / "export")
     exported = json.loads((tmp_path / "export" / "config.json").read_text())

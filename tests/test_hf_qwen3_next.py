@@ -8,27 +8,29 @@ import dataclasses
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
 from safetensors.numpy import load_file, save_file
 
 from flaxlm.checkpoints import hf
-from flaxlm.models import base, options, qwen3_next, qwen3_next_hf, routing
+from flaxlm.models import base, options, qwen3_next, qwen3_next_hf
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora, steps
 from tests.helpers import adamw
 from tests.hf_helpers import (
     LIGHT,
     check_family,
+    check_mtp_loss,
     decoder_batch,
     flaxlm_greedy_batch,
     gin_config,
     hf_greedy_batch,
     max_abs_diff,
+    mtp_depth_logits,
     padded_batch,
     random_hf_model,
+    randomise_params,
     save_torch_model,
     torch_logits,
 )
@@ -213,10 +215,7 @@ def with_mtp_layer(torch_model, path, out, variant: str):
             "fc": torch.nn.Linear(2 * width, width, bias=False),
         }
     ).eval()
-    torch.manual_seed(7)  # other values than the trunk's layers
-    with torch.no_grad():
-        for name, param in parts.named_parameters():
-            param.copy_((0.2 if "norm" in name else 0.1) * torch.randn_like(param))
+    randomise_params(parts, 7, norm_center=0.0)  # other values than the trunk's; (1 + w) norms
     out.mkdir()
     tensors = load_file(f"{path}/model.safetensors")
     block.save_pretrained(str(out / "block"))
@@ -258,7 +257,6 @@ def test_mtp_layer_loads_predicts_trains_and_exports(tmp_path, variant):
     transformers' modules; its loss counts; the export writes `mtp.*` back and reads again
     to the same params. Without `num_mtp_layers` the layer is passed over, as transformers
     does."""
-    import torch
 
     torch_model, path = tiny_hf_model(tmp_path / "hf", variant)
     parts = with_mtp_layer(torch_model, path, tmp_path / "mtp", variant)
@@ -268,24 +266,9 @@ def test_mtp_layer_loads_predicts_trains_and_exports(tmp_path, variant):
     assert model.config.num_params() - plain.num_params() == sum(p.numel() for p in own)
     ids = np.random.default_rng(4).integers(1, VOCAB, (2, 17))
     want = hf_mtp_logits(torch_model, parts, ids)
-    _, sown = model.module.apply(
-        {"params": params}, jnp.asarray(ids), mutable=["mtp", routing.ROUTER_COLLECTION]
-    )
-    (hidden,) = sown["mtp"]["hidden"]
-    got = np.asarray(model.module.head_logits(params, hidden))[:, : ids.shape[1] - 1, :VOCAB]
-    assert np.abs(got - want).max() < 1e-4
-    batch = {
-        "decoder_input_tokens": jnp.asarray(ids[:, :-1]),
-        "decoder_target_tokens": jnp.asarray(ids[:, 1:]),
-        "decoder_loss_weights": jnp.ones(ids[:, 1:].shape, jnp.float32),
-    }
-    inputs = hf_mtp_logits(torch_model, parts, ids[:, :-1])
-    ce = torch.nn.functional.cross_entropy(
-        torch.tensor(inputs).flatten(0, 1), torch.tensor(ids[:, 2:]).flatten(), reduction="sum"
-    ).item()
-    weighted = base.DecoderOnlyModel(dataclasses.replace(model.config, mtp_loss_weight=0.3))
-    _, sums = weighted.loss_fn(params, batch, None)
-    assert abs(float(sums["mtp_loss_sum"]) - ce) < 1e-4 * ce
+    (got,) = mtp_depth_logits(model, params, ids)
+    assert np.abs(got[..., :VOCAB] - want).max() < 1e-4
+    check_mtp_loss(model, params, ids, [hf_mtp_logits(torch_model, parts, ids[:, :-1])])
 
     hf.save_pretrained(model, params, tmp_path / "export")
     exported = json.loads((tmp_path / "export" / "config.json").read_text())
