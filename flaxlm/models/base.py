@@ -25,8 +25,6 @@ from flaxlm.models import (
     losses,
     masks,
     moe,
-    mtp,
-    routing,
 )
 from flaxlm.models.cached_decoding import CachedDecoding
 from flaxlm.models.causal_lm import CausalLM
@@ -34,13 +32,14 @@ from flaxlm.models.options import (
     ModuleConfig,
     eos_tuple,
 )
+from flaxlm.models.sown_losses import SownLosses
 
 Array = jax.Array
 Batch = Mapping[str, Array]
 Params = Any
 
 
-class BaseModel(abc.ABC):
+class BaseModel(SownLosses, abc.ABC):
     """Loss, logits and parameter layout of one module; DESIGN.md's model seam."""
 
     FEATURE_CONVERTER_CLS: Any  # a seqio converter class, imported when read (batch_shapes.py)
@@ -127,7 +126,7 @@ class BaseModel(abc.ABC):
         batch = self._arranged(batch)
         targets, weights = self.targets_and_weights(batch)
         if moe.has_experts(self.config) or getattr(self.config, "num_mtp_layers", 0):
-            return self._moe_loss_fn(params, batch, rng, normalizer, targets, weights)
+            return self._sown_loss_fn(params, batch, rng, normalizer, targets, weights)
         if self.loss_chunk_size is None:
             logits = self._logits(params, batch, rng)
             sums = losses.cross_entropy(logits, targets, weights, self.z_loss)
@@ -143,62 +142,6 @@ class BaseModel(abc.ABC):
         normalizer = jnp.maximum(weight_sum, 1.0) if normalizer is None else normalizer
         sums = {"loss_sum": loss_sum, "z_loss_sum": z_sum, "correct_sum": correct_sum}
         return loss_sum / normalizer, {**sums, "weight_sum": weight_sum}
-
-    def _moe_loss_fn(
-        self,
-        params: Params,
-        batch: Batch,
-        rng: Array | None,
-        normalizer: Array | float | None,
-        targets: Array,
-        weights: Array,
-    ) -> tuple[Array, dict[str, Array]]:
-        """`loss_fn` of a mixture of experts or a model with MTP layers (Qwen3.5's dense
-        one): the same cross-entropy plus the router losses
-        (`routing.loss_terms`) from the statistics its layers sow, weighted by this batch's share
-        of the normalizer (so microbatches add up to the whole batch's); with MTP layers
-        (DeepSeek-V3's `num_mtp_layers`), their loss (`mtp.py`)."""
-        depths = getattr(self.config, "num_mtp_layers", 0)
-        sow = {"mutable": [routing.ROUTER_COLLECTION, *([mtp.MTP_COLLECTION] if depths else [])]}
-        if self.loss_chunk_size is None:
-            out, sown = self._apply(params, batch, rng=rng, **sow)
-            sums = losses.cross_entropy(self._mask_padded_vocab(out), targets, weights, self.z_loss)
-        else:
-            hidden, sown = self._apply(params, batch, rng=rng, return_hidden=True, **sow)
-            sums = self._chunked_loss_sums(params, batch, rng, targets, weights, hidden=hidden)
-        loss, metrics = self._loss_and_sums(sums, weights, normalizer)
-        weight_sum = metrics["weight_sum"]
-        normalizer = jnp.maximum(weight_sum, 1.0) if normalizer is None else normalizer
-        router_loss, router_sums = routing.loss_terms(self.config, sown, weight_sum)
-        loss, metrics = loss + weight_sum / normalizer * router_loss, {**metrics, **router_sums}
-        if depths:  # lambda / D x the depths' summed cross-entropies, normalised as the loss
-            hiddens = sown[mtp.MTP_COLLECTION][mtp.HIDDEN]
-            mtp_sum = self._mtp_loss_sum(params, batch, rng, targets, weights, hiddens) / depths
-            loss += self.config.mtp_loss_weight * mtp_sum / normalizer
-            metrics["mtp_loss_sum"] = mtp_sum
-        return loss, metrics
-
-    def _mtp_loss_sum(
-        self,
-        params: Params,
-        batch: Batch,
-        rng: Array | None,
-        targets: Array,
-        weights: Array,
-        hiddens: Sequence[Array],
-    ) -> Array:
-        """The summed cross-entropy of every MTP depth (`mtp.py`): depth k's hidden states
-        through the head, against the targets k places on (`mtp.depth_targets`)."""
-        segment_ids = batch.get(self._feature("segment_ids"))
-        total = jnp.zeros((), jnp.float32)
-        for k, hidden in enumerate(hiddens, start=1):
-            t, w = mtp.depth_targets(targets, weights, segment_ids, k)
-            if self.loss_chunk_size is None:
-                logits = self._mask_padded_vocab(self.module.head_logits(params, hidden))
-                total += losses.cross_entropy(logits, t, w, self.z_loss)[0]
-            else:
-                total += self._chunked_loss_sums(params, batch, rng, t, w, hidden=hidden)[0]
-        return total
 
     def normalizer(self, batch: Batch) -> Array:
         """What `loss_fn`'s sums are divided by: the batch's loss-weight sum (at least 1)."""

@@ -456,21 +456,17 @@ def mtp_tensors(cfg: deepseek_v4.DeepseekV4Config) -> list[HFTensor]:
     out = []
     for k in range(cfg.num_mtp_layers):
         scope, prefix = f"mtp_{k}", f"mtp.{k}"
-        inner = "model.layers.0."
-
-        def spelled(name: str, prefix: str = prefix, inner: str = inner) -> str:
-            return f"{prefix}.{deepseek_name(name[len(inner) :])}"
-
-        block = deepseek_v4.mtp_block_config(cfg, k)
-        for t in layer_tensors(block, "0", block.layer_types[0], "moe", 0):
-            out.append(
-                dataclasses.replace(
-                    t,
-                    param=f"{scope}/block" + t.param[len("layers_0") :],
-                    hf=spelled(t.hf),
-                    pieces=tuple(spelled(p) for p in t.pieces),
-                )
-            )
+        spelled = lambda name, k=k: f"mtp.{k}." + deepseek_name(name.split(".", 3)[3])  # noqa: E731
+        block = cfg.mtp_block_config(k)
+        out += [
+            dataclasses.replace(
+                t,
+                param=f"{scope}/block" + t.param[len("layers_0") :],
+                hf=spelled(t.hf),
+                pieces=tuple(spelled(p) for p in t.pieces),
+            )  # fmt: skip
+            for t in layer_tensors(block, "0", block.layer_types[0], "moe", 0)
+        ]
         out += [
             *(HFTensor(f"{scope}/{p}/scale", f"{prefix}.{p}.weight") for p in NORMS),
             *(linear(f"{scope}/{p}/kernel", f"{prefix}.{p}.weight") for p in ("e_proj", "h_proj")),
