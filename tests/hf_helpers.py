@@ -71,13 +71,14 @@ def max_abs_diff(ours, theirs, mask: np.ndarray) -> float:
     return float(np.max(np.abs(ours[keep] - theirs[keep])))
 
 
-def gin_config(repo_dir, name: str, config_cls):
-    """`config_cls()` as gin/models/<name>.gin binds it (the gin config cleared after)."""
+def gin_config(repo_dir, name: str, config_cls, bindings=()):
+    """`config_cls()` as gin/models/<name>.gin binds it, with a user's `bindings` after (the
+    gin config cleared after)."""
     import gin
 
     gin.clear_config()
     try:
-        gin.parse_config_files_and_bindings([f"{repo_dir}/gin/models/{name}.gin"], [])
+        gin.parse_config_files_and_bindings([f"{repo_dir}/gin/models/{name}.gin"], list(bindings))
         return config_cls()
     finally:
         gin.clear_config()

@@ -58,7 +58,6 @@ from tests.hf_helpers import (
     random_hf_model,
     randomise_params,
     torch_logits,
-    train_on_batch,
 )
 from tests.linear_attention_helpers import packed_batch
 
@@ -364,34 +363,6 @@ def test_mtp_layer_loads_predicts_trains_and_exports(with_mtp, tmp_path):
     assert jax.tree.all(jax.tree.map(np.array_equal, again_params, params))
 
 
-@pytest.mark.slow
-def test_tiny_gin_trains_with_an_mtp_loss():
-    """gin/models/deepseek_v4_tiny.gin with `num_mtp_layers` and `mtp_loss_weight` bound as a
-    user binds them: partitioned steps on packed rows lower both losses, report `mtp_loss`."""
-    import gin
-
-    gin.clear_config()
-    try:
-        gin.parse_config_files_and_bindings(
-            [f"{REPO}/gin/models/deepseek_v4_tiny.gin"],
-            ["deepseek_v4.DeepseekV4Config.num_mtp_layers = 1",
-             "deepseek_v4.DeepseekV4Config.mtp_loss_weight = 0.3"],
-        )  # fmt: skip
-        config = deepseek_v4.DeepseekV4Config()
-    finally:
-        gin.clear_config()
-    model = base.DecoderOnlyModel(config)
-    batch = packed_batch()
-    params = model.init_params(jax.random.PRNGKey(0), {k: v.shape for k, v in batch.items()})
-    assert "mtp_0" in params
-    state, history = train_on_batch(
-        model, params, Partitioner(mesh_shape=(1, 4, 2)), batch, steps=4, learning_rate=1e-2
-    )
-    assert history[-1]["loss"] < history[0]["loss"], history
-    assert history[-1]["mtp_loss"] < history[0]["mtp_loss"], history
-    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
-
-
 # Prompts of 1 to 17 tokens in one batch, and what follows them: every row crosses the
 # compressors' windows (rates 2 and 4, 3 and 8) and its sliding window (4, 6) while decoding.
 PROMPT_LENGTHS = (11, 5, 17, 1)
@@ -641,11 +612,15 @@ def test_tiny_gin_model_counts_its_params():
 
 
 @pytest.mark.slow
-def test_tiny_gin_trains_on_packed_rows_with_its_hash_tables_fixed():
-    """gin/models/deepseek_v4_tiny.gin's model on packed rows and an FSDP x tensor mesh: the
-    loss falls, every param stays finite, and the hash-routing tables (`tid2eid`, ids held
-    as float32 params) do not move."""
-    config = gin_config(REPO, "deepseek_v4_tiny", deepseek_v4.DeepseekV4Config)
+def test_tiny_gin_trains_on_packed_rows_with_its_hash_tables_fixed_and_an_mtp_loss():
+    """gin/models/deepseek_v4_tiny.gin's model with `num_mtp_layers` and `mtp_loss_weight`
+    bound as a user binds them, on packed rows and an FSDP x tensor mesh: the loss and the
+    reported `mtp_loss` fall, every param stays finite, and the hash-routing tables
+    (`tid2eid`, ids held as float32 params) do not move."""
+    mtp = ("num_mtp_layers = 1", "mtp_loss_weight = 0.3")
+    bindings = [f"deepseek_v4.DeepseekV4Config.{b}" for b in mtp]
+    config = gin_config(REPO, "deepseek_v4_tiny", deepseek_v4.DeepseekV4Config, bindings)
+    assert config.num_mtp_layers == 1
     model = base.DecoderOnlyModel(config)
     partitioner = Partitioner(mesh_shape=(1, 4, 2))
     batch = packed_batch()
@@ -659,11 +634,13 @@ def test_tiny_gin_trains_on_packed_rows_with_its_hash_tables_fixed():
     before = tables(state)
     assert before  # the tiny file has hash-routed layers
     step = setup.partition_train_step(steps.make_train_step(model, partitioner, 1e-2))
-    losses = []
+    losses, mtp_losses = [], []
     for _ in range(3):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
+        mtp_losses.append(float(metrics["mtp_loss"]))
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
+    assert mtp_losses[-1] < mtp_losses[0], mtp_losses
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
     after = tables(state)
     assert after.keys() == before.keys()
