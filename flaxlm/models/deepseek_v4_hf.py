@@ -19,13 +19,12 @@ config.json says otherwise (`num_key_value_heads` other than 1, `n_shared_expert
 
 from __future__ import annotations
 
-import dataclasses
 import types
 from typing import Any
 
 import numpy as np
 
-from flaxlm.models import deepseek_v4, qwen_moe, rope
+from flaxlm.models import deepseek_v4, mtp_hf, qwen_moe, rope
 from flaxlm.models.deepseek_v4_attention import CSA, HCA, SLIDING
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
@@ -458,15 +457,8 @@ def mtp_tensors(cfg: deepseek_v4.DeepseekV4Config) -> list[HFTensor]:
         scope, prefix = f"mtp_{k}", f"mtp.{k}"
         spelled = lambda name, k=k: f"mtp.{k}." + deepseek_name(name.split(".", 3)[3])  # noqa: E731
         block = cfg.mtp_block_config(k)
-        out += [
-            dataclasses.replace(
-                t,
-                param=f"{scope}/block" + t.param[len("layers_0") :],
-                hf=spelled(t.hf),
-                pieces=tuple(spelled(p) for p in t.pieces),
-            )  # fmt: skip
-            for t in layer_tensors(block, "0", block.layer_types[0], "moe", 0)
-        ]
+        table = layer_tensors(block, "{i}", block.layer_types[0], "moe", 1)
+        out += mtp_hf.relayered(table, f"{scope}/block", 0, spelled)
         out += [
             *(HFTensor(f"{scope}/{p}/scale", f"{prefix}.{p}.weight") for p in NORMS),
             *(linear(f"{scope}/{p}/kernel", f"{prefix}.{p}.weight") for p in ("e_proj", "h_proj")),

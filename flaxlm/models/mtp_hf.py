@@ -10,9 +10,15 @@ from typing import Any
 from flaxlm.models.hf_spec import HFTensor, linear
 
 
-def relayered(table: list[HFTensor], scope: str, index: int) -> list[HFTensor]:
+def relayered(
+    table: list[HFTensor],
+    scope: str,
+    index: int,
+    rename: Callable[[str], str] = lambda name: name,
+) -> list[HFTensor]:
     """The records of one block (`{i}` in their names, `layers_{i}/...` params) for the block
-    at param scope `scope` and HF layer `index`."""
+    at param scope `scope` and HF layer `index`, each HF name (and piece) then `rename`d
+    (a family whose files keep MTP layers apart from the decoder's: `mtp.layers.0.`)."""
     out = []
     for t in table:
         if not t.param.startswith("layers_{i}/"):
@@ -21,8 +27,8 @@ def relayered(table: list[HFTensor], scope: str, index: int) -> list[HFTensor]:
             dataclasses.replace(
                 t,
                 param=scope + t.param[len("layers_{i}") :],
-                hf=t.hf.replace("{i}", str(index)),
-                pieces=tuple(p.replace("{i}", str(index)) for p in t.pieces),
+                hf=rename(t.hf.replace("{i}", str(index))),
+                pieces=tuple(rename(p.replace("{i}", str(index))) for p in t.pieces),
                 layers=0,
             )
         )
@@ -55,15 +61,20 @@ def copies(num_layers: int, depths: int) -> list[str]:
     ]
 
 
-def tables(cfg: Any, family_tensors: Callable[[Any], list[HFTensor]]) -> list[HFTensor]:
-    """The records of `cfg`'s MTP layers, each block's from `family_tensors` of a one-layer
-    copy of `cfg` with the MTP block's fields (`MtpOptions.mtp_block_fields`)."""
-    if not cfg.num_mtp_layers:
-        return []
+def block_table(cfg: Any, family_tensors: Callable[[Any], list[HFTensor]]) -> list[HFTensor]:
+    """`family_tensors` of a one-layer copy of `cfg` with the MTP block's fields
+    (`MtpOptions.mtp_block_fields`): an MTP block's records, layer `{i}`."""
     one = dataclasses.replace(
         cfg, num_layers=1, num_mtp_layers=0, mtp_loss_weight=0.0, **cfg.mtp_block_fields()
     )
-    return tensors(cfg.num_layers, cfg.num_mtp_layers, family_tensors(one))
+    return family_tensors(one)
+
+
+def tables(cfg: Any, family_tensors: Callable[[Any], list[HFTensor]]) -> list[HFTensor]:
+    """The records of `cfg`'s MTP layers, each block's from `block_table`."""
+    if not cfg.num_mtp_layers:
+        return []
+    return tensors(cfg.num_layers, cfg.num_mtp_layers, block_table(cfg, family_tensors))
 
 
 def spec_fields(cfg: Any, ignore: tuple[str, ...]) -> dict[str, Any]:

@@ -137,8 +137,9 @@ class Qwen3NextConfig(
             )
 
     def mtp_block_fields(self) -> dict[str, Any]:
-        """The MTP block: full attention, the MLP of a sparse layer (vLLM's)."""
-        return {"mlp_only_layers": (), "layer_types": (FULL,) * self.num_layers}
+        """The MTP block: full attention (every layer full, whatever their number), the MLP
+        of a sparse layer (vLLM's)."""
+        return {"mlp_only_layers": (), "layer_types": None, "full_attention_interval": 1}
 
     def _check_layers(self) -> None:
         if self.full_attention_interval < 1:

@@ -9,7 +9,6 @@ config reads it (`num_mtp_layers`: `mtp_tensors`).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -267,22 +266,15 @@ def mtp_tensors(cfg: Qwen3NextConfig) -> list[HFTensor]:
     decoder layer's, `mtp.norm`)."""
     if not cfg.num_mtp_layers:
         return []
-    one = dataclasses.replace(
-        cfg, num_layers=1, num_mtp_layers=0, mtp_loss_weight=0.0, mlp_only_layers=(),
-        layer_types=(FULL,),
-    )  # fmt: skip
     out = [
         linear("mtp_0/eh_proj/kernel", "mtp.fc.weight"),
         HFTensor("mtp_0/enorm/scale", "mtp.pre_fc_norm_embedding.weight"),
         HFTensor("mtp_0/hnorm/scale", "mtp.pre_fc_norm_hidden.weight"),
         HFTensor("mtp_0/post_norm/scale", "mtp.norm.weight"),
     ]
-    for t in mtp_hf.relayered(hf_tensors(one), "mtp_0/block", 0):
-        spelled = lambda name: name.replace("model.layers.0.", "mtp.layers.0.")  # noqa: E731
-        out.append(
-            dataclasses.replace(t, hf=spelled(t.hf), pieces=tuple(spelled(p) for p in t.pieces))
-        )
-    return out
+    block = mtp_hf.block_table(cfg, hf_tensors)
+    rename = lambda name: name.replace("model.layers.0.", "mtp.layers.0.")  # noqa: E731
+    return out + mtp_hf.relayered(block, "mtp_0/block", 0, rename)
 
 
 HF_SPEC = register_hf(
