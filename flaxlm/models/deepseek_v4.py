@@ -49,6 +49,7 @@ from flaxlm.models import (
     options,
     rope,
 )
+from flaxlm.models import state_slots as slot_pools
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.deepseek_v4_attention import CSA, HCA, LAYER_TYPES, SLIDING
 
@@ -350,14 +351,14 @@ class DeepseekV4LM(DecoderOnlyModel):
             )
         rows, length = tokens.shape
         fresh = slots[:, 0] == 0
+        # Each row's slot, zeros where it starts its sequence (`state_slots.gather`).
+        rows_of = masks.Decoding(
+            jnp.int32(0), jnp.zeros((rows,), jnp.int32), slots=slots, state_slots=state_slots
+        )
+        own = jax.tree.map(lambda pool: slot_pools.gather(pool, rows_of), cache)
 
         def by_row(x: Array, keep: Array) -> Array:  # `keep` [rows] over x's other axes
             return keep.reshape(-1, *(1,) * (x.ndim - 1))
-
-        own = jax.tree.map(
-            lambda pool: jnp.where(by_row(pool, fresh), 0, pool[state_slots]).astype(pool.dtype),
-            cache,
-        )
 
         def one(held: Any, i: Array) -> tuple[Any, Array]:
             position = slots[:, i]
@@ -383,9 +384,7 @@ class DeepseekV4LM(DecoderOnlyModel):
         starts = jnp.all(fresh | (slots[:, 0] < 0))
         own, hidden = jax.lax.cond(starts, whole, token_by_token, own)
         hidden = hidden[:, None]
-        cache = jax.tree.map(
-            lambda pool, x: pool.at[state_slots].set(x.astype(pool.dtype)), cache, own
-        )
+        cache = jax.tree.map(lambda pool, x: slot_pools.scatter(pool, rows_of, x), cache, own)
         return self._logits_of(params, hidden), cache
 
     def prefill(
