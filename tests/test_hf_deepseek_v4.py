@@ -1,7 +1,8 @@
 """DeepSeek-V4 from and to HuggingFace: logits against transformers' `DeepseekV4ForCausalLM`
 on two tiny random models, files in DeepSeek's spelling read, export reloaded by
 transformers, decoding over the family's cache (the whole rows' logits at every step, HF's
-greedy and beam-search tokens), refusals by name (config.json keys, settings, the paged
+greedy and beam-search tokens; the serving engine's chunk that continues rows' caches, read in
+one pass as one token at a time), refusals by name (config.json keys, settings, the paged
 engine), the gin files, and the multi-token-prediction layer (read from a release-spelled
 file, against transformers' V4 modules composed as DeepSeek's reference `MTPBlock`; its loss
 through the tiny gin file).
@@ -37,6 +38,7 @@ from flaxlm.models import (
     decoding,
     deepseek_v4,
     deepseek_v4_attention,
+    deepseek_v4_cache,
     deepseek_v4_hf,
     hf_spec,
 )
@@ -413,11 +415,14 @@ def assert_cached_logits_are_whole_rows(model, params, prompts, layers):
     whole = np.asarray(jax.jit(model.compute_logits)(params, decoder_batch(ids, mask)))
     theirs = np.stack([whole[row, len(p) - 1 : len(p) + STEPS] for row, p in enumerate(prompts)])
     ours, theirs = ours[..., :VOCAB], theirs[..., :VOCAB]  # not the ids padded on
-    # The same float32 products summed in other orders (keys in a ring, entries pooled one
-    # window at a time): a few eps x sqrt(width) per layer, at the logits' scale.
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=cached_tolerance(layers, theirs))
+
+
+def cached_tolerance(layers: int, theirs: np.ndarray) -> float:
+    """The same float32 products summed in other orders (keys in a ring, entries pooled one
+    window at a time): a few eps x sqrt(width) per layer, at the scale of `theirs`."""
     tol = 8 * np.finfo(np.float32).eps * np.sqrt(COMMON["hidden_size"])
-    tol *= layers * max(1.0, np.abs(theirs).max())
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=tol)
+    return tol * layers * max(1.0, float(np.abs(theirs).max()))
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -485,9 +490,10 @@ def test_beam_search_over_the_cache_is_hf_beam_search(families):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_the_serving_engine_decodes_as_hf_generate_and_resumes_cached_prefixes(families, name):
     """The serving engine (`paged_engine`: 4 rows, prompts read in chunks of 8 across the
-    compressors' windows, 4 tokens a decode dispatch), every layer's cache in state slots:
-    HF's greedy tokens. A prompt that shares 12 tokens (3 pages) with an earlier one resumes
-    from the prefix cache's state snapshot after the first 8 and still gets HF's tokens."""
+    compressors' windows, each in one pass over the rows' caches, 4 tokens a decode dispatch),
+    every layer's cache in state slots: HF's greedy tokens. A prompt that shares 12 tokens
+    (3 pages) with an earlier one resumes from the prefix cache's state snapshot after the
+    first 8 and still gets HF's tokens."""
     torch_model, _, model, params = families(name)
     prompts = prompts_of()
     shared = prompts[2][:12] + [7, 9, 11]
@@ -499,6 +505,106 @@ def test_the_serving_engine_decodes_as_hf_generate_and_resumes_cached_prefixes(f
         assert engine.scheduler.cached_tokens - cached == 8
     want = [hf_greedy_batch(torch_model, [p], STEPS)[0] for p in (*prompts, shared)]
     assert [*first, *again] == want
+
+
+# A chunk of the serving engine that continues each row's cache, 11 tokens (past both
+# sliding windows, 4 and 6, across every compression window, rates 2 and 4, 3 and 8): rows
+# resuming at 5 (inside windows) and at 12 (on their edges; 4 tokens, then padding), a fresh
+# row at 0 (its state slot holding another sequence), a row of padding only.
+CHUNK = 11
+RESUMED = ((5, 9), (12, 4), (0, 11), (-1, 0))  # (first position, real tokens); -1: padding
+HELD = (5, 12, 6, 7)  # the positions each row's state slot holds before the chunk
+
+
+def engine_read(model):
+    """The engine's read (`paged_logits`), jitted: `(params, cache, tokens, slots)` ->
+    (each row's logits after its last real token, the cache), row b in state slot b + 1."""
+
+    @jax.jit
+    def read(params, cache, tokens, slots):
+        rows = tokens.shape[0]
+        last = jnp.maximum((slots >= 0).sum(1) - 1, 0)
+        states = jnp.arange(1, rows + 1, dtype=jnp.int32)
+        table = jnp.zeros((rows, 1), jnp.int32)
+        params = model.decoding_params(params)
+        return model.paged_logits(params, cache, tokens, slots, table, last, state_slots=states)
+
+    return read
+
+
+def one_at_a_time(read, params, cache, tokens, slots):
+    """`tokens` int32 `[rows, length]` at `slots` fed one a dispatch: each row's logits after
+    its last real token (zeros where none) and the cache after them all."""
+    logits = None
+    for i in range(tokens.shape[1]):
+        out, cache = read(params, cache, tokens[:, i : i + 1], slots[:, i : i + 1])
+        logits = np.zeros_like(out) if logits is None else logits
+        logits[slots[:, i] >= 0] = np.asarray(out)[slots[:, i] >= 0]
+    return logits, cache
+
+
+def held(config, cache, last):
+    """`cache`'s leaves with what no later read sees zeroed (ring slots of no position yet,
+    the entries of windows not yet whole), each state slot's last position `last` int32."""
+
+    def keep(path, leaf):
+        names = [key.key for key in path]
+        kind = config.layer_types[int(names[0].split("_")[1])]
+        if names[-1] == "entries":
+            ratio = config.csa_compress_rate if kind == C else config.hca_compress_rate
+            seen = np.arange(leaf.shape[2])[None] < ((last + 1) // ratio)[:, None]
+        else:
+            seen = np.asarray(deepseek_v4_cache.ring_positions(last, leaf.shape[2])) >= 0
+        return np.where(seen[:, None, :, None], np.asarray(leaf), 0)
+
+    return jax.tree_util.tree_map_with_path(keep, cache)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_chunk_that_continues_the_cache_reads_as_its_tokens_one_at_a_time(families, name):
+    """The serving engine's read of a chunk over rows' caches in one pass (`paged_logits`,
+    no loop over the chunk's tokens), rows at different positions (`RESUMED`): each row's
+    logits are those of feeding the chunk one token a dispatch and of reading its whole
+    sequence at once, the cache is theirs where a later read looks, and the row of padding
+    leaves its state slot as it was."""
+    _, _, model, params = families(name)
+    config, layers = model.config, CONFIGS[name]["num_hidden_layers"]
+    rng = np.random.default_rng(6)
+    sequences = [rng.integers(1, VOCAB, n + 11).tolist() for n in HELD]
+    read = engine_read(model)
+    before = np.full((4, max(HELD)), -1, np.int32)
+    for row, n in enumerate(HELD):
+        before[row, :n] = np.arange(n)
+    prefixes = np.array([s[: max(HELD)] for s in sequences], np.int32)
+    prefixes[2] = rng.integers(1, VOCAB, max(HELD))  # another sequence than the chunk's
+    _, cache = one_at_a_time(read, params, model.paged_cache(12, 4, 4, 48), prefixes, before)
+    tokens = np.zeros((4, CHUNK), np.int32)
+    slots = np.full((4, CHUNK), -1, np.int32)
+    for row, (start, n) in enumerate(RESUMED):
+        tokens[row, :n] = sequences[row][start : start + n]
+        slots[row, :n] = start + np.arange(n)
+    # No loop over the chunk's tokens (the hyper-connections' Sinkhorn steps are a scan).
+    scans = set(
+        re.findall(r"\blength=(\d+)", str(jax.make_jaxpr(read)(params, cache, tokens, slots)))
+    )
+    assert str(config.hc_sinkhorn_iters - 1) in scans and str(CHUNK) not in scans
+    ours, ours_cache = read(params, cache, tokens, slots)
+    theirs, theirs_cache = one_at_a_time(read, params, cache, tokens, slots)
+    ours, theirs = np.asarray(ours)[:3, :VOCAB], theirs[:3, :VOCAB]
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=cached_tolerance(layers, theirs))
+    ends = [start + n for start, n in RESUMED[:3]]
+    ids, mask = padded_batch(VOCAB, ends)
+    for row, end in enumerate(ends):
+        ids[row, :end] = sequences[row][:end]
+    whole = np.asarray(jax.jit(model.compute_logits)(params, decoder_batch(ids, mask)))
+    whole = np.stack([whole[row, end - 1, :VOCAB] for row, end in enumerate(ends)])
+    np.testing.assert_allclose(ours, whole, rtol=0, atol=cached_tolerance(layers, whole))
+    last = np.array([-1, *(e - 1 for e in ends), HELD[3] - 1])  # each state slot's
+    kept = (jax.tree.leaves(held(config, c, last)) for c in (ours_cache, theirs_cache))
+    for a, b in zip(*kept, strict=True):
+        np.testing.assert_allclose(a[1:4], b[1:4], rtol=0, atol=cached_tolerance(layers, b))
+    for a, b in zip(jax.tree.leaves(ours_cache), jax.tree.leaves(cache), strict=True):
+        np.testing.assert_array_equal(a[4], b[4])  # the padding row's state slot
 
 
 def test_a_left_padded_or_paged_kv_cache_is_refused_naming_the_model_that_decodes(families):

@@ -21,9 +21,9 @@ has no V4 MTP), run over whole sequences with the rotary at token i + k's positi
 docstring: each layer's sliding window of keys, its compressors' open windows and their
 compressed entries), its rows right-padded so that each row's windows count from its first
 token: `generate`'s greedy, sampling and beam search. The serving engine holds the same
-caches in state slots (no pages: `DeepseekV4LM.paged_cache`): a dispatch whose rows all start
-their sequences reads its prompt chunk whole, any other feeds each row its tokens one at a
-time (`paged_logits`); its prefix cache resumes a prompt from the state snapshot after a
+caches in state slots (no pages: `DeepseekV4LM.paged_cache`) and reads a dispatch in one
+pass, each row from its own position (`paged_logits`: a chunk of a prompt, fresh or resuming
+a sequence, or a step); its prefix cache resumes a prompt from the state snapshot after a
 cached prefix. A plain `DecoderOnlyModel` of the family refuses
 both the left-padded and the paged KV cache of the other families
 (`deepseek_v4_streams.LEFT_PADDED`, `NO_PAGED`).
@@ -338,53 +338,27 @@ class DeepseekV4LM(DecoderOnlyModel):
     ) -> tuple[Array, Any]:
         """The serving engine's read (`CachedDecoding.paged_logits`) over `paged_cache`'s
         pools: each row's cache gathered from its state slot (zeros where the row starts
-        its sequence at position 0), its tokens read, the caches scattered back. Where every
-        row of the dispatch starts its sequence (or is padding), the chunk is read whole as
-        `prefill` reads a prompt; else each row's tokens are fed one at a time as
-        `decode_step` feeds them (the compressors have no path that resumes a window in the
-        middle of a prompt; padding, slot -1, leaves a row's cache as it was).
-        `page_table` and `paged_attention` have nothing to read here."""
+        its sequence at position 0), its tokens read in one pass from its own first slot on
+        (`deepseek_v4_cache`: a prompt's chunk, fresh or resuming, or a decoding step;
+        padding, slot -1, after a row's tokens or filling a row, writes nothing), the caches
+        scattered back. `page_table` and `paged_attention` have nothing to read here."""
         del page_table, paged_attention
         if state_slots is None:
             raise ValueError(
                 "DeepSeek-V4 decodes over the engine's state slots: state_slots is None."
             )
         rows, length = tokens.shape
-        fresh = slots[:, 0] == 0
-        # Each row's slot, zeros where it starts its sequence (`state_slots.gather`).
-        rows_of = masks.Decoding(
-            jnp.int32(0), jnp.zeros((rows,), jnp.int32), slots=slots, state_slots=state_slots
+        # Each row's slot, zeros where it starts its sequence (`state_slots.gather`); length
+        # 0: the cache exists, the read continues it.
+        where = masks.Decoding(
+            jnp.int32(0), jnp.zeros((rows,), jnp.int32), 0, slots=slots, state_slots=state_slots
         )
-        own = jax.tree.map(lambda pool: slot_pools.gather(pool, rows_of), cache)
-
-        def by_row(x: Array, keep: Array) -> Array:  # `keep` [rows] over x's other axes
-            return keep.reshape(-1, *(1,) * (x.ndim - 1))
-
-        def one(held: Any, i: Array) -> tuple[Any, Array]:
-            position = slots[:, i]
-            at = jnp.maximum(position, 0)[:, None]
-            where = masks.Decoding(jnp.int32(0), jnp.zeros((rows,), jnp.int32), 0, slots=at)
-            token = jax.lax.dynamic_index_in_dim(tokens, i, axis=1)
-            hidden, new = self._read(params, held, token, at, None, where)
-            real = position >= 0
-            held = jax.tree.map(lambda n, o: jnp.where(by_row(n, real), n, o), new, held)
-            return held, hidden[:, 0]
-
-        def token_by_token(own: Any) -> tuple[Any, Array]:
-            own, hidden = jax.lax.scan(one, own, jnp.arange(length))  # [length, rows, e]
-            return own, hidden[last, jnp.arange(rows)]
-
-        def whole(own: Any) -> tuple[Any, Array]:
-            real = slots >= 0
-            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens.shape)
-            where = masks.Decoding(jnp.int32(0), jnp.zeros((rows,), jnp.int32), length, slots=slots)
-            hidden, own = self._read(params, own, tokens, positions, real.astype(jnp.int32), where)
-            return own, jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-
-        starts = jnp.all(fresh | (slots[:, 0] < 0))
-        own, hidden = jax.lax.cond(starts, whole, token_by_token, own)
-        hidden = hidden[:, None]
-        cache = jax.tree.map(lambda pool, x: slot_pools.scatter(pool, rows_of, x), cache, own)
+        own = jax.tree.map(lambda pool: slot_pools.gather(pool, where), cache)
+        positions = jnp.maximum(slots[:, :1], 0) + jnp.arange(length, dtype=jnp.int32)
+        real = (slots >= 0).astype(jnp.int32)
+        hidden, own = self._read(params, own, tokens, positions, real, where)
+        hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
+        cache = jax.tree.map(lambda pool, x: slot_pools.scatter(pool, where, x), cache, own)
         return self._logits_of(params, hidden), cache
 
     def prefill(

@@ -26,19 +26,11 @@ Sliding-window layers use the 'main' rotary (`rope_theta`, no scaling), compress
 another segment's tokens, but windows count from the row's start, so a packed example is not
 compressed as it would be alone.
 
-Decoding (`deepseek_v4.DeepseekV4LM`, a contiguous cache): rows are right-padded (each row's
-tokens from position 0, `masks.Decoding.slots` their positions), so that the compressors'
-windows count from each row's first token, and each layer keeps in the `cache` collection
-what the next token reads, each leaf `[batch, 1, slots, width]` (rows in axis `ndim - 4`,
-where `decoding.gather_rows` reorders them for beam search): `sliding_kv` the keys (= values) of the
-`sliding_window` latest positions, a ring (position p in slot p % sliding_window); per
-compressor (and CSA's indexer) `window_kv` / `window_gate` the projections of the open
-window's tokens (CSA: and of the window before it, whose first series the next entry pools:
-a ring of 2 x rate slots) and `entries` the compressed entries, entry w in slot w. A prompt
-is read whole (the sequence's own attention) and fills the caches; a step of one token
-writes its key and projections, pools its window's entry again (read only once the window
-is whole), and attends over the ring and the entries: O(sliding_window + entries) a step,
-what HF's `DeepseekV4HCACache` / `DeepseekV4CSACache` keep.
+Decoding (`deepseek_v4.DeepseekV4LM`, a contiguous cache of its own: `deepseek_v4_cache`):
+a prompt from position 0 is read whole (the sequence's own attention) and fills the caches;
+any other read (a step, a chunk that resumes a sequence) continues them from each row's
+position, its queries over the ring's keys and the chunk's, and over every cached entry
+whose window is whole at the query.
 """
 
 from __future__ import annotations
@@ -52,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxlm.models import attention, layers, masks, mla, rope, sparse_attention
+from flaxlm.models import deepseek_v4_cache as cache
 
 Array = jax.Array
 RopeTables = tuple[Array, Array]  # float32 (sin, cos) [batch, length, qk_rope_head_dim // 2]
@@ -114,58 +107,6 @@ class GroupedLinear(nn.Module):
         return jnp.einsum("...gi,gio->...go", x.astype(dtype), kernel.astype(dtype))
 
 
-CACHE_AXES = ("batch", None, None, None)  # every cache leaf: [batch, 1, slots, width]
-
-
-def ring_positions(last: Array, size: int) -> Array:
-    """int32 `[batch, size]`: the position each slot of a ring of `size` slots holds once the
-    positions up to `last` int32 `[batch]` are written (position p in slot p % size;
-    negative: none yet)."""
-    last = last[:, None]
-    return last - (last - jnp.arange(size, dtype=jnp.int32)) % size
-
-
-def cache_variable(
-    module: nn.Module, name: str, shape: tuple[int, ...], dtype: Any, decoding: masks.Decoding
-) -> Any:
-    """`module`'s decoding-cache variable `name` (`[batch, 1, slots, width]`), zeros when
-    the prompt's reading makes it (`decoding.length`: the positions it covers)."""
-    if decoding.length < 1 and not module.has_variable("cache", name):
-        raise ValueError(
-            f"{module.name} has no cached {name!r}: a decoding step follows the prefill that "
-            "makes the cache (DeepseekV4LM.prefill)."
-        )
-    return module.variable("cache", name, jnp.zeros, shape, layers.as_dtype(dtype))
-
-
-def store(variable: Any, value: Array) -> Array:
-    """`value` written as the cache `variable`'s (its dtype, rows over the batch axes)."""
-    variable.value = layers.constrain(value.astype(variable.value.dtype), CACHE_AXES)
-    return variable.value
-
-
-def read_prompt(
-    module: nn.Module, name: str, x: Array, size: int, decoding: masks.Decoding
-) -> None:
-    """Keeps in `module`'s ring `name` `[batch, 1, size, width]` the `size` latest of the
-    prompt's `x` `[batch, length, width]` (each row's end: its largest `decoding.slots`)."""
-    last = jnp.max(decoding.slots, axis=1)
-    take = jnp.maximum(ring_positions(last, size), 0)[..., None]
-    ring = cache_variable(module, name, (x.shape[0], 1, size, x.shape[-1]), x.dtype, decoding)
-    store(ring, jnp.take_along_axis(x, take, axis=1)[:, None])
-
-
-def write_step(
-    module: nn.Module, name: str, x: Array, position: Array, size: int, decoding: masks.Decoding
-) -> Array:
-    """Writes a step's `x` `[batch, 1, width]` at `position` int32 `[batch]` of `module`'s
-    ring `name`: the ring `[batch, size, width]`."""
-    shape = (x.shape[0], 1, size, x.shape[-1])
-    ring = cache_variable(module, name, shape, x.dtype, decoding)
-    at = (jnp.arange(x.shape[0]), 0, position % size)
-    return store(ring, ring.value.at[at].set(x[:, 0].astype(ring.value.dtype)))[:, 0]
-
-
 def pool(kv: Array, gate: Array, norm: nn.Module, starts: Array, cfg: Any) -> Array:
     """Entries `[batch, n, dim]` of the windows `kv` `[batch, n, span, dim]`, weighted by a
     float32 softmax of `gate` (position bias added; -inf: not pooled) over each window,
@@ -187,6 +128,24 @@ def overlapped(
     )
 
 
+def pool_series(
+    kv: Array, gate: Array, bias: Array, norm: nn.Module, first: Array, overlap: bool, cfg: Any
+) -> tuple[Array, Array]:
+    """The entries `[batch, m, dim]` of consecutive windows `kv`, `gate` `[batch, n, ratio,
+    width]` (the position bias added to `gate`), window `first` int32 `[batch]` the first
+    (a negative window pools nothing), and int32 `[batch, m]` the windows they are: each
+    window's (m = n), or with `overlap` each entry pooling the window before it too (m = n - 1,
+    the first window read only so)."""
+    ratio = kv.shape[2]
+    windows = first[:, None] + jnp.arange(kv.shape[1], dtype=jnp.int32)
+    gate = jnp.where((windows >= 0)[..., None, None], gate.astype(jnp.float32) + bias, -jnp.inf)
+    if overlap:  # [batch, n - 1, 2 x ratio, dim]: window w - 1's first series, then w's second
+        dim = kv.shape[-1] // 2
+        kv, gate = overlapped(kv[:, 1:], gate[:, 1:], kv[:, :-1], gate[:, :-1], dim)
+        windows = windows[:, 1:]
+    return pool(kv, gate, norm, windows * ratio, cfg), windows
+
+
 def pooled_windows(
     module: nn.Module,
     h: Array,
@@ -196,16 +155,15 @@ def pooled_windows(
     eps: float,
     cfg: Any,
     decoding: masks.Decoding | None = None,
-    positions: Array | None = None,
 ) -> Array | None:
     """float32-pooled compressed entries `[batch, windows, dim]` of `h` `[batch, length,
     embed]`, with their params (`kv_proj`, `gate_proj`, `position_bias`, `kv_norm`) in
     `module`'s scope, rotated at each window's first position; None when the sequence holds
     no whole window. `overlap`: two series per token, entry w pooling window w's second and
-    window w - 1's first (CSA). While `decoding` (module docstring), a prompt also keeps its
-    open window's projections and its entries in `module`'s cache, and a step of one token
-    (at `positions` `[batch, 1]`) gives every cached entry (`[batch, slots, dim]`, the
-    unclosed ones to be hidden: `visible_entries`)."""
+    window w - 1's first (CSA). While `decoding` (`deepseek_v4_cache`), a prompt also keeps
+    its open window's projections and its entries in `module`'s cache, and a read that
+    continues the cache gives every cached entry (`[batch, slots, dim]`, those of windows
+    not yet whole to be hidden: `visible_entries`)."""
     batch, length, _ = h.shape
     n = length // ratio
     width = 2 * dim if overlap else dim
@@ -222,62 +180,32 @@ def pooled_windows(
     if decoding is not None:
         span = 2 * ratio if overlap else ratio  # the open window (CSA: and the one before)
         slots = -(-decoding.length // ratio)  # entry w in slot w
-        entries = cache_variable(module, "entries", (batch, 1, slots, dim), cfg.dtype, decoding)
-        if length == 1:
-            projected = (kv, gate, bias, norm)
-            return step_entries(module, projected, entries, ratio, overlap, positions, decoding)
-        read_prompt(module, "window_kv", kv, span, decoding)
-        read_prompt(module, "window_gate", gate, span, decoding)
+        entries = cache.cache_variable(
+            module, "entries", (batch, 1, slots, dim), cfg.dtype, decoding
+        )
+        if decoding.length == 0:  # continue the cache from each row's start
+            kv = cache.window_series(module, "window_kv", kv, ratio, span, decoding)
+            gate = cache.window_series(module, "window_gate", gate, ratio, span, decoding)
+            start, last = cache.chunk_bounds(decoding)
+            first = start // ratio - (span // ratio - 1)
+            pooled, windows = pool_series(kv, gate, bias, norm, first, overlap, cfg)
+            return cache.write_entries(entries, pooled, windows, last >= start)
+        cache.read_prompt(module, "window_kv", kv, span, decoding)
+        cache.read_prompt(module, "window_gate", gate, span, decoding)
     if n == 0:
         if module.is_initializing():  # its params exist whatever the length
             norm(jnp.zeros((1, 1, dim), jnp.float32))
         return None
     kv = kv[:, : n * ratio].reshape(batch, n, ratio, width)
-    gate = gate[:, : n * ratio].reshape(batch, n, ratio, width).astype(jnp.float32) + bias
-    if overlap:  # [batch, n, 2 * ratio, dim]: window w - 1's first series, then w's second
+    gate = gate[:, : n * ratio].reshape(batch, n, ratio, width)
+    first = jnp.zeros((batch,), jnp.int32)
+    if overlap:  # a window -1 before the first, pooled from nothing
         before = ((0, 0), (1, 0), (0, 0), (0, 0))
-        earlier_gate = jnp.pad(gate[:, :-1], before, constant_values=-jnp.inf)
-        kv, gate = overlapped(kv, gate, jnp.pad(kv[:, :-1], before), earlier_gate, dim)
-    starts = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) * ratio, (batch, n))
-    pooled = pool(kv, gate, norm, starts, cfg)
+        kv, gate, first = jnp.pad(kv, before), jnp.pad(gate, before), first - 1
+    pooled, windows = pool_series(kv, gate, bias, norm, first, overlap, cfg)
     if decoding is not None:  # windows past a row's end are rewritten before they are read
-        store(entries, entries.value.at[:, 0, :n].set(pooled.astype(entries.value.dtype)))
+        cache.write_entries(entries, pooled, windows, jnp.ones((batch,), bool))
     return pooled
-
-
-def step_entries(
-    module: nn.Module,
-    projected: tuple[Array, Array, Array, nn.Module],
-    entries: Any,
-    ratio: int,
-    overlap: bool,
-    positions: Array,
-    decoding: masks.Decoding,
-) -> Array:
-    """A step's cached `entries` (the variable `[batch, 1, slots, dim]`) `[batch, slots,
-    dim]`: its token's `projected` (kv, gate `[batch, 1, width]`, the position bias and the
-    norm) written into the open window, whose entry is pooled again (whole once the step
-    closes it)."""
-    kv, gate, bias, norm = projected
-    dim = entries.value.shape[-1]
-    position = positions[:, 0]
-    span = 2 * ratio if overlap else ratio
-    kv_ring = write_step(module, "window_kv", kv, position, span, decoding)
-    gate_ring = write_step(module, "window_gate", gate, position, span, decoding)
-    window = position // ratio
-
-    def read(ring: Array, w: Array) -> Array:  # [batch, 1, ratio, width]: window w's tokens
-        slots = (w % (span // ratio) * ratio)[:, None] + jnp.arange(ratio)
-        return jnp.take_along_axis(ring, slots[..., None], axis=1)[:, None]
-
-    kv, gate = read(kv_ring, window), read(gate_ring, window).astype(jnp.float32) + bias
-    if overlap:  # the first window pools nothing before it
-        earlier_gate = read(gate_ring, window + 1).astype(jnp.float32) + bias
-        earlier_gate = jnp.where((window > 0)[:, None, None, None], earlier_gate, -jnp.inf)
-        kv, gate = overlapped(kv, gate, read(kv_ring, window + 1), earlier_gate, dim)
-    entry = pool(kv, gate, norm, (window * ratio)[:, None], module.config)
-    at = (jnp.arange(kv.shape[0]), 0, window)
-    return store(entries, entries.value.at[at].set(entry[:, 0].astype(entries.value.dtype)))[:, 0]
 
 
 def visible_entries(
@@ -319,7 +247,7 @@ class Indexer(nn.Module):
     ) -> Array:
         cfg = self.config
         heads, dim, rate = cfg.index_n_heads, cfg.index_head_dim, cfg.csa_compress_rate
-        keys = pooled_windows(self, h, dim, rate, True, cfg.rms_norm_eps, cfg, decoding, positions)
+        keys = pooled_windows(self, h, dim, rate, True, cfg.rms_norm_eps, cfg, decoding)
         q = layers.DenseGeneral(
             (heads, dim), (mla.LATENT_IN, "heads", "head_dim"), name="q_b_proj",
             dtype=cfg.dtype, param_dtype=cfg.param_dtype,
@@ -353,8 +281,8 @@ class IndexerScorer(nn.Module):
 class Compressor(nn.Module):
     """A compressing layer's entries (HF's `self_attn.compressor`): `(h, q_latent,
     positions, segment_ids, decoding)` -> (entries `[batch, windows, head_dim]` or None, bool
-    `[batch, length, windows]` the entries each query reads); a decoding step's are every
-    cached entry, those of windows not yet whole hidden."""
+    `[batch, length, windows]` the entries each query reads); a read that continues the
+    cache gets every cached entry, those of windows not yet whole hidden."""
 
     config: Any
     kind: str  # CSA or HCA
@@ -371,9 +299,7 @@ class Compressor(nn.Module):
         cfg = self.config
         csa = self.kind == CSA
         ratio = cfg.csa_compress_rate if csa else cfg.hca_compress_rate
-        entries = pooled_windows(
-            self, h, cfg.head_dim, ratio, csa, cfg.rms_norm_eps, cfg, decoding, positions
-        )
+        entries = pooled_windows(self, h, cfg.head_dim, ratio, csa, cfg.rms_norm_eps, cfg, decoding)
         n = 0 if entries is None else entries.shape[1]
         visible = visible_entries(positions, segment_ids, n, ratio, csa)
         if csa:
@@ -384,8 +310,8 @@ class Compressor(nn.Module):
 class DeepseekV4Attention(nn.Module):
     """`(h, mask, main, compress, positions, decoding)` -> `[batch, length, embed]`: the
     layer's `kind` of attention (module docstring), `main` and `compress` the two rotaries'
-    tables at the tokens' positions; `decoding` (None: a whole sequence) reads or fills the
-    cache (module docstring). Params are HF's names (`q_a_proj`, `q_a_norm`, `q_b_proj`,
+    tables at the tokens' positions; `decoding` (None: a whole sequence) fills or continues
+    the cache (`deepseek_v4_cache`). Params are HF's names (`q_a_proj`, `q_a_norm`, `q_b_proj`,
     `kv_proj`, `kv_norm`, `sinks`, `o_a_proj`, `o_b_proj`, `compressor`)."""
 
     config: Any
@@ -416,19 +342,16 @@ class DeepseekV4Attention(nn.Module):
         kv = layers.DenseGeneral(dim, ("embed", "head_dim"), name="kv_proj", **dense)(h)
         kv = layers.RMSNorm(eps, axes=("head_dim",), name="kv_norm", **dense)(kv)
         kv = rotate_tail(kv[:, :, None], sin, cos)  # [batch, length, 1, dim]: key = value
-        step = decoding is not None and h.shape[1] == 1
-        if step:  # the window's keys from the ring, the new one written
+        resume = decoding is not None and decoding.length == 0  # continues the cache
+        if resume:  # the ring's keys, then the chunk's: [batch, 1, length, window + length]
             window = cfg.sliding_window
-            kv = write_step(self, "sliding_kv", kv[:, :, 0], positions[:, 0], window, decoding)[
-                :, :, None
-            ]
-            keep = (ring_positions(positions[:, 0], window) >= 0)[:, None, None]
+            kv, keep = cache.sliding_keys(self, kv[:, :, 0], positions, window, decoding)
         else:  # [batch, 1, length, length]
             keep = mask.dense()
             if decoding is not None:
-                read_prompt(self, "sliding_kv", kv[:, :, 0], cfg.sliding_window, decoding)
-        if self.kind != SLIDING:  # a step's row is one sequence: no segments
-            segment_ids = None if step else mask.q_segment_ids
+                cache.read_prompt(self, "sliding_kv", kv[:, :, 0], cfg.sliding_window, decoding)
+        if self.kind != SLIDING:  # a continuing read's row is one sequence: no segments
+            segment_ids = None if resume else mask.q_segment_ids
             entries, visible = Compressor(cfg, self.kind, name="compressor")(
                 h, q_latent, positions, segment_ids, decoding
             )
