@@ -56,6 +56,9 @@ EXTRAS_REQUIRE = {
         "peft==0.21.2",
         # libtpu, for test_benchmarks' FSDP collectives compiled for a TPU slice (no TPU).
         "jax[tpu]==0.10.2",
+        # XLA:GPU, for test_plan's plan of a GPU cluster compiled with no GPU (gpu-compile).
+        "jax-cuda12-plugin==0.10.2",
+        "jax-cuda12-pjrt==0.10.2",
     ],
     # libtpu of the pinned jax: TPU training, and ahead-of-time compiles for a TPU slice
     # on any host (benchmarks' --tpu-topology).

@@ -560,6 +560,7 @@ def held(config, cache, last):
     return jax.tree_util.tree_map_with_path(keep, cache)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_a_chunk_that_continues_the_cache_reads_as_its_tokens_one_at_a_time(families, name):
     """The serving engine's read of a chunk over rows' caches in one pass (`paged_logits`,

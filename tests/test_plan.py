@@ -236,6 +236,90 @@ def test_loop_traffic_charges_slices_and_in_place_updates_and_lists_branches_apa
     assert traffic.iteration_bytes(kernels, max) >= 2 * whole  # sin: the buffer in and out
 
 
+def test_replica_groups_in_each_of_xlas_spellings():
+    """`hlo.replica_groups`: explicit groups, the iota spelling, and the mesh-axes spelling
+    XLA:GPU prints (with the device order as an iota tile assignment), and a permute's
+    source-target pairs; `spans_hosts` says which cross a host boundary."""
+    groups = hlo.replica_groups
+    assert groups("replica_groups={{0,1},{2,3}}, dimensions={0}", 4) == [[0, 1], [2, 3]]
+    assert groups("replica_groups={}, to_apply=%add", 4) == [[0, 1, 2, 3]]
+    assert groups("replica_groups=[2,4]<=[8]", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # 16 devices, 2 hosts of 8 (an fsdp axis of 8 inside each host): the all-gather over fsdp
+    # as XLA:GPU prints it, and the gradient's all-reduce over every device.
+    gather = (
+        "replica_groups=mesh['axis_0'=8,'axis_1'=1,'axis_2'=2], device_ids=([2,8]T(1,0)) "
+        "{'axis_0'}, dimensions={0}"
+    )
+    assert groups(gather, 16) == [list(range(8)), list(range(8, 16))]
+    assert groups("replica_groups=mesh['axis_0'=16,'axis_1'=1] {'axis_0'}", 16) == [list(range(16))]
+    assert groups("replica_groups=mesh['a'=2,'b'=4] {'a'}", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups("source_target_pairs={{0,1},{1,2}}", 4) == [[0, 1], [1, 2]]
+    assert groups("dimensions={0}", 4) is None
+    assert hlo.group_size(gather, 16) == 8
+    hosts = [0] * 8 + [1] * 8
+    assert not hlo.spans_hosts(groups(gather, 16), hosts)
+    assert hlo.spans_hosts([[0, 8], [1, 9]], hosts)
+    assert not hlo.spans_hosts([[0, 8]], None) and not hlo.spans_hosts([[0, 8]], [0] * 16)
+
+
+# XLA:GPU's async collectives (abridged from a step compiled for 2 hosts of 8 H100s,
+# `aot.gpu_devices("h100", 8, 2)`): all-to-all, all-gather and a ragged all-to-all (printed
+# with no metadata) inside each host, the psum over the hosts; each `-start` typed as XLA:GPU
+# types it (the all-reduce's is its result; the others' hold operands then results), each
+# `-done` waiting on it.
+GPU_CLUSTER_HLO = """HloModule jit_body, entry_computation_layout={()->bf16[64,256]{1,0}}
+
+%fused_negate (p0: bf16[64,256]) -> bf16[64,256] {
+  %p0 = bf16[64,256]{1,0} parameter(0)
+  ROOT %negate = bf16[64,256]{1,0} negate(%p0)
+}
+
+%region_0.0 (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %add = bf16[] add(%a, %b)
+}
+
+ENTRY %main (param.2: bf16[64,256], param.3: bf16[32,256], o: s64[8]) -> bf16[64,256] {
+  %param.2 = bf16[64,256]{1,0} parameter(0)
+  %param.3 = bf16[32,256]{1,0} parameter(1)
+  %o = s64[8]{0} parameter(2)
+  %all-gather-start = (bf16[32,256]{1,0}, bf16[256,256]{1,0}) all-gather-start(%param.3), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7},{8,9,10,11,12,13,14,15}}, dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(body)/shard_map/all_gather"}
+  %all-gather-done = bf16[256,256]{1,0} all-gather-done(%all-gather-start)
+  %all-to-all-start = ((bf16[64,256]{1,0}), bf16[64,256]{1,0}) all-to-all-start(%param.2), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7},{8,9,10,11,12,13,14,15}}, dimensions={0}, metadata={op_name="jit(body)/shard_map/all_to_all"}
+  %all-to-all-done = bf16[64,256]{1,0} all-to-all-done(%all-to-all-start)
+  %fusion = bf16[64,256]{1,0} fusion(%all-to-all-done), kind=kLoop, calls=%fused_negate
+  %ragged-all-to-all-start = ((bf16[64,256]{1,0}, bf16[64,256]{1,0}, s64[8]{0}, s64[8]{0}, s64[8]{0}, /*index=5*/s64[8]{0}), bf16[64,256]{1,0}) ragged-all-to-all-start(%fusion, %param.2, %o, %o, %o, /*index=5*/%o), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7},{8,9,10,11,12,13,14,15}}
+  %ragged-all-to-all-done = bf16[64,256]{1,0} ragged-all-to-all-done(%ragged-all-to-all-start)
+  %all-reduce-start = bf16[64,256]{1,0} all-reduce-start(%fusion), channel_id=1, replica_groups={{0,8},{1,9},{2,10},{3,11},{4,12},{5,13},{6,14},{7,15}}, use_global_device_ids=true, to_apply=%region_0.0, metadata={op_name="jit(body)/shard_map/psum_invariant"}
+  ROOT %all-reduce-done = bf16[64,256]{1,0} all-reduce-done(%all-reduce-start)
+}
+"""  # noqa: E501
+
+
+def test_a_gpu_clusters_async_collectives_are_counted_and_those_between_hosts_apart():
+    out = hlo.parse_hlo(GPU_CLUSTER_HLO, 16, [0] * 8 + [1] * 8)
+    assert out["unparsed"] == []
+    by_kind = out["by_kind"]
+    gathered, moved, reduced = 256 * 256 * 2, 64 * 256 * 2, 64 * 256 * 2
+    assert by_kind["all-gather"]["ring_bytes"] == pytest.approx(gathered * 7 / 8)
+    assert by_kind["all-to-all"]["ring_bytes"] == pytest.approx(moved * 7 / 8)
+    assert by_kind["all-reduce"]["ring_bytes"] == pytest.approx(reduced)  # 2 (n - 1) / n, n = 2
+    assert out["host_ring_bytes"] == pytest.approx(reduced)  # only the psum leaves a host
+    assert by_kind["ragged-all-to-all"]["ring_bytes"] == pytest.approx(moved * 7 / 8)
+    assert by_kind["all-to-all"]["host_ring_bytes"] == 0
+    # The MoE layers' own (in a shard_map): the ragged one though XLA:GPU names no op.
+    moe = hlo.shard_map_collectives(GPU_CLUSTER_HLO, 16)
+    assert set(moe) >= {"all-gather", "all-to-all", "ragged-all-to-all"}
+    assert "all-reduce" in moe  # (the psum is the shard_map's too)
+    # One host: nothing crosses. The kernels' bytes (a done moves nothing of its own).
+    assert hlo.parse_hlo(GPU_CLUSTER_HLO, 16)["host_ring_bytes"] == 0
+    starts = 32 * 256 * 2 + gathered + 2 * moved + 2 * reduced  # operands in, results out
+    ragged = 3 * moved + 4 * 8 * 8  # input, output buffer and offsets in, the output out
+    assert traffic.program_bytes(GPU_CLUSTER_HLO) == starts + ragged + 2 * moved  # + fusion
+
+
 def test_gpu_targets_describe_the_chip_and_an_unknown_one_is_named():
     """`aot.GPU_TARGETS`: the target description XLA:GPU compiles from (benchmarks/
     decode_hlo.py compiles with it, given JAX's CUDA plugin) carries the chip's roofline."""
@@ -328,10 +412,48 @@ def test_command_line_plans_measures_and_prints_overrides_that_parse(tmp_path):
         gin.clear_config()
 
 
-def test_command_line_bad_topology_is_a_clear_error():
-    proc = run_plan("--gin_file=gin/gptj_pretrain.gin", "--topology=v5z")
+@pytest.mark.parametrize("topology", ["v5z", "h100:0x8"])
+def test_command_line_bad_topology_is_a_clear_error(topology):
+    proc = run_plan("--gin_file=gin/gptj_pretrain.gin", f"--topology={topology}")
     assert proc.returncode == 2
-    assert "error: --topology='v5z'" in proc.stderr and "Traceback" not in proc.stderr
+    assert f"error: --topology='{topology}'" in proc.stderr and "Traceback" not in proc.stderr
+    assert "h100:16x8" in proc.stderr  # the spellings it takes
+
+
+@pytest.mark.slow
+def test_command_line_plans_for_a_cluster_of_gpu_hosts(tmp_path):
+    """`--topology=h100:2x8` (XLA:GPU, no GPU): qwen3_moe_tiny over 2 hosts of 8, data
+    across the hosts and the experts inside each. XLA:GPU's cost analysis of such a program
+    is empty, so FLOPs and bytes are read off the HLO; the collectives between hosts are
+    priced at the network's rate: the gradients' reduction over `data` crosses it, the
+    experts' all-to-alls stay on NVLink."""
+    out = tmp_path / "plan.json"
+    proc = run_plan(
+        "--gin_file=gin/runs/pretrain.gin",
+        "--gin_file=gin/models/qwen3_moe_tiny.gin",
+        "--gin_file=gin/partitioning/fsdp.gin",
+        "--gin.MODEL_DIR='/tmp/unused'",
+        "--gin.MIXTURE_OR_TASK_NAME='stdlib_py'",
+        "--gin.TRAIN_STEPS=1",
+        "--gin.BATCH_SIZE=16",
+        "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+        "--gin.QwenMoeConfig.moe_dispatch='all_to_all'",
+        "--gin.planner.plan.meshes=[(2, 1, 8, 1)]",
+        "--topology=h100:2x8",
+        "--max_candidates=1",
+        f"--json={out}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "16 x NVIDIA H100 80GB HBM3" in proc.stdout
+    assert "(2 hosts: 50 GB/s between them)" in proc.stdout
+    assert "Traceback" not in proc.stderr
+    (row,) = [c for c in json.loads(out.read_text())["candidates"] if c["status"] == "fits"]
+    assert row["moe_dispatch"] == "all_to_all" and row["flops"] > 0 and row["bytes_accessed"] > 0
+    assert 0 < row["host_collective_bytes"] < row["collective_bytes"]
+    moe = row["moe_collectives"]["all-to-all"]
+    assert moe["ring_bytes"] > 0 and moe["host_ring_bytes"] == 0
+    network = row["host_collective_bytes"] / chips.CHIPS["h100"].host_link_bytes_per_s
+    assert row["predicted_s"] >= network
 
 
 @pytest.mark.slow
@@ -408,6 +530,24 @@ def test_an_moe_model_is_planned_over_an_expert_axis():
     assert report.overrides(p.run, ep.knobs)[0] == (
         "--gin.Partitioner.mesh_axis_names=\"('data', 'fsdp', 'expert', 'tensor')\""
     )
+
+
+@pytest.mark.slow
+def test_a_microbatched_step_of_unlike_layers_is_priced_as_its_one_batch_twin():
+    """Unscanned microbatches count as the step they split: FLOPs of 2 microbatches equal
+    one batch's, for a model whose first layers are dense and wide (DeepSeek-V3's kind)
+    and whose 1- and 2-layer cuts would hold those alone."""
+    run = tiny_moe_run()
+    config = dataclasses.replace(
+        run.model.config, num_layers=3, mlp_only_layers=(0, 1), intermediate_size=1024
+    )
+    run = dataclasses.replace(run, model=DecoderOnlyModel(config), batch_size=16)
+    p = planner.Planner(run, jax.devices(), CHIP)
+    one = p.evaluate(p.run.base)
+    two = p.evaluate(dataclasses.replace(p.run.base, num_microbatches=2))
+    assert one.status == two.status == "fits", (one.reason, two.reason)
+    assert two.flops == pytest.approx(one.flops, rel=0.05)
+    assert two.step.cost()["flops"] < 0.7 * one.flops  # the loop's body counted once
 
 
 def moe_gin_run(bindings: Sequence[str] = ()) -> tuple[Any, Any]:

@@ -14,11 +14,22 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import re
 import sys
 
 # The GPU plugins JAX discovers (module names under the `jax_plugins` namespace package, e.g.
 # xla_cuda12 from jax[cuda12]) and the platform each registers.
 _GPU_PLUGIN_PLATFORMS = {"cuda": "cuda", "rocm": "rocm"}
+
+# The targets flaxlm compiles for ahead of time (`flaxlm.plan.aot.target_devices`), named here
+# so that a command line is checked before JAX starts.
+TOPOLOGY_HELP = (
+    "a TPU slice as <generation>:<chips per dimension> (v5e:2x4, v5p:2x2x2), NVIDIA GPUs as "
+    "<gpu>:<hosts>x<gpus per host> or <gpu>:<gpus> for one host (h100:16x8, h200:8), cpu:N "
+    "(N CPU devices of this process) or `this` (the devices JAX runs on here)"
+)
+TPU_TOPOLOGY_RE = re.compile(r"v\d+[a-z]*:\d+(x\d+)*")
+GPU_TOPOLOGY_RE = re.compile(r"(h100|h200):([1-9]\d*)(?:x([1-9]\d*))?")
 
 
 def tpu_attached() -> bool:
@@ -50,10 +61,14 @@ def _installed_plugin_platforms() -> list[str] | None:
         if not known:
             return None
         platforms += known
-    # JAX skips `cuda` itself when no NVIDIA device is visible, but a ROCm plugin registers
-    # nothing without an AMD GPU, and listing an unregistered platform is an error.
+    # A ROCm plugin registers nothing without an AMD GPU, and listing an unregistered
+    # platform is an error; the CUDA plugin started with no NVIDIA GPU (flaxlm[gpu-compile] on
+    # a CPU host, to compile for GPUs) logs a traceback and is skipped: neither is listed
+    # where its device nodes are absent (/dev/dxg: WSL's GPUs).
     if not os.path.exists("/dev/kfd"):
         platforms = [p for p in platforms if p != "rocm"]
+    if not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/dxg")):
+        platforms = [p for p in platforms if p != "cuda"]
     return list(dict.fromkeys(platforms))
 
 

@@ -24,8 +24,8 @@ def translate(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     p.add_argument(
         "--topology",
         default="this",
-        help="compile for: a TPU slice (v5e:2x4, v5p:2x2x2; libtpu, none attached), cpu:N "
-        "(N CPU devices of this process) or this (the devices JAX runs on here)",
+        help="compile for: " + platforms.TOPOLOGY_HELP + " (TPU: libtpu, GPU: the CUDA "
+        "plugin, neither attached)",
     )
     p.add_argument("--max_candidates", type=int, default=24, help="compile at most this many")
     p.add_argument("--budget_s", type=float, default=900.0, help="stop compiling after this")
@@ -50,6 +50,10 @@ def translate(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     m = re.fullmatch(r"cpu:(\d+)", args.topology)
     if m:
         env["XLA_FLAGS"] = platforms.host_device_flags(int(m.group(1)))
+    if platforms.GPU_TOPOLOGY_RE.fullmatch(args.topology):
+        # compiled for, not run: JAX starts on the CPU (the CUDA plugin compiles all the same;
+        # started as a backend on a host without a GPU it fails and takes the compiler with it)
+        env["JAX_PLATFORMS"] = "cpu"
     return [*rest, "--gin_file=runs/plan.gin", *bindings], env
 
 
@@ -59,11 +63,9 @@ def check_topology(topology: str) -> str | None:
     m = re.fullmatch(r"cpu:(\d+)", topology)
     if m and int(m.group(1)) < 1:
         return f"--topology={topology!r}: cpu:N compiles for N >= 1 CPU devices, e.g. cpu:8."
-    if not m and topology != "this" and not re.fullmatch(r"v\d+[a-z]*:\d+(x\d+)*", topology):
-        return (
-            f"--topology={topology!r}: expected a TPU slice as <generation>:<chips per "
-            "dimension> (v5e:2x4, v5p:2x2x2), cpu:N (N >= 1 CPU devices) or `this`."
-        )
+    named = (platforms.TPU_TOPOLOGY_RE, platforms.GPU_TOPOLOGY_RE)
+    if not m and topology != "this" and not any(r.fullmatch(topology) for r in named):
+        return f"--topology={topology!r}: expected {platforms.TOPOLOGY_HELP}."
     return None
 
 

@@ -5,15 +5,17 @@ shardings) and the batch is abstract too, so nothing is allocated at full size: 
 flaxlm's own (`make_train_step` partitioned by `Setup.partition_train_step`), lowered and
 compiled. The targets (`target_devices`): a TPU slice by name (libtpu compiles for it on
 any host, as MaxText's train_compile.py does), `cpu:N` (this process's CPU devices), or
-`this` (whatever JAX runs on here). Shared by the planner and the compile-only benchmarks.
-NVIDIA GPUs of one host (`gpu_devices`: XLA:GPU compiles for them with no GPU attached, from
-a description of the chip) are for the benchmarks that read a compiled program's HLO
-(decode_hlo.py): XLA's cost analysis of such a program is empty, which the planner needs.
+`this` (whatever JAX runs on here), or a cluster of NVIDIA GPUs (`gpu_devices`: XLA:GPU
+compiles for them with no GPU attached, from a description of the chip, hosts of 8 as
+`h100:16x8`). Shared by the planner and the compile-only benchmarks. XLA's cost analysis of
+a compile-only GPU program is empty: `CompiledStep.cost` reads its FLOPs and bytes off the
+HLO instead (`hlo.matmul_costs`, `traffic.program_bytes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -27,7 +29,7 @@ import optax
 from flaxlm.models.batch_shapes import batch_shapes_from
 from flaxlm.parallel import platforms, pytrees
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.plan import hlo
+from flaxlm.plan import hlo, traffic
 from flaxlm.training import lora as lora_lib
 from flaxlm.training import objective as objective_lib
 from flaxlm.training import optimizers, steps
@@ -36,10 +38,13 @@ LIBTPU_HINT = (
     "compiling for a TPU topology needs libtpu, the TPU compiler: pip install 'flaxlm[tpu]' "
     "(jax[tpu] of the pinned jax), or point TPU_LIBRARY_PATH at a libtpu.so"
 )
-TOPOLOGY_HELP = (
-    "a TPU slice as <generation>:<chips per dimension> (v5e:2x4, v5p:2x2x2), cpu:N (N CPU "
-    "devices of this process) or `this` (the devices JAX runs on here)"
-)
+TOPOLOGY_HELP = platforms.TOPOLOGY_HELP
+
+
+class MissingCompilerError(ValueError):
+    """The compiler for the named target is not installed (what to install is said)."""
+
+
 CUDA_HINT = (
     "compiling for an NVIDIA GPU needs XLA:GPU, JAX's CUDA plugin: pip install "
     "'flaxlm[gpu-compile]' (jax-cuda12-plugin and jax-cuda12-pjrt of the pinned jax; no CUDA "
@@ -107,20 +112,30 @@ GPU_TARGETS: dict[str, GpuTarget] = {
 }
 
 
-def gpu_devices(name: str, count: int = 1) -> list[Any]:
-    """Compile-only devices of `count` GPUs of one host, of a `GPU_TARGETS` kind: XLA:GPU
-    compiles for them here with no GPU, driver or CUDA library (the kernels are generated,
-    not run; autotuning, which needs the device, is left out: XLA's defaults stand in)."""
+def gpu_devices(name: str, count: int = 1, hosts: int = 1) -> list[Any]:
+    """Compile-only devices of `hosts` hosts of `count` GPUs each, of a `GPU_TARGETS` kind
+    (device i on host i // count, its `process_index`): XLA:GPU compiles for them here with
+    no GPU, driver or CUDA library (the kernels are generated, not run; autotuning, which
+    needs the device, is left out: XLA's defaults stand in). The collectives between hosts
+    are NCCL's as on the cluster; which links they cross is for the caller to price."""
     from jax.experimental import topologies
 
     if name not in GPU_TARGETS:
         raise ValueError(f"GPU {name!r}: expected one of {sorted(GPU_TARGETS)}.")
     try:
         topology = topologies.get_topology_desc(
-            platform="cuda", topology=f"1x1x{count}", target_config=GPU_TARGETS[name].config_text()
+            platform="cuda",
+            topology=f"1x{hosts}x{count}",
+            target_config=GPU_TARGETS[name].config_text(),
         )
     except (KeyError, NotImplementedError) as e:  # no CUDA plugin: no topology factory
-        raise RuntimeError(f"{name}:{count}: {CUDA_HINT}.") from e
+        if importlib.util.find_spec("jax_plugins.xla_cuda12") is not None:
+            # the plugin is there, but started as a backend on a host without a GPU it fails
+            raise MissingCompilerError(
+                f"{name}:{hosts}x{count}: JAX's CUDA plugin could not start here; compile "
+                "with JAX_PLATFORMS=cpu (python -m flaxlm.plan sets it)."
+            ) from e
+        raise MissingCompilerError(f"{name}:{hosts}x{count}: {CUDA_HINT}.") from e
     return list(topology.devices)
 
 
@@ -138,7 +153,7 @@ def topology_devices(name: str) -> list[Any]:
         return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
     except RuntimeError as e:
         if "TPU support not installed" in str(e):
-            raise RuntimeError(f"topology {name}: {LIBTPU_HINT}.") from e
+            raise MissingCompilerError(f"topology {name}: {LIBTPU_HINT}.") from e
         raise ValueError(
             f"topology {name}: libtpu does not know this topology ({e}); "
             "name one as <generation>:<chips per dimension>, e.g. v5e:2x4 or v4:2x2x2."
@@ -160,7 +175,11 @@ def target_devices(topology: str) -> list[Any]:
                 "flaxlm.plan does this itself for --topology=cpu:N)."
             )
         return list(have[:n])
-    if not re.fullmatch(r"v\d+[a-z]*:\d+(x\d+)*", topology):
+    m = platforms.GPU_TOPOLOGY_RE.fullmatch(topology)
+    if m:
+        hosts, per_host = (int(m.group(2)), int(m.group(3))) if m.group(3) else (1, int(m.group(2)))
+        return gpu_devices(m.group(1), per_host, hosts)
+    if not platforms.TPU_TOPOLOGY_RE.fullmatch(topology):
         raise ValueError(f"--topology={topology!r}: expected {TOPOLOGY_HELP}.")
     return topology_devices(topology)
 
@@ -283,12 +302,19 @@ class CompiledStep:
     def cost(self) -> dict[str, float]:
         """XLA's cost analysis of one device's program: `flops`, `bytes accessed` (a loop's
         body counted once, whatever its trip count), with the cuBLAS and cuDNN calls of an
-        NVIDIA GPU's program added where XLA left them out (`hlo.with_library_calls`)."""
+        NVIDIA GPU's program added where XLA left them out (`hlo.with_library_calls`). Where
+        the analysis is empty (XLA:GPU's compile-only programs), both are read off the HLO:
+        the matrix products' FLOPs (`hlo.matmul_costs`; elementwise work, a few percent of a
+        train step's, left out) and the kernels' bytes (`traffic.program_bytes`)."""
         analysis = self.compiled.cost_analysis()
         if isinstance(analysis, Sequence):
-            analysis = analysis[0]
-        cost = {k: float(analysis.get(k, 0.0)) for k in ("flops", "bytes accessed")}
+            analysis = analysis[0] if analysis else None
         text = self.hlo_text()
+        if not analysis:
+            products = hlo.matmul_costs(text)
+            flops = products["dot_flops"] + products["custom_flops"]
+            return {"flops": flops, "bytes accessed": float(traffic.program_bytes(text))}
+        cost = {k: float(analysis.get(k, 0.0)) for k in ("flops", "bytes accessed")}
         if 'custom_call_target="__cu' not in text:
             return cost
         return hlo.with_library_calls(cost, hlo.matmul_costs(text))

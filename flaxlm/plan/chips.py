@@ -18,9 +18,16 @@ dense (no sparsity) peaks per chip:
 - NVIDIA A100 SXM 80GB: 312 TFLOP/s bf16, 156 TFLOP/s TF32, 2.039 TB/s, NVLink 600 GB/s
   (NVIDIA A100 datasheet).
 
+A GPU cluster's hosts (8 GPUs each) are joined by one 400 Gb/s InfiniBand NDR adapter a GPU
+for the H100 and H200 (NVIDIA DGX H100/H200 user guides: eight ConnectX-7 ports), 200 Gb/s
+HDR for the A100 (DGX A100): 50 and 25 GB/s a GPU each way.
+
 On TPU, float32 matmuls at JAX's default precision run as bf16 passes (the bf16 peak); on
 NVIDIA GPUs JAX's default precision multiplies float32 in TF32. A ring collective's bytes
-are charged at half the bidirectional link bandwidth (what one direction carries).
+are charged at half the bidirectional link bandwidth (what one direction carries); on a GPU
+cluster, a collective whose groups span hosts is charged all its bytes at the network's
+rate (`host_link_bytes_per_s`: NCCL's rings cross it however many GPUs a host holds). A TPU
+slice is one torus across its hosts: every collective at the ICI rate.
 
 CPU has no vendor peak that XLA:CPU reaches: `measure_cpu` times a matmul, a copy and a
 small all-reduce on this host's devices and splits the host between them (simulated
@@ -49,6 +56,8 @@ class Chip:
     memory_bytes: float | None  # per device (None: not limited by the planner)
     collective_latency_s: float = 0.0  # per collective op
     source: str = ""
+    # The network between hosts (a GPU cluster's), one direction a device; None: one network
+    host_link_bytes_per_s: float | None = None
 
     def peak_flops(self, dtype: str) -> float:
         return self.flops[dtype] if dtype in self.flops else max(self.flops.values())
@@ -66,7 +75,9 @@ def _tpu(name: str, tflops: float, hbm_gib: float, hbm_gbps: float, ici_gbps: fl
     )
 
 
-def _gpu(name: str, bf16: float, tf32: float, hbm_gb: float, hbm_tb: float, nvlink: float) -> Chip:
+def _gpu(
+    name: str, bf16: float, tf32: float, hbm_gb: float, hbm_tb: float, nvlink: float, nic: float
+) -> Chip:
     return Chip(
         name=name,
         flops={"bfloat16": bf16 * TERA, "float16": bf16 * TERA, "float32": tf32 * TERA},
@@ -74,6 +85,7 @@ def _gpu(name: str, bf16: float, tf32: float, hbm_gb: float, hbm_tb: float, nvli
         link_bytes_per_s=nvlink * GIGA / 2,
         memory_bytes=hbm_gb * GIGA,
         source=f"NVIDIA {name} datasheet (dense)",
+        host_link_bytes_per_s=nic * GIGA / 8,  # Gb/s a GPU, one direction
     )
 
 
@@ -81,9 +93,9 @@ CHIPS: dict[str, Chip] = {
     "v5e": _tpu("v5e", 197, 16, 819, 400),
     "v5p": _tpu("v5p", 459, 95, 2765, 1200),
     "v6e": _tpu("v6e", 918, 32, 1638, 800),
-    "h100": _gpu("h100", 989, 495, 80, 3.35, 900),
-    "h200": _gpu("h200", 989, 495, 141, 4.8, 900),
-    "a100": _gpu("a100", 312, 156, 80, 2.039, 600),
+    "h100": _gpu("h100", 989, 495, 80, 3.35, 900, 400),
+    "h200": _gpu("h200", 989, 495, 141, 4.8, 900, 400),
+    "a100": _gpu("a100", 312, 156, 80, 2.039, 600, 200),
 }
 
 # `device_kind` strings as JAX reports them -> CHIPS keys.

@@ -16,6 +16,8 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 # A ragged-all-to-all (the MoE layer's `ragged` dispatch) counts as an all-to-all of its
 # whole output buffer: what the most it can receive would move, not what it does.
 COLLECTIVES = (
@@ -57,7 +59,9 @@ def split_type(rhs: str) -> tuple[str, str, str]:
     return type_str, rest.split("(", 1)[0], rest
 
 
-def shard_map_collectives(text: str, num_devices: int) -> dict[str, dict[str, float]]:
+def shard_map_collectives(
+    text: str, num_devices: int, hosts: Sequence[int] | None = None
+) -> dict[str, dict[str, float]]:
     """`parse_hlo`'s per-kind totals of the collectives inside a `shard_map` (their op_name
     holds `shard_map`: the MoE layers' dispatch under an `expert` axis), the others left out:
     the HLO with every other collective's opcode renamed so the parser passes over it."""
@@ -65,27 +69,83 @@ def shard_map_collectives(text: str, num_devices: int) -> dict[str, dict[str, fl
     pattern = re.compile(rf"\b({kinds})(-start)?\(")
 
     def keep(line: str) -> str:
-        if "shard_map" in line or not pattern.search(line):
+        # (XLA:GPU prints its ragged all-to-all without metadata: flaxlm's is the MoE's)
+        if "shard_map" in line or "ragged-all-to-all" in line or not pattern.search(line):
             return line
         return pattern.sub(lambda m: f"custom-call-{m.group(1)}{m.group(2) or ''}(", line)
 
-    return parse_hlo("\n".join(keep(x) for x in text.splitlines()), num_devices)["by_kind"]
+    return parse_hlo("\n".join(keep(x) for x in text.splitlines()), num_devices, hosts)["by_kind"]
 
 
 def group_size(attrs: str, num_devices: int) -> int:
     """Devices per replica group, from `replica_groups=` in any of XLA's spellings."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
-    if m:
+    groups = replica_groups(attrs, num_devices)
+    if groups is not None:
+        return len(groups[0])
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attrs)
+    if m:  # an axis spelling `replica_groups` does not read (a sub-axis): the sizes alone
         sizes = {k.strip("' "): int(v) for k, v in re.findall(r"'?([\w]+)'?=(\d+)", m.group(1))}
-        names = [n.strip("' ") for n in m.group(2).split(",") if n.strip()]
-        return math.prod(sizes[n] for n in names)
-    m = re.search(r"replica_groups=\[([0-9,]+)\]<=", attrs)
+        names = [re.sub(r"[^\w].*", "", n.strip("' ")) for n in m.group(2).split(",")]
+        return math.prod(sizes.get(n, 1) for n in names if n)
+    return num_devices
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    """XLA's iota tile assignment `[dims]T(perm)`: arange reshaped to `dims`, transposed."""
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def replica_groups(attrs: str, num_devices: int) -> list[list[int]] | None:
+    """The replica groups of a collective, each a list of device ids (positions in the
+    program's device assignment), from `replica_groups=` in XLA's spellings: explicit
+    (`{{0,1},{2,3}}`, `{}`: all devices), iota (`[2,4]<=[4,2]T(1,0)`) or mesh axes
+    (`mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}`); for a collective-permute its
+    source-target pairs. None where the spelling is not one of these."""
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
     if m:
-        return int(m.group(1).split(",")[-1])
-    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", attrs)
+        pairs = [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
+        return pairs or None
+    m = re.search(
+        r"replica_groups=mesh\[([^\]]*)\]"
+        r"(?:,\s*device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]*)\))?\))?\s*\{([^}]*)\}",
+        attrs,
+    )
     if m:
-        return len([x for x in m.group(1).split(",") if x])
-    return num_devices  # `replica_groups={}`: all devices
+        axes = re.findall(r"'?(\w+)'?=(\d+)", m.group(1))
+        names = [n.strip().strip("'") for n in m.group(4).split(",") if n.strip()]
+        if not all(re.fullmatch(r"\w+", n) for n in names):
+            return None  # sub-axes ('a':(1)2)
+        order = [a for a, _ in axes]
+        sizes = [int(n) for _, n in axes]
+        if m.group(2):
+            ids = _iota(_ints(m.group(2)), _ints(m.group(3)) or None).reshape(-1)
+        else:
+            ids = np.arange(math.prod(sizes))
+        grid = ids.reshape(sizes)
+        inner = [order.index(n) for n in names]
+        outer = [i for i in range(len(order)) if i not in inner]
+        width = math.prod(sizes[i] for i in inner)
+        return grid.transpose(outer + inner).reshape(-1, width).tolist()
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]*)\))?", attrs)
+    if m:
+        shape = _ints(m.group(1))
+        return _iota(_ints(m.group(2)), _ints(m.group(3)) or None).reshape(shape).tolist()
+    m = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", attrs)
+    if m:
+        groups = [_ints(g) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+        return groups or [list(range(num_devices))]
+    return None
+
+
+def spans_hosts(groups: list[list[int]] | None, hosts: Sequence[int] | None) -> bool:
+    """Whether a collective over `groups` crosses hosts, `hosts[i]` device i's host (None:
+    one host; unknown groups cross as soon as there are several hosts)."""
+    if hosts is None or len(set(hosts)) == 1:
+        return False
+    if groups is None:
+        return True
+    return any(len({hosts[i] for i in g if i < len(hosts)}) > 1 for g in groups)
 
 
 @dataclasses.dataclass
@@ -96,6 +156,7 @@ class Op:
     phase: str  # forward, backward or other (from the op's metadata)
     channel: int | None = None  # XLA's channel_id: the pieces of one async op share it
     fused: bool = False  # inside a fusion (where TPU puts those pieces)
+    crosses: bool = False  # a group spans hosts (`parse_hlo`'s `hosts`)
 
     @property
     def array_bytes(self) -> int:
@@ -273,12 +334,44 @@ def with_library_calls(cost: dict[str, float], matmuls: dict[str, float]) -> dic
     }
 
 
-def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
+def async_result_bytes(kind: str, type_str: str) -> int:
+    """The result's bytes of an async collective's start (XLA:GPU's, TPU's permute): an
+    all-reduce's type is its result; a permute's (operand, result, context) holds one array;
+    the others' are (operands, results), each an array or a tuple (several when combined; a
+    ragged all-to-all's operands are its input, output and four offset arrays)."""
+    if kind == "all-reduce":
+        return type_bytes(type_str)
+    if kind == "collective-permute":
+        return type_bytes(SHAPE_RE.search(type_str).group(0))
+    elements = _top_level(type_str)
+    return type_bytes(elements[1] if len(elements) > 1 else type_str)
+
+
+def _top_level(type_str: str) -> list[str]:
+    """The elements of a tuple type (`(a, (b, c))` -> [a, (b, c)]); [type_str] if not one."""
+    text = re.sub(r"/\*[^*]*\*/", "", type_str.strip())
+    if not text.startswith("("):
+        return [text]
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        depth += ch in "({["
+        depth -= ch in ")}]"
+        if (ch == "," and depth == 1) or (depth == 0 and i > 0):
+            out.append(text[start:i].strip())
+            start = i + 1
+        if depth == 0 and i > 0:
+            break
+    return out
+
+
+def parse_hlo(text: str, num_devices: int, hosts: Sequence[int] | None = None) -> dict[str, Any]:
     """Collectives per train step: each op with the product of its enclosing trip counts.
 
     Besides the plain ops, TPU's compiled reduce-scatter is read: a custom fusion calling
     `%all-reduce-scatter...` (an all-reduce whose result is cut in the same kernel) counts
-    as one reduce-scatter whose result is the fusion's."""
+    as one reduce-scatter whose result is the fusion's. `hosts[i]`: the host of device i
+    (its position in the program's device assignment); `host_ring_bytes` are the ring bytes
+    of the ops whose groups span hosts (over the slower network), of `ring_bytes`."""
     computations, entry = module_computations(text)
     unparsed: list[str] = []
     memo: dict[str, list[tuple[Op, int]]] = {}
@@ -330,20 +423,21 @@ def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
         for instruction, _, parsed in instructions(computations.get(name, [])):
             type_str, opcode, rest = defs[instruction] = parsed
             callees = re.findall(r"(?:calls|branch_computations)=\{?%([^\s,}]+)", rest)
-            if opcode in (*COLLECTIVES, "collective-permute-start"):
-                # TPU's async permute is typed (operand, result, context): one array's bytes
-                start = opcode.endswith("-start")
-                nbytes = type_bytes(SHAPE_RE.search(type_str).group(0) if start else type_str)
-                group = group_size(rest, num_devices)
+            if opcode.removesuffix("-start") in COLLECTIVES:
                 kind = opcode.removesuffix("-start")
-                out.append((Op(kind, nbytes, group, phase_of(rest), channel_of(rest)), 1))
+                nbytes = type_bytes(type_str)
+                if opcode.endswith("-start"):
+                    nbytes = async_result_bytes(kind, type_str)
+                group = group_size(rest, num_devices)
+                op = Op(kind, nbytes, group, phase_of(rest), channel_of(rest))
+                op.crosses = spans_hosts(replica_groups(rest, num_devices), hosts)
+                out.append((op, 1))
             elif opcode == "fusion" and callees and callees[0].startswith("all-reduce-scatter"):
                 inner = " ".join(computations.get(callees[0], []))
                 group = group_size(inner, num_devices)
                 op = Op("reduce-scatter", type_bytes(type_str), group, phase_of(rest))
+                op.crosses = spans_hosts(replica_groups(inner, num_devices), hosts)
                 out.append((dataclasses.replace(op, channel=channel_of(inner)), 1))
-            elif any(opcode == c + "-start" for c in COLLECTIVES):
-                unparsed.append(instruction)
             elif opcode == "while":
                 body = re.search(r"body=%([^\s,]+)", rest).group(1)
                 trip = re.search(r'known_trip_count"?:\{"n":"(\d+)"', rest)
@@ -365,16 +459,18 @@ def parse_hlo(text: str, num_devices: int) -> dict[str, Any]:
 
     ops = ops_of(entry)
     totals: dict[str, dict[str, float]] = collections.defaultdict(
-        lambda: {"count": 0, "array_bytes": 0, "ring_bytes": 0.0}
+        lambda: {"count": 0, "array_bytes": 0, "ring_bytes": 0.0, "host_ring_bytes": 0.0}
     )
     for op, count in ops:
         for key in (op.kind, f"{op.kind}/{op.phase}"):
             totals[key]["count"] += count
             totals[key]["array_bytes"] += count * op.array_bytes
             totals[key]["ring_bytes"] += count * op.ring_bytes
+            totals[key]["host_ring_bytes"] += count * op.ring_bytes * op.crosses
     return {
         "by_kind": dict(totals),
         "array_bytes": sum(c * op.array_bytes for op, c in ops),
         "ring_bytes": sum(c * op.ring_bytes for op, c in ops),
+        "host_ring_bytes": sum(c * op.ring_bytes for op, c in ops if op.crosses),
         "unparsed": unparsed,
     }

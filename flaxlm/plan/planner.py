@@ -182,13 +182,17 @@ class Planner:
         if limit is not None and result.device_bytes > limit:
             result.status = "does not fit"
             result.reason = f"needs {result.device_bytes / GIB:.2f} GiB of {limit / GIB:.2f}"
-        collectives = hlo.parse_hlo(step.hlo_text(), len(self.devices))
+        hosts = self.hosts(step)
+        collectives = hlo.parse_hlo(step.hlo_text(), len(self.devices), hosts)
         result.collective_bytes = collectives["ring_bytes"]
+        result.host_collective_bytes = collectives["host_ring_bytes"]
         result.collective_ops = int(
             sum(v["count"] for k, v in collectives["by_kind"].items() if "/" not in k)
         )
         if knobs.moe_dispatch is not None:
-            result.moe_collectives = hlo.shard_map_collectives(step.hlo_text(), len(self.devices))
+            result.moe_collectives = hlo.shard_map_collectives(
+                step.hlo_text(), len(self.devices), hosts
+            )
         cost = self.step_cost(knobs, step)
         result.compile_s = time.perf_counter() - start
         if cost is not None:
@@ -196,14 +200,26 @@ class Planner:
             self.predict(result)
         return result
 
+    def hosts(self, step: aot.CompiledStep) -> list[int] | None:
+        """The host of each device of `step`'s program, in the order its collectives number
+        them (the mesh's devices, row-major), where the chip has a network between hosts of
+        its own (a GPU cluster); else None (a TPU slice is one torus across its hosts)."""
+        if self.chip.host_link_bytes_per_s is None:
+            return None
+        return [d.process_index for d in step.setup.partitioner.mesh.devices.flat]
+
     def step_cost(self, knobs: Knobs, step: aot.CompiledStep) -> dict[str, float]:
         """FLOPs and bytes of one device's step with every loop counted.
 
-        From the 1- and 2-layer unscanned compiles: X = 2 c1 - c2 is everything but the
-        layers (a microbatch loop's body counted once), a layer is c2 - c1; step = O +
-        mb (X - O + L layer), O the optimizer update (its bytes: read gradients, params and
-        moments, write params and moments; its FLOPs neglected). On an accelerator a scanned
-        step is predicted as its unrolled twin: the scan body's own cost analysis charges
+        O is the optimizer update, outside the microbatch loop (its bytes: read gradients,
+        params and moments, write params and moments; its FLOPs neglected). An unscanned
+        step's own cost counts the microbatch loop's body once: step = O + mb (own - O). A
+        scanned one (its layers alike: a model refuses to scan others) is priced from the 1-
+        and 2-layer unscanned compiles: X = 2 c1 - c2 is everything but the layers (the
+        microbatch loop's body once), a layer is c2 - c1; step = O + mb (X - O + L layer).
+        (Unscanned steps are not calibrated so: a model whose first layers differ, as
+        DeepSeek-V3's dense ones, has 1- and 2-layer cuts of those alone.) On an accelerator a
+        scanned step is predicted as its unrolled twin: the scan body's own cost analysis charges
         each dynamic-update-slice the whole stacked buffer (2.4x the unrolled bytes on v5e
         for Llama 2 7B), which the loop does not move. XLA:CPU does run a scanned layer
         slower (1.18x the unrolled step, measured; benchmarks/HISTORY.md), so on CPU a layer
@@ -212,6 +228,13 @@ class Planner:
         """
         if not knobs.scan_layers and knobs.num_microbatches == 1:
             return step.cost()
+        state = step.setup.abstract_state
+        params, opt = aot.per_device_bytes(state.params), aot.per_device_bytes(state.opt_state)
+        optimizer = {"flops": 0.0, "bytes accessed": 3.0 * params + 2.0 * opt}
+        mb = knobs.num_microbatches
+        if not knobs.scan_layers:
+            own = step.cost()
+            return {k: (o := min(optimizer[k], v)) + mb * (v - o) for k, v in own.items()}
         key = (
             knobs.mesh_shape,
             knobs.optimizer_sharding,
@@ -224,11 +247,7 @@ class Planner:
         if self._costs[key] is None:
             return step.cost()  # a model without num_layers: loops counted once
         c1, c2 = self._costs[key]
-        own = step.cost() if knobs.scan_layers and self.devices[0].platform == "cpu" else None
-        state = step.setup.abstract_state
-        params, opt = aot.per_device_bytes(state.params), aot.per_device_bytes(state.opt_state)
-        optimizer = {"flops": 0.0, "bytes accessed": 3.0 * params + 2.0 * opt}
-        mb = knobs.num_microbatches
+        own = step.cost() if self.devices[0].platform == "cpu" else None
         out = {}
         for k in c1:
             outside = 2 * c1[k] - c2[k]
@@ -251,8 +270,10 @@ class Planner:
         dtype = str(getattr(run.model.config, "dtype", "float32"))
         compute = result.flops / chip.peak_flops(dtype)
         memory = result.bytes_accessed / chip.memory_bytes_per_s
+        network = result.host_collective_bytes
         comm = (
-            result.collective_bytes / chip.link_bytes_per_s
+            (result.collective_bytes - network) / chip.link_bytes_per_s
+            + (network / chip.host_link_bytes_per_s if network else 0.0)
             + result.collective_ops * chip.collective_latency_s
         )
         if self.devices[0].platform == "cpu":

@@ -22,13 +22,18 @@ def describe(run: Any, topology: str, devices: Sequence[Any], chip: Any) -> str:
     limit = "no memory limit"
     if chip.memory_bytes is not None:
         limit = f"{chip.memory_bytes / GIB:.2f} GiB"
+    hosts = len({d.process_index for d in devices})
+    network = ""
+    if chip.host_link_bytes_per_s is not None and hosts > 1:
+        network = f" ({hosts} hosts: {chip.host_link_bytes_per_s / 1e9:.3g} GB/s between them)"
     return (
         f"Planning {type(model.config).__name__} ({model.config.dtype} compute), batch "
         f"{run.batch_size} x length {length}, on {topology}: {len(devices)} x "
         f"{devices[0].device_kind}.\nRoofline per device: "
         f"{chip.peak_flops(str(model.config.dtype)) / 1e12:.3g} TFLOP/s, memory "
         f"{chip.memory_bytes_per_s / 1e9:.3g} GB/s, collectives "
-        f"{chip.link_bytes_per_s / 1e9:.3g} GB/s + {chip.collective_latency_s * 1e6:.0f} us/op, "
+        f"{chip.link_bytes_per_s / 1e9:.3g} GB/s{network} + "
+        f"{chip.collective_latency_s * 1e6:.0f} us/op, "
         f"{limit} ({chip.source})."
     )
 

@@ -42,6 +42,7 @@ class Result:
     bytes_accessed: float | None = None
     collective_bytes: float = 0.0
     collective_ops: int = 0
+    host_collective_bytes: float = 0.0  # of collective_bytes, over a GPU cluster's network
     # A model with experts: bytes and ops by kind of the collectives inside its MoE layers'
     # shard_map (the dispatch; hlo.shard_map_collectives), or None.
     moe_collectives: dict[str, dict[str, float]] | None = None

@@ -1,4 +1,5 @@
-"""The memory traffic of one iteration of a compiled loop, kernel by kernel, from its HLO.
+"""The memory traffic of one iteration of a compiled loop (or of a whole program), kernel by
+kernel, from its HLO.
 
 A decode step on an accelerator is bound by memory bandwidth: its time is at least the bytes
 its kernels read and write over the bandwidth. `loop_kernels` lists the kernels one
@@ -119,6 +120,24 @@ def loop_kernels(text: str, loop: int = -1) -> list[Kernel]:
     inner loops' kernels counted their trip count times, each conditional branch's kernels
     listed with its name."""
     computations, entry = hlo.module_computations(text)
+    loops = [rest for _, _, (_, op, rest) in hlo.instructions(computations[entry]) if op == "while"]
+    if not loops:
+        raise ValueError("The ENTRY computation has no while loop.")
+    return _kernels(computations, _callee(loops[loop], "body"), trips=True)
+
+
+def program_bytes(text: str) -> int:
+    """Bytes the kernels of the compiled module `text` move in one run, a loop's body counted
+    once and of each conditional the branch that moves the most: what XLA's `cost_analysis`
+    calls `bytes accessed`, for a program whose cost analysis is empty (XLA:GPU's compiled
+    ahead of time, `aot.gpu_devices`)."""
+    computations, entry = hlo.module_computations(text)
+    return iteration_bytes(_kernels(computations, entry, trips=False), max)
+
+
+def _kernels(computations: dict[str, list[str]], top: str, trips: bool) -> list[Kernel]:
+    """The kernels computation `top` runs (see `Kernel`): an inner loop's counted its trip
+    count times where `trips`, else once."""
     types: dict[str, dict[str, str]] = {}
 
     def defs_of(comp: str) -> list[tuple[str, tuple[str, str, str]]]:
@@ -126,19 +145,16 @@ def loop_kernels(text: str, loop: int = -1) -> list[Kernel]:
         types[comp] = {n: parsed[0] for n, parsed in out}
         return out
 
-    loops = [rest for _, (_, op, rest) in defs_of(entry) if op == "while"]
-    if not loops:
-        raise ValueError("The ENTRY computation has no while loop.")
-
     kernels: list[Kernel] = []
 
     def walk(comp: str, branch: str | None, count: int) -> None:
         for name, (type_str, opcode, rest) in defs_of(comp):
-            if opcode in FREE:
+            if opcode in FREE or opcode.endswith("-done"):  # a done waits on its start's bytes
                 continue
             if opcode == "while":
                 trip = re.search(r'known_trip_count"?:\{"n":"(\d+)"', rest)
-                walk(_callee(rest, "body"), branch, count * (int(trip.group(1)) if trip else 1))
+                n = int(trip.group(1)) if trip and trips else 1
+                walk(_callee(rest, "body"), branch, count * n)
                 continue
             if opcode == "conditional":
                 m = re.search(r"branch_computations=\{([^}]*)\}", rest)
@@ -163,6 +179,9 @@ def loop_kernels(text: str, loop: int = -1) -> list[Kernel]:
                 nbytes = 2 * operands[IN_PLACE[opcode]]
             elif opcode in PARTIAL_READS:
                 nbytes = 2 * result
+            elif opcode.endswith("-start") and opcode[:-6] in hlo.COLLECTIVES:
+                # typed (operands, results): each once
+                nbytes = sum(operands) + hlo.async_result_bytes(opcode[:-6], type_str)
             else:
                 nbytes = sum(operands) + result
                 if opcode == "custom-call":
@@ -170,7 +189,7 @@ def loop_kernels(text: str, loop: int = -1) -> list[Kernel]:
                     kind = f"custom-call:{target.group(1) if target else '?'}"
             kernels.append(Kernel(name, kind, nbytes, type_str[:120], branch, count))
 
-    walk(_callee(loops[loop], "body"), None, 1)
+    walk(top, None, 1)
     return kernels
 
 
