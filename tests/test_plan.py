@@ -348,6 +348,24 @@ def test_chip_for_known_and_unknown_devices():
     assert planner.chips.chip_for(Device("cpu")) is None
 
 
+def test_a_gpu_compiled_for_holds_what_jax_will_let_the_run_hold(monkeypatch):
+    """A GPU with no runtime to ask (compiled for, not attached): its limit is
+    XLA_PYTHON_CLIENT_MEM_FRACTION of its HBM, JAX's 0.75 unless set; a TPU's is the chip's."""
+
+    class Device:
+        device_kind = "NVIDIA H100 80GB HBM3"
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert chips.chip_for(Device()).memory_bytes == pytest.approx(0.75 * 80e9)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    assert chips.chip_for(Device()).memory_bytes == pytest.approx(0.95 * 80e9)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "1.5")
+    with pytest.raises(ValueError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='1.5'"):
+        chips.chip_for(Device())
+    Device.device_kind = "TPU v5"
+    assert chips.chip_for(Device()).memory_bytes == chips.CHIPS["v5p"].memory_bytes
+
+
 def run_plan(*args: str) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
@@ -446,6 +464,7 @@ def test_command_line_plans_for_a_cluster_of_gpu_hosts(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "16 x NVIDIA H100 80GB HBM3" in proc.stdout
     assert "(2 hosts: 50 GB/s between them)" in proc.stdout
+    assert "55.88 GiB (XLA_PYTHON_CLIENT_MEM_FRACTION of its HBM)" in proc.stdout
     assert "Traceback" not in proc.stderr
     (row,) = [c for c in json.loads(out.read_text())["candidates"] if c["status"] == "fits"]
     assert row["moe_dispatch"] == "all_to_all" and row["flops"] > 0 and row["bytes_accessed"] > 0

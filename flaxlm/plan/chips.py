@@ -37,6 +37,7 @@ devices share its cores).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -111,15 +112,38 @@ _KINDS = (
 )
 
 
+GPUS = ("h100", "h200", "a100")
+
+
 def chip_for(device: Any) -> Chip | None:
-    """The roofline of a JAX device (None for CPU, and for a chip not in `CHIPS`)."""
+    """The roofline of a JAX device (None for CPU, and for a chip not in `CHIPS`). Its memory
+    limit is what the runtime lets the device hold where it says (an attached GPU or TPU);
+    for a GPU compiled for but not attached, what JAX will let a run hold there
+    (`gpu_memory_fraction` of its HBM)."""
     kind = str(getattr(device, "device_kind", "")).lower()
     for key, name in _KINDS:
         if key in kind:
             chip = CHIPS[name]
             limit = _memory_limit(device)
+            if limit is None and name in GPUS:
+                limit = chip.memory_bytes * gpu_memory_fraction()
             return chip if limit is None else dataclasses.replace(chip, memory_bytes=limit)
     return None
+
+
+def gpu_memory_fraction() -> float:
+    """The share of a GPU's memory JAX's allocator takes (`XLA_PYTHON_CLIENT_MEM_FRACTION`,
+    0.75 unless set), as the run will have it; a ValueError for a value that is not one."""
+    text = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+    try:
+        fraction = float(text)
+    except ValueError:
+        fraction = -1.0
+    if not 0 < fraction <= 1:
+        raise ValueError(
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION={text!r}: expected a fraction in (0, 1], e.g. 0.9."
+        )
+    return fraction
 
 
 def _memory_limit(device: Any) -> float | None:
