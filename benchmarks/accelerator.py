@@ -50,7 +50,8 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Each side runs in a process of its own, so JAX may take nearly all of the accelerator.
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+if not {"XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"} & set(os.environ):
+    os.environ["XLA_CLIENT_MEM_FRACTION"] = "0.92"  # (the other name is JAX's deprecated one)
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402

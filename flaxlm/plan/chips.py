@@ -132,17 +132,26 @@ def chip_for(device: Any) -> Chip | None:
 
 
 def gpu_memory_fraction() -> float:
-    """The share of a GPU's memory JAX's allocator takes (`XLA_PYTHON_CLIENT_MEM_FRACTION`,
-    0.75 unless set), as the run will have it; a ValueError for a value that is not one."""
-    text = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+    """The share of a GPU's memory JAX's allocator takes, as the run will have it:
+    `XLA_CLIENT_MEM_FRACTION` (or the deprecated `XLA_PYTHON_CLIENT_MEM_FRACTION`; JAX refuses
+    both at once), 0.75 unless set; a ValueError for a value that is not a fraction."""
+    current = os.environ.get("XLA_CLIENT_MEM_FRACTION", "")
+    deprecated = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
+    if current and deprecated:
+        raise ValueError(
+            "XLA_CLIENT_MEM_FRACTION and XLA_PYTHON_CLIENT_MEM_FRACTION are both set (JAX "
+            "refuses that): unset the latter, which is deprecated."
+        )
+    name = (
+        "XLA_CLIENT_MEM_FRACTION" if current or not deprecated else "XLA_PYTHON_CLIENT_MEM_FRACTION"
+    )
+    text = current or deprecated or "0.75"
     try:
         fraction = float(text)
     except ValueError:
         fraction = -1.0
     if not 0 < fraction <= 1:
-        raise ValueError(
-            f"XLA_PYTHON_CLIENT_MEM_FRACTION={text!r}: expected a fraction in (0, 1], e.g. 0.9."
-        )
+        raise ValueError(f"{name}={text!r}: expected a fraction in (0, 1], e.g. 0.9.")
     return fraction
 
 

@@ -25,7 +25,7 @@ def describe(run: Any, topology: str, devices: Sequence[Any], chip: Any) -> str:
     if chip.memory_bytes is not None:
         limit = f"{chip.memory_bytes / GIB:.2f} GiB"
         if chip.name in chips.GPUS and chip.memory_bytes < chips.CHIPS[chip.name].memory_bytes:
-            limit += " (XLA_PYTHON_CLIENT_MEM_FRACTION of its HBM)"
+            limit += " (XLA_CLIENT_MEM_FRACTION of its HBM)"
     hosts = len({d.process_index for d in devices})
     network = ""
     if chip.host_link_bytes_per_s is not None and hosts > 1:
