@@ -66,7 +66,10 @@ PER_RUN_PREFIXES = (
     "WANDB_",
     "KMP_",
     "TORCH",
-    "XLA_PYTHON_CLIENT_",  # read when a GPU backend starts (benchmarks/accelerator.py sets one)
+    # read when a GPU backend starts (benchmarks/accelerator.py sets XLA_CLIENT_MEM_FRACTION;
+    # XLA_PYTHON_CLIENT_MEM_FRACTION is its deprecated name)
+    "XLA_CLIENT_",
+    "XLA_PYTHON_CLIENT_",
 )
 MAX_MESSAGE = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
