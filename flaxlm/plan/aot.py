@@ -38,7 +38,6 @@ LIBTPU_HINT = (
     "compiling for a TPU topology needs libtpu, the TPU compiler: pip install 'flaxlm[tpu]' "
     "(jax[tpu] of the pinned jax), or point TPU_LIBRARY_PATH at a libtpu.so"
 )
-TOPOLOGY_HELP = platforms.TOPOLOGY_HELP
 
 
 class MissingCompilerError(ValueError):
@@ -161,7 +160,7 @@ def topology_devices(name: str) -> list[Any]:
 
 
 def target_devices(topology: str) -> list[Any]:
-    """The devices `topology` names (see TOPOLOGY_HELP); a ValueError names a bad one."""
+    """The devices `topology` names (`platforms.TOPOLOGY_HELP`); a ValueError names a bad one."""
     if topology == "this":
         return list(jax.devices())
     m = re.fullmatch(r"cpu:(\d+)", topology)
@@ -180,7 +179,7 @@ def target_devices(topology: str) -> list[Any]:
         hosts, per_host = (int(m.group(2)), int(m.group(3))) if m.group(3) else (1, int(m.group(2)))
         return gpu_devices(m.group(1), per_host, hosts)
     if not platforms.TPU_TOPOLOGY_RE.fullmatch(topology):
-        raise ValueError(f"--topology={topology!r}: expected {TOPOLOGY_HELP}.")
+        raise ValueError(f"--topology={topology!r}: expected {platforms.TOPOLOGY_HELP}.")
     return topology_devices(topology)
 
 

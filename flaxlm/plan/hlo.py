@@ -387,6 +387,13 @@ def parse_hlo(text: str, num_devices: int, hosts: Sequence[int] | None = None) -
         m = re.search(r"channel_id=(\d+)", attrs)
         return int(m.group(1)) if m else None
 
+    def groups_of(attrs: str) -> tuple[int, bool]:
+        """A collective's devices per group and whether a group spans hosts (its groups
+        read once)."""
+        groups = replica_groups(attrs, num_devices)
+        size = len(groups[0]) if groups is not None else group_size(attrs, num_devices)
+        return size, spans_hosts(groups, hosts)
+
     def one_per_channel(ops: list[tuple[Op, int]]) -> list[tuple[Op, int]]:
         """TPU splits an async collective into a start, continuation fusions overlapping
         compute and a done, each holding the op (its kind and shape) with one channel_id:
@@ -428,16 +435,15 @@ def parse_hlo(text: str, num_devices: int, hosts: Sequence[int] | None = None) -
                 nbytes = type_bytes(type_str)
                 if opcode.endswith("-start"):
                     nbytes = async_result_bytes(kind, type_str)
-                group = group_size(rest, num_devices)
-                op = Op(kind, nbytes, group, phase_of(rest), channel_of(rest))
-                op.crosses = spans_hosts(replica_groups(rest, num_devices), hosts)
+                group, crosses = groups_of(rest)
+                op = Op(kind, nbytes, group, phase_of(rest), channel_of(rest), crosses=crosses)
                 out.append((op, 1))
             elif opcode == "fusion" and callees and callees[0].startswith("all-reduce-scatter"):
                 inner = " ".join(computations.get(callees[0], []))
-                group = group_size(inner, num_devices)
+                group, crosses = groups_of(inner)
                 op = Op("reduce-scatter", type_bytes(type_str), group, phase_of(rest))
-                op.crosses = spans_hosts(replica_groups(inner, num_devices), hosts)
-                out.append((dataclasses.replace(op, channel=channel_of(inner)), 1))
+                op = dataclasses.replace(op, channel=channel_of(inner), crosses=crosses)
+                out.append((op, 1))
             elif opcode == "while":
                 body = re.search(r"body=%([^\s,]+)", rest).group(1)
                 trip = re.search(r'known_trip_count"?:\{"n":"(\d+)"', rest)

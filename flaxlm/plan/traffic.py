@@ -179,9 +179,10 @@ def _kernels(computations: dict[str, list[str]], top: str, trips: bool) -> list[
                 nbytes = 2 * operands[IN_PLACE[opcode]]
             elif opcode in PARTIAL_READS:
                 nbytes = 2 * result
-            elif opcode.endswith("-start") and opcode[:-6] in hlo.COLLECTIVES:
+            elif opcode.endswith("-start") and opcode.removesuffix("-start") in hlo.COLLECTIVES:
                 # typed (operands, results): each once
-                nbytes = sum(operands) + hlo.async_result_bytes(opcode[:-6], type_str)
+                collective = opcode.removesuffix("-start")
+                nbytes = sum(operands) + hlo.async_result_bytes(collective, type_str)
             else:
                 nbytes = sum(operands) + result
                 if opcode == "custom-call":
