@@ -253,17 +253,39 @@ def instrument_run(profile: StartupProfile, modules: list[Any]) -> None:
             profile.around_first_step(module, "run_steps")
 
 
+# Functions that call code with a bare `except:` around it, logging what they catch with its
+# traceback: an exception raised at an import under them would be swallowed and printed, not
+# end the start-up. JAX's plugin discovery calls each installed plugin's `initialize()` so
+# (the CUDA plugin imports NVIDIA's packages there, with or without a GPU).
+_SWALLOWING_CALLERS = frozenset({("jax._src.xla_bridge", "discover_pjrt_plugins")})
+
+
+def _under_swallowing_caller(frame: Any) -> bool:
+    while frame is not None:
+        key = (frame.f_globals.get("__name__"), frame.f_code.co_name)
+        if key in _SWALLOWING_CALLERS:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class BeforeEachImport(importlib.abc.MetaPathFinder):
     """An import hook: `check()` runs before each module the main thread imports (or looks
     up), and may raise to end the start-up there: the exception unwinds as a failed
-    import's does. Finds nothing itself; other threads' imports pass unchecked."""
+    import's does. Finds nothing itself; other threads' imports pass unchecked. Under a
+    caller that would swallow the exception (JAX's plugin discovery), it is not raised
+    there: the next import outside raises it."""
 
     def __init__(self, check: Callable[[], None]):
         self.check = check
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
         if threading.current_thread() is threading.main_thread():
-            self.check()
+            try:
+                self.check()
+            except BaseException:
+                if not _under_swallowing_caller(sys._getframe(1)):
+                    raise
         return None
 
     def install(self) -> None:
