@@ -81,7 +81,7 @@ def write_checkpoint(path: str, experts: int, vocab: int) -> int:
     }
     tensors = spec.tensors(cfg)
     entries: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for param, (t, names) in hf_spec.expand(tensors, False).items():
+    for param, (t, names, _) in hf_spec.expand(tensors, None).items():
         shape = list(shapes[param])
         if t.vocab_axis is not None:
             shape[t.vocab_axis] = vocab

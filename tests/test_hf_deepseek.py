@@ -160,6 +160,45 @@ def test_other_branches_scanned_on_a_mesh_give_hf_logits(tmp_path):
     assert max_abs_diff(got, theirs, mask) < LOGITS_TOL
 
 
+@pytest.mark.slow
+def test_moe_layers_scanned_after_the_dense_ones_give_hf_logits_tokens_and_files(tmp_path):
+    """`scan_layers` with dense first layers (DeepSeek-V3's three, as MaxText scans it): the
+    dense ones unrolled (`layers_0`), the MoE ones one stack (`layers`, 3 deep): HF's logits,
+    its greedy tokens (decoding unrolls the stack) and files HF reloads with the same logits;
+    a training step's loss and gradients are the unrolled model's."""
+    torch_model = tiny_hf_deepseek(**dict(FULL, num_hidden_layers=4))
+    torch_model.save_pretrained(tmp_path / "hf")
+    model, params = hf.from_pretrained(str(tmp_path / "hf"), ONE, scan_layers=True)
+    assert model.config.first_scanned_layer == 1
+    assert sorted(k for k in params if k.startswith("layers")) == ["layers", "layers_0"]
+    assert "experts" not in params["layers_0"]["mlp"]
+    assert params["layers"]["block"]["mlp"]["experts"]["wi"].shape[0] == 3
+    ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
+    batch = decoder_batch(ids, mask)
+    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(model.compute_logits(params, batch), theirs, mask) < LOGITS_TOL
+
+    prompts = [[5, 17, 3, 99, 42], [7, 8]]
+    want = hf_greedy_batch(torch_model, prompts, GREEDY_TOKENS)
+    assert flaxlm_greedy_batch(model, params, prompts, GREEDY_TOKENS) == want
+
+    hf.save_pretrained(model, params, tmp_path / "out")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(again, theirs, mask) <= 1e-6 * max(1.0, np.abs(theirs).max())
+
+    unrolled, flat = hf.from_pretrained(str(tmp_path / "hf"), ONE)
+    (loss, grads), (loss_u, grads_u) = (
+        jax.value_and_grad(lambda p, m=m: m.loss_fn(p, batch, jax.random.PRNGKey(0))[0])(p)
+        for m, p in ((model, params), (unrolled, flat))
+    )
+    assert abs(float(loss) - float(loss_u)) <= 1e-5 * abs(float(loss_u))
+    stacked = grads["layers"]["block"]["mlp"]["experts"]["wo"]
+    for j in range(3):
+        g = grads_u[f"layers_{j + 1}"]["mlp"]["experts"]["wo"]
+        assert float(jnp.max(jnp.abs(stacked[j] - g))) <= 1e-5 * float(jnp.max(jnp.abs(g)))
+
+
 def test_router_chooses_hf_experts_with_hf_weights(full):
     """`routing.route` on HF's router logits picks the experts HF's `DeepseekV3TopkRouter`
     picks (the correction bias and the expert groups moving the choice) with its weights."""
@@ -413,8 +452,8 @@ def test_fp8_import_on_a_mesh_reads_each_shard_s_slice_only(hub_fp8, monkeypatch
     assert experts.sharding.shard_shape(experts.shape)[0] < experts.shape[0]
 
     # What the 8 shards hold, replicas counted: no FP8 weight is read more than that.
-    names = hf_spec.expand(hf.spec_for_config(model.config).tensors(model.config), False)
-    for param, (record, (name,)) in names.items():
+    names = hf_spec.expand(hf.spec_for_config(model.config).tensors(model.config), None)
+    for param, (record, (name,), _) in names.items():
         if name in dequantized and not record.pieces:
             shards = 8 * math.prod(flat[param].sharding.shard_shape(flat[param].shape))
             assert 0 < read_elements[name] <= shards < 8 * dequantized[name].numel(), name
@@ -472,7 +511,6 @@ def test_tiny_gin_model_counts_its_params():
         (dict(topk_group=5), "topk_group"),
         (dict(n_group=8, topk_group=1, num_experts_per_tok=2), "topk_group"),
         (dict(mlp_only_layers=(1,)), "mlp_only_layers"),
-        (dict(scan_layers=True), "scan_layers"),
         (dict(mla_cache="compressed"), "mla_cache"),
         (dict(router="topk_softmax"), "router"),
     ],
@@ -548,8 +586,9 @@ def test_mtp_layers_load_and_predict_as_transformers_mtp_model(with_mtp, tmp_pat
 @pytest.mark.slow
 def test_tiny_gin_trains_with_an_mtp_loss(tmp_path):
     """gin/models/deepseek_v3_tiny.gin with `num_mtp_layers` and `mtp_loss_weight` bound
-    as a user's flags bind them: partitioned train steps lower both losses and report
-    `mtp_loss`; the aux-loss-free balance moves the MTP layer's correction bias too."""
+    as a user's flags bind them, its MoE layers scanned after the dense first one:
+    partitioned train steps lower both losses and report `mtp_loss`; the aux-loss-free
+    balance moves the scanned layers' correction biases and the MTP layer's."""
     import gin
 
     gin.clear_config()
@@ -562,19 +601,22 @@ def test_tiny_gin_trains_with_an_mtp_loss(tmp_path):
         config = deepseek.DeepseekV3Config()
     finally:
         gin.clear_config()
-    model = DecoderOnlyModel(dataclasses.replace(config, num_layers=2, vocab_size=128))
+    config = dataclasses.replace(config, num_layers=3, vocab_size=128, scan_layers=True)
+    model = DecoderOnlyModel(config)
     ids, mask = padded_batch(128, (16, 9, 16, 5))
     batch = decoder_batch(ids, mask)
     params = model.init_params(jax.random.PRNGKey(0), {k: v.shape for k, v in batch.items()})
-    assert "mtp_0" in params
+    assert "mtp_0" in params and "layers_0" in params and "layers" in params
     partitioner = Partitioner(mesh_shape=(1, 4, 2))
     state, history = train_on_batch(model, params, partitioner, batch, steps=4, learning_rate=1e-2)
     assert history[-1]["loss"] < history[0]["loss"], history
     assert history[-1]["mtp_loss"] < history[0]["mtp_loss"], history
     assert config.correction_bias_update_rate > 0
-    bias = params["mtp_0"]["block"]["mlp"]["e_score_correction_bias"]
-    moved = state.params["mtp_0"]["block"]["mlp"]["e_score_correction_bias"]
-    assert not np.array_equal(np.asarray(moved), np.asarray(bias))
+    for scope in ("mtp_0", "layers"):  # each layer's bias moved (the stack's 2 rows each)
+        bias = np.asarray(params[scope]["block"]["mlp"]["e_score_correction_bias"])
+        moved = np.asarray(state.params[scope]["block"]["mlp"]["e_score_correction_bias"])
+        changed = (moved != bias).reshape(-1, bias.shape[-1]).any(-1)
+        assert bias.shape == moved.shape and changed.all(), scope
 
 
 @pytest.mark.parametrize(

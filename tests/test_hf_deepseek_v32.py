@@ -4,10 +4,11 @@ generation over the contiguous cache and the serving engine's pages, export, ref
 the published sizes.
 
 Two tiny random models whose `index_topk` of 6 is under most of the 24 positions, so each
-query's choice matters: transformers' `DeepseekV32ForCausalLM` (every layer MoE, so the
-layers also scan; YaRN with mscale_all_dim != mscale; attention biases; half-split rotary in
-the indexer) and `GlmMoeDsaForCausalLM` (interleaved rotary in the indexer, a dense layer
-between MoE ones, and its middle layer 'shared': no indexer, the first layer's choice).
+query's choice matters: transformers' `DeepseekV32ForCausalLM` (a dense first layer, then
+MoE ones, which scan as one stack; YaRN with mscale_all_dim != mscale; attention biases;
+half-split rotary in the indexer) and `GlmMoeDsaForCausalLM` (interleaved rotary in the
+indexer, a dense layer between MoE ones, and its middle layer 'shared': no indexer, the first
+layer's choice).
 Their indexers have 16 heads: with few, some keys have every head's ReLU at zero and so the
 same score 0, a tie that torch's and XLA's top-k break differently (with 4 heads GLM-5's
 test rows tie at the boundary); with 16, every real query's `index_topk`-th score is at least
@@ -76,8 +77,8 @@ COMMON = dict(
 CONFIGS = {
     "deepseek_v32": dict(
         COMMON,
-        num_hidden_layers=2,
-        first_k_dense_replace=0,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
         n_group=4,
         topk_group=2,
         attention_bias=True,
@@ -186,7 +187,8 @@ def test_logits_are_hf_logits_with_the_indexers_choice(families, name):
     ids, mask = padded_batch(VOCAB, LENGTHS)
     batch = decoder_batch(ids, mask)
     theirs, ours = chosen_keys(torch_model, model, params, ids, mask)
-    assert len(ours) == len(theirs) == 2  # GLM-5's middle layer has no indexer
+    # DeepSeek-V3.2's 3 layers each choose; GLM-5's middle layer has no indexer.
+    assert len(ours) == len(theirs) == model.config.num_layers - (name == "glm_moe_dsa")
     # Each real query chose min(its keys, index_topk) of the keys it sees, as HF's did.
     chosen = np.minimum(np.arange(1, max(LENGTHS) + 1), TOPK)[None] * mask
     for hf_choice, choice in zip(theirs, ours, strict=True):
@@ -237,13 +239,16 @@ def test_greedy_is_hf_generate_over_the_contiguous_cache_and_the_engines_pages(f
 
 @pytest.mark.slow
 def test_scanned_layers_on_a_mesh_give_hf_logits(families):
-    """FSDP x tensor, DeepSeek-V3.2's layers (all alike) scanned: the indexer's heads split
-    with the attention's."""
+    """FSDP x tensor, DeepSeek-V3.2's MoE layers scanned after its dense first one (as
+    DeepSeek-V3's): the indexer's heads split with the attention's."""
     torch_model, path, _, _ = families("deepseek_v32")
     model, params = hf.from_pretrained(
         path, Partitioner((1, 2, 2), devices=jax.devices()[:4]), scan_layers=True
     )
     assert "indexer" in params["layers"]["block"]["self_attn"]
+    assert (
+        "indexer" in params["layers_0"]["self_attn"] and "experts" not in params["layers_0"]["mlp"]
+    )
     ids, mask = padded_batch(VOCAB, LENGTHS)
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
     got = model.compute_logits(params, decoder_batch(ids, mask))

@@ -252,7 +252,6 @@ def test_no_shared_experts_reads_past_the_empty_linears_transformers_saves(tmp_p
         (dict(partial_rotary_factor=1.0), "partial_rotary_factor"),
         (dict(qk_nope_head_dim=14, qk_rope_head_dim=30), "partial_rotary_factor"),
         (dict(mlp_only_layers=(1,)), "mlp_only_layers"),
-        (dict(mlp_only_layers=(0,), scan_layers=True), "scan_layers"),
         (dict(mla_cache="compressed"), "mla_cache"),
         (dict(topk_group=3, n_group=2), "topk_group"),
     ],

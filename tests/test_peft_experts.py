@@ -260,6 +260,19 @@ def test_router_adapters_export_as_peft_target_parameters_with_our_logits(name, 
     # rounding alone (~eps x |W|), well inside TOL.
     assert max_abs_diff(ours, theirs, mask) < TOL
 
+    # Scanned (DeepSeek-V3's MoE layers one stack after its dense first layer): the
+    # adapters read stacked and write the same file.
+    scanned = hf.model_from_hf_dir(base, config_overrides={"scan_layers": True})
+    _, stacked = peft_dir.load_adapters(scanned, out)
+    peft_dir.save_adapters(
+        scanned, stacked, cfg, tmp_path / "scanned", base_model_name_or_path=base
+    )
+    stored = load_file(str(out / peft_dir.ADAPTER_WEIGHTS))
+    again = load_file(str(tmp_path / "scanned" / peft_dir.ADAPTER_WEIGHTS))
+    assert sorted(again) == sorted(stored)
+    for key, value in again.items():
+        np.testing.assert_array_equal(value, stored[key], err_msg=key)
+
     # Read back exactly; and so in transformers 4's spelling (the router a Linear among
     # `target_modules`, which PEFT refuses for Qwen2-MoE and gpt-oss): the same tensors.
     legacy = {**config, "target_modules": [weight.split(".")[1]], "target_parameters": None}

@@ -562,21 +562,25 @@ def test_an_moe_model_is_planned_over_an_expert_axis():
 
 
 @pytest.mark.slow
-def test_a_microbatched_step_of_unlike_layers_is_priced_as_its_one_batch_twin():
-    """Unscanned microbatches count as the step they split: FLOPs of 2 microbatches equal
-    one batch's, for a model whose first layers are dense and wide (DeepSeek-V3's kind)
-    and whose 1- and 2-layer cuts would hold those alone."""
+def test_steps_of_unlike_layers_microbatched_or_scanned_are_priced_as_their_one_batch_twin():
+    """A model whose first layers are dense and wide (DeepSeek-V3's kind), whose 1- and
+    2-layer cuts would hold those alone: unscanned microbatches count as the step they split
+    (FLOPs of 2 microbatches equal one batch's), and its MoE layers scanned apart from the
+    dense ones (`first_scanned_layer`) are priced from cuts of the dense layers + 1 and + 2
+    MoE layers: the unrolled step's FLOPs."""
     run = tiny_moe_run()
     config = dataclasses.replace(
-        run.model.config, num_layers=3, mlp_only_layers=(0, 1), intermediate_size=1024
+        run.model.config, num_layers=4, mlp_only_layers=(0, 1), intermediate_size=1024
     )
     run = dataclasses.replace(run, model=DecoderOnlyModel(config), batch_size=16)
     p = planner.Planner(run, jax.devices(), CHIP)
     one = p.evaluate(p.run.base)
     two = p.evaluate(dataclasses.replace(p.run.base, num_microbatches=2))
-    assert one.status == two.status == "fits", (one.reason, two.reason)
+    scanned = p.evaluate(dataclasses.replace(p.run.base, scan_layers=True))
+    assert one.status == two.status == scanned.status == "fits", (two.reason, scanned.reason)
     assert two.flops == pytest.approx(one.flops, rel=0.05)
     assert two.step.cost()["flops"] < 0.7 * one.flops  # the loop's body counted once
+    assert p.first_scanned == 2 and scanned.flops == pytest.approx(one.flops, rel=0.05)
 
 
 def moe_gin_run(bindings: Sequence[str] = ()) -> tuple[Any, Any]:

@@ -128,13 +128,12 @@ def _check_tensors(
     used = set()
     # A fused HF tensor holds the rows of all its parts.
     fused_rows: dict[str, int] = {}
-    for t, _ in expanded.values():
+    for t, _, _ in expanded.values():
         if t.rows is not None:
             fused_rows[t.hf] = max(fused_rows.get(t.hf, 0), t.rows[1])
-    for param, (t, names) in expanded.items():
+    for param, (t, names, stacked) in expanded.items():
         if param not in shapes:
             raise ValueError(f"{type(spec).__name__} maps {param!r}, which the model lacks.")
-        stacked = t.layers > 0 and param.count("/block/") and len(names) == t.layers
         layer_shape = list(shapes[param][1:] if stacked else shapes[param])
         if t.vocab_axis is not None:
             layer_shape[t.vocab_axis] = real_vocab
@@ -203,9 +202,8 @@ def _place_params(
         abstract = pytrees.with_shardings(abstract, shardings)
     flat_abstract = traverse_util.flatten_dict(abstract, sep="/")
     shapes = {k: tuple(v.shape) for k, v in flat_abstract.items()}
-    scan = bool(getattr(model.config, "scan_layers", False))
     tensors = spec.tensors(model.config)
-    expanded = hf_spec.expand(tensors, scan)
+    expanded = hf_spec.expand(tensors, hf_spec.first_scanned(model.config))
     # FP8 weights (DeepSeek-V3's, Kimi K2's) and MXFP4 pairs (gpt-oss's experts) read
     # dequantized; experts stored in pieces read whole.
     reader = mxfp4.DequantizedReader(fp8.dequantized(reader, path))
@@ -214,9 +212,8 @@ def _place_params(
     _check_tensors(spec, expanded, shapes, reader, real_vocab, path)
 
     flat_params = {}
-    for param, (t, names) in expanded.items():
+    for param, (t, names, stacked) in expanded.items():
         aval = flat_abstract[param]
-        stacked = t.layers > 0 and scan
         callback = hf_slices.shard_reader(reader, t, names, aval, stacked, real_vocab)
         flat_params[param] = jax.make_array_from_callback(aval.shape, aval.sharding, callback)
     return traverse_util.unflatten_dict(flat_params, sep="/")
@@ -307,18 +304,17 @@ def hf_eos_id(
 def hf_state_dict(model: BaseModel, params: Params) -> Iterator[tuple[str, np.ndarray]]:
     """`(HF name, numpy tensor)` for every param, vocabulary padding removed."""
     spec = spec_for_config(model.config)
-    scan = bool(getattr(model.config, "scan_layers", False))
     flat = traverse_util.flatten_dict(params, sep="/")
     real_vocab = model.config.real_vocab_size or model.config.vocab_size
     tensors = spec.tensors(model.config)
-    records = hf_spec.expand(tensors, scan)
+    records = hf_spec.expand(tensors, hf_spec.first_scanned(model.config))
     pieces = hf_spec.pieces_of(tensors)
     # A fused tensor is written once all its parts are in, rows in order.
-    parts_left = collections.Counter(n for t, names in records.values() if t.rows for n in names)
+    parts_left = collections.Counter(n for t, names, _ in records.values() if t.rows for n in names)
     parts: dict[str, list[tuple[int, np.ndarray]]] = collections.defaultdict(list)
-    for param, (t, names) in records.items():
+    for param, (t, names, stacked) in records.items():
         array = pytrees.host_array(flat[param])
-        layers = list(array) if t.layers and scan else [array]
+        layers = list(array) if stacked else [array]
         for name, layer in zip(names, layers, strict=True):
             if t.vocab_axis is not None:
                 layer = np.take(layer, np.arange(real_vocab), axis=t.vocab_axis)

@@ -70,10 +70,10 @@ def hf_modules(model: BaseModel) -> dict[str, tuple[int, list[str]]]:
     name, or one a layer for a scanned stack) of every kernel HF stores as a torch `Linear`
     of its own (an MoE router's module is not one, `peft_experts.router_weights`)."""
     spec = hf.spec_for_config(model.config)
-    scan = bool(getattr(model.config, "scan_layers", False))
     routers = peft_experts.router_weights(model, spec)
     out = {}
-    for param, (t, names) in hf_spec.expand(spec.tensors(model.config), scan).items():
+    scanned = hf_spec.first_scanned(model.config)
+    for param, (t, names, _) in hf_spec.expand(spec.tensors(model.config), scanned).items():
         own_linear = (
             t.transpose and t.split is not None and t.to_hf is None and t.rows is None
         ) and not (t.pieces or t.vocab_axis is not None or t.copies)

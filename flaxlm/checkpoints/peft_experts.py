@@ -94,9 +94,9 @@ def _parameters(
 ) -> dict[str, list[str]]:
     """flaxlm param -> the PEFT key of its HF tensor in each layer, for the params (with their
     HF tensor record and names) that `adapted` picks."""
-    scan = bool(getattr(model.config, "scan_layers", False))
     out = {}
-    for param, (t, names) in hf_spec.expand(spec.tensors(model.config), scan).items():
+    scanned = hf_spec.first_scanned(model.config)
+    for param, (t, names, _) in hf_spec.expand(spec.tensors(model.config), scanned).items():
         if adapted(param, t, names):
             out[param] = [_in_memory(spec, n) for n in names]
     return out

@@ -49,14 +49,17 @@ class CachedDecoding:
 
     def decoding_params(self, params: Params) -> Params:
         """`params` as the decoding methods read them: a scanned stack (`<layers>/block`,
-        `[layers, ...]` each) as `<layers>_0`, `<layers>_1`, ...; unchanged when unrolled."""
+        `[layers, ...]` each) as `<layers>_0`, `<layers>_1`, ... (the stack's first layer is
+        the config's `first_scanned_layer`, the unrolled ones before it kept); unchanged
+        when unrolled."""
         if not self._unrolls_for_decoding():
             return params
         name = self.module.layers_name
         stacked = params[name]["block"]
         out = {k: v for k, v in params.items() if k != name}
-        for i in range(self.config.num_layers):
-            out[f"{name}_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+        first = self.config.first_scanned_layer
+        for i in range(self.config.num_layers - first):
+            out[f"{name}_{first + i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
         return out
 
     def check_decoding(

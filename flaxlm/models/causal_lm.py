@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxlm.models import attention, layers, masks
+from flaxlm.models import attention, layers, masks, stacks
 
 Array = jax.Array
 
@@ -150,13 +150,14 @@ class CausalLM(nn.Module):
         extra = (*extra, *self.token_inputs(tokens, x))
         if cfg.dropout_rate:
             x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        x = layers.stack_blocks(
+        x = stacks.stack_blocks(
             self.block_cls,
             cfg.num_layers,
             scan_layers=cfg.scan_layers,
             remat_policy=cfg.remat_policy,
             name=self.layers_name,
             layer_index=self.layer_index,
+            first_scanned=cfg.first_scanned_layer,
             config=cfg,
             deterministic=deterministic,
         )(x, mask, decoding, *extra)

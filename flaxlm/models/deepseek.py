@@ -36,7 +36,9 @@ MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class DeepseekV3Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions, mtp.MtpOptions):
+class DeepseekV3Config(
+    moe.DenseFirstScan, qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions, mtp.MtpOptions
+):
     """DeepSeek-V3 hyper-parameters (HF's names where they exist; `num_experts` is HF's
     `n_routed_experts`, `mlp_only_layers` its first `first_k_dense_replace` layers); the
     defaults are DeepSeek-V3's (671B)."""
@@ -118,18 +120,13 @@ class DeepseekV3Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions, mtp.
 
     def check_dense_layers(self) -> None:
         """ValueErrors for dense layers HF's model cannot have: DeepSeek-V3's are its first
-        `first_k_dense_replace` (and scanned layers must be alike)."""
+        `first_k_dense_replace` (`scan_layers` scans the MoE layers after them)."""
         k = self.first_k_dense_replace
         if self.mlp_only_layers != tuple(range(k)) or self.decoder_sparse_step != 1:
             raise ValueError(
                 f"mlp_only_layers {self.mlp_only_layers} / decoder_sparse_step "
                 f"{self.decoder_sparse_step}: DeepSeek-V3's dense layers are its first "
                 "first_k_dense_replace ones, (0, 1, ..., k - 1), and every later layer is sparse."
-            )
-        if self.scan_layers and 0 < k < self.num_layers:
-            raise ValueError(
-                f"scan_layers=True needs every layer alike, but the first {k} "
-                "(mlp_only_layers) are dense: set scan_layers=False."
             )
 
     @property
@@ -364,24 +361,24 @@ def moe_hf_tensors(
     (`qwen_moe.moe_hf_tensors`), and on the sparse layers the shared experts and
     `e_score_correction_bias`."""
     out = qwen_moe.moe_hf_tensors(cfg, prefix, expert_names=expert_names)
-    sparse = cfg.sparse_layers(cfg.num_layers)
-    if all(sparse):  # one record a tensor for all layers (scanned or not)
-        scopes = [("layers_{i}", prefix, cfg.num_layers)]
-    else:
-        scopes = [(f"layers_{i}", prefix.format(i=i), 0) for i, s in enumerate(sparse) if s]
-    for scope, module, n in scopes:
+    if not any(cfg.sparse_layers(cfg.num_layers)):
+        return out
+    for scope, module, n, first in qwen_moe.sparse_scopes(cfg, prefix):
         if cfg.n_shared_experts:
             out += [
                 linear(
                     f"{scope}/mlp/shared_experts/{p}/kernel",
                     f"{module}.shared_experts.{p}.weight",
                     layers=n,
+                    first=first,
                 )
                 for p in qwen_moe.SWIGLU
             ]
         if cfg.score_correction_bias:
             bias = f"{module}.gate.e_score_correction_bias"
-            out.append(HFTensor(f"{scope}/mlp/e_score_correction_bias", bias, layers=n))
+            out.append(
+                HFTensor(f"{scope}/mlp/e_score_correction_bias", bias, layers=n, first=first)
+            )
     return out
 
 

@@ -34,7 +34,7 @@ import flax.linen as nn
 import gin
 import jax
 
-from flaxlm.models import deepseek, glm4_moe, layers, masks, mtp_hf, qwen_moe, sparse_attention
+from flaxlm.models import deepseek, glm4_moe, layers, masks, moe, mtp_hf, qwen_moe, sparse_attention
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
@@ -94,16 +94,18 @@ class DeepseekV32Config(deepseek.DeepseekV3Config):
             )
 
     def check_dense_layers(self) -> None:
-        """Dense layers anywhere (HF's `mlp_layer_types`); scanned layers must be alike."""
+        """Dense layers anywhere (HF's `mlp_layer_types`); a scan stacks the MoE layers
+        after dense first ones (`first_scanned_layer`), not dense ones among them."""
         if self.decoder_sparse_step != 1:
             raise ValueError(
                 f"decoder_sparse_step {self.decoder_sparse_step}: HF's {self.architecture} "
                 "names its dense layers (mlp_only_layers); 1 only."
             )
-        if self.scan_layers and len(set(self.sparse_layers(self.num_layers))) > 1:
+        if self.scan_layers and moe.scan_start(self.sparse_layers(self.num_layers)) is None:
             raise ValueError(
-                f"scan_layers=True needs every layer alike, but mlp_only_layers "
-                f"{self.mlp_only_layers} are dense and the others MoE: set scan_layers=False."
+                f"scan_layers=True stacks the layers after the dense first ones, but "
+                f"mlp_only_layers {self.mlp_only_layers} are dense among the MoE ones: set "
+                "scan_layers=False."
             )
 
     @property

@@ -93,7 +93,12 @@ class PartialRotary:
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class Glm4MoeConfig(
-    PartialRotary, qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions, mtp.MtpOptions
+    moe.DenseFirstScan,
+    PartialRotary,
+    qwen_moe.MoESizes,
+    rope.RopeScaling,
+    moe.MoEOptions,
+    mtp.MtpOptions,
 ):
     """GLM-4.5 / 4.6 hyper-parameters (HF's names where they exist; `num_experts` is HF's
     `n_routed_experts`, `mlp_only_layers` its first `first_k_dense_replace` layers); the
@@ -157,11 +162,6 @@ class Glm4MoeConfig(
             raise ValueError(
                 f"mlp_only_layers {self.mlp_only_layers}: GLM-4.5's dense layers are its first "
                 "first_k_dense_replace ones, (0, 1, ..., k - 1)."
-            )
-        if self.scan_layers and 0 < k < self.num_layers:
-            raise ValueError(
-                f"scan_layers=True needs every layer alike, but the first {k} "
-                "(mlp_only_layers) are dense: set scan_layers=False."
             )
         if self.num_experts // self.n_group < 2:
             raise ValueError(

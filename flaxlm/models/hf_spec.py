@@ -11,7 +11,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -23,7 +23,7 @@ class HFTensor:
     """One param <-> one HF tensor.
 
     `param` is the param's path joined by '/', `hf` the HF tensor name; a `{i}` in both is
-    repeated for i in range(layers) (hf.py stacks them when the model scans its layers).
+    repeated for i in range(first, layers) (hf.py stacks them when the model scans its layers).
     The HF tensor is the param reshaped to 2-D after its first `split` axes (to 1-D when
     `split` is None), transposed when `transpose` (torch `Linear` stores [out, in]).
     `vocab_axis` is the param axis that hf.py pads to the model's `vocab_size`.
@@ -35,6 +35,7 @@ class HFTensor:
     split: int | None = None
     transpose: bool = False
     layers: int = 0
+    first: int = 0  # the first layer of a `{i}` record (DeepSeek-V3's MoE ones: after the dense)
     vocab_axis: int | None = None
     to_flax: Callable[[np.ndarray, tuple[int, ...]], np.ndarray] | None = None
     to_hf: Callable[[np.ndarray], np.ndarray] | None = None
@@ -81,20 +82,43 @@ class HFTensor:
         return self.to_hf_layout(np.broadcast_to(np.zeros((), np.float32), shape)).shape
 
 
-def expand(tensors: Sequence[HFTensor], scan: bool) -> dict[str, tuple[HFTensor, list[str]]]:
-    """Param path -> (record, HF names), one name per layer for stacked (scanned) params."""
-    out: dict[str, tuple[HFTensor, list[str]]] = {}
+class Expanded(NamedTuple):
+    """One param's record and HF names: one a layer, in order, for a stacked param."""
+
+    tensor: HFTensor
+    names: list[str]
+    stacked: bool  # the param has the layers on its axis 0 (a scanned stack's)
+
+
+def expand(tensors: Sequence[HFTensor], first_scanned: int | None) -> dict[str, Expanded]:
+    """Param path -> its record and HF names. `first_scanned`: None for unrolled layers, else
+    the first layer of the model's scanned stack (`ComputeOptions.first_scanned_layer`): a
+    `{i}` record's layers from it on are one stacked param, those before it unrolled."""
+    out: dict[str, Expanded] = {}
     for t in tensors:
         if t.layers == 0:
-            out[t.param] = (t, [t.hf])
-        elif scan:
+            out[t.param] = Expanded(t, [t.hf], False)
+            continue
+        unrolled = range(
+            t.first, t.layers if first_scanned is None else min(t.layers, first_scanned)
+        )
+        for i in unrolled:
+            out[t.param.format(i=i)] = Expanded(t, [t.hf.format(i=i)], False)
+        if first_scanned is not None and t.layers > first_scanned:
+            if t.first > first_scanned:
+                raise ValueError(
+                    f"{t.param}: layers {t.first}..{t.layers - 1} cannot be the stack of "
+                    f"layers {first_scanned}.. (a scanned stack's records cover all of it)."
+                )
             # `name_{i}/rest` unrolled is `name/block/rest` scanned, layers on axis 0.
-            names = [t.hf.format(i=i) for i in range(t.layers)]
-            out[re.sub(r"_\{i\}", "/block", t.param, count=1)] = (t, names)
-        else:
-            for i in range(t.layers):
-                out[t.param.format(i=i)] = (t, [t.hf.format(i=i)])
+            names = [t.hf.format(i=i) for i in range(first_scanned, t.layers)]
+            out[re.sub(r"_\{i\}", "/block", t.param, count=1)] = Expanded(t, names, True)
     return out
+
+
+def first_scanned(config: Any) -> int | None:
+    """`expand`'s `first_scanned` for a model's config: None unless it scans its layers."""
+    return config.first_scanned_layer if getattr(config, "scan_layers", False) else None
 
 
 def pieces_of(tensors: Sequence[HFTensor]) -> dict[str, list[list[str]]]:
@@ -102,7 +126,7 @@ def pieces_of(tensors: Sequence[HFTensor]) -> dict[str, list[list[str]]]:
     record stored in pieces (`HFTensor.pieces`); scanned or not, the names are the same."""
     out: dict[str, list[list[str]]] = {}
     for t in tensors:
-        for i in range(max(t.layers, 1)) if t.pieces else ():
+        for i in range(t.first, max(t.layers, 1)) if t.pieces else ():
             experts = range(t.experts)
             out[t.hf.format(i=i)] = [[p.format(i=i, e=e) for p in t.pieces] for e in experts]
     return out

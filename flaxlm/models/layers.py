@@ -1,4 +1,5 @@
-"""Shared, logically-annotated building blocks: dense, embed, norms, activations, MLPs, remat.
+"""Shared, logically-annotated building blocks: dense, embed, norms, activations, MLPs, remat
+policies (`stacks.py` applies blocks with them).
 
 Every parameter carries logical axis names (`nn.with_logical_partitioning`); activations are
 pinned with `nn.with_logical_constraint`. Nothing here knows a mesh.
@@ -435,66 +436,3 @@ def gated_mlp(
     m = constrain(ACTIVATIONS[activation](gate) * up, ("batch", "length", "mlp"))
     m = DenseGeneral(hidden_size, ("mlp", "embed"), name="down_proj", **dense)(m)
     return checkpoint_name(m, "mlp_out")
-
-
-def remat_block(block_cls: type[nn.Module], policy: str, static_argnums: tuple[int, ...] = ()):
-    """`block_cls` wrapped in `nn.remat` with the named policy ('none' returns it as is)."""
-    if policy not in REMAT_POLICIES:
-        raise ValueError(f"remat_policy={policy!r}: expected one of {sorted(REMAT_POLICIES)}.")
-    if policy == "none":
-        return block_cls
-    return nn.remat(
-        block_cls,
-        policy=REMAT_POLICIES[policy],
-        prevent_cse=True,
-        static_argnums=static_argnums,
-    )
-
-
-def stack_blocks(
-    block_cls: type[nn.Module],
-    num_layers: int,
-    *,
-    scan_layers: bool,
-    remat_policy: str,
-    name: str = "layers",
-    layer_index: bool = False,
-    **block_kwargs: Any,
-) -> Callable[..., Any]:
-    """Applies `num_layers` blocks `(x, *args) -> x`, scanned (params gain a `layers` axis)
-    or unrolled (`layers_0`, `layers_1`, ...). Returns a callable `(x, *args) -> x`.
-
-    layer_index: call the blocks as `(x, index, *args)`, index an int32 scalar counting
-    from 0 (traced when scanned, so blocks must use it arithmetically, not in Python `if`s).
-    """
-    block = remat_block(block_cls, remat_policy)
-    if scan_layers:
-
-        class _ScanBody(nn.Module):
-            @nn.compact
-            def __call__(self, x: Array, index: Array, args: tuple) -> tuple[Array, None]:
-                b = block(**block_kwargs, name="block")
-                return (b(x, index, *args) if layer_index else b(x, *args)), None
-
-        # The index differs per layer, so it is scanned over; the other arguments are shared.
-        scanned = nn.scan(
-            _ScanBody,
-            # intermediates: what layers sow (MoE router statistics), stacked per layer.
-            variable_axes={"params": 0, "cache": 0, "intermediates": 0},
-            split_rngs={"params": True, "dropout": True},
-            in_axes=(0, nn.broadcast),
-            length=num_layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )(name=name)
-        indices = jnp.arange(num_layers, dtype=jnp.int32)
-        return lambda x, *args: scanned(x, indices, args)[0]
-
-    blocks = [block(**block_kwargs, name=f"{name}_{i}") for i in range(num_layers)]
-
-    def apply(x: Array, *args: Any) -> Array:
-        for i, b in enumerate(blocks):
-            # An array, as when scanned, so a block behaves the same either way.
-            x = b(x, jnp.asarray(i, jnp.int32), *args) if layer_index else b(x, *args)
-        return x
-
-    return apply

@@ -18,6 +18,7 @@ Routing, the router statistics every layer sows and the load-balance losses are 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -231,6 +232,27 @@ def options_to_hf(cfg: MoEOptions, experts_key: str = "num_experts") -> dict[str
         "decoder_sparse_step": cfg.decoder_sparse_step,
         "mlp_only_layers": list(cfg.mlp_only_layers),
     }
+
+
+def scan_start(sparse: Sequence[bool]) -> int | None:
+    """The first layer a scan can stack, given whether each layer's MLP is the MoE: 0 when
+    all are alike, k when the first k are dense and the rest MoE (DeepSeek-V3's
+    `first_k_dense_replace`: those stay unrolled), None when they mix otherwise."""
+    if not any(sparse):
+        return 0
+    k = list(sparse).index(True)
+    return k if all(sparse[k:]) else None
+
+
+class DenseFirstScan:
+    """A config mixin (listed before the dataclass bases, so that it overrides
+    `ComputeOptions`): `scan_layers` stacks the MoE layers after the dense first ones."""
+
+    @property
+    def first_scanned_layer(self) -> int:
+        """The first MoE layer (0 when every layer is alike): the dense ones before it stay
+        unrolled under `scan_layers`."""
+        return scan_start(self.sparse_layers(self.num_layers)) or 0
 
 
 def has_experts(config: Any) -> bool:

@@ -35,6 +35,12 @@ class ComputeOptions:
     context_parallel: str = "ring"
     context_parallel_balance: bool = True
 
+    @property
+    def first_scanned_layer(self) -> int:
+        """The first layer of the stack `scan_layers` scans; the layers before it stay
+        unrolled (DeepSeek-V3's dense first layers before its alike MoE ones). 0 here."""
+        return 0
+
     def __post_init__(self) -> None:
         choices = attention.ATTENTION_IMPLEMENTATIONS
         if self.attention not in choices:

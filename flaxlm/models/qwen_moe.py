@@ -65,7 +65,7 @@ class MoESizes(options.ParamCounts):
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class QwenMoeConfig(MoESizes, qwen.QwenFields, moe.MoEOptions):
+class QwenMoeConfig(moe.DenseFirstScan, MoESizes, qwen.QwenFields, moe.MoEOptions):
     """Qwen2-MoE / Qwen3-MoE hyper-parameters: QwenFields' and MoEOptions' fields (HF's
     names); the defaults are Qwen3-30B-A3B's."""
 
@@ -91,11 +91,11 @@ class QwenMoeConfig(MoESizes, qwen.QwenFields, moe.MoEOptions):
                 "shared_expert_intermediate_size is Qwen2-MoE's: set it 0 or model_type="
                 "'qwen2_moe'."
             )
-        sparse = set(self.sparse_layers(self.num_layers))
-        if self.scan_layers and len(sparse) > 1:
+        if self.scan_layers and moe.scan_start(self.sparse_layers(self.num_layers)) is None:
             raise ValueError(
-                "scan_layers=True needs every layer alike, but decoder_sparse_step / "
-                "mlp_only_layers make some MLPs dense: set scan_layers=False."
+                "scan_layers=True stacks the layers from the first MoE one on (dense first "
+                "layers stay unrolled), but decoder_sparse_step / mlp_only_layers make dense "
+                "MLPs among the MoE ones: set scan_layers=False."
             )
 
     @property
@@ -122,7 +122,8 @@ def mlp_or_experts(module: nn.Module, cfg: Any, h: Array, mask: masks.Mask) -> A
     dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     sparse = cfg.sparse_layers(cfg.num_layers)
     i = layer_number(module)
-    if sparse[0 if i is None else i]:  # scanned: all alike (checked by the config)
+    # scanned: the stack's layers alike (checked by the config), from first_scanned_layer on
+    if sparse[cfg.first_scanned_layer if i is None else i]:
         return moe.MoE(cfg, name="mlp", **dense)(h, moe.real_tokens(mask, h.shape[1]))
     return moe.GatedMLP(
         cfg.intermediate_size, cfg.hidden_size, cfg.activation, name="mlp", **dense
@@ -244,18 +245,37 @@ SWIGLU = ("gate_proj", "up_proj", "down_proj")  # HF's names of a SwiGLU's proje
 def moe_hf_tensors(
     cfg: Any, prefix: str, gate: str = "gate", expert_names: tuple[str, str, str] = SWIGLU
 ) -> list[HFTensor]:
-    """Every layer's MLP records under the HF module `prefix` (with `{i}`): unrolled, each
-    layer as it is sparse or dense; scanned (all alike), one stacked record each.
+    """Every layer's MLP records under the HF module `prefix` (with `{i}`): one `{i}` record
+    a tensor for the dense layers and one for the sparse ones where the dense come first (all
+    alike, or DeepSeek-V3's: a scanned model stacks the sparse ones), else one a layer.
     `expert_names`: the Hub's names of each expert's gate, up and down projections
     (`{prefix}.experts.{e}.<name>.weight`, Mixtral: w1, w3, w2)."""
     sparse = cfg.sparse_layers(cfg.num_layers)
     records = functools.partial(_mlp_records, cfg, gate=gate, expert_names=expert_names)
-    if all(sparse) or not any(sparse):
-        return records("layers_{i}", prefix, sparse[0], cfg.num_layers)
+    if not any(sparse):
+        return records("layers_{i}", prefix, False, cfg.num_layers)
+    scopes = sparse_scopes(cfg, prefix)
+    dense = [i for i, s in enumerate(sparse) if not s]
     out: list[HFTensor] = []
-    for i, s in enumerate(sparse):
-        out += records(f"layers_{i}", prefix.format(i=i), s, 0)
+    if scopes[0][2]:  # the dense layers first: `{i}` records
+        out += records("layers_{i}", prefix, False, len(dense)) if dense else []
+    else:
+        for i in dense:
+            out += records(f"layers_{i}", prefix.format(i=i), False, 0)
+    for scope, module, n, first in scopes:
+        out += [dataclasses.replace(t, first=first) for t in records(scope, module, True, n)]
     return out
+
+
+def sparse_scopes(cfg: Any, prefix: str) -> list[tuple[str, str, int, int]]:
+    """(param scope, HF module, `layers`, `first`) of the sparse layers' MLP records: one
+    `{i}` scope when they are the layers from some k on (all of them, or after DeepSeek-V3's
+    dense first ones), else one a layer."""
+    sparse = cfg.sparse_layers(cfg.num_layers)
+    k = sparse.index(True)
+    if all(sparse[k:]):
+        return [("layers_{i}", prefix, cfg.num_layers, k)]
+    return [(f"layers_{i}", prefix.format(i=i), 0, 0) for i, s in enumerate(sparse) if s]
 
 
 def _mlp_records(

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import attention, layers, masks
+from flaxlm.models import attention, layers, masks, stacks
 from flaxlm.models.base import EncoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 from flaxlm.models.options import ComputeOptions
@@ -192,7 +192,7 @@ class Roberta(nn.Module):
         )(x)
         if cfg.dropout_rate:
             x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        x = layers.stack_blocks(
+        x = stacks.stack_blocks(
             RobertaLayer,
             cfg.num_layers,
             scan_layers=cfg.scan_layers,

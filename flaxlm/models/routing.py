@@ -188,10 +188,11 @@ def update_correction_bias(old: Any, new: Any, counts: Array, rate: float) -> An
     return updated
 
 
-def _layer_order(key: str) -> tuple[str, int]:
-    """Sort key putting `layers_10` after `layers_9`."""
+def _layer_order(key: str) -> tuple[str, float]:
+    """Sort key putting `layers_10` after `layers_9`, and a scanned stack `layers` after the
+    unrolled layers before it (`first_scanned_layer`)."""
     stem, _, number = key.rpartition("_")
-    return (stem, int(number)) if number.isdigit() else (key, -1)
+    return (stem, int(number)) if number.isdigit() else (key, float("inf"))
 
 
 def router_losses(

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import attention, layers, masks
+from flaxlm.models import attention, layers, masks, stacks
 from flaxlm.models.base import EncoderDecoderModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 from flaxlm.models.options import ComputeOptions
@@ -381,7 +381,7 @@ class T5Stack(nn.Module):
 
         if cfg.dropout_rate:
             x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        x = layers.stack_blocks(
+        x = stacks.stack_blocks(
             T5Block,
             cfg.decoder_layers if self.is_decoder else cfg.num_layers,
             scan_layers=cfg.scan_layers,

@@ -84,6 +84,8 @@ class Planner:
         # compiler enforces HBM and says so in its own words.
         self.limit = None if self.devices[0].platform == "tpu" else chip.memory_bytes
         self.num_layers = getattr(run.model.config, "num_layers", None)
+        # The unrolled layers a scanned step keeps before its stack (DeepSeek-V3's dense ones).
+        self.first_scanned = getattr(run.model.config, "first_scanned_layer", 0)
         self._costs: dict[tuple, tuple[dict[str, float], float] | None] = {}
         self._param_shapes = None
 
@@ -214,11 +216,12 @@ class Planner:
         O is the optimizer update, outside the microbatch loop (its bytes: read gradients,
         params and moments, write params and moments; its FLOPs neglected). An unscanned
         step's own cost counts the microbatch loop's body once: step = O + mb (own - O). A
-        scanned one (its layers alike: a model refuses to scan others) is priced from the 1-
-        and 2-layer unscanned compiles: X = 2 c1 - c2 is everything but the layers (the
-        microbatch loop's body once), a layer is c2 - c1; step = O + mb (X - O + L layer).
-        (Unscanned steps are not calibrated so: a model whose first layers differ, as
-        DeepSeek-V3's dense ones, has 1- and 2-layer cuts of those alone.) On an accelerator a
+        scanned one (its stack's layers alike, from layer s = `first_scanned_layer` on; the
+        unrolled ones before it, DeepSeek-V3's dense layers, differ) is priced from the
+        unscanned compiles cut to s + 1 and s + 2 layers: X = 2 c1 - c2 is everything but the
+        stack (the microbatch loop's body once), a stacked layer is c2 - c1; step = O + mb
+        (X - O + (L - s) layer). (Unscanned steps are not calibrated so: their cuts would hold
+        DeepSeek-V3's dense first layers alone.) On an accelerator a
         scanned step is predicted as its unrolled twin: the scan body's own cost analysis charges
         each dynamic-update-slice the whole stacked buffer (2.4x the unrolled bytes on v5e
         for Llama 2 7B), which the loop does not move. XLA:CPU does run a scanned layer
@@ -255,14 +258,15 @@ class Planner:
             if own is not None and own[k] - outside > layer:
                 layer = own[k] - outside
             o = min(optimizer[k], outside)
-            out[k] = o + mb * (outside - o + self.num_layers * layer)
+            out[k] = o + mb * (outside - o + (self.num_layers - self.first_scanned) * layer)
         return out
 
     def _calibrate(self, knobs: Knobs) -> tuple[dict[str, float], dict[str, float]] | None:
         if not self.num_layers:
             return None
         flat = dataclasses.replace(knobs, scan_layers=False)
-        c1, c2 = (self.compile(flat, num_layers=n).cost() for n in (1, 2))
+        s = self.first_scanned
+        c1, c2 = (self.compile(flat, num_layers=n).cost() for n in (s + 1, s + 2))
         return c1, c2
 
     def predict(self, result: Result) -> None:
