@@ -164,8 +164,8 @@ def test_other_branches_scanned_on_a_mesh_give_hf_logits(tmp_path):
 def test_moe_layers_scanned_after_the_dense_ones_give_hf_logits_tokens_and_files(tmp_path):
     """`scan_layers` with dense first layers (DeepSeek-V3's three, as MaxText scans it): the
     dense ones unrolled (`layers_0`), the MoE ones one stack (`layers`, 3 deep): HF's logits,
-    its greedy tokens (decoding unrolls the stack) and files HF reloads with the same logits;
-    a training step's loss and gradients are the unrolled model's."""
+    its greedy tokens (decoding unrolls the stack) and files HF reloads with the same logits
+    (its training: `test_tiny_gin_trains_with_an_mtp_loss`)."""
     torch_model = tiny_hf_deepseek(**dict(FULL, num_hidden_layers=4))
     torch_model.save_pretrained(tmp_path / "hf")
     model, params = hf.from_pretrained(str(tmp_path / "hf"), ONE, scan_layers=True)
@@ -186,17 +186,6 @@ def test_moe_layers_scanned_after_the_dense_ones_give_hf_logits_tokens_and_files
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
     assert max_abs_diff(again, theirs, mask) <= 1e-6 * max(1.0, np.abs(theirs).max())
-
-    unrolled, flat = hf.from_pretrained(str(tmp_path / "hf"), ONE)
-    (loss, grads), (loss_u, grads_u) = (
-        jax.value_and_grad(lambda p, m=m: m.loss_fn(p, batch, jax.random.PRNGKey(0))[0])(p)
-        for m, p in ((model, params), (unrolled, flat))
-    )
-    assert abs(float(loss) - float(loss_u)) <= 1e-5 * abs(float(loss_u))
-    stacked = grads["layers"]["block"]["mlp"]["experts"]["wo"]
-    for j in range(3):
-        g = grads_u[f"layers_{j + 1}"]["mlp"]["experts"]["wo"]
-        assert float(jnp.max(jnp.abs(stacked[j] - g))) <= 1e-5 * float(jnp.max(jnp.abs(g)))
 
 
 def test_router_chooses_hf_experts_with_hf_weights(full):
