@@ -1,8 +1,8 @@
 """Context parallelism: a sequence split over the mesh's `sequence` axis gives the loss and the
 gradients of the same model unsplit, by ring and by all-gather attention, packed or not, with
 windows shorter than a shard, for every decoder family (with the chunked loss) and a mixture of
-experts (its router statistics too, with and without an `expert` axis); the load-balanced order
-gives every shard the same share of the causal work."""
+experts (its router statistics too, with and without an `expert` axis) and an MTP layer; the
+load-balanced order gives every shard the same share of the causal work."""
 
 import dataclasses
 import re
@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from flaxlm.models import context_parallel
 from flaxlm.models.base import DecoderOnlyModel, EncoderOnlyModel
+from flaxlm.models.deepseek import DeepseekV3Config
 from flaxlm.models.gemma import GemmaConfig
 from flaxlm.models.gpt2 import GPT2Config
 from flaxlm.models.gptj import GPTJConfig
@@ -227,6 +228,37 @@ def test_every_family_splits_its_sequence_and_its_chunked_loss(family):
     want = _loss_and_grads(model, params, batch)
     chunked = DecoderOnlyModel(FAMILIES[family](), loss_chunk_size=5)
     _assert_same(_loss_and_grads(chunked, params, batch, (1, 1, 4, 2)), want)
+
+
+@pytest.mark.slow
+def test_multi_token_prediction_splits_its_sequence_in_the_balanced_order():
+    """DeepSeek-V3 with an MTP layer (a dense first layer, an MoE one): split over
+    `sequence` in the load-balanced order, the MTP layer's next tokens and its targets
+    follow each position's slot, k slots on: the unsplit loss (the MTP loss's included)
+    and gradients."""
+    config = DeepseekV3Config(
+        **SMALL,
+        num_layers=2,
+        mlp_only_layers=(0,),
+        intermediate_size=64,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        n_group=1,
+        topk_group=1,
+        num_mtp_layers=1,
+        mtp_loss_weight=0.3,
+    )
+    model = DecoderOnlyModel(config)
+    params = _random_params(model, {"decoder_input_tokens": (1, 8)}, scale=0.2)
+    batch = _batches(64, seed=2)["packed"]
+    want = _loss_and_grads(model, params, batch)
+    _assert_same(_loss_and_grads(model, params, batch, (1, 1, 4, 2)), want)
 
 
 # A Qwen3-MoE (8 experts, 2 a token, dropless, layers scanned so the block compiles once) whose

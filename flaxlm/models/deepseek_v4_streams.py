@@ -248,13 +248,13 @@ class DeepseekV4(causal_lm.CausalLM):
         """The MTP layers (the module docstring) from the trunk's streams, each depth's
         hidden state sown as `mtp.after_trunk` sows DeepSeek-V3's."""
         del hidden, segment_ids  # the trunk's mask holds the segments
-        if not mtp.runs(self, decoding, slots):
+        if not mtp.runs(self, decoding):
             return
         streams = trunk
         for k in range(1, self.config.num_mtp_layers + 1):
-            ids = mtp.shifted(tokens, k)
+            ids = mtp.shifted(tokens, k, slots=slots)
             x = embed(ids)
-            _, args = self.block_inputs(x, mtp.shifted(positions, k), None)
+            _, args = self.block_inputs(x, mtp.shifted(positions, k, slots=slots), None)
             layer = DeepseekV4MtpLayer(
                 self.config.mtp_block_config(k - 1), deterministic, name=f"mtp_{k - 1}"
             )

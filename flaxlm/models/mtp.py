@@ -84,24 +84,39 @@ class MtpOptions:
         return self.num_mtp_layers * (extra + moe_all), self.num_mtp_layers * (extra + moe_active)
 
 
-def shifted(x: Array, k: int, fill: Any = 0) -> Array:
+def shifted(x: Array, k: int, fill: Any = 0, slots: Array | None = None) -> Array:
     """`x` `[batch, length, ...]` moved k places earlier along its length: position i holds
-    x[i + k], the last k positions `fill`."""
+    x[i + k], the last k positions `fill`. With `slots` (int32 `[length]`, the slot each
+    position holds: context parallelism's load-balanced order, `Mask.slots`), k slots on:
+    position i holds the x of the position at slot `slots[i] + k`."""
     x = jnp.asarray(x)
     if k == 0:
         return x
-    pad = jnp.full((x.shape[0], k, *x.shape[2:]), fill, x.dtype)
-    return jnp.concatenate([x[:, k:], pad], axis=1)
+    if slots is None:
+        pad = jnp.full((x.shape[0], k, *x.shape[2:]), fill, x.dtype)
+        return jnp.concatenate([x[:, k:], pad], axis=1)
+    length = x.shape[1]
+    slots = jnp.asarray(slots, jnp.int32)
+    position_of = jnp.zeros((length,), jnp.int32).at[slots].set(jnp.arange(length, dtype=jnp.int32))
+    source = slots + k
+    moved = jnp.take(x, position_of[jnp.minimum(source, length - 1)], axis=1)
+    inside = (source < length).reshape(1, length, *(1,) * (x.ndim - 2))
+    return jnp.where(inside, moved, jnp.asarray(fill, x.dtype))
 
 
 def depth_targets(
-    targets: Array, weights: Array, segment_ids: Array | None, k: int
+    targets: Array,
+    weights: Array,
+    segment_ids: Array | None,
+    k: int,
+    slots: Array | None = None,
 ) -> tuple[Array, Array]:
     """Depth k's targets and loss weights `[batch, length]`: position i predicts `targets[i +
-    k]` (token i + k + 1) with its weight, where that target lies in position i's segment."""
-    t, w = shifted(targets, k), shifted(weights, k)
+    k]` (token i + k + 1) with its weight, where that target lies in position i's segment
+    (rows in the load-balanced order: `slots`, as `shifted`)."""
+    t, w = shifted(targets, k, slots=slots), shifted(weights, k, slots=slots)
     if segment_ids is not None:
-        w = w * (shifted(segment_ids, k, -1) == segment_ids).astype(w.dtype)
+        w = w * (shifted(segment_ids, k, -1, slots) == segment_ids).astype(w.dtype)
     return t, w
 
 
@@ -143,21 +158,13 @@ def block_config(config: Any) -> Any:
     return dataclasses.replace(config, **config.mtp_block_fields())
 
 
-def runs(module: nn.Module, decoding: masks.Decoding | None, slots: Array | None) -> bool:
+def runs(module: nn.Module, decoding: masks.Decoding | None) -> bool:
     """Whether `module`'s MTP layers run in this call: where its config has some, a loss asks
     for their hidden states (`MTP_COLLECTION` mutable) or the params are built; never while
-    decoding. A ValueError under context parallelism's reordered rows."""
+    decoding."""
     if not getattr(module.config, "num_mtp_layers", 0) or decoding is not None:
         return False  # (a family sharing the module may have none)
-    if not (module.is_initializing() or module.is_mutable_collection(MTP_COLLECTION)):
-        return False
-    if slots is not None:
-        raise ValueError(
-            "num_mtp_layers with context parallelism (a `sequence` mesh axis): the MTP "
-            "layers read each row in order, which the load-balanced split reorders; set "
-            "num_mtp_layers=0 or context_parallel_balance=False."
-        )
-    return True
+    return module.is_initializing() or module.is_mutable_collection(MTP_COLLECTION)
 
 
 def after_trunk(
@@ -177,11 +184,13 @@ def after_trunk(
     `MtpOptions`): the depths run and their hidden states sown where a loss asks for them
     (`MTP_COLLECTION` mutable) or the params are built; never while decoding."""
     del trunk, segment_ids  # the trunk's mask holds the segments
-    if not runs(module, decoding, slots):
+    if not runs(module, decoding):
         return
     block_cfg = block_config(module.config)
     for k in range(1, module.config.num_mtp_layers + 1):
-        x, args = module.block_inputs(embed(shifted(tokens, k)), shifted(positions, k), None)
+        x, args = module.block_inputs(
+            embed(shifted(tokens, k, slots=slots)), shifted(positions, k, slots=slots), None
+        )
         layer = MtpLayer(block_cfg, module.block_cls, deterministic, name=f"mtp_{k - 1}")
         hidden = layer(x, hidden, mask, args)
         module.sow(MTP_COLLECTION, HIDDEN, hidden)

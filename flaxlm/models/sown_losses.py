@@ -68,9 +68,10 @@ class SownLosses:
         """The summed cross-entropy of every MTP depth (`mtp.py`): depth k's hidden states
         through the head, against the targets k places on (`mtp.depth_targets`)."""
         segment_ids = batch.get(self._feature("segment_ids"))
+        slots = batch.get(self._feature("slots"))  # the load-balanced order's, if any
         total = jnp.zeros((), jnp.float32)
         for k, hidden in enumerate(hiddens, start=1):
-            t, w = mtp.depth_targets(targets, weights, segment_ids, k)
+            t, w = mtp.depth_targets(targets, weights, segment_ids, k, slots)
             if self.loss_chunk_size is None:
                 logits = self._mask_padded_vocab(self.module.head_logits(params, hidden))
                 total += losses.cross_entropy(logits, t, w, self.z_loss)[0]
