@@ -180,6 +180,11 @@ def test_checkpoint_of_another_model_names_the_mismatched_params(tmp_path):
         checkpointer.Checkpointer(str(tmp_path)).restore_latest(wider.abstract_state)
     assert "different model" in str(e.value)
     assert "h_0/fc_in/kernel: (32, 128) in the checkpoint, (64, 256) in this model" in str(e.value)
+    assert "scan_layers" not in str(e.value)
+    # The same model scanned: the hint names the setting (the params' names differ alike).
+    scanned = Setup(tiny_gptj(scan_layers=True), Partitioner((1, 8, 1)), adamw(), feature_lengths())
+    with pytest.raises(checkpointer.CheckpointMismatchError, match="set scan_layers=False"):
+        checkpointer.Checkpointer(str(tmp_path)).restore_latest(scanned.abstract_state)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging as std_logging
+import re
 import sys
 import threading
 import types
@@ -51,6 +52,23 @@ class CheckpointMismatchError(ValueError):
 
 class NoReadableCheckpointError(ValueError):
     """Checkpoints exist but none of them can be read."""
+
+
+def _scan_hint(saved: Any, wanted: Any) -> str:
+    """A sentence naming `scan_layers` where one side's layers are a scanned stack
+    (`layers/block/...`) and the other's are not: the rest of the mismatch follows from it."""
+
+    def scanned(names: Any) -> bool:
+        return any(re.match(r"[a-z]+/block/", name) for name in names)
+
+    if scanned(saved) == scanned(wanted):
+        return ""
+    return (
+        f" The checkpoint's layers are {'scanned' if scanned(saved) else 'unrolled'}, this "
+        f"model's {'scanned' if scanned(wanted) else 'unrolled'}: set scan_layers="
+        f"{scanned(saved)} on the model's config (the DeepSeek-V3, Kimi K2 and GLM-4.5/4.6 gin "
+        "files scan their MoE layers since 2026-12-05)."
+    )
 
 
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
@@ -218,7 +236,7 @@ class Checkpointer:
             f"Checkpoint {self.directory}/{step} was written for a different model: "
             + "; ".join(problems[:5])
             + f"{more}. Use a new MODEL_DIR, or the model configuration the checkpoint was "
-            "trained with (its config.gin)."
+            "trained with (its config.gin)." + _scan_hint(saved, wanted)
         )
 
     def restore(
