@@ -58,16 +58,14 @@ def _scan_hint(saved: Any, wanted: Any) -> str:
     """A sentence naming `scan_layers` where one side's layers are a scanned stack
     (`layers/block/...`) and the other's are not: the rest of the mismatch follows from it."""
 
-    def scanned(names: Any) -> bool:
-        return any(re.match(r"[a-z]+/block/", name) for name in names)
-
-    if scanned(saved) == scanned(wanted):
+    theirs, ours = (any(re.match(r"[a-z]+/block/", n) for n in names) for names in (saved, wanted))
+    if theirs == ours:
         return ""
     return (
-        f" The checkpoint's layers are {'scanned' if scanned(saved) else 'unrolled'}, this "
-        f"model's {'scanned' if scanned(wanted) else 'unrolled'}: set scan_layers="
-        f"{scanned(saved)} on the model's config (the DeepSeek-V3, Kimi K2 and GLM-4.5/4.6 gin "
-        "files scan their MoE layers since 2026-12-05)."
+        f" The checkpoint's layers are {'scanned' if theirs else 'unrolled'}, this model's "
+        f"{'scanned' if ours else 'unrolled'}: set scan_layers={theirs} on the model's config "
+        "(the DeepSeek-V3, Kimi K2 and GLM-4.5/4.6 gin files scan their MoE layers since "
+        "2026-12-05)."
     )
 
 

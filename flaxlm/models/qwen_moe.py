@@ -254,27 +254,26 @@ def moe_hf_tensors(
     records = functools.partial(_mlp_records, cfg, gate=gate, expert_names=expert_names)
     if not any(sparse):
         return records("layers_{i}", prefix, False, cfg.num_layers)
-    scopes = sparse_scopes(cfg, prefix)
-    dense = [i for i, s in enumerate(sparse) if not s]
+    first = moe.scan_start(sparse)
     out: list[HFTensor] = []
-    if scopes[0][2]:  # the dense layers first: `{i}` records
-        out += records("layers_{i}", prefix, False, len(dense)) if dense else []
+    if first is not None:  # the dense layers (if any) first: `{i}` records
+        out += records("layers_{i}", prefix, False, first) if first else []
     else:
-        for i in dense:
+        for i in (i for i, s in enumerate(sparse) if not s):
             out += records(f"layers_{i}", prefix.format(i=i), False, 0)
-    for scope, module, n, first in scopes:
-        out += [dataclasses.replace(t, first=first) for t in records(scope, module, True, n)]
+    for scope, module, n, start in sparse_scopes(cfg, prefix):
+        out += [dataclasses.replace(t, first=start) for t in records(scope, module, True, n)]
     return out
 
 
 def sparse_scopes(cfg: Any, prefix: str) -> list[tuple[str, str, int, int]]:
     """(param scope, HF module, `layers`, `first`) of the sparse layers' MLP records: one
-    `{i}` scope when they are the layers from some k on (all of them, or after DeepSeek-V3's
-    dense first ones), else one a layer."""
+    `{i}` scope when they are the layers from some k on (`moe.scan_start`: all of them, or
+    after DeepSeek-V3's dense first ones), else one a layer."""
     sparse = cfg.sparse_layers(cfg.num_layers)
-    k = sparse.index(True)
-    if all(sparse[k:]):
-        return [("layers_{i}", prefix, cfg.num_layers, k)]
+    first = moe.scan_start(sparse)
+    if first is not None:
+        return [("layers_{i}", prefix, cfg.num_layers, first)]
     return [(f"layers_{i}", prefix.format(i=i), 0, 0) for i, s in enumerate(sparse) if s]
 
 

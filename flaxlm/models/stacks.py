@@ -52,28 +52,20 @@ def stack_blocks(
     a model whose first layers differ from the others (DeepSeek-V3's dense ones).
     """
     block = remat_block(block_cls, remat_policy)
-    if scan_layers and 0 < first_scanned < num_layers:
-        head = stack_blocks(
-            block_cls,
-            first_scanned,
-            scan_layers=False,
-            remat_policy=remat_policy,
-            name=name,
-            layer_index=layer_index,
-            **block_kwargs,
-        )
-        tail = _scanned_blocks(block, first_scanned, num_layers, name, layer_index, block_kwargs)
-        return lambda x, *args: tail(head(x, *args), *args)
-    if scan_layers:
-        return _scanned_blocks(block, 0, num_layers, name, layer_index, block_kwargs)
-
-    blocks = [block(**block_kwargs, name=f"{name}_{i}") for i in range(num_layers)]
+    if not scan_layers:
+        unrolled = num_layers
+    else:
+        unrolled = first_scanned if first_scanned < num_layers else 0
+    blocks = [block(**block_kwargs, name=f"{name}_{i}") for i in range(unrolled)]
+    stack = None
+    if unrolled < num_layers:
+        stack = _scanned_blocks(block, unrolled, num_layers, name, layer_index, block_kwargs)
 
     def apply(x: Array, *args: Any) -> Array:
         for i, b in enumerate(blocks):
             # An array, as when scanned, so a block behaves the same either way.
             x = b(x, jnp.asarray(i, jnp.int32), *args) if layer_index else b(x, *args)
-        return x
+        return x if stack is None else stack(x, *args)
 
     return apply
 
