@@ -1,6 +1,8 @@
 """Checkpoints restore onto other meshes and bring the data iterator back."""
 
+import logging as std_logging
 import os
+import sys
 
 import jax
 import numpy as np
@@ -126,7 +128,7 @@ def _delete_the_metadata(step_dir):
 
 @pytest.mark.parametrize("corrupt", [_truncate_an_array_file, _delete_the_metadata])
 def test_unreadable_latest_checkpoint_is_set_aside_and_its_step_saved_again(
-    tmp_path, capsys, corrupt
+    tmp_path, capsys, monkeypatch, corrupt
 ):
     setup = _setup((1, 8, 1))
     state = setup.init_state()
@@ -138,8 +140,34 @@ def test_unreadable_latest_checkpoint_is_set_aside_and_its_step_saved_again(
     corrupt(root / "2")
 
     resumed = checkpointer.Checkpointer(str(tmp_path))
+    # The failed restore's other reads print from TensorStore's threads (a closed event
+    # loop; futures nobody retrieved) as soon as it fails, before restore_latest hears of it:
+    # they are quiet from before the first read.
+    restore, quiet_at_reads = resumed.restore, []
+
+    def watched_restore(step, *args, **kwargs):
+        quiet_at_reads.append(getattr(sys.unraisablehook, "flaxlm_quiet", False))
+        return restore(step, *args, **kwargs)
+
+    monkeypatch.setattr(resumed, "restore", watched_restore)
     step, restored = resumed.restore_latest(setup.abstract_state)
-    assert step == 1
+    assert step == 1 and all(quiet_at_reads)
+    asyncio_log = std_logging.getLogger("asyncio")
+    for where, dropped in [(root / "2", True), (tmp_path / "elsewhere", False)]:
+        error = ValueError(
+            f'OUT_OF_RANGE: Error reading "params.x/0" in OCDBT database at '
+            f'local file "{where}/state/": Requested byte range [0, 9) is not valid'
+        )
+        record = asyncio_log.makeRecord(
+            "asyncio",
+            std_logging.ERROR,
+            __file__,
+            0,
+            "Future exception was never retrieved",
+            (),
+            (ValueError, error, None),
+        )
+        assert asyncio_log.filter(record) is not dropped
     # One line naming the checkpoint, where it went and why (not TensorStore's spec).
     out = capsys.readouterr().out
     assert out.startswith(f"WARNING: checkpoint {root}/2 could not be read (")

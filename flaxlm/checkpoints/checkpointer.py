@@ -84,21 +84,34 @@ def _short_reason(error: BaseException, limit: int = 200) -> str:
     return reason if len(reason) <= limit else reason[: limit - 3] + "..."
 
 
+# The step directories `restore_latest` has read in this process. A restore that fails
+# leaves its other array reads running (TensorStore's threads, orbax's event loop, closed
+# since); their errors name the directory they read.
+_READ_DIRS: set[str] = set()
+
+
 def _is_abandoned_read(error: BaseException | None, obj: Any = None) -> bool:
     """Whether an error Python would print as "ignored" comes from the array reads of a
-    restore that already failed: orbax's read coroutines, collected with their error, and
-    TensorStore's callbacks into their event loop, closed since."""
+    restore that already failed: orbax's read coroutines, collected with their error,
+    TensorStore's callbacks into their event loop, closed since, and its reads' own errors
+    (a future nobody retrieved, naming a step directory read)."""
     if isinstance(obj, types.CoroutineType) and "orbax" in obj.cr_code.co_filename:
         return True
     if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
         return True
-    return "Encountered error while reading array index" in str(error)
+    text = str(error)
+    if "Encountered error while reading array index" in text:
+        return True
+    return "Error reading" in text and any(d in text for d in _READ_DIRS)
 
 
-def quiet_abandoned_reads() -> None:
-    """From now on, the errors of a failed restore's other array reads (one traceback of ~60
-    lines of TensorStore spec each, a hundred or more, many after the run has finished) are
-    not printed: the fallback's warning has said what was wrong. Any other error still is."""
+def quiet_abandoned_reads(step_dir: str) -> None:
+    """Before `step_dir` is read: the errors of a failed restore's other array reads (one
+    traceback of ~60 lines of TensorStore spec each, a hundred or more, some printed from
+    TensorStore's threads before the restore's own error reaches its caller, many after the
+    run has finished) are not printed: the fallback's warning says what was wrong. Any
+    other error still is."""
+    _READ_DIRS.add(step_dir)
     if getattr(sys.unraisablehook, "flaxlm_quiet", False):
         return
     unraisable, excepthook = sys.unraisablehook, sys.excepthook
@@ -295,9 +308,9 @@ class Checkpointer:
             # gets one line from `_set_aside` or NoReadableCheckpointError.
             logging.warning("Checkpoint at step %d could not be read (%s).", step, e)
             unreadable.append((step, e))
-            quiet_abandoned_reads()
 
         for step in sorted(self.all_steps(), reverse=True):
+            quiet_abandoned_reads(str(self.directory / str(step)))
             try:
                 saved = self.saved_param_shapes(step)
             except Exception as e:  # noqa: BLE001 - report and try the previous one
