@@ -236,7 +236,6 @@ HYBRID_CONFIG_ERRORS = [
     (dict(layer_types=(L, F)), "layer_types"),
     (dict(layer_types=(L, L, "sliding_attention", F)), "layer_types"),
     (dict(linear_attention_chunk_size=0), "linear_attention_chunk_size"),
-    (dict(scan_layers=True), "scan_layers"),
 ]
 
 

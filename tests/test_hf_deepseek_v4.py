@@ -695,7 +695,7 @@ def test_alike_layers_scan_with_every_param_in_the_hf_table():
         "/".join(str(k.key) for k in path)
         for path, _ in jax.tree_util.tree_leaves_with_path(shapes)
     }
-    table = hf_spec.expand(deepseek_v4_hf.hf_tensors(config), first_scanned=0)
+    table = hf_spec.expand(deepseek_v4_hf.hf_tensors(config), scanned=(0, 1))
     assert paths == set(table)
     assert "layers/block/self_attn/compressor/indexer/q_b_proj/kernel" in paths
 

@@ -210,6 +210,7 @@ def test_greedy_through_the_engines_pages_and_state_slots_is_hf_generate(tmp_pat
     [
         *HYBRID_CONFIG_ERRORS,
         (dict(linear_head_dim=0), "linear_head_dim"),
+        (dict(scan_layers=True), "scan_layers"),  # linear and full attention mixed
         (dict(scan_layers=True, layer_types=(L,) * 4), "scan_layers"),  # a dense first layer
         (dict(tie_word_embeddings=True), "tie_word_embeddings"),
         (dict(n_shared_experts=0), "n_shared_experts"),

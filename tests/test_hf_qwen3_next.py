@@ -14,7 +14,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from flaxlm.checkpoints import hf
-from flaxlm.models import base, options, qwen3_next, qwen3_next_hf
+from flaxlm.models import base, hf_spec, options, qwen3_next, qwen3_next_hf
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora, steps
 from tests.helpers import adamw
@@ -133,9 +133,10 @@ def tiny_hf_model(path, variant: str):
 @pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_5_text"])
 def test_checkpoint_keeps_every_promise(tmp_path, variant):
     torch_model, path = tiny_hf_model(tmp_path / "hf", variant)
-    # The kernels and meshes once, on the first variant (each variant: its reading and math).
+    # The kernels and meshes once, on the first variant (each variant: its reading and math);
+    # the last mesh scans its layers as one cycle (linear, full, linear with a dense MLP, full).
     light = {} if variant == "qwen3_next" else LIGHT
-    check_family(torch_model, path, VOCAB, tmp_path=tmp_path, scan=False, **light)
+    check_family(torch_model, path, VOCAB, tmp_path=tmp_path, **light)
     exported = transformers.AutoConfig.from_pretrained(str(tmp_path / "export"))
     assert exported.layer_types == torch_model.config.layer_types
     assert exported.rope_parameters == torch_model.config.rope_parameters
@@ -345,12 +346,51 @@ def test_bad_config_names_the_field(kwargs, field):
         tiny_config(**kwargs)
 
 
-def test_scanned_layers_only_when_alike():
-    """Every layer linear with experts: one program to scan (and the HF table stacks)."""
-    config = tiny_config(layer_types=(L,) * 4, scan_layers=True)
-    assert config.layers_alike
-    records = qwen3_next_hf.hf_tensors(config)
-    assert {t.layers for t in records if "linear_attn" in t.param} == {4}
+def test_scan_stacks_the_cycle_the_layer_kinds_repeat():
+    """The scan's body is the shortest cycle of (token mixer, MLP) kinds that divides the
+    layers; each of its blocks stacks the HF layers a cycle apart."""
+    cycles = tiny_config(num_layers=8, scan_layers=True)  # (L, L, L, F) twice
+    assert (cycles.first_scanned_layer, cycles.scan_period) == (0, 4)
+    table = hf_spec.expand(qwen3_next_hf.hf_tensors(cycles), hf_spec.scan_layout(cycles))
+    assert table["layers/block_3/q_proj/kernel"].names == [
+        "model.layers.3.self_attn.q_proj.weight",
+        "model.layers.7.self_attn.q_proj.weight",
+    ]
+    assert "layers/block_0/q_proj/kernel" not in table
+    assert table["layers/block_1/linear_attn/A_log"].names[1] == "model.layers.5.linear_attn.A_log"
+    assert tiny_config(layer_types=(L,) * 4).scan_period == 1
+    assert tiny_config(layer_types=(L, F, F, L)).scan_period == 4  # no shorter cycle
+    # Dense first MLPs stay unrolled before the cycles.
+    dense_first = tiny_config(num_layers=5, layer_types=(F, *(L, F) * 2), mlp_only_layers=(0,))
+    assert (dense_first.first_scanned_layer, dense_first.scan_period) == (1, 2)
+
+
+@pytest.mark.slow
+def test_layers_scanned_in_cycles_give_hf_logits_tokens_and_files(tmp_path):
+    """Qwen3.5-MoE's (linear, linear, linear, full) twice, scanned as two cycles of four
+    blocks: HF's logits, its greedy tokens (decoding unstacks the cycles) and files HF
+    reloads."""
+    config_cls, model_cls, kwargs = VARIANTS["qwen3_5_moe_text"]
+    torch_model = random_hf_model(
+        config_cls, model_cls, PERTURBED, **{**kwargs, "num_hidden_layers": 8}
+    )
+    path = save_torch_model(torch_model, tmp_path / "hf")
+    model, params = hf.from_pretrained(path, scan_layers=True)
+    stack = params["layers"]
+    assert sorted(stack) == ["block_0", "block_1", "block_2", "block_3"] and len(params) == 4
+    assert "q_proj" in stack["block_3"] and "linear_attn" in stack["block_0"]
+    assert stack["block_3"]["mlp"]["experts"]["wi"].shape[0] == 2
+    ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
+    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(model.compute_logits(params, decoder_batch(ids, mask)), theirs, mask) < 1e-4
+    prompts = [[5, 17, 3, 99, 42], [7, 8]]
+    assert flaxlm_greedy_batch(model, params, prompts, 8) == hf_greedy_batch(
+        torch_model, prompts, 8
+    )
+    hf.save_pretrained(model, params, tmp_path / "out")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(again, theirs, mask) <= 1e-6 * max(1.0, np.abs(theirs).max())
 
 
 # config.json of Qwen/Qwen3.5-27B as published (the multimodal file; its text tower's).

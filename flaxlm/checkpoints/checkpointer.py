@@ -56,16 +56,19 @@ class NoReadableCheckpointError(ValueError):
 
 def _scan_hint(saved: Any, wanted: Any) -> str:
     """A sentence naming `scan_layers` where one side's layers are a scanned stack
-    (`layers/block/...`) and the other's are not: the rest of the mismatch follows from it."""
+    (`layers/block/...`, a cycle's `layers/block_j/...`) and the other's are not: the rest of
+    the mismatch follows from it."""
 
-    theirs, ours = (any(re.match(r"[a-z]+/block/", n) for n in names) for names in (saved, wanted))
+    theirs, ours = (
+        any(re.match(r"[a-z]+/block(_\d+)?/", n) for n in names) for names in (saved, wanted)
+    )
     if theirs == ours:
         return ""
     return (
         f" The checkpoint's layers are {'scanned' if theirs else 'unrolled'}, this model's "
         f"{'scanned' if ours else 'unrolled'}: set scan_layers={theirs} on the model's config "
         "(the DeepSeek-V3, Kimi K2 and GLM-4.5/4.6 gin files scan their MoE layers since "
-        "2026-12-05)."
+        "2026-12-05, the Qwen3-Next and Qwen3.5 ones their layers' cycles since 2026-12-06)."
     )
 
 

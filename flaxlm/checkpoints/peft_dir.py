@@ -72,7 +72,7 @@ def hf_modules(model: BaseModel) -> dict[str, tuple[int, list[str]]]:
     spec = hf.spec_for_config(model.config)
     routers = peft_experts.router_weights(model, spec)
     out = {}
-    scanned = hf_spec.first_scanned(model.config)
+    scanned = hf_spec.scan_layout(model.config)
     for param, (t, names, _) in hf_spec.expand(spec.tensors(model.config), scanned).items():
         own_linear = (
             t.transpose and t.split is not None and t.to_hf is None and t.rows is None

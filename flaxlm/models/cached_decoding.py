@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlm.models import decoding, layers, masks
+from flaxlm.models import decoding, layers, masks, stacks
 from flaxlm.models.causal_lm import CausalLM
 
 Array = jax.Array
@@ -49,18 +49,19 @@ class CachedDecoding:
 
     def decoding_params(self, params: Params) -> Params:
         """`params` as the decoding methods read them: a scanned stack (`<layers>/block`,
-        `[layers, ...]` each) as `<layers>_0`, `<layers>_1`, ... (the stack's first layer is
-        the config's `first_scanned_layer`, the unrolled ones before it kept); unchanged
-        when unrolled."""
+        `[layers, ...]` each, or a cycle's `block_j`) as `<layers>_0`, `<layers>_1`, ... (the
+        stack's first layer is the config's `first_scanned_layer`, the unrolled ones before
+        it kept); unchanged when unrolled."""
         if not self._unrolls_for_decoding():
             return params
-        name = self.module.layers_name
-        stacked = params[name]["block"]
-        out = {k: v for k, v in params.items() if k != name}
-        first = self.config.first_scanned_layer
-        for i in range(self.config.num_layers - first):
-            out[f"{name}_{first + i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
-        return out
+        cfg = self.config
+        return stacks.unstack(
+            params,
+            self.module.layers_name,
+            cfg.num_layers,
+            cfg.first_scanned_layer,
+            cfg.scan_period,
+        )
 
     def check_decoding(
         self, inputs: np.ndarray, lengths: np.ndarray, config: decoding.DecodingConfig

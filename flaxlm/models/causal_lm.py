@@ -158,6 +158,7 @@ class CausalLM(nn.Module):
             name=self.layers_name,
             layer_index=self.layer_index,
             first_scanned=cfg.first_scanned_layer,
+            period=cfg.scan_period,
             config=cfg,
             deterministic=deterministic,
         )(x, mask, decoding, *extra)

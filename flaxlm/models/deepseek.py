@@ -363,22 +363,20 @@ def moe_hf_tensors(
     out = qwen_moe.moe_hf_tensors(cfg, prefix, expert_names=expert_names)
     if not any(cfg.sparse_layers(cfg.num_layers)):
         return out
-    for scope, module, n, first in qwen_moe.sparse_scopes(cfg, prefix):
-        if cfg.n_shared_experts:
-            out += [
-                linear(
-                    f"{scope}/mlp/shared_experts/{p}/kernel",
-                    f"{module}.shared_experts.{p}.weight",
-                    layers=n,
-                    first=first,
-                )
-                for p in qwen_moe.SWIGLU
-            ]
-        if cfg.score_correction_bias:
-            bias = f"{module}.gate.e_score_correction_bias"
-            out.append(
-                HFTensor(f"{scope}/mlp/e_score_correction_bias", bias, layers=n, first=first)
+    n, only = cfg.num_layers, qwen_moe.sparse_only(cfg)
+    if cfg.n_shared_experts:
+        out += [
+            linear(
+                f"layers_{{i}}/mlp/shared_experts/{p}/kernel",
+                f"{prefix}.shared_experts.{p}.weight",
+                layers=n,
+                only=only,
             )
+            for p in qwen_moe.SWIGLU
+        ]
+    if cfg.score_correction_bias:
+        bias = f"{prefix}.gate.e_score_correction_bias"
+        out.append(HFTensor("layers_{i}/mlp/e_score_correction_bias", bias, layers=n, only=only))
     return out
 
 

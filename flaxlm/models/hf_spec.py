@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from flaxlm.models import stacks
 from flaxlm.models.base import BaseModel
 
 
@@ -23,7 +24,9 @@ class HFTensor:
     """One param <-> one HF tensor.
 
     `param` is the param's path joined by '/', `hf` the HF tensor name; a `{i}` in both is
-    repeated for i in range(first, layers) (hf.py stacks them when the model scans its layers).
+    repeated for i in range(layers), or for the layers in `only` (those of one kind: a
+    hybrid's linear ones, DeepSeek-V3's MoE ones after its dense ones); hf.py stacks them when
+    the model scans its layers.
     The HF tensor is the param reshaped to 2-D after its first `split` axes (to 1-D when
     `split` is None), transposed when `transpose` (torch `Linear` stores [out, in]).
     `vocab_axis` is the param axis that hf.py pads to the model's `vocab_size`.
@@ -35,7 +38,7 @@ class HFTensor:
     split: int | None = None
     transpose: bool = False
     layers: int = 0
-    first: int = 0  # the first layer of a `{i}` record (DeepSeek-V3's MoE ones: after the dense)
+    only: tuple[int, ...] | None = None  # the layers of a `{i}` record, where not all
     vocab_axis: int | None = None
     to_flax: Callable[[np.ndarray, tuple[int, ...]], np.ndarray] | None = None
     to_hf: Callable[[np.ndarray], np.ndarray] | None = None
@@ -59,6 +62,10 @@ class HFTensor:
             raise ValueError(f"{self.param}: a fused tensor's rows have no copies or vocab.")
         if self.pieces and (self.rows is not None or self.copies or not self.experts):
             raise ValueError(f"{self.param}: pieces need `experts`, and no rows or copies.")
+
+    def layer_numbers(self) -> Sequence[int]:
+        """The layers a `{i}` record covers, in order (none for a tensor outside them)."""
+        return self.only if self.only is not None else range(self.layers)
 
     def to_hf_layout(self, array: np.ndarray) -> np.ndarray:
         """A param (one layer, vocabulary unpadded) in HF's layout."""
@@ -90,35 +97,45 @@ class Expanded(NamedTuple):
     stacked: bool  # the param has the layers on its axis 0 (a scanned stack's)
 
 
-def expand(tensors: Sequence[HFTensor], first_scanned: int | None) -> dict[str, Expanded]:
-    """Param path -> its record and HF names. `first_scanned`: None for unrolled layers, else
-    the first layer of the model's scanned stack (`ComputeOptions.first_scanned_layer`): a
-    `{i}` record's layers from it on are one stacked param, those before it unrolled."""
+def expand(tensors: Sequence[HFTensor], scanned: tuple[int, int] | None) -> dict[str, Expanded]:
+    """Param path -> its record and HF names. `scanned`: None for unrolled layers, else
+    (first, period) of the model's scanned stack (`scan_layout`): a `{i}` record's layers
+    before `first` unrolled, those from it on stacked, one param a block of the scan's
+    cycle of `period` layers (`name/block/rest`, or `name/block_j/rest` for the layers
+    first + j, first + j + period, ...)."""
     out: dict[str, Expanded] = {}
     for t in tensors:
-        if t.layers == 0:
+        if t.layers == 0 and t.only is None:
             out[t.param] = Expanded(t, [t.hf], False)
             continue
-        unrolled = range(
-            t.first, t.layers if first_scanned is None else min(t.layers, first_scanned)
-        )
-        for i in unrolled:
+        first = t.layers if scanned is None else scanned[0]
+        for i in (i for i in t.layer_numbers() if i < first):
             out[t.param.format(i=i)] = Expanded(t, [t.hf.format(i=i)], False)
-        if first_scanned is not None and t.layers > first_scanned:
-            if t.first > first_scanned:
+        if scanned is None:
+            continue
+        first, period = scanned
+        cycles = (t.layers - first) // period
+        slots: dict[int, list[int]] = {}
+        for i in (i for i in t.layer_numbers() if i >= first):
+            slots.setdefault((i - first) % period, []).append(i)
+        for j, numbers in slots.items():
+            if numbers != list(range(first + j, t.layers, period)) or len(numbers) != cycles:
                 raise ValueError(
-                    f"{t.param}: layers {t.first}..{t.layers - 1} cannot be the stack of "
-                    f"layers {first_scanned}.. (a scanned stack's records cover all of it)."
+                    f"{t.param}: layers {numbers} are not every layer of block {j} of a scan "
+                    f"of {period}-layer cycles from layer {first} (its records cover it all)."
                 )
-            # `name_{i}/rest` unrolled is `name/block/rest` scanned, layers on axis 0.
-            names = [t.hf.format(i=i) for i in range(first_scanned, t.layers)]
-            out[re.sub(r"_\{i\}", "/block", t.param, count=1)] = Expanded(t, names, True)
+            # `name_{i}/rest` unrolled is `name/block/rest` (`name/block_j/rest`) scanned.
+            param = re.sub(r"_\{i\}", f"/{stacks.slot_name(j, period)}", t.param, count=1)
+            out[param] = Expanded(t, [t.hf.format(i=i) for i in numbers], True)
     return out
 
 
-def first_scanned(config: Any) -> int | None:
-    """`expand`'s `first_scanned` for a model's config: None unless it scans its layers."""
-    return config.first_scanned_layer if getattr(config, "scan_layers", False) else None
+def scan_layout(config: Any) -> tuple[int, int] | None:
+    """`expand`'s `scanned` for a model's config: None unless it scans its layers, else
+    (`first_scanned_layer`, `scan_period`)."""
+    if not getattr(config, "scan_layers", False):
+        return None
+    return config.first_scanned_layer, getattr(config, "scan_period", 1)
 
 
 def pieces_of(tensors: Sequence[HFTensor]) -> dict[str, list[list[str]]]:
@@ -126,7 +143,7 @@ def pieces_of(tensors: Sequence[HFTensor]) -> dict[str, list[list[str]]]:
     record stored in pieces (`HFTensor.pieces`); scanned or not, the names are the same."""
     out: dict[str, list[list[str]]] = {}
     for t in tensors:
-        for i in range(t.first, max(t.layers, 1)) if t.pieces else ():
+        for i in (t.layer_numbers() if t.layers or t.only else [0]) if t.pieces else ():
             experts = range(t.experts)
             out[t.hf.format(i=i)] = [[p.format(i=i, e=e) for p in t.pieces] for e in experts]
     return out

@@ -30,7 +30,7 @@ def relayered(
                 hf=rename(t.hf.replace("{i}", str(index))),
                 pieces=tuple(rename(p.replace("{i}", str(index))) for p in t.pieces),
                 layers=0,
-                first=0,
+                only=None,
             )
         )
     return out

@@ -41,6 +41,12 @@ class ComputeOptions:
         unrolled (DeepSeek-V3's dense first layers before its alike MoE ones). 0 here."""
         return 0
 
+    @property
+    def scan_period(self) -> int:
+        """How many layers of different kinds the scan's body applies, a cycle (Qwen3.5's
+        3 linear + 1 full attention: 4); the stacked layers repeat it. 1 here."""
+        return 1
+
     def __post_init__(self) -> None:
         choices = attention.ATTENTION_IMPLEMENTATIONS
         if self.attention not in choices:

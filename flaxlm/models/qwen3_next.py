@@ -46,6 +46,7 @@ from flaxlm.models import (
     options,
     qwen_moe,
     rope,
+    stacks,
 )
 from flaxlm.models.causal_lm import CausalLM
 
@@ -147,11 +148,6 @@ class Qwen3NextConfig(
                 f"full_attention_interval {self.full_attention_interval} must be >= 1."
             )
         check_layer_types(self)
-        if self.scan_layers and not self.layers_alike:
-            raise ValueError(
-                "scan_layers=True needs every layer alike, but layer_types mixes linear and "
-                "full attention (or some MLPs are dense): set scan_layers=False."
-            )
 
     def _check_linear(self) -> None:
         for name in (
@@ -204,9 +200,16 @@ class Qwen3NextConfig(
         return tuple(FULL if (i + 1) % every == 0 else LINEAR for i in range(self.num_layers))
 
     @property
-    def layers_alike(self) -> bool:
-        """Whether every layer has the same kind of attention and of MLP (can be scanned)."""
-        return len(set(self.per_layer_types)) == 1 and len(set(self.sparse_layers())) == 1
+    def first_scanned_layer(self) -> int:
+        """After dense first MLPs (`mlp_only_layers` 0..k-1): k, those stay unrolled."""
+        return moe.scan_start(self.sparse_layers()) or 0
+
+    @property
+    def scan_period(self) -> int:
+        """The cycle of layer kinds (token mixer, MLP) the scan stacks: 4 for three linear
+        layers and a full one (`full_attention_interval`), 1 when every layer is alike."""
+        kinds = list(zip(self.per_layer_types, self.sparse_layers(), strict=True))
+        return stacks.cycle_of(kinds[self.first_scanned_layer :])
 
     def sparse_layers(self, num_layers: int | None = None) -> tuple[bool, ...]:
         """Whether each layer's MLP is the mixture of experts (none without experts)."""
@@ -286,9 +289,10 @@ def check_layer_types(cfg: Any) -> None:
 
 def holds_full_attention(block: nn.Module) -> bool:
     """Whether a hybrid's block (Qwen3-Next's, Kimi Linear's) holds full attention, not a
-    linear layer: its config's `per_layer_types` (scanned blocks are all alike)."""
-    number = qwen_moe.layer_number(block)  # None when scanned
-    return block.config.per_layer_types[number or 0] == FULL
+    linear layer: its config's `per_layer_types` at the layer it stands for (a scanned
+    block's first; the scan's cycle repeats it)."""
+    cfg = block.config
+    return cfg.per_layer_types[stacks.layer_of(block, cfg.first_scanned_layer)] == FULL
 
 
 def linear_layer_settings(cfg: Any) -> dict[str, Any]:

@@ -9,6 +9,7 @@ config reads it (`num_mtp_layers`: `mtp_tensors`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -188,10 +189,17 @@ def conv_from_hf(rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def mixer_hf_tensors(
+    cfg: Qwen3NextConfig, kind: str, scope: str, prefix: str, n: int, only: tuple[int, ...]
+) -> list[HFTensor]:
+    """The token mixers of the layers `only` of `n` (`{i}` in `scope` and `prefix`): the
+    gated attention or the Gated DeltaNet."""
+    records = _mixer_records(cfg, kind, scope, prefix, n)
+    return [dataclasses.replace(t, only=only) for t in records]
+
+
+def _mixer_records(
     cfg: Qwen3NextConfig, kind: str, scope: str, prefix: str, n: int
 ) -> list[HFTensor]:
-    """One layer's token mixer (`n` layers alike with `{i}` in `scope` and `prefix`, else
-    one): the gated attention or the Gated DeltaNet."""
     if kind == FULL:
         attn = f"{prefix}.self_attn"
         out = [
@@ -252,11 +260,9 @@ def hf_tensors(cfg: Qwen3NextConfig) -> list[HFTensor]:
         HFTensor(f"layers_{{i}}/{p}/scale", f"model.layers.{{i}}.{p}.weight", layers=n)
         for p in ("input_layernorm", "post_attention_layernorm")
     ]
-    if len(set(kinds)) == 1:
-        out += mixer_hf_tensors(cfg, kinds[0], "layers_{i}", "model.layers.{i}", n)
-    else:
-        for i, kind in enumerate(kinds):
-            out += mixer_hf_tensors(cfg, kind, f"layers_{i}", f"model.layers.{i}", 0)
+    for kind in sorted(set(kinds)):
+        only = tuple(i for i, k in enumerate(kinds) if k == kind)
+        out += mixer_hf_tensors(cfg, kind, "layers_{i}", "model.layers.{i}", n, only)
     return out + qwen_moe.moe_hf_tensors(cfg, "model.layers.{i}.mlp") + mtp_tensors(cfg)
 
 

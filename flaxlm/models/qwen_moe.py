@@ -18,7 +18,7 @@ import gin
 import jax
 import numpy as np
 
-from flaxlm.models import llama, masks, moe, options, qwen, rope
+from flaxlm.models import llama, masks, moe, options, qwen, rope, stacks
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
@@ -111,9 +111,10 @@ class QwenMoeConfig(moe.DenseFirstScan, MoESizes, qwen.QwenFields, moe.MoEOption
 
 
 def layer_number(module: nn.Module) -> int | None:
-    """The index of an unrolled block (`layers_3` -> 3); None when scanned (`block`)."""
-    _, _, number = (module.name or "").rpartition("_")
-    return int(number) if number.isdigit() else None
+    """The index of an unrolled block (`layers_3` -> 3); None when scanned (`block`,
+    `block_j`)."""
+    stem, _, number = (module.name or "").rpartition("_")
+    return int(number) if number.isdigit() and stem != "block" else None
 
 
 def mlp_or_experts(module: nn.Module, cfg: Any, h: Array, mask: masks.Mask) -> Array:
@@ -121,9 +122,8 @@ def mlp_or_experts(module: nn.Module, cfg: Any, h: Array, mask: masks.Mask) -> A
     `intermediate_size` (in `module`'s scope, where it is called)."""
     dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     sparse = cfg.sparse_layers(cfg.num_layers)
-    i = layer_number(module)
-    # scanned: the stack's layers alike (checked by the config), from first_scanned_layer on
-    if sparse[cfg.first_scanned_layer if i is None else i]:
+    # scanned: the layer its block stands for (a cycle on, the same kind: checked by the config)
+    if sparse[stacks.layer_of(module, cfg.first_scanned_layer)]:
         return moe.MoE(cfg, name="mlp", **dense)(h, moe.real_tokens(mask, h.shape[1]))
     return moe.GatedMLP(
         cfg.intermediate_size, cfg.hidden_size, cfg.activation, name="mlp", **dense
@@ -246,35 +246,24 @@ def moe_hf_tensors(
     cfg: Any, prefix: str, gate: str = "gate", expert_names: tuple[str, str, str] = SWIGLU
 ) -> list[HFTensor]:
     """Every layer's MLP records under the HF module `prefix` (with `{i}`): one `{i}` record
-    a tensor for the dense layers and one for the sparse ones where the dense come first (all
-    alike, or DeepSeek-V3's: a scanned model stacks the sparse ones), else one a layer.
+    a tensor for the dense layers and one for the sparse ones (`HFTensor.only`; a scanned
+    model stacks each cycle's blocks).
     `expert_names`: the Hub's names of each expert's gate, up and down projections
     (`{prefix}.experts.{e}.<name>.weight`, Mixtral: w1, w3, w2)."""
-    sparse = cfg.sparse_layers(cfg.num_layers)
     records = functools.partial(_mlp_records, cfg, gate=gate, expert_names=expert_names)
-    if not any(sparse):
-        return records("layers_{i}", prefix, False, cfg.num_layers)
-    first = moe.scan_start(sparse)
+    sparse = sparse_only(cfg)
+    dense = tuple(i for i in range(cfg.num_layers) if i not in sparse)
     out: list[HFTensor] = []
-    if first is not None:  # the dense layers (if any) first: `{i}` records
-        out += records("layers_{i}", prefix, False, first) if first else []
-    else:
-        for i in (i for i, s in enumerate(sparse) if not s):
-            out += records(f"layers_{i}", prefix.format(i=i), False, 0)
-    for scope, module, n, start in sparse_scopes(cfg, prefix):
-        out += [dataclasses.replace(t, first=start) for t in records(scope, module, True, n)]
+    for is_sparse, only in ((False, dense), (True, sparse)):
+        if only:
+            table = records("layers_{i}", prefix, is_sparse, cfg.num_layers)
+            out += [dataclasses.replace(t, only=only) for t in table]
     return out
 
 
-def sparse_scopes(cfg: Any, prefix: str) -> list[tuple[str, str, int, int]]:
-    """(param scope, HF module, `layers`, `first`) of the sparse layers' MLP records: one
-    `{i}` scope when they are the layers from some k on (`moe.scan_start`: all of them, or
-    after DeepSeek-V3's dense first ones), else one a layer."""
-    sparse = cfg.sparse_layers(cfg.num_layers)
-    first = moe.scan_start(sparse)
-    if first is not None:
-        return [("layers_{i}", prefix, cfg.num_layers, first)]
-    return [(f"layers_{i}", prefix.format(i=i), 0, 0) for i, s in enumerate(sparse) if s]
+def sparse_only(cfg: Any) -> tuple[int, ...]:
+    """The layers whose MLP is the mixture of experts (`HFTensor.only` of their records)."""
+    return tuple(i for i, s in enumerate(cfg.sparse_layers(cfg.num_layers)) if s)
 
 
 def _mlp_records(

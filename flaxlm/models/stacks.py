@@ -1,11 +1,17 @@
 """Blocks applied in order: unrolled (`layers_0`, `layers_1`, ...), scanned as one stack
 (`nn.scan`: params gain a leading `layers` axis), or both (a model whose first layers differ
 from the rest: DeepSeek-V3's dense ones unrolled before its MoE stack); each block
-rematerialised by a named policy (`layers.REMAT_POLICIES`)."""
+rematerialised by a named policy (`layers.REMAT_POLICIES`).
+
+A stack of layers that repeat a cycle of `period` kinds (Qwen3.5's three Gated DeltaNet
+layers and one full-attention layer) scans the cycle: its body applies `block_0` ..
+`block_{period-1}`, each param stacked over the cycles (`block_j`'s axis 0 holds layers
+first + j, first + j + period, ...). A block reads which layer it stands for from its name
+(`layer_of`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -40,6 +46,7 @@ def stack_blocks(
     name: str = "layers",
     layer_index: bool = False,
     first_scanned: int = 0,
+    period: int = 1,
     **block_kwargs: Any,
 ) -> Callable[..., Any]:
     """Applies `num_layers` blocks `(x, *args) -> x`, scanned (params gain a `layers` axis)
@@ -50,16 +57,25 @@ def stack_blocks(
     first_scanned: with `scan_layers`, the blocks before it stay unrolled (`layers_0`, ...)
     and the scan stacks the rest (`layers`, its axis 0 the layers from `first_scanned` on):
     a model whose first layers differ from the others (DeepSeek-V3's dense ones).
+    period: with `scan_layers`, the scan's body applies this many blocks (`block_0`, ...),
+    a cycle of layers of different kinds; it must divide the stacked layers.
     """
     block = remat_block(block_cls, remat_policy)
     if not scan_layers:
         unrolled = num_layers
     else:
         unrolled = first_scanned if first_scanned < num_layers else 0
+        if (num_layers - unrolled) % period:
+            raise ValueError(
+                f"scan_layers: a cycle of {period} layers does not divide the "
+                f"{num_layers - unrolled} layers from layer {unrolled} on."
+            )
     blocks = [block(**block_kwargs, name=f"{name}_{i}") for i in range(unrolled)]
     stack = None
     if unrolled < num_layers:
-        stack = _scanned_blocks(block, unrolled, num_layers, name, layer_index, block_kwargs)
+        stack = _scanned_blocks(
+            block, unrolled, num_layers, period, name, layer_index, block_kwargs
+        )
 
     def apply(x: Array, *args: Any) -> Array:
         for i, b in enumerate(blocks):
@@ -74,17 +90,20 @@ def _scanned_blocks(
     block: type[nn.Module],
     start: int,
     stop: int,
+    period: int,
     name: str,
     layer_index: bool,
     block_kwargs: dict[str, Any],
 ) -> Callable[..., Any]:
-    """Blocks `start`..`stop - 1` as one `nn.scan` named `name` (params `[layers, ...]`)."""
+    """Blocks `start`..`stop - 1` as one `nn.scan` named `name` (params `[cycles, ...]`)."""
 
     class _ScanBody(nn.Module):
         @nn.compact
         def __call__(self, x: Array, index: Array, args: tuple) -> tuple[Array, None]:
-            b = block(**block_kwargs, name="block")
-            return (b(x, index, *args) if layer_index else b(x, *args)), None
+            for j in range(period):
+                b = block(**block_kwargs, name=slot_name(j, period))
+                x = b(x, index + j, *args) if layer_index else b(x, *args)
+            return x, None
 
     # The index differs per layer, so it is scanned over; the other arguments are shared.
     scanned = nn.scan(
@@ -93,8 +112,62 @@ def _scanned_blocks(
         variable_axes={"params": 0, "cache": 0, "intermediates": 0},
         split_rngs={"params": True, "dropout": True},
         in_axes=(0, nn.broadcast),
-        length=stop - start,
+        length=(stop - start) // period,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )(name=name)
-    indices = jnp.arange(start, stop, dtype=jnp.int32)
+    indices = jnp.arange(start, stop, period, dtype=jnp.int32)
     return lambda x, *args: scanned(x, indices, args)[0]
+
+
+def cycle_of(kinds: Sequence[Hashable]) -> int:
+    """The shortest cycle the layers' kinds repeat that divides their number (the scan's
+    `period`): 1 when all are alike, the whole count when nothing repeats."""
+    n = len(kinds)
+    return next(
+        (
+            p
+            for p in range(1, n + 1)
+            if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n))
+        ),
+        1,
+    )
+
+
+def slot_name(j: int, period: int) -> str:
+    """The scope of the j-th block of a scanned cycle: `block` when the cycle is one layer."""
+    return "block" if period == 1 else f"block_{j}"
+
+
+def scan_slot(module: nn.Module) -> int | None:
+    """Which block of a scanned cycle `module` is (`block` 0, `block_2` 2); None for an
+    unrolled block (`layers_3`)."""
+    stem, _, number = (module.name or "").rpartition("_")
+    if module.name == "block":
+        return 0
+    return int(number) if stem == "block" and number.isdigit() else None
+
+
+def layer_of(module: nn.Module, first_scanned: int) -> int:
+    """The layer a block stands for: an unrolled one's number (`layers_3` -> 3), a scanned
+    one's first layer (`block_j` of a stack from `first_scanned` -> first_scanned + j; its
+    other layers are the same kind, a cycle on)."""
+    slot = scan_slot(module)
+    if slot is not None:
+        return first_scanned + slot
+    _, _, number = (module.name or "").rpartition("_")
+    if not number.isdigit():
+        raise ValueError(f"{module.name!r} is neither an unrolled layer nor a scanned block.")
+    return int(number)
+
+
+def unstack(
+    params: dict[str, Any], name: str, num_layers: int, first_scanned: int, period: int
+) -> dict[str, Any]:
+    """`params` with the scanned stack `name` (`block` or `block_j`, `[cycles, ...]`) as
+    unrolled layers `name_{i}` (the unrolled ones before `first_scanned` kept)."""
+    stacked = params[name]
+    out = {k: v for k, v in params.items() if k != name}
+    for i in range(first_scanned, num_layers):
+        cycle, j = divmod(i - first_scanned, period)
+        out[f"{name}_{i}"] = jax.tree.map(lambda x, c=cycle: x[c], stacked[slot_name(j, period)])
+    return out

@@ -86,6 +86,8 @@ class Planner:
         self.num_layers = getattr(run.model.config, "num_layers", None)
         # The unrolled layers a scanned step keeps before its stack (DeepSeek-V3's dense ones).
         self.first_scanned = getattr(run.model.config, "first_scanned_layer", 0)
+        # The layers of the scan's body, a cycle of kinds (Qwen3.5's 3 linear + 1 full: 4).
+        self.period = getattr(run.model.config, "scan_period", 1)
         self._costs: dict[tuple, tuple[dict[str, float], float] | None] = {}
         self._param_shapes = None
 
@@ -218,9 +220,10 @@ class Planner:
         step's own cost counts the microbatch loop's body once: step = O + mb (own - O). A
         scanned one (its stack's layers alike, from layer s = `first_scanned_layer` on; the
         unrolled ones before it, DeepSeek-V3's dense layers, differ) is priced from the
-        unscanned compiles cut to s + 1 and s + 2 layers: X = 2 c1 - c2 is everything but the
-        stack (the microbatch loop's body once), a stacked layer is c2 - c1; step = O + mb
-        (X - O + (L - s) layer). (Unscanned steps are not calibrated so: their cuts would hold
+        unscanned compiles cut to s + p and s + 2p layers (p the scan's cycle, `scan_period`: 1,
+        or Qwen3.5's 4): X = 2 c1 - c2 is everything but the stack (the microbatch loop's body
+        once), a stacked cycle is c2 - c1; step = O + mb (X - O + (L - s) / p cycle).
+        (Unscanned steps are not calibrated so: their cuts would hold
         DeepSeek-V3's dense first layers alone.) On an accelerator a
         scanned step is predicted as its unrolled twin: the scan body's own cost analysis charges
         each dynamic-update-slice the whole stacked buffer (2.4x the unrolled bytes on v5e
@@ -258,15 +261,16 @@ class Planner:
             if own is not None and own[k] - outside > layer:
                 layer = own[k] - outside
             o = min(optimizer[k], outside)
-            out[k] = o + mb * (outside - o + (self.num_layers - self.first_scanned) * layer)
+            cycles = (self.num_layers - self.first_scanned) // self.period
+            out[k] = o + mb * (outside - o + cycles * layer)
         return out
 
     def _calibrate(self, knobs: Knobs) -> tuple[dict[str, float], dict[str, float]] | None:
         if not self.num_layers:
             return None
         flat = dataclasses.replace(knobs, scan_layers=False)
-        s = self.first_scanned
-        c1, c2 = (self.compile(flat, num_layers=n).cost() for n in (s + 1, s + 2))
+        s, p = self.first_scanned, self.period
+        c1, c2 = (self.compile(flat, num_layers=n).cost() for n in (s + p, s + 2 * p))
         return c1, c2
 
     def predict(self, result: Result) -> None:
