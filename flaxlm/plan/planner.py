@@ -101,12 +101,23 @@ class Planner:
         )
 
     def model(self, knobs: Knobs, **changes: Any) -> Any:
-        fields = {f.name for f in dataclasses.fields(self.run.model.config)}
+        config = self.run.model.config
+        fields = {f.name for f in dataclasses.fields(config)}
         wanted = dict(remat_policy=knobs.remat_policy, scan_layers=knobs.scan_layers)
         if knobs.moe_dispatch is not None:
             wanted["moe_dispatch"] = knobs.moe_dispatch
+        if "num_layers" in changes:  # a cut: each layer's kind (`layer_types`, ...) follows
+            for name in (f for f in fields if f.endswith("layer_types")):
+                if getattr(config, name) is not None:
+                    wanted[name] = self._cut(tuple(getattr(config, name)), changes["num_layers"])
         wanted.update(changes)
         return with_config(self.run.model, **{k: v for k, v in wanted.items() if k in fields})
+
+    def _cut(self, kinds: tuple[Any, ...], n: int) -> tuple[Any, ...]:
+        """The first `n` of the layers' `kinds`, the scan's cycle repeated past the last (a
+        calibration cut of two cycles of a model that has one)."""
+        s, p = self.first_scanned, self.period
+        return tuple(kinds[i] if i < len(kinds) else kinds[s + (i - s) % p] for i in range(n))
 
     # ------------------------------------------------------------------ rejection
 
