@@ -595,7 +595,8 @@ def test_a_hybrid_scanned_in_cycles_is_priced_as_its_unrolled_twin():
         num_kv_heads=2, head_dim=64, intermediate_size=128, num_experts=0,
         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
         linear_value_head_dim=8, max_position_embeddings=64, dtype="float32",
-        param_dtype="float32", remat_policy="none", scan_layers=False, layer_types=("linear_attention", "full_attention") * 3,
+        param_dtype="float32", remat_policy="none", scan_layers=False,
+        layer_types=("linear_attention", "full_attention") * 3,
     )  # fmt: skip
     run = dataclasses.replace(tiny_run(), model=DecoderOnlyModel(config))
     p = planner.Planner(run, jax.devices(), CHIP)
