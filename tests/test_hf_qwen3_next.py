@@ -13,7 +13,7 @@ import pytest
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from flaxlm.checkpoints import hf
+from flaxlm.checkpoints import hf, peft_dir
 from flaxlm.models import base, hf_spec, options, qwen3_next, qwen3_next_hf
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora, steps
@@ -39,6 +39,7 @@ from tests.linear_attention_helpers import (
     check_engine_greedy_is_hf_generate,
     packed_batch,
 )
+from tests.test_peft_experts import random_adapters
 
 VOCAB = 250
 L, F = qwen3_next.LINEAR, qwen3_next.FULL
@@ -368,8 +369,8 @@ def test_scan_stacks_the_cycle_the_layer_kinds_repeat():
 @pytest.mark.slow
 def test_layers_scanned_in_cycles_give_hf_logits_tokens_and_files(tmp_path):
     """Qwen3.5-MoE's (linear, linear, linear, full) twice, scanned as two cycles of four
-    blocks: HF's logits, its greedy tokens (decoding unstacks the cycles) and files HF
-    reloads."""
+    blocks: HF's logits, its greedy tokens (decoding unstacks the cycles), files HF reloads,
+    and PEFT adapters read into the cycles written back as the same file."""
     config_cls, model_cls, kwargs = VARIANTS["qwen3_5_moe_text"]
     torch_model = random_hf_model(
         config_cls, model_cls, PERTURBED, **{**kwargs, "num_hidden_layers": 8}
@@ -391,6 +392,21 @@ def test_layers_scanned_in_cycles_give_hf_logits_tokens_and_files(tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
     assert max_abs_diff(again, theirs, mask) <= 1e-6 * max(1.0, np.abs(theirs).max())
+
+    rules = ((r"(q_proj|out_proj)/kernel$", 4), (r"in_proj_z/kernel$", 2), (r"experts/wi$", 2))
+    cfg = lora.LoraConfig(rules=rules, alpha=8.0)
+    unrolled = hf.model_from_hf_dir(path)
+    written = tmp_path / "peft"
+    peft_dir.save_adapters(unrolled, random_adapters(unrolled, cfg), cfg, written)
+    _, stacked = peft_dir.load_adapters(model, written)
+    assert stacked["layers"]["block_3"]["q_proj"]["lora_a"].shape[0] == 2
+    peft_dir.save_adapters(model, stacked, cfg, tmp_path / "again")
+    first, second = (
+        load_file(str(d / peft_dir.ADAPTER_WEIGHTS)) for d in (written, tmp_path / "again")
+    )
+    assert sorted(first) == sorted(second)
+    for key, value in first.items():
+        np.testing.assert_array_equal(second[key], value, err_msg=key)
 
 
 # config.json of Qwen/Qwen3.5-27B as published (the multimodal file; its text tower's).

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.models import kimi_linear, qwen3_next
+from flaxlm.models import kimi_linear, qwen3_next, stacks
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
 
@@ -77,9 +77,9 @@ FAMILIES = {
 SEGMENTS = ((0, 10, 40, LENGTH), (0, 32, 50, 61))
 
 
-def model(family: str, balance: bool = True) -> DecoderOnlyModel:
+def model(family: str, balance: bool = True, scan: bool = False) -> DecoderOnlyModel:
     config, fields = FAMILIES[family]
-    return DecoderOnlyModel(config(**fields, context_parallel_balance=balance))
+    return DecoderOnlyModel(config(**fields, context_parallel_balance=balance, scan_layers=scan))
 
 
 def packed_batch() -> dict[str, np.ndarray]:
@@ -154,20 +154,38 @@ def unsplit(family: str):
     return loss_and_grads(model(family), params(family), packed_batch())
 
 
-# (family, mesh, load-balanced order), heads split over tensor: sequence 2 balanced beside
-# fsdp (pieces of 16), sequence 4 balanced (pieces of 8), sequence 2 in order beside data
-# (32); Kimi Linear's per-channel decays on the first and the last.
+# (family, mesh, load-balanced order, scanned), heads split over tensor: sequence 2 balanced
+# beside fsdp (pieces of 16), sequence 4 balanced (pieces of 8), sequence 2 in order beside
+# data (32; Qwen3-Next's layers scanned as one (linear, full) cycle); Kimi Linear's
+# per-channel decays on the first and the last.
 CASES = [
-    ("qwen3_next", (1, 2, 2, 2), True),
-    ("qwen3_next", (1, 1, 4, 2), True),
-    ("qwen3_next", (2, 1, 2, 2), False),
-    ("kimi_linear", (1, 2, 2, 2), True),
-    ("kimi_linear", (2, 1, 2, 2), False),
+    ("qwen3_next", (1, 2, 2, 2), True, False),
+    ("qwen3_next", (1, 1, 4, 2), True, False),
+    ("qwen3_next", (2, 1, 2, 2), False, True),
+    ("kimi_linear", (1, 2, 2, 2), True, False),
+    ("kimi_linear", (2, 1, 2, 2), False, False),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,mesh_shape,balance", CASES, ids=str)
-def test_split_sequence_gives_the_unsplit_loss_and_gradients(family, mesh_shape, balance):
-    got = loss_and_grads(model(family, balance), params(family), packed_batch(), mesh_shape)
-    assert_same(got, unsplit(family))
+@pytest.mark.parametrize("family,mesh_shape,balance,scan", CASES, ids=str)
+def test_split_sequence_gives_the_unsplit_loss_and_gradients(family, mesh_shape, balance, scan):
+    split = model(family, balance, scan)
+    cfg = split.config
+    layout = ("layers", cfg.num_layers, cfg.first_scanned_layer, cfg.scan_period)
+    weights = stacked(params(family), *layout) if scan else params(family)
+    loss, grads = loss_and_grads(split, weights, packed_batch(), mesh_shape)
+    if scan:  # compared layer by layer with the unscanned reference
+        grads = stacks.unstack(grads, *layout)
+    assert_same((loss, grads), unsplit(family))
+
+
+def stacked(params, name: str, num_layers: int, first: int, period: int):
+    """Unrolled `name_{i}` params as a scanned stack of `period`-layer cycles (`unstack`'s
+    inverse)."""
+    out = {k: v for k, v in params.items() if not k.startswith(f"{name}_")}
+    blocks = {}
+    for j in range(period):
+        layers = [params[f"{name}_{i}"] for i in range(first + j, num_layers, period)]
+        blocks[stacks.slot_name(j, period)] = jax.tree.map(lambda *x: np.stack(x), *layers)
+    return {**out, name: blocks}
