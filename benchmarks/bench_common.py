@@ -178,10 +178,10 @@ def reduce_layers(model: Any, layers: int, first_dense: int | None = None) -> An
     """`model` cut to its first `layers` layers, a mixture of experts with dense first layers
     (DeepSeek-V3's `first_k_dense_replace`, `mlp_only_layers` = (0, ..., k - 1)) keeping
     `first_dense` of them (default: its own k, at most `layers` - 1, so at least one MoE layer
-    is left); layers unrolled (`scan_layers=False`) where dense and MoE layers are then mixed,
-    since a scan needs every layer alike. Per-layer attention kinds (`layer_types`: sliding
-    or full) are those of the first `layers`. `model.config.sparse_layers` tells what was
-    kept."""
+    is left), those then unrolled (`scan_layers=False`), as the memory rows measured them
+    (Llama 4 Maverick's dense and MoE layers alternate: a scan of their cycle). Per-layer
+    attention kinds (`layer_types`: sliding or full) are those of the first `layers`.
+    `model.config.sparse_layers` tells what was kept."""
     from flaxlm.plan.run import with_config
 
     c = model.config

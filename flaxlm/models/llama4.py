@@ -44,7 +44,7 @@ NO_CHUNK = masks.NO_WINDOW  # a chunk longer than any sequence: one chunk, no li
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class Llama4Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
+class Llama4Config(moe.DenseFirstScan, qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
     """Llama 4 text hyper-parameters (HF's names but where said); the defaults are
     Llama-4-Scout-17B-16E's. The experts and the shared expert are `moe_intermediate_size`
     wide (HF: intermediate_size), the dense layers `intermediate_size` (HF:
@@ -101,12 +101,6 @@ class Llama4Config(qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
         self.check_moe()
         attention.check_heads(self.hidden_size, self.num_heads, self.kv_heads, self.head_dim)
         self._check_llama4()
-        sparse = set(self.sparse_layers(self.num_layers))
-        if self.scan_layers and len(sparse) > 1:
-            raise ValueError(
-                "scan_layers=True needs every layer alike, but moe_layers / "
-                "interleave_moe_layer_step make some MLPs dense: set scan_layers=False."
-            )
 
     def _check_llama4(self) -> None:
         """ValueErrors naming the Llama 4 field flaxlm cannot run (or HF would not)."""
@@ -438,10 +432,10 @@ def hf_tensors(cfg: Llama4Config) -> list[HFTensor]:
     table = llama.hf_tensors_but_mlp(cfg)
     sparse = cfg.sparse_layers(cfg.num_layers)
     prefix = "model.layers.{i}.feed_forward"
-    if all(sparse) or not any(sparse):
-        return table + _mlp_records(cfg, "layers_{i}", prefix, sparse[0], cfg.num_layers)
-    for i, s in enumerate(sparse):
-        table += _mlp_records(cfg, f"layers_{i}", prefix.format(i=i), s, 0)
+    for kind in sorted(set(sparse)):
+        only = tuple(i for i, s in enumerate(sparse) if s == kind)
+        records = _mlp_records(cfg, "layers_{i}", prefix, kind, cfg.num_layers)
+        table += [dataclasses.replace(t, only=only) for t in records]
     return table
 
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import expert_parallel, experts, grouped_matmul, layers, routing
+from flaxlm.models import expert_parallel, experts, grouped_matmul, layers, routing, stacks
 
 Array = jax.Array
 
@@ -246,13 +246,19 @@ def scan_start(sparse: Sequence[bool]) -> int | None:
 
 class DenseFirstScan:
     """A config mixin (listed before the dataclass bases, so that it overrides
-    `ComputeOptions`): `scan_layers` stacks the MoE layers after the dense first ones."""
+    `ComputeOptions`): `scan_layers` stacks the MoE layers after the dense first ones, or
+    the cycle dense and MoE layers repeat (Llama 4 Maverick's dense, MoE)."""
 
     @property
     def first_scanned_layer(self) -> int:
         """The first MoE layer (0 when every layer is alike): the dense ones before it stay
         unrolled under `scan_layers`."""
         return scan_start(self.sparse_layers(self.num_layers)) or 0
+
+    @property
+    def scan_period(self) -> int:
+        """The shortest cycle of dense and MoE MLPs from `first_scanned_layer` on."""
+        return stacks.cycle_of(self.sparse_layers(self.num_layers)[self.first_scanned_layer :])
 
 
 def has_experts(config: Any) -> bool:
