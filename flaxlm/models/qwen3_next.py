@@ -66,7 +66,12 @@ LINEAR, FULL = "linear_attention", "full_attention"  # HF's layer_types entries
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class Qwen3NextConfig(
-    options.ParamCounts, glm4_moe.PartialRotary, rope.RopeScaling, moe.MoEOptions, mtp.MtpOptions
+    moe.DenseFirstScan,
+    options.ParamCounts,
+    glm4_moe.PartialRotary,
+    rope.RopeScaling,
+    moe.MoEOptions,
+    mtp.MtpOptions,
 ):
     """Qwen3-Next / Qwen3.5 text hyper-parameters (HF's names where they exist); the
     defaults are Qwen3-Next-80B-A3B's. `num_experts` 0: dense MLPs only (Qwen3.5 text)."""
@@ -198,11 +203,6 @@ class Qwen3NextConfig(
             return self.layer_types
         every = self.full_attention_interval
         return tuple(FULL if (i + 1) % every == 0 else LINEAR for i in range(self.num_layers))
-
-    @property
-    def first_scanned_layer(self) -> int:
-        """After dense first MLPs (`mlp_only_layers` 0..k-1): k, those stay unrolled."""
-        return moe.scan_start(self.sparse_layers()) or 0
 
     @property
     def scan_period(self) -> int:

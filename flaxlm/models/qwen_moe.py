@@ -113,8 +113,7 @@ class QwenMoeConfig(moe.DenseFirstScan, MoESizes, qwen.QwenFields, moe.MoEOption
 def layer_number(module: nn.Module) -> int | None:
     """The index of an unrolled block (`layers_3` -> 3); None when scanned (`block`,
     `block_j`)."""
-    stem, _, number = (module.name or "").rpartition("_")
-    return int(number) if number.isdigit() and stem != "block" else None
+    return stacks.unrolled_layer(module)
 
 
 def mlp_or_experts(module: nn.Module, cfg: Any, h: Array, mask: masks.Mask) -> Array:

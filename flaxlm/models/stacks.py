@@ -147,6 +147,14 @@ def scan_slot(module: nn.Module) -> int | None:
     return int(number) if stem == "block" and number.isdigit() else None
 
 
+def unrolled_layer(module: nn.Module) -> int | None:
+    """The number of an unrolled block (`layers_3` -> 3); None for a scanned one."""
+    _, _, number = (module.name or "").rpartition("_")
+    if scan_slot(module) is not None or not number.isdigit():
+        return None
+    return int(number)
+
+
 def layer_of(module: nn.Module, first_scanned: int) -> int:
     """The layer a block stands for: an unrolled one's number (`layers_3` -> 3), a scanned
     one's first layer (`block_j` of a stack from `first_scanned` -> first_scanned + j; its
@@ -154,10 +162,10 @@ def layer_of(module: nn.Module, first_scanned: int) -> int:
     slot = scan_slot(module)
     if slot is not None:
         return first_scanned + slot
-    _, _, number = (module.name or "").rpartition("_")
-    if not number.isdigit():
+    number = unrolled_layer(module)
+    if number is None:
         raise ValueError(f"{module.name!r} is neither an unrolled layer nor a scanned block.")
-    return int(number)
+    return number
 
 
 def unstack(
