@@ -171,16 +171,42 @@ def test_logits_are_hf_logits_with_the_indexers_choice(families, name):
     assert max_abs_diff(ours, every, mask) > 1e-3
 
 
+# Two hash-routed sliding layers, two cycles of (CSA, HCA) and a CSA layer: scanned, the first
+# two and the last stay unrolled around the cycles (`stacks.layout_of`).
+CYCLES = dict(layer_types=[S, S, C, H, C, H, C], mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 5)
+
+
 @pytest.mark.slow
-def test_logits_on_an_fsdp_by_tensor_mesh_are_hf_logits(families):
-    """The params split over FSDP x tensor (heads, output groups, the experts' widths, the
-    hash table's rows): HF's logits still."""
-    torch_model, path, _, _ = families("mixed")
-    model, params = hf.from_pretrained(path, Partitioner((1, 2, 2), devices=jax.devices()[:4]))
+def test_layers_scanned_in_cycles_on_an_fsdp_by_tensor_mesh_give_hf_logits_tokens_and_files(
+    tmp_path,
+):
+    """Seven layers scanned as two cycles of (CSA, HCA) between unrolled ones, the params
+    split over FSDP x tensor (heads, output groups, the experts' widths, the hash table's
+    rows): HF's logits, its greedy tokens (decoding unstacks the cycles; HF's each prompt
+    alone, as `test_greedy_over_the_cache_is_hf_generate`) and files HF reloads."""
+    kwargs = dict(CONFIGS["mixed"], num_hidden_layers=7, **CYCLES)
+    torch_model = random_hf_model(
+        transformers.DeepseekV4Config, transformers.DeepseekV4ForCausalLM, PERTURB, **kwargs
+    )
+    torch_model.save_pretrained(tmp_path / "hf")
+    mesh = Partitioner((1, 2, 2), devices=jax.devices()[:4])
+    model, params = hf.from_pretrained(tmp_path / "hf", mesh, scan_layers=True)
+    assert hf_spec.scan_layout(model.config) == (2, 2, 1)
+    assert {"layers_0", "layers_1", "layers", "layers_6"} <= set(params)
+    assert "indexer" in params["layers"]["block_0"]["self_attn"]["compressor"]
+    assert params["layers"]["block_1"]["mlp"]["gate"]["kernel"].shape[0] == 2
     ids, mask = padded_batch(VOCAB, LENGTHS)
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
     got = jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
     assert max_abs_diff(got, theirs, mask) < LOGITS_TOL
+    prompts = [[5, 17, 3, 99, 42], [7, 8]]  # HF's each alone (its padding enters windows)
+    assert flaxlm_greedy_batch(model, params, prompts, 6) == [
+        hf_greedy_batch(torch_model, [p], 6)[0] for p in prompts
+    ]
+    hf.save_pretrained(model, params, tmp_path / "out")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(again, theirs, mask) <= 1e-6 * max(1.0, np.abs(theirs).max())
 
 
 def csa_layers(torch_model):
@@ -649,7 +675,6 @@ def test_config_json_flaxlm_cannot_read_is_refused_naming_the_key(change, key):
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(scan_layers=True), "scan_layers"),
         (dict(correction_bias_update_rate=1e-3), "correction_bias_update_rate"),
         (dict(moe_impl="capacity"), "moe_impl"),
         (dict(n_group=2, topk_group=1), "n_group"),
@@ -679,14 +704,24 @@ def test_config_json_round_trips_through_transformers():
     assert deepseek_v4_hf.config_from_hf(theirs.to_dict()) == config
 
 
-def test_alike_layers_scan_with_every_param_in_the_hf_table():
-    """Layers of one kind (every one CSA and top-k routed) scan, and the HF table covers
-    every param of the stack (one stacked record a tensor)."""
+@pytest.mark.parametrize(
+    "kinds, layout",
+    [
+        (dict(layer_types=(C, C), mlp_layer_types=("moe", "moe")), (0, 1, 0)),
+        (CYCLES, (2, 2, 1)),
+    ],
+    ids=["alike", "cycles"],
+)
+def test_scanned_layers_have_every_param_in_the_hf_table(kinds, layout):
+    """Layers of one kind (every one CSA and top-k routed) scan as one block; `CYCLES` as
+    two unrolled, cycles of two blocks and one unrolled: the HF table covers every param
+    (one record a tensor for each block's layers)."""
     config = deepseek_v4.DeepseekV4Config(
-        num_layers=2, num_heads=4, head_dim=16, q_lora_rank=24, qk_rope_head_dim=8,
-        index_head_dim=8, layer_types=(C, C), mlp_layer_types=("moe", "moe"), num_experts=8,
-        num_experts_per_tok=2, hidden_size=32, vocab_size=128, scan_layers=True,
+        num_layers=len(kinds["layer_types"]), num_heads=4, head_dim=16, q_lora_rank=24,
+        qk_rope_head_dim=8, index_head_dim=8, num_experts=8, num_experts_per_tok=2,
+        hidden_size=32, vocab_size=128, scan_layers=True, **kinds,
     )  # fmt: skip
+    assert hf_spec.scan_layout(config) == layout
     model = deepseek_v4.DeepseekV4LM(config)
     shapes = jax.eval_shape(
         lambda: model.init_params(jax.random.PRNGKey(0), {"decoder_input_tokens": (1, 8)})
@@ -695,14 +730,16 @@ def test_alike_layers_scan_with_every_param_in_the_hf_table():
         "/".join(str(k.key) for k in path)
         for path, _ in jax.tree_util.tree_leaves_with_path(shapes)
     }
-    table = hf_spec.expand(deepseek_v4_hf.hf_tensors(config), scanned=(0, 1))
+    table = hf_spec.expand(deepseek_v4_hf.hf_tensors(config), hf_spec.scan_layout(config))
     assert paths == set(table)
-    assert "layers/block/self_attn/compressor/indexer/q_b_proj/kernel" in paths
+    assert sum(x.size for x in jax.tree.leaves(shapes)) == config.num_params()
 
 
 def test_gin_sizes_match_the_model_card():
-    """DeepSeek-V4-Flash: 284B params, 13B active (outside the embedding and the head)."""
+    """DeepSeek-V4-Flash: 284B params, 13B active (outside the embedding and the head),
+    scanned as its three hash-routed layers unrolled and 20 cycles of two."""
     cfg = gin_config(REPO, "deepseek_v4_flash", deepseek_v4.DeepseekV4Config)
+    assert hf_spec.scan_layout(cfg) == (3, 2, 0)  # hash-routed 3 unrolled, 20 cycles of 2
     assert abs(cfg.num_params() / 1e9 - 284.0) / 284.0 < 0.01, cfg.num_params()
     active = cfg.active_params() - 2 * cfg.vocab_size * cfg.hidden_size
     assert abs(active / 1e9 - 13.0) / 13.0 < 0.035, active

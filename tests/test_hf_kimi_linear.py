@@ -16,7 +16,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from flaxlm.checkpoints import hf
-from flaxlm.models import base, kimi_linear, kimi_linear_hf, options
+from flaxlm.models import base, hf_spec, kimi_linear, kimi_linear_hf, options
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import steps
 from tests.helpers import adamw
@@ -24,7 +24,9 @@ from tests.hf_helpers import (
     LIGHT,
     check_family,
     decoder_batch,
+    flaxlm_greedy_batch,
     gin_config,
+    hf_greedy_batch,
     max_abs_diff,
     padded_batch,
     random_hf_model,
@@ -170,20 +172,36 @@ def test_checkpoint_keeps_every_promise(tmp_path, variant):
 
 
 @pytest.mark.slow
-def test_alike_layers_scan_to_hf_logits(tmp_path):
-    """Every layer linear with experts: the layers scan (the params stacked), HF's logits
-    (computed without a cache: HF's holds no attention layer to count positions in)."""
-    kinds = dict(layer_types=[L] * 3, mlp_layer_types=["sparse"] * 3, use_cache=False)
-    kwargs = dict(VARIANTS["default_dense_first"], **kinds)
+def test_layers_scan_in_cycles_between_unrolled_ones_to_hf_logits_tokens_and_files(tmp_path):
+    """A dense first layer, two cycles of (linear, full) MoE layers, and a last linear one
+    (the published file's shape: a cycle cut short at the end): the dense layer and the
+    tail stay unrolled around the scanned cycles; HF's logits, its greedy tokens (decoding
+    unstacks the cycles) and files HF reloads."""
+    kinds = dict(layer_types=[L, L, F, L, F, L], mlp_layer_types=["dense"] + ["sparse"] * 5)
+    kwargs = dict(VARIANTS["default_dense_first"], num_hidden_layers=6, **kinds)
     torch_model = random_hf_model(
         transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM, PERTURBED, **kwargs
     )
     path = save_torch_model(torch_model, tmp_path / "hf")
     model, params = hf.from_pretrained(path, scan_layers=True)
-    assert "layers" in params and params["layers"]["block"]["self_attn"]["A_log"].shape == (3, 2)
+    cfg = model.config
+    assert (cfg.first_scanned_layer, cfg.scan_period, cfg.scan_tail) == (1, 2, 1)
+    assert {"layers_0", "layers", "layers_5"} <= set(params) and "layers_1" not in params
+    stack = params["layers"]
+    assert stack["block_0"]["self_attn"]["A_log"].shape == (2, 2)
+    assert "kv_a_proj_with_mqa" in stack["block_1"]["self_attn"]
+    assert "A_log" in params["layers_5"]["self_attn"] and "experts" in params["layers_5"]["mlp"]
     ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
     assert max_abs_diff(model.compute_logits(params, decoder_batch(ids, mask)), theirs, mask) < 1e-4
+    prompts = [[5, 17, 3, 99, 42], [7, 8]]
+    assert flaxlm_greedy_batch(model, params, prompts, 6) == hf_greedy_batch(
+        torch_model, prompts, 6
+    )
+    hf.save_pretrained(model, params, tmp_path / "out")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(again, theirs, mask) <= 1e-6 * max(1.0, np.abs(theirs).max())
 
 
 def tiny_config(**overrides) -> kimi_linear.KimiLinearConfig:
@@ -210,8 +228,6 @@ def test_greedy_through_the_engines_pages_and_state_slots_is_hf_generate(tmp_pat
     [
         *HYBRID_CONFIG_ERRORS,
         (dict(linear_head_dim=0), "linear_head_dim"),
-        (dict(scan_layers=True), "scan_layers"),  # linear and full attention mixed
-        (dict(scan_layers=True, layer_types=(L,) * 4), "scan_layers"),  # a dense first layer
         (dict(tie_word_embeddings=True), "tie_word_embeddings"),
         (dict(n_shared_experts=0), "n_shared_experts"),
         (dict(router="softmax_topk"), "router"),
@@ -228,13 +244,29 @@ def test_bad_config_names_the_field(kwargs, field):
         tiny_config(**kwargs)
 
 
-def test_odd_key_part_and_scanned_alike_layers_are_accepted():
-    """No rotary: any qk_rope_head_dim; every layer linear and sparse: one program to scan
-    (and the HF table stacks)."""
+def test_odd_key_part_and_scanned_layouts_are_accepted():
+    """No rotary: any qk_rope_head_dim. Scanned, every layer linear and sparse is one block
+    a layer; the published layout (full layers 4, 8, .., 24 and 27 counted from 1, a dense
+    first) a dense first layer, six cycles of four and two layers unrolled, the HF table
+    stacking each block's layers."""
     assert tiny_config(qk_rope_head_dim=7).qk_rope_head_dim == 7
-    config = tiny_config(layer_types=(L,) * 4, mlp_only_layers=(), scan_layers=True)
-    records = kimi_linear_hf.hf_tensors(config)
-    assert {t.layers for t in records if "/self_attn/" in t.param} == {4}
+    alike = tiny_config(layer_types=(L,) * 4, mlp_only_layers=(), scan_layers=True)
+    assert (alike.first_scanned_layer, alike.scan_period, alike.scan_tail) == (0, 1, 0)
+    full = (4, 8, 12, 16, 20, 24, 27)
+    types = tuple(F if i + 1 in full else L for i in range(27))
+    config = tiny_config(num_layers=27, layer_types=types, scan_layers=True)
+    assert (config.first_scanned_layer, config.scan_period, config.scan_tail) == (1, 4, 2)
+    table = hf_spec.expand(kimi_linear_hf.hf_tensors(config), hf_spec.scan_layout(config))
+    a_log = table["layers/block_0/self_attn/A_log"]
+    assert a_log.stacked and a_log.names[:2] == [
+        "model.layers.1.self_attn.A_log",
+        "model.layers.5.self_attn.A_log",
+    ]
+    assert table["layers/block_2/self_attn/kv_b_proj/kernel"].names[-1] == (
+        "model.layers.23.self_attn.kv_b_proj.weight"
+    )
+    assert not table["layers_26/self_attn/o_proj/kernel"].stacked
+    assert "layers_25/self_attn/A_log" in table and "layers_0/mlp/gate_proj/kernel" in table
 
 
 # config.json of moonshotai/Kimi-Linear-48B-A3B-Instruct as published (the Hub's spelling:
@@ -348,8 +380,10 @@ def test_gin_model_file_builds_its_config_with_transformers_parameter_count(repo
 @pytest.mark.slow
 def test_train_steps_on_packed_rows_through_the_gin_file(repo_dir):
     """gin/models/kimi_linear_tiny.gin's model on packed rows and an FSDP x tensor mesh: the
-    loss falls, and the routers' correction biases move (aux-loss-free balance)."""
+    loss falls, and the routers' correction biases move (aux-loss-free balance), those of
+    the scanned layers and of the last one, unrolled after them."""
     config = gin_config(repo_dir, "kimi_linear_tiny", kimi_linear.KimiLinearConfig)
+    assert (config.first_scanned_layer, config.scan_period, config.scan_tail) == (1, 1, 1)
     model = base.DecoderOnlyModel(config)
     partitioner = Partitioner(mesh_shape=(1, 4, 2))
     batch = packed_batch()
@@ -357,16 +391,19 @@ def test_train_steps_on_packed_rows_through_the_gin_file(repo_dir):
     state = setup.init_state()
 
     def bias(state):
-        return jax.device_get(state.params["layers_1"]["mlp"]["e_score_correction_bias"])
+        layers = state.params["layers"]["block"], state.params["layers_3"]
+        return [jax.device_get(p["mlp"]["e_score_correction_bias"]) for p in layers]
 
     before = bias(state)
+    assert [b.shape for b in before] == [(2, 8), (8,)]
     step = setup.partition_train_step(steps.make_train_step(model, partitioner, 1e-2))
     losses = []
     for _ in range(3):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
-    assert not np.array_equal(bias(state), before)
+    for moved, was in zip(bias(state), before, strict=True):
+        assert not np.array_equal(moved, was)
 
 
 def test_exported_config_json_loads_in_transformers_as_the_config(tmp_path):

@@ -304,7 +304,8 @@ def test_greedy_through_the_engines_pages_and_state_slots_is_hf_generate(tmp_pat
 def test_lora_steps_on_packed_rows_through_the_gin_file(repo_dir):
     """gin/models/qwen3_next_tiny.gin's model, LoRA on the linear layers' projections and
     the full ones' q and v, packed rows, an FSDP x tensor mesh: the loss falls, the base
-    params stay as they were."""
+    params stay as they were. The gin file scans the linear layers, the full one unrolled
+    after them."""
     config = gin_config(repo_dir, "qwen3_next_tiny", qwen3_next.Qwen3NextConfig)
     model = base.DecoderOnlyModel(config)
     partitioner = Partitioner(mesh_shape=(1, 4, 2))
@@ -313,7 +314,8 @@ def test_lora_steps_on_packed_rows_through_the_gin_file(repo_dir):
     rules = ((r"(in_proj_qkvz|in_proj_ba|out_proj)/kernel$", 4), (r"(q|v)_proj/kernel$", 4))
     cfg = lora.LoraConfig(rules=rules, alpha=8.0)
     setup = steps.Setup(model, partitioner, adamw(1e-2), lengths, lora=cfg)
-    assert len(setup.lora_kernels) == 3 * 3 + 2
+    assert (config.first_scanned_layer, config.scan_period, config.scan_tail) == (0, 1, 1)
+    assert len(setup.lora_kernels) == 3 + 2
     state, params = setup.init_state(), setup.init_base()
     before = jax.device_get(params)
     step = setup.partition_train_step(steps.make_train_step(model, partitioner, 1e-2, lora=cfg))

@@ -585,25 +585,28 @@ def test_steps_of_unlike_layers_microbatched_or_scanned_are_priced_as_their_one_
 
 @pytest.mark.slow
 def test_a_hybrid_scanned_in_cycles_is_priced_as_its_unrolled_twin():
-    """(linear, full) three times, scanned as a cycle of two blocks (`scan_period`; Qwen3.5's
-    is four): priced from cuts of one and two cycles, the unrolled step's FLOPs (cuts of one
-    and two layers priced every layer as a full one, with a linear one less outside)."""
+    """(linear, full) three times and a linear layer, scanned as a cycle of two blocks
+    (`scan_period`; Qwen3.5's is four) and the last layer unrolled (`scan_tail`): priced from
+    cuts of one and two cycles with the tail, the unrolled step's FLOPs (cuts of one and two
+    layers priced every layer as a full one, with a linear one less outside; cuts without the
+    tail, a linear layer of seven less)."""
     from flaxlm.models.qwen3_next import Qwen3NextConfig
 
     config = Qwen3NextConfig(
-        model_type="qwen3_5_text", vocab_size=128, hidden_size=64, num_layers=6, num_heads=4,
+        model_type="qwen3_5_text", vocab_size=128, hidden_size=64, num_layers=7, num_heads=4,
         num_kv_heads=2, head_dim=64, intermediate_size=128, num_experts=0,
         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
         linear_value_head_dim=8, max_position_embeddings=64, dtype="float32",
         param_dtype="float32", remat_policy="none", scan_layers=False,
-        layer_types=("linear_attention", "full_attention") * 3,
+        layer_types=("linear_attention", "full_attention") * 3 + ("linear_attention",),
     )  # fmt: skip
     run = dataclasses.replace(tiny_run(), model=DecoderOnlyModel(config))
     p = planner.Planner(run, jax.devices(), CHIP)
     one = p.evaluate(p.run.base)
     scanned = p.evaluate(dataclasses.replace(p.run.base, scan_layers=True))
     assert one.status == scanned.status == "fits", scanned.reason
-    assert scanned.flops == pytest.approx(one.flops, rel=0.05) and p.period == 2
+    assert (p.period, p.tail) == (2, 1)
+    assert scanned.flops == pytest.approx(one.flops, rel=0.05)
 
 
 def moe_gin_run(bindings: Sequence[str] = ()) -> tuple[Any, Any]:

@@ -51,7 +51,7 @@ class CachedDecoding:
         """`params` as the decoding methods read them: a scanned stack (`<layers>/block`,
         `[layers, ...]` each, or a cycle's `block_j`) as `<layers>_0`, `<layers>_1`, ... (the
         stack's first layer is the config's `first_scanned_layer`, the unrolled ones before
-        it kept); unchanged when unrolled."""
+        it and after it, `scan_tail`, kept); unchanged when unrolled."""
         if not self._unrolls_for_decoding():
             return params
         cfg = self.config
@@ -61,6 +61,7 @@ class CachedDecoding:
             cfg.num_layers,
             cfg.first_scanned_layer,
             cfg.scan_period,
+            cfg.scan_tail,
         )
 
     def check_decoding(

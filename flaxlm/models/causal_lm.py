@@ -159,6 +159,7 @@ class CausalLM(nn.Module):
             layer_index=self.layer_index,
             first_scanned=cfg.first_scanned_layer,
             period=cfg.scan_period,
+            tail=cfg.scan_tail,
             config=cfg,
             deterministic=deterministic,
         )(x, mask, decoding, *extra)

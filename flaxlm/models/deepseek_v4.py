@@ -48,6 +48,7 @@ from flaxlm.models import (
     mtp,
     options,
     rope,
+    stacks,
 )
 from flaxlm.models import state_slots as slot_pools
 from flaxlm.models.base import DecoderOnlyModel
@@ -170,18 +171,31 @@ class DeepseekV4Config(options.ParamCounts, rope.RopeScaling, moe.MoEOptions, mt
             raise ValueError(
                 f"scoring_func {self.scoring_func!r}: expected one of {SCORING_FUNCS}."
             )
-        if self.scan_layers and (
-            len(set(self.layer_types)) > 1 or len(set(self.mlp_layer_types)) > 1
-        ):
-            raise ValueError(
-                "scan_layers=True needs every layer alike, but layer_types / mlp_layer_types "
-                "mix kinds: set scan_layers=False."
-            )
         if self.correction_bias_update_rate and "hash_moe" in self.mlp_layer_types:
             raise ValueError(
                 "correction_bias_update_rate > 0 moves every MoE layer's correction bias, but "
                 "'hash_moe' layers (mlp_layer_types) have none: set it 0."
             )
+
+    @property
+    def first_scanned_layer(self) -> int:
+        """`scan_layers`' layout (`stacks.layout_of` each layer's (attention, MoE) kinds):
+        DeepSeek-V4-Flash's three hash-routed layers unrolled, then cycles of (HCA, CSA)."""
+        return stacks.layout_of(self.scan_kinds())[0]
+
+    @property
+    def scan_period(self) -> int:
+        """The layers of the scan's cycle (`first_scanned_layer`'s layout)."""
+        return stacks.layout_of(self.scan_kinds())[1]
+
+    @property
+    def scan_tail(self) -> int:
+        """The last layers, unrolled after the cycles (`first_scanned_layer`'s layout)."""
+        return stacks.layout_of(self.scan_kinds())[2]
+
+    def scan_kinds(self) -> list[tuple[str, str]]:
+        """Each layer's (attention, MoE) kind: what a scan's cycle repeats."""
+        return list(zip(self.layer_types, self.mlp_layer_types, strict=True))
 
     def mtp_kinds(self) -> tuple[str, ...]:
         """The attention kind of each of the `num_mtp_layers` MTP layers."""

@@ -19,6 +19,7 @@ config.json says otherwise (`num_key_value_heads` other than 1, `n_shared_expert
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any
 
@@ -430,7 +431,8 @@ def layer_tensors(
 
 def hf_tensors(cfg: deepseek_v4.DeepseekV4Config) -> list[HFTensor]:
     """The embedding, head, final hyper-head and norm, and every layer's records (one
-    record a tensor for all layers where they are alike, so a scanned stack reads)."""
+    record a tensor for the layers of each (attention, MoE) kind, `HFTensor.only`, so a
+    scanned stack reads)."""
     table = [
         HFTensor("embed_tokens/embedding", "model.embed_tokens.weight", split=1, vocab_axis=0),
         HFTensor("norm/scale", "model.norm.weight"),
@@ -440,11 +442,11 @@ def hf_tensors(cfg: deepseek_v4.DeepseekV4Config) -> list[HFTensor]:
     ]
     if not cfg.tie_word_embeddings:
         table.append(linear("lm_head/kernel", "lm_head.weight", vocab_axis=1))
-    kinds = list(zip(cfg.layer_types, cfg.mlp_layer_types, strict=True))
-    if len(set(kinds)) == 1:
-        return table + layer_tensors(cfg, "{i}", *kinds[0], cfg.num_layers) + mtp_tensors(cfg)
-    for i, (kind, mlp) in enumerate(kinds):
-        table += layer_tensors(cfg, str(i), kind, mlp, 0)
+    kinds = cfg.scan_kinds()
+    for kind in sorted(set(kinds)):
+        only = tuple(i for i, k in enumerate(kinds) if k == kind)
+        records = layer_tensors(cfg, "{i}", *kind, cfg.num_layers)
+        table += [dataclasses.replace(t, only=only) for t in records]
     return table + mtp_tensors(cfg)
 
 

@@ -27,7 +27,7 @@ from flaxlm.models import (
     masks,
     moe,
     mtp,
-    qwen_moe,
+    stacks,
 )
 
 Array = jax.Array
@@ -144,7 +144,7 @@ class DeepseekV4Block(nn.Module):
                 "context_parallel_balance=True reorders the sequence, but DeepSeek-V4's "
                 "compressors pool windows of neighbouring tokens: set it False."
             )
-        i = qwen_moe.layer_number(self) or 0  # scanned: every layer alike (checked)
+        i = stacks.layer_of(self, cfg.first_scanned_layer)  # scanned: a cycle on, alike
         norm = dict(epsilon=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
 
         def residual(name: str, sublayer: Any, streams: Array) -> Array:

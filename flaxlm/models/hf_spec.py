@@ -97,29 +97,29 @@ class Expanded(NamedTuple):
     stacked: bool  # the param has the layers on its axis 0 (a scanned stack's)
 
 
-def expand(tensors: Sequence[HFTensor], scanned: tuple[int, int] | None) -> dict[str, Expanded]:
+def expand(
+    tensors: Sequence[HFTensor], scanned: tuple[int, int, int] | None
+) -> dict[str, Expanded]:
     """Param path -> its record and HF names. `scanned`: None for unrolled layers, else
-    (first, period) of the model's scanned stack (`scan_layout`): a `{i}` record's layers
-    before `first` unrolled, those from it on stacked, one param a block of the scan's
-    cycle of `period` layers (`name/block/rest`, or `name/block_j/rest` for the layers
-    first + j, first + j + period, ...)."""
+    (first, period, tail) of the model's scanned stack (`scan_layout`): a `{i}` record's
+    layers before `first` and its last `tail` unrolled, those between stacked, one param a
+    block of the scan's cycle of `period` layers (`name/block/rest`, or `name/block_j/rest`
+    for the layers first + j, first + j + period, ...)."""
     out: dict[str, Expanded] = {}
     for t in tensors:
         if t.layers == 0 and t.only is None:
             out[t.param] = Expanded(t, [t.hf], False)
             continue
-        first = t.layers if scanned is None else scanned[0]
-        for i in (i for i in t.layer_numbers() if i < first):
+        first, period, tail = (t.layers, 1, 0) if scanned is None else scanned
+        stop = t.layers - tail
+        for i in (i for i in t.layer_numbers() if not first <= i < stop):
             out[t.param.format(i=i)] = Expanded(t, [t.hf.format(i=i)], False)
-        if scanned is None:
-            continue
-        first, period = scanned
-        cycles = (t.layers - first) // period
+        cycles = (stop - first) // period
         slots: dict[int, list[int]] = {}
-        for i in (i for i in t.layer_numbers() if i >= first):
+        for i in (i for i in t.layer_numbers() if first <= i < stop):
             slots.setdefault((i - first) % period, []).append(i)
         for j, numbers in slots.items():
-            if numbers != list(range(first + j, t.layers, period)) or len(numbers) != cycles:
+            if numbers != list(range(first + j, stop, period)) or len(numbers) != cycles:
                 raise ValueError(
                     f"{t.param}: layers {numbers} are not every layer of block {j} of a scan "
                     f"of {period}-layer cycles from layer {first} (its records cover it all)."
@@ -130,12 +130,16 @@ def expand(tensors: Sequence[HFTensor], scanned: tuple[int, int] | None) -> dict
     return out
 
 
-def scan_layout(config: Any) -> tuple[int, int] | None:
+def scan_layout(config: Any) -> tuple[int, int, int] | None:
     """`expand`'s `scanned` for a model's config: None unless it scans its layers, else
-    (`first_scanned_layer`, `scan_period`)."""
+    (`first_scanned_layer`, `scan_period`, `scan_tail`)."""
     if not getattr(config, "scan_layers", False):
         return None
-    return config.first_scanned_layer, getattr(config, "scan_period", 1)
+    return (
+        config.first_scanned_layer,
+        getattr(config, "scan_period", 1),
+        getattr(config, "scan_tail", 0),
+    )
 
 
 def pieces_of(tensors: Sequence[HFTensor]) -> dict[str, list[list[str]]]:

@@ -17,8 +17,11 @@ says). Decoding runs over a contiguous cache or the serving engine's paged one (
 sequence's Kimi Delta Attention states in a state slot beside the pages: `state_slots`).
 Under context parallelism (a `sequence` mesh axis) the linear layers pass their state
 between the pieces of a row (`linear_context_parallel`) and the full ones attend across
-them (`context_parallel`; no rotary to place). The hybrid's plumbing is Qwen3-Next's
-(`qwen3_next.check_layer_types`, `holds_full_attention`, `linear_layer_settings`).
+them (`context_parallel`; no rotary to place). `scan_layers` stacks the cycle the layers'
+(token mixer, MLP) kinds repeat after the dense first ones, the layers after its last whole
+repeat unrolled (`scan_kinds`). The hybrid's plumbing is Qwen3-Next's
+(`qwen3_next.check_layer_types`, `holds_full_attention`, `hybrid_kinds`,
+`linear_layer_settings`).
 """
 
 from __future__ import annotations
@@ -113,23 +116,14 @@ class KimiLinearConfig(deepseek.DeepseekV3Config):
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1.")
-        if self.scan_layers and len(set(self.per_layer_types)) > 1:
-            raise ValueError(
-                "scan_layers=True needs every layer alike, but layer_types mixes linear and "
-                "full attention: set scan_layers=False."
-            )
 
     def check_dense_layers(self) -> None:
-        """Dense layers anywhere (HF's `mlp_layer_types`); scanned layers must be alike."""
+        """Dense layers anywhere (HF's `mlp_layer_types`): `scan_layers` stacks the cycle of
+        (token mixer, MLP) kinds after dense first ones (`scan_kinds`)."""
         if self.decoder_sparse_step != 1:
             raise ValueError(
                 f"decoder_sparse_step {self.decoder_sparse_step}: HF's {ARCHITECTURE} names "
                 "its dense layers (mlp_only_layers); 1 only."
-            )
-        if self.scan_layers and len(set(self.sparse_layers(self.num_layers))) > 1:
-            raise ValueError(
-                f"scan_layers=True needs every layer alike, but mlp_only_layers "
-                f"{self.mlp_only_layers} are dense and the others MoE: set scan_layers=False."
             )
 
     # ------------------------------------------------------------ derived
@@ -143,6 +137,11 @@ class KimiLinearConfig(deepseek.DeepseekV3Config):
     def mlp_layer_types(self) -> tuple[str, ...]:
         """HF's per-layer MLP kinds, 'dense' or 'sparse'."""
         return tuple("sparse" if s else "dense" for s in self.sparse_layers(self.num_layers))
+
+    def scan_kinds(self) -> list[tuple[str, bool]]:
+        """Each layer's kind for the scan's cycle: the published 27 layers, a dense first one
+        unrolled, then six cycles of (linear, linear, full, linear) and two layers unrolled."""
+        return qwen3_next.hybrid_kinds(self)
 
     def linear_attention_params(self) -> int:
         """One linear layer's: q, k, v and their convolution, the forget gate, beta, the

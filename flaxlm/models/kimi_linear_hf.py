@@ -15,6 +15,7 @@ other than 1 (the Hub's own code honours them, HF's does not); quantized files b
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -238,8 +239,8 @@ def a_log_to_hf(a_log: np.ndarray) -> np.ndarray:
 def mixer_hf_tensors(
     cfg: KimiLinearConfig, kind: str, scope: str, attn: str, n: int
 ) -> list[HFTensor]:
-    """One layer's token mixer of `kind`: params under `scope`, HF tensors under the module
-    `attn` (`n` layers alike with `{i}` in both, else 0: one layer)."""
+    """The token mixer of `kind`: params under `scope`, HF tensors under the module `attn`
+    (`{i}` in both for `n` layers, else 0: one layer)."""
     if kind == FULL:
         return deepseek.mla_hf_tensors(cfg, scope, attn, n)
     projections = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "f_b_proj")
@@ -261,14 +262,11 @@ def hf_tensors(cfg: KimiLinearConfig) -> list[HFTensor]:
     """The embedding, each layer's norms, token mixer and MLP, the final norm and head."""
     table = [t for t in llama.hf_tensors_but_mlp(cfg) if ".self_attn." not in t.hf]
     kinds = cfg.per_layer_types
-    if len(set(kinds)) == 1:
-        scope, attn = "layers_{i}/self_attn", "model.layers.{i}.self_attn"
-        table += mixer_hf_tensors(cfg, kinds[0], scope, attn, len(kinds))
-    else:
-        for i, kind in enumerate(kinds):
-            table += mixer_hf_tensors(
-                cfg, kind, f"layers_{i}/self_attn", f"model.layers.{i}.self_attn", 0
-            )
+    scope, attn = "layers_{i}/self_attn", "model.layers.{i}.self_attn"
+    for kind in sorted(set(kinds)):  # each kind's records name its layers (`only`)
+        only = tuple(i for i, k in enumerate(kinds) if k == kind)
+        records = mixer_hf_tensors(cfg, kind, scope, attn, len(kinds))
+        table += [dataclasses.replace(t, only=only) for t in records]
     return table + deepseek.moe_hf_tensors(cfg, "model.layers.{i}.block_sparse_moe", EXPERTS)
 
 

@@ -18,7 +18,7 @@ Routing, the router statistics every layer sows and the load-balance losses are 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -255,10 +255,21 @@ class DenseFirstScan:
         unrolled under `scan_layers`."""
         return scan_start(self.sparse_layers(self.num_layers)) or 0
 
+    def scan_kinds(self) -> Sequence[Hashable]:
+        """Each layer's kind, what a scan's cycle repeats: dense or MoE MLP here (a hybrid's
+        token mixer beside it in its config)."""
+        return self.sparse_layers(self.num_layers)
+
     @property
     def scan_period(self) -> int:
-        """The shortest cycle of dense and MoE MLPs from `first_scanned_layer` on."""
-        return stacks.cycle_of(self.sparse_layers(self.num_layers)[self.first_scanned_layer :])
+        """The cycle of layer kinds (`scan_kinds`) from `first_scanned_layer` on
+        (`stacks.cycle_of`)."""
+        return stacks.cycle_of(self.scan_kinds()[self.first_scanned_layer :])[0]
+
+    @property
+    def scan_tail(self) -> int:
+        """The layers after the cycle's last whole repeat, unrolled (`stacks.cycle_of`)."""
+        return stacks.cycle_of(self.scan_kinds()[self.first_scanned_layer :])[1]
 
 
 def has_experts(config: Any) -> bool:

@@ -47,6 +47,12 @@ class ComputeOptions:
         3 linear + 1 full attention: 4); the stacked layers repeat it. 1 here."""
         return 1
 
+    @property
+    def scan_tail(self) -> int:
+        """How many last layers stay unrolled after the scanned stack (a pattern's incomplete
+        last cycle: Kimi Linear's last two). 0 here."""
+        return 0
+
     def __post_init__(self) -> None:
         choices = attention.ATTENTION_IMPLEMENTATIONS
         if self.attention not in choices:

@@ -204,12 +204,10 @@ class Qwen3NextConfig(
         every = self.full_attention_interval
         return tuple(FULL if (i + 1) % every == 0 else LINEAR for i in range(self.num_layers))
 
-    @property
-    def scan_period(self) -> int:
-        """The cycle of layer kinds (token mixer, MLP) the scan stacks: 4 for three linear
-        layers and a full one (`full_attention_interval`), 1 when every layer is alike."""
-        kinds = list(zip(self.per_layer_types, self.sparse_layers(), strict=True))
-        return stacks.cycle_of(kinds[self.first_scanned_layer :])
+    def scan_kinds(self) -> list[tuple[str, bool]]:
+        """Each layer's kind for the scan's cycle (`hybrid_kinds`): 4 layers a cycle for three
+        linear layers and a full one (`full_attention_interval`)."""
+        return hybrid_kinds(self)
 
     def sparse_layers(self, num_layers: int | None = None) -> tuple[bool, ...]:
         """Whether each layer's MLP is the mixture of experts (none without experts)."""
@@ -272,6 +270,13 @@ class Qwen3NextConfig(
 
     def make_module(self) -> Qwen3Next:
         return Qwen3Next(self)
+
+
+def hybrid_kinds(config: Any) -> list[tuple[str, bool]]:
+    """Each layer's (token mixer, MoE MLP or not): the kinds a hybrid's scan cycles through
+    (`moe.DenseFirstScan.scan_kinds`)."""
+    sparse = config.sparse_layers(config.num_layers)
+    return list(zip(config.per_layer_types, sparse, strict=True))
 
 
 def check_layer_types(cfg: Any) -> None:

@@ -190,7 +190,8 @@ def update_correction_bias(old: Any, new: Any, counts: Array, rate: float) -> An
 
 def _layer_order(key: str) -> tuple[str, float]:
     """Sort key putting `layers_10` after `layers_9`, and a scanned stack `layers` after the
-    unrolled layers before it (`first_scanned_layer`)."""
+    unrolled layers (those before it, `first_scanned_layer`, and after it, `scan_tail`): the
+    statistics and the correction biases visited in the same order."""
     stem, _, number = key.rpartition("_")
     return (stem, int(number)) if number.isdigit() else (key, float("inf"))
 

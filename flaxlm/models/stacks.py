@@ -6,11 +6,13 @@ rematerialised by a named policy (`layers.REMAT_POLICIES`).
 A stack of layers that repeat a cycle of `period` kinds (Qwen3.5's three Gated DeltaNet
 layers and one full-attention layer) scans the cycle: its body applies `block_0` ..
 `block_{period-1}`, each param stacked over the cycles (`block_j`'s axis 0 holds layers
-first + j, first + j + period, ...). A block reads which layer it stands for from its name
-(`layer_of`)."""
+first + j, first + j + period, ...). Layers after the last whole cycle (a tail shorter than
+the pattern: Kimi Linear's last two) stay unrolled after the stack. A block reads which layer
+it stands for from its name (`layer_of`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -47,6 +49,7 @@ def stack_blocks(
     layer_index: bool = False,
     first_scanned: int = 0,
     period: int = 1,
+    tail: int = 0,
     **block_kwargs: Any,
 ) -> Callable[..., Any]:
     """Applies `num_layers` blocks `(x, *args) -> x`, scanned (params gain a `layers` axis)
@@ -59,31 +62,51 @@ def stack_blocks(
     a model whose first layers differ from the others (DeepSeek-V3's dense ones).
     period: with `scan_layers`, the scan's body applies this many blocks (`block_0`, ...),
     a cycle of layers of different kinds; it must divide the stacked layers.
+    tail: with `scan_layers`, the last `tail` layers stay unrolled after the stack
+    (`layers_{i}`: a pattern's incomplete last cycle).
     """
     block = remat_block(block_cls, remat_policy)
-    if not scan_layers:
-        unrolled = num_layers
-    else:
-        unrolled = first_scanned if first_scanned < num_layers else 0
-        if (num_layers - unrolled) % period:
-            raise ValueError(
-                f"scan_layers: a cycle of {period} layers does not divide the "
-                f"{num_layers - unrolled} layers from layer {unrolled} on."
-            )
-    blocks = [block(**block_kwargs, name=f"{name}_{i}") for i in range(unrolled)]
-    stack = None
-    if unrolled < num_layers:
-        stack = _scanned_blocks(
-            block, unrolled, num_layers, period, name, layer_index, block_kwargs
-        )
+    start, stop = scanned_range(num_layers, scan_layers, first_scanned, period, tail)
 
-    def apply(x: Array, *args: Any) -> Array:
-        for i, b in enumerate(blocks):
+    def unrolled(i: int) -> nn.Module:
+        return block(**block_kwargs, name=f"{name}_{i}")
+
+    head = [(i, unrolled(i)) for i in range(start)]
+    stack = None
+    if start < stop:
+        stack = _scanned_blocks(block, start, stop, period, name, layer_index, block_kwargs)
+    after = [(i, unrolled(i)) for i in range(stop, num_layers)]
+
+    def apply_unrolled(x: Array, blocks: list[tuple[int, nn.Module]], args: tuple) -> Array:
+        for i, b in blocks:
             # An array, as when scanned, so a block behaves the same either way.
             x = b(x, jnp.asarray(i, jnp.int32), *args) if layer_index else b(x, *args)
-        return x if stack is None else stack(x, *args)
+        return x
+
+    def apply(x: Array, *args: Any) -> Array:
+        x = apply_unrolled(x, head, args)
+        if stack is not None:
+            x = stack(x, *args)
+        return apply_unrolled(x, after, args)
 
     return apply
+
+
+def scanned_range(
+    num_layers: int, scan_layers: bool, first_scanned: int, period: int, tail: int
+) -> tuple[int, int]:
+    """(start, stop) of the layers a scan stacks (start == stop: none, all unrolled); those
+    before start and from stop on stay unrolled."""
+    if not scan_layers:
+        return num_layers, num_layers
+    start = first_scanned if first_scanned < num_layers else 0
+    stop = num_layers - tail
+    if tail < 0 or stop < start or (stop - start) % period:
+        raise ValueError(
+            f"scan_layers: cycles of {period} layers do not cover layers {start} to "
+            f"{stop - 1} ({num_layers} layers, the last {tail} unrolled)."
+        )
+    return start, stop
 
 
 def _scanned_blocks(
@@ -119,18 +142,41 @@ def _scanned_blocks(
     return lambda x, *args: scanned(x, indices, args)[0]
 
 
-def cycle_of(kinds: Sequence[Hashable]) -> int:
-    """The shortest cycle the layers' kinds repeat that divides their number (the scan's
-    `period`): 1 when all are alike, the whole count when nothing repeats."""
+def cycle_of(kinds: Sequence[Hashable]) -> tuple[int, int]:
+    """(period, tail): the cycle the layers' kinds repeat at least twice and the layers after
+    its last whole repeat, chosen for the fewest distinct layers to compile (period + tail;
+    the shorter cycle at a tie): (1, 0) when all are alike, (4, 0) for three linear layers and
+    a full one repeated, (4, 2) when two layers of a fifth cycle end them; (all, 0) when
+    nothing repeats."""
+    return _cycle(tuple(kinds))
+
+
+def layout_of(kinds: Sequence[Hashable]) -> tuple[int, int, int]:
+    """(first, period, tail): `cycle_of` the layers from `first` on, the layers before it
+    unrolled too, `first` chosen with the cycle for the fewest distinct layers to compile
+    (first + period + tail; the earlier first at a tie): DeepSeek-V4-Flash's 43 layers, three
+    hash-routed ones then (HCA, CSA) MoE ones, (3, 2, 0)."""
+    return _layout(tuple(kinds))
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(kinds: tuple[Hashable, ...]) -> tuple[int, int, int]:
+    firsts = range(max(len(kinds), 1))
+    return min(((f, *_cycle(kinds[f:])) for f in firsts), key=sum)
+
+
+@functools.lru_cache(maxsize=256)
+def _cycle(kinds: tuple[Hashable, ...]) -> tuple[int, int]:
     n = len(kinds)
-    return next(
-        (
-            p
-            for p in range(1, n + 1)
-            if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n))
-        ),
-        1,
-    )
+    best = (max(n, 1), 0)
+    for p in range(1, n // 2 + 1):
+        covered = 0
+        while covered < n and kinds[covered] == kinds[covered % p]:
+            covered += 1
+        cycles = covered // p
+        if cycles >= 2 and p + n - cycles * p < sum(best):
+            best = (p, n - cycles * p)
+    return best
 
 
 def slot_name(j: int, period: int) -> str:
@@ -169,13 +215,19 @@ def layer_of(module: nn.Module, first_scanned: int) -> int:
 
 
 def unstack(
-    params: dict[str, Any], name: str, num_layers: int, first_scanned: int, period: int
+    params: dict[str, Any],
+    name: str,
+    num_layers: int,
+    first_scanned: int,
+    period: int,
+    tail: int = 0,
 ) -> dict[str, Any]:
     """`params` with the scanned stack `name` (`block` or `block_j`, `[cycles, ...]`) as
-    unrolled layers `name_{i}` (the unrolled ones before `first_scanned` kept)."""
+    unrolled layers `name_{i}` (the unrolled ones before `first_scanned` and the last `tail`
+    kept)."""
     stacked = params[name]
     out = {k: v for k, v in params.items() if k != name}
-    for i in range(first_scanned, num_layers):
+    for i in range(first_scanned, num_layers - tail):
         cycle, j = divmod(i - first_scanned, period)
         out[f"{name}_{i}"] = jax.tree.map(lambda x, c=cycle: x[c], stacked[slot_name(j, period)])
     return out

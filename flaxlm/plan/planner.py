@@ -88,6 +88,8 @@ class Planner:
         self.first_scanned = getattr(run.model.config, "first_scanned_layer", 0)
         # The layers of the scan's body, a cycle of kinds (Qwen3.5's 3 linear + 1 full: 4).
         self.period = getattr(run.model.config, "scan_period", 1)
+        # The unrolled layers after the stack (a last cycle cut short: Kimi Linear's 2).
+        self.tail = getattr(run.model.config, "scan_tail", 0)
         self._costs: dict[tuple, tuple[dict[str, float], float] | None] = {}
         self._param_shapes = None
 
@@ -114,10 +116,13 @@ class Planner:
         return with_config(self.run.model, **{k: v for k, v in wanted.items() if k in fields})
 
     def _cut(self, kinds: tuple[Any, ...], n: int) -> tuple[Any, ...]:
-        """The first `n` of the layers' `kinds`, the scan's cycle repeated past the last (a
-        calibration cut of two cycles of a model that has one)."""
-        s, p = self.first_scanned, self.period
-        return tuple(kinds[i] if i < len(kinds) else kinds[s + (i - s) % p] for i in range(n))
+        """The layers' `kinds` cut to `n`: the first `n - tail`, the scan's cycle repeated
+        past the stack's last (a calibration cut of two cycles of a model that has one), then
+        the unrolled tail's."""
+        s, p, t = self.first_scanned, self.period, self.tail
+        stop = len(kinds) - t
+        head = (kinds[i] if i < stop else kinds[s + (i - s) % p] for i in range(n - t))
+        return (*head, *kinds[stop:])
 
     # ------------------------------------------------------------------ rejection
 
@@ -230,10 +235,11 @@ class Planner:
         params and moments, write params and moments; its FLOPs neglected). An unscanned
         step's own cost counts the microbatch loop's body once: step = O + mb (own - O). A
         scanned one (its stack's layers alike, from layer s = `first_scanned_layer` on; the
-        unrolled ones before it, DeepSeek-V3's dense layers, differ) is priced from the
-        unscanned compiles cut to s + p and s + 2p layers (p the scan's cycle, `scan_period`: 1,
-        or Qwen3.5's 4): X = 2 c1 - c2 is everything but the stack (the microbatch loop's body
-        once), a stacked cycle is c2 - c1; step = O + mb (X - O + (L - s) / p cycle).
+        unrolled ones before it, DeepSeek-V3's dense layers, and the t = `scan_tail` after it
+        differ) is priced from the unscanned compiles cut to s + p + t and s + 2p + t layers
+        (p the scan's cycle, `scan_period`: 1, or Qwen3.5's 4): X = 2 c1 - c2 is everything
+        but the stack (the microbatch loop's body once), a stacked cycle is c2 - c1;
+        step = O + mb (X - O + (L - s - t) / p cycle).
         (Unscanned steps are not calibrated so: their cuts would hold
         DeepSeek-V3's dense first layers alone.) On an accelerator a
         scanned step is predicted as its unrolled twin: the scan body's own cost analysis charges
@@ -272,7 +278,7 @@ class Planner:
             if own is not None and own[k] - outside > layer:
                 layer = own[k] - outside
             o = min(optimizer[k], outside)
-            cycles = (self.num_layers - self.first_scanned) // self.period
+            cycles = (self.num_layers - self.first_scanned - self.tail) // self.period
             out[k] = o + mb * (outside - o + cycles * layer)
         return out
 
@@ -280,8 +286,8 @@ class Planner:
         if not self.num_layers:
             return None
         flat = dataclasses.replace(knobs, scan_layers=False)
-        s, p = self.first_scanned, self.period
-        c1, c2 = (self.compile(flat, num_layers=n).cost() for n in (s + p, s + 2 * p))
+        s, p, t = self.first_scanned, self.period, self.tail
+        c1, c2 = (self.compile(flat, num_layers=n).cost() for n in (s + p + t, s + 2 * p + t))
         return c1, c2
 
     def predict(self, result: Result) -> None:
