@@ -211,6 +211,31 @@ def engine_greedy(
         return engine_tokens(engine, prompts, new_tokens)
 
 
+def check_scanned(torch_model, model, params, vocab_size: int, out, *, alone=False) -> None:
+    """A model read from `torch_model`'s files with its layers scanned: HF's logits, its
+    greedy tokens (decoding unstacks the stack; `alone`: HF's each prompt alone, where its
+    left padding would enter a window) and files HF reloads (written to `out`)."""
+    import jax
+    import transformers
+
+    from flaxlm.checkpoints import hf
+
+    ids, mask = padded_batch(vocab_size, (24, 13, 24, 6))
+    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+    ours = jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
+    assert max_abs_diff(ours, theirs, mask) < 1e-4
+    prompts = [[5, 17, 3, 99, 42], [7, 8]]
+    if alone:
+        tokens = [hf_greedy_batch(torch_model, [p], 6)[0] for p in prompts]
+    else:
+        tokens = hf_greedy_batch(torch_model, prompts, 6)
+    assert flaxlm_greedy_batch(model, params, prompts, 6) == tokens
+    hf.save_pretrained(model, params, out)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(again, theirs, mask) <= 1e-6 * max(1.0, np.abs(theirs).max())
+
+
 def check_family(
     torch_model,
     path,

@@ -48,6 +48,7 @@ from flaxlm.training import steps
 from tests.helpers import adamw
 from tests.hf_helpers import (
     check_mtp_loss,
+    check_scanned,
     decoder_batch,
     engine_tokens,
     flaxlm_greedy_batch,
@@ -195,18 +196,7 @@ def test_layers_scanned_in_cycles_on_an_fsdp_by_tensor_mesh_give_hf_logits_token
     assert {"layers_0", "layers_1", "layers", "layers_6"} <= set(params)
     assert "indexer" in params["layers"]["block_0"]["self_attn"]["compressor"]
     assert params["layers"]["block_1"]["mlp"]["gate"]["kernel"].shape[0] == 2
-    ids, mask = padded_batch(VOCAB, LENGTHS)
-    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
-    got = jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
-    assert max_abs_diff(got, theirs, mask) < LOGITS_TOL
-    prompts = [[5, 17, 3, 99, 42], [7, 8]]  # HF's each alone (its padding enters windows)
-    assert flaxlm_greedy_batch(model, params, prompts, 6) == [
-        hf_greedy_batch(torch_model, [p], 6)[0] for p in prompts
-    ]
-    hf.save_pretrained(model, params, tmp_path / "out")
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
-    again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
-    assert max_abs_diff(again, theirs, mask) <= 1e-6 * max(1.0, np.abs(theirs).max())
+    check_scanned(torch_model, model, params, VOCAB, tmp_path / "out", alone=True)
 
 
 def csa_layers(torch_model):

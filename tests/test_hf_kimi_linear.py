@@ -23,10 +23,9 @@ from tests.helpers import adamw
 from tests.hf_helpers import (
     LIGHT,
     check_family,
+    check_scanned,
     decoder_batch,
-    flaxlm_greedy_batch,
     gin_config,
-    hf_greedy_batch,
     max_abs_diff,
     padded_batch,
     random_hf_model,
@@ -191,17 +190,7 @@ def test_layers_scan_in_cycles_between_unrolled_ones_to_hf_logits_tokens_and_fil
     assert stack["block_0"]["self_attn"]["A_log"].shape == (2, 2)
     assert "kv_a_proj_with_mqa" in stack["block_1"]["self_attn"]
     assert "A_log" in params["layers_5"]["self_attn"] and "experts" in params["layers_5"]["mlp"]
-    ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
-    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
-    assert max_abs_diff(model.compute_logits(params, decoder_batch(ids, mask)), theirs, mask) < 1e-4
-    prompts = [[5, 17, 3, 99, 42], [7, 8]]
-    assert flaxlm_greedy_batch(model, params, prompts, 6) == hf_greedy_batch(
-        torch_model, prompts, 6
-    )
-    hf.save_pretrained(model, params, tmp_path / "out")
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
-    again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
-    assert max_abs_diff(again, theirs, mask) <= 1e-6 * max(1.0, np.abs(theirs).max())
+    check_scanned(torch_model, model, params, VOCAB, tmp_path / "out")
 
 
 def tiny_config(**overrides) -> kimi_linear.KimiLinearConfig:

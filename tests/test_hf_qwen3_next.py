@@ -22,6 +22,7 @@ from tests.hf_helpers import (
     LIGHT,
     check_family,
     check_mtp_loss,
+    check_scanned,
     decoder_batch,
     flaxlm_greedy_batch,
     gin_config,
@@ -383,17 +384,7 @@ def test_layers_scanned_in_cycles_give_hf_logits_tokens_and_files(tmp_path):
     assert sorted(stack) == ["block_0", "block_1", "block_2", "block_3"] and len(params) == 4
     assert "q_proj" in stack["block_3"] and "linear_attn" in stack["block_0"]
     assert stack["block_3"]["mlp"]["experts"]["wi"].shape[0] == 2
-    ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
-    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
-    assert max_abs_diff(model.compute_logits(params, decoder_batch(ids, mask)), theirs, mask) < 1e-4
-    prompts = [[5, 17, 3, 99, 42], [7, 8]]
-    assert flaxlm_greedy_batch(model, params, prompts, 8) == hf_greedy_batch(
-        torch_model, prompts, 8
-    )
-    hf.save_pretrained(model, params, tmp_path / "out")
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
-    again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
-    assert max_abs_diff(again, theirs, mask) <= 1e-6 * max(1.0, np.abs(theirs).max())
+    check_scanned(torch_model, model, params, VOCAB, tmp_path / "out")
 
     rules = ((r"(q_proj|out_proj)/kernel$", 4), (r"in_proj_z/kernel$", 2), (r"experts/wi$", 2))
     cfg = lora.LoraConfig(rules=rules, alpha=8.0)
