@@ -34,7 +34,16 @@ import flax.linen as nn
 import gin
 import jax
 
-from flaxlm.models import deepseek, glm4_moe, layers, masks, moe, mtp_hf, qwen_moe, sparse_attention
+from flaxlm.models import (
+    deepseek,
+    glm4_moe,
+    layers,
+    masks,
+    moe,
+    mtp_hf,
+    sparse_attention,
+    stacks,
+)
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
 
@@ -229,7 +238,7 @@ class DeepseekV32Block(deepseek.DeepseekBlock):
     ) -> Array | tuple[Array, Array | None]:
         cfg = self.config
         x, chosen = carry if isinstance(carry, tuple) else (carry, None)
-        i = qwen_moe.layer_number(self)  # None when scanned: every layer full (checked)
+        i = stacks.unrolled_layer(self)  # None when scanned: every layer full (checked)
         shared = i is not None and cfg.layer_indexers[i] == "shared"
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         norm = dict(epsilon=cfg.rms_norm_eps, scale_plus_one=cfg.norm_scale_plus_one, **dense)

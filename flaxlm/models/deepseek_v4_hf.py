@@ -19,7 +19,6 @@ config.json says otherwise (`num_key_value_heads` other than 1, `n_shared_expert
 
 from __future__ import annotations
 
-import dataclasses
 import types
 from typing import Any
 
@@ -27,7 +26,7 @@ import numpy as np
 
 from flaxlm.models import deepseek_v4, mtp_hf, qwen_moe, rope
 from flaxlm.models.deepseek_v4_attention import CSA, HCA, SLIDING
-from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, per_kind, register_hf
 
 # transformers' DeepseekV4Config defaults, for keys a config.json omits.
 HF_DEFAULTS = dict(
@@ -442,11 +441,9 @@ def hf_tensors(cfg: deepseek_v4.DeepseekV4Config) -> list[HFTensor]:
     ]
     if not cfg.tie_word_embeddings:
         table.append(linear("lm_head/kernel", "lm_head.weight", vocab_axis=1))
-    kinds = cfg.scan_kinds()
-    for kind in sorted(set(kinds)):
-        only = tuple(i for i, k in enumerate(kinds) if k == kind)
-        records = layer_tensors(cfg, "{i}", *kind, cfg.num_layers)
-        table += [dataclasses.replace(t, only=only) for t in records]
+    table += per_kind(
+        cfg.scan_kinds(), lambda kind: layer_tensors(cfg, "{i}", *kind, cfg.num_layers)
+    )
     return table + mtp_tensors(cfg)
 
 

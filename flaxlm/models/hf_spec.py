@@ -142,6 +142,17 @@ def scan_layout(config: Any) -> tuple[int, int, int] | None:
     )
 
 
+def per_kind(kinds: Sequence[Any], records: Callable[[Any], list[HFTensor]]) -> list[HFTensor]:
+    """`records(kind)` (`{i}` records) for each kind among the layers' `kinds`, each record
+    naming the layers of its kind (`only`): a table whose layers differ, which a scan of
+    their cycle reads."""
+    out: list[HFTensor] = []
+    for kind in sorted(set(kinds)):
+        only = tuple(i for i, k in enumerate(kinds) if k == kind)
+        out += [dataclasses.replace(t, only=only) for t in records(kind)]
+    return out
+
+
 def pieces_of(tensors: Sequence[HFTensor]) -> dict[str, list[list[str]]]:
     """HF name (layer formatted) -> the names of its pieces, a list per expert, for every
     record stored in pieces (`HFTensor.pieces`); scanned or not, the names are the same."""

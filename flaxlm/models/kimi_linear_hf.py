@@ -15,14 +15,13 @@ other than 1 (the Hub's own code honours them, HF's does not); quantized files b
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
 
 from flaxlm.models import deepseek, deepseek_v32, llama, qwen3_next_hf
 from flaxlm.models.base import DecoderOnlyModel
-from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, per_kind, register_hf
 from flaxlm.models.kimi_linear import (
     ARCHITECTURE,
     FULL,
@@ -261,12 +260,9 @@ def mixer_hf_tensors(
 def hf_tensors(cfg: KimiLinearConfig) -> list[HFTensor]:
     """The embedding, each layer's norms, token mixer and MLP, the final norm and head."""
     table = [t for t in llama.hf_tensors_but_mlp(cfg) if ".self_attn." not in t.hf]
-    kinds = cfg.per_layer_types
     scope, attn = "layers_{i}/self_attn", "model.layers.{i}.self_attn"
-    for kind in sorted(set(kinds)):  # each kind's records name its layers (`only`)
-        only = tuple(i for i, k in enumerate(kinds) if k == kind)
-        records = mixer_hf_tensors(cfg, kind, scope, attn, len(kinds))
-        table += [dataclasses.replace(t, only=only) for t in records]
+    n = cfg.num_layers
+    table += per_kind(cfg.per_layer_types, lambda k: mixer_hf_tensors(cfg, k, scope, attn, n))
     return table + deepseek.moe_hf_tensors(cfg, "model.layers.{i}.block_sparse_moe", EXPERTS)
 
 

@@ -30,10 +30,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxlm.models import attention, layers, llama, masks, moe, paged_attention, qwen_moe, rope
+from flaxlm.models import (
+    attention,
+    layers,
+    llama,
+    masks,
+    moe,
+    paged_attention,
+    qwen_moe,
+    rope,
+    stacks,
+)
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
-from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, per_kind, register_hf
 
 Array = jax.Array
 
@@ -216,7 +226,7 @@ class Llama4Block(nn.Module):
 
     def per_layer(self, values: tuple[Any, ...], index: Array) -> Any:
         """This layer's entry of `values`: static when unrolled, looked up when scanned."""
-        i = qwen_moe.layer_number(self)
+        i = stacks.unrolled_layer(self)
         return values[i] if i is not None else jnp.asarray(values)[index]
 
     @nn.compact
@@ -432,11 +442,8 @@ def hf_tensors(cfg: Llama4Config) -> list[HFTensor]:
     table = llama.hf_tensors_but_mlp(cfg)
     sparse = cfg.sparse_layers(cfg.num_layers)
     prefix = "model.layers.{i}.feed_forward"
-    for kind in sorted(set(sparse)):
-        only = tuple(i for i, s in enumerate(sparse) if s == kind)
-        records = _mlp_records(cfg, "layers_{i}", prefix, kind, cfg.num_layers)
-        table += [dataclasses.replace(t, only=only) for t in records]
-    return table
+    n = cfg.num_layers
+    return table + per_kind(sparse, lambda s: _mlp_records(cfg, "layers_{i}", prefix, s, n))
 
 
 def _mlp_records(cfg: Llama4Config, scope: str, prefix: str, sparse: bool, n: int) -> list:

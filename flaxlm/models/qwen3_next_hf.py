@@ -9,14 +9,13 @@ config reads it (`num_mtp_layers`: `mtp_tensors`).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
 
 from flaxlm.models import glm4_moe, llama, mtp_hf, qwen_moe, rope
 from flaxlm.models.base import DecoderOnlyModel
-from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, per_kind, register_hf
 from flaxlm.models.qwen3_next import ARCHITECTURES, FULL, MODEL_TYPES, MULTIMODAL, Qwen3NextConfig
 
 # transformers' config classes' defaults of the config.json fields flaxlm reads.
@@ -188,15 +187,6 @@ def conv_from_hf(rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return rows[:, 0, :].T.reshape(shape)
 
 
-def mixer_hf_tensors(
-    cfg: Qwen3NextConfig, kind: str, scope: str, prefix: str, n: int, only: tuple[int, ...]
-) -> list[HFTensor]:
-    """The token mixers of the layers `only` of `n` (`{i}` in `scope` and `prefix`): the
-    gated attention or the Gated DeltaNet."""
-    records = _mixer_records(cfg, kind, scope, prefix, n)
-    return [dataclasses.replace(t, only=only) for t in records]
-
-
 def _mixer_records(
     cfg: Qwen3NextConfig, kind: str, scope: str, prefix: str, n: int
 ) -> list[HFTensor]:
@@ -260,9 +250,7 @@ def hf_tensors(cfg: Qwen3NextConfig) -> list[HFTensor]:
         HFTensor(f"layers_{{i}}/{p}/scale", f"model.layers.{{i}}.{p}.weight", layers=n)
         for p in ("input_layernorm", "post_attention_layernorm")
     ]
-    for kind in sorted(set(kinds)):
-        only = tuple(i for i, k in enumerate(kinds) if k == kind)
-        out += mixer_hf_tensors(cfg, kind, "layers_{i}", "model.layers.{i}", n, only)
+    out += per_kind(kinds, lambda k: _mixer_records(cfg, k, "layers_{i}", "model.layers.{i}", n))
     return out + qwen_moe.moe_hf_tensors(cfg, "model.layers.{i}.mlp") + mtp_tensors(cfg)
 
 

@@ -110,12 +110,6 @@ class QwenMoeConfig(moe.DenseFirstScan, MoESizes, qwen.QwenFields, moe.MoEOption
         return QwenMoe(self)
 
 
-def layer_number(module: nn.Module) -> int | None:
-    """The index of an unrolled block (`layers_3` -> 3); None when scanned (`block`,
-    `block_j`)."""
-    return stacks.unrolled_layer(module)
-
-
 def mlp_or_experts(module: nn.Module, cfg: Any, h: Array, mask: masks.Mask) -> Array:
     """A block's MLP scoped `mlp`: `moe.MoE` on its sparse layers, else a SwiGLU of
     `intermediate_size` (in `module`'s scope, where it is called)."""
