@@ -15,8 +15,10 @@ tokens, gates a small residual branch after each block's MLP. The last
 earlier layer of its type. With `enable_moe_block` a `moe.MoE` (its router reading the
 block's input normed apart, a learned scale per expert) runs beside the MLP on its own
 normed input, the two outputs normed and summed. Every block ends scaled by its
-`layer_scalar` (a buffer in HF, not trained here either). Follows HuggingFace's
-`Gemma4ForCausalLM`; `gemma4_hf` reads and writes its config.json and tensors.
+`layer_scalar` (a buffer in HF, not trained here either). `scan_layers` scans the cycle the
+layer types repeat (`scan_period`: 6 for HF's default pattern, each block of it one type;
+layers after its last whole repeat unrolled), not with KV-shared layers. Follows
+HuggingFace's `Gemma4ForCausalLM`; `gemma4_hf` reads and writes its config.json and tensors.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlm.models import attention, layers, masks, moe
+from flaxlm.models import attention, layers, masks, moe, stacks
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.options import ComputeOptions
 
@@ -114,10 +116,11 @@ class Gemma4Config(ComputeOptions, moe.MoEOptions):
             for name, value in theirs.items():
                 if getattr(self, name) != value:
                     raise ValueError(f"{name} {getattr(self, name)!r}: Gemma 4's is {value!r}.")
-        if self.scan_layers:
+        if self.scan_layers and self.num_kv_shared_layers:
             raise ValueError(
-                "scan_layers=True: Gemma 4's layers differ (head widths, shared keys and "
-                "values), so they cannot be scanned: set scan_layers=False."
+                f"scan_layers=True with num_kv_shared_layers {self.num_kv_shared_layers}: a "
+                "KV-shared layer reads the keys and values of an earlier layer, which a scan "
+                "does not carry to it: set scan_layers=False (or num_kv_shared_layers 0)."
             )
         for heads, width in (
             (self.num_kv_heads, self.head_dim),
@@ -174,6 +177,17 @@ class Gemma4Config(ComputeOptions, moe.MoEOptions):
             return self.layer_types
         types = [GLOBAL if (i + 1) % 6 == 0 else SLIDING for i in range(self.num_layers)]
         return (*types[:-1], GLOBAL)
+
+    @property
+    def scan_period(self) -> int:
+        """The cycle of layer types a scan repeats (`stacks.cycle_of`: HF's default pattern,
+        5 sliding and 1 global, 6); each block of it is one type."""
+        return stacks.cycle_of(self.per_layer_types)[0]
+
+    @property
+    def scan_tail(self) -> int:
+        """The layers after the cycle's last whole repeat, unrolled (`stacks.cycle_of`)."""
+        return stacks.cycle_of(self.per_layer_types)[1]
 
     @property
     def global_kv_heads(self) -> int:
@@ -302,9 +316,11 @@ class RouterInput(nn.Module):
 
 
 class Gemma4Block(nn.Module):
-    """Called `(carry, mask, decoding, rope, per_layer_inputs)`; the carry is the hidden
-    states `[batch, length, embed]` (the first block) or `(hidden states, shared)`, `shared`
-    the keys and values of the layers a later KV-shared layer reuses, by layer."""
+    """Called `(carry, index, mask, decoding, rope, per_layer_inputs)`, `index` the layer's
+    number (traced when scanned: it picks the layer's slice of the per-layer inputs); the
+    carry is the hidden states `[batch, length, embed]`, or with KV-shared layers
+    `(hidden states, shared)` after the first block, `shared` the keys and values of the
+    layers a later KV-shared layer reuses, by layer (never scanned: checked by the config)."""
 
     config: Gemma4Config
     deterministic: bool = True
@@ -313,14 +329,15 @@ class Gemma4Block(nn.Module):
     def __call__(
         self,
         carry: Array | tuple[Array, dict[int, tuple[Array, Array]]],
+        index: Array,
         mask: masks.Mask,
         decoding: masks.Decoding | None,
         rope: dict[str, tuple[Array, Array]],
         per_layer_inputs: Array | None,
-    ) -> tuple[Array, dict[int, tuple[Array, Array]]]:
+    ) -> Array | tuple[Array, dict[int, tuple[Array, Array]]]:
         cfg = self.config
-        # Layers differ in shape, so they are unrolled (never scanned): the index is static.
-        i = int((self.name or "").rpartition("_")[2])
+        # The layer's shape: its own when unrolled, a cycle's block's (one type) when scanned.
+        i = stacks.layer_of(self, cfg.first_scanned_layer)
         x, shared = carry if isinstance(carry, tuple) else (carry, {})
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
 
@@ -358,12 +375,14 @@ class Gemma4Block(nn.Module):
         if per_layer_inputs is not None:
             p = cfg.hidden_size_per_layer_input
             g = layers.DenseGeneral(p, ("embed", None), name="per_layer_input_gate", **dense)(x)
-            g = layers.ACTIVATIONS[cfg.activation](g) * per_layer_inputs[:, :, i].astype(g.dtype)
+            own = jax.lax.dynamic_index_in_dim(per_layer_inputs, index, 2, keepdims=False)
+            g = layers.ACTIVATIONS[cfg.activation](g) * own.astype(g.dtype)
             g = layers.DenseGeneral(
                 cfg.hidden_size, (None, "embed"), name="per_layer_projection", **dense
             )(g)
             x = residual(x, g, "post_per_layer_input_norm")
-        return LayerScalar(cfg.param_dtype, name="layer_scalar")(x), shared
+        x = LayerScalar(cfg.param_dtype, name="layer_scalar")(x)
+        return (x, shared) if cfg.num_kv_shared_layers else x
 
     def attention(self, h, mask, decoding, sin, cos, shared_kv, i):
         """Layer `i`'s, scoped `q_proj`, `q_norm`, (own keys) `k_proj`, `v_proj`, `k_norm`,
@@ -425,6 +444,7 @@ class Gemma4(CausalLM):
     """`(tokens, positions, segment_ids) -> float32 logits [batch, length, vocab]`."""
 
     block_cls = Gemma4Block
+    layer_index = True
 
     def block_inputs(
         self, x: Array, positions: Array, decoding: masks.Decoding | None

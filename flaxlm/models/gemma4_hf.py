@@ -1,7 +1,7 @@
 """Gemma 4 (text) as HuggingFace's `Gemma4ForCausalLM` holds it: config.json <->
 `gemma4.Gemma4Config` (transformers' defaults for the fields a file leaves out, settings
-flaxlm cannot run refused naming them) and the tensor table (layers differ: one record
-each)."""
+flaxlm cannot run refused naming them) and the tensor table (records per kind of layer,
+stacked when the layers scan)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 from flaxlm.models import llama, qwen_moe
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.gemma4 import GLOBAL, LAYER_TYPES, ROPE_FIELDS, ROPE_TYPES, SLIDING, Gemma4Config
-from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, per_kind, register_hf
 
 ARCHITECTURE = "Gemma4ForCausalLM"
 # transformers' defaults of the fields a config.json may leave out.
@@ -196,8 +196,9 @@ def config_to_hf(cfg: Gemma4Config) -> dict:
 
 
 def hf_tensors(cfg: Gemma4Config) -> list[HFTensor]:
-    """Every layer's records (layers differ: no `{i}` ranges), then the embeddings, the
-    per-layer input projection and the final norm."""
+    """The embeddings, the per-layer input projection, the final norm, then each kind of
+    layer's records (its type, whether it has keys and values of its own; `per_kind`), which
+    a scan of the types' cycle stacks."""
     out = [HFTensor("embed_tokens/embedding", "model.embed_tokens.weight", 1, vocab_axis=0)]
     out.append(HFTensor("norm/scale", "model.norm.weight"))
     if not cfg.tie_word_embeddings:
@@ -208,59 +209,66 @@ def hf_tensors(cfg: Gemma4Config) -> list[HFTensor]:
             linear("per_layer_model_projection/kernel", "model.per_layer_model_projection.weight"),
             HFTensor("per_layer_projection_norm/scale", "model.per_layer_projection_norm.weight"),
         ]
-    for i in range(cfg.num_layers):
-        ours, hf = f"layers_{i}", f"model.layers.{i}"
-        names = ["q_proj"]
-        if cfg.kv_sources[i] == i:
-            names.append("k_proj")
-            if not (cfg.attention_k_eq_v and cfg.per_layer_types[i] == GLOBAL):
-                names.append("v_proj")
-        for p in names:
-            out.append(linear(f"{ours}/{p}/kernel", f"{hf}.self_attn.{p}.weight"))
-            if cfg.attention_bias:
-                out.append(HFTensor(f"{ours}/{p}/bias", f"{hf}.self_attn.{p}.bias"))
-        out.append(linear(f"{ours}/o_proj/kernel", f"{hf}.self_attn.o_proj.weight", 2))
+    types, sources = cfg.per_layer_types, cfg.kv_sources
+    kinds = [(types[i], sources[i] == i) for i in range(cfg.num_layers)]
+    return out + per_kind(kinds, lambda kind: layer_tensors(cfg, *kind))
+
+
+def layer_tensors(cfg: Gemma4Config, kind: str, own_kv: bool) -> list[HFTensor]:
+    """The `{i}` records of a layer of type `kind` (`own_kv`: not KV-shared)."""
+    ours, hf, n = "layers_{i}", "model.layers.{i}", cfg.num_layers
+    out: list[HFTensor] = []
+    names = ["q_proj"]
+    if own_kv:
+        names.append("k_proj")
+        if not (cfg.attention_k_eq_v and kind == GLOBAL):
+            names.append("v_proj")
+    for p in names:
+        out.append(linear(f"{ours}/{p}/kernel", f"{hf}.self_attn.{p}.weight", layers=n))
         if cfg.attention_bias:
-            out.append(HFTensor(f"{ours}/o_proj/bias", f"{hf}.self_attn.o_proj.bias"))
-        norms = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm"]
-        norms += ["post_feedforward_layernorm", "self_attn.q_norm"]
-        norms += ["self_attn.k_norm"] if cfg.kv_sources[i] == i else []
-        mlp = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-        if cfg.hidden_size_per_layer_input:
-            norms.append("post_per_layer_input_norm")
-            mlp += ["per_layer_input_gate", "per_layer_projection"]
-        for n in norms:
-            out.append(HFTensor(f"{ours}/{n.split('.')[-1]}/scale", f"{hf}.{n}.weight"))
-        for p in mlp:
-            out.append(linear(f"{ours}/{p.split('.')[-1]}/kernel", f"{hf}.{p}.weight"))
-        out.append(HFTensor(f"{ours}/layer_scalar/scale", f"{hf}.layer_scalar"))
-        if cfg.enable_moe_block:
-            out += moe_tensors(ours, hf)
-    return out
+            out.append(HFTensor(f"{ours}/{p}/bias", f"{hf}.self_attn.{p}.bias", layers=n))
+    out.append(linear(f"{ours}/o_proj/kernel", f"{hf}.self_attn.o_proj.weight", 2, layers=n))
+    if cfg.attention_bias:
+        out.append(HFTensor(f"{ours}/o_proj/bias", f"{hf}.self_attn.o_proj.bias", layers=n))
+    norms = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm"]
+    norms += ["post_feedforward_layernorm", "self_attn.q_norm"]
+    norms += ["self_attn.k_norm"] if own_kv else []
+    mlp = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    if cfg.hidden_size_per_layer_input:
+        norms.append("post_per_layer_input_norm")
+        mlp += ["per_layer_input_gate", "per_layer_projection"]
+    for name in norms:
+        out.append(HFTensor(f"{ours}/{name.split('.')[-1]}/scale", f"{hf}.{name}.weight", layers=n))
+    for p in mlp:
+        out.append(linear(f"{ours}/{p.split('.')[-1]}/kernel", f"{hf}.{p}.weight", layers=n))
+    out.append(HFTensor(f"{ours}/layer_scalar/scale", f"{hf}.layer_scalar", layers=n))
+    return out + (moe_tensors(ours, hf, n) if cfg.enable_moe_block else [])
 
 
-def moe_tensors(ours: str, hf: str) -> list[HFTensor]:
-    """One layer's router, experts (fused, as transformers 5 holds them) and their norms."""
+def moe_tensors(ours: str, hf: str, n: int) -> list[HFTensor]:
+    """A layer's router, experts (fused, as transformers 5 holds them) and their norms."""
     out = [
-        HFTensor(f"{ours}/router/scale", f"{hf}.router.scale"),
-        HFTensor(f"{ours}/moe/per_expert_scale", f"{hf}.router.per_expert_scale"),
-        linear(f"{ours}/moe/gate/kernel", f"{hf}.router.proj.weight"),
+        HFTensor(f"{ours}/router/scale", f"{hf}.router.scale", layers=n),
+        HFTensor(f"{ours}/moe/per_expert_scale", f"{hf}.router.per_expert_scale", layers=n),
+        linear(f"{ours}/moe/gate/kernel", f"{hf}.router.proj.weight", layers=n),
         HFTensor(
             f"{ours}/moe/experts/wi",
             f"{hf}.experts.gate_up_proj",
+            layers=n,
             to_hf=qwen_moe.wi_to_hf,
             to_flax=qwen_moe.wi_from_hf,
         ),
         HFTensor(
             f"{ours}/moe/experts/wo",
             f"{hf}.experts.down_proj",
+            layers=n,
             to_hf=qwen_moe.wo_to_hf,
             to_flax=qwen_moe.wo_from_hf,
         ),
     ]
     norms = ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2")
     norms += ("pre_feedforward_layernorm_2",)
-    return out + [HFTensor(f"{ours}/{n}/scale", f"{hf}.{n}.weight") for n in norms]
+    return out + [HFTensor(f"{ours}/{m}/scale", f"{hf}.{m}.weight", layers=n) for m in norms]
 
 
 HF_SPEC = register_hf(
