@@ -357,7 +357,6 @@ def test_configs_flaxlm_cannot_read_are_refused_naming_the_field(name, change, f
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(scan_layers=True, mlp_only_layers=(1,)), "scan_layers"),
         (dict(scan_layers=True, indexer_types=("full", "shared", "full")), "scan_layers"),
         (dict(rope_interleave=False), "rope_interleave"),
         (dict(index_topk=0), "index_topk"),

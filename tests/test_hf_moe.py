@@ -25,6 +25,7 @@ from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
 from tests.hf_helpers import (
     MESHES,
+    check_scanned,
     decoder_batch,
     flaxlm_greedy_batch,
     gin_config,
@@ -136,6 +137,24 @@ def test_sharded_scanned_model_gives_hf_logits(root):
     model, params = hf.from_pretrained(fused, partitioner, scan_layers=True)
     got = model.compute_logits(params, decoder_batch(ids, mask))
     assert max_abs_diff(got, theirs, mask) < LOGITS_TOL
+
+
+@pytest.mark.slow
+def test_dense_layers_among_moe_ones_scan_their_cycle_to_hf_logits_tokens_and_files(tmp_path):
+    """Qwen2-MoE with dense MLPs among its MoE ones (`mlp_only_layers` 1 and 3 of 5): the
+    scan stacks (MoE, dense) twice and leaves the last MoE layer unrolled; HF's logits, its
+    greedy tokens (decoding unstacks the cycles) and files HF reloads."""
+    config_cls, model_cls, extra = FAMILIES["qwen2_moe"]
+    kwargs = {**COMMON, **extra, "num_hidden_layers": 5, "mlp_only_layers": [1, 3]}
+    torch_model = random_hf_model(config_cls, model_cls, ("norm.weight", ".bias"), **kwargs)
+    path = save_fused(torch_model, tmp_path / "hf")
+    model, params = hf.from_pretrained(path, scan_layers=True)
+    cfg = model.config
+    assert (cfg.first_scanned_layer, cfg.scan_period, cfg.scan_tail) == (0, 2, 1)
+    stack = params["layers"]
+    assert "experts" in stack["block_0"]["mlp"] and "gate_proj" in stack["block_1"]["mlp"]
+    assert "experts" in params["layers_4"]["mlp"] and "layers_0" not in params
+    check_scanned(torch_model, model, params, VOCAB, tmp_path / "out")
 
 
 @pytest.mark.slow

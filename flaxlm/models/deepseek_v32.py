@@ -21,8 +21,8 @@ Refused (a ValueError naming the setting, where HF's model fails or flaxlm canno
 `q_lora_rank` None, `index_head_dim` narrower than `qk_rope_head_dim`, `layer_types` other
 than 'indexed_attention' (HF's cache holds no indexer keys for another kind), fewer
 `mlp_layer_types` than layers, GLM-5's `indexer_types` other than 'full' / 'shared' or
-with the first layer 'shared', `scan_layers` with layers that differ (dense and MoE
-MLPs, shared indexers), and what DeepSeek-V3 refuses (`deepseek.fields_from_hf`).
+with the first layer 'shared', `scan_layers` with shared indexers, and what DeepSeek-V3
+refuses (`deepseek.fields_from_hf`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from flaxlm.models import (
     glm4_moe,
     layers,
     masks,
-    moe,
     mtp_hf,
     sparse_attention,
     stacks,
@@ -104,17 +103,12 @@ class DeepseekV32Config(deepseek.DeepseekV3Config):
 
     def check_dense_layers(self) -> None:
         """Dense layers anywhere (HF's `mlp_layer_types`); a scan stacks the MoE layers
-        after dense first ones (`first_scanned_layer`), not dense ones among them."""
+        after dense first ones (`first_scanned_layer`), or the cycle dense and MoE layers
+        repeat among them (`moe.DenseFirstScan`)."""
         if self.decoder_sparse_step != 1:
             raise ValueError(
                 f"decoder_sparse_step {self.decoder_sparse_step}: HF's {self.architecture} "
                 "names its dense layers (mlp_only_layers); 1 only."
-            )
-        if self.scan_layers and moe.scan_start(self.sparse_layers(self.num_layers)) is None:
-            raise ValueError(
-                f"scan_layers=True stacks the layers after the dense first ones, but "
-                f"mlp_only_layers {self.mlp_only_layers} are dense among the MoE ones: set "
-                "scan_layers=False."
             )
 
     @property

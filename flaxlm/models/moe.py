@@ -247,13 +247,17 @@ def scan_start(sparse: Sequence[bool]) -> int | None:
 class DenseFirstScan:
     """A config mixin (listed before the dataclass bases, so that it overrides
     `ComputeOptions`): `scan_layers` stacks the MoE layers after the dense first ones, or
-    the cycle dense and MoE layers repeat (Llama 4 Maverick's dense, MoE)."""
+    the cycle dense and MoE layers repeat (Llama 4 Maverick's dense, MoE; a Qwen-MoE's
+    `decoder_sparse_step` or `mlp_only_layers` among its MoE layers)."""
 
     @property
     def first_scanned_layer(self) -> int:
-        """The first MoE layer (0 when every layer is alike): the dense ones before it stay
-        unrolled under `scan_layers`."""
-        return scan_start(self.sparse_layers(self.num_layers)) or 0
+        """The first MoE layer where every later one is MoE (0 when every layer is alike):
+        the dense ones before it stay unrolled under `scan_layers`; where dense layers sit
+        among the MoE ones, the first layer of the layout with the fewest distinct layers
+        (`stacks.layout_of` of `scan_kinds`)."""
+        start = scan_start(self.sparse_layers(self.num_layers))
+        return start if start is not None else stacks.layout_of(self.scan_kinds())[0]
 
     def scan_kinds(self) -> Sequence[Hashable]:
         """Each layer's kind, what a scan's cycle repeats: dense or MoE MLP here (a hybrid's

@@ -91,12 +91,6 @@ class QwenMoeConfig(moe.DenseFirstScan, MoESizes, qwen.QwenFields, moe.MoEOption
                 "shared_expert_intermediate_size is Qwen2-MoE's: set it 0 or model_type="
                 "'qwen2_moe'."
             )
-        if self.scan_layers and moe.scan_start(self.sparse_layers(self.num_layers)) is None:
-            raise ValueError(
-                "scan_layers=True stacks the layers from the first MoE one on (dense first "
-                "layers stay unrolled), but decoder_sparse_step / mlp_only_layers make dense "
-                "MLPs among the MoE ones: set scan_layers=False."
-            )
 
     @property
     def qkv_bias(self) -> bool:
@@ -115,7 +109,7 @@ def mlp_or_experts(module: nn.Module, cfg: Any, h: Array, mask: masks.Mask) -> A
     `intermediate_size` (in `module`'s scope, where it is called)."""
     dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     sparse = cfg.sparse_layers(cfg.num_layers)
-    # scanned: the layer its block stands for (a cycle on, the same kind: checked by the config)
+    # scanned: the layer its block stands for (a cycle on, the same kind: `stacks.cycle_of`)
     if sparse[stacks.layer_of(module, cfg.first_scanned_layer)]:
         return moe.MoE(cfg, name="mlp", **dense)(h, moe.real_tokens(mask, h.shape[1]))
     return moe.GatedMLP(
