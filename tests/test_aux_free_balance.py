@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from flaxlm.models import deepseek
+from flaxlm.models import deepseek, hf_spec, qwen_moe, stacks
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import optimizers
@@ -124,3 +124,55 @@ def test_microbatched_scanned_rematerialised_expert_parallel_gives_the_same_bias
 def test_a_rate_without_the_bias_is_an_error_naming_both():
     with pytest.raises(ValueError, match="correction_bias_update_rate"):
         dataclasses.replace(CONFIG, score_correction_bias=False)
+
+
+@pytest.mark.slow
+def test_scanned_cycles_report_and_move_each_layer_as_their_unrolled_twin():
+    """Dense MLPs among the MoE ones (layers 2 and 5 of 7): the scan stacks (MoE, MoE,
+    dense) twice and leaves layer 6 unrolled, so the router statistics come out of the walk
+    as layers 6, 0, 3, 1, 4. The per-layer telemetry (`moe_max_load_{i}`, the i-th MoE layer)
+    and each layer's bias after two steps are the unrolled twin's."""
+    config = qwen_moe.QwenMoeConfig(
+        model_type="qwen3_moe", vocab_size=64, hidden_size=16, num_layers=7, num_heads=2,
+        num_kv_heads=1, head_dim=8, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=8, mlp_only_layers=(2, 5), router="sigmoid_topk",
+        score_correction_bias=True, correction_bias_update_rate=RATE,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    scanned = dataclasses.replace(config, scan_layers=True)
+    layout = hf_spec.scan_layout(scanned)
+    assert stacks.walk_order(7, layout) == [6, 0, 3, 1, 4, 2, 5]
+    scanned_run = train_with_metrics(scanned)
+    unrolled_run = train_with_metrics(config, stacks.unstack(scanned_run[0], "layers", 7, *layout))
+    for (_, got), (_, want) in zip(scanned_run[1:], unrolled_run[1:], strict=True):
+        loads = {k: v for k, v in want.items() if k.startswith("moe_max_load_")}
+        assert len(loads) == 5 and len(set(loads.values())) > 1  # the layers differ
+        for key, value in loads.items():
+            assert got[key] == pytest.approx(value, rel=1e-6), key
+    for step, ((got, _), (want, _)) in enumerate(zip(scanned_run[1:], unrolled_run[1:])):
+        got = stacks.unstack(got, "layers", 7, *layout)
+        for i in (0, 1, 3, 4, 6):
+            biases = [
+                np.asarray(p[f"layers_{i}"]["mlp"]["e_score_correction_bias"]) for p in (got, want)
+            ]
+            np.testing.assert_array_equal(*biases)
+            assert step or (np.abs(biases[1]) == RATE).all()  # the first step moves them all
+
+
+def train_with_metrics(config, params=None, steps=2):
+    """The initial params, then (params, metrics) after each of `steps` steps on one device
+    (from `params` or the model's init)."""
+    model = DecoderOnlyModel(config)
+    partitioner = Partitioner(devices=jax.devices()[:1])
+    tx = optimizers.create_optimizer(learning_rate=1e-2)
+    data = batch()
+    setup = train_steps.Setup(model, partitioner, tx, {k: v.shape[1] for k, v in data.items()})
+    step = setup.partition_train_step(train_steps.make_train_step(model, partitioner, 1e-2))
+    state = setup.init_state() if params is None else setup.state_from_params(params)
+    out: list = [jax.tree.map(np.asarray, state.params)]
+    for _ in range(steps):
+        state, metrics = step(state, data)
+        out.append(
+            (jax.tree.map(np.asarray, state.params), {k: float(v) for k, v in metrics.items()})
+        )
+    return out

@@ -22,11 +22,14 @@ each layer, averaged over the layers) and the telemetry; `DecoderOnlyModel.loss_
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from flaxlm.models import stacks
 
 Array = jax.Array
 
@@ -145,10 +148,30 @@ def collect_router_stats(intermediates: Mapping[str, Any]) -> dict[str, Array] |
     return {name: stack(name) for name in found[0]}
 
 
+def walk_rows(config: Any, rows: int) -> np.ndarray:
+    """For each of the `rows` rows of `collect_router_stats`' output, which come in the
+    walk's order (unrolled layers by number, then a scanned stack's cycle block by block:
+    `stacks.walk_order`), its row in layer order; rows past the trunk's MoE layers (the
+    multi-token-prediction layers', whose scopes sort after the trunk's) keep their place."""
+    n = config.num_layers
+    layout = None
+    if config.scan_layers:
+        layout = (config.first_scanned_layer, config.scan_period, config.scan_tail)
+    sparse = config.sparse_layers(n)
+    met = [i for i in stacks.walk_order(n, layout) if sparse[i]]
+    if rows < len(met):
+        raise ValueError(
+            f"{rows} MoE layers sowed router statistics, but the config has {len(met)}."
+        )
+    return np.concatenate([np.argsort(np.argsort(met)), np.arange(len(met), rows)])
+
+
 CORRECTION_BIAS = "e_score_correction_bias"  # the MoE layer's param (`moe.MoE`)
 
 
-def update_correction_bias(old: Any, new: Any, counts: Array, rate: float) -> Any:
+def update_correction_bias(
+    old: Any, new: Any, counts: Array, rate: float, rows: Sequence[int]
+) -> Any:
     """`new` params with every MoE layer's `e_score_correction_bias` set to its value in
     `old` (before the optimizer's step: the bias has no gradient, and no weight decay or
     other optimizer rule may move it) plus `rate * sign(mean load - load)`: an expert that
@@ -156,10 +179,12 @@ def update_correction_bias(old: Any, new: Any, counts: Array, rate: float) -> An
     aux-loss-free balance).
 
     `counts`: float32 `[moe layers, experts]`, the assignments of the whole batch (the
-    summed `moe_expert_counts` of `loss_terms`, microbatches added), in the order
-    `collect_router_stats` stacks the layers, which this walk of the params follows (a
-    scanned stack's bias `[layers, experts]` takes that many rows)."""
+    summed `moe_expert_counts` of `loss_terms`, microbatches added), in layer order; `rows`
+    (`walk_rows`): the row of `counts` of each layer this walk of the params meets, in the
+    order `collect_router_stats` met them (a scanned stack's bias `[cycles, experts]` takes
+    that many)."""
     step = rate * jnp.sign(counts.mean(-1, keepdims=True) - counts)
+    rows = np.asarray(rows)
     used = 0
 
     def visit(before: Any, after: Any) -> Any:
@@ -170,10 +195,10 @@ def update_correction_bias(old: Any, new: Any, counts: Array, rate: float) -> An
         for key in sorted(after, key=_layer_order):
             if key == CORRECTION_BIAS:
                 bias = before[key]
-                rows = 1 if bias.ndim == 1 else bias.shape[0]
-                moved = step[used : used + rows].reshape(bias.shape).astype(bias.dtype)
-                out[key] = bias + moved
-                used += rows
+                count = 1 if bias.ndim == 1 else bias.shape[0]
+                taken = step[rows[used : used + count]]
+                out[key] = bias + taken.reshape(bias.shape).astype(bias.dtype)
+                used += count
             else:
                 out[key] = visit(before[key], after[key])
         return out
@@ -231,11 +256,14 @@ def loss_terms(
     (`sown[ROUTER_COLLECTION]`): `router_aux_loss_coef * aux + router_z_loss_coef * z`, and
     metric sums that add across microbatches (`summarize` turns them into the telemetry):
     the aux and z losses times `weight_sum` (the batch's loss weights), the per-layer expert
-    assignment counts `[layers, experts]` and the dropped assignments."""
+    assignment counts `[layers, experts]` (in layer order, the trunk's then the MTP layers')
+    and the dropped assignments."""
     stats = collect_router_stats(sown.get(ROUTER_COLLECTION, {}))
     if stats is None:
         zero = jnp.zeros((), jnp.float32)
         return zero, {}
+    order = np.argsort(walk_rows(config, stats["tokens"].shape[0]))  # layer order
+    stats = {name: value[order] for name, value in stats.items()}
     terms = router_losses(
         stats, config.num_experts, config.num_experts_per_tok, config.router_aux_loss_scope
     )

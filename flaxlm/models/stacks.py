@@ -214,6 +214,21 @@ def layer_of(module: nn.Module, first_scanned: int) -> int:
     return number
 
 
+def walk_order(num_layers: int, layout: tuple[int, int, int] | None) -> list[int]:
+    """The layers in the order a walk of a model's params or sown values meets them, scopes
+    sorted `layers_9` before `layers_10` before a scanned stack `layers`, `block_0` before
+    `block_1`, a stacked value's rows by cycle: the unrolled layers by number, then each
+    block of the scan's cycle over its cycles. `layout`: (first, period, tail), as
+    `hf_spec.scan_layout` gives it; None when the layers are unrolled."""
+    if layout is None:
+        return list(range(num_layers))
+    first, period, tail = layout
+    stop = num_layers - tail
+    cycles = (stop - first) // period
+    stacked = [first + j + c * period for j in range(period) for c in range(cycles)]
+    return [*range(first), *range(stop, num_layers), *stacked]
+
+
 def unstack(
     params: dict[str, Any],
     name: str,

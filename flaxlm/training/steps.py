@@ -137,7 +137,10 @@ def make_train_step(
         rate = getattr(model.config, "correction_bias_update_rate", 0.0)
         if rate and lora is None and "moe_expert_counts" in sums:  # LoRA: the base stays
             counts = sums["moe_expert_counts"]  # the global batch's, microbatches summed
-            params = routing.update_correction_bias(state.params, new_state.params, counts, rate)
+            rows = routing.walk_rows(model.config, counts.shape[0])
+            params = routing.update_correction_bias(
+                state.params, new_state.params, counts, rate, rows
+            )
             new_state = new_state.replace(params=params)
         out = (objective or objective_lib.NEXT_TOKEN_PREDICTION).summarize(sums)
         out["grad_norm"] = optax.global_norm(grads)
