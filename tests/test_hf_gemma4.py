@@ -14,7 +14,7 @@ import transformers
 from safetensors.numpy import save_file
 
 from flaxlm.checkpoints import hf
-from flaxlm.models import gemma4, gemma4_hf
+from flaxlm.models import gemma4, gemma4_hf, hf_spec
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora
 from tests.hf_helpers import (
@@ -121,12 +121,11 @@ def tiny_hf_gemma4(name: str, root: str):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_gemma4_keeps_every_promise_of_an_hf_family(name, root, tmp_path):
     torch_model, path = tiny_hf_gemma4(name, root)
-    # The kernels and meshes once, on the MoE config (each config: its reading and math); its
-    # layers scanned on the last mesh (one cycle of 3: the types repeat nothing), the
-    # KV-shared ones never (refused).
+    # The kernels and meshes once, on the MoE config (each config: its reading and math); the
+    # layers scanned on the last mesh (k_eq_v_moe: one cycle of 3, the types repeat nothing;
+    # shared: the two KV-shared layers, one cycle, after the two they reuse).
     light = {} if name == "k_eq_v_moe" else LIGHT
-    scan = name == "k_eq_v_moe"
-    check_family(torch_model, path, VOCAB, tmp_path=tmp_path, scan=scan, **light)
+    check_family(torch_model, path, VOCAB, tmp_path=tmp_path, **light)
     config = hf.from_pretrained(path)[0].config
     exported = json.loads((tmp_path / "export" / "config.json").read_text())
     assert exported["rope_parameters"] == torch_model.config.rope_parameters
@@ -145,26 +144,40 @@ def test_gemma4_keeps_every_promise_of_an_hf_family(name, root, tmp_path):
         assert max_abs_diff(got, theirs, mask) < 1e-4
 
 
+# (layer types, KV-shared layers, (first_scanned_layer, scan_period, scan_tail)).
+SCANNED = {
+    # Two (sliding, global) cycles, heads of different widths (the global ones' values their
+    # keys), then a last global layer unrolled.
+    "cycles_and_tail": ([S, G, S, G, G], 0, (0, 2, 1)),
+    # The last four layers reuse layers 0 and 1's keys and values: those two stay unrolled
+    # and the scan of the four carries their keys and values.
+    "kv_shared": ([S, G, S, G, S, G], 4, (2, 2, 0)),
+}
+
+
 @pytest.mark.slow
-def test_layers_scan_in_cycles_of_their_types_to_hf_logits_tokens_and_files(tmp_path):
-    """Two cycles of (sliding, global) layers, their heads of different widths (the global
-    ones' values their keys), then a last global layer, with per-layer inputs: the scan
-    stacks the cycles (each block one type, the per-layer inputs sliced by the traced layer
-    number) and leaves the last layer unrolled; HF's logits, its greedy tokens (decoding
-    unstacks the cycles) and files HF reloads."""
-    kwargs = dict(CONFIGS["shared"], num_hidden_layers=5, layer_types=[S, G, S, G, G])
-    kwargs.update(num_kv_shared_layers=0, attention_k_eq_v=True, num_global_key_value_heads=1)
+@pytest.mark.parametrize("name", sorted(SCANNED))
+def test_layers_scan_in_cycles_of_their_types_to_hf_logits_tokens_and_files(name, tmp_path):
+    """Each block of the scan's cycle one type and head width, the per-layer inputs sliced
+    by the traced layer number: HF's logits, its greedy tokens (decoding unstacks the
+    cycles) and files HF reloads."""
+    types, shared, layout = SCANNED[name]
+    kwargs = dict(CONFIGS["shared"], num_hidden_layers=len(types), layer_types=types)
+    kwargs.update(num_kv_shared_layers=shared, attention_k_eq_v=True, num_global_key_value_heads=1)
     torch_model = random_hf_model(
         transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM, PERTURB, **BASE, **kwargs
     )
     path = save_torch_model(torch_model, tmp_path / "hf")
     model, params = hf.from_pretrained(path, Partitioner((1, 4, 2)), scan_layers=True)
     cfg = model.config
-    assert (cfg.first_scanned_layer, cfg.scan_period, cfg.scan_tail) == (0, 2, 1)
-    assert {"layers", "layers_4"} <= set(params) and "layers_0" not in params
-    attn = [params["layers"][f"block_{j}"] for j in (0, 1)]
-    assert attn[0]["q_proj"]["kernel"].shape == (2, 32, 4, 16) and "v_proj" in attn[0]
-    assert attn[1]["q_proj"]["kernel"].shape == (2, 32, 4, 32) and "v_proj" not in attn[1]
+    assert (cfg.first_scanned_layer, cfg.scan_period, cfg.scan_tail) == layout
+    first, _, tail = layout
+    unrolled = [*range(first), *range(len(types) - tail, len(types))]
+    assert {f"layers_{i}" for i in unrolled} | {"layers"} == {k for k in params if "layers" in k}
+    blocks = [params["layers"][f"block_{j}"] for j in (0, 1)]
+    assert blocks[0]["q_proj"]["kernel"].shape == (2, 32, 4, 16)
+    assert blocks[1]["q_proj"]["kernel"].shape == (2, 32, 4, 32)
+    assert ("k_proj" in blocks[0]) == (not shared) and "v_proj" not in blocks[1]
     check_scanned(torch_model, model, params, VOCAB, tmp_path / "out", alone=True)
 
 
@@ -241,9 +254,11 @@ def test_gin_model_file_builds_its_config_with_transformers_parameter_count(repo
         assert getattr(config, field) == value, field
     assert config.vocab_size % 128 == 0 and config.per_layer_types[-1] == G
     assert config.num_params() == params
-    # The published files without KV-shared layers scan their cycles (5 sliding, 1 global).
-    scanned = (config.scan_period, config.scan_tail) if config.scan_layers else None
-    assert scanned == (None if config.num_kv_shared_layers else (6, 0))
+    # The published files scan their cycles (5 sliding, 1 global; E2B's 4 and 1) after any
+    # layers whose keys and values the KV-shared ones reuse (those unrolled).
+    layouts = {"gemma4_e2b": (15, 5, 0), "gemma4_e4b": (24, 6, 0), "gemma4_tiny": None}
+    want = layouts.get(name, (0, 6, 0))
+    assert (hf_spec.scan_layout(config) if config.scan_layers else None) == want
 
 
 @pytest.mark.parametrize(
@@ -251,7 +266,6 @@ def test_gin_model_file_builds_its_config_with_transformers_parameter_count(repo
     [
         (dict(enable_moe_block=True, norm_topk_prob=False), "norm_topk_prob"),
         (dict(enable_moe_block=True, num_experts_per_tok=9), "num_experts_per_tok"),
-        (dict(scan_layers=True, num_kv_shared_layers=6), "scan_layers"),
         (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),
         (dict(layer_types=(S,) * 3, num_layers=4), "layer_types"),
         (dict(layer_types=(G, S), num_layers=2), "layer_types"),

@@ -17,7 +17,8 @@ block's input normed apart, a learned scale per expert) runs beside the MLP on i
 normed input, the two outputs normed and summed. Every block ends scaled by its
 `layer_scalar` (a buffer in HF, not trained here either). `scan_layers` scans the cycle the
 layer types repeat (`scan_period`: 6 for HF's default pattern, each block of it one type;
-layers after its last whole repeat unrolled), not with KV-shared layers. Follows
+layers after its last whole repeat unrolled); with KV-shared layers it scans those, the
+layers before them unrolled (their keys and values carried into the scan). Follows
 HuggingFace's `Gemma4ForCausalLM`; `gemma4_hf` reads and writes its config.json and tensors.
 """
 
@@ -116,12 +117,6 @@ class Gemma4Config(ComputeOptions, moe.MoEOptions):
             for name, value in theirs.items():
                 if getattr(self, name) != value:
                     raise ValueError(f"{name} {getattr(self, name)!r}: Gemma 4's is {value!r}.")
-        if self.scan_layers and self.num_kv_shared_layers:
-            raise ValueError(
-                f"scan_layers=True with num_kv_shared_layers {self.num_kv_shared_layers}: a "
-                "KV-shared layer reads the keys and values of an earlier layer, which a scan "
-                "does not carry to it: set scan_layers=False (or num_kv_shared_layers 0)."
-            )
         for heads, width in (
             (self.num_kv_heads, self.head_dim),
             (self.global_kv_heads, self.global_head_dim),
@@ -179,15 +174,22 @@ class Gemma4Config(ComputeOptions, moe.MoEOptions):
         return (*types[:-1], GLOBAL)
 
     @property
+    def first_scanned_layer(self) -> int:
+        """0; with KV-shared layers the first of them: the layers whose keys and values they
+        reuse stay unrolled, and the scan carries those keys and values to the shared ones."""
+        return self.num_layers - self.num_kv_shared_layers if self.num_kv_shared_layers else 0
+
+    @property
     def scan_period(self) -> int:
-        """The cycle of layer types a scan repeats (`stacks.cycle_of`: HF's default pattern,
-        5 sliding and 1 global, 6); each block of it is one type."""
-        return stacks.cycle_of(self.per_layer_types)[0]
+        """The cycle of layer types a scan repeats from `first_scanned_layer` on
+        (`stacks.cycle_of`: HF's default pattern, 5 sliding and 1 global, 6); each block of it
+        is one type."""
+        return stacks.cycle_of(self.per_layer_types[self.first_scanned_layer :])[0]
 
     @property
     def scan_tail(self) -> int:
         """The layers after the cycle's last whole repeat, unrolled (`stacks.cycle_of`)."""
-        return stacks.cycle_of(self.per_layer_types)[1]
+        return stacks.cycle_of(self.per_layer_types[self.first_scanned_layer :])[1]
 
     @property
     def global_kv_heads(self) -> int:
@@ -320,7 +322,8 @@ class Gemma4Block(nn.Module):
     number (traced when scanned: it picks the layer's slice of the per-layer inputs); the
     carry is the hidden states `[batch, length, embed]`, or with KV-shared layers
     `(hidden states, shared)` after the first block, `shared` the keys and values of the
-    layers a later KV-shared layer reuses, by layer (never scanned: checked by the config)."""
+    layers a later KV-shared layer reuses, by layer (those stay unrolled; a scan of the
+    KV-shared layers carries them unchanged)."""
 
     config: Gemma4Config
     deterministic: bool = True

@@ -109,9 +109,12 @@ class Planner:
         if knobs.moe_dispatch is not None:
             wanted["moe_dispatch"] = knobs.moe_dispatch
         if "num_layers" in changes:  # a cut: each layer's kind (`layer_types`, ...) follows
+            n = changes["num_layers"]
             for name in (f for f in fields if f.endswith("layer_types")):
                 if getattr(config, name) is not None:
-                    wanted[name] = self._cut(tuple(getattr(config, name)), changes["num_layers"])
+                    wanted[name] = self._cut(tuple(getattr(config, name)), n)
+            if getattr(config, "num_kv_shared_layers", 0):  # Gemma 4's: the same sources
+                wanted["num_kv_shared_layers"] = max(0, n - self.first_scanned)
         wanted.update(changes)
         return with_config(self.run.model, **{k: v for k, v in wanted.items() if k in fields})
 
