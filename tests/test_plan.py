@@ -609,6 +609,29 @@ def test_a_hybrid_scanned_in_cycles_is_priced_as_its_unrolled_twin():
     assert scanned.flops == pytest.approx(one.flops, rel=0.05)
 
 
+def test_calibration_cuts_of_gemma4_keep_the_layers_kv_shared_ones_reuse():
+    """Gemma 4 E2B's shape in miniature (7 layers, the last 4 reusing the keys and values of
+    the 3 before): a scan stacks the 4, so the calibration cuts of s + p and s + 2p layers
+    keep the 3 and share the rest (a cut left at 4 shared layers of 5 would be refused)."""
+    from flaxlm.models.gemma4 import Gemma4Config
+
+    s, g = "sliding_attention", "full_attention"
+    config = Gemma4Config(
+        vocab_size=128, hidden_size=32, num_layers=7, num_heads=2, num_kv_heads=1, head_dim=8,
+        global_head_dim=16, intermediate_size=32, hidden_size_per_layer_input=4,
+        vocab_size_per_layer_input=128, layer_types=(s, s, g, s, g, s, g),
+        num_kv_shared_layers=4, scan_layers=True,
+    )  # fmt: skip
+    p = planner.Planner(
+        dataclasses.replace(tiny_run(), model=DecoderOnlyModel(config)), jax.devices(), CHIP
+    )
+    assert (p.first_scanned, p.period, p.tail) == (3, 2, 0)
+    for n in (5, 7):
+        cut = p.model(p.run.base, num_layers=n).config
+        assert cut.kv_sources[:3] == (0, 1, 2) and cut.num_kv_shared_layers == n - 3
+        assert cut.per_layer_types == config.per_layer_types[:n]
+
+
 def moe_gin_run(bindings: Sequence[str] = ()) -> tuple[Any, Any]:
     """run_from_gin of qwen3_moe_tiny under fsdp.gin with `bindings` (a user's `--gin.`
     values): (the Run, the bound Partitioner mesh_shape)."""
