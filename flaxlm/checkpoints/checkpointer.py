@@ -69,8 +69,8 @@ def _scan_hint(saved: Any, wanted: Any) -> str:
         f"{'scanned' if ours else 'unrolled'}: set scan_layers={theirs} on the model's config "
         "(the DeepSeek-V3, Kimi K2 and GLM-4.5/4.6 gin files scan their MoE layers since "
         "2026-12-05, the Qwen3-Next, Qwen3.5, Llama 4 Maverick, Kimi Linear, DeepSeek-V4 and "
-        "Gemma 4 ones their layers' cycles and the DeepSeek-V3.2 and GLM-5 ones their MoE "
-        "layers since 2026-12-06)."
+        "Gemma 4 31B / 26B-A4B ones their layers' cycles and the DeepSeek-V3.2 and GLM-5 "
+        "ones their MoE layers since 2026-12-06)."
     )
 
 
