@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from flaxlm.models import deepseek, hf_spec, qwen_moe, stacks
+from flaxlm.models import deepseek, qwen_moe, stacks
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import optimizers
@@ -140,7 +140,7 @@ def test_scanned_cycles_report_and_move_each_layer_as_their_unrolled_twin():
         max_position_embeddings=64,
     )  # fmt: skip
     scanned = dataclasses.replace(config, scan_layers=True)
-    layout = hf_spec.scan_layout(scanned)
+    layout = stacks.scan_layout(scanned)
     assert stacks.walk_order(7, layout) == [6, 0, 3, 1, 4, 2, 5]
     scanned_run = train_with_metrics(scanned)
     unrolled_run = train_with_metrics(config, stacks.unstack(scanned_run[0], "layers", 7, *layout))

@@ -27,7 +27,7 @@ import transformers
 from safetensors import safe_open
 
 from flaxlm.checkpoints import hf, peft_experts
-from flaxlm.models import deepseek, deepseek_v32, hf_spec
+from flaxlm.models import deepseek, deepseek_v32, stacks
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
 from tests.hf_helpers import (
@@ -397,7 +397,7 @@ def test_gin_sizes_match_the_model_cards(name):
     # The cards round the active count to two digits.
     assert abs(counted / 1e9 - active) / active < 0.035, counted
     # The dense first layers unrolled, the MoE ones one scanned stack (as DeepSeek-V3's file).
-    assert hf_spec.scan_layout(cfg) == (3, 1, 0)
+    assert stacks.scan_layout(cfg) == (3, 1, 0)
 
 
 @pytest.mark.parametrize(

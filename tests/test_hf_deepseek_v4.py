@@ -41,6 +41,7 @@ from flaxlm.models import (
     deepseek_v4_cache,
     deepseek_v4_hf,
     hf_spec,
+    stacks,
 )
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import infer
@@ -192,7 +193,7 @@ def test_layers_scanned_in_cycles_on_an_fsdp_by_tensor_mesh_give_hf_logits_token
     torch_model.save_pretrained(tmp_path / "hf")
     mesh = Partitioner((1, 2, 2), devices=jax.devices()[:4])
     model, params = hf.from_pretrained(tmp_path / "hf", mesh, scan_layers=True)
-    assert hf_spec.scan_layout(model.config) == (2, 2, 1)
+    assert stacks.scan_layout(model.config) == (2, 2, 1)
     assert {"layers_0", "layers_1", "layers", "layers_6"} <= set(params)
     assert "indexer" in params["layers"]["block_0"]["self_attn"]["compressor"]
     assert params["layers"]["block_1"]["mlp"]["gate"]["kernel"].shape[0] == 2
@@ -711,7 +712,7 @@ def test_scanned_layers_have_every_param_in_the_hf_table(kinds, layout):
         qk_rope_head_dim=8, index_head_dim=8, num_experts=8, num_experts_per_tok=2,
         hidden_size=32, vocab_size=128, scan_layers=True, **kinds,
     )  # fmt: skip
-    assert hf_spec.scan_layout(config) == layout
+    assert stacks.scan_layout(config) == layout
     model = deepseek_v4.DeepseekV4LM(config)
     shapes = jax.eval_shape(
         lambda: model.init_params(jax.random.PRNGKey(0), {"decoder_input_tokens": (1, 8)})
@@ -720,7 +721,7 @@ def test_scanned_layers_have_every_param_in_the_hf_table(kinds, layout):
         "/".join(str(k.key) for k in path)
         for path, _ in jax.tree_util.tree_leaves_with_path(shapes)
     }
-    table = hf_spec.expand(deepseek_v4_hf.hf_tensors(config), hf_spec.scan_layout(config))
+    table = hf_spec.expand(deepseek_v4_hf.hf_tensors(config), stacks.scan_layout(config))
     assert paths == set(table)
     assert sum(x.size for x in jax.tree.leaves(shapes)) == config.num_params()
 
@@ -729,7 +730,7 @@ def test_gin_sizes_match_the_model_card():
     """DeepSeek-V4-Flash: 284B params, 13B active (outside the embedding and the head),
     scanned as its three hash-routed layers unrolled and 20 cycles of two."""
     cfg = gin_config(REPO, "deepseek_v4_flash", deepseek_v4.DeepseekV4Config)
-    assert hf_spec.scan_layout(cfg) == (3, 2, 0)  # hash-routed 3 unrolled, 20 cycles of 2
+    assert stacks.scan_layout(cfg) == (3, 2, 0)  # hash-routed 3 unrolled, 20 cycles of 2
     assert abs(cfg.num_params() / 1e9 - 284.0) / 284.0 < 0.01, cfg.num_params()
     active = cfg.active_params() - 2 * cfg.vocab_size * cfg.hidden_size
     assert abs(active / 1e9 - 13.0) / 13.0 < 0.035, active

@@ -14,7 +14,7 @@ import transformers
 from safetensors.numpy import save_file
 
 from flaxlm.checkpoints import hf
-from flaxlm.models import gemma4, gemma4_hf, hf_spec
+from flaxlm.models import gemma4, gemma4_hf, stacks
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora
 from tests.hf_helpers import (
@@ -258,10 +258,10 @@ def test_gin_model_file_builds_its_config_with_transformers_parameter_count(repo
     # KV-shared layers only, after the layers they reuse, and do not (HISTORY.md: E2B scanned
     # took 27.84 GiB a GPU against 26.35 unrolled).
     want = (0, 6, 0) if name in ("gemma4_31b", "gemma4_26b_a4b") else None
-    assert hf_spec.scan_layout(config) == want
+    assert stacks.scan_layout(config) == want
     scanned = gin_config(repo_dir, name, gemma4.Gemma4Config, ["Gemma4Config.scan_layers=True"])
     sources = {"gemma4_e2b": (15, 5, 0), "gemma4_e4b": (24, 6, 0), "gemma4_tiny": (4, 2, 0)}
-    assert hf_spec.scan_layout(scanned) == sources.get(name, (0, 6, 0))
+    assert stacks.scan_layout(scanned) == sources.get(name, (0, 6, 0))
 
 
 @pytest.mark.parametrize(

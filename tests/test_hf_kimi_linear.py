@@ -16,7 +16,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from flaxlm.checkpoints import hf
-from flaxlm.models import base, hf_spec, kimi_linear, kimi_linear_hf, options
+from flaxlm.models import base, hf_spec, kimi_linear, kimi_linear_hf, options, stacks
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import steps
 from tests.helpers import adamw
@@ -245,7 +245,7 @@ def test_odd_key_part_and_scanned_layouts_are_accepted():
     types = tuple(F if i + 1 in full else L for i in range(27))
     config = tiny_config(num_layers=27, layer_types=types, scan_layers=True)
     assert (config.first_scanned_layer, config.scan_period, config.scan_tail) == (1, 4, 2)
-    table = hf_spec.expand(kimi_linear_hf.hf_tensors(config), hf_spec.scan_layout(config))
+    table = hf_spec.expand(kimi_linear_hf.hf_tensors(config), stacks.scan_layout(config))
     a_log = table["layers/block_0/self_attn/A_log"]
     assert a_log.stacked and a_log.names[:2] == [
         "model.layers.1.self_attn.A_log",

@@ -14,7 +14,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from flaxlm.checkpoints import hf, peft_dir
-from flaxlm.models import base, hf_spec, options, qwen3_next, qwen3_next_hf
+from flaxlm.models import base, hf_spec, options, qwen3_next, qwen3_next_hf, stacks
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora, steps
 from tests.helpers import adamw
@@ -355,7 +355,7 @@ def test_scan_stacks_the_cycle_the_layer_kinds_repeat():
     layers; each of its blocks stacks the HF layers a cycle apart."""
     cycles = tiny_config(num_layers=8, scan_layers=True)  # (L, L, L, F) twice
     assert (cycles.first_scanned_layer, cycles.scan_period) == (0, 4)
-    table = hf_spec.expand(qwen3_next_hf.hf_tensors(cycles), hf_spec.scan_layout(cycles))
+    table = hf_spec.expand(qwen3_next_hf.hf_tensors(cycles), stacks.scan_layout(cycles))
     assert table["layers/block_3/q_proj/kernel"].names == [
         "model.layers.3.self_attn.q_proj.weight",
         "model.layers.7.self_attn.q_proj.weight",

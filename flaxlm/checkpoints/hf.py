@@ -40,7 +40,7 @@ from flaxlm.checkpoints.hf_files import (
     read_generation_config,
     read_hf_config,
 )
-from flaxlm.models import hf_spec
+from flaxlm.models import hf_spec, stacks
 from flaxlm.models.base import BaseModel, EncoderOnlyModel
 from flaxlm.models.hf_spec import HF_SPECS, HFSpec, HFTensor
 from flaxlm.parallel import pytrees
@@ -203,7 +203,7 @@ def _place_params(
     flat_abstract = traverse_util.flatten_dict(abstract, sep="/")
     shapes = {k: tuple(v.shape) for k, v in flat_abstract.items()}
     tensors = spec.tensors(model.config)
-    expanded = hf_spec.expand(tensors, hf_spec.scan_layout(model.config))
+    expanded = hf_spec.expand(tensors, stacks.scan_layout(model.config))
     # FP8 weights (DeepSeek-V3's, Kimi K2's) and MXFP4 pairs (gpt-oss's experts) read
     # dequantized; experts stored in pieces read whole.
     reader = mxfp4.DequantizedReader(fp8.dequantized(reader, path))
@@ -307,7 +307,7 @@ def hf_state_dict(model: BaseModel, params: Params) -> Iterator[tuple[str, np.nd
     flat = traverse_util.flatten_dict(params, sep="/")
     real_vocab = model.config.real_vocab_size or model.config.vocab_size
     tensors = spec.tensors(model.config)
-    records = hf_spec.expand(tensors, hf_spec.scan_layout(model.config))
+    records = hf_spec.expand(tensors, stacks.scan_layout(model.config))
     pieces = hf_spec.pieces_of(tensors)
     # A fused tensor is written once all its parts are in, rows in order.
     parts_left = collections.Counter(n for t, names, _ in records.values() if t.rows for n in names)

@@ -37,7 +37,7 @@ from etils import epath
 from flax import traverse_util
 
 from flaxlm.checkpoints import hf, peft_experts
-from flaxlm.models import hf_spec
+from flaxlm.models import hf_spec, stacks
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel import pytrees
 from flaxlm.training import lora
@@ -72,7 +72,7 @@ def hf_modules(model: BaseModel) -> dict[str, tuple[int, list[str]]]:
     spec = hf.spec_for_config(model.config)
     routers = peft_experts.router_weights(model, spec)
     out = {}
-    scanned = hf_spec.scan_layout(model.config)
+    scanned = stacks.scan_layout(model.config)
     for param, (t, names, _) in hf_spec.expand(spec.tensors(model.config), scanned).items():
         own_linear = (
             t.transpose and t.split is not None and t.to_hf is None and t.rows is None

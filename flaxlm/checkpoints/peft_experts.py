@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from flaxlm.models import hf_spec, qwen_moe
+from flaxlm.models import hf_spec, qwen_moe, stacks
 from flaxlm.models.base import BaseModel
 
 # The HF layouts whose expert e is `kernel[e].reshape(in, out).T` (qwen_moe's records, which
@@ -95,7 +95,7 @@ def _parameters(
     """flaxlm param -> the PEFT key of its HF tensor in each layer, for the params (with their
     HF tensor record and names) that `adapted` picks."""
     out = {}
-    scanned = hf_spec.scan_layout(model.config)
+    scanned = stacks.scan_layout(model.config)
     for param, (t, names, _) in hf_spec.expand(spec.tensors(model.config), scanned).items():
         if adapted(param, t, names):
             out[param] = [_in_memory(spec, n) for n in names]

@@ -101,7 +101,7 @@ def expand(
     tensors: Sequence[HFTensor], scanned: tuple[int, int, int] | None
 ) -> dict[str, Expanded]:
     """Param path -> its record and HF names. `scanned`: None for unrolled layers, else
-    (first, period, tail) of the model's scanned stack (`scan_layout`): a `{i}` record's
+    (first, period, tail) of the model's scanned stack (`stacks.scan_layout`): a `{i}` record's
     layers before `first` and its last `tail` unrolled, those between stacked, one param a
     block of the scan's cycle of `period` layers (`name/block/rest`, or `name/block_j/rest`
     for the layers first + j, first + j + period, ...)."""
@@ -128,18 +128,6 @@ def expand(
             param = re.sub(r"_\{i\}", f"/{stacks.slot_name(j, period)}", t.param, count=1)
             out[param] = Expanded(t, [t.hf.format(i=i) for i in numbers], True)
     return out
-
-
-def scan_layout(config: Any) -> tuple[int, int, int] | None:
-    """`expand`'s `scanned` for a model's config: None unless it scans its layers, else
-    (`first_scanned_layer`, `scan_period`, `scan_tail`)."""
-    if not getattr(config, "scan_layers", False):
-        return None
-    return (
-        config.first_scanned_layer,
-        getattr(config, "scan_period", 1),
-        getattr(config, "scan_tail", 0),
-    )
 
 
 def per_kind(kinds: Sequence[Any], records: Callable[[Any], list[HFTensor]]) -> list[HFTensor]:

@@ -154,11 +154,8 @@ def walk_rows(config: Any, rows: int) -> np.ndarray:
     `stacks.walk_order`), its row in layer order; rows past the trunk's MoE layers (the
     multi-token-prediction layers', whose scopes sort after the trunk's) keep their place."""
     n = config.num_layers
-    layout = None
-    if config.scan_layers:
-        layout = (config.first_scanned_layer, config.scan_period, config.scan_tail)
     sparse = config.sparse_layers(n)
-    met = [i for i in stacks.walk_order(n, layout) if sparse[i]]
+    met = [i for i in stacks.walk_order(n, stacks.scan_layout(config)) if sparse[i]]
     if rows < len(met):
         raise ValueError(
             f"{rows} MoE layers sowed router statistics, but the config has {len(met)}."

@@ -214,12 +214,25 @@ def layer_of(module: nn.Module, first_scanned: int) -> int:
     return number
 
 
+def scan_layout(config: Any) -> tuple[int, int, int] | None:
+    """A model config's scanned stack: None unless it scans its layers, else
+    (`first_scanned_layer`, `scan_period`, `scan_tail`) (`hf_spec.expand`'s `scanned`,
+    `walk_order`'s `layout`)."""
+    if not getattr(config, "scan_layers", False):
+        return None
+    return (
+        config.first_scanned_layer,
+        getattr(config, "scan_period", 1),
+        getattr(config, "scan_tail", 0),
+    )
+
+
 def walk_order(num_layers: int, layout: tuple[int, int, int] | None) -> list[int]:
     """The layers in the order a walk of a model's params or sown values meets them, scopes
     sorted `layers_9` before `layers_10` before a scanned stack `layers`, `block_0` before
     `block_1`, a stacked value's rows by cycle: the unrolled layers by number, then each
     block of the scan's cycle over its cycles. `layout`: (first, period, tail), as
-    `hf_spec.scan_layout` gives it; None when the layers are unrolled."""
+    `scan_layout` gives it; None when the layers are unrolled."""
     if layout is None:
         return list(range(num_layers))
     first, period, tail = layout
