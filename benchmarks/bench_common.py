@@ -178,8 +178,8 @@ def reduce_layers(model: Any, layers: int, first_dense: int | None = None) -> An
     """`model` cut to its first `layers` layers, a mixture of experts with dense first layers
     (DeepSeek-V3's `first_k_dense_replace`, `mlp_only_layers` = (0, ..., k - 1)) keeping
     `first_dense` of them (default: its own k, at most `layers` - 1, so at least one MoE layer
-    is left), those then unrolled (`scan_layers=False`), as the memory rows measured them
-    (Llama 4 Maverick's dense and MoE layers alternate: a scan of their cycle). Per-layer
+    is left), unrolled before the scanned MoE layers where the model scans (measured
+    unscanned until 2026-12-06, when such a mix could not scan). Per-layer
     attention kinds (`layer_types`: sliding or full) are those of the first `layers`.
     `model.config.sparse_layers` tells what was kept."""
     from flaxlm.plan.run import with_config
@@ -197,8 +197,6 @@ def reduce_layers(model: Any, layers: int, first_dense: int | None = None) -> An
                 f"and at least one of --layers {layers} must be a MoE layer."
             )
         changes["mlp_only_layers"] = tuple(range(keep))
-        if 0 < keep < layers:
-            changes["scan_layers"] = False
     elif first_dense:
         raise ValueError("--first-dense: this model has no dense first layers (mlp_only_layers).")
     return with_config(model, **changes)

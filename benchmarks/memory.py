@@ -33,7 +33,7 @@ bytes each device's step moves by collective (e.g. the chunked loss's head traff
 `--expert N` adds an `expert` mesh axis of N devices (expert parallelism, fsdp becomes
 (1, 8/N, N, 1)) for the MoE models (benchmarks/moe.py compares fsdp with fsdp + expert);
 `--first-dense K` keeps K of DeepSeek-V3's dense first layers under `--layers` (default: its
-3, at most all but one layer), and a model mixing dense and MoE layers runs unscanned.
+3, at most all but one layer), unrolled before the scanned MoE layers where the model scans.
 `--preference dpo` measures the DPO step on pairs (the reference params a frozen argument,
 "frozen GiB/dev"); with `--lora-rank R` the frozen params are the LoRA base, no second copy:
 

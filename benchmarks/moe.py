@@ -14,7 +14,7 @@ Three parts, each a subcommand:
   expands it densely lands near 1.
 - `memory`: Qwen3-30B-A3B and Mixtral 8x7B (or `--models`: any gin/models/ MoE, e.g.
   gpt_oss_120b, deepseek_v3), cut to `--layers` (DeepSeek-V3's dense first layers: to
-  `--first-dense`, by default all but one of `--layers`, the layers then unscanned), on 8
+  `--first-dense`, by default all but one of `--layers`, unrolled before the scan), on 8
   devices (`--tpu-topology v5p:2x2x2`) under fsdp and fsdp + expert (`--expert`): params +
   optimizer per device against total / 8 (target <= 1.05x), and the bytes the MoE layers'
   collectives move per step over the ring (the ops inside the expert-parallel `shard_map`:
@@ -96,7 +96,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="K",
         help="of a model with dense first layers (DeepSeek-V3's 3), keep K (default: its "
-        "own, at most --layers - 1: one MoE layer at least); such a mix runs unscanned",
+        "own, at most --layers - 1: one MoE layer at least), unrolled before the scan",
     )
     memory.add_argument("--batch-size", type=int, default=8)
     memory.add_argument("--seq-len", type=int, default=2048)

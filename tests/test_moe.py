@@ -268,6 +268,33 @@ def test_mosaic_gpu_off_a_hopper_gpu_is_an_error_naming_the_setting():
         grouped_matmul.ragged_dot(x, w, jnp.array([2, 2]), impl="mosaic_gpu")
 
 
+def test_a_hopper_cluster_compiled_for_from_here_gets_the_kernels_and_their_flops():
+    """The planner compiles for `h100:NxM` from a host without a GPU: 'auto' chooses by the
+    mesh's devices, not this process's (XLA's dense fallback it got before, every local
+    expert over every row, made the MoE steps tens of GiB too large), JAX's kernels compile
+    for them, and the planner counts their FLOPs, which XLA's cost analysis leaves out."""
+    from flaxlm.plan import aot
+
+    mesh = jax.sharding.Mesh(aot.gpu_devices("h100", 8), ("x",))
+    m, k, n, g = 512, 128, 192, 4
+    whole = NamedSharding(mesh, P())
+    shapes = ((m, k), (g, k, n), (g,))
+    dtypes = (jnp.bfloat16, jnp.bfloat16, jnp.int32)
+    args = [jax.ShapeDtypeStruct(s, d, sharding=whole) for s, d in zip(shapes, dtypes)]
+
+    def loss(x, w, sizes):
+        return jnp.sum(grouped_matmul.ragged_dot(x, w, sizes).astype(jnp.float32) ** 2)
+
+    assert not grouped_matmul.hopper()  # this process's devices: CPUs
+    with jax.set_mesh(mesh):
+        assert grouped_matmul.hopper()
+        text = jax.jit(jax.grad(loss, (0, 1))).lower(*args).compile().as_text()
+    assert text.count('custom_call_target="mosaic_gpu') == 3  # forward, both gradients
+    costs = hlo.matmul_costs(text)
+    assert costs["dot_flops"] == 0 and costs["custom_calls"] == 3
+    assert costs["custom_flops"] == 3 * 2 * m * k * n
+
+
 @pytest.mark.parametrize(
     "dispatch,mesh_shape,factor",
     [

@@ -14,7 +14,11 @@ Two ways to run it (`MoEOptions.grouped_matmul`):
   contracted dimension), wired into one `jax.custom_vjp`; bfloat16 or float16 only.
 
 'auto' takes 'mosaic_gpu' on an NVIDIA GPU of compute capability 9.x (H100, H200) for
-bfloat16/float16 operands whose widths the kernels' tiles divide, 'xla' otherwise.
+bfloat16/float16 operands whose widths the kernels' tiles divide, 'xla' otherwise. Which GPU
+is the one compiled for (`hopper`): the mesh's in JAX's context, so that a cluster compiled
+ahead of time from a host without a GPU (the planner's `h100:16x8`) gets the kernels it
+would run, not XLA's dense fallback (whose buffers, every local expert over every row, made
+the planner's MoE figures for GPUs tens of GiB too large until 2026-12-06).
 
 Rows past the groups (`sum(sizes) < m`: the assignments of experts on other devices under
 expert parallelism) come out zero both ways: the kernels leave them unwritten, so the
@@ -26,10 +30,14 @@ layers trains at 32.7% MFU through the kernels, `capacity` experts at 27.7%.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import re
+import types
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +45,9 @@ import jax.numpy as jnp
 Array = jax.Array
 
 GROUPED_MATMULS = ("auto", "xla", "mosaic_gpu")
+# The kernels run under this named scope: the planner counts their FLOPs by it
+# (`plan.hlo.matmul_costs`), as XLA's cost analysis counts none of a custom call's.
+SCOPE = "grouped_matmul"
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -155,7 +166,8 @@ def mosaic_gpu_kernels() -> Kernels:
         tiles["grid_block_n"] = _grid_block_n(tiles, out)
         if transpose_rhs:
             tiles["transpose_rhs"] = True
-        return fn(lhs, rhs, group_sizes=sizes, **_accepted(fn, **tiles))
+        with jax.named_scope(SCOPE):
+            return fn(lhs, rhs, group_sizes=sizes, **_accepted(fn, **tiles))
 
     def weights_grad(x: Array, dy: Array, sizes: Array) -> Array:
         fn = transposed_ragged_dot_mgpu.transposed_ragged_dot
@@ -163,7 +175,8 @@ def mosaic_gpu_kernels() -> Kernels:
         tiles["block_m"] = _fit(tiles["block_m"], x.shape[1])
         tiles["block_n"] = _fit(tiles["block_n"], dy.shape[1])
         tiles["grid_block_n"] = _grid_block_n(tiles, dy.shape[1])
-        return fn(x, dy, group_sizes=sizes, **_accepted(fn, **tiles))
+        with _sm_count_of_target(transposed_ragged_dot_mgpu), jax.named_scope(SCOPE):
+            return fn(x, dy, group_sizes=sizes, **_accepted(fn, **tiles))
 
     return Kernels(
         forward=ragged,
@@ -172,12 +185,61 @@ def mosaic_gpu_kernels() -> Kernels:
     )
 
 
+# NVIDIA's names of its compute capability 9.x chips, as devices report them ("NVIDIA H100
+# 80GB HBM3", "NVIDIA H200", "NVIDIA GH200 480GB"): what an abstract device (a mesh's, no
+# GPU attached) tells of the chip.
+HOPPER_KIND = re.compile(r"\bG?H(100|200|800|20)\b")
+
+
+def target_device() -> Any:
+    """The device the computation is compiled for: the abstract device of the mesh in JAX's
+    context (a cluster compiled for ahead of time included), else JAX's default device."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return jax.devices()[0] if device is None else device
+
+
 def hopper() -> bool:
-    """Whether JAX's default device is an NVIDIA GPU of compute capability 9.x."""
-    if jax.default_backend() != "gpu":
+    """Whether the device compiled for (`target_device`) is an NVIDIA GPU of compute
+    capability 9.x: an attached GPU by its compute capability, an abstract one by its kind."""
+    device = target_device()
+    if device.platform not in ("gpu", "cuda"):
         return False
-    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
-    return capability.split(".")[0] == "9"
+    capability = getattr(device, "compute_capability", None)
+    if capability is None and jax.default_backend() == "gpu":
+        kinds = {d.device_kind: d for d in jax.devices()}
+        capability = getattr(kinds.get(device.device_kind), "compute_capability", None)
+    if capability is None:
+        return bool(HOPPER_KIND.search(device.device_kind))
+    return str(capability).split(".")[0] == "9"
+
+
+@contextlib.contextmanager
+def _sm_count_of_target(module: Any) -> Any:
+    """JAX's `transposed_ragged_dot` sizes its grid by `jax.devices()[0].core_count`, the
+    SMs of a GPU attached here. Compiled ahead of time from a host without one (the
+    planner), the module sees a `jax` whose `devices()` is the target's abstract device,
+    its SM count as `core_count`, while the kernel is traced; with a GPU attached, nothing
+    changes."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if jax.default_backend() == "gpu" or device is None or device.num_cores is None:
+        yield
+        return
+    target = types.SimpleNamespace(core_count=device.num_cores, device_kind=device.device_kind)
+    with mock.patch.object(module, "jax", _JaxOf(target)):
+        yield
+
+
+class _JaxOf:
+    """`jax` as a module sees it, but for `devices()`: `[target]`."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(jax, name)
+
+    def devices(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return [self._target]
 
 
 def kernels_fit(x: Array, w: Array) -> str | None:
@@ -203,7 +265,7 @@ def choose(impl: str, x: Array, w: Array) -> str:
     if not hopper():
         raise ValueError(
             f"grouped_matmul='mosaic_gpu' needs an NVIDIA Hopper GPU (H100, H200); this "
-            f"process runs on {jax.devices()[0].device_kind}: choose 'auto' or 'xla'."
+            f"step is compiled for {target_device().device_kind}: choose 'auto' or 'xla'."
         )
     why = kernels_fit(x, w)
     if why is not None:

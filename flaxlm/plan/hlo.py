@@ -265,7 +265,10 @@ def matmul_costs(text: str) -> dict[str, float]:
       module makes instead, cuBLAS gemms (`__cublas$gemm`, `__cublas$lt$matmul...`) and cuDNN
       flash attention (`__cudnn$fmha...`, forward 2 products, backward 5: the scores again,
       then dP, dV, dQ, dK; halved under a causal mask, whose hidden blocks cuDNN skips); the
-      bytes are their operands' and results' (a workspace not). XLA's generic cost analysis
+      bytes are their operands' and results' (a workspace not); the dropless experts' grouped
+      matmuls, Mosaic GPU kernels (`grouped_matmul`, under its named scope), 2 x m x k x n
+      for the m rows of their buffer (the kernels skip rows past the groups: an upper
+      bound where a buffer is not full). XLA's generic cost analysis
       charges a custom call -1 FLOPs and -1 bytes (jax-ml/jax#22249: a 73x256 dense layer
       counted 511 FLOPs), so `with_library_calls` adds these where it did.
     """
@@ -292,6 +295,8 @@ def matmul_costs(text: str) -> dict[str, float]:
             m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
             k = _contracted(_dims(operands[0]) if operands else [], _ints(m and m.group(1)))
             flops = 2.0 * math.prod(_dims(type_str)) * k
+        elif target.startswith("mosaic_gpu") and GROUPED_SCOPE in _op_name(rest):
+            flops = _grouped_flops([type_str, *operands])
         elif target.startswith("__cudnn$fmha"):
             m = re.search(r'"intermediate_tensor_shape":\{[^{}]*?"dimensions":\[([^\]]*)\]', rest)
             scores = math.prod(_ints(m and m.group(1)))  # batch x heads x q_len x kv_len
@@ -307,6 +312,20 @@ def matmul_costs(text: str) -> dict[str, float]:
         out["custom_bytes"] += sum(type_bytes(t) for t in data)
         out["custom_calls"] += 1
     return out
+
+
+GROUPED_SCOPE = "grouped_matmul"  # flaxlm's grouped matmul kernels' (grouped_matmul.SCOPE)
+
+
+def _op_name(rest: str) -> str:
+    return (re.search(r'op_name="([^"]*)"', rest) or re.match("()", "")).group(1)
+
+
+def _grouped_flops(types: list[str]) -> float:
+    """2 x m x k x n of a grouped matmul's rows [m, .] and per-group [g, k, n] types."""
+    dims = [_dims(t) for t in types if not t.startswith("s32")]
+    rows = max(d[0] for d in dims if len(d) == 2)
+    return 2.0 * rows * math.prod(next(d for d in dims if len(d) == 3)[1:])
 
 
 def _contracted(lhs: list[int], dims: list[int]) -> int:
@@ -377,8 +396,7 @@ def parse_hlo(text: str, num_devices: int, hosts: Sequence[int] | None = None) -
     memo: dict[str, list[tuple[Op, int]]] = {}
 
     def phase_of(rest: str) -> str:
-        op_name = re.search(r'op_name="([^"]*)"', rest)
-        op_name = op_name.group(1) if op_name else ""
+        op_name = _op_name(rest)
         if "transpose(" in op_name:
             return "backward"
         return "forward" if "jvp(" in op_name else "other"
