@@ -80,7 +80,7 @@ def _loss_and_grads(model, params, batch, mesh_shape=None):
     return _on_mesh(model, params, batch, mesh_shape)[0]
 
 
-def _on_mesh(model, params, batch, mesh_shape, axes=AXES):
+def _on_mesh(model, params, batch, mesh_shape, axes=AXES, experts_over_fsdp=False):
     """`((loss, metric sums), gradients)` as numpy on a mesh of `axes` under the
     Partitioner's standard rules for them (params split as those rules say, the batch's
     rows over `batch`'s axes), and the compiled program's HLO text."""
@@ -88,7 +88,8 @@ def _on_mesh(model, params, batch, mesh_shape, axes=AXES):
     def fn(params, batch):
         return jax.value_and_grad(model.loss_fn, has_aux=True)(params, batch, None)
 
-    mesh, rules = _mesh(mesh_shape, axes), standard_logical_axis_rules(axes)
+    mesh = _mesh(mesh_shape, axes)
+    rules = standard_logical_axis_rules(axes, experts_over_fsdp)
     params_axes = model.params_axes({"decoder_input_tokens": (1, 8)})
     shardings = nn.logical_to_mesh_sharding(params_axes, mesh, rules)
     rows = NamedSharding(mesh, nn.logical_to_mesh_axes(("batch",), rules))
@@ -166,6 +167,26 @@ def test_expert_parallel_gives_the_unsplit_loss_and_gradients(mesh_shape):
     with jax.set_mesh(_mesh(mesh_shape)), nn.logical_axis_rules(RULES):
         jaxpr = str(jax.make_jaxpr(lambda p: model.loss_fn(p, _batch(), None))(_params()))
     assert "all_gather" in jaxpr and ("psum_scatter" in jaxpr or "reduce_scatter" in jaxpr)
+
+
+def test_experts_split_over_expert_and_fsdp_give_the_unsplit_loss_and_gradients():
+    """`Partitioner(experts_over_fsdp=True)`: each device holds whole experts, 1 of the 8 on
+    fsdp 2 x expert 4, and gathers its expert group's 2 over fsdp on their major dim inside
+    the shard_map; their gradient comes back reduce-scattered onto that one expert."""
+    model = _model(moe_impl="dropless", moe_dispatch="ragged", ragged_buffer_factor=4.0)
+    got, text = _on_mesh(model, _params(), _batch(), (1, 2, 4, 1), experts_over_fsdp=True)
+    _assert_same(got, _reference())
+    d, f = CONFIG.hidden_size, CONFIG.moe_intermediate_size
+    shards = _collective_arrays(text, "reduce-scatter")
+    for size in (d * 2 * f, f * d):  # wi and wo of one expert
+        assert shards.count(size) >= CONFIG.num_layers, (size, shards)
+
+
+def test_experts_over_fsdp_needs_an_expert_axis():
+    from flaxlm.parallel.partitioning import Partitioner
+
+    with pytest.raises(ValueError, match="experts_over_fsdp=True .* add an 'expert' axis"):
+        Partitioner((1, 8, 1), ("data", "fsdp", "tensor"), experts_over_fsdp=True)
 
 
 def _nan_past(out, sizes):

@@ -51,7 +51,7 @@ issue 45).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -339,17 +339,32 @@ def weight_spec(
     `logical`: as its param lies under the rules in force, `expert` on dim 0 when `shards` >
     1 and each other dim over the mesh axes that split it (fsdp on `embed`) where all of
     them are the shard_map's (`manual`) and divide it; the body gathers them
-    (`local_experts`). Taken whole (`P()`) instead, the weight's gradient would leave the
-    shard_map summed over the fsdp axes: an all-reduce of every expert's weights where a
-    reduce-scatter onto the shards is enough."""
+    (`local_experts`). Rules that split the experts over `expert` and then fsdp
+    (`experts_over_fsdp`) keep dim 0 so, the body gathering a device's experts over fsdp.
+    Taken whole (`P()`) instead, the weight's gradient would leave the shard_map summed over
+    the fsdp axes: an all-reduce of every expert's weights where a reduce-scatter onto the
+    shards is enough."""
     mesh = jax.sharding.get_abstract_mesh()
-    spec = [EXPERT_AXIS if shards > 1 else None]
-    for dim, axes in enumerate(tuple(nn.logical_to_mesh_axes(logical))[1:], start=1):
-        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        split = bool(names) and set(names) <= manual
-        split = split and not shape[dim] % math.prod(int(mesh.shape[a]) for a in names)
-        spec.append((names[0] if len(names) == 1 else names) if split else None)
+
+    def takes(names: tuple[str, ...], dim: int) -> bool:
+        size = math.prod(int(mesh.shape[a]) for a in names)
+        return bool(names) and set(names) <= manual and not shape[dim] % size
+
+    spec = []
+    for dim, axes in enumerate(nn.logical_to_mesh_axes(logical)):
+        names = _names(axes)
+        if dim == 0:
+            keep = names[:1] == (EXPERT_AXIS,) and takes(names, 0)
+            names = names if keep else (EXPERT_AXIS,) if shards > 1 else ()
+        elif not takes(names, dim):
+            names = ()
+        spec.append(names[0] if len(names) == 1 else names or None)
     return P(*spec)
+
+
+def _names(axes: str | Sequence[str] | None) -> tuple[str, ...]:
+    """A PartitionSpec entry's mesh axes as a tuple."""
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def local_experts(w: Array, spec: P, manual: set[str]) -> Array:
@@ -363,8 +378,9 @@ def local_experts(w: Array, spec: P, manual: set[str]) -> Array:
     if replicated:
         w = jax.lax.pcast(w, replicated, to="varying")
     for dim, axes in enumerate(spec):
-        if dim and axes:
-            w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
+        names = tuple(a for a in _names(axes) if a != EXPERT_AXIS or dim)  # its experts' shards
+        if names:
+            w = jax.lax.all_gather(w, names[0] if len(names) == 1 else names, axis=dim, tiled=True)
     return w
 
 

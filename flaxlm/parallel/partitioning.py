@@ -29,7 +29,7 @@ EXPERT_AXIS = "expert"  # expert parallelism: the experts (and the batch) split 
 
 
 def standard_logical_axis_rules(
-    mesh_axis_names: Sequence[str] = MESH_AXES,
+    mesh_axis_names: Sequence[str] = MESH_AXES, experts_over_fsdp: bool = False
 ) -> tuple[tuple[str, Any], ...]:
     """The rules of DESIGN.md: batch over (data, fsdp), embed over fsdp, widths over tensor.
 
@@ -46,7 +46,11 @@ def standard_logical_axis_rules(
     their logical axis `expert` (replicated without one), and outside the MoE layers it
     splits the batch (as MaxText and torchtitan do) and `embed` next to fsdp, so the other
     params stay sharded over every device as under fsdp; an expert's own `embed` dim, whose
-    `expert` axis is taken, falls back to fsdp.
+    `expert` axis is taken, falls back to fsdp. With `experts_over_fsdp` the experts are
+    split over (expert, fsdp) instead and their `embed` dim whole: a device's experts are
+    then gathered over fsdp on their major dim, where XLA:GPU transposes gathers and
+    reduce-scatters on `embed` (benchmarks/HISTORY.md, "Experts split over fsdp"); the
+    number of experts must divide by expert x fsdp.
     """
     names = tuple(mesh_axis_names)
     sequence = SEQUENCE_AXIS in names
@@ -56,7 +60,10 @@ def standard_logical_axis_rules(
     embed_with_expert = (("embed", (*fsdp, EXPERT_AXIS)),) if expert else ()
     return (
         ("batch", ("data", "fsdp", EXPERT_AXIS) if expert else ("data", "fsdp")),
-        ("expert", EXPERT_AXIS if expert else None),
+        (
+            "expert",
+            ((EXPERT_AXIS, *fsdp) if experts_over_fsdp else EXPERT_AXIS) if expert else None,
+        ),
         ("vocab", "tensor"),
         ("mlp", "tensor"),
         ("heads", "tensor"),
@@ -210,6 +217,7 @@ class Partitioner:
         optimizer_sharding: str = "params",
         dcn_mesh_shape: Sequence[int] | None = None,
         devices: Sequence[Any] | None = None,
+        experts_over_fsdp: bool = False,
     ):
         """
         Args:
@@ -224,6 +232,9 @@ class Partitioner:
             "zero1" (optimizer state also split over `data` while params are replicated).
           dcn_mesh_shape: how many hosts/slices each axis spans; derived if None.
           devices: the devices to use; all of `jax.devices()` if None.
+          experts_over_fsdp: under the standard rules with an `expert` axis, split the
+            experts over (expert, fsdp) rather than their `embed` dim over fsdp
+            (`standard_logical_axis_rules`); an error without an `expert` axis.
         """
         if optimizer_sharding not in ("params", "zero1"):
             raise ValueError(
@@ -237,8 +248,15 @@ class Partitioner:
         devices = list(jax.devices() if devices is None else devices)
         self.mesh_shape = resolve_mesh_shape(mesh_shape, len(devices))
         self.mesh_axis_names = tuple(mesh_axis_names)
+        if experts_over_fsdp and (EXPERT_AXIS not in self.mesh_axis_names or logical_axis_rules):
+            raise ValueError(
+                "experts_over_fsdp=True changes the standard rules of a mesh with an 'expert' "
+                f"axis; mesh_axis_names {self.mesh_axis_names} with "
+                f"{'its own' if logical_axis_rules else 'the standard'} logical_axis_rules: "
+                "add an 'expert' axis (gin/partitioning/fsdp_ep.gin) or drop the setting."
+            )
         self.logical_axis_rules = tuple(
-            standard_logical_axis_rules(self.mesh_axis_names)
+            standard_logical_axis_rules(self.mesh_axis_names, experts_over_fsdp)
             if logical_axis_rules is None
             else logical_axis_rules
         )
