@@ -19,6 +19,7 @@ import gin
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from flaxlm import gin_utils
 from flaxlm.models.base import DecoderOnlyModel
@@ -669,18 +670,21 @@ def test_a_gin_run_of_an_moe_model_gets_an_expert_axis():
 
 def test_the_moe_dispatch_is_enumerated_where_the_expert_axis_is_split():
     """For a model with experts the first stage crosses each mesh whose `expert` axis is split
-    with every dispatch (the bound one first), a mesh with `expert` = 1 with the bound one
-    alone; a dense model's candidates carry none; `meshes` limits the first stage; the
-    overrides name the dispatch and bind it when given to the run's Gin files."""
+    with every dispatch (the bound one first), and where fsdp is split too with the experts
+    over (expert, fsdp) or not, a mesh with `expert` = 1 with the bound one alone; a dense
+    model's candidates carry none; `meshes` limits the first stage; the overrides name the
+    dispatch and the experts' split and bind them when given to the run's Gin files."""
     p = planner.Planner(tiny_moe_run(), jax.devices(), CHIP)
     assert p.run.base.moe_dispatch == "all_gather"
     first = p.first_stage()
     by_mesh = {}
     for k in first:
         if k.optimizer_sharding == "params":
-            by_mesh.setdefault(k.mesh_shape, []).append(k.moe_dispatch)
-    assert by_mesh[(1, 2, 4, 1)] == ["all_gather", "all_to_all", "ragged"]
-    assert by_mesh[(1, 8, 1, 1)] == ["all_gather"]
+            by_mesh.setdefault(k.mesh_shape, []).append((k.moe_dispatch, k.experts_over_fsdp))
+    dispatches = ("all_gather", "all_to_all", "ragged")
+    assert by_mesh[(1, 2, 4, 1)] == [(d, s) for d in dispatches for s in (False, True)]
+    assert by_mesh[(1, 1, 8, 1)] == [(d, False) for d in dispatches]
+    assert by_mesh[(1, 8, 1, 1)] == [("all_gather", False)]
     dense = planner.Planner(tiny_run(), jax.devices(), CHIP)
     assert {k.moe_dispatch for k in dense.first_stage()} == {None}
     assert "dispatch" not in report.header(dense.run)
@@ -690,14 +694,19 @@ def test_the_moe_dispatch_is_enumerated_where_the_expert_axis_is_split():
     ]
     with pytest.raises(ValueError, match="not a shape"):
         planner.Planner(tiny_moe_run(), jax.devices(), CHIP, meshes=[(2, 2)]).first_stage()
-    chosen = dataclasses.replace(p.run.base, mesh_shape=(1, 2, 4, 1), moe_dispatch="ragged")
+    chosen = dataclasses.replace(
+        p.run.base, mesh_shape=(1, 2, 4, 1), moe_dispatch="ragged", experts_over_fsdp=True
+    )
     assert p.model(chosen).config.moe_dispatch == "ragged"
-    assert "dispatch=ragged" in report.knobs_text(chosen)
+    assert p.partitioner(chosen).mesh_axes(("expert",)) == P(("expert", "fsdp"))
+    assert "dispatch=ragged experts_over_fsdp" in report.knobs_text(chosen)
     assert report.header(p.run)[3] == "dispatch"
     flags = report.overrides(p.run, chosen)
     assert "--gin.QwenMoeConfig.moe_dispatch=\"'ragged'\"" in flags
+    assert "--gin.Partitioner.experts_over_fsdp=True" in flags
     bindings = gin_utils.rewrite_gin_args(["x", *shlex.split(" ".join(flags))])[1:]
     run, mesh_shape = moe_gin_run([b.split("=", 1)[1] for b in bindings])
     assert mesh_shape == (1, 2, 4, 1)
     assert run.axis_names == ("data", "fsdp", "expert", "tensor")
     assert run.base.moe_dispatch == "ragged" and run.base.mesh_shape == (1, 2, 4, 1)
+    assert run.base.experts_over_fsdp

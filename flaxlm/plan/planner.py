@@ -10,7 +10,8 @@ The run is the one the Gin files bind to `train.train` (model, batch, lengths, o
 objective); `gin/runs/plan.gin` binds `run.fn = @plan.plan` after it. Candidates: every mesh
 shape over the bound Partitioner's axes, `optimizer_sharding` (zero1 where the `data` axis is
 split) and, for a model with experts on a mesh whose `expert` axis is split, the MoE dispatch
-(`moe_dispatch`: all-gather, capacity all-to-all, ragged all-to-all), then, for the best of
+(`moe_dispatch`: all-gather, capacity all-to-all, ragged all-to-all) and, where fsdp is split
+too, the experts over (expert, fsdp) or not (`experts_over_fsdp`), then, for the best of
 these, every remat policy, microbatch count and `scan_layers`. What cannot divide (batch over
 the batch axes, a param over its mesh axes) is rejected before compiling; the rest is compiled
 for the target (`aot.target_devices`) and read: memory per device (`memory_analysis`), FLOPs
@@ -99,6 +100,7 @@ class Planner:
             mesh_axis_names=self.run.axis_names,
             optimizer_sharding=knobs.optimizer_sharding,
             devices=self.devices,
+            experts_over_fsdp=knobs.experts_over_fsdp,
             **self.run.partitioner_kwargs,
         )
 
@@ -267,6 +269,7 @@ class Planner:
             knobs.remat_policy,
             knobs.num_microbatches,
             knobs.moe_dispatch,
+            knobs.experts_over_fsdp,
         )
         if key not in self._costs:
             self._costs[key] = self._calibrate(knobs)
@@ -334,17 +337,28 @@ class Planner:
                     f"mesh {shape} is not a shape over {self.run.axis_names} of "
                     f"{len(self.devices)} devices"
                 )
-            for sharding in ("params", "zero1"):
-                for dispatch in self.dispatches(shape):
-                    out.append(
-                        dataclasses.replace(
-                            self.run.base,
-                            mesh_shape=shape,
-                            optimizer_sharding=sharding,
-                            moe_dispatch=dispatch,
-                        )
+            over = self.experts_over_fsdp(shape)
+            for sharding, dispatch, split in itertools.product(
+                ("params", "zero1"), self.dispatches(shape), over
+            ):
+                out.append(
+                    dataclasses.replace(
+                        self.run.base,
+                        mesh_shape=shape,
+                        optimizer_sharding=sharding,
+                        moe_dispatch=dispatch,
+                        experts_over_fsdp=split,
                     )
+                )
         return out
+
+    def experts_over_fsdp(self, mesh_shape: Sequence[int]) -> tuple[bool, ...]:
+        """Whether to split the experts over (expert, fsdp), the bound choice first: both
+        where a model with experts splits `expert` and `fsdp`, else False alone."""
+        sizes = dict(zip(self.run.axis_names, mesh_shape))
+        both = min(sizes.get(expert_parallel.EXPERT_AXIS, 1), sizes.get("fsdp", 1)) > 1
+        bound = self.run.base.experts_over_fsdp
+        return (bound, not bound) if both and self.run.base.moe_dispatch else (False,)
 
     def second_stage(self, ranked: Sequence[Result]) -> list[Knobs]:
         """Remat, microbatch and scan variants of the best meshes: fewest changes first; when

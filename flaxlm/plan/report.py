@@ -66,6 +66,7 @@ class Progress:
 
 def knobs_text(k: Any) -> str:
     dispatch = "" if k.moe_dispatch is None else f" dispatch={k.moe_dispatch}"
+    dispatch += " experts_over_fsdp" if k.experts_over_fsdp else ""
     return (
         f"mesh {k.mesh_shape} {k.optimizer_sharding}{dispatch} remat={k.remat_policy} "
         f"mb={k.num_microbatches} scan={k.scan_layers}"
@@ -73,7 +74,8 @@ def knobs_text(k: Any) -> str:
 
 
 def mesh_text(run: Any, k: Any) -> str:
-    return ",".join(f"{a}={n}" for a, n in zip(run.axis_names, k.mesh_shape))
+    mesh = ",".join(f"{a}={n}" for a, n in zip(run.axis_names, k.mesh_shape))
+    return mesh + (" (experts over fsdp)" if k.experts_over_fsdp else "")
 
 
 def overrides(run: Any, k: Any) -> list[str]:
@@ -88,6 +90,8 @@ def overrides(run: Any, k: Any) -> list[str]:
     ]
     if k.moe_dispatch is not None:
         out.insert(3, f"--gin.{config}.moe_dispatch=\"'{k.moe_dispatch}'\"")
+    if k.experts_over_fsdp:
+        out.insert(2, "--gin.Partitioner.experts_over_fsdp=True")
     if "expert" in run.axis_names:  # the planner may have added it (run.with_expert_axis)
         out.insert(0, f'--gin.Partitioner.mesh_axis_names="{tuple(run.axis_names)}"')
     return out

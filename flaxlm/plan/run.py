@@ -26,6 +26,9 @@ class Knobs:
     # How a model with experts sends tokens to their experts' devices (MoEOptions.moe_dispatch:
     # expert_parallel.DISPATCHES); None for a model without experts.
     moe_dispatch: str | None = None
+    # The experts split over (expert, fsdp) rather than their embed dim over fsdp
+    # (Partitioner.experts_over_fsdp).
+    experts_over_fsdp: bool = False
 
 
 @dataclasses.dataclass
@@ -129,6 +132,7 @@ def run_from_gin() -> Run:
         mb,
         bool(getattr(model.config, "scan_layers", False)),
         model.config.moe_dispatch if moe.has_experts(model.config) else None,
+        bool(p.get("experts_over_fsdp", False)),
     )
     kwargs = {k: p[k] for k in ("logical_axis_rules", "dcn_mesh_shape") if k in p}
     return Run(
