@@ -373,7 +373,7 @@ def local_experts(w: Array, spec: P, manual: set[str]) -> Array:
     transposes: the gathers' (a reduce-scatter over fsdp), then the cast's (an all-reduce of
     the shard over the axes it is replicated on, `data`), in that order so that the
     all-reduce moves the shard and not the whole weight."""
-    named = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+    named = {a for entry in spec for a in _names(entry)}
     replicated = tuple(sorted(manual - named))
     if replicated:
         w = jax.lax.pcast(w, replicated, to="varying")

@@ -209,7 +209,12 @@ def scan_chunks(
     """The chunked rules' loop (`chunk_gated_delta_rule`'s, `kimi_delta.chunk_kimi_delta_rule`'s:
     their q, k, v, g, beta `inputs` and arguments): `step(state, previous run, q, k, v, g, beta,
     run) -> (state, out)` scanned from `initial_state` over the chunks (`to_chunks`: `[batch,
-    heads, chunk, ...]`; the runs `[batch, chunk]`). Returns (float32 out, the final state)."""
+    heads, chunk, ...]`; the runs `[batch, chunk]`). Returns (float32 out, the final state).
+
+    Each chunk's step is rematerialised (`jax.checkpoint`): the loop keeps for the backward
+    only what enters a chunk (its inputs, the state), not its `[c, c]` products (Kimi Delta
+    Attention's `[c/16, 16, 16, key_dim]` pairwise decays), so a layer's backward holds
+    O(chunk) of them, not O(length); the cost, each chunk's forward once more."""
     _, k, v, _, _ = inputs
     b, length, h, dk = k.shape
     dv = v.shape[-1]
@@ -217,6 +222,7 @@ def scan_chunks(
     xs = [to_chunks(x.astype(jnp.float32), chunk_size) for x in inputs]
     xs.append(to_chunks(runs, chunk_size))
 
+    @jax.checkpoint
     def scanned(carry, x):
         state, out = step(*carry, *x)
         return (state, x[-1][:, -1]), out
