@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.models import context_parallel, experts, grouped_matmul
+from flaxlm.models import context_parallel, experts, grouped_matmul, layers
 
 Array = jax.Array
 
@@ -293,9 +293,7 @@ def ragged_all_to_all(
     the platform of the mesh in JAX's context has the op (`RAGGED_PLATFORMS`), else
     `dense_ragged_all_to_all` (XLA:CPU); a mesh that names no platform: JAX's default
     backend's."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    platform = jax.default_backend() if device is None else device.platform
-    if platform not in RAGGED_PLATFORMS:
+    if layers.target_device().platform not in RAGGED_PLATFORMS:
         return dense_ragged_all_to_all(
             operand, output, input_offsets, send_sizes, output_offsets, recv_sizes
         )

@@ -42,6 +42,8 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 
+from flaxlm.models import layers
+
 Array = jax.Array
 
 GROUPED_MATMULS = ("auto", "xla", "mosaic_gpu")
@@ -191,17 +193,10 @@ def mosaic_gpu_kernels() -> Kernels:
 HOPPER_KIND = re.compile(r"\bG?H(100|200|800|20)\b")
 
 
-def target_device() -> Any:
-    """The device the computation is compiled for: the abstract device of the mesh in JAX's
-    context (a cluster compiled for ahead of time included), else JAX's default device."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    return jax.devices()[0] if device is None else device
-
-
 def hopper() -> bool:
-    """Whether the device compiled for (`target_device`) is an NVIDIA GPU of compute
+    """Whether the device compiled for (`layers.target_device`) is an NVIDIA GPU of compute
     capability 9.x: an attached GPU by its compute capability, an abstract one by its kind."""
-    device = target_device()
+    device = layers.target_device()
     if device.platform not in ("gpu", "cuda"):
         return False
     capability = getattr(device, "compute_capability", None)
@@ -265,7 +260,7 @@ def choose(impl: str, x: Array, w: Array) -> str:
     if not hopper():
         raise ValueError(
             f"grouped_matmul='mosaic_gpu' needs an NVIDIA Hopper GPU (H100, H200); this "
-            f"step is compiled for {target_device().device_kind}: choose 'auto' or 'xla'."
+            f"step is compiled for {layers.target_device().device_kind}: choose 'auto' or 'xla'."
         )
     why = kernels_fit(x, w)
     if why is not None:
