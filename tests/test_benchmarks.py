@@ -486,8 +486,8 @@ def test_attention_cpu_times_every_implementation_and_torch():
 @pytest.mark.parametrize("name", ["gpt_oss_120b", "deepseek_v3", "llama4_maverick"])
 def test_published_moe_shapes_split_their_state_evenly_over_expert_and_fsdp(name):
     """The memory rows' first column without compiling (benchmarks/moe.py `memory`): the gin
-    files' full-size shapes cut to 2 layers (DeepSeek-V3: 1 dense + 1 MoE layer, unrolled;
-    Llama 4 Maverick: one scanned cycle of a dense and an MoE layer), their params + AdamW
+    files' full-size shapes cut to 2 layers (DeepSeek-V3 and Llama 4 Maverick: a dense layer
+    unrolled, then a MoE one scanned), their params + AdamW
     state per device = total / 8 under fsdp + expert 8 (1, 1, 8, 1), as under fsdp (1, 8, 1).
     Only shapes are traced (`Setup.abstract_state`), nothing allocated."""
     from flaxlm.training import steps
@@ -496,7 +496,7 @@ def test_published_moe_shapes_split_their_state_evenly_over_expert_and_fsdp(name
     model = bench_common.reduce_layers(bench_common.gin_model(name), 2)
     c = model.config
     assert c.sparse_layers(2) == ((True, True) if name == "gpt_oss_120b" else (False, True))
-    assert c.scan_layers == (name != "deepseek_v3")
+    assert c.scan_layers and c.first_scanned_layer == (name != "gpt_oss_120b")
     lengths = bench_common.feature_lengths(model, 128)
     for expert in (1, 8):
         partitioner = bench_common.make_partitioner("fsdp", expert=expert)

@@ -22,9 +22,8 @@ segment start (`segment_runs`). A sequence split over the mesh's `sequence` axis
 parallelism, the load-balanced order too) is read where it lies, the state and the
 convolution's inputs passed between its pieces (`linear_context_parallel`).
 
-Kimi Delta Attention (`kimi_delta.py`: a decay a key channel) shares all but its projections,
-gates and chunk step: the layer's steps around them (`DeltaRuleLayer`), the recurrent form,
-the chunks' loop and the gated norm.
+Kimi Delta Attention (`kimi_delta.py`: a decay a key channel) shares the layer's steps
+(`DeltaRuleLayer`), the recurrent form, the chunks' loop and the gated norm.
 
 Nothing here knows a mesh: activations carry logical axis names only.
 """
@@ -209,15 +208,9 @@ def scan_chunks(
     """The chunked rules' loop (`chunk_gated_delta_rule`'s, `kimi_delta.chunk_kimi_delta_rule`'s:
     their q, k, v, g, beta `inputs` and arguments): `step(state, previous run, q, k, v, g, beta,
     run) -> (state, out)` scanned from `initial_state` over the chunks (`to_chunks`: `[batch,
-    heads, chunk, ...]`; the runs `[batch, chunk]`). Returns (float32 out, the final state).
-
-    Each chunk's step is rematerialised (`jax.checkpoint`): the loop keeps for the backward
-    only what enters a chunk (its inputs, the state), not its `[c, c]` products (Kimi Delta
-    Attention's `[c/16, 16, 16, key_dim]` pairwise decays), so a layer's backward holds
-    O(chunk) of them, not O(length); the cost, each chunk's forward once more."""
-    _, k, v, _, _ = inputs
-    b, length, h, dk = k.shape
-    dv = v.shape[-1]
+    heads, chunk, ...]`; the runs `[batch, chunk]`) -> (float32 out, the final state). Steps
+    are rematerialised: the backward keeps a chunk's inputs and state, not its products."""
+    (b, length, h, dk), dv = inputs[1].shape, inputs[2].shape[-1]
     runs = jnp.zeros((b, length), jnp.int32) if runs is None else runs
     xs = [to_chunks(x.astype(jnp.float32), chunk_size) for x in inputs]
     xs.append(to_chunks(runs, chunk_size))

@@ -34,9 +34,9 @@ HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 def target_device() -> Any:
     """The device a computation is compiled for: the abstract device of the mesh in JAX's
     context (a slice or a cluster compiled for ahead of time from another host included),
-    else JAX's default device. The choices made by platform (attention's cuDNN, the experts'
-    kernels and dispatch) ask this, not `jax.default_backend()`: the planner compiles for
-    GPUs from a host of CPUs."""
+    else JAX's default device. The experts' kernels and dispatch choose by it, not by
+    `jax.default_backend()`: the planner compiles for GPUs from a host of CPUs (attention's
+    cuDNN still asks the backend: benchmarks/HISTORY.md, "Thirty-first session")."""
     device = jax.sharding.get_abstract_mesh().abstract_device
     return jax.devices()[0] if device is None else device
 

@@ -318,7 +318,7 @@ GROUPED_SCOPE = "grouped_matmul"  # flaxlm's grouped matmul kernels' (grouped_ma
 
 
 def _op_name(rest: str) -> str:
-    return (re.search(r'op_name="([^"]*)"', rest) or re.match("()", "")).group(1)
+    return next(iter(re.findall(r'op_name="([^"]*)"', rest)), "")
 
 
 def _grouped_flops(types: list[str]) -> float:
