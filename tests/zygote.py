@@ -70,6 +70,9 @@ PER_RUN_PREFIXES = (
     # XLA_PYTHON_CLIENT_MEM_FRACTION is its deprecated name)
     "XLA_CLIENT_",
     "XLA_PYTHON_CLIENT_",
+    # set by jax.experimental.mosaic.gpu's import (tests compile the experts' Mosaic GPU
+    # kernels for an H100 target), read only when such a kernel runs
+    "MOSAIC_GPU_",
 )
 MAX_MESSAGE = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
