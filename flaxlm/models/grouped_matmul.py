@@ -215,11 +215,12 @@ def _sm_count_of_target(module: Any) -> Any:
     planner), the module sees a `jax` whose `devices()` is the target's abstract device,
     its SM count as `core_count`, while the kernel is traced; with a GPU attached, nothing
     changes."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    if jax.default_backend() == "gpu" or device is None or device.num_cores is None:
+    device = layers.target_device()
+    cores = getattr(device, "num_cores", None)  # an abstract device's SMs (a GPU target's)
+    if jax.default_backend() == "gpu" or cores is None:
         yield
         return
-    target = types.SimpleNamespace(core_count=device.num_cores, device_kind=device.device_kind)
+    target = types.SimpleNamespace(core_count=cores, device_kind=device.device_kind)
     with mock.patch.object(module, "jax", _JaxOf(target)):
         yield
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from flaxlm.models.grouped_matmul import SCOPE as GROUPED_SCOPE  # its kernels' named scope
+
 # A ragged-all-to-all (the MoE layer's `ragged` dispatch) counts as an all-to-all of its
 # whole output buffer: what the most it can receive would move, not what it does.
 COLLECTIVES = (
@@ -312,9 +314,6 @@ def matmul_costs(text: str) -> dict[str, float]:
         out["custom_bytes"] += sum(type_bytes(t) for t in data)
         out["custom_calls"] += 1
     return out
-
-
-GROUPED_SCOPE = "grouped_matmul"  # flaxlm's grouped matmul kernels' (grouped_matmul.SCOPE)
 
 
 def _op_name(rest: str) -> str:
