@@ -177,6 +177,17 @@ def test_auto_takes_cudnn_on_a_gpu_for_whole_sequence_half_precision_only(monkey
     causal = masks.attention_mask(None, 2, 13)
     choice = attention.auto_choice
     assert choice(causal, None, None, jnp.bfloat16) == "xla"  # CPU
+    # Compiled for an H100 from here (the planner): cuDNN cannot be built, 'chunked' stands in.
+    from flaxlm.plan import aot
+
+    decoding = all_masks()["decoding_left_padded"][0]
+    with jax.set_mesh(jax.sharding.Mesh(aot.gpu_devices("h100", 1), ("x",))):
+        assert choice(causal, None, None, jnp.bfloat16) == "chunked"
+        assert choice(causal, None, None, jnp.float32) == "xla"
+        assert choice(decoding, None, None, jnp.bfloat16) == "xla"
+        # and only for heads cuDNN takes on Hopper (Gemma 4's 512-wide global heads: XLA's)
+        assert attention.cudnn_head_dim(256) and not attention.cudnn_head_dim(512)
+    assert not attention.cudnn_head_dim(256)  # this host's: not a Hopper GPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert choice(causal, None, None, jnp.bfloat16) == "jax"
     assert choice(causal, None, None, "float16") == "jax"

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from flaxlm.models import base, expert_parallel, experts, grouped_matmul, qwen_moe, routing
 from flaxlm.parallel.partitioning import standard_logical_axis_rules
-from flaxlm.plan import hlo
+from flaxlm.plan import flops, hlo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AXES = ("data", "fsdp", "expert", "tensor")
@@ -311,7 +311,7 @@ def test_a_hopper_cluster_compiled_for_from_here_gets_the_kernels_and_their_flop
         assert grouped_matmul.hopper()
         text = jax.jit(jax.grad(loss, (0, 1))).lower(*args).compile().as_text()
     assert text.count('custom_call_target="mosaic_gpu') == 3  # forward, both gradients
-    costs = hlo.matmul_costs(text)
+    costs = flops.matmul_costs(text)
     assert costs["dot_flops"] == 0 and costs["custom_calls"] == 3
     assert costs["custom_flops"] == 3 * 2 * m * k * n
 

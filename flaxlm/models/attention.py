@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from flaxlm.models import context_parallel as cp
 from flaxlm.models.chunked_attention import chunked_attention
+from flaxlm.models.grouped_matmul import hopper
 from flaxlm.models.layers import (
     HALF_DTYPES,
     HEAD_AXES,
@@ -27,6 +28,7 @@ from flaxlm.models.layers import (
     as_dtype,
     constrain,
     parallel_dense,
+    target_device,
 )
 from flaxlm.models.masks import (
     Decoding,
@@ -164,6 +166,9 @@ class KVCache(nn.Module):
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "jax", "chunked")
 CUDNN_DTYPES = HALF_DTYPES  # what cuDNN's flash attention computes in
+# The named scope of 'chunked' attention standing in for cuDNN's (`auto_choice`): the planner
+# prices its loops as cuDNN's one kernel, not XLA's per block (`plan.flops.kernel_loop_runs`).
+CUDNN_STAND_IN = "cudnn_stand_in"
 
 
 def dot_product_attention(
@@ -208,6 +213,14 @@ def dot_product_attention(
     check_implementation(implementation, softcap, sinks is not None)
     if implementation == "auto":
         implementation = "xla" if sinks is not None else auto_choice(mask, bias, softcap, dtype)
+        if implementation == "chunked" and not cudnn_head_dim(query.shape[-1]):
+            implementation = "xla"  # cuDNN would decline it: the GPU runs XLA's attention
+        if implementation == "chunked":  # cuDNN's stand-in (`auto_choice`), named for the planner
+            with jax.named_scope(CUDNN_STAND_IN):
+                return dot_product_attention(
+                    query, key, value, mask, scale=scale, dtype=dtype, chunk_size=chunk_size,
+                    context_parallel=context_parallel, implementation="chunked",
+                )  # fmt: skip
     if cp.applies(mask, bias) or (implementation == "chunked" and cp.whole_sequence(mask, bias)):
         return cp.attention(
             query,
@@ -242,11 +255,20 @@ def auto_choice(
     otherwise (decoding, cross-attention, CPU, TPU). On one H200 the Llama-3.2-1B step (L2048,
     the gin's remat) took 525 ms with `is_causal` against 1203 with 'xla'; cuDNN given a dense
     mask took 754 against 'xla''s 1308 at an earlier commit, and fit 8192 where 'xla' did not
-    (benchmarks/HISTORY.md)."""
-    if jax.default_backend() != "gpu" or bias is not None or softcap is not None:
+    (benchmarks/HISTORY.md). Compiled for a GPU from a host without one (the planner), where
+    cuDNN cannot be built, 'chunked' stands in for it: blocks of scores one at a time, the
+    rows' statistics saved: the memory cuDNN's holds, not 'xla''s whole scores."""
+    gpu = jax.default_backend() == "gpu" or target_device().platform in ("gpu", "cuda")
+    if not gpu or bias is not None or softcap is not None:
         return "xla"
-    half = as_dtype(dtype) in CUDNN_DTYPES
-    return "jax" if half and whole_self_attention(mask) else "xla"
+    if as_dtype(dtype) not in CUDNN_DTYPES or not whole_self_attention(mask):
+        return "xla"
+    return "jax" if jax.default_backend() == "gpu" else "chunked"
+
+
+def cudnn_head_dim(head_dim: int) -> bool:
+    """Whether cuDNN takes heads this wide: a multiple of 8, <= 256 from Hopper on, else 128."""
+    return head_dim % 8 == 0 and head_dim <= (256 if hopper() else 128)
 
 
 def check_implementation(

@@ -48,7 +48,7 @@ Array = jax.Array
 
 GROUPED_MATMULS = ("auto", "xla", "mosaic_gpu")
 # The kernels run under this named scope: the planner counts their FLOPs by it
-# (`plan.hlo.matmul_costs`), as XLA's cost analysis counts none of a custom call's.
+# (`plan.flops.matmul_costs`), as XLA's cost analysis counts none of a custom call's.
 SCOPE = "grouped_matmul"
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 

@@ -29,14 +29,19 @@ Initializer = Callable[..., Array]
 ACTIVATION_AXES = ("batch", "length", "embed")
 HEAD_AXES = ("batch", "length", "heads", "head_dim")
 HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The named scopes of a train step's outer loops, the microbatches' and the scanned layers'.
+# The planner prices these from calibration compiles, so it counts their bodies once; every
+# other loop (a chunked scan inside a layer) it counts as many times as it runs (`plan.flops`).
+MICROBATCH_LOOP = "microbatches"
+LAYER_LOOP = "scanned_layers"
 
 
 def target_device() -> Any:
     """The device a computation is compiled for: the abstract device of the mesh in JAX's
     context (a slice or a cluster compiled for ahead of time from another host included),
     else JAX's default device. The experts' kernels and dispatch choose by it, not by
-    `jax.default_backend()`: the planner compiles for GPUs from a host of CPUs (attention's
-    cuDNN still asks the backend: benchmarks/HISTORY.md, "Thirty-first session")."""
+    `jax.default_backend()`: the planner compiles for GPUs from a host of CPUs (where
+    attention's 'auto' has no cuDNN to build and takes a stand-in, `attention.auto_choice`)."""
     device = jax.sharding.get_abstract_mesh().abstract_device
     return jax.devices()[0] if device is None else device
 

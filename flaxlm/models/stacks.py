@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxlm.models.layers import REMAT_POLICIES
+from flaxlm.models.layers import LAYER_LOOP, REMAT_POLICIES
 
 Array = jax.Array
 
@@ -139,7 +139,12 @@ def _scanned_blocks(
         metadata_params={nn.PARTITION_NAME: "layers"},
     )(name=name)
     indices = jnp.arange(start, stop, period, dtype=jnp.int32)
-    return lambda x, *args: scanned(x, indices, args)[0]
+
+    def run(x: Array, *args: Any) -> Array:
+        with jax.named_scope(LAYER_LOOP):  # the planner counts this loop's body once
+            return scanned(x, indices, args)[0]
+
+    return run
 
 
 def cycle_of(kinds: Sequence[Hashable]) -> tuple[int, int]:

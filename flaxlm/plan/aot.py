@@ -9,7 +9,7 @@ any host, as MaxText's train_compile.py does), `cpu:N` (this process's CPU devic
 compiles for them with no GPU attached, from a description of the chip, hosts of 8 as
 `h100:16x8`). Shared by the planner and the compile-only benchmarks. XLA's cost analysis of
 a compile-only GPU program is empty: `CompiledStep.cost` reads its FLOPs and bytes off the
-HLO instead (`hlo.matmul_costs`, `traffic.program_bytes`).
+HLO instead (`flops.matmul_costs`, `traffic.program_bytes`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import optax
 from flaxlm.models.batch_shapes import batch_shapes_from
 from flaxlm.parallel import platforms, pytrees
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.plan import hlo, traffic
+from flaxlm.plan import flops, traffic
 from flaxlm.training import lora as lora_lib
 from flaxlm.training import objective as objective_lib
 from flaxlm.training import optimizers, steps
@@ -299,24 +299,31 @@ class CompiledStep:
         return self._hlo_text
 
     def cost(self) -> dict[str, float]:
-        """XLA's cost analysis of one device's program: `flops`, `bytes accessed` (a loop's
-        body counted once, whatever its trip count), with the cuBLAS and cuDNN calls of an
-        NVIDIA GPU's program added where XLA left them out (`hlo.with_library_calls`). Where
-        the analysis is empty (XLA:GPU's compile-only programs), both are read off the HLO:
-        the matrix products' FLOPs (`hlo.matmul_costs`; elementwise work, a few percent of a
-        train step's, left out) and the kernels' bytes (`traffic.program_bytes`)."""
+        """One device's program's `flops` and `bytes accessed`: XLA's cost analysis (a
+        loop's body counted once), the cuBLAS and cuDNN calls of an NVIDIA GPU's program
+        added where XLA left them out (`flops.with_library_calls`), and what the later trips
+        of the loops inside a layer add (`flops.loop_runs`: the microbatches' and scanned
+        layers' loops still count once, the planner calibrates them). Where the analysis is
+        empty (XLA:GPU's compile-only programs), both are read off the HLO: the matrix
+        products' FLOPs (`flops.matmul_costs`; elementwise work, a few percent of a train
+        step's, left out) and the kernels' bytes (`traffic.program_bytes`)."""
         analysis = self.compiled.cost_analysis()
         if isinstance(analysis, Sequence):
             analysis = analysis[0] if analysis else None
         text = self.hlo_text()
+        inner = flops.matmul_costs(text)
+        products = inner["dot_flops"] + inner["custom_flops"]
         if not analysis:
-            products = hlo.matmul_costs(text)
-            flops = products["dot_flops"] + products["custom_flops"]
-            return {"flops": flops, "bytes accessed": float(traffic.program_bytes(text))}
+            return {"flops": products, "bytes accessed": float(traffic.program_bytes(text))}
         cost = {k: float(analysis.get(k, 0.0)) for k in ("flops", "bytes accessed")}
-        if 'custom_call_target="__cu' not in text:
-            return cost
-        return hlo.with_library_calls(cost, hlo.matmul_costs(text))
+        once = flops.matmul_costs(text, inner_loops=False)
+        if 'custom_call_target="__cu' in text:
+            cost = flops.with_library_calls(cost, once)
+        cost["flops"] += products - once["dot_flops"] - once["custom_flops"]
+        if " while(" in text:
+            inner_bytes = traffic.program_bytes(text)
+            cost["bytes accessed"] += inner_bytes - traffic.program_bytes(text, inner_loops=False)
+        return cost
 
 
 def per_device_bytes(abstract_tree: Any) -> int:

@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from flaxlm.models.grouped_matmul import SCOPE as GROUPED_SCOPE  # its kernels' named scope
-
 # A ragged-all-to-all (the MoE layer's `ragged` dispatch) counts as an all-to-all of its
 # whole output buffer: what the most it can receive would move, not what it does.
 COLLECTIVES = (
@@ -121,7 +119,7 @@ def replica_groups(attrs: str, num_devices: int) -> list[list[int]] | None:
         order = [a for a, _ in axes]
         sizes = [int(n) for _, n in axes]
         if m.group(2):
-            ids = _iota(_ints(m.group(2)), _ints(m.group(3)) or None).reshape(-1)
+            ids = _iota(ints(m.group(2)), ints(m.group(3)) or None).reshape(-1)
         else:
             ids = np.arange(math.prod(sizes))
         grid = ids.reshape(sizes)
@@ -131,11 +129,11 @@ def replica_groups(attrs: str, num_devices: int) -> list[list[int]] | None:
         return grid.transpose(outer + inner).reshape(-1, width).tolist()
     m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]*)\))?", attrs)
     if m:
-        shape = _ints(m.group(1))
-        return _iota(_ints(m.group(2)), _ints(m.group(3)) or None).reshape(shape).tolist()
+        shape = ints(m.group(1))
+        return _iota(ints(m.group(2)), ints(m.group(3)) or None).reshape(shape).tolist()
     m = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", attrs)
     if m:
-        groups = [_ints(g) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+        groups = [ints(g) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
         return groups or [list(range(num_devices))]
     return None
 
@@ -227,6 +225,19 @@ def _trip_count(cond: list[str], init: str, defs: dict[str, tuple[str, str, str]
     return None if start is None else limit - start
 
 
+def loop_trips(
+    rest: str, computations: dict[str, list[str]], defs: dict[str, tuple[str, str, str]]
+) -> int | None:
+    """How many times a while loop (its instruction's `rest`, `defs` its computation's
+    instructions so far) runs its body: `known_trip_count`, else read from its condition
+    (`_trip_count`); None when neither says."""
+    trip = re.search(r'known_trip_count"?:\{"n":"(\d+)"', rest)
+    if trip:
+        return int(trip.group(1))
+    cond = re.search(r"condition=%([^\s,]+)", rest).group(1)
+    return _trip_count(computations.get(cond, []), operand_names(rest)[0], defs)
+
+
 def module_computations(text: str) -> tuple[dict[str, list[str]], str]:
     """The module's computations (name -> instruction lines) and the ENTRY's name."""
     computations: dict[str, list[str]] = {}
@@ -248,108 +259,19 @@ def module_computations(text: str) -> tuple[dict[str, list[str]], str]:
     return computations, entry
 
 
-def _dims(type_str: str) -> list[int]:
+def first_dims(type_str: str) -> list[int]:
     """The dims of a type's first array (a tuple's first element)."""
     m = SHAPE_RE.search(type_str)
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
-def _ints(text: str | None) -> list[int]:
+def ints(text: str | None) -> list[int]:
     return [int(x) for x in re.findall(r"\d+", text or "")]
 
 
-def matmul_costs(text: str) -> dict[str, float]:
-    """The matrix products of a compiled module, read from its HLO text (a loop's body
-    once, as XLA's `cost_analysis` counts it).
-
-    - `dot_flops`: its `dot` instructions (fused ones too), which `cost_analysis` counts.
-    - `custom_flops`, `custom_bytes`, `custom_calls`: the library calls an NVIDIA GPU's
-      module makes instead, cuBLAS gemms (`__cublas$gemm`, `__cublas$lt$matmul...`) and cuDNN
-      flash attention (`__cudnn$fmha...`, forward 2 products, backward 5: the scores again,
-      then dP, dV, dQ, dK; halved under a causal mask, whose hidden blocks cuDNN skips); the
-      bytes are their operands' and results' (a workspace not); the dropless experts' grouped
-      matmuls, Mosaic GPU kernels (`grouped_matmul`, under its named scope), 2 x m x k x n
-      for the m rows of their buffer (the kernels skip rows past the groups: an upper
-      bound where a buffer is not full). XLA's generic cost analysis
-      charges a custom call -1 FLOPs and -1 bytes (jax-ml/jax#22249: a 73x256 dense layer
-      counted 511 FLOPs), so `with_library_calls` adds these where it did.
-    """
-    computations, _ = module_computations(text)
-    defs: dict[str, str] = {}
-    parsed = []
-    for lines in computations.values():
-        for name, _, (type_str, opcode, rest) in instructions(lines):
-            defs[name] = type_str
-            if opcode in ("dot", "custom-call"):
-                parsed.append((type_str, opcode, rest))
-    out = {"dot_flops": 0.0, "custom_flops": 0.0, "custom_bytes": 0.0, "custom_calls": 0}
-    for type_str, opcode, rest in parsed:
-        operands = [defs.get(o, "") for o in operand_names(rest)]
-        if opcode == "dot":
-            lhs = _dims(operands[0]) if operands else []
-            m = re.search(r"lhs_contracting_dims=\{([^}]*)\}", rest)
-            contracted = _ints(m and m.group(1))
-            out["dot_flops"] += 2.0 * math.prod(_dims(type_str)) * _contracted(lhs, contracted)
-            continue
-        target = re.search(r'custom_call_target="([^"]*)"', rest)
-        target = target.group(1) if target else ""
-        if target.startswith("__cublas$"):
-            m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
-            k = _contracted(_dims(operands[0]) if operands else [], _ints(m and m.group(1)))
-            flops = 2.0 * math.prod(_dims(type_str)) * k
-        elif target.startswith("mosaic_gpu") and GROUPED_SCOPE in _op_name(rest):
-            flops = _grouped_flops([type_str, *operands])
-        elif target.startswith("__cudnn$fmha"):
-            m = re.search(r'"intermediate_tensor_shape":\{[^{}]*?"dimensions":\[([^\]]*)\]', rest)
-            scores = math.prod(_ints(m and m.group(1)))  # batch x heads x q_len x kv_len
-            head_dim = (_dims(operands[0]) or [0])[-1]
-            flops = (10.0 if "Backward" in target else 4.0) * scores * head_dim
-            if re.search(r'"mask_type":"[A-Z_]*CAUSAL"', rest):
-                flops /= 2
-        else:
-            out["custom_calls"] += 1  # a call whose work is unknown: its -1 undone only
-            continue
-        out["custom_flops"] += flops
-        data = [t for t in [*operands, *_tuple_elements(type_str)] if not t.startswith("s8[")]
-        out["custom_bytes"] += sum(type_bytes(t) for t in data)
-        out["custom_calls"] += 1
-    return out
-
-
-def _op_name(rest: str) -> str:
+def op_name(rest: str) -> str:
+    """An instruction's `op_name` metadata (JAX's named scopes), or ''."""
     return next(iter(re.findall(r'op_name="([^"]*)"', rest)), "")
-
-
-def _grouped_flops(types: list[str]) -> float:
-    """2 x m x k x n of a grouped matmul's rows [m, .] and per-group [g, k, n] types."""
-    dims = [_dims(t) for t in types if not t.startswith("s32")]
-    rows = max(d[0] for d in dims if len(d) == 2)
-    return 2.0 * rows * math.prod(next(d for d in dims if len(d) == 3)[1:])
-
-
-def _contracted(lhs: list[int], dims: list[int]) -> int:
-    return math.prod(lhs[d] for d in dims if d < len(lhs))
-
-
-def _tuple_elements(type_str: str) -> list[str]:
-    return [m.group(0) for m in SHAPE_RE.finditer(type_str)]
-
-
-def with_library_calls(cost: dict[str, float], matmuls: dict[str, float]) -> dict[str, float]:
-    """XLA's `cost_analysis` (`flops`, `bytes accessed`) with the library calls of
-    `matmul_costs` added, when it left them out: when its FLOPs fall short of its module's
-    products (`dot_flops` + half of `custom_flops`; elementwise work is a few percent of a
-    train step's), each known call is added and each call's -1 undone."""
-    if not matmuls["custom_calls"] or cost["flops"] >= (
-        matmuls["dot_flops"] + matmuls["custom_flops"] / 2
-    ):
-        return dict(cost)
-    calls = matmuls["custom_calls"]
-    return {
-        **cost,
-        "flops": cost["flops"] + matmuls["custom_flops"] + calls,
-        "bytes accessed": cost["bytes accessed"] + matmuls["custom_bytes"] + calls,
-    }
 
 
 def async_result_bytes(kind: str, type_str: str) -> int:
@@ -395,10 +317,10 @@ def parse_hlo(text: str, num_devices: int, hosts: Sequence[int] | None = None) -
     memo: dict[str, list[tuple[Op, int]]] = {}
 
     def phase_of(rest: str) -> str:
-        op_name = _op_name(rest)
-        if "transpose(" in op_name:
+        name = op_name(rest)
+        if "transpose(" in name:
             return "backward"
-        return "forward" if "jvp(" in op_name else "other"
+        return "forward" if "jvp(" in name else "other"
 
     def channel_of(attrs: str) -> int | None:
         m = re.search(r"channel_id=(\d+)", attrs)
@@ -463,11 +385,7 @@ def parse_hlo(text: str, num_devices: int, hosts: Sequence[int] | None = None) -
                 out.append((op, 1))
             elif opcode == "while":
                 body = re.search(r"body=%([^\s,]+)", rest).group(1)
-                trip = re.search(r'known_trip_count"?:\{"n":"(\d+)"', rest)
-                count = int(trip.group(1)) if trip else None
-                if count is None:
-                    cond = re.search(r"condition=%([^\s,]+)", rest).group(1)
-                    count = _trip_count(computations.get(cond, []), operand_names(rest)[0], defs)
+                count = loop_trips(rest, computations, defs)
                 if count is None:
                     unparsed.append(
                         f"{instruction} (while without a known trip count: counted once)"

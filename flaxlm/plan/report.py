@@ -30,6 +30,13 @@ def describe(run: Any, topology: str, devices: Sequence[Any], chip: Any) -> str:
     network = ""
     if chip.host_link_bytes_per_s is not None and hosts > 1:
         network = f" ({hosts} hosts: {chip.host_link_bytes_per_s / 1e9:.3g} GB/s between them)"
+    stand_in = ""
+    if devices[0].platform in ("gpu", "cuda") and jax.default_backend() != "gpu":
+        stand_in = (
+            "\nAttention: where 'auto' would run cuDNN's flash attention, which cannot be "
+            "built without a GPU here, 'chunked' attention's blocks stand in for it (the "
+            "memory cuDNN's holds; the blocks a causal mask hides counted as computed)."
+        )
     return (
         f"Planning {type(model.config).__name__} ({model.config.dtype} compute), batch "
         f"{run.batch_size} x length {length}, on {topology}: {len(devices)} x "
@@ -38,7 +45,7 @@ def describe(run: Any, topology: str, devices: Sequence[Any], chip: Any) -> str:
         f"{chip.memory_bytes_per_s / 1e9:.3g} GB/s, collectives "
         f"{chip.link_bytes_per_s / 1e9:.3g} GB/s{network} + "
         f"{chip.collective_latency_s * 1e6:.0f} us/op, "
-        f"{limit} ({chip.source})."
+        f"{limit} ({chip.source}).{stand_in}"
     )
 
 

@@ -25,7 +25,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Sequence
 
-from flaxlm.plan import hlo
+from flaxlm.plan import flops, hlo
 
 FREE = {
     "parameter",
@@ -123,26 +123,36 @@ def loop_kernels(text: str, loop: int = -1) -> list[Kernel]:
     loops = [rest for _, _, (_, op, rest) in hlo.instructions(computations[entry]) if op == "while"]
     if not loops:
         raise ValueError("The ENTRY computation has no while loop.")
-    return _kernels(computations, _callee(loops[loop], "body"), trips=True)
+    return _kernels(computations, _callee(loops[loop], "body"), _trips)
 
 
-def program_bytes(text: str) -> int:
-    """Bytes the kernels of the compiled module `text` move in one run, a loop's body counted
-    once and of each conditional the branch that moves the most: what XLA's `cost_analysis`
-    calls `bytes accessed`, for a program whose cost analysis is empty (XLA:GPU's compiled
-    ahead of time, `aot.gpu_devices`)."""
+def _trips(rest: str, computations: dict[str, list[str]], defs: dict) -> int:
+    return hlo.loop_trips(rest, computations, defs) or 1
+
+
+def program_bytes(text: str, inner_loops: bool = True) -> int:
+    """Bytes the kernels of the compiled module `text` move in one run, of each conditional
+    the branch that moves the most, a loop's body counted its `flops.kernel_loop_runs`
+    where `inner_loops` (the microbatches' and scanned layers' once), else once: what XLA's
+    `cost_analysis` calls `bytes accessed`, for a program whose cost analysis is empty
+    (XLA:GPU's compiled ahead of time, `aot.gpu_devices`)."""
     computations, entry = hlo.module_computations(text)
-    return iteration_bytes(_kernels(computations, entry, trips=False), max)
+    runs = flops.kernel_loop_runs if inner_loops else (lambda *_: 1)
+    return iteration_bytes(_kernels(computations, entry, runs), max)
 
 
-def _kernels(computations: dict[str, list[str]], top: str, trips: bool) -> list[Kernel]:
-    """The kernels computation `top` runs (see `Kernel`): an inner loop's counted its trip
-    count times where `trips`, else once."""
+def _kernels(
+    computations: dict[str, list[str]], top: str, runs: Callable[..., int]
+) -> list[Kernel]:
+    """The kernels computation `top` runs (see `Kernel`): an inner loop's counted `runs(rest,
+    computations, defs)` times (its instruction's text, its computation's instructions)."""
     types: dict[str, dict[str, str]] = {}
+    defs: dict[str, dict[str, tuple[str, str, str]]] = {}
 
     def defs_of(comp: str) -> list[tuple[str, tuple[str, str, str]]]:
         out = [(n, parsed) for n, _, parsed in hlo.instructions(computations.get(comp, []))]
         types[comp] = {n: parsed[0] for n, parsed in out}
+        defs[comp] = dict(out)
         return out
 
     kernels: list[Kernel] = []
@@ -152,8 +162,7 @@ def _kernels(computations: dict[str, list[str]], top: str, trips: bool) -> list[
             if opcode in FREE or opcode.endswith("-done"):  # a done waits on its start's bytes
                 continue
             if opcode == "while":
-                trip = re.search(r'known_trip_count"?:\{"n":"(\d+)"', rest)
-                n = int(trip.group(1)) if trip and trips else 1
+                n = runs(rest, computations, defs[comp])
                 walk(_callee(rest, "body"), branch, count * n)
                 continue
             if opcode == "conditional":

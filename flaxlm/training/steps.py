@@ -20,6 +20,7 @@ from flaxlm.data.config import DatasetConfig
 from flaxlm.models import routing
 from flaxlm.models.base import BaseModel
 from flaxlm.models.batch_shapes import batch_shapes_from
+from flaxlm.models.layers import MICROBATCH_LOOP
 from flaxlm.models.row_start import RowStart
 from flaxlm.parallel import pytrees
 from flaxlm.parallel.partitioning import Partitioner
@@ -84,7 +85,9 @@ def accumulate_gradients(
     first = jax.tree.map(lambda x: x[0], micro)
     shapes = jax.eval_shape(model.loss_fn, params, first, rng, normalizer)[1]
     zero_sums = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-    (grads, sums), _ = jax.lax.scan(body, (zeros, zero_sums), (jnp.arange(num_microbatches), micro))
+    with jax.named_scope(MICROBATCH_LOOP):  # the planner counts this loop's body once
+        init, xs = (zeros, zero_sums), (jnp.arange(num_microbatches), micro)
+        (grads, sums), _ = jax.lax.scan(body, init, xs)
     return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), sums
 
 
