@@ -27,6 +27,8 @@
 #    layer's forward + backward against the gated full attention of Qwen3-Next-80B-A3B's
 #    width, and Kimi-Linear-48B-A3B's Kimi Delta Attention, at 4k and 32k tokens, bf16,
 #    tokens/s and each row's profile (linear_attention.py; into session.log alone).
+# 4. The planner's memory against the card's, with what time is left: one program compiled
+#    here with cuDNN, its twin compiled from the CPU with the stand-in (into session.log).
 #
 # Everything lands under $OUT (the device tool's; ./gpu_out elsewhere), at most 8 files, as
 # the device tool brings back: session.log (versions and every run's output), decode.json,
@@ -148,6 +150,26 @@ if [ "$l" -ge 90 ]; then
   rm -rf /tmp/linear_profile
 else
   echo "== ${l} s left: not run: the linear attention layers" | tee -a "$log"
+fi
+
+# 4. The planner against the card (issue 67), with what time is left: the Llama-3.2-1B step at
+# 8,192 tokens planned for this GPU (cuDNN's attention compiled) and for the same chip compiled
+# from the CPU as the planner does without a GPU ('chunked' attention standing in for cuDNN's):
+# the GiB each program holds and the predicted ms, side by side, into session.log.
+l=$(($(left) - 10))
+if [ "$l" -ge 120 ]; then
+  echo "== the planner: this GPU against the CPU's compile for it, ${l} s" | tee -a "$log"
+  chip=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -qi h200 && echo h200 || echo h100)
+  plan=(python3 -m flaxlm.plan --gin_file=gin/runs/pretrain.gin
+    --gin_file=gin/models/llama3_2_1b.gin --gin_file=gin/partitioning/fsdp.gin
+    "--gin.MODEL_DIR='/tmp/plan_unused'" "--gin.MIXTURE_OR_TASK_NAME='stdlib_py'"
+    --gin.TRAIN_STEPS=1 "--gin.TASK_FEATURE_LENGTHS={'targets': 8192}" --gin.BATCH_SIZE=1
+    --max_candidates=1 "--gin.planner.plan.meshes=[(1, 1, 1)]")
+  timeout $((l / 2)) "${plan[@]}" --topology=this 2>&1 | grep -v '^\[' | tee -a "$log"
+  timeout $((l / 2)) env JAX_PLATFORMS=cpu "${plan[@]}" --topology="$chip:1" 2>&1 |
+    grep -v '^\[' | tee -a "$log"
+else
+  echo "== ${l} s left: not run: the planner against the card" | tee -a "$log"
 fi
 
 echo "== done in $((SECONDS - start)) s" | tee -a "$log"
