@@ -27,6 +27,8 @@ from flaxlm.models.layers import (
     RMSNorm,
     as_dtype,
     constrain,
+    gpu_without_one,
+    nvidia_gpu,
     parallel_dense,
     target_device,
 )
@@ -255,15 +257,14 @@ def auto_choice(
     otherwise (decoding, cross-attention, CPU, TPU). On one H200 the Llama-3.2-1B step (L2048,
     the gin's remat) took 525 ms with `is_causal` against 1203 with 'xla'; cuDNN given a dense
     mask took 754 against 'xla''s 1308 at an earlier commit, and fit 8192 where 'xla' did not
-    (benchmarks/HISTORY.md). Compiled for a GPU from a host without one (the planner), where
-    cuDNN cannot be built, 'chunked' stands in for it: blocks of scores one at a time, the
-    rows' statistics saved: the memory cuDNN's holds, not 'xla''s whole scores."""
-    gpu = jax.default_backend() == "gpu" or target_device().platform in ("gpu", "cuda")
+    (benchmarks/HISTORY.md). Where cuDNN cannot be built (`layers.gpu_without_one`: the
+    planner), 'chunked' stands in: its blocks hold what cuDNN's would, not 'xla''s scores."""
+    gpu = nvidia_gpu(target := target_device()) or jax.default_backend() == "gpu"
     if not gpu or bias is not None or softcap is not None:
         return "xla"
     if as_dtype(dtype) not in CUDNN_DTYPES or not whole_self_attention(mask):
         return "xla"
-    return "jax" if jax.default_backend() == "gpu" else "chunked"
+    return "chunked" if gpu_without_one(target) else "jax"
 
 
 def cudnn_head_dim(head_dim: int) -> bool:

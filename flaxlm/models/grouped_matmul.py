@@ -197,7 +197,7 @@ def hopper() -> bool:
     """Whether the device compiled for (`layers.target_device`) is an NVIDIA GPU of compute
     capability 9.x: an attached GPU by its compute capability, an abstract one by its kind."""
     device = layers.target_device()
-    if device.platform not in ("gpu", "cuda"):
+    if not layers.nvidia_gpu(device):
         return False
     capability = getattr(device, "compute_capability", None)
     if capability is None and jax.default_backend() == "gpu":

@@ -36,6 +36,17 @@ MICROBATCH_LOOP = "microbatches"
 LAYER_LOOP = "scanned_layers"
 
 
+def nvidia_gpu(device: Any) -> bool:
+    """Whether `device` (attached, or a mesh's abstract one) is an NVIDIA GPU."""
+    return device.platform in ("gpu", "cuda")
+
+
+def gpu_without_one(device: Any) -> bool:
+    """Whether `device` is an NVIDIA GPU compiled for from a host without one (the planner's
+    programs), where what needs the GPU's libraries (cuDNN) cannot be built."""
+    return nvidia_gpu(device) and jax.default_backend() != "gpu"
+
+
 def target_device() -> Any:
     """The device a computation is compiled for: the abstract device of the mesh in JAX's
     context (a slice or a cluster compiled for ahead of time from another host included),

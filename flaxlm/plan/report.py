@@ -13,6 +13,7 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 
+from flaxlm.models import layers
 from flaxlm.plan import chips
 
 GIB = 2**30
@@ -31,7 +32,7 @@ def describe(run: Any, topology: str, devices: Sequence[Any], chip: Any) -> str:
     if chip.host_link_bytes_per_s is not None and hosts > 1:
         network = f" ({hosts} hosts: {chip.host_link_bytes_per_s / 1e9:.3g} GB/s between them)"
     stand_in = ""
-    if devices[0].platform in ("gpu", "cuda") and jax.default_backend() != "gpu":
+    if layers.gpu_without_one(devices[0]):  # `attention.auto_choice`'s stand-in
         stand_in = (
             "\nAttention: where 'auto' would run cuDNN's flash attention, which cannot be "
             "built without a GPU here, 'chunked' attention's blocks stand in for it (the "
