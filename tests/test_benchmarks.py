@@ -515,7 +515,9 @@ def test_ragged_dispatch_compiled_for_a_v5p_slice_holds_less_per_device_with_mor
     dispatch, compiled ahead of time for v5p:2x2x2 (libtpu, no TPU) on the fsdp mesh with
     its `expert` axis at 2 and at 8: the real `ragged-all-to-all` in the program, and the
     temporaries per device fall as the experts spread (each device gathers only its own
-    experts' weights, and the buffers follow the tokens it sends, not the group's)."""
+    experts' weights, and the buffers follow the tokens it sends, not the group's). The GiB a
+    device the planner gives a TPU program is libtpu's own peak, at most the sum of its
+    arguments and temporaries (which are not all live at once)."""
     script = (
         "import bench_common; bench_common.force_host_devices(8)\n"
         "devices = bench_common.topology_devices('v5p:2x2x2')\n"
@@ -527,6 +529,11 @@ def test_ragged_dispatch_compiled_for_a_v5p_slice_holds_less_per_device_with_mor
         "    temp = step.compiled.memory_analysis().temp_size_in_bytes\n"
         "    ragged = step.hlo_text().count(' ragged-all-to-all(')\n"
         "    print('expert', expert, temp, ragged)\n"
+        "    mem = step.compiled.memory_analysis()\n"
+        "    total = mem.argument_size_in_bytes + mem.output_size_in_bytes\n"
+        "    total += mem.temp_size_in_bytes - mem.alias_size_in_bytes\n"
+        "    peak = mem.peak_memory_in_bytes\n"
+        "    print('bytes', step.device_bytes(), peak, total)\n"
     )
     run = subprocess.run(
         [sys.executable, "-c", script],
@@ -541,3 +548,9 @@ def test_ragged_dispatch_compiled_for_a_v5p_slice_holds_less_per_device_with_mor
     (two, temp2, ragged2), (eight, temp8, ragged8) = ((int(x) for x in r[1:]) for r in rows)
     assert (two, eight) == (2, 8) and ragged2 > 0 and ragged8 > 0, rows
     assert int(temp8) < int(temp2), rows
+    sizes = [
+        [int(x) for x in r.split()[1:]] for r in run.stdout.splitlines() if r.startswith("bytes ")
+    ]
+    assert len(sizes) == 2 and all(0 < shown == peak <= total for shown, peak, total in sizes), (
+        sizes
+    )

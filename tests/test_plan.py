@@ -7,6 +7,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -543,7 +544,9 @@ def test_command_line_plans_for_a_cluster_of_gpu_hosts(tmp_path):
 @pytest.mark.slow
 def test_command_line_on_a_tpu_topology_says_what_the_compiler_could_not_fit():
     """`--topology=v5e:2x4` (libtpu, no TPU): a batch no v5e chip holds gets the TPU
-    compiler's own RESOURCE_EXHAUSTED line per candidate and a "Nothing fits" summary."""
+    compiler's own RESOURCE_EXHAUSTED line per candidate and a "Nothing fits" summary; each
+    row's GiB/device is the compiler's figure, which holds the arguments (the training state)
+    already (it was counted twice: the state added to it)."""
     proc = run_plan(
         "--gin_file=gin/gptj_pretrain.gin",
         "--topology=v5e:2x4",
@@ -551,12 +554,16 @@ def test_command_line_on_a_tpu_topology_says_what_the_compiler_could_not_fit():
         "--gin.BATCH_SIZE=4096",
         "--gin.TASK_FEATURE_LENGTHS={'targets': 2048}",
         "--gin.GPTJConfig.num_layers=1",
+        "--gin.GPTJConfig.intermediate_size=131072",  # a state of 0.1 GiB a chip
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "on v5e:2x4: 8 x TPU v5 lite" in proc.stdout
     assert proc.stdout.count("does not fit: RESOURCE_EXHAUSTED") == 2
     assert "exceeds available HBM" in proc.stdout
     assert "Nothing fits: the smallest candidate" in proc.stdout
+    needs = re.findall(r"HLO temporaries \(([\d.]+)G\)", proc.stdout)
+    assert len(needs) == 2 and all(f"| no | {need} |" in proc.stdout for need in needs)
+    assert f"needs {min(needs, key=float)} GiB/device." in proc.stdout
 
 
 def tiny_moe_run() -> plan_run.Run:

@@ -279,17 +279,30 @@ class CompiledStep:
             self.compile_seconds = time.perf_counter() - start
 
     def device_bytes(self) -> int | None:
-        """Bytes one device holds while the step runs: its arguments, outputs not aliased
-        to them, and temporaries (None when it did not compile)."""
+        """Bytes one device holds while the step runs (None when it did not compile).
+
+        For a TPU, libtpu's own peak (`peak_memory_in_bytes`): the most its heap holds at
+        once, the figure it checks against the chip's HBM (a step whose sum below exceeds
+        the HBM compiles when its peak does not: temporaries and arguments are not all live
+        at once). Elsewhere the sum of its arguments, outputs not aliased to them and
+        temporaries: XLA:CPU reports only the arguments as its peak, and XLA:GPU's peak is
+        that sum."""
         if self.compiled is None:
             return None
         mem = self.compiled.memory_analysis()
+        if self.platform == "tpu":
+            return int(mem.peak_memory_in_bytes)
         return int(
             mem.argument_size_in_bytes
             + mem.output_size_in_bytes
             - mem.alias_size_in_bytes
             + mem.temp_size_in_bytes
         )
+
+    @property
+    def platform(self) -> str:
+        """The platform compiled for ('tpu', 'gpu', 'cpu')."""
+        return self.setup.partitioner.mesh.devices.flat[0].platform
 
     def hlo_text(self) -> str:
         """The compiled program's HLO text, made once (megabytes for a large model; the

@@ -194,10 +194,11 @@ class Planner:
         result = Result(knobs, "fits", step=step, state_bytes=step.state_bytes)
         if step.compiled is None:
             result.status, result.reason = "does not fit", step.out_of_memory or ""
-            # "... HLO temporaries (19.95G) exceeds ...": rank by temporaries + the state
+            # libtpu's "... the total memory required for HLO temporaries (19.95G) exceeds
+            # available HBM ...": its would-be peak, the arguments (the state) included
             need = re.search(r"temporaries \(([\d.]+)G\)", result.reason)
             if need:
-                result.device_bytes = int(float(need.group(1)) * GIB) + step.state_bytes
+                result.device_bytes = int(float(need.group(1)) * GIB)
             elif step.lowered is None:  # the state alone exceeds the limit: not compiled
                 result.device_bytes, result.at_least = step.state_bytes, True
             result.compile_s = time.perf_counter() - start
