@@ -60,7 +60,7 @@ def spec_for_model_type(model_type: str) -> HFSpec:
     if model_type not in HF_SPECS:
         raise ValueError(
             f"config.json has model_type {model_type!r}, which flaxlm does not know; "
-            f"known: {sorted(HF_SPECS)}."
+            f"known: {sorted([*HF_SPECS, *hf_spec.MULTIMODAL])}."
         )
     return HF_SPECS[model_type]
 
@@ -95,7 +95,9 @@ def config_from_hf_dict(
 ) -> tuple[HFSpec, Any]:
     """The family spec and its config for an HF config.json dict, vocabulary padded to a
     multiple of `vocab_multiple`; `dtype` sets the compute and param dtypes, `overrides` any
-    config field after it."""
+    config field after it. A multimodal file's config gives its text tower's
+    (`hf_spec.text_tower`)."""
+    hf_config = hf_spec.text_tower(dict(hf_config))
     spec = spec_for_model_type(hf_config.get("model_type", "<missing>"))
     try:
         config = spec.config_from_hf(dict(hf_config))
@@ -250,7 +252,7 @@ def model_from_hf_dir(
     after it (e.g. `scan_layers=True`, `dtype='bfloat16'` to compute in bf16 on f32 params).
     """
     config_overrides = dict(config_overrides or {})
-    hf_config = read_hf_config(path)
+    hf_config = hf_spec.text_tower(read_hf_config(path))
     multiple = vocab_multiple_for(partitioner)
     spec, config = config_from_hf_dict(hf_config, multiple, dtype, config_overrides)
     reader = SafetensorsReader(path, spec.base_model_prefix, spec.own_names, quiet=True)

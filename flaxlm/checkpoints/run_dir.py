@@ -31,6 +31,7 @@ from etils import epath
 
 from flaxlm.checkpoints import checkpointer, hf, hf_files, peft_dir
 from flaxlm.data import vocabularies
+from flaxlm.models import hf_spec
 from flaxlm.models.base import BaseModel, DecoderOnlyModel
 from flaxlm.models.options import eos_tuple
 from flaxlm.models.row_start import HF_START, SEQIO_START, RowStart
@@ -83,7 +84,7 @@ def write_model_record(
     """
     if hf_dir is not None:
         hf_config, generation = (
-            hf_files.read_hf_config(hf_dir),
+            hf_spec.text_tower(hf_files.read_hf_config(hf_dir)),
             hf_files.read_generation_config(hf_dir),
         )
         model = copy.copy(model)
@@ -130,7 +131,8 @@ def model_from_record(
         spec = hf.spec_for_model_type(record.get("model_type", "<missing>"))
         config = dataclasses.replace(spec.config_cls(**record["flaxlm_config"]), **overrides)
         generation = record.get("flaxlm_generation_config")
-    else:  # an HF directory's config.json
+    else:  # an HF directory's config.json (a multimodal file's: its text tower's)
+        record = hf_spec.text_tower(record)
         multiple = hf.vocab_multiple_for(partitioner)
         spec, config = hf.config_from_hf_dict(record, multiple, overrides=overrides)
         generation = hf_files.read_generation_config(file.parent)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flaxlm.models import attention, layers, llama, masks, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
-from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
+from flaxlm.models.hf_spec import HFSpec, HFTensor, Multimodal, register_hf, text_tower
 from flaxlm.models.options import ComputeOptions
 
 Array = jax.Array
@@ -351,9 +351,7 @@ HF_FIELDS = {
 def config_from_hf(hf: dict, **overrides) -> GemmaConfig:
     """The config of a Gemma 2, Gemma 3 text or (its text tower) Gemma 3 multimodal
     config.json, fields it leaves out at transformers' defaults."""
-    if hf["model_type"] == "gemma3":  # Gemma3ForConditionalGeneration
-        tied = hf.get("tie_word_embeddings", True)
-        hf = {"tie_word_embeddings": tied, **hf.get("text_config", {}), "model_type": "gemma3_text"}
+    hf = text_tower(hf)  # Gemma3ForConditionalGeneration's: its text_config
     model_type = hf["model_type"]
     if hf.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention=True is not supported: Gemma is causal here.")
@@ -412,7 +410,9 @@ def hf_tensors(cfg: GemmaConfig) -> list[HFTensor]:
 
 HF_SPEC = register_hf(
     HFSpec(
-        model_types=(*MODEL_TYPES, "gemma3"),
+        model_types=MODEL_TYPES,
+        # Gemma3ForConditionalGeneration: its LM head its own, tied by default.
+        multimodal=(Multimodal("gemma3", "gemma3_text", tied=True),),
         config_cls=GemmaConfig,
         model_cls=DecoderOnlyModel,
         config_from_hf=config_from_hf,

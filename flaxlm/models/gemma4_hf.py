@@ -10,7 +10,15 @@ from typing import Any
 from flaxlm.models import llama, qwen_moe
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.gemma4 import GLOBAL, LAYER_TYPES, ROPE_FIELDS, ROPE_TYPES, SLIDING, Gemma4Config
-from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, per_kind, register_hf
+from flaxlm.models.hf_spec import (
+    HFSpec,
+    HFTensor,
+    Multimodal,
+    linear,
+    per_kind,
+    register_hf,
+    text_tower,
+)
 
 ARCHITECTURE = "Gemma4ForCausalLM"
 # transformers' defaults of the fields a config.json may leave out.
@@ -135,9 +143,7 @@ def rope_from_hf(hf: dict, types: tuple[str, ...]) -> dict[str, Any]:
 def config_from_hf(hf: dict, **overrides: Any) -> Gemma4Config:
     """The config of a Gemma 4 text config.json (a multimodal `gemma4` one: its text_config),
     fields it leaves out at transformers' defaults."""
-    if hf["model_type"] == "gemma4":  # Gemma4ForConditionalGeneration
-        tied = hf.get("tie_word_embeddings", True)
-        hf = {"tie_word_embeddings": tied, **hf.get("text_config", {}), "model_type": "gemma4_text"}
+    hf = text_tower(hf)  # Gemma4ForConditionalGeneration's: its text_config
     # 'vision' makes image tokens see each other: text alone is causal all the same.
     if hf.get("use_bidirectional_attention") not in (None, "vision"):
         raise ValueError(
@@ -273,7 +279,9 @@ def moe_tensors(ours: str, hf: str, n: int) -> list[HFTensor]:
 
 HF_SPEC = register_hf(
     HFSpec(
-        model_types=("gemma4_text", "gemma4"),
+        model_types=("gemma4_text",),
+        # Gemma4ForConditionalGeneration: its LM head its own, tied by default.
+        multimodal=(Multimodal("gemma4", "gemma4_text", tied=True),),
         config_cls=Gemma4Config,
         model_cls=DecoderOnlyModel,
         config_from_hf=config_from_hf,

@@ -193,6 +193,9 @@ class HFSpec:
     # config -> the fields above whose value depends on the config (DeepSeek-V3's `skip` and
     # `ignore`: its MTP layer is skipped unless the config holds it); `for_config` applies it.
     config_fields: Callable[[Any], dict[str, Any]] | None = None
+    # The multimodal files whose text tower this family reads (`text_tower`), as `Multimodal`
+    # records; their tensors' names come through `renames` and `skip` above.
+    multimodal: tuple[Multimodal, ...] = ()
 
     def for_config(self, config: Any) -> HFSpec:
         """This spec for a model of `config` (`config_fields` applied)."""
@@ -216,11 +219,49 @@ class HFSpec:
         return names, skipped
 
 
+class Multimodal(NamedTuple):
+    """A multimodal config.json whose text tower is a family's (Llama 4's `llama4`, whose
+    `text_config` is a `llama4_text`): the text tower loads as that family's model, and
+    exports as it (the other towers are skipped with a note)."""
+
+    model_type: str  # the file's model_type
+    text_type: str  # its text_config's model_type where that names none (transformers')
+    # The file's `tie_word_embeddings` default where its LM head is its own (transformers
+    # ties it by the outer config's setting); None where the head is the text tower's
+    # (its text_config's setting decides).
+    tied: bool | None
+
+
 HF_SPECS: dict[str, HFSpec] = {}
+MULTIMODAL: dict[str, Multimodal] = {}
+# What a multimodal file's outer config.json says for its text tower, where the text_config
+# itself says nothing: how its weights are quantized and its special token ids.
+_OUTER_FIELDS = ("quantization_config", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def register_hf(spec: HFSpec) -> HFSpec:
-    """Makes `spec` the reader and writer of its model types (in `HF_SPECS`); returns it."""
+    """Makes `spec` the reader and writer of its model types (in `HF_SPECS`) and of the text
+    towers of its multimodal files (`MULTIMODAL`); returns it."""
     for model_type in spec.model_types:
         HF_SPECS[model_type] = spec
+    for outer in spec.multimodal:
+        MULTIMODAL[outer.model_type] = outer
     return spec
+
+
+def text_tower(hf: dict[str, Any]) -> dict[str, Any]:
+    """The config.json dict of a multimodal file's text tower (`MULTIMODAL`): its
+    `text_config` with its model_type, the outer config's `tie_word_embeddings` where the
+    outer model holds the LM head (as transformers ties it), and the outer quantization
+    config and special token ids where the text config has none. Any other dict: itself."""
+    outer = MULTIMODAL.get(hf.get("model_type", ""))
+    if outer is None:
+        return hf
+    text = dict(hf.get("text_config") or {})
+    text.setdefault("model_type", outer.text_type)
+    for name in _OUTER_FIELDS:
+        if text.get(name) is None and hf.get(name) is not None:
+            text[name] = hf[name]
+    if outer.tied is not None:
+        text["tie_word_embeddings"] = hf.get("tie_word_embeddings", outer.tied)
+    return text

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flaxlm.models import attention, layers, masks, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
-from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.hf_spec import HFSpec, HFTensor, Multimodal, linear, register_hf
 
 Array = jax.Array
 
@@ -430,6 +430,15 @@ def hf_tensors_but_mlp(cfg: Any) -> list[HFTensor]:
     return [t for t in table if ".mlp." not in t.hf]
 
 
+# Mistral 3's multimodal files (Mistral3ForConditionalGeneration: Mistral Small 3.1 and 3.2,
+# and Mistral Small 4, whose text tower is a `mistral4`): the text tower under
+# `language_model.` (`model.language_model.` as transformers holds it), the LM head the
+# outer model's (`language_model.lm_head.`, tied by default), the vision tower and the
+# projector skipped.
+MISTRAL3 = Multimodal("mistral3", "mistral", tied=True)
+MISTRAL3_RENAMES = ((r"^language_model\.", ""), (r"^model\.language_model\.", "model."))
+MISTRAL3_SKIP = (r"^(model\.)?(vision_tower|multi_modal_projector)\.",)
+
 HF_SPEC = register_hf(
     HFSpec(
         model_types=MODEL_TYPES,
@@ -441,5 +450,8 @@ HF_SPEC = register_hf(
         # Buffers, and the head that a tied checkpoint may still carry.
         ignore=(r"rotary_emb\.inv_freq$", r"embed_scale$", r"^lm_head\.weight$"),
         tied_head=("lm_head.weight", "model.embed_tokens.weight"),
+        multimodal=(MISTRAL3,),
+        renames=MISTRAL3_RENAMES,
+        skip=MISTRAL3_SKIP,
     )
 )

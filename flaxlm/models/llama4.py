@@ -43,7 +43,7 @@ from flaxlm.models import (
 )
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
-from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, per_kind, register_hf
+from flaxlm.models.hf_spec import HFSpec, HFTensor, Multimodal, linear, per_kind, register_hf
 
 Array = jax.Array
 
@@ -490,5 +490,10 @@ HF_SPEC = register_hf(
         ignore=llama.HF_SPEC.ignore,
         base_model_prefix="model",
         tied_head=llama.HF_SPEC.tied_head,
+        # The Hub's files (Llama4ForConditionalGeneration): the text tower, its LM head
+        # included, under `language_model.`; the vision tower and projector skipped.
+        multimodal=(Multimodal("llama4", "llama4_text", tied=None),),
+        renames=((r"^language_model\.", ""),),
+        skip=(r"^(vision_model|multi_modal_projector)\.",),
     )
 )

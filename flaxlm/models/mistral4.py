@@ -363,5 +363,9 @@ HF_SPEC = register_hf(
         ignore=(*llama.HF_SPEC.ignore, r"\.mlp\.shared_experts\.(gate|up|down)_proj\.weight$"),
         base_model_prefix="model",
         tied_head=llama.HF_SPEC.tied_head,
+        # Mistral Small 4's files: a Mistral 3 multimodal file (`llama.MISTRAL3`, which
+        # names 'mistral' the text tower of a text_config naming none).
+        renames=llama.MISTRAL3_RENAMES,
+        skip=llama.MISTRAL3_SKIP,
     )
 )

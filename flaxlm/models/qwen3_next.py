@@ -58,8 +58,6 @@ ARCHITECTURES = {
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
-# The Hub's multimodal Qwen3.5 files: the model type of their text tower.
-MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 LINEAR, FULL = "linear_attention", "full_attention"  # HF's layer_types entries
 
 

@@ -15,8 +15,16 @@ import numpy as np
 
 from flaxlm.models import glm4_moe, llama, mtp_hf, qwen_moe, rope
 from flaxlm.models.base import DecoderOnlyModel
-from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, per_kind, register_hf
-from flaxlm.models.qwen3_next import ARCHITECTURES, FULL, MODEL_TYPES, MULTIMODAL, Qwen3NextConfig
+from flaxlm.models.hf_spec import (
+    HFSpec,
+    HFTensor,
+    Multimodal,
+    linear,
+    per_kind,
+    register_hf,
+    text_tower,
+)
+from flaxlm.models.qwen3_next import ARCHITECTURES, FULL, MODEL_TYPES, Qwen3NextConfig
 
 # transformers' config classes' defaults of the config.json fields flaxlm reads.
 _LINEAR_DEFAULTS = dict(
@@ -71,6 +79,12 @@ HF_DEFAULTS = {
         shared_expert_intermediate_size=512,
     ),
 }
+# The Hub's multimodal Qwen3.5 files (their LM head outside the text tower, untied by
+# default): the model type of their text tower.
+MULTIMODAL = (
+    Multimodal("qwen3_5", "qwen3_5_text", tied=False),
+    Multimodal("qwen3_5_moe", "qwen3_5_moe_text", tied=False),
+)
 _COPIED = (
     ("vocab_size", "vocab_size"),
     ("hidden_size", "hidden_size"),
@@ -98,19 +112,10 @@ _MOE_COPIED = (
 )
 
 
-def text_config(hf: dict) -> dict:
-    """A config.json dict of the text model: itself, or a multimodal file's `text_config`."""
-    if hf["model_type"] not in MULTIMODAL:
-        return hf
-    tied = hf.get("tie_word_embeddings", False)
-    text = hf.get("text_config") or {}
-    return {"tie_word_embeddings": tied, **text, "model_type": MULTIMODAL[hf["model_type"]]}
-
-
 def config_from_hf(hf: dict, **overrides: Any) -> Qwen3NextConfig:
     """A Qwen3NextConfig from a Qwen3-Next or Qwen3.5 config.json dict (+ field overrides),
     fields it leaves out at transformers' defaults."""
-    hf = text_config(hf)
+    hf = text_tower(hf)
     model_type = hf["model_type"]
     hf = {**HF_DEFAULTS[model_type], **hf}
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -273,7 +278,8 @@ def mtp_tensors(cfg: Qwen3NextConfig) -> list[HFTensor]:
 
 HF_SPEC = register_hf(
     HFSpec(
-        model_types=(*MODEL_TYPES, *MULTIMODAL),
+        model_types=MODEL_TYPES,
+        multimodal=MULTIMODAL,
         config_cls=Qwen3NextConfig,
         model_cls=DecoderOnlyModel,
         config_from_hf=config_from_hf,

@@ -1,0 +1,231 @@
+"""The Hub's multimodal files of families flaxlm reads as text models: a tiny
+`Llama4ForConditionalGeneration` (how the Hub ships Llama 4 Scout and Maverick) and
+`Mistral3ForConditionalGeneration`s (Mistral Small 3.1 / 3.2 with a `mistral` text tower,
+Mistral Small 4 with a `mistral4` one), built by transformers and saved by its
+`save_pretrained`: the text tower loads, its logits and greedy tokens are the multimodal
+model's own on text, the vision tower is skipped with a note, and the export is the text
+model, which transformers reloads to the same logits."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import transformers
+from safetensors.numpy import load_file, save_file
+
+from flaxlm.checkpoints import hf
+from flaxlm.models import hf_spec, llama, llama4, mistral4
+from tests.hf_helpers import (
+    decoder_batch,
+    flaxlm_greedy_batch,
+    hf_greedy_batch,
+    max_abs_diff,
+    padded_batch,
+    save_byte_bpe_tokenizer,
+    torch_logits,
+)
+from tests.test_hf_mistral4 import FULL as MISTRAL4_TEXT
+from tests.test_main import read_metrics, run_main
+
+VOCAB = 120
+# float32 logits of 2-layer models whose values are O(1): other summation orders round
+# at ~eps x sqrt(width) x depth ~ 1e-6; 1e-4 is what every family meets.
+LOGITS_TOL = 1e-4
+VISION = {
+    "llama4": dict(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        image_size=28,
+        patch_size=14,
+        vision_output_dim=32,
+        projector_input_dim=32,
+        projector_output_dim=32,
+    ),
+    "mistral3": dict(
+        model_type="pixtral",
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        image_size=28,
+        patch_size=14,
+        head_dim=8,
+    ),
+}
+LLAMA4_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=16,
+    intermediate_size_mlp=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_hidden_layers=2,
+    num_local_experts=4,
+    num_experts_per_tok=1,
+    interleave_moe_layer_step=2,
+    attention_chunk_size=8,
+    max_position_embeddings=96,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,  # no EOS: HF's min_new_tokens would otherwise forbid one
+)
+MISTRAL_TEXT = dict(
+    model_type="mistral",
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_hidden_layers=2,
+    sliding_window=None,
+    max_position_embeddings=96,
+    initializer_range=0.1,
+)
+# name: (outer config class, model class, its text config, outer fields, flaxlm's config)
+FILES = {
+    "llama4": (
+        transformers.Llama4Config,
+        transformers.Llama4ForConditionalGeneration,
+        LLAMA4_TEXT,
+        {},
+        llama4.Llama4Config,
+    ),
+    # Tied by the outer config's default (the head is the outer model's): no head stored.
+    "mistral3": (
+        transformers.Mistral3Config,
+        transformers.Mistral3ForConditionalGeneration,
+        MISTRAL_TEXT,
+        {},
+        llama.LlamaConfig,
+    ),
+    # Mistral Small 4's file: untied, its text tower a `mistral4`.
+    "mistral3_mistral4": (
+        transformers.Mistral3Config,
+        transformers.Mistral3ForConditionalGeneration,
+        {**MISTRAL4_TEXT, "model_type": "mistral4"},
+        {"tie_word_embeddings": False},
+        mistral4.Mistral4Config,
+    ),
+}
+
+
+def saved_file(name, path, **text_changes):
+    """A seeded random multimodal model of `FILES[name]` (norms perturbed), saved."""
+    import torch
+
+    config_cls, model_cls, text, outer, _ = FILES[name]
+    text = {**text, **text_changes}
+    vision = VISION[name.split("_")[0]]
+    torch.manual_seed(0)
+    config = config_cls(text_config=text, vision_config=vision, **outer)
+    config._attn_implementation = "eager"
+    config.text_config._attn_implementation = "eager"
+    torch_model = model_cls(config).eval()
+    with torch.no_grad():
+        for param_name, p in torch_model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    torch_model.save_pretrained(str(path))
+    return torch_model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_the_text_tower_of_a_multimodal_file_loads_with_its_logits(name, tmp_path, capsys):
+    torch_model = saved_file(name, tmp_path / "hub")
+    stored = load_file(str(tmp_path / "hub" / "model.safetensors"))
+    assert any(k.startswith("language_model.") for k in stored)  # the Hub's spelling
+    model, params = hf.from_pretrained(tmp_path / "hub")
+    assert type(model.config) is FILES[name][4]
+    ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
+    theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+    ours = np.asarray(model.compute_logits(params, decoder_batch(ids, mask)))
+    assert max_abs_diff(ours, theirs, mask) < LOGITS_TOL
+    assert "tensors the model does not use" in capsys.readouterr().out  # the vision tower's
+
+    if name == "mistral3":
+        # As transformers holds the model (`model.language_model.`, `model.vision_tower.`):
+        # the same params.
+        held = {held_name(k): v for k, v in stored.items()}
+        (tmp_path / "held").mkdir()
+        save_file(held, str(tmp_path / "held" / "model.safetensors"), metadata={"format": "pt"})
+        config = (tmp_path / "hub" / "config.json").read_text()
+        (tmp_path / "held" / "config.json").write_text(config)
+        _, again = hf.from_pretrained(tmp_path / "held")
+        assert jax.tree.all(jax.tree.map(np.array_equal, again, params))
+    if name == "llama4":
+        rng = np.random.default_rng(3)
+        prompts = [rng.integers(1, VOCAB, n).tolist() for n in (11, 4, 17)]
+        text_model = torch_model.language_model
+        assert flaxlm_greedy_batch(model, params, prompts) == hf_greedy_batch(text_model, prompts)
+
+        hf.save_pretrained(model, params, tmp_path / "export")
+        exported = json.loads((tmp_path / "export" / "config.json").read_text())
+        assert exported["model_type"] == "llama4_text"
+        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+            str(tmp_path / "export"), output_loading_info=True
+        )
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+        again = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
+        assert max_abs_diff(ours, again, mask) <= 1e-5 * max(1.0, np.abs(again).max())
+
+
+def held_name(stored: str) -> str:
+    """A Mistral 3 file's tensor name as transformers holds it in memory."""
+    if stored.startswith("language_model.model."):
+        return stored.replace("language_model.model.", "model.language_model.", 1)
+    if stored.startswith("language_model."):  # the LM head
+        return stored.removeprefix("language_model.")
+    return f"model.{stored}"  # the vision tower and projector
+
+
+def test_a_multimodal_config_reads_as_its_text_tower():
+    """The outer config's tying (where its model holds the head), quantization config and
+    special ids reach the text tower's; an unknown file names the multimodal ones."""
+    text = {k: v for k, v in MISTRAL_TEXT.items() if k != "model_type"}  # the default's
+    outer = {"model_type": "mistral3", "text_config": {**text, "tie_word_embeddings": False}}
+    _, config = hf.config_from_hf_dict(outer)
+    assert type(config) is llama.LlamaConfig and config.tie_word_embeddings  # Mistral 3's default
+    outer.update(eos_token_id=2, quantization_config={"quant_method": "gptq"})
+    text = hf_spec.text_tower(outer)
+    assert text["model_type"] == "mistral" and text["eos_token_id"] == 2
+    assert text["quantization_config"] == {"quant_method": "gptq"}
+    with pytest.raises(ValueError, match="'llama4'"):
+        hf.spec_for_model_type("llava_next")
+
+
+@pytest.mark.slow
+def test_finetune_hf_gin_trains_the_text_tower_of_a_multimodal_file(tmp_path, repo_dir):
+    """gin/finetune_hf.gin from a Llama 4 file as the Hub ships it (`INIT_FROM_HF`, with its
+    own tokenizer): the run trains the text tower, its record is the text model's, and it
+    stops at the text config's EOS (the outer config names none)."""
+    source = tmp_path / "hub"
+    length = save_byte_bpe_tokenizer(source, style="llama3")
+    bos, eos = length - 3, length - 2  # <|begin_of_text|>, <|end_of_text|>
+    saved_file("llama4", source, vocab_size=length, bos_token_id=bos, eos_token_id=eos)
+    assert "eos_token_id" not in json.loads((source / "config.json").read_text())
+    model_dir = tmp_path / "run"
+    result = run_main(
+        [
+            "--gin_file=gin/finetune_hf.gin",
+            f"--gin.INIT_FROM_HF='{source}'",
+            f"--gin.MODEL_DIR='{model_dir}'",
+            "--gin.COMPUTE_DTYPE='float32'",
+            "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+            "--gin.BATCH_SIZE=8",
+            "--gin.TRAIN_STEPS=2",
+            "--gin.EVAL_PERIOD=0",
+            "--gin.LOG_PERIOD=1",
+        ],
+        cwd=repo_dir,
+        devices=2,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((model_dir / "model_record.json").read_text())
+    assert record["model_type"] == "llama4_text" and record["flaxlm_eos_ids"] == [eos]
+    assert [r["step"] for r in read_metrics(str(model_dir)) if "loss" in r] == [1, 2]
