@@ -26,34 +26,25 @@ from tests.hf_helpers import (
     torch_logits,
 )
 from tests.test_hf_mistral4 import FULL as MISTRAL4_TEXT
-from tests.test_main import read_metrics, run_main
+from tests.test_hf_runs import finetune_hf
+from tests.test_main import read_metrics
 
 VOCAB = 120
 # float32 logits of 2-layer models whose values are O(1): other summation orders round
 # at ~eps x sqrt(width) x depth ~ 1e-6; 1e-4 is what every family meets.
 LOGITS_TOL = 1e-4
+# The smallest vision towers transformers builds (the text tower is what flaxlm reads).
+TOWER = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
 VISION = {
     "llama4": dict(
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
+        TOWER,
         image_size=28,
         patch_size=14,
         vision_output_dim=32,
         projector_input_dim=32,
         projector_output_dim=32,
     ),
-    "mistral3": dict(
-        model_type="pixtral",
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        image_size=28,
-        patch_size=14,
-        head_dim=8,
-    ),
+    "mistral3": dict(TOWER, model_type="pixtral", image_size=28, patch_size=14, head_dim=8),
 }
 LLAMA4_TEXT = dict(
     vocab_size=VOCAB,
@@ -210,21 +201,7 @@ def test_finetune_hf_gin_trains_the_text_tower_of_a_multimodal_file(tmp_path, re
     saved_file("llama4", source, vocab_size=length, bos_token_id=bos, eos_token_id=eos)
     assert "eos_token_id" not in json.loads((source / "config.json").read_text())
     model_dir = tmp_path / "run"
-    result = run_main(
-        [
-            "--gin_file=gin/finetune_hf.gin",
-            f"--gin.INIT_FROM_HF='{source}'",
-            f"--gin.MODEL_DIR='{model_dir}'",
-            "--gin.COMPUTE_DTYPE='float32'",
-            "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
-            "--gin.BATCH_SIZE=8",
-            "--gin.TRAIN_STEPS=2",
-            "--gin.EVAL_PERIOD=0",
-            "--gin.LOG_PERIOD=1",
-        ],
-        cwd=repo_dir,
-        devices=2,
-    )
+    result = finetune_hf(source, model_dir, repo_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads((model_dir / "model_record.json").read_text())
     assert record["model_type"] == "llama4_text" and record["flaxlm_eos_ids"] == [eos]

@@ -134,6 +134,27 @@ def test_import_then_train_then_export(tmp_path, repo_dir, hf_dir):
     assert json.loads(open(os.path.join(out, "config.json")).read())["model_type"] == "gptj"
 
 
+def finetune_hf(source, model_dir, repo_dir, *bindings: str):
+    """gin/finetune_hf.gin from HF directory `source` for 2 steps of 8 x 64 tokens in float32
+    on 2 devices, logging each step, with `bindings` after."""
+    return run_main(
+        [
+            "--gin_file=gin/finetune_hf.gin",
+            f"--gin.INIT_FROM_HF='{source}'",
+            f"--gin.MODEL_DIR='{model_dir}'",
+            "--gin.COMPUTE_DTYPE='float32'",
+            "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
+            "--gin.BATCH_SIZE=8",
+            "--gin.TRAIN_STEPS=2",
+            "--gin.EVAL_PERIOD=0",
+            "--gin.LOG_PERIOD=1",
+            *bindings,
+        ],
+        cwd=repo_dir,
+        devices=2,  # (each device of the fsdp axis is an input pipeline to build)
+    )
+
+
 @pytest.mark.slow
 def test_finetune_hf_gin_starts_from_any_hf_directory_and_exports_it_back(tmp_path, repo_dir):
     """gin/finetune_hf.gin with nothing but INIT_FROM_HF (and a small run's sizes): the family
@@ -162,22 +183,7 @@ def test_finetune_hf_gin_starts_from_any_hf_directory_and_exports_it_back(tmp_pa
     )
     model.save_pretrained(str(source))
     model_dir = str(tmp_path / "run")
-    result = run_main(
-        [
-            "--gin_file=gin/finetune_hf.gin",
-            f"--gin.INIT_FROM_HF='{source}'",
-            f"--gin.MODEL_DIR='{model_dir}'",
-            "--gin.COMPUTE_DTYPE='float32'",
-            "--gin.TASK_FEATURE_LENGTHS={'targets': 64}",
-            "--gin.BATCH_SIZE=8",
-            "--gin.TRAIN_STEPS=2",
-            "--gin.LEARNING_RATE=0.0",
-            "--gin.EVAL_PERIOD=0",
-            "--gin.LOG_PERIOD=1",
-        ],
-        cwd=repo_dir,
-        devices=2,  # (each device of the fsdp axis is an input pipeline to build)
-    )
+    result = finetune_hf(source, model_dir, repo_dir, "--gin.LEARNING_RATE=0.0")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"from {source}" in result.stdout
     with open(os.path.join(model_dir, "model_record.json")) as f:
