@@ -177,7 +177,8 @@ def held_name(stored: str) -> str:
 
 def test_a_multimodal_config_reads_as_its_text_tower():
     """The outer config's tying (where its model holds the head), quantization config and
-    special ids reach the text tower's; an unknown file names the multimodal ones."""
+    special ids reach the text tower's; an unknown file names the multimodal ones, and a
+    text tower flaxlm does not know is named with its file's type."""
     text = {k: v for k, v in MISTRAL_TEXT.items() if k != "model_type"}  # the default's
     outer = {"model_type": "mistral3", "text_config": {**text, "tie_word_embeddings": False}}
     _, config = hf.config_from_hf_dict(outer)
@@ -188,6 +189,9 @@ def test_a_multimodal_config_reads_as_its_text_tower():
     assert text["quantization_config"] == {"quant_method": "gptq"}
     with pytest.raises(ValueError, match="'llama4'"):
         hf.spec_for_model_type("llava_next")
+    outer["text_config"]["model_type"] = "ministral3"
+    with pytest.raises(ValueError, match="a 'mistral3' file whose text_config has model_type 'mi"):
+        hf.config_from_hf_dict(outer)
 
 
 @pytest.mark.slow

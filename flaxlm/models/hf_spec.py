@@ -259,6 +259,12 @@ def text_tower(hf: dict[str, Any]) -> dict[str, Any]:
         return hf
     text = dict(hf.get("text_config") or {})
     text.setdefault("model_type", outer.text_type)
+    if text["model_type"] not in HF_SPECS:
+        raise ValueError(
+            f"config.json is a {outer.model_type!r} file whose text_config has model_type "
+            f"{text['model_type']!r}, a text model flaxlm does not know; known: "
+            f"{sorted(HF_SPECS)}."
+        )
     for name in _OUTER_FIELDS:
         if text.get(name) is None and hf.get(name) is not None:
             text[name] = hf[name]
