@@ -17,6 +17,11 @@ and the import casts it to the run's param dtype: what transformers' dequantize-
 and shape are the format's; flaxlm writes plain tensors back (`hf.save_pretrained`), never
 FP8. FP8 tensors in a checkpoint whose config.json does not say so are refused (`dequantized`):
 read as they are, every value would miss its block's scale.
+
+With `activation_scheme: static` (transformers' FP8 serialization with static activation
+quantization, one scale a tensor) each quantized Linear also stores an `activation_scale`, by
+which an FP8 kernel quantizes that Linear's input. flaxlm computes the input in the param
+dtype, as transformers does when it dequantizes on load, so those scales are read past.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from etils import epath
 from flaxlm.checkpoints.hf_files import Box, file_slices, read_hf_config
 
 SCALE = "_scale_inv"
+ACTIVATION_SCALE = "activation_scale"
 WEIGHT_DTYPE = "float8_e4m3fn"
 # The scales' dtype (transformers' FP8Linear holds float32); the half floats read exactly too.
 SCALE_DTYPES = ("float32", "bfloat16", "float16")
@@ -43,8 +49,8 @@ def is_fp8(hf_config: Mapping[str, Any]) -> bool:
 
 def block_size(hf_config: Mapping[str, Any]) -> tuple[int, int] | None:
     """An FP8 config.json's `weight_block_size` as `(rows, cols)` (None: one scale a
-    tensor). A setting flaxlm cannot read (an `fmt` other than e4m3, static activation
-    scales, a malformed block size) is a ValueError naming it."""
+    tensor). A setting flaxlm cannot read (an `fmt` other than e4m3, an activation scheme
+    other than dynamic or static, a malformed block size) is a ValueError naming it."""
     quant = hf_config["quantization_config"]
     fmt = quant.get("fmt", "e4m3")
     if fmt != "e4m3":
@@ -52,13 +58,7 @@ def block_size(hf_config: Mapping[str, Any]) -> tuple[int, int] | None:
             f"config.json's quantization_config fmt is {fmt!r}: flaxlm reads FP8 weights in "
             "'e4m3' (float8_e4m3fn, the Hub's DeepSeek-V3 and Kimi K2 files) only."
         )
-    scheme = quant.get("activation_scheme", "dynamic")
-    if str(scheme).lower() != "dynamic":
-        raise ValueError(
-            f"config.json's quantization_config activation_scheme is {scheme!r}: flaxlm "
-            "dequantizes the weights and computes in the param dtype, which needs 'dynamic' "
-            "(no stored activation scales)."
-        )
+    static_activations(hf_config)  # a scheme flaxlm can read
     block = quant.get("weight_block_size", (128, 128))
     if block is None:
         return None
@@ -68,6 +68,28 @@ def block_size(hf_config: Mapping[str, Any]) -> tuple[int, int] | None:
             "integers [rows, cols], or null for one scale a tensor."
         )
     return (block[0], block[1])
+
+
+def static_activations(hf_config: Mapping[str, Any]) -> bool:
+    """Whether an FP8 config.json's `activation_scheme` is 'static' (an `activation_scale`
+    beside each quantized weight) rather than 'dynamic'; another is a ValueError."""
+    scheme = str(hf_config["quantization_config"].get("activation_scheme", "dynamic")).lower()
+    if scheme not in ("dynamic", "static"):
+        raise ValueError(
+            f"config.json's quantization_config activation_scheme is {scheme!r}: flaxlm "
+            "reads 'dynamic' and 'static' FP8 checkpoints (it dequantizes the weights and "
+            "computes in the param dtype)."
+        )
+    return scheme == "static"
+
+
+def activation_scale_name(weight: str) -> str:
+    """The name of FP8 weight `weight`'s static activation scale, as transformers saves it:
+    `<module>.activation_scale` beside `<module>.weight`, `<param>_activation_scale` beside
+    a fused experts' `<param>`."""
+    if weight.endswith(".weight"):
+        return weight.removesuffix("weight") + ACTIVATION_SCALE
+    return f"{weight}_{ACTIVATION_SCALE}"
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[int, ...]:
@@ -145,16 +167,16 @@ def check_pair(reader: Any, name: str, block: tuple[int, int] | None) -> None:
 class DequantizedReader:
     """A checkpoint reader (`file_of`, `shape`, `dtype`, `file_path`, `read`, as
     `hf_files.SafetensorsReader`'s) that serves each FP8 weight `<name>` with a
-    `<name>_scale_inv` dequantized to float32, the scales taken out of `file_of`; other
-    tensors pass through. Each pair is checked first (`check_pair`), and an FP8 tensor with no
-    scales is an error.
+    `<name>_scale_inv` dequantized to float32, the scales (and with `static` activations
+    their `activation_scale_name`s) taken out of `file_of`; other tensors pass through. Each
+    pair is checked first (`check_pair`), and an FP8 tensor with no scales is an error.
 
     A read of a box (a device shard's part) reads that part of the weight and the scales of
     the blocks it touches, and gives what the whole tensor's dequantization holds there, bit
     for bit. The last tensor dequantized is kept (a param read whole by every shard: a
     layout hf.py cannot cut)."""
 
-    def __init__(self, reader: Any, block: tuple[int, int] | None):
+    def __init__(self, reader: Any, block: tuple[int, int] | None, static: bool = False):
         self._reader = reader
         self._block = block
         stored = reader.file_of
@@ -173,6 +195,8 @@ class DequantizedReader:
                 "(its block scales, without which its values are not the weight's)."
             )
         scales = {name + SCALE for name in self._quantized}
+        if static:
+            scales |= {activation_scale_name(name) for name in self._quantized}
         self.file_of = {n: f for n, f in stored.items() if n not in scales}
         self._last: tuple[Any, Any] = (None, None)
 
@@ -217,7 +241,7 @@ def dequantized(reader: Any, path: str | epath.Path) -> Any:
     config_file = epath.Path(path) / "config.json"
     hf_config = read_hf_config(path) if config_file.exists() else {}
     if is_fp8(hf_config):
-        return DequantizedReader(reader, block_size(hf_config))
+        return DequantizedReader(reader, block_size(hf_config), static_activations(hf_config))
     quantized = float8_tensors(reader) or sorted(n for n in reader.file_of if n.endswith(SCALE))
     if quantized:
         method = (hf_config.get("quantization_config") or {}).get("quant_method")
