@@ -210,3 +210,45 @@ def test_finetune_hf_gin_trains_the_text_tower_of_a_multimodal_file(tmp_path, re
     record = json.loads((model_dir / "model_record.json").read_text())
     assert record["model_type"] == "llama4_text" and record["flaxlm_eos_ids"] == [eos]
     assert [r["step"] for r in read_metrics(str(model_dir)) if "loss" in r] == [1, 2]
+
+
+@pytest.mark.slow
+def test_peft_adapters_over_a_multimodal_file_serve_with_peft_logits(tmp_path, capsys):
+    """PEFT's LoRA over a Llama 4 file as the Hub ships it (random A and B on every q, v and
+    o projection, the vision tower's too, its text modules named as the outer model holds
+    them: `language_model.model.layers...`): flaxlm serves the text tower with PEFT's logits
+    and skips the vision tower's adapters with a note."""
+    import copy
+
+    import peft
+    import torch
+
+    from flaxlm.checkpoints import run_dir
+    from flaxlm.parallel.partitioning import Partitioner
+
+    torch_model = saved_file("llama4", tmp_path / "hub")
+    torch.manual_seed(1)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False
+    )
+    adapted = peft.get_peft_model(copy.deepcopy(torch_model), config).eval()
+    adapted.save_pretrained(str(tmp_path / "adapter"))
+    keys = list(load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")))
+    assert any(".language_model.model.layers.1.self_attn.q_proj." in k for k in keys)
+    assert any(".vision_model." in k for k in keys)
+    record = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    record["base_model_name_or_path"] = str(tmp_path / "hub")
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(record))
+
+    model, params, _, _ = run_dir.load_model_and_params(
+        str(tmp_path / "adapter"), Partitioner(mesh_shape=(1, 4, 2))
+    )
+    ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
+    theirs = torch_logits(adapted, input_ids=ids, attention_mask=mask)
+    base = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(base, theirs, mask) > 1e-2  # the adapters matter
+    ours = np.asarray(model.compute_logits(params, decoder_batch(ids, mask)))
+    assert max_abs_diff(ours, theirs, mask) < LOGITS_TOL
+    assert "LoRA tensors of modules the model has not: base_model.model.vision_model." in (
+        capsys.readouterr().out
+    )

@@ -409,15 +409,31 @@ def load_adapters(
     saved_as.update({m: n for n, m in peft_experts.pair_modules(targeted).items()})
     stored = load_file(str(weights))
     pairs: dict[str, dict[str, np.ndarray]] = {}
+    # Over a multimodal base (`hf_spec.Multimodal`), PEFT names the text tower's modules as
+    # the outer model holds them (the family's `renames` read a name flaxlm does not map)
+    # and may adapt another tower's, which the text model has not (its `skip`).
+    spec, skipped = hf.spec_for_config(model.config), []
     for key, tensor in stored.items():
         match = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.\w+)?\.weight", key)
-        if match is None or match[1] not in saved_as:
+        module, side = (match[1], match[2]) if match else ("", "")
+        if module not in saved_as:  # PEFT's own names first (Mixtral's `mlp.` experts)
+            own, skip = spec.own_names([module])
+            if skip:
+                skipped.append(key)
+                continue
+            module = next(iter(own))
+        if module not in saved_as:
             raise ValueError(
                 f"{weights}: tensor {key!r} is not a LoRA adapter of a "
                 f"{type(model.config).__name__} module flaxlm maps (e.g. "
                 f"{PREFIX}{next(iter(saved_as))}.lora_A.weight)."
             )
-        pairs.setdefault(saved_as[match[1]], {})[match[2]] = (key, tensor.astype(np.float32))
+        pairs.setdefault(saved_as[module], {})[side] = (key, tensor.astype(np.float32))
+    if skipped and jax.process_index() == 0:
+        print(
+            f"{weights}: skipped {len(skipped)} LoRA tensors of modules the model has not: "
+            f"{skipped[0]}, ..."
+        )
     ranks: dict[str, int] = {}
     for name, pair in pairs.items():
         if set(pair) != {"A", "B"}:
