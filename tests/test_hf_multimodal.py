@@ -217,13 +217,14 @@ def test_peft_adapters_over_a_multimodal_file_serve_with_peft_logits(tmp_path, c
     """PEFT's LoRA over a Llama 4 file as the Hub ships it (random A and B on every q, v and
     o projection, the vision tower's too, its text modules named as the outer model holds
     them: `language_model.model.layers...`): flaxlm serves the text tower with PEFT's logits
-    and skips the vision tower's adapters with a note."""
+    and skips the vision tower's adapters with a note; exported over that base, the adapters
+    are named so again, and PEFT loads them to the same logits."""
     import copy
 
     import peft
     import torch
 
-    from flaxlm.checkpoints import run_dir
+    from flaxlm.checkpoints import peft_dir, run_dir
     from flaxlm.parallel.partitioning import Partitioner
 
     torch_model = saved_file("llama4", tmp_path / "hub")
@@ -249,6 +250,19 @@ def test_peft_adapters_over_a_multimodal_file_serve_with_peft_logits(tmp_path, c
     assert max_abs_diff(base, theirs, mask) > 1e-2  # the adapters matter
     ours = np.asarray(model.compute_logits(params, decoder_batch(ids, mask)))
     assert max_abs_diff(ours, theirs, mask) < LOGITS_TOL
-    assert "LoRA tensors of modules the model has not: base_model.model.vision_model." in (
+    assert "LoRA tensors of modules it lacks: base_model.model.vision_model." in (
         capsys.readouterr().out
     )
+
+    # Exported again over the same base: named as the outer model holds the text tower, so
+    # that PEFT loads every tensor onto the multimodal model, with the same logits.
+    cfg, adapters = peft_dir.load_adapters(model, tmp_path / "adapter")
+    peft_dir.save_adapters(
+        model, adapters, cfg, tmp_path / "again", base_model_name_or_path=str(tmp_path / "hub")
+    )
+    again = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), tmp_path / "again")
+    saved = set(peft.utils.load_peft_weights(str(tmp_path / "again")))
+    loaded = {k.replace(".default", "") for k in peft.get_peft_model_state_dict(again)}
+    assert saved and saved <= loaded and all(".language_model.model." in k for k in saved)
+    exported = torch_logits(again.eval(), input_ids=ids, attention_mask=mask)
+    assert max_abs_diff(exported, theirs, mask) < LOGITS_TOL

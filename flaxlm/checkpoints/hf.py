@@ -21,7 +21,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -289,6 +289,17 @@ def from_pretrained(
 def special_ids(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """config.json's special token ids (`bos_token_id`, `eos_token_id`, ...), nulls kept."""
     return {k: v for k, v in hf_config.items() if k.endswith("_token_id")}
+
+
+def module_names(path: str | epath.Path | None) -> Callable[[str], str]:
+    """Text-model module name -> its name in the model HF directory `path` holds: the outer
+    model's for a multimodal file (`hf_spec.Multimodal.module_name`, what PEFT names an
+    adapter's modules over it), else itself (also where `path` is no local directory)."""
+    config = epath.Path(path) / "config.json" if path else None
+    if config is None or not config.exists():
+        return lambda name: name
+    outer = hf_spec.MULTIMODAL.get(json.loads(config.read_text()).get("model_type", ""))
+    return outer.module_name if outer else lambda name: name
 
 
 def hf_eos_id(

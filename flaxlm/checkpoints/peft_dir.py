@@ -28,7 +28,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -140,10 +140,10 @@ def _kernels_for(model: BaseModel, adapters: Params) -> dict[str, _Target]:
 
 
 def adapter_state_dict(
-    model: BaseModel, adapters: Params
+    model: BaseModel, adapters: Params, rename: Callable[[str], str] = str
 ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """`(PEFT tensors by name, rank of each HF module or expert parameter)` of flaxlm
-    adapters (unscaled)."""
+    adapters (unscaled), the modules named by `rename` (`hf.module_names` of the base)."""
     flat = traverse_util.flatten_dict(adapters, sep="/")
     chosen = _kernels_for(model, adapters)
     pair_modules = peft_experts.pair_modules(
@@ -163,7 +163,7 @@ def adapter_state_dict(
             else:
                 lora_a = a_i.reshape(math.prod(a_i.shape[:num_in]), rank).T  # [r, in]
                 lora_b = b_i.reshape(rank, -1).T  # [out, r]
-            module = pair_modules[name] if parameter else name
+            module = rename(pair_modules[name] if parameter else name)
             tensors[f"{PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(lora_a)
             tensors[f"{PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(lora_b)
             ranks[name] = rank
@@ -182,6 +182,7 @@ def adapter_config_dict(
     cfg: lora.LoraConfig,
     ranks: Mapping[str, int],
     base_model_name_or_path: str | None,
+    rename: Callable[[str], str] = str,
 ) -> dict[str, Any]:
     """adapter_config.json for adapters over the HF modules and expert parameters `ranks`
     names.
@@ -209,12 +210,12 @@ def adapter_config_dict(
     if {n for n in every if _suffix(n) in suffixes} == set(modules):
         targets: list[str] | str = suffixes
     else:
-        targets = "(" + "|".join(re.escape(n) for n in modules) + ")"
+        targets = "(" + "|".join(re.escape(rename(n)) for n in modules) + ")"
     target_parameters = []
     for below in sorted({re.sub(r"^(.*\.)?layers\.\d+\.", "", n) for n in params}):
         named = sorted(n for n in params if n.endswith(f".{below}"))
         every_layer = {n for n in every_param if n.endswith(f".{below}")} == set(named)
-        target_parameters += [below] if every_layer else named
+        target_parameters += [below] if every_layer else [rename(n) for n in named]
     counts: dict[int, int] = {}
     for rank in ranks.values():
         counts[rank] = counts.get(rank, 0) + 1
@@ -228,7 +229,11 @@ def adapter_config_dict(
             rank_pattern[suffix] = of_suffix.pop()
         else:  # PEFT matches a key as the end of a module name: the full name is exact
             rank_pattern.update(
-                {re.escape(n): k for n, k in ranks.items() if _suffix(n) == suffix and k != r}
+                {
+                    re.escape(rename(n)): k
+                    for n, k in ranks.items()
+                    if _suffix(n) == suffix and k != r
+                }
             )
     return {
         "peft_type": "LORA",
@@ -265,10 +270,11 @@ def save_adapters(
     0 writes."""
     from safetensors.numpy import save_file
 
-    tensors, ranks = adapter_state_dict(model, adapters)
+    rename = hf.module_names(base_model_name_or_path)  # over a multimodal base: its names
+    tensors, ranks = adapter_state_dict(model, adapters, rename)
     if dtype is not None:
         tensors = {k: v.astype(np.dtype(dtype)) for k, v in tensors.items()}
-    config = adapter_config_dict(model, cfg, ranks, base_model_name_or_path)
+    config = adapter_config_dict(model, cfg, ranks, base_model_name_or_path, rename)
     if jax.process_index() != 0:
         return
     out = epath.Path(out_dir)
@@ -409,9 +415,8 @@ def load_adapters(
     saved_as.update({m: n for n, m in peft_experts.pair_modules(targeted).items()})
     stored = load_file(str(weights))
     pairs: dict[str, dict[str, np.ndarray]] = {}
-    # Over a multimodal base (`hf_spec.Multimodal`), PEFT names the text tower's modules as
-    # the outer model holds them (the family's `renames` read a name flaxlm does not map)
-    # and may adapt another tower's, which the text model has not (its `skip`).
+    # Over a multimodal base the text modules have the outer model's names (`renames` read
+    # them), and another tower's adapters are skipped (`skip`).
     spec, skipped = hf.spec_for_config(model.config), []
     for key, tensor in stored.items():
         match = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.\w+)?\.weight", key)
@@ -430,10 +435,7 @@ def load_adapters(
             )
         pairs.setdefault(saved_as[module], {})[side] = (key, tensor.astype(np.float32))
     if skipped and jax.process_index() == 0:
-        print(
-            f"{weights}: skipped {len(skipped)} LoRA tensors of modules the model has not: "
-            f"{skipped[0]}, ..."
-        )
+        print(f"{weights}: skipped {len(skipped)} LoRA tensors of modules it lacks: {skipped[0]}")
     ranks: dict[str, int] = {}
     for name, pair in pairs.items():
         if set(pair) != {"A", "B"}:

@@ -230,6 +230,13 @@ class Multimodal(NamedTuple):
     # ties it by the outer config's setting); None where the head is the text tower's
     # (its text_config's setting decides).
     tied: bool | None
+    # What the outer model, as transformers holds it, names the text tower's `model.`: the
+    # prefix of its modules in a PEFT adapter over the file.
+    text_modules: str = "model.language_model."
+
+    def module_name(self, name: str) -> str:
+        """The outer model's name of text-model module `name` (`model.layers.0...`)."""
+        return self.text_modules + name.removeprefix("model.")
 
 
 HF_SPECS: dict[str, HFSpec] = {}

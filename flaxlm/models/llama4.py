@@ -492,7 +492,7 @@ HF_SPEC = register_hf(
         tied_head=llama.HF_SPEC.tied_head,
         # The Hub's files (Llama4ForConditionalGeneration): the text tower, its LM head
         # included, under `language_model.`; the vision tower and projector skipped.
-        multimodal=(Multimodal("llama4", "llama4_text", tied=None),),
+        multimodal=(Multimodal("llama4", "llama4_text", None, "language_model.model."),),
         renames=((r"^language_model\.", ""),),
         skip=(r"^(vision_model|multi_modal_projector)\.",),
     )
