@@ -295,10 +295,9 @@ def module_names(path: str | epath.Path | None) -> Callable[[str], str]:
     """Text-model module name -> its name in the model HF directory `path` holds: the outer
     model's for a multimodal file (`hf_spec.Multimodal.module_name`, what PEFT names an
     adapter's modules over it), else itself (also where `path` is no local directory)."""
-    config = epath.Path(path) / "config.json" if path else None
-    if config is None or not config.exists():
+    if not path or not (epath.Path(path) / "config.json").exists():
         return lambda name: name
-    outer = hf_spec.MULTIMODAL.get(json.loads(config.read_text()).get("model_type", ""))
+    outer = hf_spec.MULTIMODAL.get(read_hf_config(path).get("model_type", ""))
     return outer.module_name if outer else lambda name: name
 
 

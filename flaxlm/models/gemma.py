@@ -25,7 +25,15 @@ import jax.numpy as jnp
 from flaxlm.models import attention, layers, llama, masks, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
-from flaxlm.models.hf_spec import HFSpec, HFTensor, Multimodal, register_hf, text_tower
+from flaxlm.models.hf_spec import (
+    LLAVA_RENAMES,
+    LLAVA_SKIP,
+    HFSpec,
+    HFTensor,
+    Multimodal,
+    register_hf,
+    text_tower,
+)
 from flaxlm.models.options import ComputeOptions
 
 Array = jax.Array
@@ -420,14 +428,8 @@ HF_SPEC = register_hf(
         tensors=hf_tensors,
         ignore=llama.HF_SPEC.ignore,
         tied_head=llama.HF_SPEC.tied_head,
-        # Gemma3ForConditionalGeneration: the text tower as hub files (and transformers'
-        # save_pretrained) name it, or as its modules do; the vision tower and its projector
-        # are skipped.
-        renames=(
-            (r"^language_model\.model\.", "model."),
-            (r"^language_model\.lm_head\.", "lm_head."),
-            (r"^model\.language_model\.", "model."),
-        ),
-        skip=(r"^(model\.)?(vision_tower|multi_modal_projector)\.",),
+        # Gemma3ForConditionalGeneration's files: the llava layout.
+        renames=LLAVA_RENAMES,
+        skip=LLAVA_SKIP,
     )
 )

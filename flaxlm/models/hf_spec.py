@@ -239,6 +239,13 @@ class Multimodal(NamedTuple):
         return self.text_modules + name.removeprefix("model.")
 
 
+# The text tower of a file in transformers' llava layout (Gemma 3's and Mistral 3's: the
+# conversion mapping's 'llava'), as `renames` and `skip`: under `language_model.` as the Hub's
+# files and `save_pretrained` name it (its LM head `language_model.lm_head.`), or
+# `model.language_model.` as the modules do; the vision tower and projector skipped.
+LLAVA_RENAMES = ((r"^language_model\.", ""), (r"^model\.language_model\.", "model."))
+LLAVA_SKIP = (r"^(model\.)?(vision_tower|multi_modal_projector)\.",)
+
 HF_SPECS: dict[str, HFSpec] = {}
 MULTIMODAL: dict[str, Multimodal] = {}
 # What a multimodal file's outer config.json says for its text tower, where the text_config

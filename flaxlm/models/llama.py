@@ -21,7 +21,15 @@ import jax.numpy as jnp
 from flaxlm.models import attention, layers, masks, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
-from flaxlm.models.hf_spec import HFSpec, HFTensor, Multimodal, linear, register_hf
+from flaxlm.models.hf_spec import (
+    LLAVA_RENAMES,
+    LLAVA_SKIP,
+    HFSpec,
+    HFTensor,
+    Multimodal,
+    linear,
+    register_hf,
+)
 
 Array = jax.Array
 
@@ -431,13 +439,9 @@ def hf_tensors_but_mlp(cfg: Any) -> list[HFTensor]:
 
 
 # Mistral 3's multimodal files (Mistral3ForConditionalGeneration: Mistral Small 3.1 and 3.2,
-# and Mistral Small 4, whose text tower is a `mistral4`): the text tower under
-# `language_model.` (`model.language_model.` as transformers holds it), the LM head the
-# outer model's (`language_model.lm_head.`, tied by default), the vision tower and the
-# projector skipped.
+# and Mistral Small 4, whose text tower is a `mistral4`), in the llava layout; the LM head the
+# outer model's, tied by default.
 MISTRAL3 = Multimodal("mistral3", "mistral", tied=True)
-MISTRAL3_RENAMES = ((r"^language_model\.", ""), (r"^model\.language_model\.", "model."))
-MISTRAL3_SKIP = (r"^(model\.)?(vision_tower|multi_modal_projector)\.",)
 
 HF_SPEC = register_hf(
     HFSpec(
@@ -451,7 +455,7 @@ HF_SPEC = register_hf(
         ignore=(r"rotary_emb\.inv_freq$", r"embed_scale$", r"^lm_head\.weight$"),
         tied_head=("lm_head.weight", "model.embed_tokens.weight"),
         multimodal=(MISTRAL3,),
-        renames=MISTRAL3_RENAMES,
-        skip=MISTRAL3_SKIP,
+        renames=LLAVA_RENAMES,
+        skip=LLAVA_SKIP,
     )
 )

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from flaxlm.models import deepseek, llama, masks, mla, rope
 from flaxlm.models.base import DecoderOnlyModel
-from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
+from flaxlm.models.hf_spec import LLAVA_RENAMES, LLAVA_SKIP, HFSpec, HFTensor, register_hf
 
 Array = jax.Array
 
@@ -363,9 +363,9 @@ HF_SPEC = register_hf(
         ignore=(*llama.HF_SPEC.ignore, r"\.mlp\.shared_experts\.(gate|up|down)_proj\.weight$"),
         base_model_prefix="model",
         tied_head=llama.HF_SPEC.tied_head,
-        # Mistral Small 4's files: a Mistral 3 multimodal file (`llama.MISTRAL3`, which
-        # names 'mistral' the text tower of a text_config naming none).
-        renames=llama.MISTRAL3_RENAMES,
-        skip=llama.MISTRAL3_SKIP,
+        # Mistral Small 4's files: Mistral 3 multimodal ones in the llava layout
+        # (`llama.MISTRAL3` registers the file type, 'mistral' where a text_config names none).
+        renames=LLAVA_RENAMES,
+        skip=LLAVA_SKIP,
     )
 )
