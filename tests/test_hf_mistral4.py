@@ -26,6 +26,7 @@ from transformers.models.mistral4.modeling_mistral4 import get_llama_4_attn_scal
 from flaxlm.checkpoints import hf
 from flaxlm.models import mistral4
 from flaxlm.models.base import DecoderOnlyModel
+from flaxlm.models.rope import llama4_query_scale
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora, steps
 from tests.helpers import adamw, load_benchmark
@@ -170,7 +171,7 @@ def test_query_scale_is_hfs_at_every_position():
         llama_4_scaling_beta=0.5, rope_original_max_position_embeddings=8, num_layers=1
     )
     theirs = get_llama_4_attn_scale(torch.from_numpy(positions), 0.5, 8)[:, 0, :, 0].numpy()
-    ours = np.asarray(mistral4.query_scale(positions.astype(np.int32), cfg))
+    ours = np.asarray(llama4_query_scale(positions.astype(np.int32), cfg))
     # The same float32 operations; XLA's and torch's log may round 1 ulp apart.
     np.testing.assert_allclose(ours, theirs, rtol=2e-7)
     assert ours[0, 7] == 1.0 and ours[0, 8] > 1.0  # one step per original context

@@ -1,10 +1,10 @@
 """The Hub's multimodal files of families flaxlm reads as text models: a tiny
 `Llama4ForConditionalGeneration` (how the Hub ships Llama 4 Scout and Maverick) and
 `Mistral3ForConditionalGeneration`s (Mistral Small 3.1 / 3.2 with a `mistral` text tower,
-Mistral Small 4 with a `mistral4` one), built by transformers and saved by its
-`save_pretrained`: the text tower loads, its logits and greedy tokens are the multimodal
-model's own on text, the vision tower is skipped with a note, and the export is the text
-model, which transformers reloads to the same logits."""
+Mistral Small 4 with a `mistral4` one, Ministral 3 with a `ministral3` one), built by
+transformers and saved by its `save_pretrained`: the text tower loads, its logits and greedy
+tokens are the multimodal model's own on text, the vision tower is skipped with a note, and
+the export is the text model, which transformers reloads to the same logits."""
 
 import json
 
@@ -15,7 +15,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from flaxlm.checkpoints import hf
-from flaxlm.models import hf_spec, llama, llama4, mistral4
+from flaxlm.models import hf_spec, llama, llama4, ministral3, mistral4
 from tests.hf_helpers import (
     decoder_batch,
     flaxlm_greedy_batch,
@@ -25,6 +25,7 @@ from tests.hf_helpers import (
     save_byte_bpe_tokenizer,
     torch_logits,
 )
+from tests.test_hf_ministral3 import FULL as MINISTRAL3_TEXT
 from tests.test_hf_mistral4 import FULL as MISTRAL4_TEXT
 from tests.test_hf_runs import finetune_hf
 from tests.test_main import read_metrics
@@ -101,6 +102,14 @@ FILES = {
         {**MISTRAL4_TEXT, "model_type": "mistral4"},
         {"tie_word_embeddings": False},
         mistral4.Mistral4Config,
+    ),
+    # Ministral 3's file: its text tower a `ministral3`, tied (the 3B's).
+    "mistral3_ministral3": (
+        transformers.Mistral3Config,
+        transformers.Mistral3ForConditionalGeneration,
+        {**MINISTRAL3_TEXT, "model_type": "ministral3"},
+        {},
+        ministral3.Ministral3Config,
     ),
 }
 
@@ -189,7 +198,7 @@ def test_a_multimodal_config_reads_as_its_text_tower():
     assert text["quantization_config"] == {"quant_method": "gptq"}
     with pytest.raises(ValueError, match="'llama4'"):
         hf.spec_for_model_type("llava_next")
-    outer["text_config"]["model_type"] = "ministral3"
+    outer["text_config"]["model_type"] = "ministral"  # Ministral 8B (2024): not read
     with pytest.raises(ValueError, match="a 'mistral3' file whose text_config has model_type 'mi"):
         hf.config_from_hf_dict(outer)
 
@@ -266,3 +275,43 @@ def test_peft_adapters_over_a_multimodal_file_serve_with_peft_logits(tmp_path, c
     assert saved and saved <= loaded and all(".language_model.model." in k for k in saved)
     exported = torch_logits(again.eval(), input_ids=ids, attention_mask=mask)
     assert max_abs_diff(exported, theirs, mask) < LOGITS_TOL
+
+
+def test_an_fp8_ministral3_file_reads_its_dequantized_weights(tmp_path):
+    """Ministral 3's Instruct files as the Hub ships them: a `mistral3` file whose outer
+    config.json says FP8 with static activation scales and one scale a tensor; each Linear
+    of the text tower's layers a float8 `weight`, its `weight_scale_inv` and its
+    `activation_scale`, the embedding, head and vision tower unquantized. The text model's
+    params are the dequantized values, bit for bit."""
+    import torch
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file as save_torch
+
+    from flaxlm.checkpoints import fp8
+
+    saved_file("mistral3_ministral3", tmp_path / "hub")
+    stored = load_torch(str(tmp_path / "hub" / "model.safetensors"))
+    quantized, dequantized = dict(stored), {}
+    for name, tensor in stored.items():
+        if name.startswith("language_model.model.layers.") and tensor.ndim == 2:
+            scale = tensor.abs().max() / 448.0  # float8_e4m3fn's largest finite value
+            values = (tensor / scale).to(torch.float8_e4m3fn)
+            quantized[name], quantized[name + "_scale_inv"] = values, scale.reshape(())
+            quantized[fp8.activation_scale_name(name)] = torch.tensor(0.5)
+            dequantized[name.removeprefix("language_model.")] = values.float() * scale
+    assert "model.layers.1.mlp.down_proj.weight" in dequantized
+    config = json.loads((tmp_path / "hub" / "config.json").read_text())
+    config["quantization_config"] = dict(
+        quant_method="fp8",
+        activation_scheme="static",
+        weight_block_size=None,
+        modules_to_not_convert=["model.vision_tower", "model.multi_modal_projector", "lm_head"],
+    )
+    (tmp_path / "fp8").mkdir()
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    save_torch(quantized, str(tmp_path / "fp8" / "model.safetensors"), metadata={"format": "pt"})
+    model, params = hf.from_pretrained(tmp_path / "fp8")
+    assert type(model.config) is ministral3.Ministral3Config
+    ours = dict(hf.hf_state_dict(model, params))
+    for name, theirs in dequantized.items():
+        np.testing.assert_array_equal(ours[name], theirs.numpy(), err_msg=name)

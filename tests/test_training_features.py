@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from flaxlm.inference import generation
-from flaxlm.models import attention, base, gpt2, masks
+from flaxlm.models import base, gpt2, masks
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import optimizers
 from flaxlm.training import steps as train_steps
@@ -110,13 +110,11 @@ def alibi_gpt2(**overrides):
 
 def test_alibi_slopes_and_bias_match_a_direct_computation():
     # Press et al.: 8 heads -> 1/2, 1/4, ..., 1/256; 6 heads -> those of 4, then odd ones of 8.
-    np.testing.assert_allclose(attention.alibi_slopes(8), [2.0 ** -(i + 1) for i in range(8)])
-    np.testing.assert_allclose(
-        attention.alibi_slopes(6), [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3]
-    )
+    np.testing.assert_allclose(gpt2.alibi_slopes(8), [2.0 ** -(i + 1) for i in range(8)])
+    np.testing.assert_allclose(gpt2.alibi_slopes(6), [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3])
     positions = jnp.asarray([[0, 1, 2, 0, 1]])
-    bias = np.asarray(attention.alibi_bias(positions, positions, 6))
-    slopes = attention.alibi_slopes(6)
+    bias = np.asarray(gpt2.alibi_bias(positions, positions, 6))
+    slopes = gpt2.alibi_slopes(6)
     for h in range(6):
         for i in range(5):
             for j in range(5):

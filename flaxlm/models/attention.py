@@ -84,32 +84,6 @@ def apply_rotary(x: Array, sin: Array, cos: Array, *, interleaved: bool) -> Arra
     return jnp.concatenate([out.astype(x.dtype), x_pass], axis=-1)
 
 
-# ---------------------------------------------------------------------------- ALiBi
-
-
-def alibi_slopes(num_heads: int) -> np.ndarray:
-    """ALiBi's per-head slopes: 2^(-8/n), 2^(-16/n), ... for the largest power of two n
-    <= num_heads, then every other slope of 2n for the remaining heads (Press et al.)."""
-
-    def geometric(n: int) -> list[float]:
-        start = 2.0 ** (-8.0 / n)
-        return [start ** (i + 1) for i in range(n)]
-
-    power = 2 ** int(np.floor(np.log2(num_heads)))
-    slopes = geometric(power)
-    if power < num_heads:
-        slopes += geometric(2 * power)[0::2][: num_heads - power]
-    return np.asarray(slopes, np.float32)
-
-
-def alibi_bias(q_positions: Array, k_positions: Array, num_heads: int) -> Array:
-    """float32 `[batch, heads, q_len, kv_len]`: -slope * (query position - key position)
-    (keys after the query, masked anyway, get a positive distance's mirror image)."""
-    distance = jnp.abs(q_positions[:, :, None] - k_positions[:, None, :]).astype(jnp.float32)
-    slopes = jnp.asarray(alibi_slopes(num_heads))
-    return -slopes[None, :, None, None] * distance[:, None]
-
-
 # ---------------------------------------------------------------------------- attention
 
 
@@ -413,6 +387,7 @@ def rotary_self_attention(
     clip_qkv: float | None = None,
     sinks: bool = False,
     output_gate: bool = False,
+    query_scale: Array | None = None,
 ) -> Array:
     """Llama-style attention, built inside the calling block's scope (`q_proj`, `k_proj`,
     `v_proj`, `o_proj`, `cache`, `sinks`): rotary (half-split) queries and keys,
@@ -427,7 +402,9 @@ def rotary_self_attention(
     (`layer_window`); context_parallel: see `dot_product_attention`; sinks: a learned
     sink logit per head (`AttentionSinks`, gpt-oss); output_gate: `q_proj` gives each head
     its query and then as many gates, and the head's output is multiplied by their sigmoid
-    before `o_proj` (Qwen3-Next's gated attention).
+    before `o_proj` (Qwen3-Next's gated attention); query_scale: `[batch, length]`, each
+    query multiplied by it after rotary, in the queries' dtype as HF (Ministral 3's
+    `rope.llama4_query_scale`).
 
     h: [batch, length, embed] -> [batch, length, embed], tagged `attn_out` for remat.
     """
@@ -462,7 +439,10 @@ def rotary_self_attention(
         k = RMSNorm(name="k_norm", axes=(kv_axis, "head_dim")[not whole :], **norm)(k)
     if clip_qkv is not None:  # after the norms, as HF's OLMoE
         q, k, v = (jnp.clip(x, -clip_qkv, clip_qkv) for x in (q, k, v))
-    q = constrain(apply_rotary(q, sin, cos, interleaved=False), HEAD_AXES)
+    q = apply_rotary(q, sin, cos, interleaved=False)
+    if query_scale is not None:
+        q = q * query_scale[:, :, None, None].astype(q.dtype)
+    q = constrain(q, HEAD_AXES)
     k = constrain(apply_rotary(k, sin, cos, interleaved=False), kv_axes)
     if use_kernel(decoding, q, window=window, sinks=sinks):
         pools = KVCache(kv_axes, name="cache")(k, v, decoding, pools=True)

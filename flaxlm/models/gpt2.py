@@ -12,6 +12,7 @@ import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from flaxlm.models import attention, layers, masks
@@ -212,7 +213,7 @@ class GPT2(CausalLM):
             if decoding is not None:  # keys are the cache's slots, counted from each row's start
                 slots = jnp.arange(decoding.length, dtype=jnp.int32)[None]
                 key_positions = jnp.maximum(slots - decoding.start[:, None], 0)
-            return x, (attention.alibi_bias(positions, key_positions, cfg.num_heads),)
+            return x, (alibi_bias(positions, key_positions, cfg.num_heads),)
         # The position table is small and never split over its rows.
         wpe = self.param(
             "wpe",
@@ -227,6 +228,32 @@ class GPT2(CausalLM):
         return layers.LayerNorm(
             cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="ln_f"
         )(x)
+
+
+# ------------------------------------------------------------------ ALiBi
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi's per-head slopes: 2^(-8/n), 2^(-16/n), ... for the largest power of two n
+    <= num_heads, then every other slope of 2n for the remaining heads (Press et al.)."""
+
+    def geometric(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    power = 2 ** int(np.floor(np.log2(num_heads)))
+    slopes = geometric(power)
+    if power < num_heads:
+        slopes += geometric(2 * power)[0::2][: num_heads - power]
+    return np.asarray(slopes, np.float32)
+
+
+def alibi_bias(q_positions: Array, k_positions: Array, num_heads: int) -> Array:
+    """float32 `[batch, heads, q_len, kv_len]`: -slope * (query position - key position)
+    (keys after the query, masked anyway, get a positive distance's mirror image)."""
+    distance = jnp.abs(q_positions[:, :, None] - k_positions[:, None, :]).astype(jnp.float32)
+    slopes = jnp.asarray(alibi_slopes(num_heads))
+    return -slopes[None, :, None, None] * distance[:, None]
 
 
 # ------------------------------------------------------------------ HuggingFace

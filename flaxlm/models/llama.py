@@ -67,21 +67,22 @@ class LlamaConfig(rope.RopeScaling):
     scale_embedding: bool = False
     # Gemma: RMSNorms multiply by (1 + w), their params initialised at zero.
     norm_scale_plus_one: bool = False
-    model_type: str = "llama"  # the HF model_type written on export: one of MODEL_TYPES
+    model_type: str = "llama"  # the HF model_type written on export: one of model_types
+    model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES  # a subclass's own (Ministral 3)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         attention.check_heads(self.hidden_size, self.num_heads, self.kv_heads, self.head_dim)
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window {self.sliding_window} must be None or positive.")
-        if self.model_type not in MODEL_TYPES:
-            raise ValueError(f"model_type {self.model_type!r}: expected one of {MODEL_TYPES}.")
+        if self.model_type not in self.model_types:
+            raise ValueError(f"model_type {self.model_type!r}: expected one of {self.model_types}.")
         if self.model_type == "llama" and self.sliding_window is not None:
             raise ValueError(
                 "sliding_window is a Mistral feature (HF Llama ignores it): set "
                 "model_type='mistral' or sliding_window=None."
             )
-        if self.model_type == "mistral" and (self.attention_bias or self.mlp_bias):
+        if self.model_type in ("mistral", "ministral3") and (self.attention_bias or self.mlp_bias):
             raise ValueError(
                 "HF Mistral has no attention_bias or mlp_bias: set both False or "
                 "model_type='llama'."
@@ -91,7 +92,7 @@ class LlamaConfig(rope.RopeScaling):
             if getattr(self, flag) != gemma:
                 raise ValueError(
                     f"{flag}={getattr(self, flag)} with model_type={self.model_type!r}: "
-                    f"HF's {ARCHITECTURES[self.model_type]} has it {gemma}."
+                    f"HF's {self.model_type} model has it {gemma}."
                 )
         if gemma and (self.sliding_window is not None or self.mlp_bias):
             raise ValueError("HF Gemma has no sliding_window or mlp_bias: set None and False.")
@@ -210,10 +211,11 @@ class LlamaBlock(nn.Module):
         decoding: masks.Decoding | None,
         sin: Array,
         cos: Array,
+        query_scale: Array | None = None,
     ) -> Array:
         """Grouped-query rotary attention with this layer's window and the family's
-        `attention_options`; DeepSeek-V3 overrides it with latent attention. Called inside
-        `__call__`."""
+        `attention_options` (`query_scale`: Ministral 3's by position); DeepSeek-V3 overrides
+        it with latent attention. Called inside `__call__`."""
         cfg = self.config
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         return attention.rotary_self_attention(
@@ -231,6 +233,7 @@ class LlamaBlock(nn.Module):
             context_parallel=cfg.context_parallel,
             norm_eps=cfg.rms_norm_eps,
             window=masks.layer_window(cfg.layer_windows, index),
+            query_scale=query_scale,
             **self.attention_options(),
             **dense,
         )

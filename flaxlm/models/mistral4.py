@@ -28,7 +28,6 @@ from typing import Any, ClassVar
 
 import gin
 import jax
-import jax.numpy as jnp
 
 from flaxlm.models import deepseek, llama, masks, mla, rope
 from flaxlm.models.base import DecoderOnlyModel
@@ -135,15 +134,6 @@ class Mistral4Config(deepseek.DeepseekV3Config):
         return Mistral4(self)
 
 
-def query_scale(positions: Array, cfg: Mistral4Config) -> Array:
-    """float32 `[batch, length]`: HF's `get_llama_4_attn_scale` at `positions`, in its order
-    of float32 operations."""
-    steps = jnp.floor(
-        positions.astype(jnp.float32) / jnp.float32(cfg.rope_original_max_position_embeddings)
-    )
-    return 1.0 + jnp.float32(cfg.llama_4_scaling_beta) * jnp.log(1.0 + steps)
-
-
 class Mistral4Block(deepseek.DeepseekBlock):
     """DeepSeek-V3's block whose latent attention scales its queries by position."""
 
@@ -171,7 +161,7 @@ class Mistral4(deepseek.Deepseek):
         self, x: Array, positions: Array, decoding: masks.Decoding | None
     ) -> tuple[Array, tuple[Array, Array, Array]]:
         x, (sin, cos) = super().block_inputs(x, positions, decoding)
-        return x, (sin, cos, query_scale(positions, self.config))
+        return x, (sin, cos, rope.llama4_query_scale(positions, self.config))
 
 
 # ------------------------------------------------------------------ HuggingFace

@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from flaxlm.models import attention
@@ -152,6 +153,17 @@ def sin_cos(positions: Array, cfg: Any, dim: int | None = None) -> tuple[Array, 
     if scale == 1.0:
         return sin, cos
     return sin * scale, cos * scale
+
+
+def llama4_query_scale(positions: Array, cfg: Any) -> Array:
+    """float32 `[batch, length]`: HF's `get_llama_4_attn_scale` at `positions` in its order
+    of float32 operations, `1 + llama_4_scaling_beta * log(1 + floor(position /
+    original_max_position_embeddings))`: what Mistral 4 and Ministral 3 multiply each query
+    by after rotary (`cfg`: a RopeScaling with a `llama_4_scaling_beta`)."""
+    steps = jnp.floor(
+        positions.astype(jnp.float32) / jnp.float32(cfg.rope_original_max_position_embeddings)
+    )
+    return 1.0 + jnp.float32(cfg.llama_4_scaling_beta) * jnp.log(1.0 + steps)
 
 
 # ------------------------------------------------------------------ HuggingFace
