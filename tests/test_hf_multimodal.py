@@ -1,10 +1,11 @@
 """The Hub's multimodal files of families flaxlm reads as text models: a tiny
-`Llama4ForConditionalGeneration` (how the Hub ships Llama 4 Scout and Maverick) and
+`Llama4ForConditionalGeneration` (how the Hub ships Llama 4 Scout and Maverick),
 `Mistral3ForConditionalGeneration`s (Mistral Small 3.1 / 3.2 with a `mistral` text tower,
-Mistral Small 4 with a `mistral4` one, Ministral 3 with a `ministral3` one), built by
-transformers and saved by its `save_pretrained`: the text tower loads, its logits and greedy
-tokens are the multimodal model's own on text, the vision tower is skipped with a note, and
-the export is the text model, which transformers reloads to the same logits."""
+Mistral Small 4 with a `mistral4` one, Ministral 3 with a `ministral3` one) and Qwen3-VL's
+dense and MoE files, built by transformers and saved by its `save_pretrained`: the text tower
+loads, its logits and greedy tokens are the multimodal model's own on text, the vision tower
+is skipped with a note, and the export is the text model, which transformers reloads to the
+same logits."""
 
 import json
 
@@ -15,7 +16,8 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from flaxlm.checkpoints import hf
-from flaxlm.models import hf_spec, llama, llama4, ministral3, mistral4
+from flaxlm.models import hf_spec, llama, llama4, ministral3, mistral4, qwen, qwen_moe
+from flaxlm.parallel.partitioning import Partitioner
 from tests.hf_helpers import (
     decoder_batch,
     flaxlm_greedy_batch,
@@ -46,6 +48,15 @@ VISION = {
         projector_output_dim=32,
     ),
     "mistral3": dict(TOWER, model_type="pixtral", image_size=28, patch_size=14, head_dim=8),
+    "qwen3": dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=32,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0],
+    ),
 }
 LLAMA4_TEXT = dict(
     vocab_size=VOCAB,
@@ -77,6 +88,29 @@ MISTRAL_TEXT = dict(
     sliding_window=None,
     max_position_embeddings=96,
     initializer_range=0.1,
+)
+# Qwen3-VL's text tower: Qwen3's, its rotary an interleaved MRoPE of 2 + 1 + 1 frequencies.
+QWEN3_VL_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_hidden_layers=2,
+    max_position_embeddings=96,
+    initializer_range=0.1,
+    rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1], mrope_interleaved=True
+    ),
+)
+# Qwen3-VL-MoE's: a Qwen3-MoE, its first layer dense, its experts stored fused and transposed.
+QWEN3_VL_MOE_TEXT = dict(
+    QWEN3_VL_TEXT,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=8,  # 2 x 8 != 32: the stored layout's axes tell apart
+    mlp_only_layers=[0],
 )
 # name: (outer config class, model class, its text config, outer fields, flaxlm's config)
 FILES = {
@@ -111,7 +145,25 @@ FILES = {
         {},
         ministral3.Ministral3Config,
     ),
+    # Qwen3-VL's file (2B to 32B): `model.language_model.`, `model.visual.`, its own head.
+    "qwen3_vl": (
+        transformers.Qwen3VLConfig,
+        transformers.Qwen3VLForConditionalGeneration,
+        QWEN3_VL_TEXT,
+        {},
+        qwen.QwenConfig,
+    ),
+    # Qwen3-VL-MoE's file (30B-A3B, 235B-A22B): as Qwen3-VL's, its experts fused.
+    "qwen3_vl_moe": (
+        transformers.Qwen3VLMoeConfig,
+        transformers.Qwen3VLMoeForConditionalGeneration,
+        QWEN3_VL_MOE_TEXT,
+        {},
+        qwen_moe.Qwen3VLMoeTextConfig,
+    ),
 }
+# The files whose greedy tokens and export are checked too: the type each exports as.
+EXPORTS = {"llama4": "llama4_text", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
 
 
 def saved_file(name, path, **text_changes):
@@ -139,7 +191,7 @@ def saved_file(name, path, **text_changes):
 def test_the_text_tower_of_a_multimodal_file_loads_with_its_logits(name, tmp_path, capsys):
     torch_model = saved_file(name, tmp_path / "hub")
     stored = load_file(str(tmp_path / "hub" / "model.safetensors"))
-    assert any(k.startswith("language_model.") for k in stored)  # the Hub's spelling
+    assert any(k.startswith(("language_model.", "model.language_model.")) for k in stored)
     model, params = hf.from_pretrained(tmp_path / "hub")
     assert type(model.config) is FILES[name][4]
     ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
@@ -158,15 +210,39 @@ def test_the_text_tower_of_a_multimodal_file_loads_with_its_logits(name, tmp_pat
         (tmp_path / "held" / "config.json").write_text(config)
         _, again = hf.from_pretrained(tmp_path / "held")
         assert jax.tree.all(jax.tree.map(np.array_equal, again, params))
-    if name == "llama4":
+    if name == "qwen3_vl_moe":
+        # The Hub's files store the fused experts transposed (transformers 5 writes them as
+        # it holds them): the same params either way.
+        hub = {
+            k: np.ascontiguousarray(v.swapaxes(1, 2)) if ".experts." in k else v
+            for k, v in stored.items()
+        }
+        assert hub["model.language_model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 32, 16)
+        (tmp_path / "hub_layout").mkdir()
+        save_file(
+            hub, str(tmp_path / "hub_layout" / "model.safetensors"), metadata={"format": "pt"}
+        )
+        config = (tmp_path / "hub" / "config.json").read_text()
+        (tmp_path / "hub_layout" / "config.json").write_text(config)
+        # transformers reads that layout (its conversion mapping transposes it) to the same
+        # model, and so does flaxlm: each device the experts its shard holds (2 of the 4).
+        hub_model = FILES[name][1].from_pretrained(str(tmp_path / "hub_layout")).eval()
+        hub_logits = torch_logits(hub_model, input_ids=ids, attention_mask=mask)
+        # (its default attention here, not the eager one: summed in another order)
+        assert max_abs_diff(hub_logits, theirs, mask) <= 1e-5 * max(1.0, np.abs(theirs).max())
+        mesh = Partitioner((1, 2, 2, 2), ("data", "fsdp", "expert", "tensor"))
+        _, again = hf.from_pretrained(tmp_path / "hub_layout", mesh)
+        assert jax.tree.all(jax.tree.map(np.array_equal, again, params))
+    if name in EXPORTS:
         rng = np.random.default_rng(3)
         prompts = [rng.integers(1, VOCAB, n).tolist() for n in (11, 4, 17)]
-        text_model = torch_model.language_model
-        assert flaxlm_greedy_batch(model, params, prompts) == hf_greedy_batch(text_model, prompts)
+        # Llama 4's causal text model; Qwen3-VL's whole model (it has no text-only one).
+        reference = torch_model.language_model if name == "llama4" else torch_model
+        assert flaxlm_greedy_batch(model, params, prompts) == hf_greedy_batch(reference, prompts)
 
         hf.save_pretrained(model, params, tmp_path / "export")
         exported = json.loads((tmp_path / "export" / "config.json").read_text())
-        assert exported["model_type"] == "llama4_text"
+        assert exported["model_type"] == EXPORTS[name]
         reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
             str(tmp_path / "export"), output_loading_info=True
         )

@@ -54,6 +54,11 @@ class HFTensor:
     # are its row block. Read in either spelling, written as pieces.
     pieces: tuple[str, ...] = ()
     experts: int = 0
+    # Two axes a file may store swapped (Qwen3-VL-MoE's Hub files, their fused experts
+    # `[experts, embed, 2 * mlp]`): read as transformers' `Transpose(check_dims=True)` reads
+    # them, as they are where the shape is the expected one, else swapped back; written
+    # unswapped (as its save_pretrained writes them).
+    also_swapped: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.copies and self.layers:
@@ -80,6 +85,8 @@ class HFTensor:
 
     def to_flax_layout(self, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         """An HF tensor in the param's layout (one layer, vocabulary unpadded)."""
+        if self.also_swapped is not None and array.shape != self.hf_shape(shape):
+            array = np.swapaxes(array, *self.also_swapped)
         if self.to_flax is not None:
             return self.to_flax(array, shape)
         return (array.T if self.transpose else array).reshape(shape)
@@ -87,6 +94,16 @@ class HFTensor:
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The HF tensor's shape for a param (one layer) of `shape`."""
         return self.to_hf_layout(np.broadcast_to(np.zeros((), np.float32), shape)).shape
+
+    def stored_as(self, stored: tuple[int, ...], want: tuple[int, ...]) -> bool:
+        """Whether a stored tensor of shape `stored` holds a param whose HF shape is `want`
+        (or, with `also_swapped`, `want` with those axes swapped)."""
+        if stored == want or self.also_swapped is None:
+            return stored == want
+        swapped = list(want)
+        a, b = self.also_swapped
+        swapped[a], swapped[b] = want[b], want[a]
+        return stored == tuple(swapped)
 
 
 class Expanded(NamedTuple):

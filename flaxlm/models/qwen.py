@@ -6,6 +6,10 @@ or `layer_types`). Qwen3 drops the biases (unless `attention_bias`, which adds t
 too), RMS-normalises each query and key head (`q_norm`, `k_norm`) before rotary and has a
 `head_dim` independent of the width. Follows HuggingFace's `Qwen2ForCausalLM` and
 `Qwen3ForCausalLM` (the PyTorch references our logits must match).
+
+Qwen3-VL's files (`qwen3_vl`, `Qwen3VLForConditionalGeneration`) hold a Qwen3 text tower
+(`qwen3_vl_text`) whose interleaved MRoPE, on text, rotates by one position stream: plain
+rotary. It reads as a Qwen3 (with `Qwen3VLTextConfig`'s defaults) and exports as one.
 """
 
 from __future__ import annotations
@@ -20,13 +24,28 @@ import jax.numpy as jnp
 from flaxlm.models import attention, layers, llama, masks, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
-from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
+from flaxlm.models.hf_spec import HFSpec, HFTensor, Multimodal, register_hf
 
 Array = jax.Array
 
 MODEL_TYPES = ("qwen2", "qwen3")
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 FULL, SLIDING = "full_attention", "sliding_attention"  # HF's layer_types entries
+VL_TEXT = "qwen3_vl_text"  # Qwen3-VL's text tower, read as a Qwen3
+# transformers' Qwen3VLTextConfig defaults, for keys a Qwen3-VL text_config omits (head_dim
+# 128 and 32 key/value heads whatever the width and heads; its own rope theta).
+VL_TEXT_DEFAULTS = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=22016,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    head_dim=128,
+    max_position_embeddings=128000,
+    rms_norm_eps=1e-6,
+    rope_theta=500000.0,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +211,12 @@ class Qwen(CausalLM):
 
 
 def config_from_hf(hf: dict, **overrides: Any) -> QwenConfig:
-    """A QwenConfig from a Qwen2 or Qwen3 config.json dict (+ field overrides)."""
+    """A QwenConfig from a Qwen2, Qwen3 or Qwen3-VL text config.json dict (+ field
+    overrides)."""
+    if hf["model_type"] == VL_TEXT:  # no sliding windows (transformers' model has none)
+        windows = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+        hf = {k: v for k, v in {**VL_TEXT_DEFAULTS, **hf}.items() if k not in windows}
+        hf["model_type"] = "qwen3"
     layer_types = hf.get("layer_types")
     window = hf.get("sliding_window")
     kwargs = dict(
@@ -256,7 +280,7 @@ def hf_tensors(cfg: QwenConfig) -> list[HFTensor]:
 
 HF_SPEC = register_hf(
     HFSpec(
-        model_types=MODEL_TYPES,
+        model_types=(*MODEL_TYPES, VL_TEXT),
         config_cls=QwenConfig,
         model_cls=DecoderOnlyModel,
         config_from_hf=config_from_hf,
@@ -265,5 +289,10 @@ HF_SPEC = register_hf(
         ignore=llama.HF_SPEC.ignore,
         base_model_prefix="model",
         tied_head=llama.HF_SPEC.tied_head,
+        # Qwen3-VL's files: the text tower under `model.language_model.`, the head the outer
+        # model's (untied unless its config.json says so), the vision tower skipped.
+        multimodal=(Multimodal("qwen3_vl", VL_TEXT, tied=False),),
+        renames=((r"^model\.language_model\.", "model."),),
+        skip=(r"^model\.visual\.",),
     )
 )

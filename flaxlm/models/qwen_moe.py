@@ -5,6 +5,13 @@ Qwen3-MoE is Qwen3 (per-head q/k RMSNorms, no biases, its own `head_dim`) whose 
 whose MoE layers add a shared expert scaled by a sigmoid gate. Both keep dense MLPs (of
 `intermediate_size`) on the layers `mlp_only_layers` names and off the `decoder_sparse_step`.
 Follows HuggingFace's `Qwen2MoeForCausalLM` and `Qwen3MoeForCausalLM`.
+
+Qwen3-VL-MoE's files (`qwen3_vl_moe`: Qwen3-VL-30B-A3B, 235B-A22B) hold a Qwen3-MoE text tower
+(`qwen3_vl_moe_text`, top-k always renormalised; on text its MRoPE is plain rotary) whose
+experts are stored fused: in the Hub's files transposed from transformers' in-memory layout
+(`experts.gate_up_proj` `[experts, embed, 2 * mlp]`, `experts.down_proj` `[experts, mlp,
+embed]`), in transformers 5's `save_pretrained`'s not. `Qwen3VLMoeTextConfig` reads both, as
+transformers does (`HFTensor.also_swapped`), and exports the model as a Qwen3-MoE.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import numpy as np
 
 from flaxlm.models import llama, masks, moe, options, qwen, rope, stacks
 from flaxlm.models.base import DecoderOnlyModel
-from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.hf_spec import HFSpec, HFTensor, Multimodal, linear, register_hf
 
 Array = jax.Array
 
@@ -314,5 +321,65 @@ HF_SPEC = register_hf(
         ignore=llama.HF_SPEC.ignore,
         base_model_prefix="model",
         tied_head=llama.HF_SPEC.tied_head,
+    )
+)
+
+
+# ------------------------------------------------------------------ Qwen3-VL-MoE's text tower
+
+VL_MOE_TEXT = "qwen3_vl_moe_text"
+# transformers' Qwen3VLMoeTextConfig defaults, for keys a Qwen3-VL-MoE text_config omits.
+VL_MOE_DEFAULTS = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    max_position_embeddings=128000,
+    rms_norm_eps=1e-6,
+    rope_theta=500000.0,
+    moe_intermediate_size=1408,
+    num_experts_per_tok=4,
+)
+VL_MOE_EXPERTS = 60  # its default num_experts (transformers 5 writes num_local_experts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3VLMoeTextConfig(QwenMoeConfig):
+    """A Qwen3-MoE read from a Qwen3-VL-MoE file: its own HF spec reads the experts in the
+    file's layout (`vl_moe_hf_tensors`); it computes and exports as a Qwen3-MoE."""
+
+
+def vl_moe_config_from_hf(hf: dict, **overrides: Any) -> Qwen3VLMoeTextConfig:
+    """The text tower of a Qwen3-VL-MoE config.json (transformers' defaults where it is
+    silent): a Qwen3-MoE renormalising its top k, without shared experts or windows."""
+    windows = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+    hf = {k: v for k, v in {**VL_MOE_DEFAULTS, **hf}.items() if k not in windows}
+    hf.update(model_type="qwen3_moe", norm_topk_prob=True, shared_expert_intermediate_size=0)
+    if "num_experts" not in hf and "num_local_experts" not in hf:
+        hf["num_experts"] = VL_MOE_EXPERTS
+    config = config_from_hf(hf, **overrides)
+    return Qwen3VLMoeTextConfig(
+        **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    )
+
+
+def vl_moe_hf_tensors(cfg: Qwen3VLMoeTextConfig) -> list[HFTensor]:
+    """Qwen3-MoE's records, the fused experts also read in the Hub's layout, their last two
+    axes swapped (exported as Qwen3-MoE's, per expert)."""
+    return [dataclasses.replace(t, also_swapped=(1, 2)) if t.pieces else t for t in hf_tensors(cfg)]
+
+
+VL_MOE_SPEC = register_hf(
+    dataclasses.replace(
+        HF_SPEC,
+        model_types=(VL_MOE_TEXT,),
+        config_cls=Qwen3VLMoeTextConfig,
+        config_from_hf=vl_moe_config_from_hf,
+        tensors=vl_moe_hf_tensors,
+        multimodal=(Multimodal("qwen3_vl_moe", VL_MOE_TEXT, tied=False),),
+        renames=qwen.HF_SPEC.renames,
+        skip=qwen.HF_SPEC.skip,
     )
 )
