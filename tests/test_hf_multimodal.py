@@ -48,6 +48,14 @@ VISION = {
         projector_output_dim=32,
     ),
     "mistral3": dict(TOWER, model_type="pixtral", image_size=28, patch_size=14, head_dim=8),
+    "qwen2": dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=32,
+        fullatt_block_indexes=[0],
+    ),
     "qwen3": dict(
         depth=1,
         hidden_size=16,
@@ -104,6 +112,13 @@ QWEN3_VL_TEXT = dict(
         rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1], mrope_interleaved=True
     ),
 )
+# Qwen2.5-VL's: a Qwen2 (q/k/v biases), its MRoPE of 2 + 1 + 1 frequencies in sections.
+QWEN2_5_VL_TEXT = dict(
+    {k: v for k, v in QWEN3_VL_TEXT.items() if k != "head_dim"},
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]),
+    bos_token_id=None,
+    eos_token_id=None,
+)
 # Qwen3-VL-MoE's: a Qwen3-MoE, its first layer dense, its experts stored fused and transposed.
 QWEN3_VL_MOE_TEXT = dict(
     QWEN3_VL_TEXT,
@@ -145,6 +160,14 @@ FILES = {
         {},
         ministral3.Ministral3Config,
     ),
+    # Qwen2.5-VL's file (3B to 72B; Qwen2-VL's alike): `model.`, `visual.`, its own head.
+    "qwen2_5_vl": (
+        transformers.Qwen2_5_VLConfig,
+        transformers.Qwen2_5_VLForConditionalGeneration,
+        QWEN2_5_VL_TEXT,
+        {},
+        qwen.QwenConfig,
+    ),
     # Qwen3-VL's file (2B to 32B): `model.language_model.`, `model.visual.`, its own head.
     "qwen3_vl": (
         transformers.Qwen3VLConfig,
@@ -163,7 +186,12 @@ FILES = {
     ),
 }
 # The files whose greedy tokens and export are checked too: the type each exports as.
-EXPORTS = {"llama4": "llama4_text", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
+EXPORTS = {
+    "llama4": "llama4_text",
+    "qwen2_5_vl": "qwen2",
+    "qwen3_vl": "qwen3",
+    "qwen3_vl_moe": "qwen3_moe",
+}
 
 
 def saved_file(name, path, **text_changes):
@@ -191,7 +219,8 @@ def saved_file(name, path, **text_changes):
 def test_the_text_tower_of_a_multimodal_file_loads_with_its_logits(name, tmp_path, capsys):
     torch_model = saved_file(name, tmp_path / "hub")
     stored = load_file(str(tmp_path / "hub" / "model.safetensors"))
-    assert any(k.startswith(("language_model.", "model.language_model.")) for k in stored)
+    text = ("language_model.", "model.language_model.", "model.layers.")  # the Hub's spellings
+    assert any(k.startswith(text) for k in stored)
     model, params = hf.from_pretrained(tmp_path / "hub")
     assert type(model.config) is FILES[name][4]
     ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
@@ -209,6 +238,20 @@ def test_the_text_tower_of_a_multimodal_file_loads_with_its_logits(name, tmp_pat
         config = (tmp_path / "hub" / "config.json").read_text()
         (tmp_path / "held" / "config.json").write_text(config)
         _, again = hf.from_pretrained(tmp_path / "held")
+        assert jax.tree.all(jax.tree.map(np.array_equal, again, params))
+    if name == "qwen2_5_vl":
+        # The Hub's flat config.json (the text fields at its top level, 'mrope' rope type, the
+        # tying in them) with the names as transformers holds the model: the same params.
+        flat = json.loads((tmp_path / "hub" / "config.json").read_text())
+        flat.update(flat.pop("text_config"), model_type="qwen2_5_vl")
+        flat["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 1, 1]}
+        flat.update(rope_theta=10000.0, rope_parameters=None)
+        held = {k.replace("model.", "model.language_model.", 1): v for k, v in stored.items()}
+        (tmp_path / "flat").mkdir()
+        save_file(held, str(tmp_path / "flat" / "model.safetensors"), metadata={"format": "pt"})
+        (tmp_path / "flat" / "config.json").write_text(json.dumps(flat))
+        flat_model, again = hf.from_pretrained(tmp_path / "flat")
+        assert flat_model.config == model.config
         assert jax.tree.all(jax.tree.map(np.array_equal, again, params))
     if name == "qwen3_vl_moe":
         # The Hub's files store the fused experts transposed (transformers 5 writes them as
@@ -274,6 +317,12 @@ def test_a_multimodal_config_reads_as_its_text_tower():
     assert text["quantization_config"] == {"quant_method": "gptq"}
     with pytest.raises(ValueError, match="'llama4'"):
         hf.spec_for_model_type("llava_next")
+    # Qwen2-VL / 2.5-VL: a pre-v5 save's tying in its text config ties (transformers' rule);
+    # Qwen3-VL's head is the outer config's to tie alone.
+    for kind, tied in (("qwen2_5_vl", True), ("qwen2_vl", True), ("qwen3_vl", False)):
+        text = {**QWEN2_5_VL_TEXT, "tie_word_embeddings": True}
+        _, config = hf.config_from_hf_dict({"model_type": kind, "text_config": text})
+        assert config.tie_word_embeddings is tied, kind
     outer["text_config"]["model_type"] = "ministral"  # Ministral 8B (2024): not read
     with pytest.raises(ValueError, match="a 'mistral3' file whose text_config has model_type 'mi"):
         hf.config_from_hf_dict(outer)

@@ -250,6 +250,12 @@ class Multimodal(NamedTuple):
     # What the outer model, as transformers holds it, names the text tower's `model.`: the
     # prefix of its modules in a PEFT adapter over the file.
     text_modules: str = "model.language_model."
+    # A config.json without a text_config holds the text fields at its top level (the Hub's
+    # Qwen2-VL and Qwen2.5-VL files, as transformers reads them).
+    flat: bool = False
+    # Tied where the text config says so though the outer one does not (transformers'
+    # Qwen2-VL / Qwen2.5-VL reading of pre-v5 saves, which kept the setting there).
+    text_ties: bool = False
 
     def module_name(self, name: str) -> str:
         """The outer model's name of text-model module `name` (`model.layers.0...`)."""
@@ -289,6 +295,9 @@ def text_tower(hf: dict[str, Any]) -> dict[str, Any]:
     if outer is None:
         return hf
     text = dict(hf.get("text_config") or {})
+    if not text and outer.flat:
+        outer_only = ("model_type", "architectures", "text_config", "vision_config")
+        text = {k: v for k, v in hf.items() if k not in outer_only}
     text.setdefault("model_type", outer.text_type)
     if text["model_type"] not in HF_SPECS:
         raise ValueError(
@@ -300,5 +309,7 @@ def text_tower(hf: dict[str, Any]) -> dict[str, Any]:
         if text.get(name) is None and hf.get(name) is not None:
             text[name] = hf[name]
     if outer.tied is not None:
-        text["tie_word_embeddings"] = hf.get("tie_word_embeddings", outer.tied)
+        tied = hf.get("tie_word_embeddings", outer.tied)
+        text_tied = outer.text_ties and bool(text.get("tie_word_embeddings"))
+        text["tie_word_embeddings"] = bool(tied) or text_tied
     return text

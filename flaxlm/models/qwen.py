@@ -7,9 +7,11 @@ too), RMS-normalises each query and key head (`q_norm`, `k_norm`) before rotary 
 `head_dim` independent of the width. Follows HuggingFace's `Qwen2ForCausalLM` and
 `Qwen3ForCausalLM` (the PyTorch references our logits must match).
 
-Qwen3-VL's files (`qwen3_vl`, `Qwen3VLForConditionalGeneration`) hold a Qwen3 text tower
-(`qwen3_vl_text`) whose interleaved MRoPE, on text, rotates by one position stream: plain
-rotary. It reads as a Qwen3 (with `Qwen3VLTextConfig`'s defaults) and exports as one.
+Qwen's vision-language files hold such a text tower whose multimodal rotary (MRoPE), on text,
+rotates by one position stream: plain rotary. Qwen3-VL's (`qwen3_vl`, a `qwen3_vl_text`
+tower) reads as a Qwen3, Qwen2-VL's and Qwen2.5-VL's (`qwen2_vl`, `qwen2_5_vl`: their
+`*_text` towers, on the Hub a flat config.json and the text under `model.`) as a Qwen2, each
+with its transformers text config's defaults; they export as that Qwen.
 """
 
 from __future__ import annotations
@@ -31,21 +33,40 @@ Array = jax.Array
 MODEL_TYPES = ("qwen2", "qwen3")
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 FULL, SLIDING = "full_attention", "sliding_attention"  # HF's layer_types entries
-VL_TEXT = "qwen3_vl_text"  # Qwen3-VL's text tower, read as a Qwen3
-# transformers' Qwen3VLTextConfig defaults, for keys a Qwen3-VL text_config omits (head_dim
-# 128 and 32 key/value heads whatever the width and heads; its own rope theta).
-VL_TEXT_DEFAULTS = dict(
-    vocab_size=151936,
-    hidden_size=4096,
-    intermediate_size=22016,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=32,
-    head_dim=128,
-    max_position_embeddings=128000,
-    rms_norm_eps=1e-6,
-    rope_theta=500000.0,
+# Qwen's vision-language text towers: the Qwen each computes as, and transformers' text
+# config defaults for the keys a config.json omits (Qwen3-VL: head_dim 128 and 32 key/value
+# heads whatever the width and heads).
+VL_TEXTS = {"qwen3_vl_text": "qwen3", "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}
+QWEN2_VL_DEFAULTS = dict(
+    vocab_size=152064,
+    hidden_size=8192,
+    intermediate_size=29568,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-5,
+    use_sliding_window=False,
+    sliding_window=4096,
+    max_window_layers=80,
+    rope_theta=1000000.0,
 )
+VL_DEFAULTS = {
+    "qwen3_vl_text": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=128,
+        max_position_embeddings=128000,
+        rms_norm_eps=1e-6,
+        rope_theta=500000.0,
+    ),
+    "qwen2_vl_text": QWEN2_VL_DEFAULTS,
+    "qwen2_5_vl_text": QWEN2_VL_DEFAULTS,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,10 +234,8 @@ class Qwen(CausalLM):
 def config_from_hf(hf: dict, **overrides: Any) -> QwenConfig:
     """A QwenConfig from a Qwen2, Qwen3 or Qwen3-VL text config.json dict (+ field
     overrides)."""
-    if hf["model_type"] == VL_TEXT:  # no sliding windows (transformers' model has none)
-        windows = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
-        hf = {k: v for k, v in {**VL_TEXT_DEFAULTS, **hf}.items() if k not in windows}
-        hf["model_type"] = "qwen3"
+    if hf["model_type"] in VL_TEXTS:
+        hf = vl_text(hf)
     layer_types = hf.get("layer_types")
     window = hf.get("sliding_window")
     kwargs = dict(
@@ -233,6 +252,22 @@ def config_from_hf(hf: dict, **overrides: Any) -> QwenConfig:
     )
     kwargs.update(overrides)
     return QwenConfig(**kwargs)
+
+
+def vl_text(hf: dict) -> dict:
+    """A Qwen vision-language text tower's config.json dict as its Qwen's: transformers'
+    defaults where it is silent, no windows for Qwen3-VL (its model has none), Qwen2-VL's
+    'mrope' rope type read as the 'default' it is (as its config class does)."""
+    qwen_type = VL_TEXTS[hf["model_type"]]
+    hf = {**VL_DEFAULTS[hf["model_type"]], **hf, "model_type": qwen_type}
+    if qwen_type == "qwen3":
+        for key in ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"):
+            hf.pop(key, None)
+    params = dict(hf.pop("rope_parameters", None) or hf.pop("rope_scaling", None) or {})
+    if params.pop("type", None) == "mrope" or params.get("rope_type") == "mrope":
+        params["rope_type"] = "default"
+    hf["rope_parameters"] = params
+    return hf
 
 
 def config_to_hf(cfg: QwenConfig) -> dict:
@@ -280,7 +315,7 @@ def hf_tensors(cfg: QwenConfig) -> list[HFTensor]:
 
 HF_SPEC = register_hf(
     HFSpec(
-        model_types=(*MODEL_TYPES, VL_TEXT),
+        model_types=(*MODEL_TYPES, *VL_TEXTS),
         config_cls=QwenConfig,
         model_cls=DecoderOnlyModel,
         config_from_hf=config_from_hf,
@@ -289,10 +324,17 @@ HF_SPEC = register_hf(
         ignore=llama.HF_SPEC.ignore,
         base_model_prefix="model",
         tied_head=llama.HF_SPEC.tied_head,
-        # Qwen3-VL's files: the text tower under `model.language_model.`, the head the outer
-        # model's (untied unless its config.json says so), the vision tower skipped.
-        multimodal=(Multimodal("qwen3_vl", VL_TEXT, tied=False),),
+        # Qwen's vision-language files: the text tower under `model.language_model.` (the
+        # Hub's Qwen2-VL / 2.5-VL files: `model.`), the head the outer model's (untied unless
+        # its config.json says so), the vision tower skipped.
+        multimodal=(
+            Multimodal("qwen3_vl", "qwen3_vl_text", tied=False),
+            *(
+                Multimodal(f"{kind}_vl", f"{kind}_vl_text", False, flat=True, text_ties=True)
+                for kind in ("qwen2", "qwen2_5")
+            ),
+        ),
         renames=((r"^model\.language_model\.", "model."),),
-        skip=(r"^model\.visual\.",),
+        skip=(r"^(model\.)?visual\.",),
     )
 )
