@@ -16,7 +16,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from flaxlm.checkpoints import hf
-from flaxlm.models import hf_spec, llama, llama4, ministral3, mistral4, qwen, qwen_moe
+from flaxlm.models import glm4_moe, hf_spec, llama, llama4, ministral3, mistral4, qwen, qwen_moe
 from flaxlm.parallel.partitioning import Partitioner
 from tests.hf_helpers import (
     decoder_batch,
@@ -48,6 +48,15 @@ VISION = {
         projector_output_dim=32,
     ),
     "mistral3": dict(TOWER, model_type="pixtral", image_size=28, patch_size=14, head_dim=8),
+    "glm4v": dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=32,
+        image_size=28,
+        patch_size=14,
+    ),
     "qwen2": dict(
         depth=1,
         hidden_size=16,
@@ -119,6 +128,32 @@ QWEN2_5_VL_TEXT = dict(
     bos_token_id=None,
     eos_token_id=None,
 )
+# GLM-4.5V's: a GLM-4.5 (half its head rotated, q/k/v biases, no q/k norms), its first layer
+# dense, a shared expert beside 4 routed ones.
+GLM4V_MOE_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_hidden_layers=2,
+    max_position_embeddings=96,
+    initializer_range=0.1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=8,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    n_shared_experts=1,
+    rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1]
+    ),
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 # Qwen3-VL-MoE's: a Qwen3-MoE, its first layer dense, its experts stored fused and transposed.
 QWEN3_VL_MOE_TEXT = dict(
     QWEN3_VL_TEXT,
@@ -160,6 +195,14 @@ FILES = {
         {},
         ministral3.Ministral3Config,
     ),
+    # GLM-4.5V's / 4.6V's file: `model.language_model.`, `model.visual.`, its own head.
+    "glm4v_moe": (
+        transformers.Glm4vMoeConfig,
+        transformers.Glm4vMoeForConditionalGeneration,
+        GLM4V_MOE_TEXT,
+        {},
+        glm4_moe.Glm4MoeConfig,
+    ),
     # Qwen2.5-VL's file (3B to 72B; Qwen2-VL's alike): `model.`, `visual.`, its own head.
     "qwen2_5_vl": (
         transformers.Qwen2_5_VLConfig,
@@ -187,6 +230,7 @@ FILES = {
 }
 # The files whose greedy tokens and export are checked too: the type each exports as.
 EXPORTS = {
+    "glm4v_moe": "glm4_moe",
     "llama4": "llama4_text",
     "qwen2_5_vl": "qwen2",
     "qwen3_vl": "qwen3",

@@ -14,6 +14,10 @@ carry (`model.layers.92` / `.46`) is skipped on import, as transformers skips it
 config asks for it (`num_mtp_layers`, `mtp.py`: read, trained with `mtp_loss_weight`, written
 back).
 
+GLM-4.5V's and GLM-4.6V's files (`glm4v_moe`) hold such a text tower (`glm4v_moe_text`: no q/k
+norms, its own vocabulary, context and biases by default; its multimodal rotary, on text,
+plain rotary): it reads as a GLM-4.5 and exports as one.
+
 `Glm4Moe` (the model with partial rotary) and `Glm4MoeBlock` (attention options read off the
 config) also carry MiniMax-M2 (`minimax_m2.py`).
 """
@@ -28,7 +32,7 @@ import jax
 
 from flaxlm.models import attention, deepseek, llama, masks, moe, mtp, mtp_hf, qwen_moe, rope
 from flaxlm.models.base import DecoderOnlyModel
-from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
+from flaxlm.models.hf_spec import HFSpec, HFTensor, Multimodal, register_hf
 
 Array = jax.Array
 
@@ -261,9 +265,18 @@ def partial_rotary_factor(hf: dict, default: float) -> float:
     return float(default if value is None else value)
 
 
+VL_TEXT = "glm4v_moe_text"  # GLM-4.5V's text tower
+# transformers' Glm4vMoeTextConfig defaults where they are not Glm4MoeConfig's (it has no
+# q/k norms whatever config.json says).
+VL_DEFAULTS = dict(vocab_size=151424, max_position_embeddings=65536, attention_bias=True)
+
+
 def config_from_hf(hf: dict, **overrides: Any) -> Glm4MoeConfig:
-    """A Glm4MoeConfig from a GLM-4.5 / 4.6 config.json dict (+ field overrides)."""
+    """A Glm4MoeConfig from a GLM-4.5 / 4.6 config.json dict, or GLM-4.5V's text tower's
+    (+ field overrides)."""
     check_quantization(hf, "GLM-4.5")
+    if hf.get("model_type") == VL_TEXT:
+        hf = {**VL_DEFAULTS, **hf, "use_qk_norm": False}
     hf = {**HF_DEFAULTS, **hf}
     experts = hf.get("n_routed_experts", hf.get("num_local_experts"))
     kwargs = dict(
@@ -343,7 +356,7 @@ def hf_tensors(cfg: Glm4MoeConfig) -> list[HFTensor]:
 HF_IGNORE = (*llama.HF_SPEC.ignore, r"^model\.layers\.(46|92)\.")
 HF_SPEC = register_hf(
     HFSpec(
-        model_types=MODEL_TYPES,
+        model_types=(*MODEL_TYPES, VL_TEXT),
         config_cls=Glm4MoeConfig,
         model_cls=DecoderOnlyModel,
         config_from_hf=config_from_hf,
@@ -356,5 +369,11 @@ HF_SPEC = register_hf(
         config_fields=lambda cfg: mtp_hf.spec_fields(cfg, HF_IGNORE),
         base_model_prefix="model",
         tied_head=llama.HF_SPEC.tied_head,
+        # GLM-4.5V's / 4.6V's files: the text tower under `model.language_model.`, the head
+        # the outer model's (tied by a pre-v5 save's text config too, as transformers reads
+        # it), the vision tower skipped.
+        multimodal=(Multimodal("glm4v_moe", VL_TEXT, tied=False, text_ties=True),),
+        renames=((r"^model\.language_model\.", "model."),),
+        skip=(r"^model\.visual\.",),
     )
 )
