@@ -54,6 +54,9 @@ EXTRAS_REQUIRE = {
         "openai==3.57.0",
         # tests/test_peft.py: PEFT itself loads flaxlm's adapter exports and makes its imports.
         "peft==0.21.2",
+        # tests/test_hf_compressed.py: llm-compressor's format, written and decompressed by
+        # compressed-tensors itself (and transformers through it).
+        "compressed-tensors==0.20.1",
         # libtpu, for test_benchmarks' FSDP collectives compiled for a TPU slice (no TPU).
         "jax[tpu]==0.10.2",
         # XLA:GPU, for test_plan's plan of a GPU cluster compiled with no GPU (gpu-compile).

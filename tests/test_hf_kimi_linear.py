@@ -328,7 +328,7 @@ def test_published_config_json_reads_as_transformers_resolves_it_and_as_the_gin_
         (dict(moe_router_activation_func="softmax"), "moe_router_activation_func"),
         (dict(moe_layer_freq=2), "moe_layer_freq"),
         (dict(num_key_value_heads=1), "num_key_value_heads"),
-        (dict(quantization_config={"quant_method": "compressed-tensors"}), "quant_method"),
+        (dict(quantization_config={"quant_method": "gptq"}), "quant_method"),
         (
             dict(linear_attn_config={**PUBLISHED["linear_attn_config"], "gate_lower_bound": -5}),
             "gate_lower_bound",

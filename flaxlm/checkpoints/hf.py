@@ -30,7 +30,7 @@ import numpy as np
 from etils import epath
 from flax import traverse_util
 
-from flaxlm.checkpoints import fp8, hf_slices, mxfp4
+from flaxlm.checkpoints import compressed, fp8, hf_slices, mxfp4
 from flaxlm.checkpoints.hf_files import (
     GENERATION_FILE,
     INDEX_FILE,
@@ -99,6 +99,14 @@ def config_from_hf_dict(
     (`hf_spec.text_tower`)."""
     hf_config = hf_spec.text_tower(dict(hf_config))
     spec = spec_for_model_type(hf_config.get("model_type", "<missing>"))
+    method = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if method is not None and method not in compressed.READ_METHODS:
+        raise ValueError(
+            f"config.json's quantization_config quant_method is {method!r}: flaxlm dequantizes "
+            f"{list(compressed.READ_METHODS)} files on import; load an unquantized copy."
+        )
+    if compressed.is_compressed(hf_config):
+        compressed.schemes(hf_config)  # what flaxlm cannot read, named before any tensor
     try:
         config = spec.config_from_hf(dict(hf_config))
     except KeyError as e:  # a field the family reads with [] (another KeyError is a bug)
@@ -206,8 +214,10 @@ def _place_params(
     shapes = {k: tuple(v.shape) for k, v in flat_abstract.items()}
     tensors = spec.tensors(model.config)
     expanded = hf_spec.expand(tensors, stacks.scan_layout(model.config))
-    # FP8 weights (DeepSeek-V3's, Kimi K2's) and MXFP4 pairs (gpt-oss's experts) read
-    # dequantized; experts stored in pieces read whole.
+    # FP8 weights (DeepSeek-V3's, Kimi K2's), compressed-tensors' (llm-compressor's, Kimi K2
+    # Thinking's INT4 experts) and MXFP4 pairs (gpt-oss's experts) read dequantized; experts
+    # stored in pieces read whole.
+    reader = compressed.dequantized(reader, path)
     reader = mxfp4.DequantizedReader(fp8.dequantized(reader, path))
     reader = hf_slices.PiecedReader(reader, hf_spec.pieces_of(tensors))
     real_vocab = model.config.real_vocab_size or model.config.vocab_size

@@ -166,6 +166,10 @@ class SafetensorsReader:
         """The safetensors file that holds the tensor (for messages that name it)."""
         return self._root / self.file_of[name]
 
+    def stored_name(self, name: str) -> str:
+        """The tensor's name in its file (ours after `own_names`' renames and the prefix)."""
+        return self._stored[name]
+
     def read(
         self, name: str, rows: tuple[int, int] | None = None, box: Box | None = None
     ) -> np.ndarray:

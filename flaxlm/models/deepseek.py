@@ -249,11 +249,12 @@ def fields_from_hf(
             "latent attention expands keys and values for every query head."
         )
     quant = (hf.get("quantization_config") or {}).get("quant_method")
-    if quant not in (None, "fp8"):
+    if quant not in (None, "fp8", "compressed-tensors"):
         raise ValueError(
             f"config.json's quantization_config quant_method is {quant!r}: flaxlm reads "
-            "DeepSeek-V3 and Kimi K2 files unquantized or in block FP8 ('fp8', the Hub's "
-            "files, dequantized on import); load an unquantized copy."
+            "DeepSeek-V3 and Kimi K2 files unquantized, in block FP8 ('fp8', the Hub's files) "
+            "or compressed-tensors' formats (Kimi K2 Thinking's), dequantized on import; load "
+            "an unquantized copy."
         )
     if hf.get("moe_layer_freq", 1) != 1:
         raise ValueError(

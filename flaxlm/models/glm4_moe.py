@@ -62,13 +62,14 @@ def check_rotary(cfg: Any) -> None:
 
 
 def check_quantization(hf: dict, family: str) -> None:
-    """ValueError naming config.json's `quant_method` unless the weights are plain or block
-    FP8 (`checkpoints/fp8.py` dequantizes those)."""
+    """ValueError naming config.json's `quant_method` unless the weights are plain, block FP8
+    or compressed-tensors' (`checkpoints/fp8.py`, `compressed.py` dequantize those)."""
     quant = (hf.get("quantization_config") or {}).get("quant_method")
-    if quant not in (None, "fp8"):
+    if quant not in (None, "fp8", "compressed-tensors"):
         raise ValueError(
             f"config.json's quantization_config quant_method is {quant!r}: flaxlm reads "
-            f"{family} files unquantized or in block FP8 ('fp8'); load an unquantized copy."
+            f"{family} files unquantized, in block FP8 ('fp8') or compressed-tensors' formats; "
+            "load an unquantized copy."
         )
 
 

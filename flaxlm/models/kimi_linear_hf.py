@@ -106,10 +106,11 @@ def check_hub_settings(hf: dict) -> None:
             f"only {sorted({*LINEAR_ATTN, *LAYER_LISTS})} (and flaxlm runs its math)."
         )
     quant = (hf.get("quantization_config") or {}).get("quant_method")
-    if quant not in (None, "fp8"):
+    if quant not in (None, "fp8", "compressed-tensors"):
         raise ValueError(
             f"config.json's quantization_config quant_method is {quant!r}: flaxlm reads Kimi "
-            "Linear files unquantized or in block FP8; load an unquantized copy."
+            "Linear files unquantized, in block FP8 or compressed-tensors' formats; load an "
+            "unquantized copy."
         )
     heads = hf_value(hf, "num_attention_heads")
     kv_heads = hf_value(hf, "num_key_value_heads") or heads
