@@ -16,7 +16,17 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from flaxlm.checkpoints import hf
-from flaxlm.models import glm4_moe, hf_spec, llama, llama4, ministral3, mistral4, qwen, qwen_moe
+from flaxlm.models import (
+    deepseek,
+    glm4_moe,
+    hf_spec,
+    llama,
+    llama4,
+    ministral3,
+    mistral4,
+    qwen,
+    qwen_moe,
+)
 from flaxlm.parallel.partitioning import Partitioner
 from tests.hf_helpers import (
     decoder_batch,
@@ -27,6 +37,7 @@ from tests.hf_helpers import (
     save_byte_bpe_tokenizer,
     torch_logits,
 )
+from tests.test_hf_compressed import KIMI as KIMI_TEXT
 from tests.test_hf_ministral3 import FULL as MINISTRAL3_TEXT
 from tests.test_hf_mistral4 import FULL as MISTRAL4_TEXT
 from tests.test_hf_runs import finetune_hf
@@ -56,6 +67,15 @@ VISION = {
         out_hidden_size=32,
         image_size=28,
         patch_size=14,
+    ),
+    "kimi": dict(
+        num_hidden_layers=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        pos_emb_height=4,
+        pos_emb_width=4,
+        pos_emb_time=2,
     ),
     "qwen2": dict(
         depth=1,
@@ -203,6 +223,15 @@ FILES = {
         {},
         glm4_moe.Glm4MoeConfig,
     ),
+    # Kimi K2.5's file: a Kimi K2 text tower (its latent attention and experts as
+    # test_hf_compressed's), untied; transformers saves its layers as `blocks`.
+    "kimi_k25": (
+        transformers.Kimi_K25Config,
+        transformers.Kimi_K25ForConditionalGeneration,
+        {**KIMI_TEXT, "model_type": "kimi_k2", "bos_token_id": None, "eos_token_id": None},
+        {"tie_word_embeddings": False, "projection_hidden_size": 16},
+        deepseek.DeepseekV3Config,
+    ),
     # Qwen2.5-VL's file (3B to 72B; Qwen2-VL's alike): `model.`, `visual.`, its own head.
     "qwen2_5_vl": (
         transformers.Qwen2_5_VLConfig,
@@ -231,6 +260,7 @@ FILES = {
 # The files whose greedy tokens and export are checked too: the type each exports as.
 EXPORTS = {
     "glm4v_moe": "glm4_moe",
+    "kimi_k25": "deepseek_v3",
     "llama4": "llama4_text",
     "qwen2_5_vl": "qwen2",
     "qwen3_vl": "qwen3",

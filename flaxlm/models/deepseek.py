@@ -26,7 +26,14 @@ import jax
 
 from flaxlm.models import llama, masks, mla, moe, mtp, mtp_hf, qwen_moe, rope
 from flaxlm.models.base import DecoderOnlyModel
-from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.hf_spec import (
+    LLAVA_RENAMES,
+    HFSpec,
+    HFTensor,
+    Multimodal,
+    linear,
+    register_hf,
+)
 
 Array = jax.Array
 
@@ -381,6 +388,7 @@ def moe_hf_tensors(
     return out
 
 
+K25_SKIP = (r"^(model\.)?(vision_tower|mm_projector)\.",)
 HF_SPEC = register_hf(
     HFSpec(
         model_types=MODEL_TYPES,
@@ -393,8 +401,14 @@ HF_SPEC = register_hf(
         base_model_prefix="model",
         tied_head=llama.HF_SPEC.tied_head,
         # The multi-token-prediction layer of DeepSeek-V3's 61-layer files (as transformers'
-        # _keys_to_ignore_on_load_unexpected), unless the config holds MTP layers.
-        skip=(r"^model\.layers\.61\.",),
-        config_fields=lambda cfg: mtp_hf.spec_fields(cfg, llama.HF_SPEC.ignore),
+        # _keys_to_ignore_on_load_unexpected), unless the config holds MTP layers; Kimi
+        # K2.5's files (`kimi_k25`): a Kimi K2 text tower under `language_model.` (llava's
+        # layout; its layers `blocks` where transformers 5.23 saved the file, as its
+        # conversion mapping renames the vision tower's), the vision tower and projector
+        # skipped.
+        skip=(r"^model\.layers\.61\.", *K25_SKIP),
+        config_fields=lambda cfg: mtp_hf.spec_fields(cfg, llama.HF_SPEC.ignore, K25_SKIP),
+        multimodal=(Multimodal("kimi_k25", "deepseek_v3", tied=True),),
+        renames=((r"^language_model\.model\.blocks\.", "model.layers."), *LLAVA_RENAMES),
     )
 )

@@ -270,6 +270,7 @@ VL_TEXT = "glm4v_moe_text"  # GLM-4.5V's text tower
 # transformers' Glm4vMoeTextConfig defaults where they are not Glm4MoeConfig's (it has no
 # q/k norms whatever config.json says).
 VL_DEFAULTS = dict(vocab_size=151424, max_position_embeddings=65536, attention_bias=True)
+VL_SKIP = (r"^model\.visual\.",)  # its vision tower
 
 
 def config_from_hf(hf: dict, **overrides: Any) -> Glm4MoeConfig:
@@ -367,7 +368,7 @@ HF_SPEC = register_hf(
         # (46-layer) files, as transformers' _keys_to_ignore_on_load_unexpected: ignored
         # only where no layer of this config claims it (num_mtp_layers reads it).
         ignore=HF_IGNORE,
-        config_fields=lambda cfg: mtp_hf.spec_fields(cfg, HF_IGNORE),
+        config_fields=lambda cfg: mtp_hf.spec_fields(cfg, HF_IGNORE, VL_SKIP),
         base_model_prefix="model",
         tied_head=llama.HF_SPEC.tied_head,
         # GLM-4.5V's / 4.6V's files: the text tower under `model.language_model.`, the head
@@ -375,6 +376,6 @@ HF_SPEC = register_hf(
         # it), the vision tower skipped.
         multimodal=(Multimodal("glm4v_moe", VL_TEXT, tied=False, text_ties=True),),
         renames=((r"^model\.language_model\.", "model."),),
-        skip=(r"^model\.visual\.",),
+        skip=VL_SKIP,
     )
 )

@@ -78,10 +78,11 @@ def tables(cfg: Any, family_tensors: Callable[[Any], list[HFTensor]]) -> list[HF
     return tensors(cfg.num_layers, cfg.num_mtp_layers, block_table(cfg, family_tensors))
 
 
-def spec_fields(cfg: Any, ignore: tuple[str, ...]) -> dict[str, Any]:
+def spec_fields(cfg: Any, ignore: tuple[str, ...], skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """`HFSpec.config_fields` of a family whose files carry MTP layers: with `cfg`'s, the
-    layers read (no `skip`) and their copies of the embedding and head passed over (beside
-    the family's `ignore`)."""
+    layers read (the family's `skip` but the MTP layer's: `skip`, a multimodal file's other
+    towers) and their copies of the embedding and head passed over (beside the family's
+    `ignore`)."""
     if not cfg.num_mtp_layers:
         return {}
-    return dict(skip=(), ignore=(*ignore, *copies(cfg.num_layers, cfg.num_mtp_layers)))
+    return dict(skip=skip, ignore=(*ignore, *copies(cfg.num_layers, cfg.num_mtp_layers)))
