@@ -49,6 +49,8 @@ VOCAB = 120
 LOGITS_TOL = 1e-4
 # The smallest vision towers transformers builds (the text tower is what flaxlm reads).
 TOWER = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+# The Qwen-VL and GLM-V towers' spelling of it, their output the text tower's width.
+DEPTH_TOWER = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
 VISION = {
     "llama4": dict(
         TOWER,
@@ -59,41 +61,10 @@ VISION = {
         projector_output_dim=32,
     ),
     "mistral3": dict(TOWER, model_type="pixtral", image_size=28, patch_size=14, head_dim=8),
-    "glm4v": dict(
-        depth=1,
-        hidden_size=16,
-        intermediate_size=32,
-        num_heads=2,
-        out_hidden_size=32,
-        image_size=28,
-        patch_size=14,
-    ),
-    "kimi": dict(
-        num_hidden_layers=1,
-        hidden_size=16,
-        intermediate_size=32,
-        num_attention_heads=2,
-        pos_emb_height=4,
-        pos_emb_width=4,
-        pos_emb_time=2,
-    ),
-    "qwen2": dict(
-        depth=1,
-        hidden_size=16,
-        intermediate_size=32,
-        num_heads=2,
-        out_hidden_size=32,
-        fullatt_block_indexes=[0],
-    ),
-    "qwen3": dict(
-        depth=1,
-        hidden_size=16,
-        intermediate_size=32,
-        num_heads=2,
-        out_hidden_size=32,
-        num_position_embeddings=16,
-        deepstack_visual_indexes=[0],
-    ),
+    "glm4v": dict(DEPTH_TOWER, image_size=28, patch_size=14),
+    "kimi": dict(TOWER, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2),
+    "qwen2": dict(DEPTH_TOWER, fullatt_block_indexes=[0]),
+    "qwen3": dict(DEPTH_TOWER, num_position_embeddings=16, deepstack_visual_indexes=[0]),
 }
 LLAMA4_TEXT = dict(
     vocab_size=VOCAB,
