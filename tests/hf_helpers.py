@@ -125,6 +125,22 @@ MESHES = ((1, 4, 2), (2, 2, 2))
 # are checked once, on its first; each configuration's own reading and math on every one.
 LIGHT = {"implementations": (), "meshes": MESHES[-1:]}
 GREEDY_TOKENS = 30
+# A tiny dense decoder's HF config fields: a vocabulary of 120, 2 layers 32 wide, 4 query and
+# 2 key/value heads, sharp enough attention that positions visibly matter, no special ids
+# (HF's min_new_tokens would otherwise forbid an EOS).
+TINY_DENSE = dict(
+    vocab_size=120,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    max_position_embeddings=96,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 
 
 def hf_greedy_batch(torch_model, prompts, new_tokens: int = GREEDY_TOKENS) -> list[list[int]]:
@@ -201,6 +217,14 @@ def engine_tokens(engine, prompts, new_tokens: int) -> list[list[int]]:
         assert event[:2] == ("done", "length"), event
         out.append(tokens)
     return out
+
+
+def engine_generates_as_hf(model, params, torch_model, vocab_size: int) -> bool:
+    """Whether the serving engine's greedy tokens (`engine_greedy`) for three prompts of
+    mixed lengths are HF `generate`'s (`hf_greedy_batch`)."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, vocab_size, n).tolist() for n in (11, 4, 17)]
+    return engine_greedy(model, params, prompts) == hf_greedy_batch(torch_model, prompts)
 
 
 def engine_greedy(

@@ -13,7 +13,6 @@ import json
 import os
 
 import jax
-import numpy as np
 import pytest
 import transformers
 
@@ -23,11 +22,11 @@ from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.options import ComputeOptions
 from tests.hf_helpers import (
     LIGHT,
+    TINY_DENSE,
     check_family,
     decoder_batch,
-    engine_greedy,
+    engine_generates_as_hf,
     gin_config,
-    hf_greedy_batch,
     max_abs_diff,
     padded_batch,
     random_hf_model,
@@ -36,19 +35,7 @@ from tests.hf_helpers import (
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 120
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_hidden_layers=2,
-    max_position_embeddings=96,
-    initializer_range=0.1,
-    bos_token_id=None,
-    eos_token_id=None,  # no EOS: HF's min_new_tokens would otherwise forbid one
-    pad_token_id=None,
-)
+COMMON = dict(TINY_DENSE)
 FULL = dict(
     COMMON,
     head_dim=12,
@@ -140,9 +127,7 @@ def test_full_options_keep_every_promise(tmp_path):
     )
 
     # The serving engine (paged cache, prefill in chunks) decodes as HF generates.
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(1, VOCAB, n).tolist() for n in (11, 4, 17)]
-    assert engine_greedy(model, params, prompts) == hf_greedy_batch(torch_model, prompts)
+    assert engine_generates_as_hf(model, params, torch_model, VOCAB)
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ import json
 import os
 
 import jax
-import numpy as np
 import pytest
 import transformers
 
@@ -20,30 +19,16 @@ from flaxlm.models import seed_oss
 from flaxlm.models.base import DecoderOnlyModel
 from tests.hf_helpers import (
     LIGHT,
+    TINY_DENSE,
     check_family,
-    engine_greedy,
+    engine_generates_as_hf,
     gin_config,
-    hf_greedy_batch,
     random_hf_model,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 120
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_hidden_layers=2,
-    max_position_embeddings=96,
-    initializer_range=0.1,
-    attention_dropout=0.0,
-    residual_dropout=0.0,
-    bos_token_id=None,
-    eos_token_id=None,  # no EOS: HF's min_new_tokens would otherwise forbid one
-    pad_token_id=None,
-)
+COMMON = dict(TINY_DENSE, attention_dropout=0.0, residual_dropout=0.0)
 QKV = dict(COMMON, head_dim=12, rope_parameters=dict(rope_type="default", rope_theta=1e7))
 OUT = dict(
     COMMON,
@@ -113,9 +98,7 @@ def test_published_settings_keep_every_promise(tmp_path):
     assert exported["residual_dropout"] == 0.0 and not exported["attention_out_bias"]
 
     # The serving engine (paged cache, prefill in chunks) decodes as HF generates.
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(1, VOCAB, n).tolist() for n in (11, 4, 17)]
-    assert engine_greedy(model, params, prompts) == hf_greedy_batch(torch_model, prompts)
+    assert engine_generates_as_hf(model, params, torch_model, VOCAB)
 
 
 @pytest.mark.slow
