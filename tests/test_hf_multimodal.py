@@ -62,6 +62,7 @@ VISION = {
     ),
     "mistral3": dict(TOWER, model_type="pixtral", image_size=28, patch_size=14, head_dim=8),
     "glm4v": dict(DEPTH_TOWER, image_size=28, patch_size=14),
+    "internvl": dict(TOWER, image_size=[28, 28], patch_size=[14, 14]),
     "kimi": dict(TOWER, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2),
     "qwen2": dict(DEPTH_TOWER, fullatt_block_indexes=[0]),
     "qwen3": dict(DEPTH_TOWER, num_position_embeddings=16, deepstack_visual_indexes=[0]),
@@ -194,6 +195,15 @@ FILES = {
         {},
         glm4_moe.Glm4MoeConfig,
     ),
+    # InternVL 3.5's file (InternVL3's alike, with a Qwen2 tower): a Qwen3 text tower in
+    # llava's layout, tied by the outer default.
+    "internvl": (
+        transformers.InternVLConfig,
+        transformers.InternVLForConditionalGeneration,
+        {**QWEN3_VL_TEXT, "model_type": "qwen3", "rope_parameters": None},
+        {},
+        qwen.QwenConfig,
+    ),
     # Kimi K2.5's file: a Kimi K2 text tower (its latent attention and experts as
     # test_hf_compressed's), untied; transformers saves its layers as `blocks`.
     "kimi_k25": (
@@ -231,6 +241,7 @@ FILES = {
 # The files whose greedy tokens and export are checked too: the type each exports as.
 EXPORTS = {
     "glm4v_moe": "glm4_moe",
+    "internvl": "qwen3",
     "kimi_k25": "deepseek_v3",
     "llama4": "llama4_text",
     "qwen2_5_vl": "qwen2",

@@ -28,7 +28,7 @@ import numpy as np
 
 from flaxlm.models import attention, llama, moe, qwen, qwen_moe, rope
 from flaxlm.models.base import DecoderOnlyModel
-from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.hf_spec import LLAVA_RENAMES, LLAVA_SKIP, HFSpec, HFTensor, linear, register_hf
 
 MODEL_TYPES = ("gpt_oss",)
 # transformers' GptOssConfig's rope when config.json names none (its default_theta too).
@@ -254,5 +254,8 @@ HF_SPEC = register_hf(
         ignore=llama.HF_SPEC.ignore,
         base_model_prefix="model",
         tied_head=llama.HF_SPEC.tied_head,
+        # InternVL 3.5's gpt-oss files (`internvl`, registered by qwen.py), in llava's layout.
+        renames=LLAVA_RENAMES,
+        skip=LLAVA_SKIP,
     )
 )

@@ -26,7 +26,14 @@ import jax.numpy as jnp
 from flaxlm.models import attention, layers, llama, masks, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
-from flaxlm.models.hf_spec import HFSpec, HFTensor, Multimodal, register_hf
+from flaxlm.models.hf_spec import (
+    LLAVA_RENAMES,
+    LLAVA_SKIP,
+    HFSpec,
+    HFTensor,
+    Multimodal,
+    register_hf,
+)
 
 Array = jax.Array
 
@@ -325,16 +332,19 @@ HF_SPEC = register_hf(
         base_model_prefix="model",
         tied_head=llama.HF_SPEC.tied_head,
         # Qwen's vision-language files: the text tower under `model.language_model.` (the
-        # Hub's Qwen2-VL / 2.5-VL files: `model.`), the head the outer model's (untied unless
-        # its config.json says so), the vision tower skipped.
+        # Hub's Qwen2-VL / 2.5-VL files: `model.`; InternVL's `language_model.`), the head the
+        # outer model's, the vision tower skipped.
         multimodal=(
             Multimodal("qwen3_vl", "qwen3_vl_text", tied=False),
+            # InternVL's (InternVL3: a Qwen2 tower, 3.5: Qwen3, Qwen3-MoE or gpt-oss; llava's
+            # layout, tied by default): whichever family its text_config names reads it.
+            Multimodal("internvl", "qwen2", tied=True),
             *(
                 Multimodal(f"{kind}_vl", f"{kind}_vl_text", False, flat=True, text_ties=True)
                 for kind in ("qwen2", "qwen2_5")
             ),
         ),
-        renames=((r"^model\.language_model\.", "model."),),
-        skip=(r"^(model\.)?visual\.",),
+        renames=LLAVA_RENAMES,
+        skip=(r"^(model\.)?visual\.", *LLAVA_SKIP),
     )
 )

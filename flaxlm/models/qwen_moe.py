@@ -27,7 +27,15 @@ import numpy as np
 
 from flaxlm.models import llama, masks, moe, options, qwen, rope, stacks
 from flaxlm.models.base import DecoderOnlyModel
-from flaxlm.models.hf_spec import HFSpec, HFTensor, Multimodal, linear, register_hf
+from flaxlm.models.hf_spec import (
+    LLAVA_RENAMES,
+    LLAVA_SKIP,
+    HFSpec,
+    HFTensor,
+    Multimodal,
+    linear,
+    register_hf,
+)
 
 Array = jax.Array
 
@@ -321,6 +329,9 @@ HF_SPEC = register_hf(
         ignore=llama.HF_SPEC.ignore,
         base_model_prefix="model",
         tied_head=llama.HF_SPEC.tied_head,
+        # InternVL 3.5's MoE files (`internvl`, registered by qwen.py), in llava's layout.
+        renames=LLAVA_RENAMES,
+        skip=LLAVA_SKIP,
     )
 )
 
