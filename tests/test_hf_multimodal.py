@@ -63,6 +63,8 @@ VISION = {
     "mistral3": dict(TOWER, model_type="pixtral", image_size=28, patch_size=14, head_dim=8),
     "glm4v": dict(DEPTH_TOWER, image_size=28, patch_size=14),
     "internvl": dict(TOWER, image_size=[28, 28], patch_size=[14, 14]),
+    "llava": dict(TOWER, model_type="clip_vision_model", image_size=28, patch_size=14),
+    "llava_onevision": dict(TOWER, model_type="siglip_vision_model", image_size=28, patch_size=14),
     "kimi": dict(TOWER, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2),
     "qwen2": dict(DEPTH_TOWER, fullatt_block_indexes=[0]),
     "qwen3": dict(DEPTH_TOWER, num_position_embeddings=16, deepstack_visual_indexes=[0]),
@@ -204,6 +206,22 @@ FILES = {
         {},
         qwen.QwenConfig,
     ),
+    # LLaVA-1.5's file: a Llama tower in llava's layout, untied.
+    "llava": (
+        transformers.LlavaConfig,
+        transformers.LlavaForConditionalGeneration,
+        {k: v for k, v in MISTRAL_TEXT.items() if k != "sliding_window"} | {"model_type": "llama"},
+        {},
+        llama.LlamaConfig,
+    ),
+    # LLaVA-OneVision's file: a Qwen2 tower in LLaVA-NeXT's layout (`image_newline` beside).
+    "llava_onevision": (
+        transformers.LlavaOnevisionConfig,
+        transformers.LlavaOnevisionForConditionalGeneration,
+        {**QWEN2_5_VL_TEXT, "model_type": "qwen2", "rope_parameters": None},
+        {},
+        qwen.QwenConfig,
+    ),
     # Kimi K2.5's file: a Kimi K2 text tower (its latent attention and experts as
     # test_hf_compressed's), untied; transformers saves its layers as `blocks`.
     "kimi_k25": (
@@ -256,7 +274,7 @@ def saved_file(name, path, **text_changes):
 
     config_cls, model_cls, text, outer, _ = FILES[name]
     text = {**text, **text_changes}
-    vision = VISION[name.split("_")[0]]
+    vision = VISION.get(name, VISION.get(name.split("_")[0]))
     torch.manual_seed(0)
     config = config_cls(text_config=text, vision_config=vision, **outer)
     config._attn_implementation = "eager"

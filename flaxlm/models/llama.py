@@ -445,6 +445,9 @@ def hf_tensors_but_mlp(cfg: Any) -> list[HFTensor]:
 # and Mistral Small 4, whose text tower is a `mistral4`), in the llava layout; the LM head the
 # outer model's, tied by default.
 MISTRAL3 = Multimodal("mistral3", "mistral", tied=True)
+# LLaVA-1.5 and LLaVA-NeXT (1.6): a Llama, Mistral, ... text tower (whichever family its
+# text_config names), untied unless either config ties it (transformers' reading of them).
+LLAVA = tuple(Multimodal(kind, "llama", False, text_ties=True) for kind in ("llava", "llava_next"))
 
 HF_SPEC = register_hf(
     HFSpec(
@@ -457,7 +460,7 @@ HF_SPEC = register_hf(
         # Buffers, and the head that a tied checkpoint may still carry.
         ignore=(r"rotary_emb\.inv_freq$", r"embed_scale$", r"^lm_head\.weight$"),
         tied_head=("lm_head.weight", "model.embed_tokens.weight"),
-        multimodal=(MISTRAL3,),
+        multimodal=(MISTRAL3, *LLAVA),
         renames=LLAVA_RENAMES,
         skip=LLAVA_SKIP,
     )

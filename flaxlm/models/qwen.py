@@ -339,6 +339,8 @@ HF_SPEC = register_hf(
             # InternVL's (InternVL3: a Qwen2 tower, 3.5: Qwen3, Qwen3-MoE or gpt-oss; llava's
             # layout, tied by default): whichever family its text_config names reads it.
             Multimodal("internvl", "qwen2", tied=True),
+            # LLaVA-OneVision's (a Qwen2 tower in LLaVA-NeXT's layout).
+            Multimodal("llava_onevision", "qwen2", False, text_ties=True),
             *(
                 Multimodal(f"{kind}_vl", f"{kind}_vl_text", False, flat=True, text_ties=True)
                 for kind in ("qwen2", "qwen2_5")
