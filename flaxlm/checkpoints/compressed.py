@@ -291,12 +291,6 @@ class CompressedReader:
         quantized = name.endswith(".weight") and m in self._schemes
         return self._reader.file_path(f"{m}.weight_scale" if quantized else name)
 
-    def stored_name(self, name: str) -> str:
-        m = name.removesuffix(".weight")
-        if name.endswith(".weight") and m in self._schemes:
-            return self._reader.stored_name(f"{m}.weight_scale").removesuffix("_scale")
-        return self._reader.stored_name(name)
-
     def read(
         self, name: str, rows: tuple[int, int] | None = None, box: Box | None = None
     ) -> np.ndarray:

@@ -239,8 +239,8 @@ class Qwen(CausalLM):
 
 
 def config_from_hf(hf: dict, **overrides: Any) -> QwenConfig:
-    """A QwenConfig from a Qwen2, Qwen3 or Qwen3-VL text config.json dict (+ field
-    overrides)."""
+    """A QwenConfig from a Qwen2 or Qwen3 config.json dict, or a Qwen vision-language text
+    tower's (`VL_TEXTS`) (+ field overrides)."""
     if hf["model_type"] in VL_TEXTS:
         hf = vl_text(hf)
     layer_types = hf.get("layer_types")
