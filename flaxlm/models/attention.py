@@ -388,6 +388,7 @@ def rotary_self_attention(
     sinks: bool = False,
     output_gate: bool = False,
     query_scale: Array | None = None,
+    rotary_interleaved: bool = False,
 ) -> Array:
     """Llama-style attention, built inside the calling block's scope (`q_proj`, `k_proj`,
     `v_proj`, `o_proj`, `cache`, `sinks`): rotary (half-split) queries and keys,
@@ -404,7 +405,8 @@ def rotary_self_attention(
     its query and then as many gates, and the head's output is multiplied by their sigmoid
     before `o_proj` (Qwen3-Next's gated attention); query_scale: `[batch, length]`, each
     query multiplied by it after rotary, in the queries' dtype as HF (Ministral 3's
-    `rope.llama4_query_scale`).
+    `rope.llama4_query_scale`); rotary_interleaved: rotary over pairs (0, 1), (2, 3), ...
+    (ERNIE 4.5's) rather than half-split ones.
 
     h: [batch, length, embed] -> [batch, length, embed], tagged `attn_out` for remat.
     """
@@ -439,11 +441,11 @@ def rotary_self_attention(
         k = RMSNorm(name="k_norm", axes=(kv_axis, "head_dim")[not whole :], **norm)(k)
     if clip_qkv is not None:  # after the norms, as HF's OLMoE
         q, k, v = (jnp.clip(x, -clip_qkv, clip_qkv) for x in (q, k, v))
-    q = apply_rotary(q, sin, cos, interleaved=False)
+    q = apply_rotary(q, sin, cos, interleaved=rotary_interleaved)
     if query_scale is not None:
         q = q * query_scale[:, :, None, None].astype(q.dtype)
     q = constrain(q, HEAD_AXES)
-    k = constrain(apply_rotary(k, sin, cos, interleaved=False), kv_axes)
+    k = constrain(apply_rotary(k, sin, cos, interleaved=rotary_interleaved), kv_axes)
     if use_kernel(decoding, q, window=window, sinks=sinks):
         pools = KVCache(kv_axes, name="cache")(k, v, decoding, pools=True)
         attn = kernel_attention(q, *pools, decoding, scale=scale, softcap=softcap, dtype=dtype)
