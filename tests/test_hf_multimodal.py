@@ -18,6 +18,7 @@ from safetensors.numpy import load_file, save_file
 from flaxlm.checkpoints import hf
 from flaxlm.models import (
     deepseek,
+    glm4,
     glm4_moe,
     hf_spec,
     llama,
@@ -148,6 +149,13 @@ GLM4V_MOE_TEXT = dict(
     eos_token_id=None,
     pad_token_id=None,
 )
+# GLM-4.1V's: a GLM-4 (q/k/v biases, GLM-4's output norms), half its heads rotated.
+GLM4V_TEXT = dict(
+    {k: v for k, v in QWEN3_VL_TEXT.items() if k != "head_dim"},
+    rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[1, 1, 0]
+    ),
+)
 # Qwen3-VL-MoE's: a Qwen3-MoE, its first layer dense, its experts stored fused and transposed.
 QWEN3_VL_MOE_TEXT = dict(
     QWEN3_VL_TEXT,
@@ -188,6 +196,14 @@ FILES = {
         {**MINISTRAL3_TEXT, "model_type": "ministral3"},
         {},
         ministral3.Ministral3Config,
+    ),
+    # GLM-4.1V's / GLM-4.6V-Flash's file: `model.language_model.`, `model.visual.`.
+    "glm4v": (
+        transformers.Glm4vConfig,
+        transformers.Glm4vForConditionalGeneration,
+        GLM4V_TEXT,
+        {},
+        glm4.Glm4Config,
     ),
     # GLM-4.5V's / 4.6V's file: `model.language_model.`, `model.visual.`, its own head.
     "glm4v_moe": (
@@ -258,6 +274,7 @@ FILES = {
 }
 # The files whose greedy tokens and export are checked too: the type each exports as.
 EXPORTS = {
+    "glm4v": "glm4",
     "glm4v_moe": "glm4_moe",
     "internvl": "qwen3",
     "kimi_k25": "deepseek_v3",
