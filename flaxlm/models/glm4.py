@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-import flax.linen as nn
 import gin
 import jax
 
@@ -45,7 +44,7 @@ HF_DEFAULTS = dict(
     attention_bias=True,
     tie_word_embeddings=False,
 )
-POST_NORMS = ("post_self_attn_layernorm", "post_mlp_layernorm")  # GLM-4's
+POST_NORMS = ("post_self_attn_layernorm", "post_mlp_layernorm")  # GLM-4's (`output_norm`)
 VL_TEXT = "glm4v_text"  # GLM-4.1V's text tower
 # transformers' Glm4vTextConfig defaults where they are not Glm4Config's.
 VL_DEFAULTS = dict(max_position_embeddings=32768, rms_norm_eps=1e-5, head_dim=None)
@@ -102,29 +101,12 @@ class Glm4Block(llama.LlamaBlock):
             qkv_bias=cfg.attention_bias, out_bias=False, qk_norm=None, rotary_interleaved=True
         )
 
-    @nn.compact
-    def __call__(
-        self,
-        x: Array,
-        index: Array,
-        mask: masks.Mask,
-        decoding: masks.Decoding | None,
-        sin: Array,
-        cos: Array,
-    ) -> Array:
+    def output_norm(self, y: Array, name: str) -> Array:
         cfg = self.config
-        norm = dict(epsilon=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-        x = layers.constrain(x, layers.ACTIVATION_AXES)
-        h = layers.RMSNorm(name="input_layernorm", **norm)(x)
-        attn = self.self_attention(h, index, mask, decoding, sin, cos)
-        if cfg.post_norms:
-            attn = layers.RMSNorm(name=POST_NORMS[0], **norm)(attn)
-        x = layers.constrain(x + self.dropped(attn), layers.ACTIVATION_AXES)
-        h = layers.RMSNorm(name="post_attention_layernorm", **norm)(x)
-        out = self.feed_forward(h, mask)
-        if cfg.post_norms:
-            out = layers.RMSNorm(name=POST_NORMS[1], **norm)(out)
-        return layers.constrain(x + self.dropped(out), layers.ACTIVATION_AXES)
+        if not cfg.post_norms:
+            return y
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        return layers.RMSNorm(cfg.rms_norm_eps, name=name, **dense)(y)
 
 
 class Glm4(llama.Llama):

@@ -197,11 +197,16 @@ class LlamaBlock(nn.Module):
         x = layers.constrain(x, layers.ACTIVATION_AXES)
         h = layers.RMSNorm(name="input_layernorm", **norm)(x)
         attn = self.self_attention(h, index, mask, decoding, sin, cos, *rest)
+        attn = self.output_norm(attn, "post_self_attn_layernorm")
         x = layers.constrain(x + self.dropped(attn), layers.ACTIVATION_AXES)
         h = layers.RMSNorm(name="post_attention_layernorm", **norm)(x)
-        return layers.constrain(
-            x + self.dropped(self.feed_forward(h, mask)), layers.ACTIVATION_AXES
-        )
+        out = self.output_norm(self.feed_forward(h, mask), "post_mlp_layernorm")
+        return layers.constrain(x + self.dropped(out), layers.ACTIVATION_AXES)
+
+    def output_norm(self, y: Array, name: str) -> Array:
+        """The attention's or the MLP's output before its residual add: as it is (GLM-4
+        normalises it, scoped `name`). Called inside `__call__`."""
+        return y
 
     def self_attention(
         self,
