@@ -211,10 +211,14 @@ class CompressedReader:
         stored = reader.file_of
         modules = sorted(n[: -len(".weight_scale")] for n in stored if n.endswith(".weight_scale"))
         self._schemes: dict[str, Scheme] = {}
+        # A packed weight's unpacked shape (its `weight_shape`), read once.
+        self._shapes: dict[str, tuple[int, ...]] = {}
         for m in modules:
             file_name = reader.stored_name(f"{m}.weight_scale").removesuffix(".weight_scale")
             scheme = scheme_of(m, file_name, groups)
             self._schemes[m] = scheme
+            if scheme.format == "pack-quantized" and f"{m}.weight_shape" in stored:
+                self._shapes[m] = tuple(int(n) for n in reader.read(f"{m}.weight_shape"))
             self._check(m, scheme)
         taken = {f"{m}.{p}" for m in modules for p in (*WEIGHT_PARAMS, *READ_PAST)}
         kv = hf_config["quantization_config"].get("kv_cache_scheme")
@@ -248,6 +252,11 @@ class CompressedReader:
                 f"{r.file_path(f'{m}.weight_scale')}: module {m!r} has a weight_scale but no "
                 f"{weight!r} ({scheme.format}, as config.json's quantization_config says)."
             )
+        if scheme.format == "pack-quantized" and m not in self._shapes:
+            raise ValueError(
+                f"{r.file_path(weight)}: module {m!r} has no {m + '.weight_shape'!r}, the "
+                "unpacked shape pack-quantized weights store beside them."
+            )
         if r.dtype(weight) != want_dtype or len(r.shape(weight)) != 2:
             raise ValueError(
                 f"{r.file_path(weight)}: tensor {weight!r} holds {r.dtype(weight)} "
@@ -277,7 +286,7 @@ class CompressedReader:
         if not name.endswith(".weight") or m not in self._schemes:
             return self._reader.shape(name)
         if self._packed(m):
-            return tuple(int(n) for n in self._reader.read(f"{m}.weight_shape"))
+            return self._shapes[m]
         return self._reader.shape(name)
 
     def dtype(self, name: str) -> str:

@@ -32,32 +32,32 @@ from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
 Array = jax.Array
 
 DENSE, MOE = "ernie4_5", "ernie4_5_moe"
-# transformers' Ernie4_5Config / Ernie4_5_MoeConfig defaults, for keys a config.json omits.
+# transformers' Ernie4_5Config / Ernie4_5_MoeConfig defaults, for keys a config.json omits
+# (alike but for the sizes and the MoE's).
+SHARED_DEFAULTS = dict(
+    vocab_size=103424,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    rope_theta=500000.0,
+)
 HF_DEFAULTS = {
     DENSE: dict(
-        vocab_size=103424,
+        SHARED_DEFAULTS,
         hidden_size=1024,
         intermediate_size=3072,
         num_hidden_layers=18,
         num_attention_heads=16,
         num_key_value_heads=2,
         head_dim=128,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        rope_theta=500000.0,
     ),
     MOE: dict(
-        vocab_size=103424,
+        SHARED_DEFAULTS,
         hidden_size=2560,
         intermediate_size=12288,
         num_hidden_layers=28,
         num_attention_heads=20,
         num_key_value_heads=4,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        rope_theta=500000.0,
         moe_intermediate_size=1536,
         moe_k=6,
         moe_num_experts=64,

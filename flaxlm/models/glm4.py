@@ -156,24 +156,18 @@ def config_to_hf(cfg: Glm4Config) -> dict:
 
 
 def hf_tensors(cfg: Glm4Config) -> list[HFTensor]:
-    """Llama's names, the gate and up projections as rows of HF's `gate_up_proj`, the q/k/v
-    biases and GLM-4's output norms."""
+    """GLM-4.5's attention table (q/k/v biases, `glm4_moe.attention_hf_tensors`), Llama's
+    MLP names with the gate and up projections as rows of HF's `gate_up_proj`, and GLM-4's
+    output norms."""
     ffn, n = cfg.intermediate_size, cfg.num_layers
     fused = {"gate_proj": (0, ffn), "up_proj": (ffn, 2 * ffn)}
-    table = []
-    for t in llama.hf_tensors(
-        llama.LlamaConfig(num_layers=n, tie_word_embeddings=cfg.tie_word_embeddings)
-    ):
+    table = glm4_moe.attention_hf_tensors(cfg)
+    for t in llama.hf_tensors(llama.LlamaConfig(num_layers=n)):
         name = t.param.split("/")[1] if t.layers else ""
-        if name in fused:
-            hf_name = "model.layers.{i}.mlp.gate_up_proj.weight"
-            t = dataclasses.replace(t, hf=hf_name, rows=fused[name])
-        table.append(t)
-    if cfg.attention_bias:
-        table += [
-            HFTensor(f"layers_{{i}}/{p}/bias", f"model.layers.{{i}}.self_attn.{p}.bias", layers=n)
-            for p in ("q_proj", "k_proj", "v_proj")
-        ]
+        if ".mlp." in t.hf:
+            rows = fused.get(name)
+            hf_name = "model.layers.{i}.mlp.gate_up_proj.weight" if rows else t.hf
+            table.append(dataclasses.replace(t, hf=hf_name, rows=rows))
     if cfg.post_norms:
         table += [
             HFTensor(f"layers_{{i}}/{p}/scale", f"model.layers.{{i}}.{p}.weight", layers=n)
