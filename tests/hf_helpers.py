@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 
+import jax
 import numpy as np
 
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -114,7 +115,7 @@ def bare_base_model_logits(torch_model, base_module, path, prefixes, ids, mask) 
     with safe_open(os.path.join(bare, "model.safetensors"), "np") as f:
         assert all(name.startswith(prefixes) for name in f.keys())
     model, params = hf.from_pretrained(bare)
-    ours = model.compute_logits(params, decoder_batch(ids, mask))
+    ours = jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
     return max_abs_diff(ours, torch_logits(torch_model, input_ids=ids, attention_mask=mask), mask)
 
 
@@ -305,7 +306,7 @@ def check_family(
     batch = decoder_batch(ids, mask)
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
     model, params = hf.from_pretrained(path, **overrides)
-    ours = np.asarray(model.compute_logits(params, batch))
+    ours = np.asarray(jax.jit(model.compute_logits)(params, batch))
     assert max_abs_diff(ours, theirs, mask) < 1e-4
     assert int(ours[..., :vocab_size].argmax(-1).max()) < vocab_size
     for implementation in (*implementations, *refused):
@@ -315,7 +316,7 @@ def check_family(
                 dataclasses.replace(model.config, **config)
             continue
         other = type(model)(dataclasses.replace(model.config, **config))
-        got = other.compute_logits(params, batch)
+        got = jax.jit(other.compute_logits)(params, batch)
         assert max_abs_diff(got, theirs, mask) < 1e-4, implementation
 
     for mesh in meshes:
@@ -323,7 +324,7 @@ def check_family(
         sharded, sharded_params = hf.from_pretrained(
             path, Partitioner(mesh_shape=mesh), scan_layers=scanned, **overrides
         )
-        got = sharded.compute_logits(sharded_params, batch)
+        got = jax.jit(sharded.compute_logits)(sharded_params, batch)
         assert max_abs_diff(got, theirs, mask) < 1e-4, mesh
 
     rng = np.random.default_rng(3)
@@ -517,16 +518,16 @@ def mtp_depth_logits(model, params, ids: np.ndarray) -> list[np.ndarray]:
 
     from flaxlm.models import mtp, routing
 
-    _, sown = model.module.apply(
-        {"params": params},
-        jnp.asarray(ids),
-        mutable=[mtp.MTP_COLLECTION, routing.ROUTER_COLLECTION],
-    )
+    def depths(params, ids):
+        _, sown = model.module.apply(
+            {"params": params}, ids, mutable=[mtp.MTP_COLLECTION, routing.ROUTER_COLLECTION]
+        )
+        hidden = sown[mtp.MTP_COLLECTION][mtp.HIDDEN]
+        return [model.module.head_logits(params, h) for h in hidden]
+
     length = ids.shape[1]
-    return [
-        np.asarray(model.module.head_logits(params, hidden))[:, : length - k - 1]
-        for k, hidden in enumerate(sown[mtp.MTP_COLLECTION][mtp.HIDDEN])
-    ]
+    logits = jax.jit(depths)(params, jnp.asarray(ids))
+    return [np.asarray(x)[:, : length - k - 1] for k, x in enumerate(logits)]
 
 
 def check_mtp_loss(model, params, ids: np.ndarray, theirs: list[np.ndarray]) -> float:
@@ -554,9 +555,9 @@ def check_mtp_loss(model, params, ids: np.ndarray, theirs: list[np.ndarray]) -> 
         for k, logits in enumerate(theirs)
     ) / len(theirs)  # fmt: skip
     unweighted = DecoderOnlyModel(dataclasses.replace(model.config, mtp_loss_weight=0.0))
-    plain, _ = unweighted.loss_fn(params, batch, None)
+    plain, _ = jax.jit(unweighted.loss_fn)(params, batch, None)
     weighted = DecoderOnlyModel(dataclasses.replace(model.config, mtp_loss_weight=0.3))
-    loss, sums = weighted.loss_fn(params, batch, None)
+    loss, sums = jax.jit(weighted.loss_fn)(params, batch, None)
     assert abs(float(sums["mtp_loss_sum"]) - ce) < 1e-4 * ce
     tokens = ids[:, 1:].size
     assert abs(float(loss) - float(plain) - 0.3 * ce / tokens) < 1e-4 * 0.3 * ce / tokens

@@ -376,7 +376,7 @@ def test_score_is_the_sum_of_target_log_probabilities(tmp_path):
     weights[:, :2] = 0  # a prefix that is not scored
     batch["decoder_loss_weights"] = weights.astype(np.int32)
     scores = np.asarray(jax.jit(model.score)(params, batch))
-    logits = np.asarray(model.compute_logits(params, batch), np.float64)
+    logits = np.asarray(jax.jit(model.compute_logits)(params, batch), np.float64)
     log_probs = (
         logits
         - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))[..., None]

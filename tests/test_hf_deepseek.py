@@ -141,7 +141,7 @@ def test_logits_are_hf_logits(full):
     assert model.config.sparse_layers(2) == (False, True)
     ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
-    ours = model.compute_logits(params, decoder_batch(ids, mask))
+    ours = jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
     assert max_abs_diff(ours, theirs, mask) < LOGITS_TOL
 
 
@@ -156,7 +156,7 @@ def test_other_branches_scanned_on_a_mesh_give_hf_logits(tmp_path):
     )
     assert model.config.q_lora_rank is None and not model.config.rope_interleave
     assert "q_proj" in params["layers"]["block"]["self_attn"]
-    got = model.compute_logits(params, decoder_batch(ids, mask))
+    got = jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
     assert max_abs_diff(got, theirs, mask) < LOGITS_TOL
 
 
@@ -176,7 +176,7 @@ def test_moe_layers_scanned_after_the_dense_ones_give_hf_logits_tokens_and_files
     ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
     batch = decoder_batch(ids, mask)
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
-    assert max_abs_diff(model.compute_logits(params, batch), theirs, mask) < LOGITS_TOL
+    assert max_abs_diff(jax.jit(model.compute_logits)(params, batch), theirs, mask) < LOGITS_TOL
 
     prompts = [[5, 17, 3, 99, 42], [7, 8]]
     want = hf_greedy_batch(torch_model, prompts, GREEDY_TOKENS)
@@ -587,7 +587,7 @@ def test_mtp_layers_load_and_predict_as_transformers_mtp_model(with_mtp, tmp_pat
     for k in range(MTP_DEPTHS):
         assert np.abs(got[k][..., :VOCAB] - want[k]).max() < LOGITS_TOL, k
     # Plain logits do not run the MTP layers (nothing is sown), and equal the main model's.
-    logits = model.compute_logits(params, decoder_batch(ids, np.ones_like(ids)))
+    logits = jax.jit(model.compute_logits)(params, decoder_batch(ids, np.ones_like(ids)))
     assert max_abs_diff(logits, torch_logits(main, input_ids=ids), np.ones_like(ids)) < LOGITS_TOL
 
     # The loss on rows ids[:, :-1] -> ids[:, 1:]: depth k predicts ids[i + k + 1].

@@ -196,10 +196,10 @@ def test_logits_are_hf_logits_with_the_indexers_choice(families, name):
         np.testing.assert_array_equal(choice.sum(-1), chosen)
 
     hf_logits = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
-    assert max_abs_diff(model.compute_logits(params, batch), hf_logits, mask) < LOGITS_TOL
+    assert max_abs_diff(jax.jit(model.compute_logits)(params, batch), hf_logits, mask) < LOGITS_TOL
     # The choice matters: attending to every key (the same params) is far from HF.
     dense = type(model)(dataclasses.replace(model.config, index_topk=max(LENGTHS)))
-    assert max_abs_diff(dense.compute_logits(params, batch), hf_logits, mask) > 0.1
+    assert max_abs_diff(jax.jit(dense.compute_logits)(params, batch), hf_logits, mask) > 0.1
 
 
 @pytest.mark.slow
@@ -211,14 +211,14 @@ def test_sequences_no_longer_than_index_topk_are_dense_mla(families, name):
     torch_model, _, model, params = families(name)
     ids, mask = padded_batch(VOCAB, (TOPK, 4, TOPK, 3))
     batch = decoder_batch(ids, mask)
-    ours = np.asarray(model.compute_logits(params, batch))
+    ours = np.asarray(jax.jit(model.compute_logits)(params, batch))
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
     assert max_abs_diff(ours, theirs, mask) < LOGITS_TOL
     if name == "deepseek_v32":
         fields = {f.name for f in dataclasses.fields(deepseek.DeepseekV3Config)}
         config = {k: v for k, v in dataclasses.asdict(model.config).items() if k in fields}
         dense = DecoderOnlyModel(deepseek.DeepseekV3Config(**config))
-        got = dense.compute_logits(without_indexers(params), batch)
+        got = jax.jit(dense.compute_logits)(without_indexers(params), batch)
         np.testing.assert_allclose(ours, got, rtol=1e-6, atol=1e-6)
 
 
@@ -251,7 +251,7 @@ def test_scanned_layers_on_a_mesh_give_hf_logits(families):
     )
     ids, mask = padded_batch(VOCAB, LENGTHS)
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
-    got = model.compute_logits(params, decoder_batch(ids, mask))
+    got = jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
     assert max_abs_diff(got, theirs, mask) < LOGITS_TOL
 
 

@@ -364,7 +364,7 @@ def test_mtp_layer_loads_predicts_trains_and_exports(with_mtp, tmp_path):
     want = hf_mtp_logits(main, parts, ids)
     (got,) = mtp_depth_logits(model, params, ids)
     assert np.abs(got[..., :VOCAB] - want).max() < LOGITS_TOL
-    logits = model.compute_logits(params, decoder_batch(ids, np.ones_like(ids)))
+    logits = jax.jit(model.compute_logits)(params, decoder_batch(ids, np.ones_like(ids)))
     trunk = torch_logits(main, input_ids=ids)
     assert max_abs_diff(logits, trunk, np.ones_like(ids)) < LOGITS_TOL
     assert np.abs(want - trunk[:, 1:]).max() > 100 * LOGITS_TOL  # another prediction

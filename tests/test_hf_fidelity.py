@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 import tokenizers
@@ -218,7 +219,7 @@ def test_import_export_keeps_logits_special_ids_generation_and_tokenizer(tmp_pat
     inputs = torch_inputs(family)
     theirs = torch_logits(torch_model, **inputs)
     model, params = hf.from_pretrained(source)
-    ours = np.asarray(model.compute_logits(params, flaxlm_batch(family, inputs)))
+    ours = np.asarray(jax.jit(model.compute_logits)(params, flaxlm_batch(family, inputs)))
     mask = inputs["attention_mask"] if family != "t5" else np.ones_like(inputs["decoder_input_ids"])
     assert max_abs_diff(ours, theirs, mask) < 1e-4
 
@@ -319,7 +320,7 @@ def test_t5_config_spellings_load_with_hf_logits(tmp_path, config_json, own_head
     inputs = torch_inputs("t5")
     theirs = torch_logits(reference, **inputs)
     model, params = hf.from_pretrained(path)
-    ours = np.asarray(model.compute_logits(params, flaxlm_batch("t5", inputs)))
+    ours = np.asarray(jax.jit(model.compute_logits)(params, flaxlm_batch("t5", inputs)))
     assert max_abs_diff(ours, theirs, np.ones_like(inputs["decoder_input_ids"])) < 1e-4
 
 
@@ -333,7 +334,7 @@ def test_t5_saved_by_transformers_5_from_a_v1_1_config_loads(tmp_path):
     assert saved["tie_word_embeddings"] is True and saved["scale_decoder_outputs"] is False
     inputs = torch_inputs("t5")
     model, params = hf.from_pretrained(source)
-    ours = np.asarray(model.compute_logits(params, flaxlm_batch("t5", inputs)))
+    ours = np.asarray(jax.jit(model.compute_logits)(params, flaxlm_batch("t5", inputs)))
     theirs = torch_logits(torch_model, **inputs)
     assert max_abs_diff(ours, theirs, np.ones_like(inputs["decoder_input_ids"])) < 1e-4
 
@@ -350,7 +351,7 @@ def test_roberta_untied_head_and_any_activation_match_hf(tmp_path, hidden_act):
     theirs = torch_logits(torch_model, **inputs)
     model, params = hf.from_pretrained(source)
     assert not model.config.tie_word_embeddings
-    ours = np.asarray(model.compute_logits(params, flaxlm_batch("roberta", inputs)))
+    ours = np.asarray(jax.jit(model.compute_logits)(params, flaxlm_batch("roberta", inputs)))
     assert max_abs_diff(ours, theirs, inputs["attention_mask"]) < 1e-4
     hf.save_pretrained(model, params, tmp_path / "export")
     assert read_json(tmp_path / "export/config.json")["tie_word_embeddings"] is False
@@ -391,7 +392,7 @@ def test_roberta_v4_config_json_loads_with_hf_logits(tmp_path):
     inputs = torch_inputs("roberta")
     model, params = hf.from_pretrained(str(path))
     assert isinstance(model, base.EncoderOnlyModel) and model.config.tie_word_embeddings
-    ours = np.asarray(model.compute_logits(params, flaxlm_batch("roberta", inputs)))
+    ours = np.asarray(jax.jit(model.compute_logits)(params, flaxlm_batch("roberta", inputs)))
     theirs = torch_logits(reference, **inputs)
     assert max_abs_diff(ours, theirs, inputs["attention_mask"]) < 1e-4
 
@@ -417,7 +418,7 @@ def test_a_head_that_differs_from_the_embedding_loads_untied_as_in_hf(tmp_path, 
     theirs = torch_logits(reference, **inputs)
     model, params = hf.from_pretrained(str(path))
     assert not model.config.tie_word_embeddings
-    ours = np.asarray(model.compute_logits(params, flaxlm_batch(family, inputs)))
+    ours = np.asarray(jax.jit(model.compute_logits)(params, flaxlm_batch(family, inputs)))
     assert max_abs_diff(ours, theirs, inputs["attention_mask"]) < 1e-4
 
     tied = type(model)(dataclasses.replace(model.config, tie_word_embeddings=True))

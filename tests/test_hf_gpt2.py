@@ -4,6 +4,7 @@ import json
 import os
 
 import gin
+import jax
 import numpy as np
 import pytest
 import torch
@@ -82,7 +83,7 @@ def test_import_matches_transformers(tmp_path, variant, mesh_shape, scan_layers)
     model, params = hf.from_pretrained(path, partitioner, scan_layers=scan_layers)
     assert model.config.vocab_size == 256 and model.config.real_vocab_size == VOCAB
     ids, mask = padded_batch(VOCAB)
-    ours = model.compute_logits(params, decoder_batch(ids, mask))
+    ours = jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
     assert max_abs_diff(ours, theirs, mask) < 1e-4
     assert int(np.asarray(ours).argmax(-1).max()) < VOCAB
@@ -117,7 +118,7 @@ def test_untied_head_round_trips(tmp_path):
     model, params = hf.from_pretrained(path)
     assert "lm_head" in params
     ids, mask = padded_batch(VOCAB)
-    ours = model.compute_logits(params, decoder_batch(ids, mask))
+    ours = jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
     assert max_abs_diff(ours, theirs, mask) < 1e-4
     hf.save_pretrained(model, params, tmp_path / "out")
@@ -154,7 +155,7 @@ def test_training_from_import_under_fsdp_lowers_loss_and_exports(tmp_path):
     hf.save_pretrained(model, state.params, tmp_path / "trained")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"))
     theirs = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
-    ours = model.compute_logits(state.params, batch)
+    ours = jax.jit(model.compute_logits)(state.params, batch)
     assert max_abs_diff(ours, theirs, mask) < 1e-4
 
 

@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import gin
+import jax
 import numpy as np
 import pytest
 import transformers
@@ -78,7 +79,7 @@ def tiny_hf_llama(tmp_path, model_type="llama", **overrides):
 
 
 def logits_of(model, params, ids, mask):
-    return model.compute_logits(params, decoder_batch(ids, mask))
+    return jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
 
 
 # llama3_rope and tied: test_llama3_2_shaped_checkpoint_keeps_every_promise.
@@ -135,8 +136,10 @@ def test_sliding_window_changes_the_logits(tmp_path):
     assert model.config.sliding_window == 8 and model.config.model_type == "mistral"
     unwindowed = DecoderOnlyModel(dataclasses.replace(model.config, sliding_window=None))
     batch = decoder_batch(*padded_batch(VOCAB, LENGTHS))
-    windowed = np.asarray(model.compute_logits(params, batch))[..., :VOCAB]  # (padding: -max)
-    full = np.asarray(unwindowed.compute_logits(params, batch))[..., :VOCAB]
+    windowed = np.asarray(jax.jit(model.compute_logits)(params, batch))[
+        ..., :VOCAB
+    ]  # (padding: -max)
+    full = np.asarray(jax.jit(unwindowed.compute_logits)(params, batch))[..., :VOCAB]
     # Identical while the window covers the whole prefix, different after; "identical" to
     # float32 rounding over the layers' ~10 stages each (another mask may change the order
     # of the attention's sums).
@@ -192,7 +195,7 @@ def test_fsdp_training_lowers_the_loss_and_exports(tmp_path):
         str(out), output_loading_info=True
     )
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
-    ours = model.compute_logits(params, decoder_batch(ids, mask))
+    ours = jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
     theirs = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
     assert max_abs_diff(ours, theirs, mask) < 1e-4
 

@@ -316,7 +316,7 @@ def test_the_text_tower_of_a_multimodal_file_loads_with_its_logits(name, tmp_pat
     assert type(model.config) is FILES[name][4]
     ids, mask = padded_batch(VOCAB, (24, 13, 24, 6))
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
-    ours = np.asarray(model.compute_logits(params, decoder_batch(ids, mask)))
+    ours = np.asarray(jax.jit(model.compute_logits)(params, decoder_batch(ids, mask)))
     assert max_abs_diff(ours, theirs, mask) < LOGITS_TOL
     assert "tensors the model does not use" in capsys.readouterr().out  # the vision tower's
 
@@ -473,7 +473,7 @@ def test_peft_adapters_over_a_multimodal_file_serve_with_peft_logits(tmp_path, c
     theirs = torch_logits(adapted, input_ids=ids, attention_mask=mask)
     base = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
     assert max_abs_diff(base, theirs, mask) > 1e-2  # the adapters matter
-    ours = np.asarray(model.compute_logits(params, decoder_batch(ids, mask)))
+    ours = np.asarray(jax.jit(model.compute_logits)(params, decoder_batch(ids, mask)))
     assert max_abs_diff(ours, theirs, mask) < LOGITS_TOL
     assert "LoRA tensors of modules it lacks: base_model.model.vision_model." in (
         capsys.readouterr().out

@@ -4,6 +4,7 @@ import json
 import os
 
 import gin
+import jax
 import numpy as np
 import pytest
 import torch
@@ -79,7 +80,7 @@ def test_import_matches_transformers(tmp_path, variant, mesh_shape, scan_layers)
     assert model.config.vocab_size == 256 and model.config.real_vocab_size == VOCAB
     assert model.config.final_layer_norm == (variant != "post_ln_proj")
     ids, mask = padded_batch(VOCAB)
-    ours = model.compute_logits(params, decoder_batch(ids, mask))
+    ours = jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
     assert max_abs_diff(ours, theirs, mask) < 1e-4
     assert int(np.asarray(ours).argmax(-1).max()) < VOCAB
@@ -116,7 +117,7 @@ def test_untied_head_without_biases_round_trips(tmp_path):
     model, params = hf.from_pretrained(path)
     assert "lm_head" in params and "bias" not in params["layers_0"]["fc1"]
     ids, mask = padded_batch(VOCAB)
-    ours = model.compute_logits(params, decoder_batch(ids, mask))
+    ours = jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
     assert max_abs_diff(ours, theirs, mask) < 1e-4
     hf.save_pretrained(model, params, tmp_path / "out")
@@ -152,7 +153,7 @@ def test_training_from_import_under_fsdp_lowers_loss_and_exports(tmp_path):
     hf.save_pretrained(model, state.params, tmp_path / "trained")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"))
     theirs = torch_logits(reloaded.eval(), input_ids=ids, attention_mask=mask)
-    ours = model.compute_logits(state.params, batch)
+    ours = jax.jit(model.compute_logits)(state.params, batch)
     assert max_abs_diff(ours, theirs, mask) < 1e-4
 
 
@@ -172,7 +173,7 @@ def test_old_checkpoint_without_final_norm_loads(tmp_path):
     model, params = hf.from_pretrained(path)
     assert "final_layer_norm" not in params
     ids, mask = padded_batch(VOCAB)
-    ours = model.compute_logits(params, decoder_batch(ids, mask))
+    ours = jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
     assert max_abs_diff(ours, theirs, mask) < 1e-4
 

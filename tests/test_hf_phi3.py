@@ -3,6 +3,7 @@ family against transformers' PyTorch `Phi3ForCausalLM`."""
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 import transformers
@@ -85,13 +86,13 @@ def test_phi4_mini_shaped_longrope_checkpoint_keeps_every_promise(tmp_path):
     assert model.config.tie_word_embeddings and model.config.rotary_dim == 6
     # Within the original context: the short factors, as HF.
     ids, mask = padded_batch(VOCAB, (ORIGINAL_CONTEXT, 9, 12))
-    short = np.asarray(model.compute_logits(params, decoder_batch(ids, mask)))
+    short = np.asarray(jax.jit(model.compute_logits)(params, decoder_batch(ids, mask)))
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
     assert max_abs_diff(short, theirs, mask) < 1e-4
     # The same tokens in a call that reaches past it are rotated with the long factors.
     wide = np.pad(ids, ((0, 0), (0, 8)))
     long = np.asarray(
-        model.compute_logits(params, decoder_batch(wide, np.pad(mask, ((0, 0), (0, 8)))))
+        jax.jit(model.compute_logits)(params, decoder_batch(wide, np.pad(mask, ((0, 0), (0, 8)))))
     )
     assert np.abs(long[:, :ORIGINAL_CONTEXT] - short).max() > 1e-3
     # The decoding step that crosses recomputes the cache, as HF's generate does.

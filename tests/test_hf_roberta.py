@@ -1,5 +1,6 @@
 """RoBERTa (masked LM) from and to HuggingFace, and masked-LM training."""
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -72,7 +73,7 @@ def test_import_matches_transformers_and_export_reloads(tmp_path, variant, mesh_
     ids, mask = padded_batch(VOCAB, lengths=(12, 7, 12, 3))
     ids = np.where(ids == 1, 5, ids)  # keep HF's pad id out of the real tokens
     theirs = torch_logits(torch_model, **hf_inputs(ids, mask))
-    ours = model.compute_logits(params, encoder_batch(ids, mask))
+    ours = jax.jit(model.compute_logits)(params, encoder_batch(ids, mask))
     assert max_abs_diff(ours, theirs, mask) < 1e-4
     assert int(np.asarray(ours).argmax(-1).max()) < VOCAB
 
@@ -112,6 +113,6 @@ def test_masked_lm_training_under_fsdp_then_export(tmp_path):
     assert losses[-1] < losses[0] - 0.1, losses
     hf.save_pretrained(model, state.params, tmp_path / "trained")
     reloaded = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "trained"))
-    ours = model.compute_logits(state.params, encoder_batch(ids, mask))
+    ours = jax.jit(model.compute_logits)(state.params, encoder_batch(ids, mask))
     theirs = torch_logits(reloaded.eval(), **hf_inputs(ids, mask))
     assert max_abs_diff(ours, theirs, mask) < 1e-4

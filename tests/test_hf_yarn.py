@@ -4,6 +4,7 @@ attention factor against transformers' own `_compute_yarn_parameters`."""
 
 import json
 
+import jax
 import numpy as np
 import pytest
 import transformers
@@ -89,7 +90,7 @@ def test_yarn_checkpoint_matches_transformers_past_the_original_context(tmp_path
 
     model, params = hf.from_pretrained(path)
     assert model.config.rope_scaling_type == "yarn"
-    ours = np.asarray(model.compute_logits(params, decoder_batch(ids, mask)))
+    ours = np.asarray(jax.jit(model.compute_logits)(params, decoder_batch(ids, mask)))
     # Two float32 computations of the same logits part by about eps (1.2e-7) x the rounding
     # stages (~10 a layer: 2 layers and the head, ~25) x the logits' scale (|logit| < 10
     # here): ~3e-5; 1e-4, the family checks' bound, covers it.

@@ -99,7 +99,7 @@ def test_infer_score_and_eval_runs_from_a_training_run(trained_gptj, tmp_path, r
         i_ids = [0, *vocab.encode(i)]
         seq = i_ids + vocab.encode(o)
         logits = np.asarray(
-            model.compute_logits(params, {"decoder_input_tokens": np.asarray([seq[:-1]])})
+            jax.jit(model.compute_logits)(params, {"decoder_input_tokens": np.asarray([seq[:-1]])})
         )[0].astype(np.float64)
         log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
         target = [log_probs[t, seq[t + 1]] for t in range(len(i_ids) - 1, len(seq) - 1)]

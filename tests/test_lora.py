@@ -330,5 +330,5 @@ def test_lora_run_checkpoints_adapters_and_exports_merged_to_hf(tmp_path):
     # infer/eval's loader sees the merged model too.
     _, merged, step, _ = run_dir.load_model_and_params(model_dir, partitioner)
     assert step == 3
-    ours = np.asarray(model.compute_logits(merged, decoder_batch(ids, mask)))
+    ours = np.asarray(jax.jit(model.compute_logits)(merged, decoder_batch(ids, mask)))
     assert max_abs_diff(ours, theirs, mask) < 1e-4

@@ -57,20 +57,22 @@ def test_scanned_layers_compute_what_unrolled_layers_compute():
     stacked = {k: v for k, v in params.items() if not k.startswith("h_")}
     stacked["h"] = {"block": jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)}
     np.testing.assert_allclose(
-        unrolled.compute_logits(params, batch), scanned.compute_logits(stacked, batch), atol=1e-5
+        jax.jit(unrolled.compute_logits)(params, batch),
+        jax.jit(scanned.compute_logits)(stacked, batch),
+        atol=1e-5,
     )
 
 
 def test_packed_segments_do_not_attend_across_and_positions_restart():
     model = tiny_gptj()
     params, batch = _params_and_batch(model)
-    packed = model.compute_logits(params, batch)
+    packed = jax.jit(model.compute_logits)(params, batch)
     # The second segment alone, as its own unpacked row.
     second = {
         "decoder_input_tokens": batch["decoder_input_tokens"][:, 8:14],
         "decoder_target_tokens": batch["decoder_target_tokens"][:, 8:14],
     }
-    alone = model.compute_logits(params, second)
+    alone = jax.jit(model.compute_logits)(params, second)
     np.testing.assert_allclose(packed[:, 8:14], alone, atol=1e-5)
 
 
@@ -78,9 +80,9 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     model = tiny_gptj(dtype="bfloat16")
     params, batch = _params_and_batch(model)
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
-    logits = model.compute_logits(params, batch)
+    logits = jax.jit(model.compute_logits)(params, batch)
     assert logits.dtype == jnp.float32
-    ref = tiny_gptj().compute_logits(params, batch)
+    ref = jax.jit(tiny_gptj().compute_logits)(params, batch)
     assert float(jnp.mean(jnp.abs(logits - ref))) < 0.05
 
 
@@ -124,7 +126,7 @@ def test_bfloat16_head_multiplies_bfloat16_forward_and_backward(tied):
             )
         )  # fmt: skip
         params, batch = _params_and_batch(model)
-        assert model.compute_logits(params, batch).dtype == jnp.float32
+        assert jax.jit(model.compute_logits)(params, batch).dtype == jnp.float32
         loss = functools.partial(lambda p, m, b: m.loss_fn(p, b, None)[0], m=model, b=batch)
         grad = jax.make_jaxpr(jax.grad(loss))(params)
         head = [e for e in _dots(grad.jaxpr) if vocab in e.outvars[0].aval.shape

@@ -96,14 +96,14 @@ def test_peft_adapters_serve_in_flaxlm_with_peft_logits(hf_base, peft_adapters, 
         assert max_abs_diff(base_logits, theirs, mask) > 1e-2  # the adapter matters
         model, params, step, _ = run_dir.load_model_and_params(path, partitioner)
         assert step == 0
-        ours = np.asarray(model.compute_logits(params, decoder_batch(ids, mask)))
+        ours = np.asarray(jax.jit(model.compute_logits)(params, decoder_batch(ids, mask)))
         assert max_abs_diff(ours, theirs, mask) < TOL, name
     # Scanned layers: layer 0 of og_layer1's stack holds zero adapters.
     scanned = hf.model_from_hf_dir(base, partitioner, config_overrides={"scan_layers": True})
     _, params, *_ = run_dir.load_model_and_params(
         peft_adapters["og_layer1"], partitioner, model=scanned
     )
-    ours = np.asarray(scanned.compute_logits(params, decoder_batch(ids, mask)))
+    ours = np.asarray(jax.jit(scanned.compute_logits)(params, decoder_batch(ids, mask)))
     theirs, _ = peft_logits(torch_model, peft_adapters["og_layer1"], ids, mask)
     assert max_abs_diff(ours, theirs, mask) < TOL
 
@@ -157,7 +157,7 @@ def test_lora_run_exports_peft_adapters_that_peft_loads_with_our_logits(
     assert all_keys
     _, merged, step, _ = run_dir.load_model_and_params(str(model_dir), partitioner)
     assert step == 7
-    ours = np.asarray(model.compute_logits(merged, decoder_batch(ids, mask)))
+    ours = np.asarray(jax.jit(model.compute_logits)(merged, decoder_batch(ids, mask)))
     assert max_abs_diff(ours, theirs, mask) < TOL
     base_logits = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
     assert max_abs_diff(base_logits, theirs, mask) > 1e-2

@@ -75,7 +75,7 @@ def random_adapters(model, cfg, scale=0.1):
 
 
 def flaxlm_logits(model, params, ids, mask):
-    return np.asarray(model.compute_logits(params, decoder_batch(ids, mask)))
+    return np.asarray(jax.jit(model.compute_logits)(params, decoder_batch(ids, mask)))
 
 
 @pytest.mark.slow

@@ -157,7 +157,7 @@ def test_sequence_logps_sum_the_answers_log_probabilities():
     batch = pair_batch(2)
     total, count = preference.sequence_logps(model, params, batch, None)
     rows = {k: v.reshape(4, LENGTH) for k, v in batch.items()}
-    logits = np.asarray(model.compute_logits(params, rows), np.float64)
+    logits = np.asarray(jax.jit(model.compute_logits)(params, rows), np.float64)
     log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     targets, weights = rows["decoder_target_tokens"], rows["decoder_loss_weights"]
     picked = np.take_along_axis(log_probs, targets[..., None], -1)[..., 0]

@@ -72,7 +72,7 @@ def test_forgetful_causal_masking_changes_training_but_not_eval():
     rng = jax.random.PRNGKey(3)
     # Evaluation (no rng): identical.
     np.testing.assert_array_equal(
-        plain.compute_logits(params, batch), fcm.compute_logits(params, batch)
+        jax.jit(plain.compute_logits)(params, batch), jax.jit(fcm.compute_logits)(params, batch)
     )
     assert float(plain.loss_fn(params, batch, None)[0]) == float(
         fcm.loss_fn(params, batch, None)[0]
@@ -130,10 +130,10 @@ def test_alibi_model_has_no_position_table_and_extrapolates():
     # Trained at 16 positions, it reads 64 (no position table to run out of).
     model.check_lengths({"targets": 64})
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 64), 1, 128)
-    logits = model.compute_logits(params, {"decoder_input_tokens": tokens})
+    logits = jax.jit(model.compute_logits)(params, {"decoder_input_tokens": tokens})
     assert logits.shape == (2, 64, 128) and np.isfinite(np.asarray(logits)).all()
     # The first 16 positions see what a 16-token input sees (causal).
-    short = model.compute_logits(params, {"decoder_input_tokens": tokens[:, :16]})
+    short = jax.jit(model.compute_logits)(params, {"decoder_input_tokens": tokens[:, :16]})
     np.testing.assert_allclose(logits[:, :16], short, atol=1e-5)
     # Decoding with the cache follows the same bias.
     prompts = {"inputs": np.asarray(tokens[:, :5])}
@@ -143,7 +143,7 @@ def test_alibi_model_has_no_position_table_and_extrapolates():
     seq = np.zeros((2, 11), np.int32)
     seq[:, :5] = np.asarray(tokens[:, :5])
     for t in range(5, 11):
-        logits_t = model.compute_logits(params, {"decoder_input_tokens": seq})[:, t - 1]
+        logits_t = jax.jit(model.compute_logits)(params, {"decoder_input_tokens": seq})[:, t - 1]
         seq[:, t] = np.asarray(logits_t).argmax(-1)
     np.testing.assert_array_equal(out, seq[:, 5:])
 
