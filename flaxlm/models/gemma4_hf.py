@@ -11,6 +11,7 @@ from flaxlm.models import llama, qwen_moe
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.gemma4 import GLOBAL, LAYER_TYPES, ROPE_FIELDS, ROPE_TYPES, SLIDING, Gemma4Config
 from flaxlm.models.hf_spec import (
+    LANGUAGE_MODEL_RENAMES,
     HFSpec,
     HFTensor,
     Multimodal,
@@ -292,7 +293,7 @@ HF_SPEC = register_hf(
         tied_head=llama.HF_SPEC.tied_head,
         # Gemma4ForConditionalGeneration: the text tower, as its modules name it; the vision
         # and audio towers and their embedders are skipped.
-        renames=((r"^model\.language_model\.", "model."),),
+        renames=LANGUAGE_MODEL_RENAMES,
         skip=(r"^model\.(vision_tower|audio_tower|embed_vision|embed_audio)\.",),
     )
 )

@@ -24,7 +24,13 @@ import jax
 
 from flaxlm.models import glm4_moe, layers, llama, masks, rope
 from flaxlm.models.base import DecoderOnlyModel
-from flaxlm.models.hf_spec import HFSpec, HFTensor, Multimodal, register_hf
+from flaxlm.models.hf_spec import (
+    LANGUAGE_MODEL_RENAMES,
+    HFSpec,
+    HFTensor,
+    Multimodal,
+    register_hf,
+)
 
 Array = jax.Array
 
@@ -189,7 +195,7 @@ HF_SPEC = register_hf(
         # GLM-4.1V's / 4.6V-Flash's files: the text tower under `model.language_model.`, the
         # head the outer model's (tied by a pre-v5 save's text config too), `visual.` skipped.
         multimodal=(Multimodal("glm4v", VL_TEXT, tied=False, text_ties=True),),
-        renames=((r"^model\.language_model\.", "model."),),
+        renames=LANGUAGE_MODEL_RENAMES,
         skip=(r"^model\.visual\.",),
     )
 )

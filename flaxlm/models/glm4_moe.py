@@ -32,7 +32,13 @@ import jax
 
 from flaxlm.models import attention, deepseek, llama, masks, moe, mtp, mtp_hf, qwen_moe, rope
 from flaxlm.models.base import DecoderOnlyModel
-from flaxlm.models.hf_spec import HFSpec, HFTensor, Multimodal, register_hf
+from flaxlm.models.hf_spec import (
+    LANGUAGE_MODEL_RENAMES,
+    HFSpec,
+    HFTensor,
+    Multimodal,
+    register_hf,
+)
 
 Array = jax.Array
 
@@ -375,7 +381,7 @@ HF_SPEC = register_hf(
         # the outer model's (tied by a pre-v5 save's text config too, as transformers reads
         # it), the vision tower skipped.
         multimodal=(Multimodal("glm4v_moe", VL_TEXT, tied=False, text_ties=True),),
-        renames=((r"^model\.language_model\.", "model."),),
+        renames=LANGUAGE_MODEL_RENAMES,
         skip=VL_SKIP,
     )
 )

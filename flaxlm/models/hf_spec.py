@@ -262,12 +262,16 @@ class Multimodal(NamedTuple):
         return self.text_modules + name.removeprefix("model.")
 
 
+# The text tower of a transformers vision-language model saved by its own modules (Qwen3-VL's,
+# GLM-4.1V's, Gemma 4's, Qwen3.5's): under `model.language_model.` where the text model has
+# `model.`.
+LANGUAGE_MODEL_RENAMES = ((r"^model\.language_model\.", "model."),)
 # The text tower of a file in transformers' llava layout (LLaVA's, Gemma 3's, Mistral 3's,
 # InternVL's: the conversion mapping's 'llava' and 'llava_next'), as `renames` and `skip`:
 # under `language_model.` as the Hub's files and `save_pretrained` name it (its LM head
 # `language_model.lm_head.`), or `model.language_model.` as the modules do; the vision tower,
 # projector and LLaVA-NeXT's `image_newline` skipped.
-LLAVA_RENAMES = ((r"^language_model\.", ""), (r"^model\.language_model\.", "model."))
+LLAVA_RENAMES = ((r"^language_model\.", ""), *LANGUAGE_MODEL_RENAMES)
 LLAVA_SKIP = (r"^(model\.)?(vision_tower\.|multi_modal_projector\.|image_newline$)",)
 
 HF_SPECS: dict[str, HFSpec] = {}

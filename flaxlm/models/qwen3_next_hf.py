@@ -16,6 +16,7 @@ import numpy as np
 from flaxlm.models import glm4_moe, llama, mtp_hf, qwen_moe, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import (
+    LANGUAGE_MODEL_RENAMES,
     HFSpec,
     HFTensor,
     Multimodal,
@@ -292,7 +293,7 @@ HF_SPEC = register_hf(
         base_model_prefix="model",
         tied_head=llama.HF_SPEC.tied_head,
         # Qwen3.5's multimodal files: the text tower under `model.language_model.`.
-        renames=((r"^model\.language_model\.", "model."),),
+        renames=LANGUAGE_MODEL_RENAMES,
         skip=(r"^model\.visual\.",),
     )
 )
