@@ -242,3 +242,53 @@ def test_functions_mapped_without_autograph_give_the_batches_autograph_gives(mon
         assert sorted(a) == sorted(b)
         for key in a:
             np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
+
+
+def test_length_checks_decided_once_per_host_keep_seqios_outcomes(monkeypatch):
+    """`length_checks.check_lengths` (what seqio's converters call in flaxlm's pipelines)
+    checks a length the dataset's spec fixes when the pipeline is built, and the others per
+    example with seqio's assertion; the batches are seqio's own checks' batches."""
+    import tensorflow as tf
+
+    from flaxlm.data import length_checks
+
+    pipeline.configure_tensorflow()
+    assert seqio.feature_converters._check_lengths is length_checks.check_lengths
+    fixed = tf.data.Dataset.from_tensors({"a": tf.zeros([4], tf.int32)})
+    axes = {"a": 0}
+    assert length_checks.check_lengths(fixed, {"a": 4}, axes, True, "output") is fixed
+    with pytest.raises(ValueError, match="'a' has length not equal to the expected length of 3"):
+        length_checks.check_lengths(fixed, {"a": 3}, axes, True, "output")
+    with pytest.raises(ValueError, match="not less than or equal to the expected length of 3"):
+        length_checks.check_lengths(fixed, {"a": 3}, axes, False, "input")
+
+    # Lengths that vary from example to example: asserted per example, through a converter.
+    rows = [[3, 4, 5], [3, 4, 5, 6, 7, 8]]
+    varying = tf.data.Dataset.from_generator(
+        lambda: ({"targets": np.array(r, np.int32)} for r in rows),
+        output_signature={"targets": tf.TensorSpec([None], tf.int32)},
+    )
+    converter = seqio.DecoderFeatureConverter(pack=False)
+    out = converter(varying, {"targets": 4}).as_numpy_iterator()
+    np.testing.assert_array_equal(next(out)["decoder_target_tokens"], [3, 4, 5, 0])
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match="length not less than or equal to the expected length of 4",
+    ):
+        next(out)
+
+    def batches():
+        cfg = _cfg(batch_size=2, num_input_shards=2, task_feature_lengths={"targets": 16})
+        layout = Partitioner(mesh_shape=(2, 1, 4)).data_layout(2)
+        return list(
+            itertools.islice(pipeline.host_batches(cfg, layout, seqio.DecoderFeatureConverter), 2)
+        )
+
+    ours = batches()
+    monkeypatch.setattr(
+        seqio.feature_converters, "_check_lengths", length_checks._SEQIO_CHECK_LENGTHS
+    )
+    for a, b in zip(ours, batches(), strict=True):
+        assert sorted(a) == sorted(b)
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)

@@ -38,7 +38,7 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from flaxlm.data import packing, vocabularies
+from flaxlm.data import length_checks, packing, vocabularies
 from flaxlm.data.config import (
     DatasetConfig,
     host_input_shards,
@@ -105,12 +105,14 @@ def _skip_autograph(modules: Sequence[str]) -> None:
 
 def configure_tensorflow() -> None:
     """Keeps TensorFlow off the accelerators: it is only the input pipeline. Packs in memory
-    linear in the length (`packing.use_linear_packing`: seqio's rows); maps the functions of
-    `NOT_AUTOGRAPHED` without AutoGraph."""
+    linear in the length (`packing.use_linear_packing`: seqio's rows); checks the feature
+    converters' lengths once per host (`length_checks`: seqio's checks); maps the functions
+    of `NOT_AUTOGRAPHED` without AutoGraph."""
     global _TF_CONFIGURED
     if _TF_CONFIGURED:
         return
     packing.use_linear_packing()
+    length_checks.use_static_length_checks()
     _skip_autograph(NOT_AUTOGRAPHED)
     try:
         tf.config.set_visible_devices([], "GPU")
