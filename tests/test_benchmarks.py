@@ -1,5 +1,6 @@
 """Smoke tests of the compile-only benchmarks and of train_step.py (with PyTorch), tiny."""
 
+import functools
 import json
 import os
 import subprocess
@@ -348,10 +349,16 @@ def test_train_step_shapes_and_flags():
 
 
 @pytest.mark.slow
-def test_train_step_vs_pytorch_tiny(tmp_path):
+def test_train_step_vs_pytorch_tiny(tmp_path, monkeypatch):
     """flaxlm, the plain jax.jit step and HF's PyTorch GPT-J alternate on a tiny custom
     shape, with the input-wait loop; the JSON holds the conditions and each side's numbers."""
     train_step = load_benchmark("train_step")
+    # The conditions' matmul probe, before and after, in one burst of 10 ms of a 128 x 128
+    # matmul, not 5 of 200 ms of 512 x 512 (2 s of this test).
+    probe = functools.partial(
+        train_step.bench_common.matmul_probe, size=128, bursts=1, burst_seconds=0.01
+    )
+    monkeypatch.setattr(train_step.bench_common, "matmul_probe", probe)
     argv = ["--hidden-size", "64", "--num-layers", "1", "--num-heads", "2", "--batch-size", "2"]
     argv += ["--seq-len", "16", "--steps", "2", "--repeats", "2", "--warmup", "1"]
     argv += ["--input-steps", "1", "--input-warmup", "1", "--json", str(tmp_path / "ts.json")]
@@ -388,8 +395,10 @@ def test_accelerator_benchmark_tiny_on_cpu(tmp_path, monkeypatch):
     assert os.path.exists(os.path.join(no_tensorflow, "sitecustomize.py"))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([no_tensorflow, REPO]))
     accelerator = load_benchmark("accelerator")
-    argv = ["--model", "llama_tiny", "--lengths", "32", "--tokens", "64", "--dtype", "float32"]
-    argv += ["--steps", "1", "--repeats", "1", "--warmup", "1", "--no-torch-compile"]
+    # llama_tiny cut to one layer of its 4 (`--layers`): each side's work is its layers'.
+    argv = ["--model", "llama_tiny", "--layers", "1", "--lengths", "32", "--tokens", "64"]
+    argv += ["--dtype", "float32", "--steps", "1", "--repeats", "1", "--warmup", "1"]
+    argv += ["--no-torch-compile"]
     argv += ["--decode-batch", "2", "--decode-prompt", "4", "--decode-new", "4"]
     hlo_dir = tmp_path / "hlo"
     results = accelerator.main(
@@ -400,7 +409,7 @@ def test_accelerator_benchmark_tiny_on_cpu(tmp_path, monkeypatch):
     torch_row = results["torch"]["models"]["llama_tiny"]["train"]["32"]
     assert torch_row["description"]["gradient_checkpointing"] is True
     assert json.loads((tmp_path / "acc.json").read_text())["train"] == results["train"]
-    assert [p.name for p in hlo_dir.iterdir()] == ["LlamaConfig_3M_L32.hlo.txt.gz"]
+    assert [p.name for p in hlo_dir.iterdir()] == ["LlamaConfig_1M_L32.hlo.txt.gz"]
     planned = results["flaxlm"]["models"]["llama_tiny"]["train"]["32"]["planner"]
     assert planned["flops"] > 0 and planned["bytes_accessed"] > 0
     assert results["unfinished"] == {}

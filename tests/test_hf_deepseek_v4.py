@@ -159,7 +159,7 @@ def test_logits_are_hf_logits_with_the_indexers_choice(families, name):
     assert model.config.layer_types == tuple(CONFIGS[name]["layer_types"])
     ids, mask = padded_batch(VOCAB, LENGTHS)
     theirs = torch_logits(torch_model, input_ids=ids, attention_mask=mask)
-    ours = jax.jit(model.compute_logits)(params, decoder_batch(ids, mask))
+    ours = whole_logits(model, params, ids, mask)
     assert max_abs_diff(ours, theirs, mask) < LOGITS_TOL
     # The indexer's choice matters: HF reading every compressed entry is far from both.
     indexers = [layer.self_attn.compressor.indexer for layer in csa_layers(torch_model)]
@@ -393,6 +393,25 @@ def prompts_of(lengths=PROMPT_LENGTHS, seed=3):
     return [rng.integers(1, VOCAB, n).tolist() for n in lengths]
 
 
+# The tests read a family's whole rows (right-padded: `LENGTHS`, prompts and the tokens fed
+# after them, a chunk's rows) as one shape, 4 rows of 26 positions (the longest: a 17-token
+# prompt and 9 tokens fed): one compiled program a config, not one a test.
+WHOLE = (4, max(PROMPT_LENGTHS) + STEPS)
+_WHOLE_READS = {}
+
+
+def whole_logits(model, params, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """`model.compute_logits` of right-padded rows `ids` (0/1 `mask`) read within `WHOLE`:
+    the rows and positions added are padding (segment 0) after every real token and in
+    rows of their own, which causal rows never read; cut back to `ids`' shape."""
+    rows, length = ids.shape
+    padded_ids, padded_mask = np.zeros(WHOLE, np.int64), np.zeros(WHOLE, np.int64)
+    padded_ids[:rows, :length], padded_mask[:rows, :length] = ids, mask
+    read = _WHOLE_READS.setdefault(model, jax.jit(model.compute_logits))
+    logits = read(params, decoder_batch(padded_ids, padded_mask))
+    return np.asarray(logits)[:rows, :length]
+
+
 def cached_logits(model, params, prompts, fed):
     """float32 `[rows, 1 + steps, vocab]`: the logits after each prompt (right-padded, read
     whole into the cache), then after each token of `fed` int32 `[rows, steps]` decoded one
@@ -429,7 +448,7 @@ def assert_cached_logits_are_whole_rows(model, params, prompts, layers):
     ids, mask = padded_batch(VOCAB, [len(r) for r in rows])
     for row, r in enumerate(rows):
         ids[row, : len(r)] = r
-    whole = np.asarray(jax.jit(model.compute_logits)(params, decoder_batch(ids, mask)))
+    whole = whole_logits(model, params, ids, mask)
     theirs = np.stack([whole[row, len(p) - 1 : len(p) + STEPS] for row, p in enumerate(prompts)])
     ours, theirs = ours[..., :VOCAB], theirs[..., :VOCAB]  # not the ids padded on
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=cached_tolerance(layers, theirs))
@@ -595,7 +614,9 @@ def test_a_chunk_that_continues_the_cache_reads_as_its_tokens_one_at_a_time(fami
         before[row, :n] = np.arange(n)
     prefixes = np.array([s[: max(HELD)] for s in sequences], np.int32)
     prefixes[2] = rng.integers(1, VOCAB, max(HELD))  # another sequence than the chunk's
-    _, cache = one_at_a_time(read, params, model.paged_cache(12, 4, 4, 48), prefixes, before)
+    # The empty cache on the params' device mesh, as the reads return it (one program).
+    empty = jax.device_put(model.paged_cache(12, 4, 4, 48), ONE.replicated())
+    _, cache = one_at_a_time(read, params, empty, prefixes, before)
     tokens = np.zeros((4, CHUNK), np.int32)
     slots = np.full((4, CHUNK), -1, np.int32)
     for row, (start, n) in enumerate(RESUMED):
@@ -614,7 +635,7 @@ def test_a_chunk_that_continues_the_cache_reads_as_its_tokens_one_at_a_time(fami
     ids, mask = padded_batch(VOCAB, ends)
     for row, end in enumerate(ends):
         ids[row, :end] = sequences[row][:end]
-    whole = np.asarray(jax.jit(model.compute_logits)(params, decoder_batch(ids, mask)))
+    whole = whole_logits(model, params, ids, mask)
     whole = np.stack([whole[row, end - 1, :VOCAB] for row, end in enumerate(ends)])
     np.testing.assert_allclose(ours, whole, rtol=0, atol=cached_tolerance(layers, whole))
     last = np.array([-1, *(e - 1 for e in ends), HELD[3] - 1])  # each state slot's

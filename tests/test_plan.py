@@ -19,6 +19,7 @@ from typing import Any
 import gin
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -69,6 +70,13 @@ def tiny_run(batch_size: int = 8, scan: bool = False) -> plan_run.Run:
     )
 
 
+def with_sgd(run: plan_run.Run) -> plan_run.Run:
+    """`run` stepped by plain SGD, for the tests that compare steps' FLOPs (the layers'):
+    AdamW's clipping and per-parameter update, the same in every step compared, is a
+    quarter of a small step's compile."""
+    return dataclasses.replace(run, optimizer=optax.sgd(1e-3))
+
+
 # A made-up chip: only the ranking's arithmetic matters here.
 CHIP = chips.Chip("test", {"float32": 1e10}, 1e10, 1e9, None, collective_latency_s=1e-5)
 
@@ -99,7 +107,7 @@ def test_loop_corrected_cost_ranking_and_a_parallel_compile():
     """A scanned step's FLOPs equal the unscanned step's (cost_analysis alone counts the
     loop's body once); remat `full` costs more FLOPs and ranks lower. The three compile on
     two threads, as the planner does on a larger host."""
-    p = planner.Planner(tiny_run(), jax.devices(), CHIP)
+    p = planner.Planner(with_sgd(tiny_run()), jax.devices(), CHIP)
     base = dataclasses.replace(p.run.base, mesh_shape=(1, 8, 1))
     knobs = [
         base,
@@ -453,7 +461,7 @@ def test_command_line_plans_measures_and_prints_overrides_that_parse(tmp_path):
         "--gin.TASK_FEATURE_LENGTHS={'targets': 32}",
         "--gin.BATCH_SIZE=8",
         "--gin.GPTJConfig.hidden_size=64",
-        "--gin.GPTJConfig.num_layers=2",
+        "--gin.GPTJConfig.num_layers=1",
         "--gin.GPTJConfig.rotary_dim=8",
     ]
     proc = run_plan(
@@ -502,10 +510,10 @@ def test_command_line_bad_topology_is_a_clear_error(topology):
 
 @pytest.mark.slow
 def test_command_line_plans_for_a_cluster_of_gpu_hosts(tmp_path):
-    """`--topology=h100:2x8` (XLA:GPU, no GPU): qwen3_moe_tiny over 2 hosts of 8, data
-    across the hosts and the experts inside each. XLA:GPU's cost analysis of such a program
-    is empty, so FLOPs and bytes are read off the HLO; the collectives between hosts are
-    priced at the network's rate: the gradients' reduction over `data` crosses it, the
+    """`--topology=h100:2x8` (XLA:GPU, no GPU): qwen3_moe_tiny (one layer) over 2 hosts of
+    8, data across the hosts and the experts inside each. XLA:GPU's cost analysis of such a
+    program is empty, so FLOPs and bytes are read off the HLO; the collectives between hosts
+    are priced at the network's rate: the gradients' reduction over `data` crosses it, the
     experts' all-to-alls stay on NVLink. In bfloat16 at widths of 64s its dropless experts
     compile to the Mosaic GPU kernels an H100 runs."""
     out = tmp_path / "plan.json"
@@ -521,6 +529,7 @@ def test_command_line_plans_for_a_cluster_of_gpu_hosts(tmp_path):
         "--gin.QwenMoeConfig.moe_dispatch='all_to_all'",
         "--gin.QwenMoeConfig.dtype='bfloat16'",
         "--gin.QwenMoeConfig.moe_intermediate_size=128",
+        "--gin.QwenMoeConfig.num_layers=1",  # its 4: a compile of 25 s, not 10
         "--gin.planner.plan.meshes=[(2, 1, 8, 1)]",
         "--topology=h100:2x8",
         "--max_candidates=1",
@@ -623,6 +632,13 @@ def test_an_moe_model_is_planned_over_an_expert_axis():
     )
 
 
+def one_device_planner(run: plan_run.Run) -> planner.Planner:
+    """A planner of `run` (stepped by SGD) on one device, for the tests of how loops over
+    layers are priced, which no mesh changes: the step compiles without SPMD partitioning
+    (with SGD, 2/3 the time of AdamW's step on 8 devices)."""
+    return planner.Planner(with_sgd(run), jax.devices()[:1], CHIP)
+
+
 @pytest.mark.slow
 def test_steps_of_unlike_layers_microbatched_or_scanned_are_priced_as_their_one_batch_twin():
     """A model whose first layers are dense and wide (DeepSeek-V3's kind), whose 1- and
@@ -634,8 +650,7 @@ def test_steps_of_unlike_layers_microbatched_or_scanned_are_priced_as_their_one_
     config = dataclasses.replace(
         run.model.config, num_layers=4, mlp_only_layers=(0, 1), intermediate_size=1024
     )
-    run = dataclasses.replace(run, model=DecoderOnlyModel(config), batch_size=16)
-    p = planner.Planner(run, jax.devices(), CHIP)
+    p = one_device_planner(dataclasses.replace(run, model=DecoderOnlyModel(config), batch_size=16))
     one = p.evaluate(p.run.base)
     two = p.evaluate(dataclasses.replace(p.run.base, num_microbatches=2))
     scanned = p.evaluate(dataclasses.replace(p.run.base, scan_layers=True))
@@ -662,8 +677,7 @@ def test_a_hybrid_scanned_in_cycles_is_priced_as_its_unrolled_twin():
         param_dtype="float32", remat_policy="none", scan_layers=False,
         layer_types=("linear_attention", "full_attention") * 3 + ("linear_attention",),
     )  # fmt: skip
-    run = dataclasses.replace(tiny_run(), model=DecoderOnlyModel(config))
-    p = planner.Planner(run, jax.devices(), CHIP)
+    p = one_device_planner(dataclasses.replace(tiny_run(), model=DecoderOnlyModel(config)))
     one = p.evaluate(p.run.base)
     scanned = p.evaluate(dataclasses.replace(p.run.base, scan_layers=True))
     assert one.status == scanned.status == "fits", scanned.reason
