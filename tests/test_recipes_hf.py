@@ -496,6 +496,10 @@ def test_llama_lora_gin_from_an_hf_checkpoint_trains_on_trls_rows_then_infers_fr
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}",
         "--gin.BATCH_SIZE=2",
         "--gin.MAX_NEW_TOKENS=2",
+        # (one step of warmup, then a decay over max(TRAIN_STEPS - 1, 1) steps: at 1 and at 2
+        # steps the same schedule, so the resumed run below reads this run's train step from
+        # the compilation cache instead of compiling its own)
+        "--gin.WARMUP_STEPS=1",
     )
     want = check_sft_step(model_dir, recorded, tok, torch_model)
     prompts = recorded.prompts["infer"]
@@ -526,7 +530,8 @@ def test_llama_lora_gin_from_an_hf_checkpoint_trains_on_trls_rows_then_infers_fr
             "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}",
             "--gin.BATCH_SIZE=2",
             "--gin.TRAIN_STEPS=2",
-            "--gin.WARMUP_STEPS=0",
+            "--gin.LEARNING_RATE=0.0",
+            "--gin.WARMUP_STEPS=1",
             "--gin.EVAL_PERIOD=0",
             "--gin.LOG_PERIOD=1",
             "--gin.run_in_order.fns=[@train.train]",
