@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Callable
 
 from flaxlm.models.attention import CUDNN_STAND_IN
 from flaxlm.models.grouped_matmul import SCOPE as GROUPED_SCOPE  # its kernels' named scope
@@ -63,45 +64,62 @@ def matmul_costs(text: str, inner_loops: bool = True) -> dict[str, float]:
       charges a custom call -1 FLOPs and -1 bytes (jax-ml/jax#22249: a 73x256 dense layer
       counted 511 FLOPs), so `with_library_calls` adds these where it did.
     """
-    computations, entry = hlo.module_computations(text)
-    types: dict[str, str] = {}
-    for lines in computations.values():
-        for name, _, (type_str, _, _) in hlo.instructions(lines):
-            types[name] = type_str
+    module = hlo.parse_module(text)
 
     @functools.cache
     def costs(comp: str) -> tuple[float, ...]:
         total = [0.0] * len(FIELDS)
-        defs: dict[str, tuple[str, str, str]] = {}
-        for name, _, parsed in hlo.instructions(computations.get(comp, [])):
-            defs[name] = parsed
-            type_str, opcode, rest = parsed
-            own = _instruction(type_str, opcode, rest, types)
-            called = [(c, 1) for c in CALLEES_RE.findall(rest)]
-            if opcode == "while":
-                runs = loop_runs(rest, computations, defs) if inner_loops else 1
-                called = [(re.search(r"body=%([^\s,]+)", rest).group(1), runs)]
-            branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
-            if branches:
-                called = [(c, 1) for c in re.findall(r"%([^\s,]+)", branches.group(1))]
-            for callee, n in called:
+        for own, called in _terms(module, comp):
+            for callee, runs in called:
+                n = runs() if runs is not None and inner_loops else 1
                 own = [a + n * b for a, b in zip(own, costs(callee))]
             total = [a + b for a, b in zip(total, own)]
         return tuple(total)
 
-    return dict(zip(FIELDS, costs(entry)))
+    return dict(zip(FIELDS, costs(module.entry)))
+
+
+_Term = tuple[list[float], list[tuple[str, Callable[[], int] | None]]]
+
+
+def _terms(module: hlo.Module, comp: str) -> list[_Term]:
+    """Each instruction of `comp`: its own costs (`_instruction`) and the computations it
+    calls, each with its runs (a while loop's body: `loop_runs`, read once when first
+    asked; None: once). Kept in the module's memo for each `matmul_costs` of it."""
+    key = ("flops.terms", comp)
+    if key in module.memo:
+        return module.memo[key]
+    out: list[_Term] = []
+    defs: dict[str, tuple[str, str, str]] = {}
+    for name, _, parsed in module.instructions(comp):
+        defs[name] = parsed
+        type_str, opcode, rest = parsed
+        own = _instruction(type_str, opcode, rest, module.types)
+        called: list[tuple[str, Callable[[], int] | None]] = [
+            (c, None) for c in CALLEES_RE.findall(rest)
+        ]
+        if opcode == "while":
+            # the computation's instructions so far, as the loop's runs are read from them
+            runs = functools.partial(loop_runs, rest, module.computations, dict(defs))
+            called = [(re.search(r"body=%([^\s,]+)", rest).group(1), functools.cache(runs))]
+        branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+        if branches:
+            called = [(c, None) for c in re.findall(r"%([^\s,]+)", branches.group(1))]
+        out.append((own, called))
+    module.memo[key] = out
+    return out
 
 
 def _instruction(type_str: str, opcode: str, rest: str, types: dict[str, str]) -> list[float]:
     """(dot FLOPs, library FLOPs, library bytes, library calls) of one instruction."""
+    if opcode not in ("dot", "custom-call"):
+        return [0.0] * len(FIELDS)
     operands = [types.get(o, "") for o in hlo.operand_names(rest)]
     if opcode == "dot":
         lhs = hlo.first_dims(operands[0]) if operands else []
         m = re.search(r"lhs_contracting_dims=\{([^}]*)\}", rest)
         contracted = _contracted(lhs, hlo.ints(m and m.group(1)))
         return [2.0 * math.prod(hlo.first_dims(type_str)) * contracted, 0.0, 0.0, 0.0]
-    if opcode != "custom-call":
-        return [0.0] * len(FIELDS)
     target = re.search(r'custom_call_target="([^"]*)"', rest)
     target = target.group(1) if target else ""
     if target.startswith("__cublas$"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -64,17 +65,8 @@ def shard_map_collectives(
 ) -> dict[str, dict[str, float]]:
     """`parse_hlo`'s per-kind totals of the collectives inside a `shard_map` (their op_name
     holds `shard_map`: the MoE layers' dispatch under an `expert` axis), the others left out:
-    the HLO with every other collective's opcode renamed so the parser passes over it."""
-    kinds = "|".join(re.escape(k) for k in COLLECTIVES)
-    pattern = re.compile(rf"\b({kinds})(-start)?\(")
-
-    def keep(line: str) -> str:
-        # (XLA:GPU prints its ragged all-to-all without metadata: flaxlm's is the MoE's)
-        if "shard_map" in line or "ragged-all-to-all" in line or not pattern.search(line):
-            return line
-        return pattern.sub(lambda m: f"custom-call-{m.group(1)}{m.group(2) or ''}(", line)
-
-    return parse_hlo("\n".join(keep(x) for x in text.splitlines()), num_devices, hosts)["by_kind"]
+    the parser passes over every other collective as over an op of another kind."""
+    return _collectives(parse_module(text), num_devices, hosts, shard_map_only=True)["by_kind"]
 
 
 def group_size(attrs: str, num_devices: int) -> int:
@@ -259,6 +251,42 @@ def module_computations(text: str) -> tuple[dict[str, list[str]], str]:
     return computations, entry
 
 
+class Module:
+    """A compiled module's HLO text parsed once, for the readers that share it (`parse_hlo`,
+    `flops.matmul_costs`, `traffic.program_bytes`): its computations' lines and ENTRY
+    (`module_computations`), each computation's `instructions` parsed on first use, every
+    instruction's type by name, and `memo`, where a reader keeps what it derives from them."""
+
+    def __init__(self, text: str) -> None:
+        self.computations, self.entry = module_computations(text)
+        self._instructions: dict[str | None, list[tuple[str, bool, tuple[str, str, str]]]] = {}
+        self.memo: dict[Any, Any] = {}
+
+    def instructions(self, comp: str | None) -> list[tuple[str, bool, tuple[str, str, str]]]:
+        """`instructions` of computation `comp` (none where the module has no such one)."""
+        parsed = self._instructions.get(comp)
+        if parsed is None:
+            parsed = list(instructions(self.computations.get(comp, [])))
+            self._instructions[comp] = parsed
+        return parsed
+
+    @functools.cached_property
+    def types(self) -> dict[str, str]:
+        """Every instruction's type, by name."""
+        return {
+            name: parsed[0]
+            for comp in self.computations
+            for name, _, parsed in self.instructions(comp)
+        }
+
+
+@functools.lru_cache(maxsize=4)
+def parse_module(text: str) -> Module:
+    """`text` parsed (`Module`), once for the few modules read last: a planner's compiled
+    step is read for its collectives, its products and its bytes, each from the same text."""
+    return Module(text)
+
+
 def first_dims(type_str: str) -> list[int]:
     """The dims of a type's first array (a tuple's first element)."""
     m = SHAPE_RE.search(type_str)
@@ -312,7 +340,16 @@ def parse_hlo(text: str, num_devices: int, hosts: Sequence[int] | None = None) -
     as one reduce-scatter whose result is the fusion's. `hosts[i]`: the host of device i
     (its position in the program's device assignment); `host_ring_bytes` are the ring bytes
     of the ops whose groups span hosts (over the slower network), of `ring_bytes`."""
-    computations, entry = module_computations(text)
+    return _collectives(parse_module(text), num_devices, hosts)
+
+
+def _collectives(
+    module: Module, num_devices: int, hosts: Sequence[int] | None, shard_map_only: bool = False
+) -> dict[str, Any]:
+    """`parse_hlo` of a parsed module; with `shard_map_only`, a collective whose line holds
+    neither `shard_map` nor `ragged-all-to-all` (XLA:GPU prints its ragged all-to-all
+    without metadata: flaxlm's is the MoE's) is read as an op of no collective kind."""
+    computations, entry = module.computations, module.entry
     unparsed: list[str] = []
     memo: dict[str, list[tuple[Op, int]]] = {}
 
@@ -366,10 +403,14 @@ def parse_hlo(text: str, num_devices: int, hosts: Sequence[int] | None = None) -
         memo[name] = []  # guards against cycles
         out: list[tuple[Op, int]] = []
         defs: dict[str, tuple[str, str, str]] = {}
-        for instruction, _, parsed in instructions(computations.get(name, [])):
+        for instruction, _, parsed in module.instructions(name):
             type_str, opcode, rest = defs[instruction] = parsed
             callees = re.findall(r"(?:calls|branch_computations)=\{?%([^\s,}]+)", rest)
-            if opcode.removesuffix("-start") in COLLECTIVES:
+            collective = opcode.removesuffix("-start") in COLLECTIVES
+            if collective and shard_map_only:
+                line = (instruction, type_str, rest)
+                collective = any("shard_map" in x or "ragged-all-to-all" in x for x in line)
+            if collective:
                 kind = opcode.removesuffix("-start")
                 nbytes = type_bytes(type_str)
                 if opcode.endswith("-start"):
@@ -394,7 +435,9 @@ def parse_hlo(text: str, num_devices: int, hosts: Sequence[int] | None = None) -
                 out += [(op, c * count) for op, c in ops_of(body)]
             else:
                 for o, c in (x for callee in callees for x in ops_of(callee)):
-                    out.append((dataclasses.replace(o, fused=o.fused or opcode == "fusion"), c))
+                    if opcode == "fusion" and not o.fused:  # (else the op as it is: equal)
+                        o = dataclasses.replace(o, fused=True)
+                    out.append((o, c))
         memo[name] = out = one_per_channel(out)
         return out
 

@@ -63,13 +63,16 @@ def _callee(rest: str, key: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _fusion_bytes(lines: Sequence[str], operand_bytes: Sequence[int]) -> tuple[int, str]:
-    """Bytes a fusion moves (see the module's docstring), and what it does: `dot`,
-    `gather`, `scatter` or `sort` where it holds one, else its root's opcode."""
+def _fusion_bytes(
+    instructions: Sequence[tuple[str, bool, tuple[str, str, str]]], operand_bytes: Sequence[int]
+) -> tuple[int, str]:
+    """Bytes a fusion (its computation's `hlo.instructions`) moves (see the module's
+    docstring), and what it does: `dot`, `gather`, `scatter` or `sort` where it holds one,
+    else its root's opcode."""
     defs = {}
     params: dict[str, int] = {}
     root = None
-    for name, is_root, (type_str, opcode, rest) in hlo.instructions(lines):
+    for name, is_root, (type_str, opcode, rest) in instructions:
         defs[name] = (type_str, opcode, rest)
         if opcode == "parameter":
             params[name] = int(re.match(r"parameter\((\d+)\)", rest).group(1))
@@ -119,11 +122,11 @@ def loop_kernels(text: str, loop: int = -1) -> list[Kernel]:
     the compiled module `text` (the last by default: a decode loop follows its prefill),
     inner loops' kernels counted their trip count times, each conditional branch's kernels
     listed with its name."""
-    computations, entry = hlo.module_computations(text)
-    loops = [rest for _, _, (_, op, rest) in hlo.instructions(computations[entry]) if op == "while"]
+    module = hlo.parse_module(text)
+    loops = [rest for _, _, (_, op, rest) in module.instructions(module.entry) if op == "while"]
     if not loops:
         raise ValueError("The ENTRY computation has no while loop.")
-    return _kernels(computations, _callee(loops[loop], "body"), _trips)
+    return _kernels(module, _callee(loops[loop], "body"), _trips)
 
 
 def _trips(rest: str, computations: dict[str, list[str]], defs: dict) -> int:
@@ -136,68 +139,88 @@ def program_bytes(text: str, inner_loops: bool = True) -> int:
     where `inner_loops` (the microbatches' and scanned layers' once), else once: what XLA's
     `cost_analysis` calls `bytes accessed`, for a program whose cost analysis is empty
     (XLA:GPU's compiled ahead of time, `aot.gpu_devices`)."""
-    computations, entry = hlo.module_computations(text)
+    module = hlo.parse_module(text)
     runs = flops.kernel_loop_runs if inner_loops else (lambda *_: 1)
-    return iteration_bytes(_kernels(computations, entry, runs), max)
+    return iteration_bytes(_kernels(module, module.entry, runs), max)
 
 
-def _kernels(
-    computations: dict[str, list[str]], top: str, runs: Callable[..., int]
-) -> list[Kernel]:
+# What `_kernels` reads of an instruction: ("while", rest, body), ("conditional", name,
+# branches), ("call", callee) or ("kernel", name, kind, bytes, shape).
+_Step = tuple
+
+
+def _steps(module: hlo.Module, comp: str | None) -> tuple[list[_Step], dict]:
+    """What `_kernels` reads of each instruction of `comp` (none of a free one or a done,
+    which waits on its start's bytes), and the computation's instructions by name: kept in
+    the module's memo, the same for every walk of it."""
+    key = ("traffic.steps", comp)
+    if key in module.memo:
+        return module.memo[key]
+    parsed = [(n, p) for n, _, p in module.instructions(comp)]
+    types = {n: p[0] for n, p in parsed}
+    steps: list[_Step] = []
+    for name, (type_str, opcode, rest) in parsed:
+        if opcode in FREE or opcode.endswith("-done"):
+            continue
+        if opcode == "while":
+            steps.append(("while", rest, _callee(rest, "body")))
+            continue
+        if opcode == "conditional":
+            m = re.search(r"branch_computations=\{([^}]*)\}", rest)
+            names = (
+                re.findall(r"%([^\s,]+)", m.group(1))
+                if m
+                else [_callee(rest, "true_computation"), _callee(rest, "false_computation")]
+            )
+            steps.append(("conditional", name, names))
+            continue
+        if opcode == "call":
+            steps.append(("call", _callee(rest, "to_apply")))
+            continue
+        operands = [hlo.type_bytes(types.get(o, "")) for o in hlo.operand_names(rest)]
+        result = hlo.type_bytes(type_str)
+        kind = opcode
+        if opcode == "fusion":
+            callee = _callee(rest, "calls")
+            nbytes, root = _fusion_bytes(module.instructions(callee), operands)
+            kind = f"fusion:{root}"
+        elif opcode in IN_PLACE:
+            nbytes = 2 * operands[IN_PLACE[opcode]]
+        elif opcode in PARTIAL_READS:
+            nbytes = 2 * result
+        elif opcode.endswith("-start") and opcode.removesuffix("-start") in hlo.COLLECTIVES:
+            # typed (operands, results): each once
+            collective = opcode.removesuffix("-start")
+            nbytes = sum(operands) + hlo.async_result_bytes(collective, type_str)
+        else:
+            nbytes = sum(operands) + result
+            if opcode == "custom-call":
+                target = re.search(r'custom_call_target="([^"]+)"', rest)
+                kind = f"custom-call:{target.group(1) if target else '?'}"
+        steps.append(("kernel", name, kind, nbytes, type_str[:120]))
+    module.memo[key] = out = (steps, dict(parsed))
+    return out
+
+
+def _kernels(module: hlo.Module, top: str | None, runs: Callable[..., int]) -> list[Kernel]:
     """The kernels computation `top` runs (see `Kernel`): an inner loop's counted `runs(rest,
     computations, defs)` times (its instruction's text, its computation's instructions)."""
-    types: dict[str, dict[str, str]] = {}
-    defs: dict[str, dict[str, tuple[str, str, str]]] = {}
-
-    def defs_of(comp: str) -> list[tuple[str, tuple[str, str, str]]]:
-        out = [(n, parsed) for n, _, parsed in hlo.instructions(computations.get(comp, []))]
-        types[comp] = {n: parsed[0] for n, parsed in out}
-        defs[comp] = dict(out)
-        return out
-
     kernels: list[Kernel] = []
 
-    def walk(comp: str, branch: str | None, count: int) -> None:
-        for name, (type_str, opcode, rest) in defs_of(comp):
-            if opcode in FREE or opcode.endswith("-done"):  # a done waits on its start's bytes
-                continue
-            if opcode == "while":
-                n = runs(rest, computations, defs[comp])
-                walk(_callee(rest, "body"), branch, count * n)
-                continue
-            if opcode == "conditional":
-                m = re.search(r"branch_computations=\{([^}]*)\}", rest)
-                names = (
-                    re.findall(r"%([^\s,]+)", m.group(1))
-                    if m
-                    else [_callee(rest, "true_computation"), _callee(rest, "false_computation")]
-                )
-                for i, callee in enumerate(names):
-                    walk(callee, f"{name}:{i}", count)
-                continue
-            if opcode == "call":
-                walk(_callee(rest, "to_apply"), branch, count)
-                continue
-            operands = [hlo.type_bytes(types[comp].get(o, "")) for o in hlo.operand_names(rest)]
-            result = hlo.type_bytes(type_str)
-            kind = opcode
-            if opcode == "fusion":
-                nbytes, root = _fusion_bytes(computations.get(_callee(rest, "calls"), []), operands)
-                kind = f"fusion:{root}"
-            elif opcode in IN_PLACE:
-                nbytes = 2 * operands[IN_PLACE[opcode]]
-            elif opcode in PARTIAL_READS:
-                nbytes = 2 * result
-            elif opcode.endswith("-start") and opcode.removesuffix("-start") in hlo.COLLECTIVES:
-                # typed (operands, results): each once
-                collective = opcode.removesuffix("-start")
-                nbytes = sum(operands) + hlo.async_result_bytes(collective, type_str)
+    def walk(comp: str | None, branch: str | None, count: int) -> None:
+        steps, defs = _steps(module, comp)
+        for step in steps:
+            if step[0] == "while":
+                _, rest, body = step
+                walk(body, branch, count * runs(rest, module.computations, defs))
+            elif step[0] == "conditional":
+                for i, callee in enumerate(step[2]):
+                    walk(callee, f"{step[1]}:{i}", count)
+            elif step[0] == "call":
+                walk(step[1], branch, count)
             else:
-                nbytes = sum(operands) + result
-                if opcode == "custom-call":
-                    target = re.search(r'custom_call_target="([^"]+)"', rest)
-                    kind = f"custom-call:{target.group(1) if target else '?'}"
-            kernels.append(Kernel(name, kind, nbytes, type_str[:120], branch, count))
+                _, name, kind, nbytes, shape = step
+                kernels.append(Kernel(name, kind, nbytes, shape, branch, count))
 
     walk(top, None, 1)
     return kernels
