@@ -249,17 +249,23 @@ def test_glm_mtp_layer_loads_predicts_trains_and_exports_as_transformers(tmp_pat
     model, params = hf.from_pretrained(tmp_path / "mtp", ONE, num_mtp_layers=1)
     ids = np.random.default_rng(4).integers(1, VOCAB, (2, 13))
     (want,) = hf_mtp_logits(main, mtp_model, torch.tensor(ids), 1)
-    _, sown = model.module.apply({"params": params}, ids, mutable=["mtp", "intermediates"])
-    got = np.asarray(model.module.head_logits(params, sown["mtp"]["hidden"][0]))
+
+    # Jitted: run eagerly, each op of these programs would compile on its own (~5 s more).
+    @jax.jit
+    def mtp_logits(params, ids):
+        _, sown = model.module.apply({"params": params}, ids, mutable=["mtp", "intermediates"])
+        return model.module.head_logits(params, sown["mtp"]["hidden"][0])
+
+    got = np.asarray(mtp_logits(params, ids))
     assert np.abs(got[:, :-1, :VOCAB] - want).max() < LOGITS_TOL
     batch = {
         "decoder_input_tokens": ids[:, :-1],
         "decoder_target_tokens": ids[:, 1:],
         "decoder_loss_weights": np.ones(ids[:, 1:].shape, np.float32),
     }
-    plain, sums = model.loss_fn(params, batch, None)
+    plain, sums = jax.jit(model.loss_fn)(params, batch, None)
     weighted = DecoderOnlyModel(dataclasses.replace(model.config, mtp_loss_weight=0.5))
-    loss, _ = weighted.loss_fn(params, batch, None)
+    loss, _ = jax.jit(weighted.loss_fn)(params, batch, None)
     mean = float(sums["mtp_loss_sum"]) / ids[:, 1:].size
     assert float(loss) - float(plain) == pytest.approx(0.5 * mean, rel=1e-5)
     hf.save_pretrained(model, params, tmp_path / "export")
