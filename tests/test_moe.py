@@ -232,8 +232,9 @@ def test_kernel_grouped_matmul_gives_ragged_dots_values_and_gradients():
         return jnp.sum(jnp.tanh(y) * target), y
 
     kernel = functools.partial(grouped_matmul.kernel_ragged_dot, kernels=STAND_INS)
-    (got, y), got_grads = jax.value_and_grad(loss, (1, 2), has_aux=True)(kernel, x, w)
-    (want, _), want_grads = jax.value_and_grad(loss, (1, 2), has_aux=True)(jax.lax.ragged_dot, x, w)
+    grad = jax.jit(jax.value_and_grad(loss, (1, 2), has_aux=True), static_argnums=0)
+    (got, y), got_grads = grad(kernel, x, w)
+    (want, _), want_grads = grad(jax.lax.ragged_dot, x, w)
     np.testing.assert_allclose(got, want, rtol=TOL)
     assert np.all(np.asarray(y[14:]) == 0)
     for g, r in zip(got_grads, want_grads, strict=True):
@@ -406,7 +407,7 @@ def test_ragged_dispatch_drops_past_a_receivers_buffer_and_counts():
     args = (x, wi, wo, weights)
     with jax.set_mesh(_mesh((n,), ("expert",))):
         (loss, dropped), grads = jax.jit(jax.value_and_grad(ragged, (0, 1, 2, 3), True))(*args)
-    (want_loss, _), want_grads = jax.value_and_grad(dense, (0, 1, 2, 3), True)(*args)
+    (want_loss, _), want_grads = jax.jit(jax.value_and_grad(dense, (0, 1, 2, 3), True))(*args)
     np.testing.assert_array_equal(dropped, want)
     # float32 sums of d x f products of O(1) normals: rounding ~sqrt(terms) x eps x |y|.
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
@@ -453,7 +454,8 @@ def test_all_to_all_dispatch_drops_past_capacity_and_counts():
                 want[t, rank] = sent[ids[t, rank]] > capacity
     assert want[:tokens].sum() == 6
     np.testing.assert_array_equal(dropped, want)
-    kept = experts.dense_experts(x, wi, wo, weights * (1 - want), ids, "silu")
+    dense = jax.jit(experts.dense_experts, static_argnums=5)
+    kept = dense(x, wi, wo, weights * (1 - want), ids, "silu")
     # float32 sums of d x f products of O(1) normals: rounding ~sqrt(terms) x eps x |y|.
     np.testing.assert_allclose(y, kept, rtol=1e-5, atol=1e-4)
 
@@ -503,15 +505,14 @@ def routed_layers():
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(layers, tokens, experts)).astype(np.float32)
     mask = (rng.random(tokens) > 0.3).astype(np.float32)
-    stats = [
-        routing.router_stats(
-            jnp.asarray(layer),
-            routing.route(jnp.asarray(layer), k, "softmax_topk", False)[1],
-            jnp.asarray(mask),
-            experts,
-        )  # fmt: skip
-        for layer in logits
-    ]
+
+    @jax.jit  # one program for the 3 layers, not one per operation
+    def layer_stats(layer, mask):
+        return routing.router_stats(
+            layer, routing.route(layer, k, "softmax_topk", False)[1], mask, experts
+        )
+
+    stats = [layer_stats(layer, mask) for layer in logits]
     sown = {f"layers_{i}": {routing.ROUTER_STATS: (s,)} for i, s in enumerate(stats)}
     return logits, mask, routing.collect_router_stats(sown)
 
@@ -592,9 +593,10 @@ def test_small_capacity_drops_and_counts_assignments():
     ids = jnp.zeros((32, 1), jnp.int32)  # every token to expert 0
     weights = jnp.ones((32, 1))
     capacity = experts.expert_capacity(32, 1, 4, 0.5)  # 4 of 32
-    y, dropped = experts.capacity_experts(x, wi, wo, weights, ids, "silu", capacity)
+    run = jax.jit(experts.capacity_experts, static_argnums=(5, 6))
+    y, dropped = run(x, wi, wo, weights, ids, "silu", capacity)
     assert capacity == 4 and float(dropped.sum()) == 28
-    want = experts.dense_experts(x, wi, wo, weights, ids, "silu")
+    want = jax.jit(experts.dense_experts, static_argnums=5)(x, wi, wo, weights, ids, "silu")
     np.testing.assert_allclose(y[:4], want[:4], rtol=1e-5, atol=1e-5)  # the first 4 kept
     np.testing.assert_array_equal(y[4:], 0)
 
