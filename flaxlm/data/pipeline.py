@@ -105,9 +105,9 @@ def _skip_autograph(modules: Sequence[str]) -> None:
 
 def configure_tensorflow() -> None:
     """Keeps TensorFlow off the accelerators: it is only the input pipeline. Packs in memory
-    linear in the length (`packing.use_linear_packing`: seqio's rows); checks the feature
-    converters' lengths once per host (`length_checks`: seqio's checks); maps the functions
-    of `NOT_AUTOGRAPHED` without AutoGraph."""
+    linear in the length (`packing.use_linear_packing`: seqio's rows); has the feature
+    converters check the lengths a dataset's spec fixes when it is built (`length_checks`:
+    seqio's checks); maps the functions of `NOT_AUTOGRAPHED` without AutoGraph."""
     global _TF_CONFIGURED
     if _TF_CONFIGURED:
         return
