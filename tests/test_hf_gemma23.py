@@ -337,3 +337,32 @@ def test_soft_capped_attention_refuses_jax_when_the_config_is_built():
     with pytest.raises(ValueError, match="'jax'"):
         gemma.GemmaConfig(attention="jax")
     gemma.GemmaConfig(attention="jax", attn_logit_softcapping=None)
+
+
+# What transformers' MLP reads: Gemma 1's `hidden_act` ("gelu", the releases' legacy value,
+# read as the tanh approximation), Gemma 2's and 3's `hidden_activation` (`hidden_act` unread).
+ACTIVATION_KEYS = {
+    "release": {"hidden_act": "gelu"},
+    "both": {"hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"},
+    "exact_gelu": {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu"},
+    "neither": {},
+}
+
+
+@pytest.mark.parametrize("keys", ACTIVATION_KEYS.values(), ids=ACTIVATION_KEYS.keys())
+@pytest.mark.parametrize(
+    "model_type, read_by_hf",
+    [
+        ("gemma", "hidden_act"),
+        ("gemma2", "hidden_activation"),
+        ("gemma3_text", "hidden_activation"),
+    ],
+)
+def test_the_activation_is_the_one_transformers_runs(model_type, read_by_hf, keys):
+    config_json = transformers.AutoConfig.for_model(model_type, vocab_size=64).to_dict()
+    for key in ("hidden_act", "hidden_activation"):
+        config_json.pop(key, None)
+    config_json.update(keys)
+    theirs = getattr(transformers.AutoConfig.for_model(**config_json), read_by_hf)
+    _, config = hf.config_from_hf_dict(config_json)
+    assert config.activation == theirs

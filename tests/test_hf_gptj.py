@@ -98,3 +98,11 @@ def test_mismatched_checkpoint_names_the_tensor(tmp_path):
         ValueError, match=r"transformer\.h\.0\.mlp\.fc_in\.weight.*\(128, 32\).*\(64, 32\)"
     ):
         hf.from_pretrained(path)
+
+
+def test_a_tied_head_is_refused_naming_the_setting(tmp_path):
+    """transformers ties GPT-J's lm_head.weight to wte where config.json says so (its file
+    then has no lm_head.weight); flaxlm's GPT-J keeps its own head, and says so."""
+    _, path = tiny_hf_gptj(tmp_path, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="tie_word_embeddings true"):
+        hf.from_pretrained(path)

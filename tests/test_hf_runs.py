@@ -175,6 +175,7 @@ def test_finetune_hf_gin_starts_from_any_hf_directory_and_exports_it_back(tmp_pa
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=eos[0],
+        attention_dropout=0.1,  # transformers' training would apply it; flaxlm says it does not
     )
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config)
@@ -186,6 +187,7 @@ def test_finetune_hf_gin_starts_from_any_hf_directory_and_exports_it_back(tmp_pa
     result = finetune_hf(source, model_dir, repo_dir, "--gin.LEARNING_RATE=0.0")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"from {source}" in result.stdout
+    assert "config.json's dropout (attention_dropout 0.1) is not read" in result.stdout
     with open(os.path.join(model_dir, "model_record.json")) as f:
         assert json.load(f)["model_type"] == "qwen2"
     assert len(read_metrics(model_dir)) == 2

@@ -68,6 +68,33 @@ def read_hf_config(path: str | epath.Path) -> dict[str, Any]:
     return json.loads(file.read_text())
 
 
+# config.json's dropout probabilities inside the language model, transformers' names across the
+# families flaxlm reads. flaxlm trains with its config's `dropout_rate` instead (T5's, whose
+# config.json names it so, is read; the rest are not).
+DROPOUT_KEYS = (
+    "attention_dropout",
+    "attn_pdrop",
+    "resid_pdrop",
+    "embd_pdrop",
+    "dropout",
+    "residual_dropout",
+    "hidden_dropout",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "activation_dropout",
+    "layerdrop",
+)
+
+
+def file_dropouts(hf_config: dict[str, Any]) -> dict[str, float]:
+    """The non-zero `DROPOUT_KEYS` of a config.json dict."""
+    return {
+        key: float(value)
+        for key in DROPOUT_KEYS
+        if isinstance(value := hf_config.get(key), int | float) and value > 0
+    }
+
+
 # What an inference run may compute an HF checkpoint in ('auto': the checkpoint's own).
 INFERENCE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 

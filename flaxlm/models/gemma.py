@@ -371,7 +371,8 @@ def config_from_hf(hf: dict, **overrides) -> GemmaConfig:
         vocab_size=hf["vocab_size"],
         sliding_window=window,
         layer_types=tuple(hf["layer_types"]) if hf.get("layer_types") else None,
-        activation=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+        # transformers' Gemma 2 and 3 read `hidden_activation` alone (`hidden_act` ignored)
+        activation=hf.get("hidden_activation") or "gelu_pytorch_tanh",
         model_type=model_type,
         **rope_from_hf(hf),
     )

@@ -179,6 +179,12 @@ class GPTJ(CausalLM):
 
 
 def config_from_hf(hf: dict, **overrides) -> GPTJConfig:
+    if hf.get("tie_word_embeddings"):
+        raise ValueError(
+            "config.json sets tie_word_embeddings true: flaxlm's GPT-J has its own head "
+            "(lm_head.weight and its bias, as the published GPT-J files have); load a file "
+            "with tie_word_embeddings false."
+        )
     kwargs = dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["n_embd"],

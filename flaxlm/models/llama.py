@@ -309,11 +309,17 @@ class Llama(CausalLM):
 # ------------------------------------------------------------------ HuggingFace
 
 
+def gemma_activation(hf: dict) -> str:
+    """Gemma 1's MLP activation: `hidden_act`, its legacy "gelu" meaning the tanh
+    approximation (transformers' `GemmaConfig.__post_init__`)."""
+    act = hf.get("hidden_act") or "gelu_pytorch_tanh"
+    return "gelu_pytorch_tanh" if act == "gelu" else act
+
+
 def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
     gemma = hf["model_type"] == "gemma"
     if gemma and hf.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention=True is not supported: Gemma is causal here.")
-    default_activation = "gelu_pytorch_tanh" if gemma else "silu"
     kwargs = dict(
         shared_fields_from_hf(hf),
         head_dim=hf.get("head_dim"),
@@ -321,9 +327,11 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
         attention_bias=hf.get("attention_bias", False),
         mlp_bias=hf.get("mlp_bias", False),
         # Read apart from the shared fields: Gemma ties its head unless config.json says
-        # otherwise, and older Gemma configs name the activation hidden_activation.
+        # otherwise, and reads `hidden_act` "gelu" (its releases' legacy value) as the tanh
+        # approximation, as transformers' GemmaConfig does (a `hidden_activation` key, read by
+        # transformers 4, is ignored as transformers 5 ignores it).
         tie_word_embeddings=hf.get("tie_word_embeddings", gemma),
-        activation=hf.get("hidden_activation") or hf.get("hidden_act") or default_activation,
+        activation=gemma_activation(hf) if gemma else hf.get("hidden_act") or "silu",
         scale_embedding=gemma,
         norm_scale_plus_one=gemma,
         model_type=hf["model_type"],

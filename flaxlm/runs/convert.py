@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from etils import epath
 
 from flaxlm.checkpoints import checkpointer, hf, hf_files, peft_dir, run_dir
+from flaxlm.models import hf_spec
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
 
@@ -46,7 +47,17 @@ def model_from_hf(
     if remat_policy is not None:
         options["remat_policy"] = remat_policy
     options.update(overrides or {})
-    return hf.model_from_hf_dir(path, partitioner, jnp.dtype(param_dtype), options)
+    model = hf.model_from_hf_dir(path, partitioner, jnp.dtype(param_dtype), options)
+    dropouts = hf_files.file_dropouts(hf_spec.text_tower(hf_files.read_hf_config(path)))
+    if dropouts and jax.process_index() == 0:
+        listed = ", ".join(f"{k} {v:g}" for k, v in dropouts.items())
+        print(
+            f"{path}: config.json's dropout ({listed}) is not read: flaxlm trains with the "
+            f"model's dropout_rate, {model.config.dropout_rate:g} here (transformers' training "
+            "would apply the file's); set it with "
+            "--gin.convert.model_from_hf.overrides=\"{'dropout_rate': 0.1}\"."
+        )
+    return model
 
 
 @gin.configurable
