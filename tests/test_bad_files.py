@@ -19,7 +19,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from flaxlm.checkpoints import fp8, hf, hf_files, mxfp4, peft_dir
+from flaxlm.checkpoints import fp8, hf, hf_files, mxfp4, peft_config, peft_dir
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve.adapters import load_adapters as serve_adapters
 from tests.hf_helpers import random_hf_model
@@ -282,13 +282,13 @@ def llama_adapter(tmp_path_factory):
     )
     path = tmp_path_factory.mktemp("adapter")
     peft.get_peft_model(torch_model, config).save_pretrained(str(path))
-    record = json.loads((path / peft_dir.ADAPTER_CONFIG).read_text())
-    tensors = load_file(str(path / peft_dir.ADAPTER_WEIGHTS))
+    record = json.loads((path / peft_config.ADAPTER_CONFIG).read_text())
+    tensors = load_file(str(path / peft_config.ADAPTER_WEIGHTS))
     return hf.model_from_hf_dir(base), {**record, "base_model_name_or_path": base}, tensors
 
 
 def write_adapter(path, config, tensors):
-    return write_dir(path, config, tensors, peft_dir.ADAPTER_CONFIG, peft_dir.ADAPTER_WEIGHTS)
+    return write_dir(path, config, tensors, peft_config.ADAPTER_CONFIG, peft_config.ADAPTER_WEIGHTS)
 
 
 def _wider(tensors):
@@ -327,7 +327,7 @@ def test_peft_adapter_that_does_not_fit_its_base_is_refused_naming_the_tensor(
     model, config, tensors = llama_adapter
     update, edit, message = PEFT_CHANGES[change]
     path = write_adapter(tmp_path / "adapter", {**config, **update}, edit(dict(tensors)))
-    message = f"{path}/{peft_dir.ADAPTER_WEIGHTS}: {message.format(path=path)}"
+    message = f"{path}/{peft_config.ADAPTER_WEIGHTS}: {message.format(path=path)}"
     with pytest.raises(ValueError) as e:
         peft_dir.load_adapters(model, path)
     assert str(e.value).startswith(message), str(e.value)
@@ -377,5 +377,5 @@ def test_peft_expert_adapter_that_does_not_fit_is_refused_naming_the_tensor(
     a, b = EXPERT_A.format(i=0), EXPERT_A.format(i=0).replace("lora_A", "lora_B")
     with pytest.raises(ValueError) as e:
         peft_dir.load_adapters(qwen3_moe, path)
-    assert str(e.value).startswith(f"{path}/{peft_dir.ADAPTER_WEIGHTS}: tensor"), str(e.value)
+    assert str(e.value).startswith(f"{path}/{peft_config.ADAPTER_WEIGHTS}: tensor"), str(e.value)
     assert a in str(e.value) and message.format(b=b) in str(e.value), str(e.value)

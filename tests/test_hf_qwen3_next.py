@@ -13,7 +13,7 @@ import pytest
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from flaxlm.checkpoints import hf, peft_dir
+from flaxlm.checkpoints import hf, peft_config, peft_dir
 from flaxlm.models import base, hf_spec, options, qwen3_next, qwen3_next_hf, stacks
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora, steps
@@ -395,7 +395,7 @@ def test_layers_scanned_in_cycles_give_hf_logits_tokens_and_files(tmp_path):
     assert stacked["layers"]["block_3"]["q_proj"]["lora_a"].shape[0] == 2
     peft_dir.save_adapters(model, stacked, cfg, tmp_path / "again")
     first, second = (
-        load_file(str(d / peft_dir.ADAPTER_WEIGHTS)) for d in (written, tmp_path / "again")
+        load_file(str(d / peft_config.ADAPTER_WEIGHTS)) for d in (written, tmp_path / "again")
     )
     assert sorted(first) == sorted(second)
     for key, value in first.items():

@@ -15,7 +15,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from flaxlm.checkpoints import checkpointer, peft_dir, run_dir
+from flaxlm.checkpoints import checkpointer, peft_config, peft_dir, run_dir
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve.adapters import load_adapters
 from flaxlm.runs.serve.api import Completion
@@ -85,7 +85,7 @@ def adapters(base, tmp_path_factory):
                     p.copy_(torch.randn_like(p))
         directory = tmp_path_factory.mktemp(name)
         model.save_pretrained(str(directory))
-        config_file = directory / peft_dir.ADAPTER_CONFIG
+        config_file = directory / peft_config.ADAPTER_CONFIG
         record = json.loads(config_file.read_text())
         config_file.write_text(json.dumps({**record, "base_model_name_or_path": path}))
         out[name] = str(directory)
@@ -235,13 +235,13 @@ def test_an_adapter_for_modules_the_base_lacks_is_named_at_start_up(base, adapte
     deeper = tmp_path / "deeper"
     deeper.mkdir()
     source = adapters["qv"]
-    (deeper / peft_dir.ADAPTER_CONFIG).write_text(
-        open(f"{source}/{peft_dir.ADAPTER_CONFIG}").read()
+    (deeper / peft_config.ADAPTER_CONFIG).write_text(
+        open(f"{source}/{peft_config.ADAPTER_CONFIG}").read()
     )
-    tensors = load_file(f"{source}/{peft_dir.ADAPTER_WEIGHTS}")
+    tensors = load_file(f"{source}/{peft_config.ADAPTER_WEIGHTS}")
     # An adapter trained on a deeper model: layer 5 does not exist in the 2-layer base.
     tensors = {k.replace("layers.1.", "layers.5."): v for k, v in tensors.items()}
-    save_file(tensors, str(deeper / peft_dir.ADAPTER_WEIGHTS))
+    save_file(tensors, str(deeper / peft_config.ADAPTER_WEIGHTS))
     with pytest.raises(ValueError, match=r"LORA_ADAPTERS\['deep'\].*layers\.5\.self_attn"):
         load_adapters({"deep": str(deeper)}, model, params, partitioner, BASE)
     with pytest.raises(ValueError, match=r"LORA_ADAPTERS\['x'\].*neither a PEFT"):

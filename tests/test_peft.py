@@ -4,6 +4,7 @@
 import copy
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 from flax import traverse_util
 from safetensors.numpy import load_file
 
-from flaxlm.checkpoints import checkpointer, hf, peft_dir, run_dir
+from flaxlm.checkpoints import checkpointer, hf, peft_config, peft_dir, run_dir
 from flaxlm.data.config import DatasetConfig
 from flaxlm.models.row_start import HF_START
 from flaxlm.parallel.partitioning import Partitioner
@@ -71,7 +72,7 @@ def peft_adapters(hf_base, tmp_path_factory):
         model = peft.get_peft_model(copy.deepcopy(torch_model), config)
         path = tmp_path_factory.mktemp(name)
         model.save_pretrained(str(path))
-        config_file = path / peft_dir.ADAPTER_CONFIG
+        config_file = path / peft_config.ADAPTER_CONFIG
         record = json.loads(config_file.read_text())
         config_file.write_text(json.dumps({**record, "base_model_name_or_path": base}))
         out[name] = str(path)
@@ -123,6 +124,37 @@ def test_imported_config_adapts_exactly_peft_modules(hf_base, peft_adapters):
         peft_dir.load_adapters(model, peft_adapters["qvd"], lora.LoraConfig(rules=RULES))
 
 
+# adapter_config.json settings whose adapted model is not `W + s B A` over the base as it is
+# (PiSSA, OLoRA, CorDA and LoftQ rewrite the base's weights when PEFT loads the adapter;
+# activated LoRA, KaSA, Arrow, block-diagonal, DoRA, biases, saved modules compute otherwise).
+NOT_PLAIN_LORA = [
+    ("init_lora_weights", "pissa"),
+    ("init_lora_weights", "pissa_niter_4"),
+    ("init_lora_weights", "olora"),
+    ("init_lora_weights", "corda"),
+    ("init_lora_weights", "loftq"),
+    ("alora_invocation_tokens", [5, 6]),
+    ("kasa_config", {"rank": 2}),
+    ("arrow_config", {"top_k": 2}),
+    ("use_bdlora", {"nblocks": 2}),
+    ("use_dora", True),
+    ("modules_to_save", ["lm_head"]),
+    ("bias", "all"),
+]
+
+
+@pytest.mark.parametrize("key, value", NOT_PLAIN_LORA, ids=[f"{k}={v}" for k, v in NOT_PLAIN_LORA])
+def test_adapters_other_than_plain_lora_are_refused_naming_the_setting(
+    hf_base, peft_adapters, tmp_path, key, value
+):
+    path = tmp_path / "adapter"
+    shutil.copytree(peft_adapters["qvd"], path)
+    config_file = path / peft_config.ADAPTER_CONFIG
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), key: value}))
+    with pytest.raises(ValueError, match=f"{key}="):
+        peft_dir.load_adapters(hf.model_from_hf_dir(hf_base[1]), str(path))
+
+
 def test_lora_run_exports_peft_adapters_that_peft_loads_with_our_logits(
     hf_base, partitioner, tmp_path
 ):
@@ -144,7 +176,7 @@ def test_lora_run_exports_peft_adapters_that_peft_loads_with_our_logits(
 
     out = tmp_path / "peft"
     convert.export_hf(model_dir=str(model_dir), out_dir=str(out), peft=True)
-    config = json.loads((out / peft_dir.ADAPTER_CONFIG).read_text())
+    config = json.loads((out / peft_config.ADAPTER_CONFIG).read_text())
     assert config["target_modules"] == ["down_proj", "o_proj", "q_proj", "v_proj"]
     assert (config["r"], config["rank_pattern"], config["lora_alpha"]) == (4, {"o_proj": 2}, 8.0)
     assert config["base_model_name_or_path"] == base
@@ -200,11 +232,11 @@ def test_peft_import_trains_one_step_at_lr_0_to_the_same_adapters(
 
     out = tmp_path / "peft"
     convert.export_hf(model_dir=model_dir, out_dir=str(out), peft=True)
-    theirs = load_file(os.path.join(path, peft_dir.ADAPTER_WEIGHTS))
-    ours = load_file(str(out / peft_dir.ADAPTER_WEIGHTS))
+    theirs = load_file(os.path.join(path, peft_config.ADAPTER_WEIGHTS))
+    ours = load_file(str(out / peft_config.ADAPTER_WEIGHTS))
     assert sorted(ours) == sorted(theirs)
     for key in theirs:
         np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-6, atol=1e-7)
-    config = json.loads((out / peft_dir.ADAPTER_CONFIG).read_text())
+    config = json.loads((out / peft_config.ADAPTER_CONFIG).read_text())
     assert (cfg.alpha, cfg.dropout) == (8.0, 0.0)
     assert config["rank_pattern"] == {"down_proj": 2}

@@ -16,7 +16,7 @@ import transformers
 from flax import traverse_util
 from safetensors.numpy import load_file
 
-from flaxlm.checkpoints import hf, peft_dir, run_dir
+from flaxlm.checkpoints import hf, peft_config, peft_dir, run_dir
 from flaxlm.models import gpt_oss
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.parallel.partitioning import Partitioner
@@ -88,7 +88,7 @@ def test_expert_and_router_adapters_export_to_peft_with_our_logits_and_import_ba
     out = tmp_path / "peft"
     peft_dir.save_adapters(model, adapters, cfg, out, base_model_name_or_path=base)
 
-    config = json.loads((out / peft_dir.ADAPTER_CONFIG).read_text())
+    config = json.loads((out / peft_config.ADAPTER_CONFIG).read_text())
     assert config["target_modules"] == ["o_proj", "q_proj"]
     assert config["target_parameters"] == [
         "mlp.experts.down_proj",
@@ -98,7 +98,7 @@ def test_expert_and_router_adapters_export_to_peft_with_our_logits_and_import_ba
     assert (config["r"], config["lora_alpha"]) == (4, 8.0)
     assert config["rank_pattern"] == {"down_proj": 3, "gate_up_proj": 2, "gate.weight": 5}
     # PEFT nests the two wrappers of a layer's experts: down_proj's outside gate_up_proj's.
-    stored = load_file(str(out / peft_dir.ADAPTER_WEIGHTS))
+    stored = load_file(str(out / peft_config.ADAPTER_WEIGHTS))
     experts = "base_model.model.model.layers.1.mlp.experts"
     assert stored[f"{experts}.lora_A.weight"].shape == (3 * 8, 16)  # [r * experts, mlp]
     assert stored[f"{experts}.base_layer.lora_B.weight"].shape == (2 * 16, 2 * 8)
@@ -135,8 +135,8 @@ def test_expert_and_router_adapters_export_to_peft_with_our_logits_and_import_ba
     _, stacked = peft_dir.load_adapters(scanned, out)
     again = tmp_path / "scanned"
     peft_dir.save_adapters(scanned, stacked, cfg, again, base_model_name_or_path=base)
-    assert json.loads((again / peft_dir.ADAPTER_CONFIG).read_text()) == config
-    for key, value in load_file(str(again / peft_dir.ADAPTER_WEIGHTS)).items():
+    assert json.loads((again / peft_config.ADAPTER_CONFIG).read_text()) == config
+    for key, value in load_file(str(again / peft_config.ADAPTER_WEIGHTS)).items():
         np.testing.assert_array_equal(value, stored[key], err_msg=key)
 
 
@@ -162,7 +162,7 @@ def test_peft_expert_adapter_imports_with_peft_logits(family, partitioner, tmp_p
     )
     path = tmp_path / "theirs"
     peft.get_peft_model(copy.deepcopy(torch_model), config).save_pretrained(str(path))
-    config_file = path / peft_dir.ADAPTER_CONFIG
+    config_file = path / peft_config.ADAPTER_CONFIG
     record = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**record, "base_model_name_or_path": base}))
 
@@ -208,8 +208,8 @@ def test_peft_target_parameter_flaxlm_does_not_map_is_an_error(family, tmp_path)
     out.mkdir()
     record = {"peft_type": "LORA", "r": 2, "target_modules": [], "base_model_name_or_path": base}
     record["target_parameters"] = ["mlp.experts.gate_up_proj_bias"]
-    (out / peft_dir.ADAPTER_CONFIG).write_text(json.dumps(record))
-    (out / peft_dir.ADAPTER_WEIGHTS).write_bytes(b"")
+    (out / peft_config.ADAPTER_CONFIG).write_text(json.dumps(record))
+    (out / peft_config.ADAPTER_WEIGHTS).write_bytes(b"")
     with pytest.raises(ValueError, match="target_parameters entry 'mlp.experts.gate_up_proj_bias'"):
         peft_dir.load_adapters(model, out)
 
@@ -242,7 +242,7 @@ def test_router_adapters_export_as_peft_target_parameters_with_our_logits(name, 
     adapters = random_adapters(model, cfg)
     out = tmp_path / "peft"
     peft_dir.save_adapters(model, adapters, cfg, out, base_model_name_or_path=base)
-    config = json.loads((out / peft_dir.ADAPTER_CONFIG).read_text())
+    config = json.loads((out / peft_config.ADAPTER_CONFIG).read_text())
     weight = "mlp.router.weight" if name == "gpt_oss" else "mlp.gate.weight"
     assert (config["target_modules"], config["target_parameters"]) == ([], [weight])
 
@@ -267,8 +267,8 @@ def test_router_adapters_export_as_peft_target_parameters_with_our_logits(name, 
     peft_dir.save_adapters(
         scanned, stacked, cfg, tmp_path / "scanned", base_model_name_or_path=base
     )
-    stored = load_file(str(out / peft_dir.ADAPTER_WEIGHTS))
-    again = load_file(str(tmp_path / "scanned" / peft_dir.ADAPTER_WEIGHTS))
+    stored = load_file(str(out / peft_config.ADAPTER_WEIGHTS))
+    again = load_file(str(tmp_path / "scanned" / peft_config.ADAPTER_WEIGHTS))
     assert sorted(again) == sorted(stored)
     for key, value in again.items():
         np.testing.assert_array_equal(value, stored[key], err_msg=key)
@@ -278,7 +278,7 @@ def test_router_adapters_export_as_peft_target_parameters_with_our_logits(name, 
     legacy = {**config, "target_modules": [weight.split(".")[1]], "target_parameters": None}
     flat = traverse_util.flatten_dict(adapters)
     for record in (config, legacy):
-        (out / peft_dir.ADAPTER_CONFIG).write_text(json.dumps(record))
+        (out / peft_config.ADAPTER_CONFIG).write_text(json.dumps(record))
         back = traverse_util.flatten_dict(peft_dir.load_adapters(model, out)[1])
         assert sorted(back) == sorted(flat)
         for key, value in flat.items():

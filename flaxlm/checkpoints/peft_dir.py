@@ -37,32 +37,16 @@ from etils import epath
 from flax import traverse_util
 
 from flaxlm.checkpoints import hf, peft_experts
+from flaxlm.checkpoints.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
 from flaxlm.models import hf_spec, stacks
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel import pytrees
 from flaxlm.training import lora
 
 Params = Any
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # PeftModel wraps the HF model in a LoraModel (`base_model`) that holds it as `model`.
 PREFIX = "base_model.model."
 _TASK_TYPES = {"AutoModelForCausalLM": "CAUSAL_LM", "AutoModelForSeq2SeqLM": "SEQ_2_SEQ_LM"}
-# adapter_config.json settings whose non-default values flaxlm's LoRA cannot express.
-_UNSUPPORTED = {
-    "use_dora": False,
-    "fan_in_fan_out": False,
-    "modules_to_save": None,
-    "lora_bias": False,
-    "bias": "none",
-    "layer_replication": None,
-    "trainable_token_indices": None,
-}
-
-
-def is_peft_dir(path: str | epath.Path) -> bool:
-    """A PEFT adapter directory (adapter_config.json)."""
-    return (epath.Path(path) / ADAPTER_CONFIG).exists()
 
 
 def hf_modules(model: BaseModel) -> dict[str, tuple[int, list[str]]]:
@@ -287,35 +271,6 @@ def save_adapters(
 
 
 # ---------------------------------------------------------------- import
-
-
-def read_adapter_config(path: str | epath.Path) -> dict[str, Any]:
-    """adapter_config.json of a PEFT directory, checked to be a LoRA flaxlm can express."""
-    file = epath.Path(path) / ADAPTER_CONFIG
-    if not file.exists():
-        raise FileNotFoundError(f"{file} not found: not a PEFT adapter directory.")
-    config = json.loads(file.read_text())
-    if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{file}: peft_type {config['peft_type']!r}; flaxlm reads LORA only.")
-    for key, default in _UNSUPPORTED.items():
-        if config.get(key, default) not in (default, [], {}):
-            raise ValueError(
-                f"{file}: {key}={config[key]!r} is not expressible as flaxlm LoRA "
-                f"(supported: {default!r})."
-            )
-    return config
-
-
-def base_model_path(path: str | epath.Path) -> str:
-    """The local HF directory a PEFT directory's `base_model_name_or_path` names."""
-    config = read_adapter_config(path)
-    base = config.get("base_model_name_or_path")
-    if not base or not (epath.Path(base) / "config.json").exists():
-        raise ValueError(
-            f"{epath.Path(path) / ADAPTER_CONFIG}: base_model_name_or_path={base!r} is not a local "
-            "HF directory; give the base explicitly (a local HF directory with config.json)."
-        )
-    return str(base)
 
 
 def _pattern(config: Mapping[str, Any], pattern: str, name: str, default: Any) -> Any:

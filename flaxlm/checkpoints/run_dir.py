@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import jax
 from etils import epath
 
-from flaxlm.checkpoints import checkpointer, hf, hf_files, peft_dir
+from flaxlm.checkpoints import checkpointer, hf, hf_files, peft_config, peft_dir
 from flaxlm.data import vocabularies
 from flaxlm.models import hf_spec
 from flaxlm.models.base import BaseModel, DecoderOnlyModel
@@ -177,7 +177,7 @@ def checkpoint_row_start(checkpoint: str | epath.Path, model: BaseModel) -> RowS
     directory's is `hf_row_start`'s; a MODEL_DIR's is its record's (seqio's start where it
     records none)."""
     path = epath.Path(checkpoint)
-    if peft_dir.is_peft_dir(path) or is_hf_dir(path):
+    if peft_config.is_peft_dir(path) or is_hf_dir(path):
         return hf_row_start(model)
     return recorded_row_start(path) or SEQIO_START
 
@@ -333,7 +333,7 @@ def load_peft(
     """`(model, merged params)` of a PEFT adapter directory over its HF base (`base`, else
     its adapter_config.json's `base_model_name_or_path`; `dtype` as `load_model_and_params`
     takes it)."""
-    base = base or peft_dir.base_model_path(path)
+    base = base or peft_config.base_model_path(path)
     if model is None:
         model = hf.model_from_hf_dir(base, partitioner, *_hf_dtype(dtype, base))
     cfg, adapters = peft_dir.load_adapters(model, path)  # (checked before the base loads)
@@ -345,10 +345,10 @@ def checkpoint_vocabulary(path: str | epath.Path) -> vocabularies.HuggingFaceVoc
     """An HF directory's own tokenizer, or the one a MODEL_DIR kept from its HF import, or a
     PEFT directory's (else its base's)."""
     path = epath.Path(path)
-    if peft_dir.is_peft_dir(path) and not (path / "tokenizer_config.json").exists():
-        base = peft_dir.read_adapter_config(path).get("base_model_name_or_path")
+    if peft_config.is_peft_dir(path) and not (path / "tokenizer_config.json").exists():
+        base = peft_config.read_adapter_config(path).get("base_model_name_or_path")
         path = epath.Path(base or path)
-    elif not is_hf_dir(path) and not peft_dir.is_peft_dir(path):
+    elif not is_hf_dir(path) and not peft_config.is_peft_dir(path):
         path = path / TOKENIZER_DIR
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         return vocabularies.HuggingFaceVocabulary(str(path))
@@ -399,7 +399,7 @@ def load_model_and_params(
         hf_files.check_inference_dtype(dtype)
     if not path.exists():
         raise FileNotFoundError(f"CHECKPOINT {str(checkpoint)!r} does not exist.")
-    if peft_dir.is_peft_dir(path):
+    if peft_config.is_peft_dir(path):
         model, params = load_peft(path, partitioner, model, peft_base, dtype)
         return Loaded(model, params, 0, hf_row_start(model))
     if is_hf_dir(path):

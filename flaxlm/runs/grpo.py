@@ -32,7 +32,7 @@ import optax
 import seqio
 from jax.sharding import PartitionSpec as P
 
-from flaxlm.checkpoints import checkpointer, peft_dir, run_dir
+from flaxlm.checkpoints import checkpointer, peft_config, run_dir
 from flaxlm.data import pipeline
 from flaxlm.data.config import DatasetConfig
 from flaxlm.inference import generation
@@ -428,7 +428,7 @@ def lora_base(
     LoRA run's or PEFT directory's params merged (saved there once)."""
     if init_from is None or run_dir.is_hf_dir(init_from):
         return run_dir.load_lora_base(setup, model_dir, init_from, None, row_start)
-    if not peft_dir.is_peft_dir(init_from) and run_dir.read_lora_record(init_from) is None:
+    if not peft_config.is_peft_dir(init_from) and run_dir.read_lora_record(init_from) is None:
         return run_dir.load_lora_base(setup, model_dir, None, init_from, row_start)
     base_dir = os.path.join(os.path.abspath(model_dir), run_dir.LORA_BASE_DIR)
     source = {"checkpoint": base_dir, "step": 0}

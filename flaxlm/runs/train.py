@@ -13,7 +13,7 @@ import gin
 import jax
 import optax
 
-from flaxlm.checkpoints import checkpointer, hf, peft_dir, run_dir
+from flaxlm.checkpoints import checkpointer, hf, peft_config, peft_dir, run_dir
 from flaxlm.data.config import DatasetConfig
 from flaxlm.models.base import BaseModel
 from flaxlm.models.row_start import RowStart
@@ -279,7 +279,7 @@ class TrainRun:
         if s.lora_init_from_peft:
             init_from_hf = s.init_from_hf
             if not s.lora_base_checkpoint:
-                init_from_hf = init_from_hf or peft_dir.base_model_path(s.lora_init_from_peft)
+                init_from_hf = init_from_hf or peft_config.base_model_path(s.lora_init_from_peft)
             lora, self.adapters = peft_dir.load_adapters(s.model, s.lora_init_from_peft, s.lora)
             s = dataclasses.replace(s, lora=lora, init_from_hf=init_from_hf)
         if s.lora_base_checkpoint and s.lora is None:

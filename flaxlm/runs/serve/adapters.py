@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from etils import epath
 
-from flaxlm.checkpoints import peft_dir, run_dir
+from flaxlm.checkpoints import peft_config, peft_dir, run_dir
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.training import lora
@@ -74,12 +74,12 @@ def _read(path: str, model: BaseModel, partitioner: Partitioner) -> tuple[lora.L
     latest step), read over `model`."""
     if not epath.Path(path).exists():
         raise ValueError("no such directory.")
-    if peft_dir.is_peft_dir(path):
+    if peft_config.is_peft_dir(path):
         return peft_dir.load_adapters(model, path)
     if run_dir.read_lora_record(path) is not None:
         cfg, _, adapters, _ = run_dir.restore_adapters(path, model, partitioner)
         return cfg, adapters
     raise ValueError(
-        f"neither a PEFT adapter directory ({peft_dir.ADAPTER_CONFIG}) nor a flaxlm LoRA run "
+        f"neither a PEFT adapter directory ({peft_config.ADAPTER_CONFIG}) nor a flaxlm LoRA run "
         f"({run_dir.LORA_RECORD})."
     )
