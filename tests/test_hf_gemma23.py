@@ -5,6 +5,7 @@ import dataclasses
 import json
 
 import jax
+import numpy as np
 import pytest
 import transformers
 from safetensors.numpy import load_file, save_file
@@ -123,7 +124,8 @@ def multimodal(text_model) -> transformers.Gemma3ForConditionalGeneration:
 def test_gemma3_multimodal_checkpoint_loads_its_text_tower(tmp_path, capsys):
     """The text tower of a Gemma3ForConditionalGeneration keeps every promise of the
     Gemma3ForCausalLM with its weights (the export is one); the vision tower is skipped with a
-    note."""
+    note. The text_config's final_logit_softcapping is one the multimodal model does not
+    apply (transformers' Gemma3ForConditionalGeneration caps nothing): neither does flaxlm."""
     text_model = tiny_gemma(
         "gemma3",
         num_hidden_layers=4,
@@ -131,7 +133,18 @@ def test_gemma3_multimodal_checkpoint_loads_its_text_tower(tmp_path, capsys):
         sliding_window_pattern=2,
         final_logit_softcapping=4.0,
     )
-    path = save_torch_model(multimodal(text_model), tmp_path / "multimodal")
+    whole = multimodal(text_model)
+    path = save_torch_model(whole, tmp_path / "multimodal")
+    text_model.config.final_logit_softcapping = None  # the text model the file's model runs
+    ids, mask = padded_batch(VOCAB, (12, 7))
+    # (O(1) logits through two torch code paths: float32 rounding, ~1e-7; the cap of 4 would
+    # move a logit of 0.5 by 5e-3)
+    np.testing.assert_allclose(
+        torch_logits(whole, input_ids=ids, attention_mask=mask),
+        torch_logits(text_model, input_ids=ids, attention_mask=mask),
+        rtol=0,
+        atol=1e-5,
+    )
     names = set(load_file(f"{path}/model.safetensors"))
     # transformers saves the names of the hub's files (transformers 4.50's).
     assert "language_model.model.layers.0.self_attn.q_norm.weight" in names

@@ -312,6 +312,15 @@ def test_config_json_defaults_are_transformers(tmp_path):
     assert ours["rope_parameters"] == theirs.rope_parameters
 
 
+def test_per_layer_config_of_ten_layers_or_more_reads_as_transformers_writes_it():
+    """transformers writes `per_layer_config`'s layer keys zero-padded from 10 layers on
+    ("05": a 12-layer file's first global layer) and reads them back as integers."""
+    written = transformers.Gemma4TextConfig(num_hidden_layers=12).to_dict()
+    assert sorted(written["per_layer_config"]) == ["05", "11"]
+    config = gemma4_hf.config_from_hf(written)
+    assert config.per_layer_types[5] == G and config.layer_shape(5) == (4, 512)
+
+
 @pytest.mark.slow
 def test_multimodal_checkpoint_loads_its_text_tower(root, tmp_path, capsys):
     """A Gemma4ForConditionalGeneration's files (the text tower under

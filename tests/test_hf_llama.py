@@ -130,6 +130,27 @@ def test_llama3_2_shaped_checkpoint_keeps_every_promise(tmp_path):
     assert model.eos_ids == (241, 249) and model.config.tie_word_embeddings
 
 
+# A Mistral config.json as written by hand or by older tools (not every key present).
+TINY_MISTRAL_JSON = {
+    "model_type": "mistral",
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+}
+
+
+@pytest.mark.parametrize("window", [{}, {"sliding_window": None}, {"sliding_window": 8}])
+def test_mistral_window_is_transformers_reading_of_config_json(window):
+    """No `sliding_window` key: MistralConfig's default, 4096 (a null: no window)."""
+    config_json = {**TINY_MISTRAL_JSON, **window}
+    _, config = hf.config_from_hf_dict(config_json)
+    assert config.sliding_window == transformers.MistralConfig(**config_json).sliding_window
+
+
 def test_sliding_window_changes_the_logits(tmp_path):
     _, path = tiny_hf_llama(tmp_path, **VARIANTS["mistral_window"])
     model, params = hf.from_pretrained(path)

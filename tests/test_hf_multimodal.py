@@ -414,6 +414,13 @@ def test_a_multimodal_config_reads_as_its_text_tower():
         text = {**QWEN2_5_VL_TEXT, "tie_word_embeddings": True}
         _, config = hf.config_from_hf_dict({"model_type": kind, "text_config": text})
         assert config.tie_word_embeddings is tied, kind
+    # LLaVA-1.5's config forwards its text config's tying, LLaVA-NeXT's does not.
+    for kind in ("llava", "llava_next"):
+        tied_text = {"model_type": kind, "text_config": {**MISTRAL_TEXT}}
+        tied_text["text_config"]["tie_word_embeddings"] = True
+        theirs = transformers.AutoConfig.for_model(**tied_text).tie_word_embeddings
+        _, config = hf.config_from_hf_dict(tied_text)
+        assert config.tie_word_embeddings is theirs is (kind == "llava"), kind
     outer["text_config"]["model_type"] = "ministral"  # Ministral 8B (2024): not read
     with pytest.raises(ValueError, match="a 'mistral3' file whose text_config has model_type 'mi"):
         hf.config_from_hf_dict(outer)

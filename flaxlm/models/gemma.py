@@ -421,7 +421,9 @@ HF_SPEC = register_hf(
     HFSpec(
         model_types=MODEL_TYPES,
         # Gemma3ForConditionalGeneration: its LM head its own, tied by default.
-        multimodal=(Multimodal("gemma3", "gemma3_text", tied=True),),
+        multimodal=(
+            Multimodal("gemma3", "gemma3_text", tied=True, unapplied=("final_logit_softcapping",)),
+        ),
         config_cls=GemmaConfig,
         model_cls=DecoderOnlyModel,
         config_from_hf=config_from_hf,

@@ -92,9 +92,12 @@ def global_shape_from_hf(hf: dict, types: tuple[str, ...]) -> dict[str, Any]:
         heads = hf.get("num_global_key_value_heads") if hf["attention_k_eq_v"] else None
         return dict(global_head_dim=hf.get("global_head_dim", 512), num_global_kv_heads=heads)
     plain = {"head_dim": hf["head_dim"], "num_key_value_heads": hf["num_key_value_heads"]}
+    # Keyed by layer index, zero-padded to the widest where transformers writes 10 or more
+    # layers ("05"); it reads them back with int().
+    by_layer = {int(k): v for k, v in per_layer.items()}
     shapes = {t: set() for t in LAYER_TYPES}
     for i, kind in enumerate(types):
-        override = dict(per_layer.get(str(i), per_layer.get(i, {})))
+        override = dict(by_layer.get(i, {}))
         if set(override) - set(plain):
             raise ValueError(
                 f"per_layer_config {per_layer}: only head_dim and num_key_value_heads are "

@@ -256,6 +256,9 @@ class Multimodal(NamedTuple):
     # Tied where the text config says so though the outer one does not (transformers'
     # Qwen2-VL / Qwen2.5-VL reading of pre-v5 saves, which kept the setting there).
     text_ties: bool = False
+    # text_config settings the outer model does not apply, read as None (Gemma 3's
+    # `final_logit_softcapping`: Gemma3ForConditionalGeneration does not cap its logits).
+    unapplied: tuple[str, ...] = ()
 
     def module_name(self, name: str) -> str:
         """The outer model's name of text-model module `name` (`model.layers.0...`)."""
@@ -313,6 +316,7 @@ def text_tower(hf: dict[str, Any]) -> dict[str, Any]:
     for name in _OUTER_FIELDS:
         if text.get(name) is None and hf.get(name) is not None:
             text[name] = hf[name]
+    text.update(dict.fromkeys(outer.unapplied))
     if outer.tied is not None:
         tied = hf.get("tie_word_embeddings", outer.tied)
         text_tied = outer.text_ties and bool(text.get("tie_word_embeddings"))

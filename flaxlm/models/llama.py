@@ -323,7 +323,8 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
     kwargs = dict(
         shared_fields_from_hf(hf),
         head_dim=hf.get("head_dim"),
-        sliding_window=hf.get("sliding_window") if hf["model_type"] == "mistral" else None,
+        # (MistralConfig's default where config.json has no key; a null is no window)
+        sliding_window=hf.get("sliding_window", 4096) if hf["model_type"] == "mistral" else None,
         attention_bias=hf.get("attention_bias", False),
         mlp_bias=hf.get("mlp_bias", False),
         # Read apart from the shared fields: Gemma ties its head unless config.json says
@@ -459,8 +460,12 @@ def hf_tensors_but_mlp(cfg: Any) -> list[HFTensor]:
 # outer model's, tied by default.
 MISTRAL3 = Multimodal("mistral3", "mistral", tied=True)
 # LLaVA-1.5 and LLaVA-NeXT (1.6): a Llama, Mistral, ... text tower (whichever family its
-# text_config names), untied unless either config ties it (transformers' reading of them).
-LLAVA = tuple(Multimodal(kind, "llama", False, text_ties=True) for kind in ("llava", "llava_next"))
+# text_config names), untied unless the outer config ties it, or for LLaVA-1.5 its text_config
+# (transformers' LlavaConfig forwards that setting, LlavaNextConfig does not).
+LLAVA = (
+    Multimodal("llava", "llama", False, text_ties=True),
+    Multimodal("llava_next", "llama", False),
+)
 
 HF_SPEC = register_hf(
     HFSpec(
