@@ -24,6 +24,29 @@ MESSAGES = [
     {"role": "user", "content": "def main():"},
 ]
 TOKENS = 8
+# ChatML, with what Qwen2.5's template renders besides: a sender's name, an assistant's tool
+# calls (their arguments an object) and a tool result's call id.
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}"
+    "{% if m.get('name') %} ({{ m['name'] }}){% endif %}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function']['name'] }} "
+    "{{ c['function']['arguments'] | tojson }}</tool_call>{% endfor %}"
+    "{% if m.get('tool_call_id') %} [{{ m['tool_call_id'] }}]{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# A tool-use history as a client sends it back: the assistant's message as the response held
+# it (content and refusal null, arguments a JSON string).
+CALL = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+TOOL_HISTORY = [
+    {"role": "user", "name": "alice", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "tool_calls": [{"id": "c1", "type": "function", "function": CALL}],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +55,9 @@ def checkpoint(tmp_path_factory):
     generation) and a generation_config.json that samples (temperature 0.7, top_p 0.9)."""
     path = tmp_path_factory.mktemp("tiny_chat")
     length = save_byte_bpe_tokenizer(path, style="qwen")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.save_pretrained(str(path))
     eos = [length - 3, length - 1]
     torch_model = random_hf_model(
         transformers.LlamaConfig,
@@ -198,6 +224,27 @@ def test_completions_take_n_stop_and_stream_usage(served):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens > 0
 
 
+def test_a_tool_use_history_reaches_the_template_as_vllm_hands_it_on(served, checkpoint):
+    """Names, tool calls and call ids go to the checkpoint's template (rendered as HF's
+    apply_chat_template renders the same messages, a call's arguments parsed into an object);
+    null fields a response carried are dropped."""
+    _, client = served
+    response = client.chat.completions.create(
+        model=MODEL, messages=TOOL_HISTORY, max_tokens=1, temperature=0
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint[0])
+    call = {"id": "c1", "type": "function", "function": {**CALL, "arguments": {"city": "Paris"}}}
+    rendered = [
+        TOOL_HISTORY[0],
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        TOOL_HISTORY[2],
+    ]
+    prompt = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+    assert "(alice)" in prompt and '{"city": "Paris"}</tool_call>' in prompt and "[c1]" in prompt
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert response.usage.prompt_tokens == len(ids)
+
+
 @pytest.mark.parametrize(
     "kwargs, param, message",
     [
@@ -208,6 +255,12 @@ def test_completions_take_n_stop_and_stream_usage(served):
         ({"max_completion_tokens": 1000}, "max_completion_tokens", "between 1 and 64"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate", "Unknown field 'frobnicate'"),
+        ({"store": True}, "store", "keeps no completions"),
+        (
+            {"messages": [{"role": "assistant", "content": "no", "refusal": "I cannot."}]},
+            "messages[0].refusal",
+            "not supported",
+        ),
     ],
 )
 def test_a_bad_request_is_a_bad_request_error_naming_the_field(served, kwargs, param, message):

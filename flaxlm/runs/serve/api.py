@@ -145,6 +145,12 @@ def parse_request(
         raise BadRequest(
             f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}.", "logprobs"
         )
+    if logprobs is not None and request.get("echo"):
+        raise BadRequest(
+            "echo with logprobs asks for the prompt's log-probabilities too, which flaxlm does "
+            "not return; leave out echo (or logprobs).",
+            "echo",
+        )
     max_tokens = request.get("max_tokens")
     max_tokens = "max_tokens", defaults.max_tokens or COMPLETIONS_MAX_TOKENS, max_tokens
     return {
@@ -166,6 +172,8 @@ def parse_chat_request(
     prompt: `messages`, to render with the checkpoint's template; `max_tokens` None where
     the request and the checkpoint leave it to the room the prompt leaves)."""
     request, defaults = _fields(body, _CHAT_FIELDS), defaults or Defaults()
+    if request.get("store"):
+        raise BadRequest("store=true: flaxlm keeps no completions to retrieve.", "store")
     if request.get("messages") is None:
         raise BadRequest("Field 'messages' is required.", "messages")
     messages = _messages(request["messages"])
@@ -187,7 +195,7 @@ def parse_chat_request(
     }
 
 
-def render_chat(vocabulary: seqio.Vocabulary, messages: list[dict[str, str]]) -> str:
+def render_chat(vocabulary: seqio.Vocabulary, messages: list[dict[str, Any]]) -> str:
     """`messages` as the checkpoint's own chat template renders them, ending with the
     assistant's turn opened (HF's `apply_chat_template(add_generation_prompt=True)`): the
     text the model was fine-tuned on, so it answers as it learned to."""
@@ -325,9 +333,60 @@ def _sampling(
     }
 
 
-def _messages(value: list) -> list[dict[str, str]]:
-    """Chat messages as templates read them: a role and a string content (text parts
-    joined by newlines, as vLLM joins them)."""
+# What a message may carry besides its role and content, handed to the chat template as it
+# is (templates render a name, an assistant's tool calls and a tool result's call id; vLLM
+# passes them on alike), with the JSON type each must have.
+_MESSAGE_EXTRAS = {
+    "name": (str, "a string"),
+    "tool_calls": (list, "a list of tool calls"),
+    "tool_call_id": (str, "a string"),
+    "reasoning_content": (str, "a string"),
+}
+
+
+def _message_extras(message: dict, where: str) -> dict[str, Any]:
+    """A message's fields beyond role and content for its template: `_MESSAGE_EXTRAS` (a tool
+    call's JSON `arguments` parsed into the object templates expect, as vLLM does); the null
+    or empty fields a client echoes back from a response (`refusal`, `audio`, ...) dropped;
+    anything else a BadRequest naming it."""
+    extras: dict[str, Any] = {}
+    for key, value in message.items():
+        if key in ("role", "content") or value in (None, [], {}):
+            continue
+        if key not in _MESSAGE_EXTRAS:
+            raise BadRequest(
+                f"{where}.{key} is not supported (a message may carry "
+                f"{['role', 'content', *_MESSAGE_EXTRAS]}).",
+                f"{where}.{key}",
+            )
+        kind, described = _MESSAGE_EXTRAS[key]
+        if not isinstance(value, kind):
+            raise BadRequest(f"{where}.{key} must be {described}.", f"{where}.{key}")
+        extras[key] = value
+    for i, call in enumerate(extras.get("tool_calls", [])):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise BadRequest(
+                f"{where}.tool_calls[{i}] must be an object with a function's name and arguments.",
+                f"{where}.tool_calls",
+            )
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise BadRequest(
+                    f"{where}.tool_calls[{i}].function.arguments must be a JSON object.",
+                    f"{where}.tool_calls",
+                ) from None
+        extras["tool_calls"][i] = {**call, "function": {**function, "arguments": arguments}}
+    return extras
+
+
+def _messages(value: list) -> list[dict[str, Any]]:
+    """Chat messages as templates read them: a role, a string content (text parts joined by
+    newlines, as vLLM joins them) and the fields a template renders besides
+    (`_message_extras`)."""
     if not value:
         raise BadRequest("Field 'messages' must be a non-empty list of messages.", "messages")
     out = []
@@ -360,7 +419,7 @@ def _messages(value: list) -> list[dict[str, str]]:
                 f"{where}.content",
             )
         _check_unicode(f"{where}.content", content)
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **_message_extras(message, where)})
     return out
 
 
