@@ -242,10 +242,14 @@ def test_task_evaluator_runs_the_tasks_metrics_on_generated_text():
     assert all(np.isfinite(v) for v in scalars.values())
 
 
-def test_infer_from_an_hf_directory_equals_generate(tmp_path):
+def test_infer_from_an_hf_directory_equals_generate(tmp_path, capsys):
+    """... and says which of its generation_config.json's settings it does not apply."""
     from tests.test_hf_gpt2 import tiny_hf_gpt2
 
     _, path = tiny_hf_gpt2(tmp_path, "standard", vocab_size=300)
+    file_settings = {"do_sample": True, "temperature": 0.6, "repetition_penalty": 1.3}
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({**file_settings, "eos_token_id": 299, "top_k": 50}, f)
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text("".join(json.dumps({"in_text": p}) + "\n" for p in PROMPTS[:3]))
     vocab = seqio.ByteVocabulary()
@@ -263,6 +267,13 @@ def test_infer_from_an_hf_directory_equals_generate(tmp_path):
         ids = np.asarray([vocab.encode(record["input"])])
         tokens = generation.generate(model, params, {"inputs": ids}, max_new_tokens=6)[0]
         assert record["output"] == vocab.decode(generation.until_eos(tokens, model.eos_ids))
+    note = "generation_config.json's do_sample=True, temperature=0.6, repetition_penalty=1.3 not"
+    assert note in capsys.readouterr().out  # (top_k 50: transformers' default, no change)
+    # serve takes the file's temperature (and top_p) as a request's defaults, as vLLM does.
+    assert generation.unapplied_file_settings(
+        file_settings, ("do_sample", "temperature", "top_p")
+    ) == {"repetition_penalty": 1.3}
+    assert generation.unapplied_file_settings({"temperature": 0.6, "num_beams": 1}) == {}
 
 
 def test_inference_holds_an_hf_checkpoint_in_its_own_dtype(tmp_path):

@@ -176,6 +176,86 @@ class GenerationSettings:
 
 DEFAULT_SETTINGS = GenerationSettings()
 
+# generation_config.json settings that change the tokens transformers' `generate` makes, each
+# at the value that changes nothing. flaxlm decodes with the run's settings (GenerationSettings,
+# a server request's), not the file's: `unapplied_file_settings` names those a file sets.
+FILE_SETTINGS = {
+    "do_sample": False,
+    "temperature": 1.0,
+    "top_k": 50,
+    "top_p": 1.0,
+    "min_p": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "min_new_tokens": None,
+    "min_length": 0,
+    "bad_words_ids": None,
+    "sequence_bias": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "guidance_scale": None,
+    "watermarking_config": None,
+    "num_beams": 1,
+    "length_penalty": 1.0,
+    "early_stopping": False,
+    "stop_strings": None,
+    "num_return_sequences": 1,
+}
+# Read only where sampling or beams are on (transformers: top_k 50 is its default).
+_SAMPLING_ONLY = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+)
+_BEAMS_ONLY = ("length_penalty", "early_stopping")
+
+
+def unapplied_file_settings(
+    generation_config: dict[str, Any] | None, applied: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The settings of an HF checkpoint's generation_config.json that change what
+    transformers' `generate` makes and that a flaxlm run does not take from the file (all of
+    `FILE_SETTINGS` but `applied`, those the run reads from it): for a run to say so."""
+    config = generation_config or {}
+    sampling, beams = bool(config.get("do_sample")), (config.get("num_beams") or 1) > 1
+    out = {}
+    for key, unset in FILE_SETTINGS.items():
+        value = config.get(key, unset)
+        if key in applied or value in (unset, None, [], {}):
+            continue
+        if key in _SAMPLING_ONLY and not sampling:
+            continue
+        if key in _BEAMS_ONLY and not beams:
+            continue
+        out[key] = value
+    return out
+
+
+def file_settings_note(
+    where: str, generation_config: dict[str, Any] | None, run: str, applied: tuple[str, ...] = ()
+) -> None:
+    """Prints (process 0) which of generation_config.json's settings `where` (a checkpoint)
+    sets that the run (`run`: what it decodes with instead) does not apply."""
+    unapplied = unapplied_file_settings(generation_config, applied)
+    if unapplied and jax.process_index() == 0:
+        listed = ", ".join(f"{k}={v!r}" for k, v in unapplied.items())
+        print(
+            f"{where}: generation_config.json's {listed} not applied: flaxlm decodes with "
+            f"{run} (transformers' generate would take the file's)."
+        )
+
 
 def prompt_ids(
     model: BaseModel,

@@ -384,6 +384,13 @@ def infer(
     )  # fmt: skip
     lengths = [len(e.input_ids) for e in examples]
     engine = choose_engine(engine, model, settings, lengths, input_length)
+    generation.file_settings_note(
+        checkpoint,
+        model.generation_config,
+        f"infer's settings (temperature {settings.temperature:g}, top_k {settings.top_k}, top_p "
+        f"{settings.top_p:g}, num_beams {settings.num_beams}: TEMPERATURE, TOP_K, TOP_P, "
+        "NUM_BEAMS in gin/runs/infer.gin)",
+    )
     out_dir = epath.Path(output_dir)
     metrics.write_config(out_dir)
     ratio = padding_ratio(lengths, settings.max_new_tokens, input_length)

@@ -23,6 +23,7 @@ from etils import epath
 
 from flaxlm.checkpoints import run_dir
 from flaxlm.data import vocabularies
+from flaxlm.inference import generation
 from flaxlm.models.base import BaseModel
 from flaxlm.models.paged_attention import check_paged_attention
 from flaxlm.parallel.partitioning import Partitioner
@@ -99,6 +100,13 @@ def serve(
             paged_attention=paged_attention,
         )
         server = Server(engine, name, httpd, row_start=row_start, max_tokens_limit=max_tokens_limit)
+        generation.file_settings_note(
+            checkpoint,
+            model.generation_config,
+            "a request's settings (temperature, top_p and max_tokens the file's where a request "
+            "leaves them unset)",
+            applied=("do_sample", "temperature", "top_p"),
+        )
         with signals_awaited((signal.SIGINT, signal.SIGTERM)) as next_signal:
             server.start()
             try:
