@@ -197,9 +197,27 @@ def _openai_messages(raw: Any, where: str, key: str) -> Messages:
     return out
 
 
+# Columns TRL reads into the rendering (`tools=` and `chat_template_kwargs` handed to
+# `apply_chat_template`) or into a vision processor (`images`), which these tasks do not.
+UNREAD_COLUMNS = ("tools", "chat_template_kwargs", "images", "image")
+
+
+def check_unread_columns(record: Mapping[str, Any], where: str) -> None:
+    """A ValueError naming `where` and the column for a record that sets one TRL would read
+    and these tasks would not (its rows would differ from TRL's without a word)."""
+    for key in UNREAD_COLUMNS:
+        if record.get(key) not in (None, [], {}, ""):
+            raise ValueError(
+                f"{where}: {key!r} is a column TRL renders with (tools and template arguments "
+                "go to apply_chat_template, images to a vision processor); flaxlm's chat and "
+                "preference tasks do not read it: leave it out of the records."
+            )
+
+
 def chat_messages(record: Mapping[str, Any], where: str) -> Messages:
     """The `{"role", "content"}` messages of an OpenAI or ShareGPT record; a malformed record
     fails naming `where` (file:line)."""
+    check_unread_columns(record, where)
     if "messages" in record:
         return _openai_messages(record["messages"], where, "messages")
     if "conversations" not in record:
@@ -243,6 +261,7 @@ def preference_parts(
 ) -> tuple[str | Messages, str | dict[str, Any], str | dict[str, Any]]:
     """`(prompt, chosen, rejected)` of a preference record: strings for a plain-text
     record, a message list and two assistant messages for a conversational one."""
+    check_unread_columns(record, where)
     if ("prompt" in record) == ("messages" in record):
         raise ValueError(f"{where}: give the prompt as 'prompt' (or 'messages'), exactly once.")
     key = "prompt" if "prompt" in record else "messages"

@@ -297,6 +297,15 @@ def test_preference_truncation_keeps_the_end_of_the_prompt(tmp_path, capsys):
         ('{"text": "hello"}', "expected a 'messages' list"),
         ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant message"),
         ('{"messages": ', "not valid JSON"),
+        # Columns TRL renders with and these tasks do not read.
+        (
+            '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
+            "'tools' is a column TRL renders with",
+        ),
+        (
+            '{"messages": [], "chat_template_kwargs": {"enable_thinking": false}}',
+            "'chat_template_kwargs' is a column",
+        ),
     ],
 )
 def test_malformed_chat_line_fails_naming_file_and_line(tmp_path, tokenizer_dir, bad_line, message):
@@ -318,6 +327,10 @@ def test_malformed_preference_line_fails_naming_file_and_line(tmp_path):
         f.write(json.dumps({"prompt": [{"role": "user", "content": "a"}], "chosen": "b"}) + "\n")
     with pytest.raises(ValueError, match=f"{re.escape(path)}:2: missing 'rejected'"):
         chat.register_preference_task(name="pref_bad", split_files={"train": path}, max_length=8)
+    images = {"prompt": "a", "chosen": "b", "rejected": "c", "images": ["cat.png"]}
+    path = _write(tmp_path / "images.jsonl", [images])
+    with pytest.raises(ValueError, match=f"{re.escape(path)}:1: 'images' is a column TRL"):
+        chat.register_preference_task(name="pref_img", split_files={"train": path}, max_length=8)
 
 
 def test_examples_that_cannot_teach_are_refused_or_dropped_and_counted(

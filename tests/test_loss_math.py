@@ -80,7 +80,9 @@ def test_grpo_advantages_clipped_objective_and_k3_kl():
     prompts, group, length = 2, 4, 5
     rewards = RNG.integers(0, 2, (prompts, group)).astype(np.float64)
     rewards[1] = [0.0, 0.5, 1.0, 1.0]
-    adv = (rewards - rewards.mean(-1, keepdims=True)) / (rewards.std(-1, keepdims=True) + 1e-4)
+    # (TRL's: the group's sample standard deviation, torch's default `std`)
+    std = rewards.std(-1, keepdims=True, ddof=1)
+    adv = (rewards - rewards.mean(-1, keepdims=True)) / (std + 1e-4)
     close(loss_math.group_advantages(f32(rewards)), adv)
 
     n = prompts * group

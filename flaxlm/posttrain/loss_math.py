@@ -115,10 +115,11 @@ def simpo(
 
 def group_advantages(rewards: Array, eps: float = 1e-4) -> Array:
     """GRPO's advantages: each completion's reward minus its group's mean, over the group's
-    standard deviation (+ `eps`); `[prompts, group]` -> `[prompts, group]`."""
+    sample standard deviation (Bessel-corrected, as TRL's `scale_rewards='group'` takes it;
+    a group has 2 or more) + `eps`; `[prompts, group]` -> `[prompts, group]`."""
     rewards = rewards.astype(jnp.float32)
     mean = rewards.mean(-1, keepdims=True)
-    std = rewards.std(-1, keepdims=True)
+    std = rewards.std(-1, keepdims=True, ddof=1)
     return (rewards - mean) / (std + eps)
 
 
