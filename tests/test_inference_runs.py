@@ -274,6 +274,12 @@ def test_infer_from_an_hf_directory_equals_generate(tmp_path, capsys):
         file_settings, ("do_sample", "temperature", "top_p")
     ) == {"repetition_penalty": 1.3}
     assert generation.unapplied_file_settings({"temperature": 0.6, "num_beams": 1}) == {}
+    served = generation.unapplied_file_settings(
+        {"temperature": 0.7, "top_k": 20}, ("do_sample", "temperature", "top_p")
+    )
+    assert served == {"top_k": 20}  # serve samples at the file's temperature, do_sample or not
+    no_top_k = {"do_sample": True, "top_k": 0}  # (top-k off: as flaxlm's TOP_K=0)
+    assert generation.unapplied_file_settings(no_top_k) == {"do_sample": True}
 
 
 def test_inference_holds_an_hf_checkpoint_in_its_own_dtype(tmp_path):

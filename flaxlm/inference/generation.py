@@ -229,11 +229,13 @@ def unapplied_file_settings(
     transformers' `generate` makes and that a flaxlm run does not take from the file (all of
     `FILE_SETTINGS` but `applied`, those the run reads from it): for a run to say so."""
     config = generation_config or {}
-    sampling, beams = bool(config.get("do_sample")), (config.get("num_beams") or 1) > 1
+    # (a run that takes the file's temperature whatever its do_sample, as serve does, samples)
+    sampling = bool(config.get("do_sample")) or "do_sample" in applied
+    beams = (config.get("num_beams") or 1) > 1
     out = {}
     for key, unset in FILE_SETTINGS.items():
         value = config.get(key, unset)
-        if key in applied or value in (unset, None, [], {}):
+        if key in applied or value in (unset, None, [], {}) or (key == "top_k" and value == 0):
             continue
         if key in _SAMPLING_ONLY and not sampling:
             continue
