@@ -54,7 +54,7 @@ def read_adapter_config(path: str | epath.Path) -> dict[str, Any]:
                 f"(supported: {default!r})."
             )
     init = config.get("init_lora_weights", True)
-    if not any(init is plain or init == plain for plain in _PLAIN_INITS):
+    if init not in _PLAIN_INITS:
         raise ValueError(
             f"{file}: init_lora_weights={init!r}: PEFT rewrites the base model's weights when it "
             "loads such an adapter, and flaxlm adds adapters to the base as it is. Save it as "

@@ -251,9 +251,9 @@ def file_settings_note(
     """Prints (process 0) which of generation_config.json's settings `where` (a checkpoint)
     sets that the run (`run`: what it decodes with instead) does not apply."""
     unapplied = unapplied_file_settings(generation_config, applied)
-    if unapplied and jax.process_index() == 0:
+    if unapplied:
         listed = ", ".join(f"{k}={v!r}" for k, v in unapplied.items())
-        print(
+        metrics.print0(
             f"{where}: generation_config.json's {listed} not applied: flaxlm decodes with "
             f"{run} (transformers' generate would take the file's)."
         )

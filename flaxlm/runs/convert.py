@@ -20,6 +20,7 @@ from flaxlm.checkpoints import checkpointer, hf, hf_files, peft_dir, run_dir
 from flaxlm.models import hf_spec
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.training import metrics
 
 
 @gin.configurable
@@ -49,9 +50,9 @@ def model_from_hf(
     options.update(overrides or {})
     model = hf.model_from_hf_dir(path, partitioner, jnp.dtype(param_dtype), options)
     dropouts = hf_files.file_dropouts(hf_spec.text_tower(hf_files.read_hf_config(path)))
-    if dropouts and jax.process_index() == 0:
+    if dropouts:
         listed = ", ".join(f"{k} {v:g}" for k, v in dropouts.items())
-        print(
+        metrics.print0(
             f"{path}: config.json's dropout ({listed}) is not read: flaxlm trains with the "
             f"model's dropout_rate, {model.config.dropout_rate:g} here (transformers' training "
             "would apply the file's); set it with "
