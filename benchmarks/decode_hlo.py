@@ -104,6 +104,7 @@ def compile_paged(
     import jax
     import jax.numpy as jnp
 
+    from flaxlm.inference import sampling
     from flaxlm.inference.pages import pages_for
     from flaxlm.inference.scheduler import Scheduler
     from flaxlm.parallel.partitioning import Partitioner
@@ -137,7 +138,8 @@ def compile_paged(
 
     table = rows(jnp.int32, pages_for(args.context + args.new, args.page_size))
     inputs = (abstract(params, replicated), cache, rows(), rows(), table, None)
-    sample = (rows(), rows(), rows(), rows(jnp.float32), rows(jnp.float32))
+    settings = sampling.Rows(*(rows(x.dtype) for x in sampling.rows([], batch)))
+    sample = (rows(), rows(), rows(), settings)
     with partitioner.context():
         return scheduler.programs.decode.lower(*inputs, *sample).compile()
 

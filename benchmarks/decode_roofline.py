@@ -81,8 +81,7 @@ class Job:
 
     prompt_ids: list[int]
     max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
+    sampling: Any  # inference.sampling.Sampling
     seed: int = 0
     events: Any = dataclasses.field(default_factory=queue.SimpleQueue)
 
@@ -172,6 +171,7 @@ def time_paged(
     """The engine's decode rate: the time of a run to `--new` tokens less that of a run to
     one (prefill and the first token), fresh prompts each run (the prefix cache would
     otherwise skip their prefill)."""
+    from flaxlm.inference.sampling import Sampling
     from flaxlm.inference.scheduler import Scheduler
     from flaxlm.parallel.partitioning import Partitioner
 
@@ -197,7 +197,7 @@ def time_paged(
         waited, dispatches = scheduler.read_wait_s, scheduler_dispatches(scheduler)
         start = time.perf_counter()
         for i, row in enumerate(fresh):
-            scheduler.add(Job(row.tolist(), new, seed=i))
+            scheduler.add(Job(row.tolist(), new, Sampling(), seed=i))
         while scheduler.busy:
             scheduler.step()
         elapsed = time.perf_counter() - start

@@ -117,6 +117,7 @@ def engine_load(
     adapter `i % adapters + 1` when `adapters`)."""
     import numpy as np
 
+    from flaxlm.inference.sampling import Sampling
     from flaxlm.runs.serve.api import Completion
 
     stop = time.monotonic() + seconds
@@ -128,7 +129,9 @@ def engine_load(
         while time.monotonic() < stop:
             prompt = rng.integers(3, 259, int(rng.integers(4, 201))).tolist()
             adapter = i % adapters + 1 if adapters else 0
-            c = Completion(prompt, int(rng.integers(8, 65)), 0.0, 1.0, [], None, 0, adapter=adapter)
+            c = Completion(
+                prompt, int(rng.integers(8, 65)), Sampling(), [], None, 0, adapter=adapter
+            )
             start = time.monotonic()
             engine.submit(c)
             first, n = None, 0

@@ -205,9 +205,10 @@ def paged_engine(model, params, partitioner=None):
 def engine_tokens(engine, prompts, new_tokens: int) -> list[list[int]]:
     """`engine`'s greedy tokens for `prompts` (ids only: no vocabulary), `new_tokens` each
     (the tiny models have no EOS), all submitted at once."""
+    from flaxlm.inference.sampling import Sampling
     from flaxlm.runs.serve.api import Completion
 
-    jobs = [Completion(p, new_tokens, 0.0, 1.0, [], None, 0) for p in prompts]
+    jobs = [Completion(p, new_tokens, Sampling(), [], None, 0) for p in prompts]
     for job in jobs:
         engine.submit(job)
     out = []

@@ -15,15 +15,16 @@ import torch
 import transformers
 
 from flaxlm.checkpoints import hf
-from flaxlm.inference import generation
+from flaxlm.inference import generation, sampling
 from flaxlm.inference.pages import PagePool, prefix_keys
+from flaxlm.inference.sampling import Sampling
 from flaxlm.inference.scheduler import Scheduler
 from flaxlm.models import masks
 from flaxlm.models.cached_decoding import CachedDecoding
 from flaxlm.models.state_slots import gather, scatter
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve.api import Completion
-from flaxlm.runs.serve.engine import Engine
+from flaxlm.runs.serve.engine import BatchEngine, Engine
 from tests.hf_helpers import random_hf_model, save_torch_model
 
 VOCAB = 96
@@ -80,8 +81,8 @@ def engine(llama):
     e.stop()
 
 
-def job(prompt, max_tokens, temperature=0.0, seed=0):
-    return Completion(list(prompt), max_tokens, temperature, 1.0, [], None, seed)
+def job(prompt, max_tokens, temperature=0.0, seed=0, **settings):
+    return Completion(list(prompt), max_tokens, Sampling(temperature, **settings), [], None, seed)
 
 
 def result(c, timeout=120):
@@ -130,6 +131,64 @@ def test_concurrent_greedy_requests_equal_each_alone_and_hf_generate(llama, engi
     p, n = cases[0]
     ours = generation.generate(model, params, {"inputs": np.asarray([p])}, max_new_tokens=n)
     assert ours[0].tolist() == outputs[0][0]
+
+
+def penalized_greedy(torch_model, prompt, n, repetition=1.0, presence=0.0, frequency=0.0):
+    """The greedy tokens of a plain loop over HF's model: the repetition penalty as HF's
+    processor (over prompt and output), presence and frequency as OpenAI defines them."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = torch_model(torch.tensor([ids])).logits[0, -1].double().numpy()
+        seen = sorted(set(ids))
+        logits[seen] = np.where(
+            logits[seen] > 0, logits[seen] / repetition, logits[seen] * repetition
+        )
+        counts = np.bincount(out, minlength=VOCAB)
+        logits -= frequency * counts + presence * (counts > 0)
+        top2 = np.sort(logits)[-2:]
+        assert top2[1] - top2[0] > 1e-3, "a near tie: another prompt is needed"
+        out.append(int(np.argmax(logits)))
+        ids.append(out[-1])
+    return out
+
+
+@pytest.mark.slow
+def test_each_row_decodes_with_its_own_penalties_and_top_k(llama, engine):
+    """Rows with their own penalties decode in the same dispatches as plain ones (over
+    dispatches enqueued ahead, whose tokens the penalties count on the device): each greedy
+    row equals the reference loop, the repetition penalty's HF `generate`'s, and top-k 1
+    samples the argmax."""
+    torch_model = llama[0]
+    n = 18
+    cases = [
+        {},
+        {"repetition_penalty": 1.6},
+        {"presence_penalty": 1.5, "frequency_penalty": 0.6},
+        {"repetition_penalty": 0.7, "frequency_penalty": 2.0},
+    ]
+    ps = prompts(len(cases), seed=21)
+    jobs = [job(p, n, **settings) for p, settings in zip(ps, cases)]
+    jobs.append(job(ps[0], n, temperature=1.0, seed=5, top_k=1))
+    engine.submit_many(jobs)
+    outputs = [result(c)[0] for c in jobs]
+    for p, settings, tokens in zip(ps, cases, outputs):
+        names = {"repetition": "repetition_penalty", "presence": "presence_penalty"}
+        names["frequency"] = "frequency_penalty"
+        kwargs = {k: settings[v] for k, v in names.items() if v in settings}
+        assert tokens == penalized_greedy(torch_model, p, n, **kwargs), settings
+    assert outputs[1] != outputs[0]  # (the penalties change something)
+    with torch.no_grad():
+        out = torch_model.generate(
+            torch.tensor([ps[1]]), max_new_tokens=n, do_sample=False, repetition_penalty=1.6
+        )
+    assert outputs[1] == out[0, len(ps[1]) :].tolist()
+    assert outputs[-1] == outputs[0]
+    # The contiguous-cache path (a model that cannot page) decodes them alike.
+    _, model, params = llama
+    jobs = [job(p, n, **settings) for p, settings in zip(ps, cases)]
+    BatchEngine(model, params, Partitioner(), seqio.ByteVocabulary()).decode(jobs)
+    assert [result(c)[0] for c in jobs] == outputs[:-1]
 
 
 def test_n_samples_of_one_prompt_read_it_once_and_share_its_pages(engine):
@@ -423,38 +482,6 @@ def test_stop_cancels_what_is_queued(llama):
         c.events.get_nowait()
 
 
-def test_select_argmaxes_greedy_rows_and_filters_only_a_nucleus():
-    """Each row as its own settings decide: greedy the argmax, temperature alone a sample of
-    the unfiltered distribution, with top_p < 1 of the nucleus (the sort the engine skips
-    where no row asks for one); a greedy batch gives the argmax (its sampling skipped)."""
-    import jax
-    import jax.numpy as jnp
-
-    from flaxlm.models import decoding
-    from flaxlm.models.decoding import select
-
-    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 50)) * 3, jnp.float32)
-    keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(4, dtype=jnp.uint32))
-    temperature = jnp.asarray([0.0, 0.7, 1.3, 0.0])
-    top_p = jnp.asarray([1.0, 1.0, 0.5, 0.3])
-    token, lp, top_ids, _ = jax.jit(select, static_argnums=4)(logits, keys, temperature, top_p, 3)
-    argmax = np.asarray(jnp.argmax(logits, -1))
-    nucleus = decoding.filter_logits(logits[2] / 1.3, top_p=0.5)
-    expected = [
-        argmax[0],
-        jax.random.categorical(keys[1], logits[1] / 0.7),
-        jax.random.categorical(keys[2], nucleus),
-        argmax[3],
-    ]
-    assert np.asarray(token).tolist() == [int(t) for t in expected]
-    assert float(nucleus[token[2]]) > -1e30  # drawn from the nucleus
-    log_probs = jax.nn.log_softmax(logits, -1)
-    np.testing.assert_allclose(lp, log_probs[jnp.arange(4), token], rtol=1e-6)
-    np.testing.assert_array_equal(top_ids[:, 0], argmax)
-    greedy = select(logits, keys, jnp.zeros(4), top_p, 3)[0]
-    np.testing.assert_array_equal(greedy, argmax)
-
-
 @pytest.fixture
 def environment_kept():
     """The process environment as it was, after the test: importing Pallas sets
@@ -516,7 +543,7 @@ def test_the_pallas_kernel_reads_the_pages_in_place_as_the_gather_path_attends(t
     rows = np.zeros((4,), np.int32)
     decode_jaxpr = jax.make_jaxpr(scheduler.programs.decode_fn)(
         scheduler.params, cache, rows, rows, np.zeros((4, 2), np.int32), None,
-        rows, rows, rows, np.zeros(4, np.float32), np.ones(4, np.float32),
+        rows, rows, rows, sampling.rows([], 4),
     )  # fmt: skip
     assert any(e.primitive.name == "pallas_call" for e in jaxpr_equations(decode_jaxpr.jaxpr))
 

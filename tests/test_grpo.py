@@ -118,9 +118,6 @@ def test_rollout_batch_and_bad_config():
     np.testing.assert_array_equal(
         sampled["old_logps"], [[0, 0, -1, -2, 0, 0], [0, -4, -5, -6, 0, 0]]
     )
-    with pytest.raises(ValueError, match="top_k=5: the paged engine"):
-        rl.GrpoConfig(top_k=5)
-    rl.GrpoConfig(top_k=5, rollout_engine="batch")
     with pytest.raises(ValueError, match="rollout_engine='vllm'"):
         rl.GrpoConfig(rollout_engine="vllm")
     with pytest.raises(ValueError, match="num_generations must be at least 2"):

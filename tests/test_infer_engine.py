@@ -84,6 +84,8 @@ def test_auto_takes_the_paged_engine_where_fixed_batches_pad_and_it_can_decode(l
     assert infer.choose_engine("paged", model, greedy, even) == "paged"
     sampled = GenerationSettings(max_new_tokens=16, temperature=0.7, top_p=0.9)
     assert infer.choose_engine("auto", model, sampled, skewed) == "paged"
+    top_k = GenerationSettings(max_new_tokens=16, temperature=0.7, top_k=5)
+    assert infer.choose_engine("auto", model, top_k, skewed) == "paged"
     # What the engine cannot decode stays in fixed batches; asking for it names the setting.
     phi = base.DecoderOnlyModel(
         phi3.Phi3Config(vocab_size=128, hidden_size=32, num_layers=2, num_heads=2)
@@ -93,7 +95,6 @@ def test_auto_takes_the_paged_engine_where_fixed_batches_pad_and_it_can_decode(l
     )
     cases = [
         (model, GenerationSettings(num_beams=2), "NUM_BEAMS"),
-        (model, GenerationSettings(temperature=0.7, top_k=5), "TOP_K"),
         (phi, greedy, "contiguous KV cache"),
         (enc_dec, greedy, "contiguous KV cache"),
     ]

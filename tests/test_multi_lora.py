@@ -16,6 +16,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from flaxlm.checkpoints import checkpointer, peft_config, peft_dir, run_dir
+from flaxlm.inference.sampling import Sampling
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve.adapters import load_adapters
 from flaxlm.runs.serve.api import Completion
@@ -165,7 +166,7 @@ def test_one_batch_mixes_adapters_and_base_each_row_as_hf_peft(served, expected)
         ids = server.encode(prompt)
         for name in names:
             jobs[name, prompt] = Completion(
-                ids, TOKENS, 0.0, 1.0, [], None, 0, adapter=server.models[name]
+                ids, TOKENS, Sampling(), [], None, 0, adapter=server.models[name]
             )
     server.engine.submit_many(list(jobs.values()))
     got = {}

@@ -12,6 +12,7 @@ import transformers
 
 from flaxlm.checkpoints import run_dir
 from flaxlm.data import vocabularies
+from flaxlm.inference.sampling import Sampling
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve import api
 from flaxlm.runs.serve.engine import Engine
@@ -202,6 +203,31 @@ def test_chat_logprobs_give_each_token_and_its_alternatives(served, greedy):
         assert entry.logprob <= 0.0
 
 
+def test_penalties_top_k_and_min_tokens_reach_the_engine(served, checkpoint, greedy):
+    """vLLM's sampling parameters through the client's extra_body: a greedy answer with a
+    repetition penalty is HF `generate`'s with the same penalty; top-k 1 samples the greedy
+    answer; min_tokens holds the EOS back."""
+    path, torch_model, eos = checkpoint
+    _, client = served
+    text, new, ids = greedy
+    with torch.no_grad():
+        out = torch_model.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=TOKENS, eos_token_id=eos,
+            pad_token_id=eos[0], repetition_penalty=0.5,
+        )  # fmt: skip
+    penalized = [t for t in out[0, len(ids) :].tolist() if t not in eos]
+    assert penalized != new
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    response = chat(
+        client, temperature=0, max_tokens=TOKENS, extra_body={"repetition_penalty": 0.5}
+    )
+    assert response.choices[0].message.content == tokenizer.decode(penalized)
+    top1 = chat(client, temperature=1.0, seed=3, max_tokens=TOKENS, extra_body={"top_k": 1})
+    assert top1.choices[0].message.content == text
+    held = chat(client, temperature=0, max_tokens=TOKENS, extra_body={"min_tokens": TOKENS})
+    assert held.usage.completion_tokens == TOKENS and held.choices[0].finish_reason == "length"
+
+
 def test_completions_take_n_stop_and_stream_usage(served):
     _, client = served
     whole = client.completions.create(
@@ -256,6 +282,11 @@ def test_a_tool_use_history_reaches_the_template_as_vllm_hands_it_on(served, che
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate", "Unknown field 'frobnicate'"),
         ({"store": True}, "store", "keeps no completions"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "between -2 and 2"),
+        ({"extra_body": {"top_k": -2}}, "top_k", "top_k must be -1 or 0"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty", "must be > 0"),
+        ({"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens", "between 0 and"),
+        ({"logit_bias": {"5": 3}}, "logit_bias", "not supported"),
         (
             {"messages": [{"role": "assistant", "content": "no", "refusal": "I cannot."}]},
             "messages[0].refusal",
@@ -287,9 +318,17 @@ def test_unset_settings_come_from_the_generation_config(served):
     parsed = api.parse_chat_request(
         json.dumps({"messages": MESSAGES, "temperature": None}).encode(), 128, 64, server.defaults
     )
-    assert (parsed["temperature"], parsed["top_p"], parsed["max_tokens"]) == (0.7, 0.9, None)
+    assert parsed["sampling"] == Sampling(0.7, 0.9) and parsed["max_tokens"] is None
     defaults = api.Defaults.from_generation_config({"max_new_tokens": 500, "top_p": 7}, 64)
     assert defaults == api.Defaults(temperature=1.0, top_p=1.0, max_tokens=64)
+    # vLLM's reading of a file: top_k, min_p and repetition_penalty too.
+    file = {"temperature": 0.6, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05}
+    read = api.Defaults.from_generation_config(file, 64)
+    parsed = api.parse_chat_request(json.dumps({"messages": MESSAGES}).encode(), 128, 64, read)
+    assert parsed["sampling"] == Sampling(0.6, 1.0, 20, 0.05, repetition_penalty=1.05)
+    body = {"messages": MESSAGES, "presence_penalty": 0.5, "frequency_penalty": -1, "top_k": -1}
+    parsed = api.parse_chat_request(json.dumps(body).encode(), 128, 64, read)
+    assert parsed["sampling"] == Sampling(0.6, 1.0, 0, 0.05, 0.5, -1.0, repetition_penalty=1.05)
     parsed = api.parse_request(b'{"prompt": "a"}', 128, 64, defaults)
     assert parsed["max_tokens"] == 64 and parsed["seed"] is None
     seeds = api.sample_seeds(2**32 - 1, 3)

@@ -18,6 +18,7 @@ import seqio
 
 from flaxlm.checkpoints import run_dir
 from flaxlm.inference import generation
+from flaxlm.inference.sampling import Sampling
 from flaxlm.models.row_start import SEQIO_START
 from flaxlm.parallel import platforms
 from flaxlm.parallel.partitioning import Partitioner
@@ -238,7 +239,7 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "n": 0}, "n must be at least 1"),
     ({"prompt": ["a"] * 9, "n": 2}, "n x prompts at most 16"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "only allowed when stream"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty is not supported"),
+    ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias is not supported"),
     ({"prompt": "hi", "stream": "yes"}, "'stream' must be a boolean"),
     ({"prompt": 42}, "'prompt' must be"),
     ({"max_tokens": 3}, "'prompt' is required"),
@@ -281,7 +282,7 @@ def test_a_job_the_engine_cannot_prepare_fails_alone(server):
     engine = Engine(model, params, Partitioner((1, 8, 1)), VOCAB)
 
     def job(prompt_ids, seed=0):
-        return api.Completion(prompt_ids, 3, 0.0, 1.0, [], None, seed)
+        return api.Completion(prompt_ids, 3, Sampling(), [], None, seed)
 
     good = [job(VOCAB.encode("good 0: ")), job(VOCAB.encode("good 1: "))]
     bad = [job(VOCAB.encode("hi"), seed=-5), job([engine.vocab_size]), job([])]

@@ -12,6 +12,8 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from flaxlm.inference.sampling import Sampling
+
 Array = jax.Array
 
 
@@ -24,8 +26,7 @@ class Job(Protocol):
 
     prompt_ids: Sequence[int]
     max_tokens: int
-    temperature: float
-    top_p: float
+    sampling: Sampling
     seed: int
     events: Any
 
@@ -42,6 +43,7 @@ class JobState:
     state_slot: int = 0  # its recurrent state's slot while running (a stateful model's)
     computed: int = 0  # prompt tokens whose keys and values are in the cache
     generated: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)  # those read back (penalties')
     last_token: int = 0  # sampled, not yet fed
     leader: JobState | None = None
     followers: list[JobState] = dataclasses.field(default_factory=list)

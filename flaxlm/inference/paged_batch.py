@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from flaxlm.inference.sampling import Sampling
 from flaxlm.inference.scheduler import Scheduler
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
@@ -25,8 +26,7 @@ class BatchJob:
 
     prompt_ids: Sequence[int]
     max_tokens: int
-    temperature: float
-    top_p: float
+    sampling: Sampling
     seed: int
     keep_eos: bool = False
     finished: list[BatchJob] = dataclasses.field(default_factory=list, repr=False)
@@ -119,8 +119,7 @@ class BatchGenerator:
         prompts: Sequence[Sequence[int]],
         seeds: Sequence[int],
         *,
-        temperature: float,
-        top_p: float,
+        sampling: Sampling,
         keep_eos: bool = False,
         progress: Callable[[BatchProgress], None] | None = None,
     ) -> list[BatchJob]:
@@ -129,7 +128,7 @@ class BatchGenerator:
         each time another `max_rows` jobs have ended, and once when all have."""
         finished: list[BatchJob] = []
         jobs = [
-            BatchJob(p, self.max_new_tokens, temperature, top_p, int(seed), keep_eos, finished)
+            BatchJob(p, self.max_new_tokens, sampling, int(seed), keep_eos, finished)
             for p, seed in zip(prompts, seeds)
         ]
         scheduler = self.scheduler

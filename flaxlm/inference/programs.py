@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from flaxlm.inference import sampling
 from flaxlm.models import decoding
 from flaxlm.models.base import BaseModel
 from flaxlm.parallel.partitioning import Partitioner
@@ -82,26 +83,35 @@ class PagedPrograms:
             )
         return logits, jax.lax.with_sharding_constraint(cache, self.shardings)
 
-    def _first_fn(self, logits, index, seeds, counts, temperature, top_p):
+    def _first_fn(self, logits, index, seeds, counts, settings, history):
         keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.PRNGKey)(seeds), counts)
-        return self._on_every_host(
-            decoding.select(logits[index], keys, temperature, top_p, self.num_top)
-        )
+        logits = logits[index]
+        seen = None if history is None else sampling.seen(*history, logits.shape[-1])
+        return self._on_every_host(self._select(logits, keys, settings, seen, counts))
 
     def decode_fn(
         self, params: Any, cache: Any, tokens: Array, slots: Array, table: Array,
-        adapters: Array, remaining: Array, seeds: Array, counts: Array, temperature: Array,
-        top_p: Array, states: Array | None = None,
+        adapters: Array, remaining: Array, seeds: Array, counts: Array,
+        settings: sampling.Rows, states: Array | None = None,
+        history: tuple[Array, Array] | None = None, ahead: Array | None = None,
     ) -> tuple:  # fmt: skip
         """`decode_steps` tokens of every row: feed the last one, sample the next; a row
-        stops writing after an EOS or its last token. `states`: each row's state slot."""
+        stops writing after an EOS or its last token. `states`: each row's state slot;
+        `history`: the rows' prompt and generated tokens where a row is penalized
+        (`sampling.histories`), `ahead` `[steps, rows]` the tokens of a dispatch before this
+        one that the host has not read (None: none)."""
         params = self._layout(params)
         keys = jax.vmap(jax.random.PRNGKey)(seeds)
         eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
         last = jnp.zeros_like(tokens)
+        seen = None
+        if history is not None:
+            seen = sampling.seen(*history, self.model.config.vocab_size)
+            if ahead is not None:
+                seen = sampling.count(seen, ahead.T, jnp.ones(ahead.T.shape, bool))
 
         def one(carry, _):
-            cache, token, slot, remaining, count = carry
+            cache, token, slot, remaining, count, seen = carry
             active = remaining > 0
             fed = jnp.where(active, slot, -1)[:, None]
             with lora.adapters_per_row(adapters):
@@ -109,14 +119,22 @@ class PagedPrograms:
                     params, cache, token[:, None], fed, table, last, self.paged_attention, states
                 )
             step_keys = jax.vmap(jax.random.fold_in)(keys, count)
-            out = decoding.select(logits, step_keys, temperature, top_p, self.num_top)
+            out = self._select(logits, step_keys, settings, seen, count)
+            if seen is not None:
+                seen = sampling.count(seen, out[0][:, None], active[:, None])
             stop = (out[0][:, None] == eos[None]).any(-1)
             remaining = jnp.where(active & ~stop, remaining - 1, 0)
-            return (cache, out[0], slot + 1, remaining, count + 1), out
+            return (cache, out[0], slot + 1, remaining, count + 1, seen), out
 
-        init = (cache, tokens, slots, remaining, counts)
+        init = (cache, tokens, slots, remaining, counts, seen)
         (cache, *_), out = jax.lax.scan(one, init, None, length=self.decode_steps)
         return (jax.lax.with_sharding_constraint(cache, self.shardings), *self._on_every_host(out))
+
+    def _select(self, logits, keys, settings, seen, generated):
+        return sampling.select(
+            logits, keys, settings, self.num_top, seen=seen, generated=generated,
+            eos_ids=self.eos_ids,
+        )  # fmt: skip
 
     def _on_every_host(self, tree: Any) -> Any:
         """`tree` replicated: what the host reads back, whole on every process (a trainer's

@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from flaxlm.inference import sampling
 from flaxlm.inference.jobs import Dispatch, Job, JobState
 from flaxlm.inference.pages import PagePool, pages_for, prefix_keys
 from flaxlm.inference.programs import PagedPrograms
@@ -295,6 +296,7 @@ class Scheduler:
             return False
         seq.job.events.put(("token", token, logprob, top))
         seq.generated += 1
+        seq.tokens.append(token)
         seq.last_token = token
         if seq.generated >= seq.job.max_tokens:
             self._end(seq, ("done", "length"))
@@ -405,14 +407,14 @@ class Scheduler:
         size = self.max_rows
         index = np.zeros((size,), np.int32)
         seeds = np.zeros((size,), np.uint32)
-        temperature = np.zeros((size,), np.float32)
-        top_p = np.ones((size,), np.float32)
         for j, (seq, i) in enumerate(finished):
             index[j], seeds[j] = i, seq.job.seed
-            temperature[j], top_p[j] = seq.job.temperature, seq.job.top_p
+        settings = [seq.job.sampling for seq, _ in finished]
+        history = sampling.histories(settings, [s.prompt for s, _ in finished], [], size)
         counts = np.zeros((size,), np.int32)
+        args = (logits, index, seeds, counts, sampling.rows(settings, size), history)
         with self.partitioner.context():
-            out = self.programs.first(logits, index, seeds, counts, temperature, top_p)
+            out = self.programs.first(*args)
         token, lp, top_ids, top_lps = self._read(out)
         for j, (seq, _) in enumerate(finished):
             top = list(zip(top_ids[j].tolist(), top_lps[j].tolist()))
@@ -440,8 +442,6 @@ class Scheduler:
         remaining = np.zeros((size,), np.int32)
         seeds = np.zeros((size,), np.uint32)
         counts = np.zeros((size,), np.int32)
-        temperature = np.zeros((size,), np.float32)
-        top_p = np.ones((size,), np.float32)
         adapters = np.zeros((size,), np.int32)
         states = np.zeros((size,), np.int32)
         needed = []
@@ -451,14 +451,18 @@ class Scheduler:
             slots[i] = len(seq.prompt) + seq.generated + done - 1
             remaining[i] = seq.job.max_tokens - seq.generated - done
             seeds[i], counts[i] = seq.job.seed, seq.generated + done
-            temperature[i], top_p[i] = seq.job.temperature, seq.job.top_p
             needed.append(min(len(seq.pages), pages_for(slots[i] + steps, self.page_size)))
         table = self._table(rows, needed, size)
         # Ahead of a dispatch not read, each row is fed that dispatch's last token, on the
         # device (rows in the same order).
         fed = tokens if ahead is None else ahead.out[0][-1]
+        settings = [seq.job.sampling for seq in rows]
+        history = sampling.histories(
+            settings, [seq.prompt for seq in rows], [seq.tokens for seq in rows], size
+        )
         args = (fed, slots, table, adapters, remaining, seeds, counts)
-        args += (temperature, top_p, states)
+        args += (sampling.rows(settings, size), states, history)
+        args += (ahead.out[0] if ahead is not None and history is not None else None,)
         with self.partitioner.context():
             self.cache, *out = self.programs.decode(self.params, self.cache, *args)
         self.decode_dispatches += 1

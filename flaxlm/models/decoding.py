@@ -84,43 +84,6 @@ def filter_logits(logits: Array, top_k: int = 0, top_p: float | Array = 1.0) -> 
     return logits
 
 
-def select(
-    logits: Array,
-    keys: Array,
-    temperature: Array,
-    top_p: Array,
-    num_top: int,
-) -> tuple[Array, Array, Array, Array]:
-    """The serving engine's choice (`scheduler.Scheduler`), each row by its own settings.
-
-    Per row: greedy where temperature is 0, else a sample from the top-p nucleus of
-    softmax(logits / temperature); the token's log-probability and the `num_top` most
-    likely tokens with theirs (of the model's distribution, before temperature)."""
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sampling = temperature > 0
-
-    def sample() -> Array:
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        nucleus = sampling & (top_p < 1.0)
-        filtered = jax.lax.cond(
-            nucleus.any(),
-            lambda: jnp.where(
-                nucleus[:, None], filter_logits(scaled, top_p=top_p[:, None]), scaled
-            ),
-            lambda: scaled,
-        )
-        return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
-
-    # The nucleus sorts the vocabulary and the sample draws noise over it, every row at
-    # every step: a batch that only decodes greedily skips both, a row with top_p 1 the
-    # sort's filter (as the batch path, `choose_tokens`).
-    token = jnp.where(sampling, jax.lax.cond(sampling.any(), sample, lambda: greedy), greedy)
-    token_lp = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
-    top_lps, top_ids = jax.lax.top_k(log_probs, num_top)
-    return token, token_lp, top_ids, top_lps
-
-
 def is_eos(tokens: Array, config: DecodingConfig) -> Array:
     """bool, like `tokens`: which are one of the config's EOS ids."""
     hit = jnp.zeros(tokens.shape, bool)

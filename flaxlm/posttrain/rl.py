@@ -82,11 +82,6 @@ class GrpoConfig:
                 f"GrpoConfig.rollout_engine={self.rollout_engine!r}: expected one of "
                 f"{ROLLOUT_ENGINES}."
             )
-        if self.top_k and self.rollout_engine == "paged":
-            raise ValueError(
-                f"GrpoConfig.top_k={self.top_k}: the paged engine samples from the top-p set "
-                "only; set top_k=0, or rollout_engine='batch'."
-            )
         if not self.reward_fns or not all(callable(f) for f in self.reward_fns):
             raise ValueError("GrpoConfig.reward_fns must be a non-empty list of callables.")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_fns):

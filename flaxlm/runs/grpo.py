@@ -37,6 +37,7 @@ from flaxlm.data import pipeline
 from flaxlm.data.config import DatasetConfig
 from flaxlm.inference import generation
 from flaxlm.inference.paged_batch import BatchGenerator
+from flaxlm.inference.sampling import Sampling
 from flaxlm.models.base import BaseModel
 from flaxlm.models.features import PromptFeatureConverter, unpadded_ids
 from flaxlm.models.row_start import RowStart
@@ -92,9 +93,8 @@ class PagedSampler:
         seeds = np.asarray(jax.random.bits(rng, (len(prompts),), jnp.uint32))
         scheduler.set_params(params)
         read = scheduler.prefilled_tokens
-        jobs = self.generator.generate(
-            prompts, seeds, temperature=cfg.temperature, top_p=cfg.top_p, keep_eos=True
-        )
+        sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
+        jobs = self.generator.generate(prompts, seeds, sampling=sampling, keep_eos=True)
         scheduler.release()
         self.prefilled_tokens += scheduler.prefilled_tokens - read
         self.prompt_tokens += sum(len(p) for p in prompts)

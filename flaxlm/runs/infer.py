@@ -34,6 +34,7 @@ from flaxlm.data.vocabularies import Vocabulary
 from flaxlm.inference import generation
 from flaxlm.inference.generation import GenerationSettings
 from flaxlm.inference.paged_batch import BatchGenerator, BatchProgress
+from flaxlm.inference.sampling import Sampling
 from flaxlm.models.base import BaseModel, EncoderDecoderModel
 from flaxlm.models.paged_attention import check_paged_attention
 from flaxlm.models.row_start import RowStart
@@ -182,8 +183,6 @@ def paged_refusal(model: BaseModel, settings: GenerationSettings) -> str | None:
     """Why the paged engine cannot decode `settings` for `model`, or None."""
     if settings.num_beams > 1:
         return "Beam search (NUM_BEAMS > 1) decodes in fixed batches."
-    if settings.top_k:
-        return "The paged engine samples from the top-p set only (TOP_K > 0 needs fixed batches)."
     return model.paged_refusal()
 
 
@@ -279,8 +278,7 @@ def paged_generate_ids(
     jobs = generator.generate(
         prompts,
         example_seeds(settings.seed, len(prompts)),
-        temperature=settings.temperature,
-        top_p=settings.top_p,
+        sampling=Sampling(settings.temperature, settings.top_p, settings.top_k),
         progress=report if progress else None,
     )
     return [j.tokens for j in jobs]

@@ -103,9 +103,9 @@ def serve(
         generation.file_settings_note(
             checkpoint,
             model.generation_config,
-            "a request's settings (temperature, top_p and max_tokens the file's where a request "
-            "leaves them unset)",
-            applied=("do_sample", "temperature", "top_p"),
+            "a request's settings (temperature, top_p, top_k, min_p, repetition_penalty and "
+            "max_tokens the file's where a request leaves them unset, as vLLM reads them)",
+            applied=("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"),
         )
         with signals_awaited((signal.SIGINT, signal.SIGTERM)) as next_signal:
             server.start()

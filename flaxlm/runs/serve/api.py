@@ -12,6 +12,8 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from flaxlm.inference.sampling import Sampling
+
 if TYPE_CHECKING:  # (serving loads neither seqio nor TensorFlow)
     import seqio
 
@@ -40,8 +42,7 @@ class Completion:
 
     prompt_ids: list[int]
     max_tokens: int
-    temperature: float
-    top_p: float
+    sampling: Sampling
     stop: list[str]
     logprobs: int | None
     seed: int
@@ -53,10 +54,14 @@ class Completion:
 class Defaults:
     """The settings a request gets where it leaves them unset or null: the checkpoint's
     `generation_config.json` where it sets them (as vLLM reads it: `temperature`, `top_p`,
-    `max_new_tokens`; `do_sample` is not consulted), else OpenAI's."""
+    `top_k`, `min_p`, `repetition_penalty`, `max_new_tokens`; `do_sample` is not
+    consulted), else OpenAI's."""
 
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     max_tokens: int | None = None  # None: 16 for completions, what is left for chat
 
     @classmethod
@@ -78,6 +83,9 @@ class Defaults:
         return cls(
             temperature=number("temperature", 0.0, 2.0, 1.0),
             top_p=number("top_p", 1e-9, 1.0, 1.0),
+            top_k=top_k if _whole(top_k := config.get("top_k")) and top_k >= 0 else 0,
+            min_p=number("min_p", 0.0, 1.0, 0.0),
+            repetition_penalty=number("repetition_penalty", 1e-9, math.inf, 1.0),
             max_tokens=None if max_new is None else min(max_new, max_tokens_limit),
         )
 
@@ -96,9 +104,14 @@ _SAMPLING: dict[str, tuple[_Types, str]] = {
     "seed": (int, "an integer"),
     "n": (int, "an integer"),
     "user": (str, "a string"),
-    # Accepted at their defaults only (see _UNSUPPORTED): clients send them as they are.
     "frequency_penalty": ((int, float), "a number"),
     "presence_penalty": ((int, float), "a number"),
+    # vLLM's sampling parameters beyond OpenAI's (the client's `extra_body`).
+    "top_k": (int, "an integer"),
+    "min_p": ((int, float), "a number"),
+    "repetition_penalty": ((int, float), "a number"),
+    "min_tokens": (int, "an integer"),
+    # Accepted at its default only (see _UNSUPPORTED): clients send it as it is.
     "logit_bias": (dict, "an object"),
 }
 _COMPLETION_FIELDS = {
@@ -116,7 +129,7 @@ _CHAT_FIELDS = {
     "store": (bool, "a boolean"),
     "metadata": (dict, "an object"),
 }
-_UNSUPPORTED = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}}
+_UNSUPPORTED = {"logit_bias": {}}
 
 
 def parse_request(
@@ -291,6 +304,33 @@ def _sampling(
     top_p = _number(request, "top_p", defaults.top_p)
     if not 0.0 < top_p <= 1.0:
         raise BadRequest(f"top_p must be in (0, 1], got {top_p}.", "top_p")
+    top_k = request.get("top_k", defaults.top_k)
+    if top_k < -1:
+        raise BadRequest(f"top_k must be -1 or 0 (no limit) or at least 1, got {top_k}.", "top_k")
+    min_p = _number(request, "min_p", defaults.min_p)
+    if not 0.0 <= min_p <= 1.0:
+        raise BadRequest(f"min_p must be in [0, 1], got {min_p}.", "min_p")
+    penalties = {}
+    for key in ("presence_penalty", "frequency_penalty"):
+        penalties[key] = _number(request, key, 0.0)
+        if not -2.0 <= penalties[key] <= 2.0:
+            raise BadRequest(f"{key} must be between -2 and 2, got {penalties[key]}.", key)
+    repetition = _number(request, "repetition_penalty", defaults.repetition_penalty)
+    if not repetition > 0.0:
+        raise BadRequest(
+            f"repetition_penalty must be > 0 (1: none), got {repetition}.", "repetition_penalty"
+        )
+    min_tokens = request.get("min_tokens", 0)
+    if not 0 <= min_tokens <= (value or max_tokens_limit):
+        raise BadRequest(
+            f"min_tokens must be between 0 and max_tokens ({value or max_tokens_limit}), got "
+            f"{min_tokens}.",
+            "min_tokens",
+        )
+    settings = Sampling(
+        temperature, top_p, max(top_k, 0), min_p, **penalties,
+        repetition_penalty=repetition, min_tokens=min_tokens,
+    )  # fmt: skip
     stop = request.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
@@ -323,8 +363,7 @@ def _sampling(
         "model": request.get("model"),
         "n": n,
         "max_tokens": value,
-        "temperature": temperature,
-        "top_p": top_p,
+        "sampling": settings,
         "stop": stop,
         "stream": stream,
         "include_usage": bool((options or {}).get("include_usage")),
@@ -432,6 +471,10 @@ def _number(request: dict, key: str, default: float) -> float:
     if not math.isfinite(value):
         raise BadRequest(f"{key} must be a finite number, got {_shown(request[key])}.", key)
     return value
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_unicode(key: str, text: str) -> None:

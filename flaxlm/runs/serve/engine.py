@@ -14,6 +14,7 @@ dispatch; `BatchEngine` serves the params as they are, one model."""
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlm.inference import generation
+from flaxlm.inference import generation, sampling
 from flaxlm.inference.scheduler import Scheduler
 from flaxlm.models import decoding
 from flaxlm.models.base import BaseModel
@@ -39,12 +40,10 @@ SHUTTING_DOWN = "The server is shutting down."
 
 
 class _Row(NamedTuple):
-    """One completion's settings as the batch's arrays hold them."""
+    """One completion as the batch's arrays hold it."""
 
     completion: Completion
     prompt_ids: np.ndarray  # int32 [length]
-    temperature: np.float32
-    top_p: np.float32
     seed: np.uint32
 
 
@@ -77,7 +76,10 @@ class BatchEngine:
         self.queue: queue.Queue[Completion | list[Completion] | None] = queue.Queue()
         self._prefill = jax.jit(model.prefill, static_argnums=(3,))
         self._step = jax.jit(model.decode_step, static_argnums=(4,), donate_argnums=(3,))
-        self._select = jax.jit(decoding.select, static_argnums=(4,))
+        select = functools.partial(sampling.select, eos_ids=tuple(model.eos_ids))
+        self._select = jax.jit(select, static_argnums=(3,))
+        self._seen = jax.jit(sampling.seen, static_argnums=(2,))
+        self._count = jax.jit(sampling.count)
         self.batches = 0
         self._stopping = False
         self._lock = threading.Lock()  # orders submit() against stop()
@@ -157,32 +159,31 @@ class BatchEngine:
         config = decoding.DecodingConfig(max_new_tokens=new)
         inputs = np.zeros((size, prompt_len), np.int32)
         lengths = np.ones((size,), np.int32)
-        temperature = np.zeros((size,), np.float32)
-        top_p = np.ones((size,), np.float32)
         seeds = np.zeros((size,), np.uint32)
         for i, r in enumerate(rows):
             inputs[i, : len(r.prompt_ids)] = r.prompt_ids
             lengths[i] = len(r.prompt_ids)
-            temperature[i], top_p[i], seeds[i] = r.temperature, r.top_p, r.seed
+            seeds[i] = r.seed
         batch = [r.completion for r in rows]
+        settings = [c.sampling for c in batch]
+        history = sampling.histories(settings, [r.prompt_ids for r in rows], [], size)
+        settings = sampling.rows(settings, size)
         with self.partitioner.context():
             placed = [self.partitioner.global_array(x) for x in (inputs, lengths)]
             logits, state = self._prefill(self.params, *placed, config)
             keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds))
             active = list(range(len(batch)))
             counts = [0] * len(batch)
+            seen = None if history is None else self._seen(*history, logits.shape[-1])
             for t in range(new):
                 step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, t)
-                token, token_lp, top_ids, top_lps = (
-                    np.asarray(x)
-                    for x in self._select(
-                        logits,
-                        step_keys,
-                        jnp.asarray(temperature),
-                        jnp.asarray(top_p),
-                        MAX_LOGPROBS,
-                    )
-                )
+                out = self._select(
+                    logits, step_keys, settings, MAX_LOGPROBS, seen=seen,
+                    generated=jnp.full((size,), t, jnp.int32),
+                )  # fmt: skip
+                if seen is not None:
+                    seen = self._count(seen, out[0][:, None], jnp.ones((size, 1), bool))
+                token, token_lp, top_ids, top_lps = (np.asarray(x) for x in out)
                 still = []
                 for i in active:
                     c = batch[i]
@@ -228,12 +229,9 @@ class BatchEngine:
         ids = np.asarray(c.prompt_ids, np.int32)
         if c.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {c.max_tokens}")
-        temperature, top_p = np.float32(c.temperature), np.float32(c.top_p)
-        if not (0 <= temperature < np.inf and 0 < top_p <= 1):
-            raise ValueError(f"temperature {c.temperature} or top_p {c.top_p} out of range")
         if not 0 <= c.adapter <= len(self.adapters):
             raise ValueError(f"adapter {c.adapter}: this engine serves {len(self.adapters)}")
-        return _Row(c, ids, temperature, top_p, np.uint32(c.seed))  # OverflowError: seed
+        return _Row(c, ids, np.uint32(c.seed))  # OverflowError: seed
 
 
 class Engine(BatchEngine):

@@ -163,8 +163,7 @@ class Server:
                     Completion(
                         ids,
                         max_tokens,
-                        request["temperature"],
-                        request["top_p"],
+                        request["sampling"],
                         request["stop"],
                         request["logprobs"],
                         seed,

@@ -1,0 +1,237 @@
+"""How the serving engine and the paged batch path choose each row's next token, each row
+(a job) by its own settings: temperature, top-k, top-p, the presence, frequency and
+repetition penalties and a minimum length, applied as vLLM applies them (its
+`SamplingParams`, the settings OpenAI-compatible servers take):
+
+- `min_tokens`: the model's EOS ids cannot be chosen before a row has generated that many.
+- the penalties, on the logits before temperature (so greedy rows too): a token in the
+  prompt or generated before has its logit divided by `repetition_penalty` where positive,
+  multiplied where negative (HF's `RepetitionPenaltyLogitsProcessor` over prompt and
+  output); then `frequency_penalty` x its count among the generated tokens and
+  `presence_penalty` where it is among them are subtracted (OpenAI's definition).
+- temperature; then the tokens less likely than `min_p` x the most likely one's
+  probability, the tokens outside the top-k and those outside the top-p nucleus of what is
+  left are removed, in that order.
+
+The log-probabilities reported with each token are the model's own, before any of these
+(vLLM's default `raw_logprobs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+PAD = np.iinfo(np.int32).max  # a history's padding: outside every vocabulary, dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """One job's settings (the defaults: greedy, nothing filtered or penalized)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+
+    def __post_init__(self):
+        if not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: no limit), got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}.")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1: none), got {self.repetition_penalty}."
+            )
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}.")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the row's choice depends on the tokens before it."""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repeats
+
+    @property
+    def repeats(self) -> bool:
+        """Whether the prompt's tokens are penalized (`repetition_penalty` != 1)."""
+        return self.repetition_penalty != 1.0
+
+
+class Rows(NamedTuple):
+    """The settings of a dispatch's rows, one array `[rows]` each."""
+
+    temperature: Array
+    top_p: Array
+    top_k: Array
+    min_p: Array
+    presence: Array
+    frequency: Array
+    repetition: Array
+    min_tokens: Array
+
+
+def rows(settings: Sequence[Sampling], size: int) -> Rows:
+    """`settings` as a dispatch's arrays of `size` rows (the rest greedy, unpenalized)."""
+    out = Rows(
+        np.zeros((size,), np.float32),
+        np.ones((size,), np.float32),
+        np.zeros((size,), np.int32),
+        np.zeros((size,), np.float32),
+        np.zeros((size,), np.float32),
+        np.zeros((size,), np.float32),
+        np.ones((size,), np.float32),
+        np.zeros((size,), np.int32),
+    )
+    for i, s in enumerate(settings):
+        out.temperature[i], out.top_p[i], out.top_k[i] = s.temperature, s.top_p, s.top_k
+        out.min_p[i] = s.min_p
+        out.presence[i], out.frequency[i] = s.presence_penalty, s.frequency_penalty
+        out.repetition[i], out.min_tokens[i] = s.repetition_penalty, s.min_tokens
+    return out
+
+
+class Seen(NamedTuple):
+    """What the penalties read of each row's tokens so far."""
+
+    prompt: Array  # bool [rows, vocab]: in the prompt (where the row's repetition penalty reads it)
+    output: Array  # int32 [rows, vocab]: times generated
+
+
+def histories(
+    settings: Sequence[Sampling],
+    prompts: Sequence[np.ndarray],
+    outputs: Sequence[Sequence[int]],
+    size: int,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The token histories a dispatch's penalties read (`seen`), int32 `[size, width]` each,
+    `PAD` after each row's tokens (the prompt only where the row's repetition penalty reads
+    it); None when no row is penalized. Widths are powers of two (few compiled programs)."""
+    if not any(s.penalized for s in settings):
+        return None
+    prompts = [p if s.repeats else p[:0] for s, p in zip(settings, prompts)]
+    out = []
+    for seqs in (prompts, outputs):
+        width = _bucket(max((len(x) for x in seqs), default=0))
+        array = np.full((size, width), PAD, np.int32)
+        for i, x in enumerate(seqs):
+            array[i, : len(x)] = x
+        out.append(array)
+    return out[0], out[1]
+
+
+def seen(prompt: Array, output: Array, vocab: int) -> Seen:
+    """`histories`' arrays as the penalties read them (on the device)."""
+    counts = lambda tokens: _add(jnp.zeros((tokens.shape[0], vocab), jnp.int32), tokens)
+    return Seen(counts(prompt) > 0, counts(output))
+
+
+def count(seen: Seen, tokens: Array, active: Array) -> Seen:
+    """`seen` after each row generated its `tokens` `[rows, n]` where `active` (bool,
+    broadcast to `tokens`)."""
+    return seen._replace(output=_add(seen.output, jnp.where(active, tokens, PAD)))
+
+
+def select(
+    logits: Array,
+    keys: Array,
+    settings: Rows,
+    num_top: int,
+    *,
+    seen: Seen | None = None,
+    generated: Array | None = None,
+    eos_ids: tuple[int, ...] = (),
+) -> tuple[Array, Array, Array, Array]:
+    """Each row's next token by its own settings, its log-probability and the `num_top`
+    most likely tokens with theirs (the model's distribution, before any setting).
+
+    `seen`: the rows' tokens so far (None: no row is penalized); `generated` int32 `[rows]`:
+    how many each has generated (for `min_tokens` of `eos_ids`)."""
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logits = logits.astype(jnp.float32)
+    if generated is not None and eos_ids:
+        early = (generated < settings.min_tokens)[:, None]
+        eos = jnp.zeros(logits.shape[-1], bool).at[jnp.asarray(eos_ids)].set(True)
+        logits = jnp.where(early & eos, -jnp.inf, logits)
+    if seen is not None:
+        logits = penalize(logits, seen, settings)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampling = settings.temperature > 0
+
+    def sample() -> Array:
+        scaled = logits / jnp.maximum(settings.temperature, 1e-6)[:, None]
+        cut = sampling & ((settings.top_p < 1.0) | (settings.top_k > 0) | (settings.min_p > 0))
+        filtered = jax.lax.cond(
+            cut.any(),
+            lambda: jnp.where(cut[:, None], filter_rows(scaled, settings), scaled),
+            lambda: scaled,
+        )
+        return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+    # The filter sorts the vocabulary and the sample draws noise over it, every row at every
+    # step: a batch that only decodes greedily skips both, a row that filters nothing the
+    # sort (as the batch path, `decoding.choose_tokens`).
+    token = jnp.where(sampling, jax.lax.cond(sampling.any(), sample, lambda: greedy), greedy)
+    token_lp = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
+    top_lps, top_ids = jax.lax.top_k(log_probs, num_top)
+    return token, token_lp, top_ids, top_lps
+
+
+def penalize(logits: Array, seen: Seen, settings: Rows) -> Array:
+    """float32 `logits` `[rows, vocab]` with each row's penalties applied (module doc)."""
+    repeated = seen.prompt | (seen.output > 0)
+    rep = settings.repetition[:, None]
+    logits = jnp.where(repeated, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    output = seen.output.astype(jnp.float32)
+    logits = logits - settings.frequency[:, None] * output
+    return logits - settings.presence[:, None] * (output > 0)
+
+
+def filter_rows(logits: Array, settings: Rows) -> Array:
+    """float32 `logits` `[rows, vocab]` (after temperature) with the tokens outside each
+    row's min-p, top-k and top-p sets at the lowest float (the module doc; at least one
+    kept; tokens tied with the last kept stay, as in HF's warpers)."""
+    neg = jnp.finfo(jnp.float32).min
+    vocab = logits.shape[-1]
+    ranked = jnp.sort(logits, axis=-1)[..., ::-1]
+    # min-p: probability >= min_p x the top one's, so a logit >= the top one + log(min_p).
+    floor = ranked[:, :1] + jnp.log(settings.min_p)[:, None]
+    k = jnp.where(settings.top_k > 0, jnp.minimum(settings.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(ranked, (k - 1)[:, None], axis=-1)
+    kept = (ranked >= kth) & (ranked >= floor)
+    probs = jax.nn.softmax(jnp.where(kept, ranked, -jnp.inf), axis=-1)
+    # Keep a token while the mass of the tokens ranked above it is still below top_p.
+    before = jnp.cumsum(probs, axis=-1) - probs
+    kept = jnp.where(kept & (before < settings.top_p[:, None]), ranked, jnp.inf)
+    threshold = jnp.min(kept, axis=-1, keepdims=True)
+    return jnp.where(logits < threshold, neg, logits)
+
+
+def _add(counts: Array, tokens: Array) -> Array:
+    """`counts` `[rows, vocab]` + each row's `tokens` `[rows, n]` (`PAD` dropped)."""
+    row = jnp.broadcast_to(jnp.arange(tokens.shape[0])[:, None], tokens.shape)
+    return counts.at[row, tokens].add(1, mode="drop")
+
+
+def _bucket(length: int) -> int:
+    width = 8
+    while width < length:
+        width *= 2
+    return width
