@@ -118,6 +118,10 @@ def test_rollout_batch_and_bad_config():
     np.testing.assert_array_equal(
         sampled["old_logps"], [[0, 0, -1, -2, 0, 0], [0, -4, -5, -6, 0, 0]]
     )
+    with pytest.raises(ValueError, match="repetition_penalty=1.1 are the paged engine's"):
+        rl.GrpoConfig(repetition_penalty=1.1, rollout_engine="batch")
+    with pytest.raises(ValueError, match="min_p=2 must be in"):
+        rl.GrpoConfig(min_p=2)
     with pytest.raises(ValueError, match="rollout_engine='vllm'"):
         rl.GrpoConfig(rollout_engine="vllm")
     with pytest.raises(ValueError, match="num_generations must be at least 2"):

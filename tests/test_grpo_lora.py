@@ -121,7 +121,9 @@ def test_engine_rollouts_give_the_trainers_logps_and_read_each_prompt_once(lora_
     setup.batch_axes = grpo.rollout_axes()
     base = setup.init_base()
     vocab = seqio.ByteVocabulary()
-    config = rl.GrpoConfig(num_generations=GROUP, max_new_tokens=NEW, reward_fns=(digit_share,))
+    config = rl.GrpoConfig(
+        num_generations=GROUP, max_new_tokens=NEW, temperature=0.7, reward_fns=(digit_share,)
+    )
     rollouts = grpo.Rollouts(setup, config, vocab, base, 0, PROMPT, 4, SEQIO_START)
     texts = ["1+2=", "3+4=", "12+7=", "9+9="]
     tokens = np.zeros((4, PROMPT), np.int32)
@@ -137,8 +139,14 @@ def test_engine_rollouts_give_the_trainers_logps_and_read_each_prompt_once(lora_
     recomputed = np.asarray(rollouts.policy_logps(state, decoder))
     gap = np.abs(np.asarray(batch["old_logps"]) - recomputed).max()
     assert gap < 1e-5, gap
+    # Both of softmax(logits / temperature), as TRL's GRPO computes a token's log-prob.
+    adapted = lora.with_adapters(base, state.params, lora.LoraConfig(rules=RULES).alpha)
+    logits = jax.jit(model().compute_logits)(adapted, decoder) / 0.7
+    targets = np.asarray(batch["decoder_target_tokens"])[..., None]
+    tempered = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), targets, -1)[..., 0]
+    np.testing.assert_allclose(recomputed, tempered * weights, rtol=0, atol=1e-5)
     # The reference: the base's log-probs (the adapters switched off), not the policy's.
-    base_logps = jax.jit(lambda p, b: model().token_logps(p, b)[0])(base, decoder)
+    base_logps = jax.jit(lambda p, b: model().token_logps(p, b, None, 0.7)[0])(base, decoder)
     # (two compilations of the same forward: a few ulps of the log-probs' scale ~6 apart)
     np.testing.assert_allclose(batch["reference_logps"], base_logps, rtol=0, atol=2e-6)
     assert np.abs(recomputed - np.asarray(base_logps)).max() > 0.01

@@ -88,13 +88,14 @@ class BatchGenerator:
         page_size: int = 16,
         paged_attention: str = "gather",
         layout_in_program: bool = False,
+        tempered_logprobs: bool = False,
     ):
         """
         Args:
           decode_steps: the most tokens a row generates in one decode dispatch (fewer when
             `max_new_tokens` is smaller: the first token comes with the prefill).
-          prefill_chunk, prefill_rows, page_size, paged_attention, layout_in_program: the
-            `Scheduler`'s.
+          prefill_chunk, prefill_rows, page_size, paged_attention, layout_in_program,
+            tempered_logprobs: the `Scheduler`'s.
         """
         self.max_new_tokens = max_new_tokens
         self.scheduler = Scheduler(
@@ -112,6 +113,7 @@ class BatchGenerator:
             num_top=1,
             layout_in_program=layout_in_program,
             paged_attention=paged_attention,
+            tempered_logprobs=tempered_logprobs,
         )
 
     def generate(

@@ -35,13 +35,14 @@ class PagedPrograms:
         decode_steps: int,
         num_top: int,
         paged_attention: str,
+        tempered: bool = False,
     ):
         """
         Args:
           shapes: the paged cache's (`jax.eval_shape` of `model.paged_cache`).
           layout: lays the params out for decoding inside each program (the identity when
             the scheduler laid them out once).
-          decode_steps, num_top, paged_attention: the `Scheduler`'s.
+          decode_steps, num_top, paged_attention, tempered: the `Scheduler`'s.
         """
         self.model = model
         self.partitioner = partitioner
@@ -49,6 +50,7 @@ class PagedPrograms:
         self.decode_steps = decode_steps
         self.num_top = num_top
         self.paged_attention = paged_attention
+        self.tempered = tempered
         self.eos_ids = tuple(model.eos_ids)
         self.shardings = jax.tree_util.tree_map_with_path(self._pool_sharding, shapes)
         if paged_attention == "pallas" and not all(
@@ -133,7 +135,7 @@ class PagedPrograms:
     def _select(self, logits, keys, settings, seen, generated):
         return sampling.select(
             logits, keys, settings, self.num_top, seen=seen, generated=generated,
-            eos_ids=self.eos_ids,
+            eos_ids=self.eos_ids, tempered=self.tempered,
         )  # fmt: skip
 
     def _on_every_host(self, tree: Any) -> Any:

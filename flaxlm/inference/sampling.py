@@ -158,14 +158,22 @@ def select(
     seen: Seen | None = None,
     generated: Array | None = None,
     eos_ids: tuple[int, ...] = (),
+    tempered: bool = False,
 ) -> tuple[Array, Array, Array, Array]:
     """Each row's next token by its own settings, its log-probability and the `num_top`
-    most likely tokens with theirs (the model's distribution, before any setting).
+    most likely tokens with theirs (the model's distribution, before any setting; with
+    `tempered`, of softmax(logits / temperature) where a row samples, as TRL's GRPO
+    computes a sampled token's log-prob).
 
     `seen`: the rows' tokens so far (None: no row is penalized); `generated` int32 `[rows]`:
     how many each has generated (for `min_tokens` of `eos_ids`)."""
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     logits = logits.astype(jnp.float32)
+    sampling = settings.temperature > 0
+    if tempered:
+        scale = jnp.where(sampling, settings.temperature, 1.0)[:, None]
+        log_probs = jax.nn.log_softmax(logits / scale, axis=-1)
+    else:
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
     if generated is not None and eos_ids:
         early = (generated < settings.min_tokens)[:, None]
         eos = jnp.zeros(logits.shape[-1], bool).at[jnp.asarray(eos_ids)].set(True)
@@ -173,7 +181,6 @@ def select(
     if seen is not None:
         logits = penalize(logits, seen, settings)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sampling = settings.temperature > 0
 
     def sample() -> Array:
         scaled = logits / jnp.maximum(settings.temperature, 1e-6)[:, None]

@@ -73,6 +73,7 @@ class Scheduler:
         layout_in_program: bool = False,
         paged_attention: str = "gather",
         prefix_snapshots: int | None = None,
+        tempered_logprobs: bool = False,
     ):
         """
         Args:
@@ -96,6 +97,8 @@ class Scheduler:
             slots beside the rows' that keep the state after cached prompt pages
             (`state_pool.py`; each the size of a row's): default `max_rows`; 0 keeps no
             prefix cache for such a model (a repeated prompt is read again).
+          tempered_logprobs: report a sampled token's log-prob under softmax(logits /
+            temperature) (GRPO's, as TRL computes it), not the model's (`sampling.select`).
         """
         check_paged_attention(paged_attention)
         if paged_attention == "pallas":
@@ -144,7 +147,7 @@ class Scheduler:
             shapes = jax.eval_shape(new_cache)
         self.programs = PagedPrograms(
             model, partitioner, shapes, layout=self._layout, decode_steps=decode_steps,
-            num_top=num_top, paged_attention=paged_attention,
+            num_top=num_top, paged_attention=paged_attention, tempered=tempered_logprobs,
         )  # fmt: skip
         # One program, traced once (`reset` runs every rollout).
         self._make_cache = jax.jit(new_cache, out_shardings=self.programs.shardings)

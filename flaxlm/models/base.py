@@ -186,14 +186,18 @@ class BaseModel(SownLosses, abc.ABC):
         return logits
 
     def token_logps(
-        self, params: Params, batch: Batch, rng: Array | None = None
+        self, params: Params, batch: Batch, rng: Array | None = None, temperature: float = 1.0
     ) -> tuple[Array, Array]:
         """float32 `[batch, length]`: each target's log-probability times its loss weight,
-        and the weights (`rng`: with dropout). Sums over positions score sequences
-        (`score`, preference losses)."""
+        and the weights (`rng`: with dropout; `temperature`: of softmax(logits /
+        temperature), as a sampler at that temperature draws). Sums over positions score
+        sequences (`score`, preference losses)."""
         batch = self._arranged(batch)
         targets, weights = self.targets_and_weights(batch)
-        log_probs = jax.nn.log_softmax(self._logits(params, batch, rng), axis=-1)
+        logits = self._logits(params, batch, rng)
+        if temperature != 1.0:
+            logits = logits / temperature
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
         weights = weights.astype(jnp.float32)
         return losses.select_tokens(log_probs, targets) * weights, weights
 

@@ -36,7 +36,9 @@ class GrpoConfig:
 
     Attributes:
       num_generations: completions sampled per prompt (the group, G).
-      max_new_tokens, temperature, top_k, top_p: how they are sampled.
+      max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty: how they are
+        sampled (`inference/sampling.py`; min_p and repetition_penalty by the paged engine
+        only). Log-probs are of softmax(logits / temperature), as TRL computes them.
       num_iterations: optimisation passes over each batch of rollouts (mu); the ratio to the
         sampling policy moves away from 1 from the second pass on.
       epsilon: the clip range of the policy ratio.
@@ -56,6 +58,8 @@ class GrpoConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     num_iterations: int = 1
     epsilon: float = 0.2
     beta: float = 0.04
@@ -82,6 +86,17 @@ class GrpoConfig:
                 f"GrpoConfig.rollout_engine={self.rollout_engine!r}: expected one of "
                 f"{ROLLOUT_ENGINES}."
             )
+        if not 0.0 <= self.min_p <= 1.0 or not self.repetition_penalty > 0.0:
+            raise ValueError(
+                f"GrpoConfig: min_p={self.min_p!r} must be in [0, 1] and repetition_penalty="
+                f"{self.repetition_penalty!r} > 0."
+            )
+        if self.rollout_engine == "batch" and self.engine_only:
+            raise ValueError(
+                f"GrpoConfig: min_p={self.min_p!r} and repetition_penalty="
+                f"{self.repetition_penalty!r} are the paged engine's settings; with "
+                "rollout_engine='batch' leave them at 0 and 1."
+            )
         if not self.reward_fns or not all(callable(f) for f in self.reward_fns):
             raise ValueError("GrpoConfig.reward_fns must be a non-empty list of callables.")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_fns):
@@ -89,6 +104,11 @@ class GrpoConfig:
                 f"GrpoConfig: {len(self.reward_weights)} reward_weights for "
                 f"{len(self.reward_fns)} reward_fns."
             )
+
+    @property
+    def engine_only(self) -> bool:
+        """Whether a sampling setting is one only the paged engine applies."""
+        return self.min_p > 0.0 or self.repetition_penalty != 1.0
 
     @property
     def needs_reference(self) -> bool:
@@ -138,7 +158,7 @@ class GrpoModel:
         self, params: Any, batch: Batch, rng: Array | None, normalizer: Any = None
     ) -> tuple[Array, dict[str, Array]]:
         decoder = {k: batch[k] for k in DECODER_FEATURES}
-        logps, weights = self.policy.token_logps(params, decoder, rng)
+        logps, weights = self.policy.token_logps(params, decoder, rng, self.cfg.temperature)
         loss, kl, clipped = loss_math.grpo(
             logps,
             batch["old_logps"],

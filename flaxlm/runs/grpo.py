@@ -79,6 +79,7 @@ class PagedSampler:
             prefill_chunk=prompt_length,
             prefill_rows=prompts,
             layout_in_program=True,
+            tempered_logprobs=True,  # the update's: of softmax(logits / temperature)
         )
         self.generator.scheduler.release()
         self.prompt_tokens = 0  # of every row: what prefilling each row would read
@@ -93,7 +94,10 @@ class PagedSampler:
         seeds = np.asarray(jax.random.bits(rng, (len(prompts),), jnp.uint32))
         scheduler.set_params(params)
         read = scheduler.prefilled_tokens
-        sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
+        sampling = Sampling(
+            cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
+            repetition_penalty=cfg.repetition_penalty,
+        )  # fmt: skip
         jobs = self.generator.generate(prompts, seeds, sampling=sampling, keep_eos=True)
         scheduler.release()
         self.prefilled_tokens += scheduler.prefilled_tokens - read
@@ -132,7 +136,7 @@ class Rollouts:
         # params, or LoRA's base), and under the policy's (the adapters over the base).
         model_params = setup.state_shardings.params if lora is None else setup.base_shardings
         self.model_logps = partitioner.partition(
-            lambda params, batch: model.token_logps(params, batch)[0],
+            lambda params, batch: model.token_logps(params, batch, None, cfg.temperature)[0],
             (model_params, decoder_axes),
             P("batch", None),
         )
@@ -140,7 +144,7 @@ class Rollouts:
         if lora is not None:
             self.adapted_logps = partitioner.partition(
                 lambda adapters, base, batch: lora_lib.LoraModel(model, lora, base).token_logps(
-                    adapters, batch
+                    adapters, batch, None, cfg.temperature
                 )[0],
                 (setup.state_shardings.params, setup.base_shardings, decoder_axes),
                 P("batch", None),
@@ -152,6 +156,11 @@ class Rollouts:
             refusal = model.paged_refusal()
             if refusal is None:
                 self.sampler = PagedSampler(model, partitioner, cfg, prompts, self.prompt_width)
+            elif cfg.engine_only:
+                raise ValueError(
+                    f"{refusal} GrpoConfig.min_p and repetition_penalty need the paged "
+                    "engine: leave them at 0 and 1 for this model."
+                )
             else:
                 metrics.print0(f"{refusal} GRPO's rollouts use the batch engine.")
 

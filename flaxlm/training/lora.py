@@ -300,8 +300,10 @@ class LoraModel:
     def loss_fn(self, adapters: Params, batch: Any, rng: Any, normalizer: Any = None) -> Any:
         return self._adapted(adapters, rng, self.model.loss_fn, batch, rng, normalizer)
 
-    def token_logps(self, adapters: Params, batch: Any, rng: Any = None) -> Any:
-        return self._adapted(adapters, rng, self.model.token_logps, batch, rng)
+    def token_logps(
+        self, adapters: Params, batch: Any, rng: Any = None, temperature: float = 1.0
+    ) -> Any:
+        return self._adapted(adapters, rng, self.model.token_logps, batch, rng, temperature)
 
     def _adapted(self, adapters: Params, rng: Any, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(params, *args)` with the adapted params (and adapter dropout with `rng`)."""
