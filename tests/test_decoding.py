@@ -254,6 +254,24 @@ def test_sampling_is_seeded_and_respects_top_k(tmp_path):
     np.testing.assert_array_equal(tiny_p, greedy)
 
 
+def test_repetition_penalty_matches_transformers(tmp_path):
+    """HF's repetition penalty over each row's own prompt and new tokens (the batch's
+    padding not among them), greedy, token for token; beams refuse it."""
+    torch_model, path = tiny_hf_gpt2(tmp_path, "standard")
+    model, params = hf.from_pretrained(path)
+    ids, _ = padded_batch(model.config.real_vocab_size, PROMPT_LENGTHS, seed=1)
+    ours = generation.generate(
+        model, params, {"inputs": ids}, max_new_tokens=NEW_TOKENS, repetition_penalty=0.6
+    )
+    theirs = hf_greedy(torch_model, ids, PROMPT_LENGTHS, repetition_penalty=0.6)
+    np.testing.assert_array_equal(ours, theirs)
+    assert (theirs != hf_greedy(torch_model, ids, PROMPT_LENGTHS)).any()  # it changes tokens
+    with pytest.raises(ValueError, match="not supported with beam search"):
+        generation.GenerationSettings(num_beams=2, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        generation.GenerationSettings(repetition_penalty=0.0)
+
+
 def test_filter_logits_keeps_top_k_and_the_top_p_nucleus():
     logits = jnp.log(jnp.asarray([[0.5, 0.2, 0.15, 0.1, 0.05]]))
     kept = lambda x: np.isfinite(np.asarray(x)) & (np.asarray(x) > -1e30)  # noqa: E731

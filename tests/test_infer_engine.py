@@ -60,6 +60,9 @@ def test_paged_engine_gives_the_batch_paths_greedy_outputs(loaded):
     # Token-identical: the same model and argmax over the same float32 logits, computed
     # over a paged cache instead of a contiguous one (a tie within rounding would show).
     assert paged == generate(loaded, "batch")
+    # With a repetition penalty (over each prompt and its reply), as well.
+    penalized = generate(loaded, "paged", repetition_penalty=1.5)
+    assert penalized == generate(loaded, "batch", repetition_penalty=1.5) != paged
 
 
 @pytest.mark.slow

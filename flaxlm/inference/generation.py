@@ -84,7 +84,10 @@ def decode_tokens(
     def step(token: Array, t: Array, state: Any) -> tuple[Array, Any]:
         return model.decode_step(params, token, t, state, config)
 
-    return decoding.decode(first_logits, state, step, config, rng)
+    seen = None
+    if config.repetition_penalty != 1.0:  # the prompts' tokens are penalized too
+        seen = decoding.seen_tokens(inputs, lengths, first_logits.shape[-1])
+    return decoding.decode(first_logits, state, step, config, rng, seen)
 
 
 def compile_decoder(
@@ -130,6 +133,7 @@ def generate(
     num_beams: int = 1,
     rng: Array | None = None,
     length_penalty: float = 1.0,
+    repetition_penalty: float = 1.0,
     eos_id: int | Sequence[int] | None = MODEL_EOS,
 ) -> np.ndarray:
     """int32 numpy `[batch, max_new_tokens]`: the tokens generated after each prompt, 0
@@ -138,7 +142,8 @@ def generate(
     `batch` as `prompts_of` reads it (for an encoder-decoder model, the prompts are the
     encoder's inputs). Rows of different lengths decode as if alone. Greedy when
     `temperature` is 0, else sampled (seeded by `rng`) from the `top_k` / `top_p` set;
-    `num_beams > 1` is beam search. `eos_id` overrides the model's EOS ids (None: never stop
+    `num_beams > 1` is beam search; `repetition_penalty` as HF's over prompt and new tokens
+    (decoder-only models, no beams). `eos_id` overrides the model's EOS ids (None: never stop
     early). With a `partitioner`, the prompts are split over its batch axes (when the batch
     divides) and the whole decoding loop runs as one program on its mesh, on every process.
     """
@@ -150,8 +155,14 @@ def generate(
         top_p=float(top_p),
         num_beams=int(num_beams),
         length_penalty=float(length_penalty),
+        repetition_penalty=float(repetition_penalty),
         eos_ids=model.eos_ids if eos_id == MODEL_EOS else eos_tuple(eos_id),
     )
+    if config.repetition_penalty != 1.0 and isinstance(model, EncoderDecoderModel):
+        raise ValueError(
+            "repetition_penalty is supported for decoder-only models (an encoder-decoder's "
+            "decoder prompt is not its inputs)."
+        )
     model.check_decoding(inputs, lengths, config)
     decoders = _DECODERS.setdefault(model, {})
     key = (config, partitioner)
@@ -171,7 +182,14 @@ class GenerationSettings:
     top_p: float = 1.0
     num_beams: int = 1
     length_penalty: float = 1.0
+    repetition_penalty: float = 1.0
     seed: int = 0
+
+    def __post_init__(self):  # a setting out of range fails where the run is configured
+        decoding.DecodingConfig(
+            self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.num_beams,
+            self.length_penalty, self.repetition_penalty,
+        )  # fmt: skip
 
 
 DEFAULT_SETTINGS = GenerationSettings()
@@ -347,6 +365,7 @@ def generate_ids(
             num_beams=settings.num_beams,
             rng=jax.random.fold_in(jax.random.PRNGKey(settings.seed), start),
             length_penalty=settings.length_penalty,
+            repetition_penalty=settings.repetition_penalty,
         )
         for row in range(len(chunk)):
             ids = until_eos(tokens[row], model.eos_ids)

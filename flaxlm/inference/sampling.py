@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxlm.models import decoding
+
 Array = jax.Array
 PAD = np.iinfo(np.int32).max  # a history's padding: outside every vocabulary, dropped
 
@@ -204,8 +206,7 @@ def select(
 def penalize(logits: Array, seen: Seen, settings: Rows) -> Array:
     """float32 `logits` `[rows, vocab]` with each row's penalties applied (module doc)."""
     repeated = seen.prompt | (seen.output > 0)
-    rep = settings.repetition[:, None]
-    logits = jnp.where(repeated, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = decoding.penalize_repeats(logits, repeated, settings.repetition[:, None])
     output = seen.output.astype(jnp.float32)
     logits = logits - settings.frequency[:, None] * output
     return logits - settings.presence[:, None] * (output > 0)

@@ -32,9 +32,12 @@ class DecodingConfig:
 
     temperature 0 is greedy; otherwise sample from softmax(logits / temperature) restricted
     to the `top_k` most likely tokens (0: all) and to the smallest set whose probability
-    reaches `top_p` (1.0: all). `num_beams > 1` is beam search (deterministic); its scores
-    are summed log-probabilities divided by `generated_length ** length_penalty`, as in
-    HuggingFace's beam search with `early_stopping=False`.
+    reaches `top_p` (1.0: all). `repetition_penalty` != 1 divides the logit of every token
+    of the prompt and of the tokens generated so far by it where positive, multiplies it
+    where negative, before either (HF's `RepetitionPenaltyLogitsProcessor`). `num_beams > 1`
+    is beam search (deterministic); its scores are summed log-probabilities divided by
+    `generated_length ** length_penalty`, as in HuggingFace's beam search with
+    `early_stopping=False`.
     """
 
     max_new_tokens: int
@@ -43,6 +46,7 @@ class DecodingConfig:
     top_p: float = 1.0
     num_beams: int = 1
     length_penalty: float = 1.0
+    repetition_penalty: float = 1.0
     eos_ids: tuple[int, ...] = ()  # a row stops after any of these
     pad_id: int = 0
 
@@ -59,6 +63,14 @@ class DecodingConfig:
             raise ValueError(f"num_beams must be at least 1, got {self.num_beams}.")
         if self.num_beams > 1 and self.temperature > 0:
             raise ValueError("Beam search is deterministic: use temperature=0 with num_beams > 1.")
+        if not self.repetition_penalty > 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1: none), got {self.repetition_penalty}."
+            )
+        if self.num_beams > 1 and self.repetition_penalty != 1.0:
+            raise ValueError(
+                "repetition_penalty is not supported with beam search (num_beams > 1)."
+            )
 
 
 # ---------------------------------------------------------------------------- sampling
@@ -84,6 +96,23 @@ def filter_logits(logits: Array, top_k: int = 0, top_p: float | Array = 1.0) -> 
     return logits
 
 
+def penalize_repeats(logits: Array, repeated: Array, penalty: Array | float) -> Array:
+    """float32 `logits` `[rows, vocab]` with those of the `repeated` tokens (bool, like
+    `logits`) divided by `penalty` (`[rows, 1]` or a number) where positive, multiplied by it
+    where negative (HF's `RepetitionPenaltyLogitsProcessor`)."""
+    logits = logits.astype(jnp.float32)
+    penalized = jnp.where(logits > 0, logits / penalty, logits * penalty)
+    return jnp.where(repeated, penalized, logits)
+
+
+def seen_tokens(tokens: Array, lengths: Array, vocab: int) -> Array:
+    """bool `[rows, vocab]`: which tokens each row's first `lengths` of `tokens` hold."""
+    rows = jnp.broadcast_to(jnp.arange(tokens.shape[0])[:, None], tokens.shape)
+    real = jnp.arange(tokens.shape[1])[None] < lengths[:, None]
+    out = jnp.zeros((tokens.shape[0], vocab), bool)
+    return out.at[rows, jnp.where(real, tokens, vocab)].set(True, mode="drop")
+
+
 def is_eos(tokens: Array, config: DecodingConfig) -> Array:
     """bool, like `tokens`: which are one of the config's EOS ids."""
     hit = jnp.zeros(tokens.shape, bool)
@@ -102,36 +131,48 @@ def choose_tokens(logits: Array, rng: Array, config: DecodingConfig) -> Array:
 
 
 def sample(
-    first_logits: Array, cache: Cache, step: StepFn, config: DecodingConfig, rng: Array
+    first_logits: Array,
+    cache: Cache,
+    step: StepFn,
+    config: DecodingConfig,
+    rng: Array,
+    seen: Array | None = None,
 ) -> tuple[Array, Array]:
-    """Greedy or sampled decoding of `max_new_tokens` per row.
+    """Greedy or sampled decoding of `max_new_tokens` per row; `seen` (bool `[rows, vocab]`:
+    the prompts' tokens, `seen_tokens`) where the config has a repetition penalty.
 
     Returns (tokens int32 `[rows, max_new_tokens]` with `pad_id` after a row's EOS,
     lengths int32 `[rows]`: the tokens each row generated, its EOS included).
     """
     rows = first_logits.shape[0]
     n = config.max_new_tokens
+    if (seen is None) != (config.repetition_penalty == 1.0):
+        raise ValueError("sample: `seen` is needed with a repetition penalty, and only then.")
 
-    def emit(t, logits, done, tokens, lengths):
+    def emit(t, logits, done, tokens, lengths, seen):
+        if seen is not None:
+            logits = penalize_repeats(logits, seen, config.repetition_penalty)
         token = choose_tokens(logits, jax.random.fold_in(rng, t), config)
         token = jnp.where(done, config.pad_id, token)
+        if seen is not None:
+            seen = seen.at[jnp.arange(rows), token].set(True)
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, t))
         lengths = lengths + (~done).astype(jnp.int32)
-        return token, done | is_eos(token, config), tokens, lengths
+        return token, done | is_eos(token, config), tokens, lengths, seen
 
     # The loop feeds each token but the last, which needs no logits after it: it is chosen
     # after the loop. (A `cond` around the step inside the loop would skip the last step
     # too, but XLA copies every layer's whole cache in and out of a conditional's branches
     # at each step.)
     def cond(carry):
-        t, _, _, done, _, _ = carry
+        t, _, _, done, *_ = carry
         return (t < n - 1) & ~jnp.all(done)
 
     def body(carry):
-        t, logits, cache, done, tokens, lengths = carry
-        token, done, tokens, lengths = emit(t, logits, done, tokens, lengths)
+        t, logits, cache, *rest = carry
+        token, *rest = emit(t, logits, *rest)
         logits, cache = step(token, t, cache)
-        return t + 1, logits, cache, done, tokens, lengths
+        return t + 1, logits, cache, *rest
 
     carry = (
         jnp.int32(0),
@@ -140,10 +181,11 @@ def sample(
         jnp.zeros((rows,), bool),
         jnp.full((rows, n), config.pad_id, jnp.int32),
         jnp.zeros((rows,), jnp.int32),
+        seen,
     )
-    t, logits, _, done, tokens, lengths = jax.lax.while_loop(cond, body, carry)
+    t, logits, _, *rest = jax.lax.while_loop(cond, body, carry)
     # The last token (past an early stop every row is done: it writes padding).
-    _, _, tokens, lengths = emit(jnp.minimum(t, n - 1), logits, done, tokens, lengths)
+    _, _, tokens, lengths, _ = emit(jnp.minimum(t, n - 1), logits, *rest)
     return tokens, lengths
 
 
@@ -263,15 +305,17 @@ def decode(
     step: StepFn,
     config: DecodingConfig,
     rng: Array | None = None,
+    seen: Array | None = None,
 ) -> Array:
-    """int32 `[batch, max_new_tokens]` new tokens (`pad_id` after EOS) by the config's method.
+    """int32 `[batch, max_new_tokens]` new tokens (`pad_id` after EOS) by the config's method
+    (`seen`: the prompts' tokens, for a repetition penalty).
 
     With beams, `first_logits` and the cache hold `num_beams` adjacent copies of each row.
     """
     if config.num_beams > 1:
         return beam_search(first_logits, cache, step, config)[0]
     rng = jax.random.PRNGKey(0) if rng is None else rng
-    return sample(first_logits, cache, step, config, rng)[0]
+    return sample(first_logits, cache, step, config, rng, seen)[0]
 
 
 # Cache leaves of a recurrent state (linear attention: `gated_deltanet.GatedDeltaNet`), rows

@@ -48,7 +48,9 @@ Params = Any
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_LENGTH = 2048  # for models whose positions have no limit (T5's relative ones)
-_GENERATION_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"}
+_GENERATION_KEYS = {
+    "until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
+}  # fmt: skip
 
 
 def _split_list(value: str | Sequence[str] | None, separator: str) -> list[str]:
@@ -295,14 +297,16 @@ class FlaxLM(TemplateLM):
         # do_sample=True without a temperature samples at 1.
         sample = gen_kwargs.get("do_sample")
         temperature = float(gen_kwargs.get("temperature", 1.0 if sample else 0.0))
+        max_new_tokens = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
+        if max_new_tokens < 1:
+            raise ValueError(f"max_gen_toks must be at least 1, got {max_new_tokens}.")
         settings = generation.GenerationSettings(
-            max_new_tokens=int(gen_kwargs.get("max_gen_toks", self.max_gen_toks)),
+            max_new_tokens=max_new_tokens,
             temperature=0.0 if sample is False else temperature,
             top_k=int(gen_kwargs.get("top_k") or 0),
             top_p=float(gen_kwargs.get("top_p") or 1.0),
+            repetition_penalty=float(gen_kwargs.get("repetition_penalty") or 1.0),
         )
-        if settings.max_new_tokens < 1:
-            raise ValueError(f"max_gen_toks must be at least 1, got {settings.max_new_tokens}.")
         if self.backend == "causal" and settings.max_new_tokens >= self.max_length:
             raise ValueError(
                 f"max_gen_toks={settings.max_new_tokens} leaves no room for a prompt within "

@@ -278,7 +278,12 @@ def paged_generate_ids(
     jobs = generator.generate(
         prompts,
         example_seeds(settings.seed, len(prompts)),
-        sampling=Sampling(settings.temperature, settings.top_p, settings.top_k),
+        sampling=Sampling(
+            settings.temperature,
+            settings.top_p,
+            settings.top_k,
+            repetition_penalty=settings.repetition_penalty,
+        ),  # fmt: skip
         progress=report if progress else None,
     )
     return [j.tokens for j in jobs]
@@ -386,8 +391,9 @@ def infer(
         checkpoint,
         model.generation_config,
         f"infer's settings (temperature {settings.temperature:g}, top_k {settings.top_k}, top_p "
-        f"{settings.top_p:g}, num_beams {settings.num_beams}: TEMPERATURE, TOP_K, TOP_P, "
-        "NUM_BEAMS in gin/runs/infer.gin)",
+        f"{settings.top_p:g}, num_beams {settings.num_beams}, repetition_penalty "
+        f"{settings.repetition_penalty:g}: TEMPERATURE, TOP_K, TOP_P, NUM_BEAMS, "
+        "REPETITION_PENALTY in gin/runs/infer.gin)",
     )
     out_dir = epath.Path(output_dir)
     metrics.write_config(out_dir)
