@@ -138,7 +138,7 @@ def compile_paged(
 
     table = rows(jnp.int32, pages_for(args.context + args.new, args.page_size))
     inputs = (abstract(params, replicated), cache, rows(), rows(), table, None)
-    settings = sampling.Rows(*(rows(x.dtype) for x in sampling.rows([], batch)))
+    settings = sampling.Rows(*(rows(x.dtype, *x.shape[1:]) for x in sampling.rows([], batch)))
     sample = (rows(), rows(), rows(), settings)
     with partitioner.context():
         return scheduler.programs.decode.lower(*inputs, *sample).compile()

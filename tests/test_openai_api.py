@@ -206,7 +206,7 @@ def test_chat_logprobs_give_each_token_and_its_alternatives(served, greedy):
 def test_penalties_top_k_and_min_tokens_reach_the_engine(served, checkpoint, greedy):
     """vLLM's sampling parameters through the client's extra_body: a greedy answer with a
     repetition penalty is HF `generate`'s with the same penalty; top-k 1 samples the greedy
-    answer; min_tokens holds the EOS back."""
+    answer; min_tokens holds the EOS back; and OpenAI's logit_bias."""
     path, torch_model, eos = checkpoint
     _, client = served
     text, new, ids = greedy
@@ -226,6 +226,10 @@ def test_penalties_top_k_and_min_tokens_reach_the_engine(served, checkpoint, gre
     assert top1.choices[0].message.content == text
     held = chat(client, temperature=0, max_tokens=TOKENS, extra_body={"min_tokens": TOKENS})
     assert held.usage.completion_tokens == TOKENS and held.choices[0].finish_reason == "length"
+    # OpenAI's logit_bias: a token pushed to the top is the whole answer.
+    (a,) = tokenizer.encode("a", add_special_tokens=False)
+    biased = chat(client, temperature=0, max_tokens=3, logit_bias={str(a): 100})
+    assert biased.choices[0].message.content == "aaa"
 
 
 def test_completions_take_n_stop_and_stream_usage(served):
@@ -286,7 +290,8 @@ def test_a_tool_use_history_reaches_the_template_as_vllm_hands_it_on(served, che
         ({"extra_body": {"top_k": -2}}, "top_k", "top_k must be -1 or 0"),
         ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty", "must be > 0"),
         ({"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens", "between 0 and"),
-        ({"logit_bias": {"5": 3}}, "logit_bias", "not supported"),
+        ({"logit_bias": {"5": 300}}, "logit_bias", "between -100 and 100"),
+        ({"logit_bias": {"999999": 3}}, "logit_bias", "outside the model's vocabulary"),
         (
             {"messages": [{"role": "assistant", "content": "no", "refusal": "I cannot."}]},
             "messages[0].refusal",

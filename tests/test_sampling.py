@@ -86,15 +86,17 @@ def test_penalties_equal_hfs_repetition_penalty_and_openais_definition():
 
 
 def test_select_by_row_penalized_sampled_and_eos_held_back_until_min_tokens():
-    """Greedy rows take the penalized argmax, sampled rows a draw from their filtered
-    distribution with their own key; the reported log-probs are the model's own; an EOS is
-    not chosen before a row's min_tokens; a batch of greedy rows skips sampling."""
+    """Greedy rows take the argmax after their logit bias or penalties, sampled rows a draw
+    from their filtered distribution with their own key; the reported log-probs are the
+    model's own; an EOS is not chosen before a row's min_tokens; a batch of greedy rows
+    skips sampling."""
     logits = random_logits(3)
     logits = logits.at[5].set(logits[4])
     eos = int(jnp.argmax(logits[4]))
     keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(ROWS, dtype=jnp.uint32))
+    least = int(jnp.argmin(logits[0]))
     rows = [
-        Sampling(),
+        Sampling(logit_bias=((least, 100.0), (int(jnp.argmax(logits[0])), -5.0))),
         Sampling(0.7),
         Sampling(1.3, top_p=0.5),
         Sampling(repetition_penalty=2.0),
@@ -113,7 +115,7 @@ def test_select_by_row_penalized_sampled_and_eos_held_back_until_min_tokens():
     cut = sampling.filter_rows(logits / settings.temperature[:, None], settings)
     penalized = sampling.penalize(logits, seen, settings)
     expected = [
-        argmax[0],
+        least,  # biased to the top
         jax.random.categorical(keys[1], logits[1] / 0.7),
         jax.random.categorical(keys[2], cut[2]),
         jnp.argmax(penalized[3]),
@@ -139,6 +141,7 @@ def test_select_by_row_penalized_sampled_and_eos_held_back_until_min_tokens():
         ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
         ({"presence_penalty": float("nan")}, "presence_penalty must be a finite"),
         ({"min_tokens": -2}, "min_tokens must be >= 0"),
+        ({"logit_bias": ((-1, 2.0),)}, "logit_bias -1: 2.0 is not a token id"),
     ],
 )
 def test_a_setting_out_of_range_is_named(settings, message):

@@ -4,6 +4,7 @@ repetition penalties and a minimum length, applied as vLLM applies them (its
 `SamplingParams`, the settings OpenAI-compatible servers take):
 
 - `min_tokens`: the model's EOS ids cannot be chosen before a row has generated that many.
+- `logit_bias`: added to its tokens' logits (OpenAI's).
 - the penalties, on the logits before temperature (so greedy rows too): a token in the
   prompt or generated before has its logit divided by `repetition_penalty` where positive,
   multiplied where negative (HF's `RepetitionPenaltyLogitsProcessor` over prompt and
@@ -46,6 +47,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self):
         if not 0.0 <= self.temperature < math.inf:
@@ -65,6 +67,9 @@ class Sampling:
             )
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}.")
+        for token, bias in self.logit_bias:
+            if token < 0 or not math.isfinite(bias):
+                raise ValueError(f"logit_bias {token}: {bias} is not a token id and a number.")
 
     @property
     def penalized(self) -> bool:
@@ -88,10 +93,14 @@ class Rows(NamedTuple):
     frequency: Array
     repetition: Array
     min_tokens: Array
+    bias_ids: Array  # int32 [rows, n]: the tokens of a row's logit bias (`PAD` after them)
+    bias: Array  # float32 [rows, n]: what each adds
 
 
 def rows(settings: Sequence[Sampling], size: int) -> Rows:
     """`settings` as a dispatch's arrays of `size` rows (the rest greedy, unpenalized)."""
+    biased = max((len(s.logit_bias) for s in settings), default=0)
+    width = _bucket(biased) if biased else 0  # (a dispatch without a bias adds nothing)
     out = Rows(
         np.zeros((size,), np.float32),
         np.ones((size,), np.float32),
@@ -101,12 +110,16 @@ def rows(settings: Sequence[Sampling], size: int) -> Rows:
         np.zeros((size,), np.float32),
         np.ones((size,), np.float32),
         np.zeros((size,), np.int32),
+        np.full((size, width), PAD, np.int32),
+        np.zeros((size, width), np.float32),
     )
     for i, s in enumerate(settings):
         out.temperature[i], out.top_p[i], out.top_k[i] = s.temperature, s.top_p, s.top_k
         out.min_p[i] = s.min_p
         out.presence[i], out.frequency[i] = s.presence_penalty, s.frequency_penalty
         out.repetition[i], out.min_tokens[i] = s.repetition_penalty, s.min_tokens
+        for j, (token, bias) in enumerate(s.logit_bias):
+            out.bias_ids[i, j], out.bias[i, j] = token, bias
     return out
 
 
@@ -176,6 +189,9 @@ def select(
         log_probs = jax.nn.log_softmax(logits / scale, axis=-1)
     else:
         log_probs = jax.nn.log_softmax(logits, axis=-1)
+    if settings.bias_ids.shape[1]:
+        row = jnp.arange(logits.shape[0])[:, None]
+        logits = logits.at[row, settings.bias_ids].add(settings.bias, mode="drop")
     if generated is not None and eos_ids:
         early = (generated < settings.min_tokens)[:, None]
         eos = jnp.zeros(logits.shape[-1], bool).at[jnp.asarray(eos_ids)].set(True)

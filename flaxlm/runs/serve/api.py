@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # (serving loads neither seqio nor TensorFlow)
     import seqio
 
 MAX_LOGPROBS = 5
+MAX_LOGIT_BIAS = 300  # tokens a request's logit_bias may name (OpenAI's limit)
 MAX_CHOICES = 16  # n x prompts of one request: each is a row of the engine's batches
 SEED_LIMIT = 2**32  # the engine seeds each row's RNG with a uint32
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -111,7 +112,6 @@ _SAMPLING: dict[str, tuple[_Types, str]] = {
     "min_p": ((int, float), "a number"),
     "repetition_penalty": ((int, float), "a number"),
     "min_tokens": (int, "an integer"),
-    # Accepted at its default only (see _UNSUPPORTED): clients send it as it is.
     "logit_bias": (dict, "an object"),
 }
 _COMPLETION_FIELDS = {
@@ -129,7 +129,6 @@ _CHAT_FIELDS = {
     "store": (bool, "a boolean"),
     "metadata": (dict, "an object"),
 }
-_UNSUPPORTED = {"logit_bias": {}}
 
 
 def parse_request(
@@ -271,9 +270,6 @@ def _fields(body: bytes, fields: dict[str, tuple[_Types, str]]) -> dict:
             isinstance(value, bool) and bool not in _as_tuple(types)
         ):
             raise BadRequest(f"Field {key!r} must be {what} or null, got {_shown(value)}.", key)
-    for key, default in _UNSUPPORTED.items():
-        if request.get(key) not in (None, default):
-            raise BadRequest(f"{key} is not supported; leave it unset.", key)
     return {k: v for k, v in request.items() if v is not None}
 
 
@@ -330,6 +326,7 @@ def _sampling(
     settings = Sampling(
         temperature, top_p, max(top_k, 0), min_p, **penalties,
         repetition_penalty=repetition, min_tokens=min_tokens,
+        logit_bias=_logit_bias(request.get("logit_bias") or {}),
     )  # fmt: skip
     stop = request.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
@@ -471,6 +468,39 @@ def _number(request: dict, key: str, default: float) -> float:
     if not math.isfinite(value):
         raise BadRequest(f"{key} must be a finite number, got {_shown(request[key])}.", key)
     return value
+
+
+def _logit_bias(value: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` (token ids as strings -> -100..100) as `Sampling` holds it."""
+    if len(value) > MAX_LOGIT_BIAS:
+        raise BadRequest(
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(value)}.", "logit_bias"
+        )
+    out = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or not isinstance(bias, (int, float)):
+            raise BadRequest(
+                f"logit_bias maps token ids (as strings) to numbers, got {_shown({key: bias})}.",
+                "logit_bias",
+            )
+        if isinstance(bias, bool) or not -100 <= bias <= 100:
+            raise BadRequest(
+                f"logit_bias values must be between -100 and 100, got {_shown(bias)}.",
+                "logit_bias",
+            )
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
+
+
+def check_logit_bias(settings: Sampling, vocab_size: int) -> None:
+    """Raises BadRequest where `logit_bias` names a token outside the model's vocabulary."""
+    outside = [t for t, _ in settings.logit_bias if t >= vocab_size]
+    if outside:
+        raise BadRequest(
+            f"logit_bias names token ids {outside[:5]} outside the model's vocabulary of "
+            f"{vocab_size}.",
+            "logit_bias",
+        )
 
 
 def _whole(value: object) -> bool:

@@ -26,6 +26,7 @@ from flaxlm.runs.serve.api import (
     BadRequest,
     Completion,
     Defaults,
+    check_logit_bias,
     check_prompt_ids,
     parse_chat_request,
     parse_request,
@@ -158,6 +159,7 @@ class Server:
                     )
                 max_tokens = room
             check_prompt_ids(ids, max_tokens, self.max_positions, self.engine.vocab_size)
+            check_logit_bias(request["sampling"], self.engine.vocab_size)
             for seed in sample_seeds(request["seed"], request["n"]):
                 jobs.append(
                     Completion(
