@@ -1,6 +1,6 @@
 """How the serving engine and the paged batch path choose each row's next token, each row
-(a job) by its own settings: temperature, top-k, top-p, the presence, frequency and
-repetition penalties and a minimum length, applied as vLLM applies them (its
+(a job) by its own settings: temperature, top-k, top-p, min-p, the presence, frequency and
+repetition penalties, a logit bias and a minimum length, applied as vLLM applies them (its
 `SamplingParams`, the settings OpenAI-compatible servers take):
 
 - `min_tokens`: the model's EOS ids cannot be chosen before a row has generated that many.
