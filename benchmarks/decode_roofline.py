@@ -15,6 +15,10 @@ the roofline is `B` tokens per that time. For each batch this times
   row's pages gathered for the attention (`paged_attention='gather'`);
 - `pallas`: the same with `paged_attention='pallas'` (JAX's Pallas kernel reads the pages in
   place: a GPU's path; on CPU it runs interpreted, slowly),
+- `sampled`: `paged` with every row sampled as a chat request may ask (`SAMPLED`:
+  temperature, top-k, top-p; `inference/sampling.py`), and `penalized` with the presence,
+  frequency and repetition penalties besides (`PENALIZED`): what the per-row settings and
+  each dispatch's token histories cost against greedy rows,
 
 and reports tokens/s, the share of the roofline (the chip's datasheet bandwidth,
 `flaxlm.plan.chips`; on CPU there is none) and, for the engine, the host's own time a
@@ -54,7 +58,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--paths",
         nargs="+",
-        choices=("generate", "paged", "pallas"),
+        choices=("generate", "paged", "pallas", "sampled", "penalized"),
         default=["generate", "paged"],
     )
     p.add_argument("--decode-steps", type=int, default=16, help="the engine's tokens per dispatch")
@@ -73,6 +77,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     return p.parse_args(argv)
+
+
+# What the `sampled` and `penalized` paths' rows ask for (a chat request's sampling, then with
+# every penalty).
+SAMPLED = dict(temperature=0.8, top_p=0.95, top_k=50)
+PENALIZED = dict(SAMPLED, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
 
 
 @dataclasses.dataclass(eq=False)
@@ -167,10 +177,13 @@ def time_paged(
     prompts: np.ndarray,
     args: argparse.Namespace,
     paged_attention: str = "gather",
+    settings: dict | None = None,
+    name: str = "paged",
 ) -> dict:
     """The engine's decode rate: the time of a run to `--new` tokens less that of a run to
     one (prefill and the first token), fresh prompts each run (the prefix cache would
-    otherwise skip their prefill)."""
+    otherwise skip their prefill); each row sampled by `settings` (`Sampling`'s; greedy);
+    `name`: the path's, for its profile's directory."""
     from flaxlm.inference.sampling import Sampling
     from flaxlm.inference.scheduler import Scheduler
     from flaxlm.parallel.partitioning import Partitioner
@@ -197,7 +210,7 @@ def time_paged(
         waited, dispatches = scheduler.read_wait_s, scheduler_dispatches(scheduler)
         start = time.perf_counter()
         for i, row in enumerate(fresh):
-            scheduler.add(Job(row.tolist(), new, Sampling(), seed=i))
+            scheduler.add(Job(row.tolist(), new, Sampling(**(settings or {})), seed=i))
         while scheduler.busy:
             scheduler.step()
         elapsed = time.perf_counter() - start
@@ -218,7 +231,7 @@ def time_paged(
         dispatches = -(-args.new // args.decode_steps)
         out["profile"] = profile_summary.trace_steps(
             lambda n: run(args.new),
-            os.path.join(args.profile, "paged" if paged_attention == "gather" else "pallas"),
+            os.path.join(args.profile, name),
             dispatches,
         )
     return out
@@ -255,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                     timed = time_generate(model, params, prompts, args)
                 else:
                     attention = "pallas" if path == "pallas" else "gather"
-                    timed = time_paged(model, params, prompts, args, attention)
+                    settings = {"sampled": SAMPLED, "penalized": PENALIZED}.get(path)
+                    timed = time_paged(model, params, prompts, args, attention, settings, path)
                 row = {"batch": batch, "path": path, **timed}
             except Exception as e:  # noqa: BLE001 - one failing path must not cost the rest
                 row = {"batch": batch, "path": path, "failed": f"{type(e).__name__}: {e}"[:300]}

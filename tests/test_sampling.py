@@ -42,6 +42,15 @@ def test_each_row_keeps_what_hfs_warpers_keep():
     settings = sampling.rows(rows, ROWS)
     scaled = logits / settings.temperature[:, None]
     filtered = jax.jit(sampling.filter_rows)(scaled, settings)
+    # Looked for among a few candidates, the same sets: the whole vocabulary sorted where a
+    # row's set may reach past them (row 3's top-k of 7 past 5 candidates), else not.
+    few = jax.jit(sampling.filter_rows, static_argnums=2)
+    np.testing.assert_array_equal(few(scaled, settings, 5), filtered)
+    top_k_rows = [1, 5]  # sets within their top 4 or 3
+    settings_k = sampling.Rows(*(x[np.asarray(top_k_rows)] for x in settings))
+    np.testing.assert_array_equal(
+        few(scaled[np.asarray(top_k_rows)], settings_k, 5), filtered[np.asarray(top_k_rows)]
+    )
     for i, s in enumerate(rows):
         warpers = [hf.TemperatureLogitsWarper(s.temperature)]
         warpers += [hf.TopKLogitsWarper(s.top_k)] if s.top_k else []
