@@ -73,7 +73,7 @@ echo "== decode against the HBM roofline, ${l} s" | tee -a "$log"
 rm -rf /tmp/hlo_dump
 XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_dump --xla_dump_hlo_as_text" \
   timeout "$l" python3 benchmarks/decode_roofline.py --repeats 2 --profile /tmp/decode_profile \
-  --paths generate paged pallas penalized "${decode_extra[@]}" --json "$out/decode.json" 2>&1 |
+  --paths generate paged pallas sampled penalized "${decode_extra[@]}" --json "$out/decode.json" 2>&1 |
   tee -a "$log"
 # The largest optimized modules (the decode loops), not every small one XLA dumped.
 if compgen -G "/tmp/hlo_dump/*after_optimizations.txt" >/dev/null; then

@@ -10,6 +10,7 @@ from transformers.generation import logits_process as hf
 
 from flaxlm.inference import sampling
 from flaxlm.inference.sampling import Sampling
+from flaxlm.models import decoding
 
 VOCAB = 50
 ROWS = 6
@@ -41,16 +42,15 @@ def test_each_row_keeps_what_hfs_warpers_keep():
     ]
     settings = sampling.rows(rows, ROWS)
     scaled = logits / settings.temperature[:, None]
-    filtered = jax.jit(sampling.filter_rows)(scaled, settings)
+    sets = jax.jit(decoding.filter_sets, static_argnums=4)
+    filtered = sets(scaled, settings.top_k, settings.top_p, settings.min_p)
     # Looked for among a few candidates, the same sets: the whole vocabulary sorted where a
     # row's set may reach past them (row 3's top-k of 7 past 5 candidates), else not.
-    few = jax.jit(sampling.filter_rows, static_argnums=2)
-    np.testing.assert_array_equal(few(scaled, settings, 5), filtered)
-    top_k_rows = [1, 5]  # sets within their top 4 or 3
-    settings_k = sampling.Rows(*(x[np.asarray(top_k_rows)] for x in settings))
-    np.testing.assert_array_equal(
-        few(scaled[np.asarray(top_k_rows)], settings_k, 5), filtered[np.asarray(top_k_rows)]
-    )
+    few = sets(scaled, settings.top_k, settings.top_p, settings.min_p, 5)
+    np.testing.assert_array_equal(few, filtered)
+    k = np.asarray([1, 5])  # sets within their top 3 or 4
+    few = sets(scaled[k], settings.top_k[k], settings.top_p[k], settings.min_p[k], 5)
+    np.testing.assert_array_equal(few, filtered[k])
     for i, s in enumerate(rows):
         warpers = [hf.TemperatureLogitsWarper(s.temperature)]
         warpers += [hf.TopKLogitsWarper(s.top_k)] if s.top_k else []
@@ -121,7 +121,8 @@ def test_select_by_row_penalized_sampled_and_eos_held_back_until_min_tokens():
         logits, keys, settings, 3, seen=seen, generated=generated, eos_ids=(eos,)
     )
     argmax = np.asarray(jnp.argmax(logits, -1))
-    cut = sampling.filter_rows(logits / settings.temperature[:, None], settings)
+    scaled = logits / settings.temperature[:, None]
+    cut = decoding.filter_sets(scaled, settings.top_k, settings.top_p, settings.min_p)
     penalized = sampling.penalize(logits, seen, settings)
     expected = [
         least,  # biased to the top

@@ -33,7 +33,6 @@ from flaxlm.models import decoding
 
 Array = jax.Array
 PAD = np.iinfo(np.int32).max  # a history's padding: outside every vocabulary, dropped
-CANDIDATES = 256  # the most likely tokens where `filter_rows` looks for a row's set first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +205,11 @@ def select(
         cut = sampling & ((settings.top_p < 1.0) | (settings.top_k > 0) | (settings.min_p > 0))
         filtered = jax.lax.cond(
             cut.any(),
-            lambda: jnp.where(cut[:, None], filter_rows(scaled, settings), scaled),
+            lambda: jnp.where(
+                cut[:, None],
+                decoding.filter_sets(scaled, settings.top_k, settings.top_p, settings.min_p),
+                scaled,
+            ),
             lambda: scaled,
         )
         return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
@@ -227,56 +230,6 @@ def penalize(logits: Array, seen: Seen, settings: Rows) -> Array:
     output = seen.output.astype(jnp.float32)
     logits = logits - settings.frequency[:, None] * output
     return logits - settings.presence[:, None] * (output > 0)
-
-
-def filter_rows(logits: Array, settings: Rows, candidates: int = CANDIDATES) -> Array:
-    """float32 `logits` `[rows, vocab]` (after temperature) with the tokens outside each
-    row's min-p, top-k and top-p sets at the lowest float (the module doc; at least one
-    kept; tokens tied with the last kept stay, as in HF's warpers).
-
-    Each row's set is looked for among its `candidates` most likely tokens (`lax.top_k`); only
-    where a row's set may reach past them is the whole vocabulary sorted (the same set)."""
-    vocab = logits.shape[-1]
-    n = min(candidates, vocab)
-    top = jax.lax.top_k(logits, n)[0]  # [rows, n], descending
-    # min-p: >= min_p x the top prob. (The top one from a reduction, and the k-th largest as
-    # the least of the first k: a second slice of `top`, or a gather from it, keeps XLA:CPU
-    # from reading it off its top-k kernel, and it sorts the whole row instead.)
-    floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(settings.min_p)[:, None]
-    k = settings.top_k
-    first_k = jnp.arange(n)[None] < jnp.clip(k, 1, n)[:, None]
-    kth = jnp.min(jnp.where(first_k, top, jnp.inf), axis=-1, keepdims=True)
-    bound = jnp.where(((k > 0) & (k <= n))[:, None], jnp.maximum(kth, floor), floor)
-    in_set = logits >= bound  # min-p and top-k, over the vocabulary
-    log_mass = jax.nn.logsumexp(jnp.where(in_set, logits, -jnp.inf), axis=-1, keepdims=True)
-    probs = jnp.where(top >= bound, jnp.exp(top - log_mass), 0.0)
-    # Keep a token while the mass of the tokens ranked above it is still below top_p.
-    before = jnp.cumsum(probs, axis=-1) - probs
-    kept = jnp.where((top >= bound) & (before < settings.top_p[:, None]), top, jnp.inf)
-    threshold = jnp.min(kept, axis=-1, keepdims=True)
-    # The set is found among the candidates where it holds no more of them, or where their
-    # mass reaches top_p (a token past them has at least that much above it).
-    found = (k <= n) & ((in_set.sum(-1) <= n) | (probs.sum(-1) >= settings.top_p))
-    cut = (settings.top_p < 1.0) | (k > 0) | (settings.min_p > 0)
-    threshold = jax.lax.cond(
-        (found | ~cut).all(), lambda: threshold, lambda: _sorted_threshold(logits, settings)
-    )
-    return jnp.where(logits < threshold, jnp.finfo(jnp.float32).min, logits)
-
-
-def _sorted_threshold(logits: Array, settings: Rows) -> Array:
-    """`filter_rows`' lowest kept logit of each row `[rows, 1]`, from the whole vocabulary
-    sorted."""
-    vocab = logits.shape[-1]
-    ranked = jnp.sort(logits, axis=-1)[..., ::-1]
-    floor = ranked[:, :1] + jnp.log(settings.min_p)[:, None]
-    k = jnp.where(settings.top_k > 0, jnp.minimum(settings.top_k, vocab), vocab)
-    kth = jnp.take_along_axis(ranked, (k - 1)[:, None], axis=-1)
-    kept = (ranked >= kth) & (ranked >= floor)
-    probs = jax.nn.softmax(jnp.where(kept, ranked, -jnp.inf), axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    kept = jnp.where(kept & (before < settings.top_p[:, None]), ranked, jnp.inf)
-    return jnp.min(kept, axis=-1, keepdims=True)
 
 
 def _add(counts: Array, tokens: Array) -> Array:

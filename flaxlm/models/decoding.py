@@ -76,24 +76,74 @@ class DecodingConfig:
 # ---------------------------------------------------------------------------- sampling
 
 
-def filter_logits(logits: Array, top_k: int = 0, top_p: float | Array = 1.0) -> Array:
-    """float32 logits with tokens outside the top-k / top-p set at -inf (at least one kept).
+CANDIDATES = 256  # the most likely tokens where `filter_sets` looks for a row's set first
 
-    `top_p` may be an array broadcastable to `[rows, 1]` (one nucleus per row)."""
+
+def filter_logits(logits: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
+    """float32 `logits` `[rows, vocab]` with the tokens outside the top-k, then top-p set at
+    the lowest float (`filter_sets`, every row alike)."""
     logits = logits.astype(jnp.float32)
-    neg = jnp.finfo(jnp.float32).min
-    if top_k and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, neg, logits)
-    if not (isinstance(top_p, (int, float)) and top_p >= 1.0):  # an array: per-row top_p
-        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # Keep a token while the mass of the tokens ranked above it is still below top_p.
-        before = jnp.cumsum(probs, axis=-1) - probs
-        kept = jnp.where(before < top_p, sorted_logits, jnp.inf)
-        threshold = jnp.min(kept, axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, neg, logits)
-    return logits
+    if not top_k and top_p >= 1.0:
+        return logits
+    rows = logits.shape[:1]
+    return filter_sets(
+        logits, jnp.full(rows, top_k), jnp.full(rows, top_p), jnp.zeros(rows, jnp.float32)
+    )
+
+
+def filter_sets(
+    logits: Array, top_k: Array, top_p: Array, min_p: Array, candidates: int = CANDIDATES
+) -> Array:
+    """float32 `logits` `[rows, vocab]` (after temperature) with the tokens outside each
+    row's set at the lowest float: those at least `min_p` x the most likely one's
+    probability, of them the `top_k` most likely (0: all), and of those the smallest that
+    reaches `top_p` of their probability (HF's warpers' sets; at least one kept; tokens tied
+    with the last kept stay). `top_k`, `top_p`, `min_p`: `[rows]`.
+
+    Each row's set is looked for among its `candidates` most likely tokens (`lax.top_k`); only
+    where a row's set may reach past them is the whole vocabulary sorted (the same set)."""
+    vocab = logits.shape[-1]
+    n = min(candidates, vocab)
+    top = jax.lax.top_k(logits, n)[0]  # [rows, n], descending
+    # The top one from a reduction, and the k-th largest as the least of the first k: a
+    # second slice of `top`, or a gather from it, keeps XLA:CPU from reading it off its top-k
+    # kernel, and it sorts the whole row instead.
+    floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]
+    first_k = jnp.arange(n)[None] < jnp.clip(top_k, 1, n)[:, None]
+    kth = jnp.min(jnp.where(first_k, top, jnp.inf), axis=-1, keepdims=True)
+    bound = jnp.where(((top_k > 0) & (top_k <= n))[:, None], jnp.maximum(kth, floor), floor)
+    in_set = logits >= bound  # min-p and top-k, over the vocabulary
+    log_mass = jax.nn.logsumexp(jnp.where(in_set, logits, -jnp.inf), axis=-1, keepdims=True)
+    probs = jnp.where(top >= bound, jnp.exp(top - log_mass), 0.0)
+    # Keep a token while the mass of the tokens ranked above it is still below top_p.
+    before = jnp.cumsum(probs, axis=-1) - probs
+    kept = jnp.where((top >= bound) & (before < top_p[:, None]), top, jnp.inf)
+    threshold = jnp.min(kept, axis=-1, keepdims=True)
+    # The set is found among the candidates where it holds no more of them, or where their
+    # mass reaches top_p (a token past them has at least that much above it).
+    found = (top_k <= n) & ((in_set.sum(-1) <= n) | (probs.sum(-1) >= top_p))
+    cut = (top_p < 1.0) | (top_k > 0) | (min_p > 0)
+    threshold = jax.lax.cond(
+        (found | ~cut).all(),
+        lambda: threshold,
+        lambda: _sorted_threshold(logits, top_k, top_p, min_p),
+    )
+    return jnp.where(logits < threshold, jnp.finfo(jnp.float32).min, logits)
+
+
+def _sorted_threshold(logits: Array, top_k: Array, top_p: Array, min_p: Array) -> Array:
+    """`filter_sets`' lowest kept logit of each row `[rows, 1]`, from the whole vocabulary
+    sorted."""
+    vocab = logits.shape[-1]
+    ranked = jnp.sort(logits, axis=-1)[..., ::-1]
+    floor = ranked[:, :1] + jnp.log(min_p)[:, None]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(ranked, (k - 1)[:, None], axis=-1)
+    kept = (ranked >= kth) & (ranked >= floor)
+    probs = jax.nn.softmax(jnp.where(kept, ranked, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    kept = jnp.where(kept & (before < top_p[:, None]), ranked, jnp.inf)
+    return jnp.min(kept, axis=-1, keepdims=True)
 
 
 def penalize_repeats(logits: Array, repeated: Array, penalty: Array | float) -> Array:
