@@ -33,7 +33,8 @@ TOOL_TEMPLATE = (
     "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function']['name'] }} "
     "{{ c['function']['arguments'] | tojson }}</tool_call>{% endfor %}"
     "{% if m.get('tool_call_id') %} [{{ m['tool_call_id'] }}]{% endif %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 # A tool-use history as a client sends it back: the assistant's message as the response held
 # it (content and refusal null, arguments a JSON string).
@@ -206,7 +207,7 @@ def test_chat_logprobs_give_each_token_and_its_alternatives(served, greedy):
 def test_penalties_top_k_and_min_tokens_reach_the_engine(served, checkpoint, greedy):
     """vLLM's sampling parameters through the client's extra_body: a greedy answer with a
     repetition penalty is HF `generate`'s with the same penalty; top-k 1 samples the greedy
-    answer; min_tokens holds the EOS back; and OpenAI's logit_bias."""
+    answer; min_tokens holds the EOS back; OpenAI's logit_bias; chat_template_kwargs."""
     path, torch_model, eos = checkpoint
     _, client = served
     text, new, ids = greedy
@@ -230,6 +231,19 @@ def test_penalties_top_k_and_min_tokens_reach_the_engine(served, checkpoint, gre
     (a,) = tokenizer.encode("a", add_special_tokens=False)
     biased = chat(client, temperature=0, max_tokens=3, logit_bias={str(a): 100})
     assert biased.choices[0].message.content == "aaa"
+    # vLLM's chat_template_kwargs reach the template (Qwen3's enable_thinking).
+    quiet = chat(
+        client,
+        temperature=0,
+        max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    rendered = tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
+    assert rendered.endswith("<think>\n\n</think>\n\n")
+    rendered = tokenizer.encode(rendered, add_special_tokens=False)
+    assert quiet.usage.prompt_tokens == len(rendered) > len(ids)
 
 
 def test_completions_take_n_stop_and_stream_usage(served):
@@ -286,6 +300,11 @@ def test_a_tool_use_history_reaches_the_template_as_vllm_hands_it_on(served, che
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate", "Unknown field 'frobnicate'"),
         ({"store": True}, "store", "keeps no completions"),
+        (
+            {"extra_body": {"chat_template_kwargs": {"tokenize": True}}},
+            "chat_template_kwargs",
+            "apply_chat_template's own arguments",
+        ),
         ({"presence_penalty": 2.5}, "presence_penalty", "between -2 and 2"),
         ({"extra_body": {"top_k": -2}}, "top_k", "top_k must be -1 or 0"),
         ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty", "must be > 0"),

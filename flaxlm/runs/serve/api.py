@@ -128,7 +128,15 @@ _CHAT_FIELDS = {
     "top_logprobs": (int, "an integer"),
     "store": (bool, "a boolean"),
     "metadata": (dict, "an object"),
+    # vLLM's: variables handed to the chat template (e.g. Qwen3's `enable_thinking`).
+    "chat_template_kwargs": (dict, "an object"),
 }
+# apply_chat_template's own arguments, not the template's variables.
+_TEMPLATE_ARGUMENTS = {
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+}  # fmt: skip
 
 
 def parse_request(
@@ -189,6 +197,14 @@ def parse_chat_request(
     if request.get("messages") is None:
         raise BadRequest("Field 'messages' is required.", "messages")
     messages = _messages(request["messages"])
+    template_kwargs = request.get("chat_template_kwargs") or {}
+    reserved = sorted(set(template_kwargs) & _TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise BadRequest(
+            f"chat_template_kwargs {reserved} are apply_chat_template's own arguments, not the "
+            "template's variables.",
+            "chat_template_kwargs",
+        )
     top = request.get("top_logprobs")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise BadRequest(
@@ -200,6 +216,7 @@ def parse_chat_request(
     max_tokens = key, defaults.max_tokens, request.get(key)
     return {
         "messages": messages,
+        "chat_template_kwargs": template_kwargs,
         **_sampling(request, max_tokens, max_positions, max_tokens_limit, defaults, 1),
         "logprobs": (top or 0) if request.get("logprobs") else None,
         "echo": False,
@@ -207,10 +224,15 @@ def parse_chat_request(
     }
 
 
-def render_chat(vocabulary: seqio.Vocabulary, messages: list[dict[str, Any]]) -> str:
+def render_chat(
+    vocabulary: seqio.Vocabulary,
+    messages: list[dict[str, Any]],
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
     """`messages` as the checkpoint's own chat template renders them, ending with the
     assistant's turn opened (HF's `apply_chat_template(add_generation_prompt=True)`): the
-    text the model was fine-tuned on, so it answers as it learned to."""
+    text the model was fine-tuned on, so it answers as it learned to. `template_kwargs`:
+    variables the template reads (a request's `chat_template_kwargs`)."""
     tokenizer = getattr(vocabulary, "tokenizer", None)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise BadRequest(
@@ -219,7 +241,9 @@ def render_chat(vocabulary: seqio.Vocabulary, messages: list[dict[str, Any]]) ->
             "messages",
         )
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+        )
     except Exception as e:  # noqa: BLE001 - the template's raise_exception (e.g. role order)
         raise BadRequest(f"The chat template refused the messages: {e}", "messages") from e
 

@@ -134,7 +134,8 @@ class Server:
         `apply_chat_template` does), a completion's prompts as `encode` reads them."""
         if request["chat"]:
             vocabulary = self.engine.vocabulary
-            return [list(vocabulary.encode(render_chat(vocabulary, request["messages"])))]
+            text = render_chat(vocabulary, request["messages"], request["chat_template_kwargs"])
+            return [list(vocabulary.encode(text))]
         return [self.encode(prompt) for prompt in request["prompts"]]
 
     def completions(self, request: dict) -> tuple[list[Completion], list[list[int]]]:
