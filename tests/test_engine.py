@@ -184,11 +184,18 @@ def test_each_row_decodes_with_its_own_penalties_and_top_k(llama, engine):
         )
     assert outputs[1] == out[0, len(ps[1]) :].tolist()
     assert outputs[-1] == outputs[0]
+    # vLLM's stop_token_ids: a row ends at the first of them (the model has no EOS).
+    stopped = job(ps[0], n, stop_token_ids=(outputs[0][5],))
+    engine.submit(stopped)
+    first = outputs[0].index(outputs[0][5])
+    tokens, event = result(stopped)
+    assert tokens == outputs[0][:first] and event[:3] == ("done", "stop", outputs[0][5])
     # The contiguous-cache path (a model that cannot page) decodes them alike.
     _, model, params = llama
     jobs = [job(p, n, **settings) for p, settings in zip(ps, cases)]
+    jobs.append(job(ps[0], n, stop_token_ids=(outputs[0][5],)))
     BatchEngine(model, params, Partitioner(), seqio.ByteVocabulary()).decode(jobs)
-    assert [result(c)[0] for c in jobs] == outputs[:-1]
+    assert [result(c)[0] for c in jobs] == outputs[:-1] + [outputs[0][:first]]
 
 
 def test_n_samples_of_one_prompt_read_it_once_and_share_its_pages(engine):

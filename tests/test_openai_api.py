@@ -14,7 +14,7 @@ from flaxlm.checkpoints import run_dir
 from flaxlm.data import vocabularies
 from flaxlm.inference.sampling import Sampling
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.runs.serve import api
+from flaxlm.runs.serve import api, settings
 from flaxlm.runs.serve.engine import Engine
 from flaxlm.runs.serve.http import Server, listen
 from tests.hf_helpers import random_hf_model, save_byte_bpe_tokenizer
@@ -207,7 +207,8 @@ def test_chat_logprobs_give_each_token_and_its_alternatives(served, greedy):
 def test_penalties_top_k_and_min_tokens_reach_the_engine(served, checkpoint, greedy):
     """vLLM's sampling parameters through the client's extra_body: a greedy answer with a
     repetition penalty is HF `generate`'s with the same penalty; top-k 1 samples the greedy
-    answer; min_tokens holds the EOS back; OpenAI's logit_bias; chat_template_kwargs."""
+    answer; min_tokens holds the EOS back; OpenAI's logit_bias; ignore_eos, stop_token_ids
+    and chat_template_kwargs."""
     path, torch_model, eos = checkpoint
     _, client = served
     text, new, ids = greedy
@@ -231,6 +232,17 @@ def test_penalties_top_k_and_min_tokens_reach_the_engine(served, checkpoint, gre
     (a,) = tokenizer.encode("a", add_special_tokens=False)
     biased = chat(client, temperature=0, max_tokens=3, logit_bias={str(a): 100})
     assert biased.choices[0].message.content == "aaa"
+    # vLLM's ignore_eos and stop_token_ids: an EOS pushed to the top ends the answer at once,
+    # or does not end it; a token of the request's own ends it.
+    first_eos = {str(eos[0]): 100}
+    assert chat(client, max_tokens=3, logit_bias=first_eos).choices[0].finish_reason == "stop"
+    ignored = chat(client, max_tokens=3, logit_bias=first_eos, extra_body={"ignore_eos": True})
+    assert ignored.choices[0].finish_reason == "length"
+    assert ignored.usage.completion_tokens == 3
+    stopped = chat(
+        client, max_tokens=3, logit_bias={str(a): 100}, extra_body={"stop_token_ids": [a]}
+    )
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].message.content == ""
     # vLLM's chat_template_kwargs reach the template (Qwen3's enable_thinking).
     quiet = chat(
         client,
@@ -311,6 +323,7 @@ def test_a_tool_use_history_reaches_the_template_as_vllm_hands_it_on(served, che
         ({"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens", "between 0 and"),
         ({"logit_bias": {"5": 300}}, "logit_bias", "between -100 and 100"),
         ({"logit_bias": {"999999": 3}}, "logit_bias", "outside the model's vocabulary"),
+        ({"extra_body": {"stop_token_ids": ["a"]}}, "stop_token_ids", "list of token ids"),
         (
             {"messages": [{"role": "assistant", "content": "no", "refusal": "I cannot."}]},
             "messages[0].refusal",
@@ -331,23 +344,23 @@ def test_a_bad_request_is_a_bad_request_error_naming_the_field(served, kwargs, p
 def test_a_tokenizer_without_a_chat_template_is_named(tmp_path):
     save_byte_bpe_tokenizer(tmp_path, style="llama3")  # no chat template
     for vocabulary in (vocabularies.HuggingFaceVocabulary(str(tmp_path)), seqio.ByteVocabulary()):
-        with pytest.raises(api.BadRequest, match="no chat template") as raised:
+        with pytest.raises(settings.BadRequest, match="no chat template") as raised:
             api.render_chat(vocabulary, MESSAGES)
         assert raised.value.param == "messages"
 
 
 def test_unset_settings_come_from_the_generation_config(served):
     server, _ = served
-    assert server.defaults == api.Defaults(temperature=0.7, top_p=0.9, max_tokens=None)
+    assert server.defaults == settings.Defaults(temperature=0.7, top_p=0.9, max_tokens=None)
     parsed = api.parse_chat_request(
         json.dumps({"messages": MESSAGES, "temperature": None}).encode(), 128, 64, server.defaults
     )
     assert parsed["sampling"] == Sampling(0.7, 0.9) and parsed["max_tokens"] is None
-    defaults = api.Defaults.from_generation_config({"max_new_tokens": 500, "top_p": 7}, 64)
-    assert defaults == api.Defaults(temperature=1.0, top_p=1.0, max_tokens=64)
+    defaults = settings.Defaults.from_generation_config({"max_new_tokens": 500, "top_p": 7}, 64)
+    assert defaults == settings.Defaults(temperature=1.0, top_p=1.0, max_tokens=64)
     # vLLM's reading of a file: top_k, min_p and repetition_penalty too.
     file = {"temperature": 0.6, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05}
-    read = api.Defaults.from_generation_config(file, 64)
+    read = settings.Defaults.from_generation_config(file, 64)
     parsed = api.parse_chat_request(json.dumps({"messages": MESSAGES}).encode(), 128, 64, read)
     assert parsed["sampling"] == Sampling(0.6, 1.0, 20, 0.05, repetition_penalty=1.05)
     body = {"messages": MESSAGES, "presence_penalty": 0.5, "frequency_penalty": -1, "top_k": -1}
@@ -355,6 +368,6 @@ def test_unset_settings_come_from_the_generation_config(served):
     assert parsed["sampling"] == Sampling(0.6, 1.0, 0, 0.05, 0.5, -1.0, repetition_penalty=1.05)
     parsed = api.parse_request(b'{"prompt": "a"}', 128, 64, defaults)
     assert parsed["max_tokens"] == 64 and parsed["seed"] is None
-    seeds = api.sample_seeds(2**32 - 1, 3)
-    assert seeds == [2**32 - 1, 0, 1] and len(set(api.sample_seeds(None, 4))) == 4
-    assert np.all(np.asarray(seeds) < api.SEED_LIMIT)
+    seeds = settings.sample_seeds(2**32 - 1, 3)
+    assert seeds == [2**32 - 1, 0, 1] and len(set(settings.sample_seeds(None, 4))) == 4
+    assert np.all(np.asarray(seeds) < settings.SEED_LIMIT)

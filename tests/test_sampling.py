@@ -112,14 +112,12 @@ def test_select_by_row_penalized_sampled_and_eos_held_back_until_min_tokens():
         Sampling(min_tokens=3),
         Sampling(min_tokens=3),
     ]
-    settings = sampling.rows(rows, ROWS)
+    settings = sampling.rows(rows, ROWS, eos_ids=(eos,))
     prompt, output = sampling.histories(rows, [np.argsort(-logits[3])[:2]] * ROWS, [[]] * 6, 6)
     seen = sampling.seen(jnp.asarray(prompt), jnp.asarray(output), VOCAB)
     generated = jnp.asarray([0, 0, 0, 0, 2, 3])
-    select = jax.jit(sampling.select, static_argnums=3, static_argnames="eos_ids")
-    token, lp, top_ids, _ = select(
-        logits, keys, settings, 3, seen=seen, generated=generated, eos_ids=(eos,)
-    )
+    select = jax.jit(sampling.select, static_argnums=3)
+    token, lp, top_ids, _ = select(logits, keys, settings, 3, seen=seen, generated=generated)
     argmax = np.asarray(jnp.argmax(logits, -1))
     scaled = logits / settings.temperature[:, None]
     cut = decoding.filter_sets(scaled, settings.top_k, settings.top_p, settings.min_p)
@@ -139,6 +137,11 @@ def test_select_by_row_penalized_sampled_and_eos_held_back_until_min_tokens():
     np.testing.assert_array_equal(top_ids[:, 0], argmax)
     greedy = sampling.rows([Sampling()] * ROWS, ROWS)
     np.testing.assert_array_equal(select(logits, keys, greedy, 3)[0], argmax)
+    # A row's stop tokens: the model's EOS ids unless it ignores them, and its own.
+    assert Sampling(stop_token_ids=(7,)).stops((1, 2)) == (1, 2, 7)
+    assert Sampling(ignore_eos=True, stop_token_ids=(7,)).stops((1, 2)) == (7,)
+    held = sampling.rows([Sampling(ignore_eos=True, stop_token_ids=(eos,), min_tokens=3)], 1)
+    assert int(select(logits[4:5], keys[:1], held, 3, generated=jnp.zeros(1, int))[0][0]) != eos
 
 
 @pytest.mark.parametrize(
@@ -152,6 +155,7 @@ def test_select_by_row_penalized_sampled_and_eos_held_back_until_min_tokens():
         ({"presence_penalty": float("nan")}, "presence_penalty must be a finite"),
         ({"min_tokens": -2}, "min_tokens must be >= 0"),
         ({"logit_bias": ((-1, 2.0),)}, "logit_bias -1: 2.0 is not a token id"),
+        ({"stop_token_ids": (3, -4)}, "stop_token_ids must be token ids"),
     ],
 )
 def test_a_setting_out_of_range_is_named(settings, message):

@@ -22,7 +22,7 @@ from flaxlm.inference.sampling import Sampling
 from flaxlm.models.row_start import SEQIO_START
 from flaxlm.parallel import platforms
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.runs.serve import api
+from flaxlm.runs.serve import api, settings
 from flaxlm.runs.serve.engine import Engine
 from tests import cdp, zygote
 
@@ -325,9 +325,9 @@ def test_the_page_streams_a_completion_in_headless_chromium(server):
 
 
 def test_request_validation_names_the_field():
-    with pytest.raises(api.BadRequest, match="'max_tokens' must be an integer"):
+    with pytest.raises(settings.BadRequest, match="'max_tokens' must be an integer"):
         api.parse_request(b'{"prompt": "a", "max_tokens": true}', None, 16)
-    with pytest.raises(api.BadRequest, match="between 1 and 16"):
+    with pytest.raises(settings.BadRequest, match="between 1 and 16"):
         api.parse_request(b'{"prompt": "a", "max_tokens": 17}', None, 16)
     for payload, message in BAD_REQUESTS + EMPTY_PROMPTS:
         body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -335,11 +335,13 @@ def test_request_validation_names_the_field():
             parsed = api.parse_request(body, 2048, 512)
             for prompt in parsed["prompts"]:
                 api.check_prompt_ids(VOCAB.encode(prompt), parsed["max_tokens"], 2048, 259)
-        except api.BadRequest as e:
+        except settings.BadRequest as e:
             assert message in str(e), (str(payload)[:80], str(e))
         else:
             pytest.fail(f"{str(payload)[:80]} was accepted")
-    with pytest.raises(api.BadRequest, match=r"token ids \[300\] outside .* vocabulary of 259"):
+    with pytest.raises(
+        settings.BadRequest, match=r"token ids \[300\] outside .* vocabulary of 259"
+    ):
         api.check_prompt_ids([5, 300], 1, 2048, 259)
     parsed = api.parse_request(
         b'{"prompt": ["a", "b"], "stop": "\\n", "seed": 4294967295}', None, 16

@@ -20,7 +20,8 @@ Array = jax.Array
 class Job(Protocol):
     """What the scheduler reads of a job (the server's `Completion`); it puts ("token", id,
     logprob, top), then ("done", "stop" | "length") on `events` (or ("cancelled", msg));
-    ("done", "stop") carries the EOS id and its log-prob as its third and fourth items.
+    ("done", "stop") carries the stop token (an EOS id) and its log-prob as its third and
+    fourth items.
     A job may also have `adapter`: the index of its LoRA adapter in the params' stacked
     adapters (0, the base, when it has none)."""
 
@@ -40,6 +41,7 @@ class JobState:
     pages: list[int]  # a follower's own pages until its leader's prompt is read
     keys: list[bytes]  # prefix-cache keys of the prompt's full pages
     adapter: int = 0  # its LoRA adapter's index (0: the base)
+    stops: frozenset[int] = frozenset()  # the tokens that end it (`Sampling.stops`)
     state_slot: int = 0  # its recurrent state's slot while running (a stateful model's)
     computed: int = 0  # prompt tokens whose keys and values are in the cache
     generated: int = 0

@@ -51,7 +51,6 @@ class PagedPrograms:
         self.num_top = num_top
         self.paged_attention = paged_attention
         self.tempered = tempered
-        self.eos_ids = tuple(model.eos_ids)
         self.shardings = jax.tree_util.tree_map_with_path(self._pool_sharding, shapes)
         if paged_attention == "pallas" and not all(
             s.is_fully_replicated for s in jax.tree.leaves(self.shardings)
@@ -104,7 +103,6 @@ class PagedPrograms:
         one that the host has not read (None: none)."""
         params = self._layout(params)
         keys = jax.vmap(jax.random.PRNGKey)(seeds)
-        eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
         last = jnp.zeros_like(tokens)
         seen = None
         if history is not None:
@@ -124,7 +122,7 @@ class PagedPrograms:
             out = self._select(logits, step_keys, settings, seen, count)
             if seen is not None:
                 seen = sampling.count(seen, out[0][:, None], active[:, None])
-            stop = (out[0][:, None] == eos[None]).any(-1)
+            stop = (out[0][:, None] == settings.stop_ids).any(-1)
             remaining = jnp.where(active & ~stop, remaining - 1, 0)
             return (cache, out[0], slot + 1, remaining, count + 1, seen), out
 
@@ -135,7 +133,7 @@ class PagedPrograms:
     def _select(self, logits, keys, settings, seen, generated):
         return sampling.select(
             logits, keys, settings, self.num_top, seen=seen, generated=generated,
-            eos_ids=self.eos_ids, tempered=self.tempered,
+            tempered=self.tempered,
         )  # fmt: skip
 
     def _on_every_host(self, tree: Any) -> Any:

@@ -3,7 +3,8 @@
 repetition penalties, a logit bias and a minimum length, applied as vLLM applies them (its
 `SamplingParams`, the settings OpenAI-compatible servers take):
 
-- `min_tokens`: the model's EOS ids cannot be chosen before a row has generated that many.
+- `min_tokens`: the row's stop tokens (the model's EOS ids unless `ignore_eos`, and its
+  `stop_token_ids`) cannot be chosen before it has generated that many.
 - `logit_bias`: added to its tokens' logits (OpenAI's).
 - the penalties, on the logits before temperature (so greedy rows too): a token in the
   prompt or generated before has its logit divided by `repetition_penalty` where positive,
@@ -48,6 +49,8 @@ class Sampling:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    ignore_eos: bool = False  # the model's EOS ids do not end the row (vLLM's)
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the row besides (vLLM's)
 
     def __post_init__(self):
         if not 0.0 <= self.temperature < math.inf:
@@ -70,6 +73,12 @@ class Sampling:
         for token, bias in self.logit_bias:
             if token < 0 or not math.isfinite(bias):
                 raise ValueError(f"logit_bias {token}: {bias} is not a token id and a number.")
+        if any(token < 0 for token in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids}.")
+
+    def stops(self, eos_ids: Sequence[int]) -> tuple[int, ...]:
+        """The tokens that end the row, of a model whose EOS ids are `eos_ids`."""
+        return (() if self.ignore_eos else tuple(eos_ids)) + self.stop_token_ids
 
     @property
     def penalized(self) -> bool:
@@ -95,12 +104,16 @@ class Rows(NamedTuple):
     min_tokens: Array
     bias_ids: Array  # int32 [rows, n]: the tokens of a row's logit bias (`PAD` after them)
     bias: Array  # float32 [rows, n]: what each adds
+    stop_ids: Array  # int32 [rows, m]: the tokens that end a row (`Sampling.stops`; `PAD`)
 
 
-def rows(settings: Sequence[Sampling], size: int) -> Rows:
-    """`settings` as a dispatch's arrays of `size` rows (the rest greedy, unpenalized)."""
+def rows(settings: Sequence[Sampling], size: int, eos_ids: Sequence[int] = ()) -> Rows:
+    """`settings` as a dispatch's arrays of `size` rows (the rest greedy, unpenalized) of a
+    model whose EOS ids are `eos_ids`."""
     biased = max((len(s.logit_bias) for s in settings), default=0)
     width = _bucket(biased) if biased else 0  # (a dispatch without a bias adds nothing)
+    stops = [s.stops(eos_ids) for s in settings]
+    most = max(map(len, stops), default=0) or len(eos_ids)
     out = Rows(
         np.zeros((size,), np.float32),
         np.ones((size,), np.float32),
@@ -112,8 +125,10 @@ def rows(settings: Sequence[Sampling], size: int) -> Rows:
         np.zeros((size,), np.int32),
         np.full((size, width), PAD, np.int32),
         np.zeros((size, width), np.float32),
+        np.full((size, _bucket(most) if most else 0), PAD, np.int32),
     )
     for i, s in enumerate(settings):
+        out.stop_ids[i, : len(stops[i])] = stops[i]
         out.temperature[i], out.top_p[i], out.top_k[i] = s.temperature, s.top_p, s.top_k
         out.min_p[i] = s.min_p
         out.presence[i], out.frequency[i] = s.presence_penalty, s.frequency_penalty
@@ -172,7 +187,6 @@ def select(
     *,
     seen: Seen | None = None,
     generated: Array | None = None,
-    eos_ids: tuple[int, ...] = (),
     tempered: bool = False,
 ) -> tuple[Array, Array, Array, Array]:
     """Each row's next token by its own settings, its log-probability and the `num_top`
@@ -181,7 +195,7 @@ def select(
     computes a sampled token's log-prob).
 
     `seen`: the rows' tokens so far (None: no row is penalized); `generated` int32 `[rows]`:
-    how many each has generated (for `min_tokens` of `eos_ids`)."""
+    how many each has generated (for `min_tokens`)."""
     logits = logits.astype(jnp.float32)
     sampling = settings.temperature > 0
     if tempered:
@@ -192,10 +206,10 @@ def select(
     if settings.bias_ids.shape[1]:
         row = jnp.arange(logits.shape[0])[:, None]
         logits = logits.at[row, settings.bias_ids].add(settings.bias, mode="drop")
-    if generated is not None and eos_ids:
+    if generated is not None and settings.stop_ids.shape[1]:
         early = (generated < settings.min_tokens)[:, None]
-        eos = jnp.zeros(logits.shape[-1], bool).at[jnp.asarray(eos_ids)].set(True)
-        logits = jnp.where(early & eos, -jnp.inf, logits)
+        held = jnp.where(early, settings.stop_ids, PAD)  # the row's stop tokens, held back
+        logits = logits.at[jnp.arange(logits.shape[0])[:, None], held].set(-jnp.inf, mode="drop")
     if seen is not None:
         logits = penalize(logits, seen, settings)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -204,7 +204,8 @@ class Scheduler:
         if adapter:  # another adapter's keys and values: other pages
             salt = adapter.to_bytes(8, "little")
             keys = [hashlib.sha1(salt + key).digest() for key in keys]
-        self.waiting.append(JobState(job, prompt, [], keys, adapter=adapter))
+        stops = frozenset(job.sampling.stops(self.eos_ids))
+        self.waiting.append(JobState(job, prompt, [], keys, adapter=adapter, stops=stops))
 
     def cancel(self, job: Job, message: str) -> bool:
         """Drops `job` (its pages freed) with a ("cancelled", message) event; False when the
@@ -294,7 +295,7 @@ class Scheduler:
 
     def _emit(self, seq: JobState, token: int, logprob: float, top: list) -> bool:
         """Hands `seq` its sampled token; True while it goes on."""
-        if token in self.eos_ids:
+        if token in seq.stops:
             self._end(seq, ("done", "stop", token, logprob))
             return False
         seq.job.events.put(("token", token, logprob, top))
@@ -415,7 +416,7 @@ class Scheduler:
         settings = [seq.job.sampling for seq, _ in finished]
         history = sampling.histories(settings, [s.prompt for s, _ in finished], [], size)
         counts = np.zeros((size,), np.int32)
-        args = (logits, index, seeds, counts, sampling.rows(settings, size), history)
+        args = (logits, index, seeds, counts, sampling.rows(settings, size, self.eos_ids), history)
         with self.partitioner.context():
             out = self.programs.first(*args)
         token, lp, top_ids, top_lps = self._read(out)
@@ -464,7 +465,7 @@ class Scheduler:
             settings, [seq.prompt for seq in rows], [seq.tokens for seq in rows], size
         )
         args = (fed, slots, table, adapters, remaining, seeds, counts)
-        args += (sampling.rows(settings, size), states, history)
+        args += (sampling.rows(settings, size, self.eos_ids), states, history)
         args += (ahead.out[0] if ahead is not None and history is not None else None,)
         with self.partitioner.context():
             self.cache, *out = self.programs.decode(self.params, self.cache, *args)

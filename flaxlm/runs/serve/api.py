@@ -6,35 +6,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import queue
-import secrets
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from flaxlm.inference.sampling import Sampling
+from flaxlm.runs.serve.settings import (
+    SAMPLING_FIELDS,
+    BadRequest,
+    Defaults,
+    Types,
+    check_unicode,
+    sampling_settings,
+    shown,
+)
 
 if TYPE_CHECKING:  # (serving loads neither seqio nor TensorFlow)
     import seqio
 
 MAX_LOGPROBS = 5
-MAX_LOGIT_BIAS = 300  # tokens a request's logit_bias may name (OpenAI's limit)
-MAX_CHOICES = 16  # n x prompts of one request: each is a row of the engine's batches
-SEED_LIMIT = 2**32  # the engine seeds each row's RNG with a uint32
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class BadRequest(ValueError):
-    """A request the server answers with `status` (400) and a message; `param` names the
-    field at fault (OpenAI's error `param`), None when it is the body as a whole; `code` is
-    OpenAI's error `code` where it has one."""
-
-    def __init__(
-        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
-    ):
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
 
 
 @dataclasses.dataclass
@@ -51,77 +43,16 @@ class Completion:
     adapter: int = 0  # the LoRA adapter the request's `model` names (0: the base)
 
 
-@dataclasses.dataclass(frozen=True)
-class Defaults:
-    """The settings a request gets where it leaves them unset or null: the checkpoint's
-    `generation_config.json` where it sets them (as vLLM reads it: `temperature`, `top_p`,
-    `top_k`, `min_p`, `repetition_penalty`, `max_new_tokens`; `do_sample` is not
-    consulted), else OpenAI's."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int | None = None  # None: 16 for completions, what is left for chat
-
-    @classmethod
-    def from_generation_config(
-        cls, config: Mapping[str, Any] | None, max_tokens_limit: int
-    ) -> Defaults:
-        """Those of an HF `generation_config.json` (None: OpenAI's); values out of the
-        API's ranges are ignored, `max_new_tokens` is capped at `max_tokens_limit`."""
-        config = config or {}
-
-        def number(key: str, low: float, high: float, default: float) -> float:
-            value = config.get(key)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            return float(value) if ok and low <= value <= high else default
-
-        max_new = config.get("max_new_tokens")
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
-            max_new = None
-        return cls(
-            temperature=number("temperature", 0.0, 2.0, 1.0),
-            top_p=number("top_p", 1e-9, 1.0, 1.0),
-            top_k=top_k if _whole(top_k := config.get("top_k")) and top_k >= 0 else 0,
-            min_p=number("min_p", 0.0, 1.0, 0.0),
-            repetition_penalty=number("repetition_penalty", 1e-9, math.inf, 1.0),
-            max_tokens=None if max_new is None else min(max_new, max_tokens_limit),
-        )
-
-
-_Types = type | tuple[type, ...]
 _NONE = type(None)
 # Every optional field may also be null (the request leaves it unset).
-_SAMPLING: dict[str, tuple[_Types, str]] = {
-    "model": (str, "a string"),
-    "max_tokens": (int, "an integer"),
-    "temperature": ((int, float), "a number"),
-    "top_p": ((int, float), "a number"),
-    "stop": ((str, list), "a string, a list of strings"),
-    "stream": (bool, "a boolean"),
-    "stream_options": (dict, "an object"),
-    "seed": (int, "an integer"),
-    "n": (int, "an integer"),
-    "user": (str, "a string"),
-    "frequency_penalty": ((int, float), "a number"),
-    "presence_penalty": ((int, float), "a number"),
-    # vLLM's sampling parameters beyond OpenAI's (the client's `extra_body`).
-    "top_k": (int, "an integer"),
-    "min_p": ((int, float), "a number"),
-    "repetition_penalty": ((int, float), "a number"),
-    "min_tokens": (int, "an integer"),
-    "logit_bias": (dict, "an object"),
-}
 _COMPLETION_FIELDS = {
-    **_SAMPLING,
+    **SAMPLING_FIELDS,
     "prompt": ((str, list), "a string or a list of strings"),
     "logprobs": (int, "an integer"),
     "echo": (bool, "a boolean"),
 }
 _CHAT_FIELDS = {
-    **_SAMPLING,
+    **SAMPLING_FIELDS,
     "messages": (list, "a list of messages"),
     "max_completion_tokens": (int, "an integer"),
     "logprobs": (bool, "a boolean"),
@@ -159,7 +90,7 @@ def parse_request(
             "Field 'prompt' must be a string or a non-empty list of strings.", "prompt"
         )
     for p in prompts:
-        _check_unicode("prompt", p)
+        check_unicode("prompt", p)
     logprobs = request.get("logprobs")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise BadRequest(
@@ -175,7 +106,9 @@ def parse_request(
     max_tokens = "max_tokens", defaults.max_tokens or COMPLETIONS_MAX_TOKENS, max_tokens
     return {
         "prompts": prompts,
-        **_sampling(request, max_tokens, max_positions, max_tokens_limit, defaults, len(prompts)),
+        **sampling_settings(
+            request, max_tokens, max_positions, max_tokens_limit, defaults, len(prompts)
+        ),
         "logprobs": logprobs,
         "echo": bool(request.get("echo")),
         "chat": False,
@@ -217,7 +150,7 @@ def parse_chat_request(
     return {
         "messages": messages,
         "chat_template_kwargs": template_kwargs,
-        **_sampling(request, max_tokens, max_positions, max_tokens_limit, defaults, 1),
+        **sampling_settings(request, max_tokens, max_positions, max_tokens_limit, defaults, 1),
         "logprobs": (top or 0) if request.get("logprobs") else None,
         "echo": False,
         "chat": True,
@@ -248,13 +181,6 @@ def render_chat(
         raise BadRequest(f"The chat template refused the messages: {e}", "messages") from e
 
 
-def sample_seeds(seed: int | None, n: int) -> list[int]:
-    """The seeds of a prompt's `n` samples: `seed`, `seed + 1`, ... (so sample 0 is the
-    n=1 answer with the same seed); a random start where the request sets none."""
-    start = secrets.randbelow(SEED_LIMIT) if seed is None else seed
-    return [(start + i) % SEED_LIMIT for i in range(n)]
-
-
 def check_prompt_ids(
     ids: Sequence[int], max_tokens: int, max_positions: int | None, vocab_size: int
 ) -> None:
@@ -276,7 +202,7 @@ def check_prompt_ids(
         )
 
 
-def _fields(body: bytes, fields: dict[str, tuple[_Types, str]]) -> dict:
+def _fields(body: bytes, fields: dict[str, tuple[Types, str]]) -> dict:
     """The body's JSON object, every field known and of its type; null fields dropped."""
     try:
         request = json.loads(body or b"")
@@ -293,104 +219,8 @@ def _fields(body: bytes, fields: dict[str, tuple[_Types, str]]) -> dict:
         if not isinstance(value, types) or (
             isinstance(value, bool) and bool not in _as_tuple(types)
         ):
-            raise BadRequest(f"Field {key!r} must be {what} or null, got {_shown(value)}.", key)
+            raise BadRequest(f"Field {key!r} must be {what} or null, got {shown(value)}.", key)
     return {k: v for k, v in request.items() if v is not None}
-
-
-def _sampling(
-    request: dict,
-    max_tokens: tuple[str, int | None, int | None],
-    max_positions: int | None,
-    max_tokens_limit: int,
-    defaults: Defaults,
-    prompts: int,
-) -> dict:
-    """The settings both endpoints share. `max_tokens`: the field's name, its default and
-    the request's value."""
-    key, default, value = max_tokens
-    value = default if value is None else value
-    if value is not None:
-        if not 1 <= value <= max_tokens_limit:
-            raise BadRequest(f"{key} must be between 1 and {max_tokens_limit}, got {value}.", key)
-        if max_positions is not None and value >= max_positions:
-            raise BadRequest(
-                f"{key}={value} leaves no room for a prompt in the model's "
-                f"{max_positions} positions.",
-                key,
-            )
-    temperature = _number(request, "temperature", defaults.temperature)
-    if not 0.0 <= temperature <= 2.0:
-        raise BadRequest(f"temperature must be between 0 and 2, got {temperature}.", "temperature")
-    top_p = _number(request, "top_p", defaults.top_p)
-    if not 0.0 < top_p <= 1.0:
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p}.", "top_p")
-    top_k = request.get("top_k", defaults.top_k)
-    if top_k < -1:
-        raise BadRequest(f"top_k must be -1 or 0 (no limit) or at least 1, got {top_k}.", "top_k")
-    min_p = _number(request, "min_p", defaults.min_p)
-    if not 0.0 <= min_p <= 1.0:
-        raise BadRequest(f"min_p must be in [0, 1], got {min_p}.", "min_p")
-    penalties = {}
-    for key in ("presence_penalty", "frequency_penalty"):
-        penalties[key] = _number(request, key, 0.0)
-        if not -2.0 <= penalties[key] <= 2.0:
-            raise BadRequest(f"{key} must be between -2 and 2, got {penalties[key]}.", key)
-    repetition = _number(request, "repetition_penalty", defaults.repetition_penalty)
-    if not repetition > 0.0:
-        raise BadRequest(
-            f"repetition_penalty must be > 0 (1: none), got {repetition}.", "repetition_penalty"
-        )
-    min_tokens = request.get("min_tokens", 0)
-    if not 0 <= min_tokens <= (value or max_tokens_limit):
-        raise BadRequest(
-            f"min_tokens must be between 0 and max_tokens ({value or max_tokens_limit}), got "
-            f"{min_tokens}.",
-            "min_tokens",
-        )
-    settings = Sampling(
-        temperature, top_p, max(top_k, 0), min_p, **penalties,
-        repetition_penalty=repetition, min_tokens=min_tokens,
-        logit_bias=_logit_bias(request.get("logit_bias") or {}),
-    )  # fmt: skip
-    stop = request.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("stop must be a non-empty string or a list of at most 4 of them.", "stop")
-    for s in stop:
-        _check_unicode("stop", s)
-    seed = request.get("seed")
-    if seed is not None and not 0 <= seed < SEED_LIMIT:
-        raise BadRequest(f"seed must be between 0 and 2**32 - 1, got {_shown(seed)}.", "seed")
-    n = request.get("n", 1)
-    if not 1 <= n * prompts <= MAX_CHOICES:
-        raise BadRequest(
-            f"n must be at least 1 and n x prompts at most {MAX_CHOICES}, got n={n} with "
-            f"{prompts} prompt(s).",
-            "n",
-        )
-    stream = request.get("stream", False)
-    options = request.get("stream_options")
-    if options is not None:
-        if not stream:
-            raise BadRequest(
-                "stream_options is only allowed when stream is true.", "stream_options"
-            )
-        unknown = sorted(set(options) - {"include_usage"})
-        if unknown or not isinstance(options.get("include_usage", False), bool):
-            raise BadRequest(
-                "stream_options supports only include_usage (a boolean).", "stream_options"
-            )
-    return {
-        "model": request.get("model"),
-        "n": n,
-        "max_tokens": value,
-        "sampling": settings,
-        "stop": stop,
-        "stream": stream,
-        "include_usage": bool((options or {}).get("include_usage")),
-        "seed": seed,
-        "max_positions": max_positions,
-    }
 
 
 # What a message may carry besides its role and content, handed to the chat template as it
@@ -453,11 +283,11 @@ def _messages(value: list) -> list[dict[str, Any]]:
     for i, message in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise BadRequest(f"{where} must be an object, got {_shown(message)}.", where)
+            raise BadRequest(f"{where} must be an object, got {shown(message)}.", where)
         role = message.get("role")
         if role not in ROLES:
             raise BadRequest(
-                f"{where}.role must be one of {list(ROLES)}, got {_shown(role)}.", f"{where}.role"
+                f"{where}.role must be one of {list(ROLES)}, got {shown(role)}.", f"{where}.role"
             )
         content = message.get("content")
         if content is None and role == "assistant":
@@ -475,79 +305,17 @@ def _messages(value: list) -> list[dict[str, Any]]:
             content = "\n".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise BadRequest(
-                f"{where}.content must be a string or a list of text parts, got {_shown(content)}.",
+                f"{where}.content must be a string or a list of text parts, got {shown(content)}.",
                 f"{where}.content",
             )
-        _check_unicode(f"{where}.content", content)
+        check_unicode(f"{where}.content", content)
         out.append({"role": role, "content": content, **_message_extras(message, where)})
     return out
-
-
-def _number(request: dict, key: str, default: float) -> float:
-    """A field's value as a float (JSON also allows NaN, Infinity and huge integers)."""
-    try:
-        value = float(request.get(key, default))
-    except OverflowError:
-        value = math.inf
-    if not math.isfinite(value):
-        raise BadRequest(f"{key} must be a finite number, got {_shown(request[key])}.", key)
-    return value
-
-
-def _logit_bias(value: dict) -> tuple[tuple[int, float], ...]:
-    """OpenAI's `logit_bias` (token ids as strings -> -100..100) as `Sampling` holds it."""
-    if len(value) > MAX_LOGIT_BIAS:
-        raise BadRequest(
-            f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(value)}.", "logit_bias"
-        )
-    out = []
-    for key, bias in value.items():
-        if not (key.isascii() and key.isdigit()) or not isinstance(bias, (int, float)):
-            raise BadRequest(
-                f"logit_bias maps token ids (as strings) to numbers, got {_shown({key: bias})}.",
-                "logit_bias",
-            )
-        if isinstance(bias, bool) or not -100 <= bias <= 100:
-            raise BadRequest(
-                f"logit_bias values must be between -100 and 100, got {_shown(bias)}.",
-                "logit_bias",
-            )
-        out.append((int(key), float(bias)))
-    return tuple(sorted(out))
-
-
-def check_logit_bias(settings: Sampling, vocab_size: int) -> None:
-    """Raises BadRequest where `logit_bias` names a token outside the model's vocabulary."""
-    outside = [t for t, _ in settings.logit_bias if t >= vocab_size]
-    if outside:
-        raise BadRequest(
-            f"logit_bias names token ids {outside[:5]} outside the model's vocabulary of "
-            f"{vocab_size}.",
-            "logit_bias",
-        )
-
-
-def _whole(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_unicode(key: str, text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise BadRequest(
-            f"Field {key!r} is not valid Unicode: {e.reason} at {e.start}.", key
-        ) from e
-
-
-def _shown(value: object) -> str:
-    """`value` as the client wrote it, cut short."""
-    return json.dumps(value)[:80]
 
 
 def _first_line(error: BaseException) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
-def _as_tuple(types: _Types) -> tuple[type, ...]:
+def _as_tuple(types: Types) -> tuple[type, ...]:
     return types if isinstance(types, tuple) else (types,)

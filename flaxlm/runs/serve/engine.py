@@ -14,7 +14,6 @@ dispatch; `BatchEngine` serves the params as they are, one model."""
 
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 import time
@@ -76,8 +75,7 @@ class BatchEngine:
         self.queue: queue.Queue[Completion | list[Completion] | None] = queue.Queue()
         self._prefill = jax.jit(model.prefill, static_argnums=(3,))
         self._step = jax.jit(model.decode_step, static_argnums=(4,), donate_argnums=(3,))
-        select = functools.partial(sampling.select, eos_ids=tuple(model.eos_ids))
-        self._select = jax.jit(select, static_argnums=(3,))
+        self._select = jax.jit(sampling.select, static_argnums=(3,))
         self._seen = jax.jit(sampling.seen, static_argnums=(2,))
         self._count = jax.jit(sampling.count)
         self.batches = 0
@@ -167,7 +165,8 @@ class BatchEngine:
         batch = [r.completion for r in rows]
         settings = [c.sampling for c in batch]
         history = sampling.histories(settings, [r.prompt_ids for r in rows], [], size)
-        settings = sampling.rows(settings, size)
+        stops = [frozenset(s.stops(self.model.eos_ids)) for s in settings]
+        settings = sampling.rows(settings, size, self.model.eos_ids)
         with self.partitioner.context():
             placed = [self.partitioner.global_array(x) for x in (inputs, lengths)]
             logits, state = self._prefill(self.params, *placed, config)
@@ -188,7 +187,7 @@ class BatchEngine:
                 for i in active:
                     c = batch[i]
                     tok = int(token[i])
-                    if tok in self.model.eos_ids:
+                    if tok in stops[i]:
                         c.events.put(("done", "stop"))
                         continue
                     top = list(zip(top_ids[i].tolist(), top_lps[i].tolist()))

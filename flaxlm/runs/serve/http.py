@@ -23,17 +23,14 @@ from flaxlm.inference import generation
 from flaxlm.models.base import EncoderDecoderModel
 from flaxlm.models.row_start import RowStart
 from flaxlm.runs.serve.api import (
-    BadRequest,
     Completion,
-    Defaults,
-    check_logit_bias,
     check_prompt_ids,
     parse_chat_request,
     parse_request,
     render_chat,
-    sample_seeds,
 )
 from flaxlm.runs.serve.engine import Engine
+from flaxlm.runs.serve.settings import BadRequest, Defaults, check_token_ids, sample_seeds
 from flaxlm.runs.serve.stream import TextStream
 
 
@@ -160,7 +157,7 @@ class Server:
                     )
                 max_tokens = room
             check_prompt_ids(ids, max_tokens, self.max_positions, self.engine.vocab_size)
-            check_logit_bias(request["sampling"], self.engine.vocab_size)
+            check_token_ids(request["sampling"], self.engine.vocab_size)
             for seed in sample_seeds(request["seed"], request["n"]):
                 jobs.append(
                     Completion(
