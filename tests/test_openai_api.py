@@ -319,6 +319,7 @@ def test_a_tool_use_history_reaches_the_template_as_vllm_hands_it_on(served, che
         ),
         ({"presence_penalty": 2.5}, "presence_penalty", "between -2 and 2"),
         ({"extra_body": {"top_k": -2}}, "top_k", "top_k must be -1 or 0"),
+        ({"extra_body": {"top_k": 2**40}}, "top_k", "top_k must be -1 or 0"),
         ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty", "must be > 0"),
         ({"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens", "between 0 and"),
         ({"logit_bias": {"5": 300}}, "logit_bias", "between -100 and 100"),

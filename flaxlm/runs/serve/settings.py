@@ -131,8 +131,10 @@ def sampling_settings(
     if not 0.0 < top_p <= 1.0:
         raise BadRequest(f"top_p must be in (0, 1], got {top_p}.", "top_p")
     top_k = request.get("top_k", defaults.top_k)
-    if top_k < -1:
-        raise BadRequest(f"top_k must be -1 or 0 (no limit) or at least 1, got {top_k}.", "top_k")
+    if not -1 <= top_k < 2**31:
+        raise BadRequest(
+            f"top_k must be -1 or 0 (no limit) or a count of tokens, got {shown(top_k)}.", "top_k"
+        )
     min_p = _number(request, "min_p", defaults.min_p)
     if not 0.0 <= min_p <= 1.0:
         raise BadRequest(f"min_p must be in [0, 1], got {min_p}.", "min_p")
