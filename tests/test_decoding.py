@@ -130,6 +130,13 @@ def test_eos_stops_a_row_and_pads_after_it(tmp_path):
     assert (stopped[0, 3:] == 0).all()
     theirs = hf_greedy(torch_model, ids, PROMPT_LENGTHS, eos_token_id=eos)
     np.testing.assert_array_equal(stopped, theirs)
+    # HF's min_new_tokens: no EOS before it (row 0 goes on past its third token).
+    held = generation.generate(
+        model, params, {"inputs": ids}, max_new_tokens=NEW_TOKENS, eos_id=eos, min_new_tokens=5
+    )
+    theirs = hf_greedy(torch_model, ids, PROMPT_LENGTHS, eos_token_id=eos, min_new_tokens=5)
+    np.testing.assert_array_equal(held, theirs)
+    assert held[0, 2] != eos and (held[0] != 0).sum() > 3
 
 
 @pytest.mark.parametrize("family", ["llama_gqa", "gptj"])

@@ -134,6 +134,7 @@ def generate(
     rng: Array | None = None,
     length_penalty: float = 1.0,
     repetition_penalty: float = 1.0,
+    min_new_tokens: int = 0,
     eos_id: int | Sequence[int] | None = MODEL_EOS,
 ) -> np.ndarray:
     """int32 numpy `[batch, max_new_tokens]`: the tokens generated after each prompt, 0
@@ -143,9 +144,10 @@ def generate(
     encoder's inputs). Rows of different lengths decode as if alone. Greedy when
     `temperature` is 0, else sampled (seeded by `rng`) from the `top_k` / `top_p` set;
     `num_beams > 1` is beam search; `repetition_penalty` as HF's over prompt and new tokens
-    (decoder-only models, no beams). `eos_id` overrides the model's EOS ids (None: never stop
-    early). With a `partitioner`, the prompts are split over its batch axes (when the batch
-    divides) and the whole decoding loop runs as one program on its mesh, on every process.
+    (decoder-only models, no beams); no EOS before `min_new_tokens`. `eos_id` overrides the
+    model's EOS ids (None: never stop early). With a `partitioner`, the prompts are split
+    over its batch axes (when the batch divides) and the whole decoding loop runs as one
+    program on its mesh, on every process.
     """
     inputs, lengths = prompts_of(batch)
     config = decoding.DecodingConfig(
@@ -156,6 +158,7 @@ def generate(
         num_beams=int(num_beams),
         length_penalty=float(length_penalty),
         repetition_penalty=float(repetition_penalty),
+        min_new_tokens=int(min_new_tokens),
         eos_ids=model.eos_ids if eos_id == MODEL_EOS else eos_tuple(eos_id),
     )
     if config.repetition_penalty != 1.0 and isinstance(model, EncoderDecoderModel):
@@ -183,12 +186,13 @@ class GenerationSettings:
     num_beams: int = 1
     length_penalty: float = 1.0
     repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
     seed: int = 0
 
     def __post_init__(self):  # a setting out of range fails where the run is configured
         decoding.DecodingConfig(
             self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.num_beams,
-            self.length_penalty, self.repetition_penalty,
+            self.length_penalty, self.repetition_penalty, self.min_new_tokens,
         )  # fmt: skip
 
 
@@ -366,6 +370,7 @@ def generate_ids(
             rng=jax.random.fold_in(jax.random.PRNGKey(settings.seed), start),
             length_penalty=settings.length_penalty,
             repetition_penalty=settings.repetition_penalty,
+            min_new_tokens=settings.min_new_tokens,
         )
         for row in range(len(chunk)):
             ids = until_eos(tokens[row], model.eos_ids)

@@ -34,7 +34,8 @@ class DecodingConfig:
     to the `top_k` most likely tokens (0: all) and to the smallest set whose probability
     reaches `top_p` (1.0: all). `repetition_penalty` != 1 divides the logit of every token
     of the prompt and of the tokens generated so far by it where positive, multiplies it
-    where negative, before either (HF's `RepetitionPenaltyLogitsProcessor`). `num_beams > 1`
+    where negative, before either (HF's `RepetitionPenaltyLogitsProcessor`); no EOS is
+    chosen before `min_new_tokens` (HF's `MinNewTokensLengthLogitsProcessor`). `num_beams > 1`
     is beam search (deterministic); its scores are summed log-probabilities divided by
     `generated_length ** length_penalty`, as in HuggingFace's beam search with
     `early_stopping=False`.
@@ -47,6 +48,7 @@ class DecodingConfig:
     num_beams: int = 1
     length_penalty: float = 1.0
     repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
     eos_ids: tuple[int, ...] = ()  # a row stops after any of these
     pad_id: int = 0
 
@@ -67,9 +69,12 @@ class DecodingConfig:
             raise ValueError(
                 f"repetition_penalty must be > 0 (1: none), got {self.repetition_penalty}."
             )
-        if self.num_beams > 1 and self.repetition_penalty != 1.0:
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}.")
+        if self.num_beams > 1 and (self.repetition_penalty != 1.0 or self.min_new_tokens):
             raise ValueError(
-                "repetition_penalty is not supported with beam search (num_beams > 1)."
+                "repetition_penalty and min_new_tokens are not supported with beam search "
+                "(num_beams > 1)."
             )
 
 
@@ -200,6 +205,9 @@ def sample(
         raise ValueError("sample: `seen` is needed with a repetition penalty, and only then.")
 
     def emit(t, logits, done, tokens, lengths, seen):
+        if config.min_new_tokens and config.eos_ids:  # no EOS before min_new_tokens
+            early = logits.at[:, jnp.asarray(config.eos_ids)].set(-jnp.inf)
+            logits = jnp.where(t < config.min_new_tokens, early, logits)
         if seen is not None:
             logits = penalize_repeats(logits, seen, config.repetition_penalty)
         token = choose_tokens(logits, jax.random.fold_in(rng, t), config)

@@ -283,6 +283,7 @@ def paged_generate_ids(
             settings.top_p,
             settings.top_k,
             repetition_penalty=settings.repetition_penalty,
+            min_tokens=settings.min_new_tokens,
         ),  # fmt: skip
         progress=report if progress else None,
     )
@@ -392,8 +393,9 @@ def infer(
         model.generation_config,
         f"infer's settings (temperature {settings.temperature:g}, top_k {settings.top_k}, top_p "
         f"{settings.top_p:g}, num_beams {settings.num_beams}, repetition_penalty "
-        f"{settings.repetition_penalty:g}: TEMPERATURE, TOP_K, TOP_P, NUM_BEAMS, "
-        "REPETITION_PENALTY in gin/runs/infer.gin)",
+        f"{settings.repetition_penalty:g}, min_new_tokens {settings.min_new_tokens}: "
+        "TEMPERATURE, TOP_K, TOP_P, NUM_BEAMS, REPETITION_PENALTY, MIN_NEW_TOKENS in "
+        "gin/runs/infer.gin)",
     )
     out_dir = epath.Path(output_dir)
     metrics.write_config(out_dir)
