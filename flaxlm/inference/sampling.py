@@ -228,9 +228,9 @@ def select(
         )
         return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
 
-    # The filter sorts the vocabulary and the sample draws noise over it, every row at every
-    # step: a batch that only decodes greedily skips both, a row that filters nothing the
-    # sort (as the batch path, `decoding.choose_tokens`).
+    # The filter (each row's top candidates, the vocabulary sorted where its set may reach
+    # past them) and the sample's noise over the vocabulary, every row at every step: a batch
+    # that only decodes greedily skips both, a batch whose rows filter nothing the filter.
     token = jnp.where(sampling, jax.lax.cond(sampling.any(), sample, lambda: greedy), greedy)
     token_lp = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
     top_lps, top_ids = jax.lax.top_k(log_probs, num_top)
