@@ -108,7 +108,7 @@ class PagedPrograms:
         if history is not None:
             seen = sampling.seen(*history, self.model.config.vocab_size)
             if ahead is not None:
-                seen = sampling.count(seen, ahead.T, jnp.ones(ahead.T.shape, bool))
+                seen = sampling.count(seen, ahead.T, True)
 
         def one(carry, _):
             cache, token, slot, remaining, count, seen = carry

@@ -110,10 +110,6 @@ class Rows(NamedTuple):
 def rows(settings: Sequence[Sampling], size: int, eos_ids: Sequence[int] = ()) -> Rows:
     """`settings` as a dispatch's arrays of `size` rows (the rest greedy, unpenalized) of a
     model whose EOS ids are `eos_ids`."""
-    biased = max((len(s.logit_bias) for s in settings), default=0)
-    width = _bucket(biased) if biased else 0  # (a dispatch without a bias adds nothing)
-    stops = [s.stops(eos_ids) for s in settings]
-    most = max(map(len, stops), default=0) or len(eos_ids)
     out = Rows(
         np.zeros((size,), np.float32),
         np.ones((size,), np.float32),
@@ -123,18 +119,15 @@ def rows(settings: Sequence[Sampling], size: int, eos_ids: Sequence[int] = ()) -
         np.zeros((size,), np.float32),
         np.ones((size,), np.float32),
         np.zeros((size,), np.int32),
-        np.full((size, width), PAD, np.int32),
-        np.zeros((size, width), np.float32),
-        np.full((size, _bucket(most) if most else 0), PAD, np.int32),
+        _ragged([[t for t, _ in s.logit_bias] for s in settings], size, PAD, np.int32),
+        _ragged([[b for _, b in s.logit_bias] for s in settings], size, 0.0, np.float32),
+        _ragged([s.stops(eos_ids) for s in settings], size, PAD, np.int32),
     )
     for i, s in enumerate(settings):
-        out.stop_ids[i, : len(stops[i])] = stops[i]
         out.temperature[i], out.top_p[i], out.top_k[i] = s.temperature, s.top_p, s.top_k
         out.min_p[i] = s.min_p
         out.presence[i], out.frequency[i] = s.presence_penalty, s.frequency_penalty
         out.repetition[i], out.min_tokens[i] = s.repetition_penalty, s.min_tokens
-        for j, (token, bias) in enumerate(s.logit_bias):
-            out.bias_ids[i, j], out.bias[i, j] = token, bias
     return out
 
 
@@ -153,18 +146,11 @@ def histories(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """The token histories a dispatch's penalties read (`seen`), int32 `[size, width]` each,
     `PAD` after each row's tokens (the prompt only where the row's repetition penalty reads
-    it); None when no row is penalized. Widths are powers of two (few compiled programs)."""
+    it; `_ragged`); None when no row is penalized."""
     if not any(s.penalized for s in settings):
         return None
     prompts = [p if s.repeats else p[:0] for s, p in zip(settings, prompts)]
-    out = []
-    for seqs in (prompts, outputs):
-        width = _bucket(max((len(x) for x in seqs), default=0))
-        array = np.full((size, width), PAD, np.int32)
-        for i, x in enumerate(seqs):
-            array[i, : len(x)] = x
-        out.append(array)
-    return out[0], out[1]
+    return _ragged(prompts, size, PAD, np.int32), _ragged(outputs, size, PAD, np.int32)
 
 
 def seen(prompt: Array, output: Array, vocab: int) -> Seen:
@@ -203,13 +189,13 @@ def select(
         log_probs = jax.nn.log_softmax(logits / scale, axis=-1)
     else:
         log_probs = jax.nn.log_softmax(logits, axis=-1)
+    row = jnp.arange(logits.shape[0])[:, None]
     if settings.bias_ids.shape[1]:
-        row = jnp.arange(logits.shape[0])[:, None]
         logits = logits.at[row, settings.bias_ids].add(settings.bias, mode="drop")
     if generated is not None and settings.stop_ids.shape[1]:
         early = (generated < settings.min_tokens)[:, None]
         held = jnp.where(early, settings.stop_ids, PAD)  # the row's stop tokens, held back
-        logits = logits.at[jnp.arange(logits.shape[0])[:, None], held].set(-jnp.inf, mode="drop")
+        logits = logits.at[row, held].set(-jnp.inf, mode="drop")
     if seen is not None:
         logits = penalize(logits, seen, settings)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -250,6 +236,17 @@ def _add(counts: Array, tokens: Array) -> Array:
     """`counts` `[rows, vocab]` + each row's `tokens` `[rows, n]` (`PAD` dropped)."""
     row = jnp.broadcast_to(jnp.arange(tokens.shape[0])[:, None], tokens.shape)
     return counts.at[row, tokens].add(1, mode="drop")
+
+
+def _ragged(seqs: Sequence[Sequence], size: int, fill: float, dtype: type) -> np.ndarray:
+    """`seqs` as `[size, width]` `dtype` arrays' rows, `fill` after each one's values and in
+    the rows past them; `width` the longest's length up to a power of two (>= 8; 0 where every
+    one is empty): a few compiled programs."""
+    longest = max(map(len, seqs), default=0)
+    out = np.full((size, _bucket(longest) if longest else 0), fill, dtype)
+    for i, values in enumerate(seqs):
+        out[i, : len(values)] = values
+    return out
 
 
 def _bucket(length: int) -> int:

@@ -181,7 +181,7 @@ class BatchEngine:
                     generated=jnp.full((size,), t, jnp.int32),
                 )  # fmt: skip
                 if seen is not None:
-                    seen = self._count(seen, out[0][:, None], jnp.ones((size, 1), bool))
+                    seen = self._count(seen, out[0][:, None], True)
                 token, token_lp, top_ids, top_lps = (np.asarray(x) for x in out)
                 still = []
                 for i in active:

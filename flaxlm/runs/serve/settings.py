@@ -57,13 +57,15 @@ class Defaults:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             return float(value) if ok and low <= value <= high else default
 
-        max_new = config.get("max_new_tokens")
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
-            max_new = None
+        def whole(key: str, low: int) -> int | None:
+            value = config.get(key)
+            return value if _whole(value) and value >= low else None
+
+        max_new = whole("max_new_tokens", 1)
         return cls(
             temperature=number("temperature", 0.0, 2.0, 1.0),
             top_p=number("top_p", 1e-9, 1.0, 1.0),
-            top_k=top_k if _whole(top_k := config.get("top_k")) and top_k >= 0 else 0,
+            top_k=whole("top_k", 0) or 0,
             min_p=number("min_p", 0.0, 1.0, 0.0),
             repetition_penalty=number("repetition_penalty", 1e-9, math.inf, 1.0),
             max_tokens=None if max_new is None else min(max_new, max_tokens_limit),
@@ -237,7 +239,7 @@ def _logit_bias(value: dict) -> tuple[tuple[int, float], ...]:
 
 
 def _stop_token_ids(value: list) -> tuple[int, ...]:
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+    if not all(_whole(t) and t >= 0 for t in value):
         raise BadRequest(
             f"stop_token_ids must be a list of token ids, got {shown(value)}.", "stop_token_ids"
         )
