@@ -357,7 +357,9 @@ def test_unset_settings_come_from_the_generation_config(served):
         json.dumps({"messages": MESSAGES, "temperature": None}).encode(), 128, 64, server.defaults
     )
     assert parsed["sampling"] == Sampling(0.7, 0.9) and parsed["max_tokens"] is None
-    defaults = settings.Defaults.from_generation_config({"max_new_tokens": 500, "top_p": 7}, 64)
+    defaults = settings.Defaults.from_generation_config(
+        {"max_new_tokens": 500, "top_p": 7, "top_k": 2**40}, 64
+    )
     assert defaults == settings.Defaults(temperature=1.0, top_p=1.0, max_tokens=64)
     # vLLM's reading of a file: top_k, min_p and repetition_penalty too.
     file = {"temperature": 0.6, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05}

@@ -59,7 +59,7 @@ class Defaults:
 
         def whole(key: str, low: int) -> int | None:
             value = config.get(key)
-            return value if _whole(value) and value >= low else None
+            return value if _whole(value) and low <= value < 2**31 else None
 
         max_new = whole("max_new_tokens", 1)
         return cls(
