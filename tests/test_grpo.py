@@ -31,7 +31,7 @@ def task():
     )
 
 
-def run(task, model_dir, steps, **config):
+def run(task, model_dir, steps, inputs=8, **config):
     cfg = rl.GrpoConfig(
         num_generations=4,
         max_new_tokens=4,
@@ -44,7 +44,7 @@ def run(task, model_dir, steps, **config):
         partitioner=Partitioner(mesh_shape=(2, 2, 2)),
         train_dataset_cfg=DatasetConfig(
             mixture_or_task_name=task,
-            task_feature_lengths={"inputs": 8, "targets": 4},
+            task_feature_lengths={"inputs": inputs, "targets": 4},
             batch_size=4,
             seed=1,
         ),
@@ -91,6 +91,16 @@ def test_grpo_raises_the_reward_and_resumes_exactly(task, tmp_path):
             np.testing.assert_allclose(
                 resumed[step][name], by_step[step][name], rtol=1e-6, err_msg=name
             )
+
+    # Prompts ("4+7=") longer than TASK_FEATURE_LENGTHS['inputs'] stop the run, named, at
+    # their first batch (seqio would have cut them to "4+7", silently): no checkpoint written.
+    with pytest.raises(
+        ValueError,
+        match=r"4 prompt\(s\) of GRPO step 1's batch are longer than "
+        r"TASK_FEATURE_LENGTHS\['inputs'\]=3 tokens \(the first: '\d\+\d=",
+    ):
+        run(task, tmp_path / "long", 2, inputs=3, num_iterations=2)
+    assert not os.path.exists(tmp_path / "long" / "checkpoints" / "1")
 
 
 def test_rollout_batch_and_bad_config():

@@ -19,6 +19,7 @@ and the KL reference is the base without them (no second copy of the weights).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -129,6 +130,7 @@ class Rollouts:
         # tokenizer's BOS for a model that reads its rows as HF does).
         self.start = list(row_start.ids(vocabulary))
         self.frozen, self.seed = frozen, seed
+        self.prompt_length = prompt_length
         self.length = prompt_length + 1 + cfg.max_new_tokens
         model, partitioner, lora = setup.model, setup.partitioner, setup.lora
         decoder_axes = {k: P("batch", None) for k in rl.DECODER_FEATURES}
@@ -163,6 +165,22 @@ class Rollouts:
                 )
             else:
                 metrics.print0(f"{refusal} GRPO's rollouts use the batch engine.")
+
+    def check_prompts(self, rows: np.ndarray, step: int) -> None:
+        """A ValueError where a prompt of the batch (read one token longer than
+        `prompt_length`) is longer than `prompt_length`: rollouts have fixed shapes, and a
+        prompt cut at either end is another prompt (a chat prompt cut at its end loses the
+        assistant's header). Every process reads the whole batch, so all raise together."""
+        longer = np.flatnonzero(rows[:, self.prompt_length :].any(-1))
+        if longer.size:
+            text = self.decode(unpadded_ids(rows[longer[0]]))
+            raise ValueError(
+                f"{longer.size} prompt(s) of GRPO step {step + 1}'s batch are longer than "
+                f"TASK_FEATURE_LENGTHS['inputs']={self.prompt_length} tokens (the first: "
+                f"{text[:60]!r}...): raise it to the task's longest prompt, or leave longer "
+                "prompts out of the task. flaxlm does not cut a prompt (TRL keeps every "
+                "prompt whole; its rollouts' shapes are not fixed)."
+            )
 
     def decode(self, ids: Any) -> str:
         """Text of token ids up to the first EOS (a completion's: 0 only after it)."""
@@ -215,6 +233,8 @@ class Rollouts:
         """The rollout batch of `prompts` (on the mesh) and its host metrics."""
         cfg, partitioner = self.cfg, self.setup.partitioner
         prompt_rows = pytrees.host_array(prompts["prompt_tokens"])
+        self.check_prompts(prompt_rows, step)
+        prompt_rows = prompt_rows[:, : self.prompt_length]
         answer_rows = pytrees.host_array(prompts["answer_tokens"])
         group = cfg.num_generations
         texts = [unpadded_ids(row) for row in prompt_rows for _ in range(group)]
@@ -282,7 +302,8 @@ def grpo(
       train_dataset_cfg: a task of `{inputs: prompt, targets: answer}` (e.g.
         `register_jsonl_task`); BATCH_SIZE prompts per step, each sampled
         `config.num_generations` times. Its `task_feature_lengths['inputs']` bounds the
-        prompt (longer ones are cut by seqio).
+        prompt: a longer one stops the run with an error naming it (read one token longer,
+        so that seqio's trimming does not hide it).
       config: `@rl.GrpoConfig()`: group size, sampling, reward functions, epsilon, beta.
       init_from: the policy's starting params: a HuggingFace directory or a flaxlm MODEL_DIR
         (its latest checkpoint; a LoRA run's merged) or a PEFT directory (merged). None: a
@@ -323,8 +344,12 @@ def grpo(
     signals = preemption.PreemptionHandler().install()
     ckpt = writer = None
     try:
+        # Prompts read one token longer than they may be: a longer one is seen, not cut.
+        reads = {**lengths, "inputs": lengths["inputs"] + 1}
         prompts = pipeline.DataIterator.create(
-            train_dataset_cfg, partitioner, PromptFeatureConverter
+            dataclasses.replace(train_dataset_cfg, task_feature_lengths=reads),
+            partitioner,
+            PromptFeatureConverter,
         )
         setup = steps.Setup(
             model,
