@@ -45,7 +45,8 @@ EXTRAS_REQUIRE = {
         "ruff",
         "torch==2.13.0",
         "wandb",
-        "lm_eval==0.4.13",
+        # [api]: tests/test_openai_api.py scores through lm-eval's local-completions client.
+        "lm_eval[api]==0.4.13",
         "datasets==5.2.0",
         # TRL's tokenization and collators: what an HF checkpoint's rows must equal
         # (tests/test_trl_parity.py).

@@ -209,6 +209,26 @@ def test_models_lists_the_adapters_and_a_request_model_picks_one(served, expecte
     assert e.value.code == "model_not_found" and "nope" in e.value.message
 
 
+def test_an_adapters_prompt_log_probs_are_peft_models(served, base, adapters):
+    """echo with logprobs under an adapter (lm-eval's local-completions scoring a LoRA
+    model): each prompt token's log-prob as PEFT's model over HF's gives it."""
+    _, client = served
+    torch_model, path = base
+    ids = transformers.AutoTokenizer.from_pretrained(path).encode(
+        PROMPTS[0], add_special_tokens=False
+    )
+    peft_model = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), adapters["qod"])
+    with torch.no_grad():
+        logits = peft_model(input_ids=torch.tensor([ids])).logits[0].double()
+    ref = torch.log_softmax(logits, -1).numpy()
+    response = client.completions.create(
+        model="qod", prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0
+    )
+    listed = response.choices[0].logprobs.token_logprobs[1 : len(ids)]
+    # float32 logits of O(1) through 2 layers: well inside 1e-4.
+    np.testing.assert_allclose(listed, [ref[t - 1, ids[t]] for t in range(1, len(ids))], atol=1e-4)
+
+
 def test_a_flaxlm_lora_run_serves_as_its_peft_adapters(base, adapters, tmp_path):
     """The same adapters as a flaxlm LoRA run directory (lora.json + a checkpoint) stack to
     the same arrays as the PEFT directory they came from."""

@@ -280,6 +280,75 @@ def test_completions_take_n_stop_and_stream_usage(served):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens > 0
 
 
+def hf_logps(torch_model, ids):
+    """HF's log-softmax of each position's logits for `ids` (float64 numpy)."""
+    with torch.no_grad():
+        logits = torch_model(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.double(), -1).numpy()
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_hf_and_lm_eval_reads_it(served, checkpoint):
+    """A prompt of token ids with echo and logprobs (what lm-eval's local-completions sends
+    to score a continuation): each prompt token's log-prob and the most likely there, as HF's
+    model gives them, then the new token; and lm-eval's own client reads them."""
+    server, client = served
+    path, torch_model, eos = checkpoint
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    ids = tokenizer.encode("def main():\n    return 1 + 2", add_special_tokens=False)
+    response = client.completions.create(
+        model=MODEL, prompt=ids, echo=True, logprobs=2, max_tokens=1, temperature=0
+    )
+    choice, ref = response.choices[0], hf_logps(torch_model, ids)
+    listed = choice.logprobs
+    assert choice.text.startswith(tokenizer.decode(ids))
+    assert "".join(listed.tokens[: len(ids)]) == tokenizer.decode(ids)
+    assert listed.token_logprobs[0] is None and listed.top_logprobs[0] is None
+    # The new token, or the EOS that ended the completion at once, listed last (as vLLM).
+    assert len(listed.tokens) == len(ids) + 1 and response.usage.prompt_tokens == len(ids)
+    expected = [ref[t - 1, ids[t]] for t in range(1, len(ids))]
+    # float32 logits of O(1) through 2 layers: log-probs agree well inside 1e-4.
+    np.testing.assert_allclose(listed.token_logprobs[1 : len(ids)], expected, atol=1e-4)
+    for t in range(1, len(ids) + 1):
+        best = {}  # ids that decode alike (a byte of a character) keep the likelier
+        for i in np.argsort(-ref[t - 1])[:2]:
+            best.setdefault(tokenizer.decode([int(i)]), ref[t - 1, i])
+        top = listed.top_logprobs[t]
+        assert list(top) == list(best), t
+        np.testing.assert_allclose(list(top.values()), list(best.values()), atol=1e-4)
+    # Two prompts of ids in one request, each scored on its own.
+    both = client.completions.create(
+        model=MODEL, prompt=[ids[:5], ids], echo=True, logprobs=0, max_tokens=1, temperature=0
+    )
+    assert both.choices[1].logprobs.token_logprobs[: len(ids)] == listed.token_logprobs[: len(ids)]
+    assert both.choices[0].logprobs.top_logprobs is None
+    # lm-eval's local-completions client (tokenized requests): its log-likelihoods and
+    # greedy flags are HF's, continuation by continuation.
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    lm = LocalCompletionsAPI(
+        base_url=server.address + "/v1/completions",
+        model=MODEL,
+        tokenizer=path,
+        tokenizer_backend="huggingface",
+        max_retries=1,
+    )
+    pairs = [("def main():", "\n    return"), ("x = 1", " + 2"), ("print(", "x)")]
+    requests = [
+        Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i)
+        for i, pair in enumerate(pairs)
+    ]
+    results = lm.loglikelihood(requests, disable_tqdm=True)
+    for (context, continuation), (logp, greedy) in zip(pairs, results):
+        whole = tokenizer.encode(context + continuation, add_special_tokens=False)
+        start = len(tokenizer.encode(context, add_special_tokens=False))
+        ref = hf_logps(torch_model, whole)
+        predicted = ref[start - 1 : len(whole) - 1]
+        targets = whole[start:]
+        np.testing.assert_allclose(logp, predicted[range(len(targets)), targets].sum(), atol=1e-4)
+        assert greedy == bool((predicted.argmax(-1) == targets).all())
+
+
 def test_a_tool_use_history_reaches_the_template_as_vllm_hands_it_on(served, checkpoint):
     """Names, tool calls and call ids go to the checkpoint's template (rendered as HF's
     apply_chat_template renders the same messages, a call's arguments parsed into an object);

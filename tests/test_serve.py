@@ -162,8 +162,8 @@ def test_completions_equal_generate_and_streaming_equals_non_streaming(server):
     streamed, chunks = stream_text(url, sampled)
     assert streamed == text
     assert chunks > 3  # the text arrived in several events
-    # echo, logprobs, a list of prompts, stop strings (echo with logprobs, which asks for the
-    # prompt's too, is refused: BAD_REQUESTS).
+    # echo, logprobs, a list of prompts, stop strings (echo with logprobs, the prompt's
+    # log-probs too: tests/test_openai_api.py).
     status, body = post(
         url, {"prompt": ["ab", "cd"], "max_tokens": 5, "temperature": 0, "echo": True}
     )
@@ -213,7 +213,10 @@ def test_ten_concurrent_clients_are_batched(server):
 # Request bodies the server refuses with 400, each with what the message names.
 BAD_REQUESTS = [
     (b"{not json", "not valid JSON"),
-    (b'{"prompt": "hi", "echo": true, "logprobs": 1}', "echo with logprobs"),
+    (b'{"prompt": "hi", "echo": true, "logprobs": 1, "stream": true}', "not streamed"),
+    ({"prompt": [1, True]}, "list of token ids"),
+    ({"prompt": [[5], []]}, "list of token ids"),
+    ({"prompt": [9999999]}, "outside the model's vocabulary"),
     (b'{"prompt": "hi", "temperature": NaN}', "temperature must be a finite number, got NaN"),
     (b'{"prompt": "hi", "top_p": Infinity}', "top_p must be a finite number"),
     (b'{"prompt": "hi", "temperature": 1e999}', "temperature must be a finite number"),
@@ -334,7 +337,8 @@ def test_request_validation_names_the_field():
         try:
             parsed = api.parse_request(body, 2048, 512)
             for prompt in parsed["prompts"]:
-                api.check_prompt_ids(VOCAB.encode(prompt), parsed["max_tokens"], 2048, 259)
+                ids = prompt if isinstance(prompt, list) else VOCAB.encode(prompt)
+                api.check_prompt_ids(ids, parsed["max_tokens"], 2048, 259)
         except settings.BadRequest as e:
             assert message in str(e), (str(payload)[:80], str(e))
         else:

@@ -20,8 +20,8 @@ Array = jax.Array
 class Job(Protocol):
     """What the scheduler reads of a job (the server's `Completion`); it puts ("token", id,
     logprob, top), then ("done", "stop" | "length") on `events` (or ("cancelled", msg));
-    ("done", "stop") carries the stop token (an EOS id) and its log-prob as its third and
-    fourth items.
+    ("done", "stop") carries the stop token (an EOS id), its log-prob and the most likely
+    tokens there (as "token" events do) as its third to fifth items.
     A job may also have `adapter`: the index of its LoRA adapter in the params' stacked
     adapters (0, the base, when it has none)."""
 

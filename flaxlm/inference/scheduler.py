@@ -296,7 +296,7 @@ class Scheduler:
     def _emit(self, seq: JobState, token: int, logprob: float, top: list) -> bool:
         """Hands `seq` its sampled token; True while it goes on."""
         if token in seq.stops:
-            self._end(seq, ("done", "stop", token, logprob))
+            self._end(seq, ("done", "stop", token, logprob, top))
             return False
         seq.job.events.put(("token", token, logprob, top))
         seq.generated += 1

@@ -20,6 +20,8 @@ from flaxlm.models.causal_lm import CausalLM
 Array = jax.Array
 Batch = Mapping[str, Array]
 Params = Any
+# Positions whose logits `prompt_logprobs` computes at once (a prompt's length is a multiple).
+PROMPT_CHUNK = 256
 
 
 class CachedDecoding:
@@ -140,6 +142,42 @@ class CachedDecoding:
     ) -> tuple[Array, dict[str, Any]]:
         cache_len = decoding.cache_length(state["cache"])
         return self._run_decoder(params, token[:, None], state["prompt_len"] + t, state, cache_len)
+
+    def prompt_logprobs(self, params: Params, tokens: Array, top: int) -> tuple[Array, ...]:
+        """What each position of `tokens` (int32 `[rows, length]`) predicts of the next
+        token, from `decoding_params`' params: float32 `[rows, length]` log-probabilities of
+        `tokens[:, 1:]` (the last position's of token 0), and the `top` most likely ids and
+        their log-probabilities `[rows, length, top]`, most likely first. A server's
+        `echo` + `logprobs` (what lm-eval's `local-completions` scores with). The head reads
+        PROMPT_CHUNK positions at a time: a long prompt's float32 logits are never whole."""
+        module = self._decode_module()
+        skeleton = isinstance(module, CausalLM)
+        with layers.decoding_products():
+            out = module.apply(
+                {"params": params}, tokens, **({"return_hidden": True} if skeleton else {})
+            )
+        rows, length = tokens.shape
+        targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((rows, 1), tokens.dtype)], 1)
+
+        def scores(block: tuple[Array, Array]) -> tuple[Array, Array, Array]:
+            x, target = block
+            logits = self._mask_padded_vocab(module.head_logits(params, x) if skeleton else x)
+            logps = jax.nn.log_softmax(logits, axis=-1)
+            chosen = jnp.take_along_axis(logps, target[..., None], axis=-1)[..., 0]
+            top_lps, top_ids = jax.lax.top_k(logps, top)
+            return chosen, top_ids, top_lps
+
+        chunk = min(length, PROMPT_CHUNK)
+        if length % chunk:
+            raise ValueError(f"prompt_logprobs: length {length} is not a multiple of {chunk}")
+        blocks = tuple(
+            jnp.moveaxis(a.reshape(rows, length // chunk, chunk, *a.shape[2:]), 1, 0)
+            for a in (out, targets)
+        )  # [blocks, rows, chunk, ...]
+        return tuple(
+            jnp.moveaxis(a, 0, 1).reshape(rows, length, *a.shape[3:])
+            for a in jax.lax.map(scores, blocks)
+        )
 
     # -------------------------------------------------------------- paged decoding
 

@@ -41,13 +41,15 @@ class Completion:
     seed: int
     events: queue.Queue = dataclasses.field(default_factory=queue.Queue)
     adapter: int = 0  # the LoRA adapter the request's `model` names (0: the base)
+    # `echo` with `logprobs`: the prompt's log-probs come first (a ("prompt", ...) event).
+    prompt_logprobs: int | None = None
 
 
 _NONE = type(None)
 # Every optional field may also be null (the request leaves it unset).
 _COMPLETION_FIELDS = {
     **SAMPLING_FIELDS,
-    "prompt": ((str, list), "a string or a list of strings"),
+    "prompt": ((str, list), "a string or a list"),
     "logprobs": (int, "an integer"),
     "echo": (bool, "a boolean"),
 }
@@ -81,26 +83,18 @@ def parse_request(
     Every value the engine could not serve is refused here, so that a bad request fails
     alone, never the batch it would have joined."""
     request, defaults = _fields(body, _COMPLETION_FIELDS), defaults or Defaults()
-    prompt = request.get("prompt")
-    if prompt is None:
-        raise BadRequest("Field 'prompt' is required.", "prompt")
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise BadRequest(
-            "Field 'prompt' must be a string or a non-empty list of strings.", "prompt"
-        )
-    for p in prompts:
-        check_unicode("prompt", p)
+    prompts = _prompts(request.get("prompt"))
     logprobs = request.get("logprobs")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise BadRequest(
             f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}.", "logprobs"
         )
-    if logprobs is not None and request.get("echo"):
+    echo = bool(request.get("echo"))
+    if logprobs is not None and echo and request.get("stream"):
         raise BadRequest(
-            "echo with logprobs asks for the prompt's log-probabilities too, which flaxlm does "
-            "not return; leave out echo (or logprobs).",
-            "echo",
+            "echo with logprobs (the prompt's log-probabilities) is answered whole, not "
+            "streamed; leave out stream.",
+            "stream",
         )
     max_tokens = request.get("max_tokens")
     max_tokens = "max_tokens", defaults.max_tokens or COMPLETIONS_MAX_TOKENS, max_tokens
@@ -110,9 +104,38 @@ def parse_request(
             request, max_tokens, max_positions, max_tokens_limit, defaults, len(prompts)
         ),
         "logprobs": logprobs,
-        "echo": bool(request.get("echo")),
+        "echo": echo,
         "chat": False,
     }
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """A completions request's `prompt` as a list of prompts, each a string or token ids:
+    OpenAI takes a string, a list of strings, a list of token ids, or a list of those."""
+    if prompt is None:
+        raise BadRequest("Field 'prompt' is required.", "prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and _token_ids(prompt)):
+        prompts = [prompt]
+    else:
+        prompts = prompt
+    if (
+        not isinstance(prompts, list)
+        or not prompts
+        or not all(isinstance(p, str) or _token_ids(p) for p in prompts)
+    ):
+        raise BadRequest(
+            "Field 'prompt' must be a string, a list of token ids, or a non-empty list of either.",
+            "prompt",
+        )
+    for p in prompts:
+        if isinstance(p, str):
+            check_unicode("prompt", p)
+    return prompts
+
+
+def _token_ids(value: Any) -> bool:
+    """A non-empty list of integers (not booleans)."""
+    return isinstance(value, list) and bool(value) and all(type(x) is int for x in value)
 
 
 def parse_chat_request(

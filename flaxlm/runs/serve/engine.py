@@ -14,6 +14,7 @@ dispatch; `BatchEngine` serves the params as they are, one model."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -28,8 +29,10 @@ from flaxlm.inference import generation, sampling
 from flaxlm.inference.scheduler import Scheduler
 from flaxlm.models import decoding
 from flaxlm.models.base import BaseModel
+from flaxlm.models.cached_decoding import PROMPT_CHUNK
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve.api import MAX_LOGPROBS, Completion, check_prompt_ids
+from flaxlm.training import lora
 
 if TYPE_CHECKING:  # (serving loads neither seqio nor TensorFlow)
     import seqio
@@ -78,6 +81,7 @@ class BatchEngine:
         self._select = jax.jit(sampling.select, static_argnums=(3,))
         self._seen = jax.jit(sampling.seen, static_argnums=(2,))
         self._count = jax.jit(sampling.count)
+        self._prompt_scores = jax.jit(self._prompt_logprobs)
         self.batches = 0
         self._stopping = False
         self._lock = threading.Lock()  # orders submit() against stop()
@@ -187,10 +191,10 @@ class BatchEngine:
                 for i in active:
                     c = batch[i]
                     tok = int(token[i])
-                    if tok in stops[i]:
-                        c.events.put(("done", "stop"))
-                        continue
                     top = list(zip(top_ids[i].tolist(), top_lps[i].tolist()))
+                    if tok in stops[i]:
+                        c.events.put(("done", "stop", tok, float(token_lp[i]), top))
+                        continue
                     c.events.put(("token", tok, float(token_lp[i]), top))
                     counts[i] += 1
                     if counts[i] >= c.max_tokens:
@@ -215,7 +219,7 @@ class BatchEngine:
         rows = []
         for c in batch:
             try:
-                rows.append(self._row(c))
+                rows.append(self._admit(c))
             except Exception as e:  # noqa: BLE001 - this completion alone fails
                 c.events.put(("error", f"{type(e).__name__}: {e}"))
         return rows
@@ -231,6 +235,35 @@ class BatchEngine:
         if not 0 <= c.adapter <= len(self.adapters):
             raise ValueError(f"adapter {c.adapter}: this engine serves {len(self.adapters)}")
         return _Row(c, ids, np.uint32(c.seed))  # OverflowError: seed
+
+    def _admit(self, c: Completion) -> _Row:
+        """`_row(c)`; a completion that asks for its prompt's log-probs (`echo` with
+        `logprobs`) then gets them as its first event, ("prompt", logprobs, top): each prompt
+        token's given those before it (the first's None) and the MAX_LOGPROBS most likely
+        there, most likely first (the first's empty)."""
+        row = self._row(c)
+        if c.prompt_logprobs is None:
+            return row
+        n = len(row.prompt_ids)
+        length = generation.round_up(n, BUCKET if n <= PROMPT_CHUNK else PROMPT_CHUNK)
+        rows = self.partitioner.data_parallel_degree()
+        tokens = np.zeros((rows, length), np.int32)
+        tokens[0, :n] = row.prompt_ids
+        with self.partitioner.context():
+            placed = [self.partitioner.global_array(x) for x in (tokens, np.full(rows, c.adapter))]
+            out = self._prompt_scores(self.params, *placed)
+            chosen, ids, lps = (np.asarray(x[0, : n - 1]) for x in out)
+        top = [list(zip(i.tolist(), lp.tolist())) for i, lp in zip(ids, lps)]
+        c.events.put(("prompt", [None, *chosen.tolist()], [[], *top]))
+        return row
+
+    def _prompt_logprobs(
+        self, params: Any, tokens: jax.Array, adapters: jax.Array
+    ) -> tuple[jax.Array, ...]:
+        """`prompt_logprobs` of the rows `tokens`, each with its LoRA adapter (Engine)."""
+        scope = lora.adapters_per_row(adapters) if self.adapters else contextlib.nullcontext()
+        with scope:
+            return self.model.prompt_logprobs(params, tokens, MAX_LOGPROBS)
 
 
 class Engine(BatchEngine):
@@ -360,7 +393,7 @@ class Engine(BatchEngine):
         for item in items:
             for c in _completions(item):
                 try:
-                    self._row(c)  # the settings the batch's arrays hold
+                    self._admit(c)  # the settings the batch's arrays hold
                     self.scheduler.add(c)
                 except Exception as e:  # noqa: BLE001 - this completion alone fails
                     c.events.put(("error", f"{type(e).__name__}: {e}"))

@@ -13,8 +13,6 @@ import json
 import queue
 import socket
 import threading
-import time
-import uuid
 from typing import Any
 
 from etils import epath
@@ -22,6 +20,7 @@ from etils import epath
 from flaxlm.inference import generation
 from flaxlm.models.base import EncoderDecoderModel
 from flaxlm.models.row_start import RowStart
+from flaxlm.runs.serve.answer import Answer, error_body
 from flaxlm.runs.serve.api import (
     Completion,
     check_prompt_ids,
@@ -133,15 +132,37 @@ class Server:
             vocabulary = self.engine.vocabulary
             text = render_chat(vocabulary, request["messages"], request["chat_template_kwargs"])
             return [list(vocabulary.encode(text))]
-        return [self.encode(prompt) for prompt in request["prompts"]]
+        return [p if isinstance(p, list) else self.encode(p) for p in request["prompts"]]
+
+    def prompt_texts(self, request: dict) -> list[str]:
+        """What `echo` shows of each completions prompt: its text, or the text of its token
+        ids (special tokens included, as vLLM decodes them)."""
+        tokenizer = getattr(self.engine.vocabulary, "tokenizer", None)
+        texts = []
+        for p in request.get("prompts", ()):
+            if isinstance(p, str):
+                texts.append(p)
+            elif tokenizer is not None:
+                texts.append(tokenizer.decode(p, skip_special_tokens=False))
+            else:
+                texts.append(self.engine.vocabulary.decode(p))
+        return texts
 
     def completions(self, request: dict) -> tuple[list[Completion], list[list[int]]]:
         """The decoding jobs of a parsed request, `n` per prompt (prompt-major, the order of
-        the answer's choices, each sample with its own seed), and each prompt's ids.
+        the answer's choices, each sample with its own seed), and each prompt's ids (as
+        given, for a prompt of token ids).
 
         A chat request that sets no max tokens (nor does the checkpoint) gets the room its
         prompt leaves, up to `max_tokens_limit`."""
         adapter = self.adapter(request)
+        scored = request["logprobs"] if request["echo"] else None
+        if scored is not None and isinstance(self.engine.model, EncoderDecoderModel):
+            raise BadRequest(
+                "echo with logprobs asks for the prompt's log-probabilities, which an "
+                "encoder-decoder model does not predict; leave out echo (or logprobs).",
+                "echo",
+            )
         jobs, prompt_ids = [], self.prompt_ids(request)
         for ids in prompt_ids:
             max_tokens = request["max_tokens"]
@@ -168,6 +189,7 @@ class Server:
                         request["logprobs"],
                         seed,
                         adapter=adapter,
+                        prompt_logprobs=scored,
                     )
                 )
         return jobs, prompt_ids
@@ -238,95 +260,6 @@ class _Failed(Exception):
 
 _PAGE = epath.Path(__file__).parent / "page.html"
 _ENDPOINTS = {"/v1/completions": parse_request, "/v1/chat/completions": parse_chat_request}
-_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error"}
-
-
-class _Answer:
-    """One request's answer in its endpoint's shape: OpenAI's `text_completion` or
-    `chat.completion`, whole or as chunks."""
-
-    def __init__(self, request: dict, model_name: str, prompt_ids: list[list[int]]):
-        self.request, self.chat = request, request["chat"]
-        self.ident = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created, self.model_name = int(time.time()), model_name
-        self.prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once, whatever n is
-        self.completion_tokens = 0
-
-    def _envelope(self, chunk: bool) -> dict[str, Any]:
-        kind = ("chat.completion" if self.chat else "text_completion") + (
-            ".chunk" if chunk and self.chat else ""
-        )
-        return {
-            "id": self.ident,
-            "object": kind,
-            "created": self.created,
-            "model": self.model_name,
-            "system_fingerprint": None,
-        }
-
-    def usage(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
-
-    def prompt(self, index: int) -> str:
-        return self.request["prompts"][index // self.request["n"]]
-
-    def logprobs(self, stream: TextStream, start: int = 0, end: int | None = None) -> Any:
-        count = self.request["logprobs"]
-        if self.chat:
-            return stream.chat_logprobs(count, start, end)
-        return stream.logprobs(count, start, end)
-
-    def whole(self, choices: list[tuple[TextStream, str, str]]) -> dict[str, Any]:
-        """The JSON answer: each choice's (stream, text, finish reason)."""
-        out = []
-        for index, (stream, text, reason) in enumerate(choices):
-            choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs(stream)}
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": text, "refusal": None}
-            else:
-                choice["text"] = (self.prompt(index) if self.request["echo"] else "") + text
-            choice["finish_reason"] = reason
-            out.append(choice)
-        return {**self._envelope(False), "choices": out, "usage": self.usage()}
-
-    def chunk(
-        self,
-        index: int,
-        text: str | None,
-        reason: str | None = None,
-        logprobs: Any = None,
-        *,
-        role: bool = False,
-    ) -> dict[str, Any]:
-        """One streamed event of choice `index`: its next text (None in the chat chunk that
-        only ends a choice), its first with `role` (chat)."""
-        choice: dict[str, Any] = {"index": index}
-        if self.chat:
-            delta = {} if text is None else {"content": text}
-            choice["delta"] = {"role": "assistant", **delta} if role else delta
-        else:
-            choice["text"] = text or ""
-        choice.update(logprobs=logprobs, finish_reason=reason)
-        chunk = {**self._envelope(True), "choices": [choice]}
-        if self.request["include_usage"]:
-            chunk["usage"] = None
-        return chunk
-
-    def usage_chunk(self) -> dict[str, Any]:
-        """The last event when `stream_options.include_usage`: no choices, the usage."""
-        return {**self._envelope(True), "choices": [], "usage": self.usage()}
-
-
-def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    """OpenAI's error shape, which its clients read into their exceptions."""
-    kind = _ERROR_TYPES.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
@@ -404,7 +337,8 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
             n = request["n"]
             for start in range(0, len(jobs), n):  # a prompt's samples share its pages
                 server.engine.submit_many(jobs[start : start + n])
-            answer = _Answer(request, request["model"] or server.model_name, prompt_ids)
+            name = request["model"] or server.model_name
+            answer = Answer(request, name, prompt_ids, server.prompt_texts(request))
             try:
                 if request["stream"]:
                     self._stream(answer, jobs)
@@ -426,6 +360,11 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                     raise _Failed(500, f"Decoding failed: {event[1]}")
                 if event[0] == "cancelled" and not stream.stopped:
                     raise _Failed(503, event[1])
+                if event[0] == "prompt":  # echo with logprobs: listed first
+                    stream.add_prompt(job.prompt_ids, *event[1:])
+                    continue
+                if event[:2] == ("done", "stop") and job.prompt_logprobs is not None:
+                    stream.add_stop(*event[2:])
                 if event[0] in ("done", "cancelled"):
                     rest = stream.flush()
                     if rest:
@@ -439,7 +378,7 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 if stream.stopped:  # at a stop string: the rest is not wanted
                     server.engine.cancel(job, "Stopped at a stop string.")
 
-        def _complete(self, answer: _Answer, jobs: list[Completion]) -> None:
+        def _complete(self, answer: Answer, jobs: list[Completion]) -> None:
             choices = []
             try:
                 for job in jobs:
@@ -452,7 +391,7 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 return
             self._json(200, answer.whole(choices))
 
-        def _stream(self, answer: _Answer, jobs: list[Completion]) -> None:
+        def _stream(self, answer: Answer, jobs: list[Completion]) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")

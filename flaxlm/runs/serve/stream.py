@@ -11,6 +11,10 @@ if TYPE_CHECKING:  # (serving loads neither seqio nor TensorFlow)
     import seqio
 
 
+# Tokens before a prompt token that its text is decoded after (`TextStream._piece`).
+PIECE_CONTEXT = 6
+
+
 class TextStream:
     """Turns a completion's token events into text deltas, honouring stop strings.
 
@@ -26,9 +30,10 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = ""
         self.stopped = False
+        # What `logprobs` lists: the new tokens (after the prompt's with `echo`).
         self.tokens: list[str] = []
-        self.token_logprobs: list[float] = []
-        self.top_logprobs: list[list[tuple[str, float]]] = []  # most likely first
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[list[tuple[str, float]] | None] = []  # most likely first
         self.reported = 0  # tokens whose logprobs a stream has sent
 
     def add(self, token: int, logprob: float, top: Sequence[tuple[int, float]]) -> str:
@@ -36,9 +41,7 @@ class TextStream:
         before = self._decode(self.ids)
         self.ids.append(token)
         text = self._decode(self.ids)
-        self.tokens.append(text[len(before) :])
-        self.token_logprobs.append(logprob)
-        self.top_logprobs.append([(self.vocabulary.decode([i]), lp) for i, lp in top])
+        self._listed(text[len(before) :], logprob, top)
         for s in self.stop:
             at = text.find(s, max(0, len(self.sent) - len(s)))
             if at != -1:
@@ -50,6 +53,38 @@ class TextStream:
         delta = text[len(self.sent) : final]
         self.sent = text[:final] if final > len(self.sent) else self.sent
         return delta
+
+    def add_prompt(
+        self,
+        ids: Sequence[int],
+        logprobs: Sequence[float | None],
+        top: Sequence[Sequence[tuple[int, float]]],
+    ) -> None:
+        """Lists the prompt's tokens ahead of the new ones in `logprobs` (`echo`): each
+        token's text in the prompt's, its log-prob given those before it (the first's None)
+        and the most likely there."""
+        for i in range(len(ids)):
+            self._listed(self._piece(ids, i), logprobs[i], top[i] if i else None)
+
+    def add_stop(self, token: int, logprob: float, top: Sequence[tuple[int, float]]) -> None:
+        """Lists the stop token that ended the completion after its tokens in `logprobs`, as
+        vLLM lists it (its text is not the completion's)."""
+        self._listed(self.vocabulary.decode([token]), logprob, top)
+
+    def _listed(
+        self, text: str, logprob: float | None, top: Sequence[tuple[int, float]] | None
+    ) -> None:
+        self.tokens.append(text)
+        self.token_logprobs.append(logprob)
+        self.top_logprobs.append(
+            None if top is None else [(self.vocabulary.decode([i]), lp) for i, lp in top]
+        )
+
+    def _piece(self, ids: Sequence[int], i: int) -> str:
+        """Token `i`'s text where `ids` decode: what it adds to the few tokens before it."""
+        start = max(0, i - PIECE_CONTEXT)
+        before, text = self._decode(ids[start:i]), self._decode(ids[start : i + 1])
+        return text[len(before) :] if text.startswith(before) else self._decode([ids[i]])
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.vocabulary.decode([i for i in ids if i not in self.skip_ids])
@@ -89,7 +124,10 @@ class TextStream:
         for token in self.tokens[start:end]:
             offsets.append(position)
             position += len(token)
-        top = [_most_likely_first(t[:count]) for t in self.top_logprobs[start:end]]
+        top = [
+            None if t is None else _most_likely_first(t[:count])
+            for t in self.top_logprobs[start:end]
+        ]
         return {
             "tokens": self.tokens[start:end],
             "token_logprobs": self.token_logprobs[start:end],

@@ -1,0 +1,103 @@
+"""A request's answer in OpenAI's shapes: `text_completion` or `chat.completion`, whole or
+as server-sent chunks, its usage, and the error body OpenAI's clients read."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from flaxlm.runs.serve.stream import TextStream
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error"}
+
+
+class Answer:
+    """One request's answer in its endpoint's shape: OpenAI's `text_completion` or
+    `chat.completion`, whole or as chunks."""
+
+    def __init__(
+        self, request: dict, model_name: str, prompt_ids: list[list[int]], texts: list[str]
+    ):
+        """`texts`: what `echo` shows of each prompt (`Server.prompt_texts`)."""
+        self.request, self.chat, self.texts = request, request["chat"], texts
+        self.ident = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created, self.model_name = int(time.time()), model_name
+        self.prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once, whatever n is
+        self.completion_tokens = 0
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (
+            ".chunk" if chunk and self.chat else ""
+        )
+        return {
+            "id": self.ident,
+            "object": kind,
+            "created": self.created,
+            "model": self.model_name,
+            "system_fingerprint": None,
+        }
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+    def prompt(self, index: int) -> str:
+        return self.texts[index // self.request["n"]]
+
+    def logprobs(self, stream: TextStream, start: int = 0, end: int | None = None) -> Any:
+        count = self.request["logprobs"]
+        if self.chat:
+            return stream.chat_logprobs(count, start, end)
+        return stream.logprobs(count, start, end)
+
+    def whole(self, choices: list[tuple[TextStream, str, str]]) -> dict[str, Any]:
+        """The JSON answer: each choice's (stream, text, finish reason)."""
+        out = []
+        for index, (stream, text, reason) in enumerate(choices):
+            choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs(stream)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+            else:
+                choice["text"] = (self.prompt(index) if self.request["echo"] else "") + text
+            choice["finish_reason"] = reason
+            out.append(choice)
+        return {**self._envelope(False), "choices": out, "usage": self.usage()}
+
+    def chunk(
+        self,
+        index: int,
+        text: str | None,
+        reason: str | None = None,
+        logprobs: Any = None,
+        *,
+        role: bool = False,
+    ) -> dict[str, Any]:
+        """One streamed event of choice `index`: its next text (None in the chat chunk that
+        only ends a choice), its first with `role` (chat)."""
+        choice: dict[str, Any] = {"index": index}
+        if self.chat:
+            delta = {} if text is None else {"content": text}
+            choice["delta"] = {"role": "assistant", **delta} if role else delta
+        else:
+            choice["text"] = text or ""
+        choice.update(logprobs=logprobs, finish_reason=reason)
+        chunk = {**self._envelope(True), "choices": [choice]}
+        if self.request["include_usage"]:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last event when `stream_options.include_usage`: no choices, the usage."""
+        return {**self._envelope(True), "choices": [], "usage": self.usage()}
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error shape, which its clients read into their exceptions."""
+    kind = _ERROR_TYPES.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
