@@ -27,6 +27,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # on two threads while the two cores are busy with JAX (OpenMP's barriers wait), which made
 # HF `generate` of 30 tokens ~20 s of each family check. torch reads this at import.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No test reads the network (the package index at install aside): a name that is not a local
+# directory fails at once instead of retrying the Hub. huggingface_hub reads these when first
+# imported, so they are set here, before any test module imports it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:

@@ -2,6 +2,8 @@
 whose tokenizer has a ChatML chat template: what a user of any OpenAI-speaking tool sees."""
 
 import json
+import urllib.error
+import urllib.request
 
 import numpy as np
 import openai
@@ -321,18 +323,28 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_and_lm_eval_reads_it(served,
     )
     assert both.choices[1].logprobs.token_logprobs[: len(ids)] == listed.token_logprobs[: len(ids)]
     assert both.choices[0].logprobs.top_logprobs is None
-    # lm-eval's local-completions client (tokenized requests): its log-likelihoods and
-    # greedy flags are HF's, continuation by continuation.
+    # lm-eval's local-completions client as a user starts it (its tokenizer found on the
+    # server: /tokenizer_info, /tokenize, /detokenize; tokenized requests): its
+    # log-likelihoods and greedy flags are HF's, continuation by continuation.
     from lm_eval.api.instance import Instance
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     lm = LocalCompletionsAPI(
-        base_url=server.address + "/v1/completions",
-        model=MODEL,
-        tokenizer=path,
-        tokenizer_backend="huggingface",
-        max_retries=1,
+        base_url=server.address + "/v1/completions", model=MODEL, max_retries=1
     )
+    assert lm.tokenizer_backend == "remote"
+    for path_, body, status, message in [
+        ("/tokenize", {"prompt": "x", "model": "nope"}, 404, "does not exist"),
+        ("/detokenize", {"tokens": [10**6]}, 400, "outside the model's vocabulary"),
+        ("/tokenize", {"prompt": 3}, 400, "'prompt' must be a string"),
+    ]:
+        request = urllib.request.Request(server.address + path_, json.dumps(body).encode())
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request)
+        assert refused.value.code == status
+        assert message in json.loads(refused.value.read())["error"]["message"]
+    assert lm.tokenizer.eos_token_id == eos[0]
+    assert lm.tokenizer.decode(ids) == tokenizer.decode(ids)
     pairs = [("def main():", "\n    return"), ("x = 1", " + 2"), ("print(", "x)")]
     requests = [
         Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i)

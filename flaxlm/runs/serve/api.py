@@ -82,7 +82,7 @@ def parse_request(
 
     Every value the engine could not serve is refused here, so that a bad request fails
     alone, never the batch it would have joined."""
-    request, defaults = _fields(body, _COMPLETION_FIELDS), defaults or Defaults()
+    request, defaults = json_fields(body, _COMPLETION_FIELDS), defaults or Defaults()
     prompts = _prompts(request.get("prompt"))
     logprobs = request.get("logprobs")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -147,7 +147,7 @@ def parse_chat_request(
     """The validated fields of a `/v1/chat/completions` body, as `parse_request`'s (one
     prompt: `messages`, to render with the checkpoint's template; `max_tokens` None where
     the request and the checkpoint leave it to the room the prompt leaves)."""
-    request, defaults = _fields(body, _CHAT_FIELDS), defaults or Defaults()
+    request, defaults = json_fields(body, _CHAT_FIELDS), defaults or Defaults()
     if request.get("store"):
         raise BadRequest("store=true: flaxlm keeps no completions to retrieve.", "store")
     if request.get("messages") is None:
@@ -225,7 +225,7 @@ def check_prompt_ids(
         )
 
 
-def _fields(body: bytes, fields: dict[str, tuple[Types, str]]) -> dict:
+def json_fields(body: bytes, fields: dict[str, tuple[Types, str]]) -> dict:
     """The body's JSON object, every field known and of its type; null fields dropped."""
     try:
         request = json.loads(body or b"")

@@ -20,6 +20,7 @@ from etils import epath
 from flaxlm.inference import generation
 from flaxlm.models.base import EncoderDecoderModel
 from flaxlm.models.row_start import RowStart
+from flaxlm.runs.serve import tokenizer_api
 from flaxlm.runs.serve.answer import Answer, error_body
 from flaxlm.runs.serve.api import (
     Completion,
@@ -260,6 +261,10 @@ class _Failed(Exception):
 
 _PAGE = epath.Path(__file__).parent / "page.html"
 _ENDPOINTS = {"/v1/completions": parse_request, "/v1/chat/completions": parse_chat_request}
+_TOKENIZER_ENDPOINTS = {
+    "/tokenize": tokenizer_api.tokenize,
+    "/detokenize": tokenizer_api.detokenize,
+}
 
 
 def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
@@ -298,6 +303,11 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 self._json(200, {"status": "ok", "batches": server.engine.batches})
             elif path == "/v1/models":
                 self._json(200, server.model_list())
+            elif path == "/tokenizer_info":
+                try:
+                    self._json(200, tokenizer_api.tokenizer_info(server))
+                except BadRequest as e:
+                    self._error(e.status, str(e), e.param, e.code)
             elif path in ("/", "/index.html"):
                 body = _PAGE.read_text().replace("{{MODEL}}", server.model_name).encode()
                 self.send_response(200)
@@ -308,8 +318,24 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
             else:
                 self._error(404, f"No such path {path!r}; try GET /v1/models.")
 
+        def _body(self) -> bytes:
+            """The request's body, of its Content-Length."""
+            length = int(self.headers.get("Content-Length") or 0)
+            if length < 0:
+                raise BadRequest(f"Content-Length must not be negative, got {length}.")
+            return self.rfile.read(length)
+
         def do_POST(self) -> None:  # noqa: N802
-            parse = _ENDPOINTS.get(self.path.split("?")[0])
+            path = self.path.split("?")[0]
+            if path in _TOKENIZER_ENDPOINTS:
+                try:
+                    self._json(200, _TOKENIZER_ENDPOINTS[path](server, self._body()))
+                except BadRequest as e:
+                    self._error(e.status, str(e), e.param, e.code)
+                except ValueError as e:
+                    self._error(400, f"Bad request: {e}")
+                return
+            parse = _ENDPOINTS.get(path)
             if parse is None:
                 self._error(
                     404,
@@ -318,11 +344,8 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 )
                 return
             try:
-                length = int(self.headers.get("Content-Length") or 0)
-                if length < 0:
-                    raise BadRequest(f"Content-Length must not be negative, got {length}.")
                 request = parse(
-                    self.rfile.read(length),
+                    self._body(),
                     server.max_positions,
                     server.max_tokens_limit,
                     server.defaults,
