@@ -5,13 +5,21 @@ disk). Served for checkpoints with an HF tokenizer; a 404 names why otherwise.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from flaxlm.runs.serve.api import json_fields
 from flaxlm.runs.serve.settings import BadRequest, check_unicode
 
-if TYPE_CHECKING:
-    from flaxlm.runs.serve.http import Server
+
+class Server(Protocol):
+    """What these endpoints read of `http.Server`."""
+
+    engine: Any  # its vocabulary and vocab_size
+    max_positions: int | None
+
+    def adapter(self, request: dict) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
 
 _TOKENIZE_FIELDS = {
     "model": (str, "a string"),
