@@ -47,6 +47,7 @@ and line) and held in memory as token ids; only indices are shuffled (determinis
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -56,7 +57,7 @@ import seqio
 import tensorflow as tf
 
 from flaxlm.data.jsonl_reader import read_numbered_jsonl
-from flaxlm.data.vocabularies import HuggingFaceVocabulary
+from flaxlm.data.vocabularies import CHAT_TEMPLATE_ARGUMENTS, HuggingFaceVocabulary
 from tasks.jsonl import in_memory_token_dataset, split_file_lists
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
@@ -101,10 +102,19 @@ class ChatRenderer:
                     f"template does not know; use one of {list(self.roles)}."
                 )
 
-    def ids(self, messages: Messages, add_generation_prompt: bool = False) -> list[int]:
-        """`apply_chat_template(messages, tokenize=True)`'s token ids, as a plain list."""
+    def ids(
+        self,
+        messages: Messages,
+        add_generation_prompt: bool = False,
+        template_args: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """`apply_chat_template(messages, tokenize=True)`'s token ids, as a plain list;
+        `template_args`: a record's `tools` and template variables (`template_args`)."""
         out = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=True, add_generation_prompt=add_generation_prompt
+            list(messages),
+            tokenize=True,
+            add_generation_prompt=add_generation_prompt,
+            **(template_args or {}),
         )
         if hasattr(out, "keys"):  # transformers 5: a BatchEncoding
             out = out["input_ids"]
@@ -131,15 +141,19 @@ class ChatRenderer:
         return last + 1
 
     def spans(
-        self, messages: Messages, trained: Sequence[int], where: str = "conversation"
+        self,
+        messages: Messages,
+        trained: Sequence[int],
+        where: str = "conversation",
+        template_args: Mapping[str, Any] | None = None,
     ) -> tuple[list[int], list[tuple[int, int]]]:
         """The rendering of `messages` and, for each index in `trained` (an assistant
         message), the `[start, end)` of the tokens that carry its loss."""
-        full = self.ids(messages)
+        full = self.ids(messages, template_args=template_args)
         spans = []
         for i in trained:
-            prompt = self.ids(messages[:i], add_generation_prompt=True)
-            upto = self.ids(messages[: i + 1])
+            prompt = self.ids(messages[:i], True, template_args)
+            upto = self.ids(messages[: i + 1], template_args=template_args)
             if upto[: len(prompt)] != prompt:
                 what = (
                     f"messages[:{i}] with the generation prompt ({len(prompt)} tokens) is not "
@@ -159,13 +173,17 @@ class ChatRenderer:
         return full, spans
 
     def conversation(
-        self, messages: Messages, where: str = "conversation", trained: Sequence[int] | None = None
+        self,
+        messages: Messages,
+        where: str = "conversation",
+        trained: Sequence[int] | None = None,
+        template_args: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Signed ids of `messages`: the tokens of the assistant messages (or of the
         messages `trained` lists) positive, every other token negative."""
         if trained is None:
             trained = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        full, spans = self.spans(messages, trained, where)
+        full, spans = self.spans(messages, trained, where, template_args)
         weights = np.zeros(len(full), bool)
         for start, end in spans:
             weights[start:end] = True
@@ -191,31 +209,76 @@ def _openai_messages(raw: Any, where: str, key: str) -> Messages:
     for n, m in enumerate(raw):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
             raise ValueError(f"{where}: {key}[{n}] is not a {{'role', 'content'}} object.")
-        if not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: {key}[{n}] has no string 'content'.")
+        calls = m.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and m["role"] == "assistant"):
+            raise ValueError(
+                f"{where}: {key}[{n}] has 'tool_calls' {shown(calls)}; only an assistant "
+                "message calls tools, with a list of calls."
+            )
+        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
+            raise ValueError(
+                f"{where}: {key}[{n}] has no string 'content' (only an assistant message "
+                "with 'tool_calls' may leave it out or null)."
+            )
         out.append(dict(m))
     return out
 
 
-# Columns TRL reads into the rendering (`tools=` and `chat_template_kwargs` handed to
-# `apply_chat_template`) or into a vision processor (`images`), which these tasks do not.
-UNREAD_COLUMNS = ("tools", "chat_template_kwargs", "images", "image")
+# Columns TRL reads and these tasks do not: images (for a vision processor) and, in a
+# preference pair, tools and template variables (TRL's DPO takes its tools from its config).
+UNREAD_COLUMNS = ("images", "image")
+PAIR_UNREAD_COLUMNS = ("tools", "chat_template_kwargs", *UNREAD_COLUMNS)
 
 
-def check_unread_columns(record: Mapping[str, Any], where: str) -> None:
+def check_unread_columns(
+    record: Mapping[str, Any], where: str, columns: Sequence[str] = UNREAD_COLUMNS
+) -> None:
     """A ValueError naming `where` and the column for a record that sets one TRL would read
     and these tasks would not (its rows would differ from TRL's without a word)."""
-    for key in UNREAD_COLUMNS:
+    for key in columns:
         if record.get(key) not in (None, [], {}, ""):
             raise ValueError(
-                f"{where}: {key!r} is a column TRL renders with (tools and template arguments "
-                "go to apply_chat_template, images to a vision processor); flaxlm's chat and "
-                "preference tasks do not read it: leave it out of the records."
+                f"{where}: {key!r} is a column TRL reads (images go to a vision processor; "
+                "a preference pair's tools and template variables to the chat template) "
+                "and this task does not: leave it out of the records."
             )
 
 
+def template_args(record: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """What a chat record hands `apply_chat_template` besides its messages, as TRL's SFT
+    does: `tools` (a list of JSON schemas, or a JSON string of one; an empty list is none)
+    and the `chat_template_kwargs` variables."""
+    tools = record.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as e:
+            raise ValueError(f"{where}: 'tools' is a string but not JSON ({e}).") from e
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+        raise ValueError(f"{where}: 'tools' must be a list of JSON schemas, got {shown(tools)}.")
+    variables = record.get("chat_template_kwargs") or {}
+    if not isinstance(variables, dict):
+        raise ValueError(f"{where}: 'chat_template_kwargs' must be an object.")
+    reserved = sorted(set(variables) & CHAT_TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise ValueError(
+            f"{where}: chat_template_kwargs {reserved} are apply_chat_template's own "
+            "arguments, not the template's variables."
+        )
+    return {**({"tools": tools} if tools else {}), **variables}
+
+
+def shown(value: Any) -> str:
+    """`value` for an error message, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def chat_messages(record: Mapping[str, Any], where: str) -> Messages:
-    """The `{"role", "content"}` messages of an OpenAI or ShareGPT record; a malformed record
+    """The `{"role", "content"}` messages of an OpenAI or ShareGPT record (an assistant's
+    `tool_calls` and a message's other fields kept for the template); a malformed record
     fails naming `where` (file:line)."""
     check_unread_columns(record, where)
     if "messages" in record:
@@ -261,7 +324,7 @@ def preference_parts(
 ) -> tuple[str | Messages, str | dict[str, Any], str | dict[str, Any]]:
     """`(prompt, chosen, rejected)` of a preference record: strings for a plain-text
     record, a message list and two assistant messages for a conversational one."""
-    check_unread_columns(record, where)
+    check_unread_columns(record, where, PAIR_UNREAD_COLUMNS)
     if ("prompt" in record) == ("messages" in record):
         raise ValueError(f"{where}: give the prompt as 'prompt' (or 'messages'), exactly once.")
     key = "prompt" if "prompt" in record else "messages"
@@ -361,12 +424,15 @@ def render_chat_files(
             empty = [
                 i
                 for i, m in enumerate(messages)
-                if m["role"] == "assistant" and not str(m.get("content") or "").strip()
+                if m["role"] == "assistant"
+                and not str(m.get("content") or "").strip()
+                and not m.get("tool_calls")
             ]
             why = f"assistant message {empty[0] if empty else 0} is empty"
             if empty and untrainable(where, why, on_untrainable, stats):
                 continue
-            ids = renderer.conversation(messages, where)
+            args = template_args(record, where)
+            ids = renderer.conversation(messages, where, template_args=args)
             stats.examples += 1
             if len(ids) > max_length:
                 stats.truncated += 1

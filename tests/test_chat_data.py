@@ -297,14 +297,26 @@ def test_preference_truncation_keeps_the_end_of_the_prompt(tmp_path, capsys):
         ('{"text": "hello"}', "expected a 'messages' list"),
         ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant message"),
         ('{"messages": ', "not valid JSON"),
-        # Columns TRL renders with and these tasks do not read.
+        # A column TRL reads and these tasks do not; tools and template variables they
+        # read, checked (tests/test_trl_parity.py renders them as TRL does).
+        ('{"messages": [], "images": ["cat.png"]}', "'images' is a column TRL reads"),
         (
-            '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
-            "'tools' is a column TRL renders with",
+            '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
+            '"content": "x"}], "tools": "[{not json"}',
+            "'tools' is a string but not JSON",
         ),
         (
-            '{"messages": [], "chat_template_kwargs": {"enable_thinking": false}}',
-            "'chat_template_kwargs' is a column",
+            '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
+            '"content": "x"}], "chat_template_kwargs": {"tokenize": true}}',
+            r"chat_template_kwargs \['tokenize'\] are apply_chat_template's own arguments",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}',
+            r"messages\[0\] has 'tool_calls' \[\]; only an assistant message calls tools",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": null}]}',
+            r"messages\[0\] has no string 'content' \(only an assistant",
         ),
     ],
 )

@@ -55,7 +55,7 @@ from tests.test_hf_qwen3_next import PERTURBED as QWEN3_NEXT_PERTURBED
 from tests.test_hf_qwen3_next import VARIANTS as QWEN3_NEXT_VARIANTS
 from tests.test_main import read_metrics, run_main
 from tests.test_trl_parity import (
-    CONVERSATIONS,
+    CHAT_RECORDS,
     PAIRS,
     save_tokenizer,
     segments,
@@ -377,7 +377,7 @@ def test_chat_sft_gin_reads_trls_conversations_and_its_loss(tmp_path, repo_dir):
     """gin/chat_sft.gin as shipped, the model from the HF directory, a tokenizer that adds
     nothing (Qwen-like): packed segments are TRL's assistant-only rows, the loss TRL's."""
     hf_dir, tok, torch_model = hf_checkpoint(tmp_path / "hf", "qwen")
-    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    data = write_jsonl(tmp_path / "chat.jsonl", CHAT_RECORDS)
     user_gin = tmp_path / "my_chat.gin"  # the shipped file, the model from the HF directory
     user_gin.write_text(
         "include 'chat_sft.gin'\n"

@@ -69,6 +69,24 @@ CONVERSATIONS = [
         {"role": "assistant", "content": "6, été"},
     ],
 ]
+# A tool-use conversation as TRL's SFT reads one: `tools` (here a JSON string, which TRL
+# parses) and the template's variables handed to apply_chat_template, an assistant turn of
+# tool calls alone (trained), the tool's result (not).
+TOOL_RECORD = {
+    "messages": [
+        {"role": "user", "content": "Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": {"c": 1}}}],
+        },
+        {"role": "tool", "content": "18C"},
+        {"role": "assistant", "content": "18C."},
+    ],
+    "tools": json.dumps([{"type": "function", "function": {"name": "w"}}]),
+    "chat_template_kwargs": {"brief": True},
+}
+CHAT_RECORDS = [*({"messages": c} for c in CONVERSATIONS), TOOL_RECORD]
 PAIRS = [
     {"prompt": "Q: the fox?", "chosen": " Yes.<EOS>", "rejected": " No"},
     {"prompt": "import", "chosen": " os", "rejected": " sys"},
@@ -107,8 +125,17 @@ def save_tokenizer(path, style: str) -> None:
         tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=eos
     )
     fast.chat_template = (
-        ("{{ bos_token }}" if bos else "") + "{% for m in messages %}" + start + "{{ m['role'] }}\n"
+        ("{{ bos_token }}" if bos else "")
+        + "{% if brief %}(brief){% endif %}{% if tools %}"
+        + start
+        + "tools\n{% for t in tools %}{{ t['function']['name'] }}{% endfor %}"
+        + end
+        + "\n{% endif %}{% for m in messages %}"
+        + start
+        + "{{ m['role'] }}\n"
         "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+        "{% for c in m.get('tool_calls') or [] %}<call>{{ c['function']['name'] }}"
+        "{{ c['function']['arguments'] | tojson }}</call>{% endfor %}"
         + end
         + "{% endgeneration %}{% else %}{{ m['content'] }}"
         + end
@@ -153,7 +180,7 @@ def setup(request, tmp_path_factory):
             output_features={"targets": seqio.Feature(vocab, add_eos=True)},
         )
     chat_path = root / "chat.jsonl"
-    chat_path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
+    chat_path.write_text("".join(json.dumps(r) + "\n" for r in CHAT_RECORDS))
     pair_path = root / "pairs.jsonl"
     pair_path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     names = {
@@ -232,8 +259,16 @@ def trl_lm_rows(tok, texts) -> list[tuple]:
 
 def trl_chat_rows(tok) -> list[tuple]:
     out = []
-    for messages in CONVERSATIONS:
-        e = trl_tokenize(tok, messages, return_assistant_tokens_mask=True)
+    for record in CHAT_RECORDS:  # as TRL 1.16's SFTTrainer.tokenize_fn renders a record
+        tools = record.get("tools")
+        tools = json.loads(tools) if isinstance(tools, str) else tools
+        e = trl_tokenize(
+            tok,
+            record["messages"],
+            tools=tools,
+            return_assistant_tokens_mask=True,
+            **record.get("chat_template_kwargs", {}),
+        )
         out.append(shifted(e["input_ids"], e["assistant_masks"]))
     return out
 

@@ -30,6 +30,15 @@ from etils import epath
 PAD_ID = 0  # seqio's padding id, the same for every vocabulary
 
 
+# `apply_chat_template`'s own arguments, which a request's or a record's template variables
+# (vLLM's and TRL's `chat_template_kwargs`) may not set.
+CHAT_TEMPLATE_ARGUMENTS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
 class Vocabulary(Protocol):
     """What flaxlm reads and writes text with: seqio's vocabularies and this module's."""
 

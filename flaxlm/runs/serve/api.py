@@ -10,6 +10,7 @@ import queue
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from flaxlm.data.vocabularies import CHAT_TEMPLATE_ARGUMENTS
 from flaxlm.inference.sampling import Sampling
 from flaxlm.runs.serve.settings import (
     SAMPLING_FIELDS,
@@ -64,12 +65,6 @@ _CHAT_FIELDS = {
     # vLLM's: variables handed to the chat template (e.g. Qwen3's `enable_thinking`).
     "chat_template_kwargs": (dict, "an object"),
 }
-# apply_chat_template's own arguments, not the template's variables.
-_TEMPLATE_ARGUMENTS = {
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-}  # fmt: skip
 
 
 def parse_request(
@@ -154,7 +149,7 @@ def parse_chat_request(
         raise BadRequest("Field 'messages' is required.", "messages")
     messages = _messages(request["messages"])
     template_kwargs = request.get("chat_template_kwargs") or {}
-    reserved = sorted(set(template_kwargs) & _TEMPLATE_ARGUMENTS)
+    reserved = sorted(set(template_kwargs) & CHAT_TEMPLATE_ARGUMENTS)
     if reserved:
         raise BadRequest(
             f"chat_template_kwargs {reserved} are apply_chat_template's own arguments, not the "

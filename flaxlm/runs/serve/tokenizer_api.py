@@ -21,6 +21,7 @@ class Server(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+
 _TOKENIZE_FIELDS = {
     "model": (str, "a string"),
     "prompt": (str, "a string"),
