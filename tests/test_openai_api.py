@@ -16,7 +16,7 @@ from flaxlm.checkpoints import run_dir
 from flaxlm.data import vocabularies
 from flaxlm.inference.sampling import Sampling
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.runs.serve import api, settings
+from flaxlm.runs.serve import api, settings, tools
 from flaxlm.runs.serve.engine import Engine
 from flaxlm.runs.serve.http import Server, listen
 from tests.hf_helpers import random_hf_model, save_byte_bpe_tokenizer
@@ -30,6 +30,8 @@ TOKENS = 8
 # ChatML, with what Qwen2.5's template renders besides: a sender's name, an assistant's tool
 # calls (their arguments an object) and a tool result's call id.
 TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}"
     "{% if m.get('name') %} ({{ m['name'] }}){% endif %}\n{{ m['content'] }}"
     "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function']['name'] }} "
@@ -41,6 +43,16 @@ TOOL_TEMPLATE = (
 # A tool-use history as a client sends it back: the assistant's message as the response held
 # it (content and refusal null, arguments a JSON string).
 CALL = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 TOOL_HISTORY = [
     {"role": "user", "name": "alice", "content": "Weather in Paris?"},
     {
@@ -72,7 +84,7 @@ def checkpoint(tmp_path_factory):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=512,
         bos_token_id=None,
         eos_token_id=eos[0],
     )
@@ -97,7 +109,14 @@ def served(checkpoint):
         max_batch_size=8,
         batch_wait_ms=20,
     )
-    server = Server(engine, MODEL, listen("127.0.0.1", 0), row_start=row_start, max_tokens_limit=64)
+    server = Server(
+        engine,
+        MODEL,
+        listen("127.0.0.1", 0),
+        row_start=row_start,
+        max_tokens_limit=64,
+        tool_call_parser="hermes",
+    )
     server.start()
     try:
         yield (
@@ -382,6 +401,76 @@ def test_a_tool_use_history_reaches_the_template_as_vllm_hands_it_on(served, che
     assert response.usage.prompt_tokens == len(ids)
 
 
+def rendered_length(tokenizer, messages, **kwargs):
+    prompt = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, **kwargs
+    )
+    return len(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def test_tools_reach_the_template_and_a_hermes_call_comes_back_as_tool_calls(
+    served, checkpoint, monkeypatch
+):
+    """A request's tools rendered by the template (not with tool_choice 'none', as vLLM);
+    an answer holding a Hermes `<tool_call>` block comes back as the message's tool_calls
+    (the engine scripted: the tiny random model writes no calls); the history the client
+    then sends back is accepted."""
+    server, client = served
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint[0])
+    offered = chat(client, tools=TOOLS, max_tokens=2, temperature=0)
+    assert offered.usage.prompt_tokens == rendered_length(tokenizer, MESSAGES, tools=TOOLS)
+    assert offered.choices[0].message.tool_calls is None  # no call in the model's text
+    hidden = chat(client, tools=TOOLS, tool_choice="none", max_tokens=1)
+    assert hidden.usage.prompt_tokens == rendered_length(tokenizer, MESSAGES)
+    text = 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    ids = tokenizer.encode(text + "</tool_call>", add_special_tokens=False)
+
+    def scripted(completions):
+        for c in completions:
+            for t in ids:
+                c.events.put(("token", t, 0.0, []))
+            c.events.put(("done", "stop"))
+
+    monkeypatch.setattr(server.engine, "submit_many", scripted)
+    choice = chat(client, tools=TOOLS).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    result = {"role": "tool", "tool_call_id": call.id, "content": "18C"}
+    again = client.chat.completions.create(
+        model=MODEL, messages=[*MESSAGES, choice.message, result], tools=TOOLS
+    )
+    assert again.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ("no call", "no call", []),
+        ('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>', None, [("f", {"x": 1})]),
+        (
+            'a <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n'
+            '<tool_call>{"name": "g", "arguments": {"y": "é"}}',  # the last block unclosed
+            "a ",
+            [("f", {}), ("g", {"y": "é"})],
+        ),
+        ('<tool_call>{"name": "f", "arguments": </tool_call>', None, None),  # not JSON
+        ('<tool_call>["f"]</tool_call>', None, None),  # not a call
+    ],
+)
+def test_hermes_calls_are_read_as_vllms_parser_reads_them(text, content, calls):
+    got_content, got_calls = tools.parse_hermes(text)
+    if calls is None:  # a block that does not parse: all of it is content, no calls
+        assert (got_content, got_calls) == (text, [])
+        return
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == (
+        calls
+    )
+
+
 @pytest.mark.parametrize(
     "kwargs, param, message",
     [
@@ -406,6 +495,10 @@ def test_a_tool_use_history_reaches_the_template_as_vllm_hands_it_on(served, che
         ({"logit_bias": {"5": 300}}, "logit_bias", "between -100 and 100"),
         ({"logit_bias": {"999999": 3}}, "logit_bias", "outside the model's vocabulary"),
         ({"extra_body": {"stop_token_ids": ["a"]}}, "stop_token_ids", "list of token ids"),
+        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "guided decoding"),
+        ({"tools": [{"type": "function"}]}, "tools[0]", "must be {'type': 'function'"),
+        ({"tools": TOOLS, "stream": True}, "stream", "Tool calls are answered whole"),
+        ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
         (
             {"messages": [{"role": "assistant", "content": "no", "refusal": "I cannot."}]},
             "messages[0].refusal",

@@ -27,6 +27,7 @@ from flaxlm.inference import generation
 from flaxlm.models.base import BaseModel
 from flaxlm.models.paged_attention import check_paged_attention
 from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.runs.serve import tools
 from flaxlm.runs.serve.adapters import load_adapters
 from flaxlm.runs.serve.engine import Engine
 from flaxlm.runs.serve.http import Server, listen
@@ -52,6 +53,7 @@ def serve(
     lora_adapters: Mapping[str, str] | None = None,
     dtype: str = "auto",
     paged_attention: str = "gather",
+    tool_call_parser: str | None = None,
     ready: Callable[[Server], None] | None = None,
 ) -> None:
     """Run function: serves `checkpoint` (a flaxlm MODEL_DIR or an HF directory) over HTTP
@@ -76,8 +78,14 @@ def serve(
 
     `paged_attention`: how a decode step's attention reads the paged KV cache, 'gather'
     (each row's pages copied out, every platform) or 'pallas' (JAX's Pallas kernel reads
-    them in place on an NVIDIA GPU; `flaxlm.models.paged_attention`)."""
+    them in place on an NVIDIA GPU; `flaxlm.models.paged_attention`).
+
+    `tool_call_parser`: how a chat answer's tool calls are read when a request offers `tools`
+    ('hermes': `<tool_call>` JSON blocks, Qwen2.5/Qwen3/Hermes; vLLM's `--tool-call-parser`
+    with `--enable-auto-tool-choice`); None: such requests are refused unless their
+    `tool_choice` is 'none'."""
     check_paged_attention(paged_attention, "serve.paged_attention")
+    tools.check_parser(tool_call_parser)
     httpd = listen(host, port)
     try:
         partitioner = partitioner or Partitioner()
@@ -99,7 +107,14 @@ def serve(
             adapters=adapters,
             paged_attention=paged_attention,
         )
-        server = Server(engine, name, httpd, row_start=row_start, max_tokens_limit=max_tokens_limit)
+        server = Server(
+            engine,
+            name,
+            httpd,
+            row_start=row_start,
+            max_tokens_limit=max_tokens_limit,
+            tool_call_parser=tool_call_parser,
+        )
         generation.file_settings_note(
             checkpoint,
             model.generation_config,

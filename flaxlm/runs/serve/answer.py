@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from flaxlm.runs.serve.stream import TextStream
@@ -17,10 +18,17 @@ class Answer:
     `chat.completion`, whole or as chunks."""
 
     def __init__(
-        self, request: dict, model_name: str, prompt_ids: list[list[int]], texts: list[str]
+        self,
+        request: dict,
+        model_name: str,
+        prompt_ids: list[list[int]],
+        texts: list[str],
+        tool_parser: Callable[[str], tuple[str | None, list[dict[str, Any]]]] | None = None,
     ):
-        """`texts`: what `echo` shows of each prompt (`Server.prompt_texts`)."""
+        """`texts`: what `echo` shows of each prompt (`Server.prompt_texts`); `tool_parser`:
+        reads a chat answer's tool calls (`tools.PARSERS`; None: none are read)."""
         self.request, self.chat, self.texts = request, request["chat"], texts
+        self.tool_parser = tool_parser
         self.ident = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created, self.model_name = int(time.time()), model_name
         self.prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once, whatever n is
@@ -60,7 +68,13 @@ class Answer:
         for index, (stream, text, reason) in enumerate(choices):
             choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs(stream)}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+                message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+                if self.tool_parser is not None:
+                    message["content"], calls = self.tool_parser(text)
+                    if calls:
+                        message["tool_calls"] = calls
+                        reason = "tool_calls"
+                choice["message"] = message
             else:
                 choice["text"] = (self.prompt(index) if self.request["echo"] else "") + text
             choice["finish_reason"] = reason

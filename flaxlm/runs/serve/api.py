@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from flaxlm.data.vocabularies import CHAT_TEMPLATE_ARGUMENTS
 from flaxlm.inference.sampling import Sampling
+from flaxlm.runs.serve import tools as tools_lib
 from flaxlm.runs.serve.settings import (
     SAMPLING_FIELDS,
     BadRequest,
@@ -64,6 +65,9 @@ _CHAT_FIELDS = {
     "metadata": (dict, "an object"),
     # vLLM's: variables handed to the chat template (e.g. Qwen3's `enable_thinking`).
     "chat_template_kwargs": (dict, "an object"),
+    "tools": (list, "a list of tools"),
+    "tool_choice": ((str, dict), "'none', 'auto' or an object"),
+    "parallel_tool_calls": (bool, "a boolean"),
 }
 
 
@@ -165,9 +169,23 @@ def parse_chat_request(
         raise BadRequest("top_logprobs needs logprobs set to true.", "top_logprobs")
     key = "max_completion_tokens" if "max_completion_tokens" in request else "max_tokens"
     max_tokens = key, defaults.max_tokens, request.get(key)
+    tools = tools_lib.check_tools(request.get("tools") or [])
+    choice = tools_lib.tool_choice(request.get("tool_choice"), tools)
+    if choice == "auto" and request.get("stream"):
+        raise BadRequest(
+            "Tool calls are answered whole: leave out stream (or send tool_choice='none').",
+            "stream",
+        )
+    if request.get("parallel_tool_calls") is False:
+        raise BadRequest(
+            "parallel_tool_calls=false: flaxlm does not limit an answer to one call.",
+            "parallel_tool_calls",
+        )
     return {
         "messages": messages,
         "chat_template_kwargs": template_kwargs,
+        # As vLLM: with tool_choice 'none' the tools are not shown to the model.
+        "tools": tools if choice == "auto" else None,
         **sampling_settings(request, max_tokens, max_positions, max_tokens_limit, defaults, 1),
         "logprobs": (top or 0) if request.get("logprobs") else None,
         "echo": False,
@@ -179,11 +197,13 @@ def render_chat(
     vocabulary: seqio.Vocabulary,
     messages: list[dict[str, Any]],
     template_kwargs: Mapping[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """`messages` as the checkpoint's own chat template renders them, ending with the
     assistant's turn opened (HF's `apply_chat_template(add_generation_prompt=True)`): the
     text the model was fine-tuned on, so it answers as it learned to. `template_kwargs`:
-    variables the template reads (a request's `chat_template_kwargs`)."""
+    variables the template reads (a request's `chat_template_kwargs`); `tools`: the
+    request's, which the template shows the model."""
     tokenizer = getattr(vocabulary, "tokenizer", None)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise BadRequest(
@@ -193,7 +213,11 @@ def render_chat(
         )
     try:
         return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+            messages,
+            tools=tools or None,
+            add_generation_prompt=True,
+            tokenize=False,
+            **(template_kwargs or {}),
         )
     except Exception as e:  # noqa: BLE001 - the template's raise_exception (e.g. role order)
         raise BadRequest(f"The chat template refused the messages: {e}", "messages") from e

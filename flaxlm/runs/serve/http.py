@@ -20,7 +20,7 @@ from etils import epath
 from flaxlm.inference import generation
 from flaxlm.models.base import EncoderDecoderModel
 from flaxlm.models.row_start import RowStart
-from flaxlm.runs.serve import tokenizer_api
+from flaxlm.runs.serve import tokenizer_api, tools
 from flaxlm.runs.serve.answer import Answer, error_body
 from flaxlm.runs.serve.api import (
     Completion,
@@ -62,13 +62,18 @@ class Server:
         row_start: RowStart,
         max_tokens_limit: int = 512,
         request_timeout_s: float = 600.0,
+        tool_call_parser: str | None = None,
     ):
         """
         Args:
           httpd: the listening server from `listen()`; it answers with this Server's handler.
           row_start: what the checkpoint's training rows started with
             (`run_dir.Loaded.row_start`): a completion's prompt starts so.
+          tool_call_parser: how a chat answer's tool calls are read (`tools.PARSERS`);
+            None: requests offering tools with tool_choice 'auto' are refused.
         """
+        tools.check_parser(tool_call_parser)
+        self.tool_parser = tools.PARSERS.get(tool_call_parser or "")
         self.engine = engine
         self.model_name = model_name
         self.row_start = row_start
@@ -131,7 +136,9 @@ class Server:
         `apply_chat_template` does), a completion's prompts as `encode` reads them."""
         if request["chat"]:
             vocabulary = self.engine.vocabulary
-            text = render_chat(vocabulary, request["messages"], request["chat_template_kwargs"])
+            text = render_chat(
+                vocabulary, request["messages"], request["chat_template_kwargs"], request["tools"]
+            )
             return [list(vocabulary.encode(text))]
         return [p if isinstance(p, list) else self.encode(p) for p in request["prompts"]]
 
@@ -157,6 +164,13 @@ class Server:
         A chat request that sets no max tokens (nor does the checkpoint) gets the room its
         prompt leaves, up to `max_tokens_limit`."""
         adapter = self.adapter(request)
+        if request.get("tools") and self.tool_parser is None:
+            raise BadRequest(
+                "This server reads no tool calls from answers: start it with "
+                "--gin.TOOL_CALL_PARSER=\"'hermes'\" (serve.serve.tool_call_parser; vLLM's "
+                "--tool-call-parser), or send tool_choice='none'.",
+                "tools",
+            )
         scored = request["logprobs"] if request["echo"] else None
         if scored is not None and isinstance(self.engine.model, EncoderDecoderModel):
             raise BadRequest(
@@ -361,7 +375,8 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
             for start in range(0, len(jobs), n):  # a prompt's samples share its pages
                 server.engine.submit_many(jobs[start : start + n])
             name = request["model"] or server.model_name
-            answer = Answer(request, name, prompt_ids, server.prompt_texts(request))
+            parser = server.tool_parser if request.get("tools") else None
+            answer = Answer(request, name, prompt_ids, server.prompt_texts(request), parser)
             try:
                 if request["stream"]:
                     self._stream(answer, jobs)
