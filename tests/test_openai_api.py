@@ -16,7 +16,7 @@ from flaxlm.checkpoints import run_dir
 from flaxlm.data import vocabularies
 from flaxlm.inference.sampling import Sampling
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.runs.serve import api, settings, tools
+from flaxlm.runs.serve import api, reasoning, settings, tools
 from flaxlm.runs.serve.engine import Engine
 from flaxlm.runs.serve.http import Server, listen
 from tests.hf_helpers import random_hf_model, save_byte_bpe_tokenizer
@@ -408,6 +408,60 @@ def rendered_length(tokenizer, messages, **kwargs):
     return len(tokenizer.encode(prompt, add_special_tokens=False))
 
 
+def scripted(tokenizer, text):
+    """An engine's `submit_many` that answers every completion with the tokens of `text` (the
+    tiny random model writes no tool calls or think blocks)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+
+    def submit_many(completions):
+        for c in completions:
+            for t in ids:
+                c.events.put(("token", t, 0.0, []))
+            c.events.put(("done", "stop"))
+
+    return submit_many
+
+
+def test_a_think_block_comes_back_as_reasoning_whole_and_streamed(served, checkpoint, monkeypatch):
+    """With a reasoning parser (vLLM's --reasoning-parser qwen3), an answer's <think> block
+    is the message's `reasoning`, the rest its content; streamed, the deltas add up to the
+    same (the tags split across tokens held back, never shown)."""
+    server, client = served
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint[0])
+    text = "<think>\nThe user wants a function.\n</think>\n\nHere it is."
+    monkeypatch.setattr(server.engine, "submit_many", scripted(tokenizer, text))
+    monkeypatch.setattr(server, "reasoning_parser", "qwen3")
+    message = chat(client).choices[0].message
+    assert message.reasoning == "\nThe user wants a function.\n"
+    assert message.content == "\n\nHere it is."
+    deltas = [c.choices[0].delta for c in chat(client, stream=True) if c.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning
+    assert "".join(d.content or "" for d in deltas) == message.content
+    assert len([d for d in deltas if getattr(d, "reasoning", None)]) > 1  # as it came
+
+
+@pytest.mark.parametrize(
+    "parser, text, reasoning_, content",
+    [
+        ("qwen3", "<think>a</think>b", "a", "b"),
+        ("qwen3", "no block", None, "no block"),  # enable_thinking=False
+        ("qwen3", "<think>cut at max_tokens", "cut at max_tokens", None),
+        ("qwen3", "<thinking> is not the tag", None, "<thinking> is not the tag"),
+        ("deepseek_r1", "opened by the prompt</think>b", "opened by the prompt", "b"),
+        ("deepseek_r1", "<think>a</think>", "a", None),
+        ("deepseek_r1", "still thinking", "still thinking", None),
+    ],
+)
+def test_reasoning_splits_whole_and_in_any_pieces_alike(parser, text, reasoning_, content):
+    assert reasoning.split(text, parser) == (reasoning_, content)
+    for size in (1, 2, 3, 7):
+        splitter = reasoning.Splitter(parser)
+        parts = [splitter.feed(text[i : i + size]) for i in range(0, len(text), size)]
+        parts.append(splitter.flush())
+        assert "".join(p[0] for p in parts) == (reasoning_ or "")
+        assert "".join(p[1] for p in parts) == (content or "")
+
+
 def test_tools_reach_the_template_and_a_hermes_call_comes_back_as_tool_calls(
     served, checkpoint, monkeypatch
 ):
@@ -423,15 +477,7 @@ def test_tools_reach_the_template_and_a_hermes_call_comes_back_as_tool_calls(
     hidden = chat(client, tools=TOOLS, tool_choice="none", max_tokens=1)
     assert hidden.usage.prompt_tokens == rendered_length(tokenizer, MESSAGES)
     text = 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-    ids = tokenizer.encode(text + "</tool_call>", add_special_tokens=False)
-
-    def scripted(completions):
-        for c in completions:
-            for t in ids:
-                c.events.put(("token", t, 0.0, []))
-            c.events.put(("done", "stop"))
-
-    monkeypatch.setattr(server.engine, "submit_many", scripted)
+    monkeypatch.setattr(server.engine, "submit_many", scripted(tokenizer, text + "</tool_call>"))
     choice = chat(client, tools=TOOLS).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
     (call,) = choice.message.tool_calls

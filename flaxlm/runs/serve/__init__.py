@@ -27,7 +27,7 @@ from flaxlm.inference import generation
 from flaxlm.models.base import BaseModel
 from flaxlm.models.paged_attention import check_paged_attention
 from flaxlm.parallel.partitioning import Partitioner
-from flaxlm.runs.serve import tools
+from flaxlm.runs.serve import reasoning, tools
 from flaxlm.runs.serve.adapters import load_adapters
 from flaxlm.runs.serve.engine import Engine
 from flaxlm.runs.serve.http import Server, listen
@@ -54,6 +54,7 @@ def serve(
     dtype: str = "auto",
     paged_attention: str = "gather",
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
     ready: Callable[[Server], None] | None = None,
 ) -> None:
     """Run function: serves `checkpoint` (a flaxlm MODEL_DIR or an HF directory) over HTTP
@@ -83,9 +84,14 @@ def serve(
     `tool_call_parser`: how a chat answer's tool calls are read when a request offers `tools`
     ('hermes': `<tool_call>` JSON blocks, Qwen2.5/Qwen3/Hermes; vLLM's `--tool-call-parser`
     with `--enable-auto-tool-choice`); None: such requests are refused unless their
-    `tool_choice` is 'none'."""
+    `tool_choice` is 'none'.
+
+    `reasoning_parser`: how a chat answer's `<think>` block is returned apart from its content,
+    as the message's `reasoning` ('qwen3', 'deepseek_r1'; vLLM's `--reasoning-parser`); None:
+    all of the answer is content."""
     check_paged_attention(paged_attention, "serve.paged_attention")
     tools.check_parser(tool_call_parser)
+    reasoning.check_parser(reasoning_parser)
     httpd = listen(host, port)
     try:
         partitioner = partitioner or Partitioner()
@@ -114,6 +120,7 @@ def serve(
             row_start=row_start,
             max_tokens_limit=max_tokens_limit,
             tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
         )
         generation.file_settings_note(
             checkpoint,

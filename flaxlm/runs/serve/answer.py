@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from flaxlm.runs.serve import reasoning
 from flaxlm.runs.serve.stream import TextStream
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error"}
@@ -24,11 +25,15 @@ class Answer:
         prompt_ids: list[list[int]],
         texts: list[str],
         tool_parser: Callable[[str], tuple[str | None, list[dict[str, Any]]]] | None = None,
+        reasoning_parser: str | None = None,
     ):
         """`texts`: what `echo` shows of each prompt (`Server.prompt_texts`); `tool_parser`:
-        reads a chat answer's tool calls (`tools.PARSERS`; None: none are read)."""
+        reads a chat answer's tool calls (`tools.PARSERS`; None: none are read);
+        `reasoning_parser`: splits a chat answer's reasoning from its content
+        (`reasoning.PARSERS`; None: all of it is content)."""
         self.request, self.chat, self.texts = request, request["chat"], texts
         self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser if self.chat else None
         self.ident = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created, self.model_name = int(time.time()), model_name
         self.prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once, whatever n is
@@ -68,13 +73,16 @@ class Answer:
         for index, (stream, text, reason) in enumerate(choices):
             choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs(stream)}
             if self.chat:
-                message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-                if self.tool_parser is not None:
-                    message["content"], calls = self.tool_parser(text)
+                message: dict[str, Any] = {"role": "assistant", "refusal": None}
+                content: str | None = text
+                if self.reasoning_parser is not None:
+                    message["reasoning"], content = reasoning.split(text, self.reasoning_parser)
+                if self.tool_parser is not None and content:
+                    content, calls = self.tool_parser(content)
                     if calls:
                         message["tool_calls"] = calls
                         reason = "tool_calls"
-                choice["message"] = message
+                choice["message"] = {**message, "content": content}
             else:
                 choice["text"] = (self.prompt(index) if self.request["echo"] else "") + text
             choice["finish_reason"] = reason
@@ -89,12 +97,15 @@ class Answer:
         logprobs: Any = None,
         *,
         role: bool = False,
+        thought: str | None = None,
     ) -> dict[str, Any]:
         """One streamed event of choice `index`: its next text (None in the chat chunk that
-        only ends a choice), its first with `role` (chat)."""
+        only ends a choice), its first with `role` (chat), the reasoning it adds (`thought`,
+        with a reasoning parser)."""
         choice: dict[str, Any] = {"index": index}
         if self.chat:
-            delta = {} if text is None else {"content": text}
+            delta = {} if thought is None else {"reasoning": thought}
+            delta.update({} if text is None else {"content": text})
             choice["delta"] = {"role": "assistant", **delta} if role else delta
         else:
             choice["text"] = text or ""
@@ -103,6 +114,11 @@ class Answer:
         if self.request["include_usage"]:
             chunk["usage"] = None
         return chunk
+
+    def splitter(self) -> reasoning.Splitter | None:
+        """What splits a streamed chat answer's reasoning from its content (None: no
+        reasoning parser)."""
+        return None if self.reasoning_parser is None else reasoning.Splitter(self.reasoning_parser)
 
     def usage_chunk(self) -> dict[str, Any]:
         """The last event when `stream_options.include_usage`: no choices, the usage."""

@@ -20,7 +20,7 @@ from etils import epath
 from flaxlm.inference import generation
 from flaxlm.models.base import EncoderDecoderModel
 from flaxlm.models.row_start import RowStart
-from flaxlm.runs.serve import tokenizer_api, tools
+from flaxlm.runs.serve import reasoning, tokenizer_api, tools
 from flaxlm.runs.serve.answer import Answer, error_body
 from flaxlm.runs.serve.api import (
     Completion,
@@ -63,6 +63,7 @@ class Server:
         max_tokens_limit: int = 512,
         request_timeout_s: float = 600.0,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ):
         """
         Args:
@@ -71,8 +72,12 @@ class Server:
             (`run_dir.Loaded.row_start`): a completion's prompt starts so.
           tool_call_parser: how a chat answer's tool calls are read (`tools.PARSERS`);
             None: requests offering tools with tool_choice 'auto' are refused.
+          reasoning_parser: how a chat answer's reasoning is told from its content
+            (`reasoning.PARSERS`); None: all of it is content.
         """
         tools.check_parser(tool_call_parser)
+        reasoning.check_parser(reasoning_parser)
+        self.reasoning_parser = reasoning_parser
         self.tool_parser = tools.PARSERS.get(tool_call_parser or "")
         self.engine = engine
         self.model_name = model_name
@@ -376,7 +381,8 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 server.engine.submit_many(jobs[start : start + n])
             name = request["model"] or server.model_name
             parser = server.tool_parser if request.get("tools") else None
-            answer = Answer(request, name, prompt_ids, server.prompt_texts(request), parser)
+            texts = server.prompt_texts(request)
+            answer = Answer(request, name, prompt_ids, texts, parser, server.reasoning_parser)
             try:
                 if request["stream"]:
                     self._stream(answer, jobs)
@@ -442,12 +448,24 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                     elif answer.request["echo"]:
                         self._event(answer.chunk(index, answer.prompt(index)))
 
-                    def send(text: str, index: int = index, stream: TextStream = stream) -> None:
+                    splitter = answer.splitter()
+
+                    def send(
+                        text: str,
+                        index: int = index,
+                        stream: TextStream = stream,
+                        splitter: reasoning.Splitter | None = splitter,
+                    ) -> None:
                         logprobs = answer.logprobs(stream, *stream.unreported())
-                        self._event(answer.chunk(index, text, None, logprobs))
+                        thought = None
+                        if splitter is not None:  # (a tag held back: an empty delta)
+                            thought, text = splitter.feed(text)
+                        self._event(answer.chunk(index, text, None, logprobs, thought=thought))
 
                     reason = self._follow(job, stream, send)
                     answer.completion_tokens += len(stream.ids)
+                    if splitter is not None and any(rest := splitter.flush()):
+                        self._event(answer.chunk(index, rest[1], thought=rest[0]))
                     self._event(answer.chunk(index, None, reason))
                 if answer.request["include_usage"]:
                     self._event(answer.usage_chunk())
