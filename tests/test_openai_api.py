@@ -507,7 +507,29 @@ def test_tools_reach_the_template_and_a_hermes_call_comes_back_as_tool_calls(
     ],
 )
 def test_hermes_calls_are_read_as_vllms_parser_reads_them(text, content, calls):
-    got_content, got_calls = tools.parse_hermes(text)
+    check_parsed(tools.parse_hermes, text, content, calls)
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ("Paris is sunny.", "Paris is sunny.", []),
+        ('{"name": "f", "parameters": {"x": 1}}', None, [("f", {"x": 1})]),
+        (
+            '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"y": 2}}',
+            None,
+            [("f", {}), ("g", {"y": 2})],
+        ),
+        ('{"name": "f", "parameters": ', None, None),  # cut off: not JSON
+        ('{"city": "Paris"}', None, None),  # JSON, not a call
+    ],
+)
+def test_llama3_json_calls_are_read_as_vllms_parser_reads_them(text, content, calls):
+    check_parsed(tools.parse_llama3_json, text, content, calls)
+
+
+def check_parsed(parse, text, content, calls):
+    got_content, got_calls = parse(text)
     if calls is None:  # a block that does not parse: all of it is content, no calls
         assert (got_content, got_calls) == (text, [])
         return

@@ -5,8 +5,9 @@ with (`serve.tool_call_parser`, vLLM's `--tool-call-parser`): the calls become t
 `tool_calls`, the text before them its `content`, and the finish reason `tool_calls`.
 
 `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (the format of
-Hermes, Qwen2.5, Qwen3 and QwQ, whose templates teach it); a block whose JSON does not parse
-leaves the whole text as content, no calls, as vLLM's parser does."""
+Hermes, Qwen2.5, Qwen3 and QwQ, whose templates teach it). `llama3_json`: an answer that is
+`{"name": ..., "parameters": {...}}` objects joined by `; ` (Llama 3.1-3.3's). An answer
+that does not parse is all content, no calls, as vLLM's parsers leave it."""
 
 from __future__ import annotations
 
@@ -40,24 +41,47 @@ def parse_hermes(text: str) -> tuple[str | None, list[Call]]:
             return text, []
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
             return text, []
-        arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {
-                    "name": call["name"],
-                    "arguments": arguments
-                    if isinstance(arguments, str)
-                    else json.dumps(arguments, ensure_ascii=False),
-                },
-            }
-        )
+        calls.append(_call(call["name"], call.get("arguments", call.get("parameters", {}))))
     content = text[:start]
     return (content if content.strip() else None), calls
 
 
-PARSERS: dict[str, Callable[[str], tuple[str | None, list[Call]]]] = {"hermes": parse_hermes}
+def parse_llama3_json(text: str) -> tuple[str | None, list[Call]]:
+    """`(content, calls)` of an answer in Llama 3.1-3.3's JSON format: an answer that starts
+    with `{` (or `<|python_tag|>`, where the tokenizer leaves it in the text) is one or more
+    `{"name": ..., "parameters": {...}}` objects joined by `; `, all calls and no content;
+    `(text, [])` for any other answer or one that does not parse, as vLLM's `llama3_json`."""
+    tag = "<|python_tag|>"
+    if not (text.startswith(tag) or text.startswith("{")):
+        return text, []
+    decoder, at, objects = json.JSONDecoder(), len(tag) if text.startswith(tag) else 0, []
+    try:
+        while at < len(text):
+            obj, length = decoder.raw_decode(text[at:])
+            objects.append(obj)
+            at += length + len("; ")
+    except ValueError:
+        return text, []
+    if not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in objects):
+        return text, []
+    return None, [_call(o["name"], o.get("arguments", o.get("parameters", {}))) for o in objects]
+
+
+def _call(name: str, arguments: Any) -> Call:
+    """A call in OpenAI's shape: an id, the function's name, its arguments as JSON text."""
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+PARSERS: dict[str, Callable[[str], tuple[str | None, list[Call]]]] = {
+    "hermes": parse_hermes,
+    "llama3_json": parse_llama3_json,
+}
 
 
 def check_parser(name: str | None) -> None:
