@@ -83,8 +83,8 @@ def serve(
 
     `tool_call_parser`: how a chat answer's tool calls are read when a request offers `tools`
     ('hermes': `<tool_call>` JSON blocks, Qwen2.5/Qwen3/Hermes; 'llama3_json': Llama
-    3.1-3.3's JSON calls; vLLM's `--tool-call-parser` with `--enable-auto-tool-choice`); None: such requests are refused unless their
-    `tool_choice` is 'none'.
+    3.1-3.3's JSON calls; vLLM's `--tool-call-parser` with `--enable-auto-tool-choice`); None:
+    such requests are refused unless their `tool_choice` is 'none'.
 
     `reasoning_parser`: how a chat answer's `<think>` block is returned apart from its content,
     as the message's `reasoning` ('qwen3', 'deepseek_r1'; vLLM's `--reasoning-parser`); None:
