@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlm.models import decoding, layers, masks, stacks
+from flaxlm.models import decoding, layers, losses, masks, stacks
 from flaxlm.models.causal_lm import CausalLM
 
 Array = jax.Array
@@ -163,7 +163,7 @@ class CachedDecoding:
             x, target = block
             logits = self._mask_padded_vocab(module.head_logits(params, x) if skeleton else x)
             logps = jax.nn.log_softmax(logits, axis=-1)
-            chosen = jnp.take_along_axis(logps, target[..., None], axis=-1)[..., 0]
+            chosen = losses.select_tokens(logps, target)
             top_lps, top_ids = jax.lax.top_k(logps, top)
             return chosen, top_ids, top_lps
 

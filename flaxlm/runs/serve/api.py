@@ -19,6 +19,7 @@ from flaxlm.runs.serve.settings import (
     Defaults,
     Types,
     check_unicode,
+    is_whole,
     sampling_settings,
     shown,
 )
@@ -134,7 +135,7 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 def _token_ids(value: Any) -> bool:
     """A non-empty list of integers (not booleans)."""
-    return isinstance(value, list) and bool(value) and all(type(x) is int for x in value)
+    return isinstance(value, list) and bool(value) and all(is_whole(x) for x in value)
 
 
 def parse_chat_request(

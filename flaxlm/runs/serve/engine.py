@@ -239,8 +239,8 @@ class BatchEngine:
     def _admit(self, c: Completion) -> _Row:
         """`_row(c)`; a completion that asks for its prompt's log-probs (`echo` with
         `logprobs`) then gets them as its first event, ("prompt", logprobs, top): each prompt
-        token's given those before it (the first's None) and the MAX_LOGPROBS most likely
-        there, most likely first (the first's empty)."""
+        token's given those before it and the MAX_LOGPROBS most likely there, most likely
+        first (the first token's None: nothing predicts it)."""
         row = self._row(c)
         if c.prompt_logprobs is None:
             return row
@@ -254,7 +254,7 @@ class BatchEngine:
             out = self._prompt_scores(self.params, *placed)
             chosen, ids, lps = (np.asarray(x[0, : n - 1]) for x in out)
         top = [list(zip(i.tolist(), lp.tolist())) for i, lp in zip(ids, lps)]
-        c.events.put(("prompt", [None, *chosen.tolist()], [[], *top]))
+        c.events.put(("prompt", [None, *chosen.tolist()], [None, *top]))
         return row
 
     def _prompt_logprobs(

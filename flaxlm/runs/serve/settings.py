@@ -59,7 +59,7 @@ class Defaults:
 
         def whole(key: str, low: int) -> int | None:
             value = config.get(key)
-            return value if _whole(value) and low <= value < 2**31 else None
+            return value if is_whole(value) and low <= value < 2**31 else None
 
         max_new = whole("max_new_tokens", 1)
         return cls(
@@ -239,7 +239,7 @@ def _logit_bias(value: dict) -> tuple[tuple[int, float], ...]:
 
 
 def _stop_token_ids(value: list) -> tuple[int, ...]:
-    if not all(_whole(t) and t >= 0 for t in value):
+    if not all(is_whole(t) and t >= 0 for t in value):
         raise BadRequest(
             f"stop_token_ids must be a list of token ids, got {shown(value)}.", "stop_token_ids"
         )
@@ -262,7 +262,8 @@ def check_token_ids(settings: Sampling, vocab_size: int) -> None:
             )
 
 
-def _whole(value: object) -> bool:
+def is_whole(value: object) -> bool:
+    """An integer as JSON gives one (not a boolean)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 

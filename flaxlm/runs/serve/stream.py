@@ -58,13 +58,13 @@ class TextStream:
         self,
         ids: Sequence[int],
         logprobs: Sequence[float | None],
-        top: Sequence[Sequence[tuple[int, float]]],
+        top: Sequence[Sequence[tuple[int, float]] | None],
     ) -> None:
         """Lists the prompt's tokens ahead of the new ones in `logprobs` (`echo`): each
-        token's text in the prompt's, its log-prob given those before it (the first's None)
-        and the most likely there."""
+        token's text in the prompt's, its log-prob given those before it and the most likely
+        there (the first's None)."""
         for i in range(len(ids)):
-            self._listed(self._piece(ids, i), logprobs[i], top[i] if i else None)
+            self._listed(self._piece(ids, i), logprobs[i], top[i])
 
     def add_stop(self, token: int, logprob: float, top: Sequence[tuple[int, float]]) -> None:
         """Lists the stop token that ended the completion after its tokens in `logprobs`, as

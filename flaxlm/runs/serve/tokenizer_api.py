@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from flaxlm.runs.serve.api import json_fields
-from flaxlm.runs.serve.settings import BadRequest, check_unicode
+from flaxlm.runs.serve.settings import BadRequest, check_unicode, is_whole
 
 
 class Server(Protocol):
@@ -75,7 +75,7 @@ def detokenize(server: Server, body: bytes) -> dict[str, Any]:
     request.setdefault("model", None)
     server.adapter(request)
     ids = request.get("tokens")
-    if ids is None or not all(type(i) is int for i in ids):
+    if ids is None or not all(is_whole(i) for i in ids):
         raise BadRequest("Field 'tokens' must be a list of token ids.", "tokens")
     outside = sorted({i for i in ids if not 0 <= i < server.engine.vocab_size})
     if outside:
