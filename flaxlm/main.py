@@ -208,6 +208,7 @@ def _exit(code: int) -> None:
         # A normal exit waits at jax.distributed's shutdown barrier for peers that are
         # themselves blocked in a collective waiting for this process: leave at once so
         # that they see the connection drop and fail too, instead of hanging.
+        library_start.remove_autograph_files()
         os._exit(code)
     sys.exit(code)
 
@@ -412,6 +413,7 @@ def console_main() -> None:
             std_logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
+            library_start.remove_autograph_files()
             os._exit(0)
         raise
 

@@ -55,11 +55,11 @@ def not_flaxlm_lines(result):
     ]
 
 
-def run_main(args, cwd, devices=1, timeout=600, user_env=False):
+def run_main(args, cwd, devices=1, timeout=600, user_env=False, extra_env=None):
     """`python -m flaxlm.main` with `devices` simulated CPU devices. `user_env`: with the
     environment a user has, not the tests' (no JAX_PLATFORMS=cpu, no TF_CPP_MIN_LOG_LEVEL), so
     that flaxlm's own defaults choose the platforms and the log levels."""
-    env = dict(os.environ)
+    env = {**os.environ, **(extra_env or {})}
     env["XLA_FLAGS"] = platforms.host_device_flags(devices)
     env["JAX_PLATFORMS"] = "cpu"
     if user_env:
@@ -89,10 +89,14 @@ def test_default_run_trains_with_falling_loss_then_resumes(tmp_path, repo_dir):
         *SMALL,
     ]
     # As a user runs it: the terminal shows flaxlm's lines only (no TensorFlow, CUDA, libtpu or
-    # seqio start-up lines), on the platforms flaxlm chooses.
-    first = run_main(args, cwd=repo_dir, user_env=True)
+    # seqio start-up lines), on the platforms flaxlm chooses; and it leaves nothing in the
+    # temporary directory (TensorFlow's autograph writes the functions it converts there).
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    first = run_main(args, cwd=repo_dir, user_env=True, extra_env={"TMPDIR": str(tmpdir)})
     assert first.returncode == 0, first.stderr[-3000:]
     assert not_flaxlm_lines(first) == [], first.stdout + first.stderr
+    assert os.listdir(tmpdir) == []
     assert "step 20/20" in first.stdout and "tok/s" in first.stdout and "ETA" in first.stdout
     records = read_metrics(model_dir)
     train = [r for r in records if "loss" in r]

@@ -171,3 +171,21 @@ def hide_while_tensorflow_loads() -> None:
     """Installs the hook that hides `HIDDEN_WHILE_TENSORFLOW_LOADS` while TensorFlow loads
     (in whichever process loads it: a run's, or its input process)."""
     HiddenWhileLoading("tensorflow", HIDDEN_WHILE_TENSORFLOW_LOADS).install()
+
+
+# TensorFlow's autograph writes each Python function it converts (seqio's preprocessors, the
+# tf.data maps) to a `__autograph_generated_file*.py` in the temporary directory, imports it
+# as a module of that name and deletes the file in an atexit handler. A process that leaves
+# through `os._exit` (a finished `flaxlm.main` run, an input process: no interpreter teardown)
+# runs no atexit handler, so it deletes them here, or each run would leave its files in /tmp.
+AUTOGRAPH_MODULE_PREFIX = "__autograph_generated_file"
+
+
+def remove_autograph_files() -> None:
+    """Deletes the source files of the modules TensorFlow's autograph generated in this
+    process (what its atexit handlers would have done)."""
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name.startswith(AUTOGRAPH_MODULE_PREFIX) and path:
+            with contextlib.suppress(OSError):
+                os.remove(path)

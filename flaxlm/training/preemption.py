@@ -19,6 +19,8 @@ import sys
 import threading
 from types import FrameType, TracebackType
 
+from flaxlm.data import library_start
+
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -89,6 +91,7 @@ class PreemptionHandler:
         sig = signal.Signals(signum)
         if self.received is not None:
             _write_stderr(f"\nReceived {sig.name} again: exiting now without saving.\n")
+            library_start.remove_autograph_files()
             os._exit(128 + signum)
         self.received = sig
         if self._announce:
