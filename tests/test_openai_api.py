@@ -466,9 +466,9 @@ def test_tools_reach_the_template_and_a_hermes_call_comes_back_as_tool_calls(
     served, checkpoint, monkeypatch
 ):
     """A request's tools rendered by the template (not with tool_choice 'none', as vLLM);
-    an answer holding a Hermes `<tool_call>` block comes back as the message's tool_calls
-    (the engine scripted: the tiny random model writes no calls); the history the client
-    then sends back is accepted."""
+    an answer holding a Hermes `<tool_call>` block comes back as the message's tool_calls,
+    whole or streamed (the engine scripted: the tiny random model writes no calls); the
+    history the client then sends back is accepted."""
     server, client = served
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint[0])
     offered = chat(client, tools=TOOLS, max_tokens=2, temperature=0)
@@ -489,6 +489,37 @@ def test_tools_reach_the_template_and_a_hermes_call_comes_back_as_tool_calls(
         model=MODEL, messages=[*MESSAGES, choice.message, result], tools=TOOLS
     )
     assert again.choices[0].finish_reason == "tool_calls"
+    # Streamed: the content as deltas, then the call whole in one delta (as OpenAI's clients
+    # accumulate it), then the finish reason.
+    chunks = [c for c in chat(client, tools=TOOLS, stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Let me look."
+    (streamed,) = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert streamed.index == 0 and streamed.id.startswith("call_")
+    assert (streamed.function.name, streamed.function.arguments) == (
+        call.function.name,
+        call.function.arguments,
+    )
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # Two calls; parallel_tool_calls=false keeps the first, as vLLM's (whole and streamed).
+    second = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    both = scripted(tokenizer, text + "</tool_call>" + second)
+    monkeypatch.setattr(server.engine, "submit_many", both)
+    assert len(chat(client, tools=TOOLS).choices[0].message.tool_calls) == 2
+    (first,) = chat(client, tools=TOOLS, parallel_tool_calls=False).choices[0].message.tool_calls
+    assert json.loads(first.function.arguments) == {"city": "Paris"}
+    chunks = chat(client, tools=TOOLS, parallel_tool_calls=False, stream=True)
+    assert len([t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]) == 1
+    # A Qwen3 answer that thinks, then calls: reasoning, no content, the call (both ways).
+    thinking = "<think>Paris, then.</think>\n\n" + second
+    monkeypatch.setattr(server.engine, "submit_many", scripted(tokenizer, thinking))
+    monkeypatch.setattr(server, "reasoning_parser", "qwen3")
+    message = chat(client, tools=TOOLS).choices[0].message
+    assert (message.reasoning, message.content) == ("Paris, then.", None)
+    assert len(message.tool_calls) == 1
+    deltas = [c.choices[0].delta for c in chat(client, tools=TOOLS, stream=True) if c.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == "Paris, then."
+    assert "".join(d.content or "" for d in deltas) == ""
+    assert len([t for d in deltas for t in d.tool_calls or []]) == 1
 
 
 @pytest.mark.parametrize(
@@ -504,10 +535,12 @@ def test_tools_reach_the_template_and_a_hermes_call_comes_back_as_tool_calls(
         ),
         ('<tool_call>{"name": "f", "arguments": </tool_call>', None, None),  # not JSON
         ('<tool_call>["f"]</tool_call>', None, None),  # not a call
+        ('\n\n<tool_call>{"name": "f", "arguments": {}}</tool_call>', None, [("f", {})]),
+        ("a <tool_ca and more", "a <tool_ca and more", []),  # a tag's start, held, then not
     ],
 )
 def test_hermes_calls_are_read_as_vllms_parser_reads_them(text, content, calls):
-    check_parsed(tools.parse_hermes, text, content, calls)
+    check_parsed("hermes", text, content, calls)
 
 
 @pytest.mark.parametrize(
@@ -522,21 +555,33 @@ def test_hermes_calls_are_read_as_vllms_parser_reads_them(text, content, calls):
         ),
         ('{"name": "f", "parameters": ', None, None),  # cut off: not JSON
         ('{"city": "Paris"}', None, None),  # JSON, not a call
+        (' {"name": "f", "parameters": {}}', ' {"name": "f", "parameters": {}}', []),
+        ("<|python is not the tag", "<|python is not the tag", []),
     ],
 )
 def test_llama3_json_calls_are_read_as_vllms_parser_reads_them(text, content, calls):
-    check_parsed(tools.parse_llama3_json, text, content, calls)
+    check_parsed("llama3_json", text, content, calls)
 
 
-def check_parsed(parse, text, content, calls):
-    got_content, got_calls = parse(text)
+def check_parsed(parser, text, content, calls):
+    """The whole answer read as vLLM's parser reads it; streamed in pieces of any size, the
+    content deltas and calls add up to the same."""
+    got_content, got_calls = tools.PARSERS[parser](text)
     if calls is None:  # a block that does not parse: all of it is content, no calls
         assert (got_content, got_calls) == (text, [])
-        return
-    assert got_content == content
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == (
-        calls
-    )
+    else:
+        assert got_content == content
+        assert named(got_calls) == calls
+    for size in (1, 2, 3, 7):
+        stream = tools.CallStream(parser)
+        sent = [stream.feed(text[i : i + size]) for i in range(0, len(text), size)]
+        rest, streamed_calls = stream.flush()
+        assert "".join(sent) + rest == (got_content or "")
+        assert named(streamed_calls) == named(got_calls)
+
+
+def named(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
 @pytest.mark.parametrize(
@@ -565,7 +610,6 @@ def check_parsed(parse, text, content, calls):
         ({"extra_body": {"stop_token_ids": ["a"]}}, "stop_token_ids", "list of token ids"),
         ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "guided decoding"),
         ({"tools": [{"type": "function"}]}, "tools[0]", "must be {'type': 'function'"),
-        ({"tools": TOOLS, "stream": True}, "stream", "Tool calls are answered whole"),
         ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
         (
             {"messages": [{"role": "assistant", "content": "no", "refusal": "I cannot."}]},

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
-from flaxlm.runs.serve import reasoning
+from flaxlm.runs.serve import reasoning, tools
 from flaxlm.runs.serve.stream import TextStream
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error"}
@@ -24,7 +23,7 @@ class Answer:
         model_name: str,
         prompt_ids: list[list[int]],
         texts: list[str],
-        tool_parser: Callable[[str], tuple[str | None, list[dict[str, Any]]]] | None = None,
+        tool_parser: str | None = None,
         reasoning_parser: str | None = None,
     ):
         """`texts`: what `echo` shows of each prompt (`Server.prompt_texts`); `tool_parser`:
@@ -78,9 +77,9 @@ class Answer:
                 if self.reasoning_parser is not None:
                     message["reasoning"], content = reasoning.split(text, self.reasoning_parser)
                 if self.tool_parser is not None and content:
-                    content, calls = self.tool_parser(content)
+                    content, calls = tools.PARSERS[self.tool_parser](content)
                     if calls:
-                        message["tool_calls"] = calls
+                        message["tool_calls"] = self.calls_kept(calls)
                         reason = "tool_calls"
                 choice["message"] = {**message, "content": content}
             else:
@@ -98,14 +97,17 @@ class Answer:
         *,
         role: bool = False,
         thought: str | None = None,
+        calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """One streamed event of choice `index`: its next text (None in the chat chunk that
         only ends a choice), its first with `role` (chat), the reasoning it adds (`thought`,
-        with a reasoning parser)."""
+        with a reasoning parser), the tool calls read from it (`calls`, each whole)."""
         choice: dict[str, Any] = {"index": index}
         if self.chat:
-            delta = {} if thought is None else {"reasoning": thought}
+            delta: dict[str, Any] = {} if thought is None else {"reasoning": thought}
             delta.update({} if text is None else {"content": text})
+            if calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
             choice["delta"] = {"role": "assistant", **delta} if role else delta
         else:
             choice["text"] = text or ""
@@ -115,14 +117,52 @@ class Answer:
             chunk["usage"] = None
         return chunk
 
-    def splitter(self) -> reasoning.Splitter | None:
-        """What splits a streamed chat answer's reasoning from its content (None: no
-        reasoning parser)."""
-        return None if self.reasoning_parser is None else reasoning.Splitter(self.reasoning_parser)
+    def calls_kept(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """An answer's tool calls, the first alone with `parallel_tool_calls=false` (vLLM's)."""
+        return calls if self.request.get("parallel_tool_calls", True) else calls[:1]
 
     def usage_chunk(self) -> dict[str, Any]:
         """The last event when `stream_options.include_usage`: no choices, the usage."""
         return {**self._envelope(True), "choices": [], "usage": self.usage()}
+
+
+class StreamedChoice:
+    """One choice of a streamed chat or text answer: its pieces of text as chunks, with the
+    reasoning and the tool calls read out of them as `Answer.whole` reads the whole text."""
+
+    def __init__(self, answer: Answer, index: int):
+        self.answer, self.index = answer, index
+        self.splitter = (
+            None if answer.reasoning_parser is None else reasoning.Splitter(answer.reasoning_parser)
+        )
+        self.calls = None if answer.tool_parser is None else tools.CallStream(answer.tool_parser)
+
+    def piece(self, text: str, logprobs: Any) -> dict[str, Any]:
+        """The chunk of the next piece of text (its content may be '' while a tag or a call
+        is held back; the logprobs of its tokens go out all the same)."""
+        thought = None
+        if self.splitter is not None:
+            thought, text = self.splitter.feed(text)
+        if self.calls is not None:
+            text = self.calls.feed(text)
+        return self.answer.chunk(self.index, text, None, logprobs, thought=thought)
+
+    def end(self, reason: str) -> list[dict[str, Any]]:
+        """The choice's last chunks once its text has ended: what was held back, its tool
+        calls, and the finish reason."""
+        thought, text = ("", "") if self.splitter is None else self.splitter.flush()
+        calls: list[dict[str, Any]] = []
+        if self.calls is not None:
+            text = self.calls.feed(text)
+            rest, calls = self.calls.flush()
+            text += rest
+        chunks = []
+        if thought or text:
+            chunks.append(self.answer.chunk(self.index, text or None, thought=thought or None))
+        if calls:
+            calls, reason = self.answer.calls_kept(calls), "tool_calls"
+            chunks.append(self.answer.chunk(self.index, None, calls=calls))
+        return [*chunks, self.answer.chunk(self.index, None, reason)]
 
 
 def error_body(

@@ -172,21 +172,12 @@ def parse_chat_request(
     max_tokens = key, defaults.max_tokens, request.get(key)
     tools = tools_lib.check_tools(request.get("tools") or [])
     choice = tools_lib.tool_choice(request.get("tool_choice"), tools)
-    if choice == "auto" and request.get("stream"):
-        raise BadRequest(
-            "Tool calls are answered whole: leave out stream (or send tool_choice='none').",
-            "stream",
-        )
-    if request.get("parallel_tool_calls") is False:
-        raise BadRequest(
-            "parallel_tool_calls=false: flaxlm does not limit an answer to one call.",
-            "parallel_tool_calls",
-        )
     return {
         "messages": messages,
         "chat_template_kwargs": template_kwargs,
         # As vLLM: with tool_choice 'none' the tools are not shown to the model.
         "tools": tools if choice == "auto" else None,
+        "parallel_tool_calls": request.get("parallel_tool_calls", True),
         **sampling_settings(request, max_tokens, max_positions, max_tokens_limit, defaults, 1),
         "logprobs": (top or 0) if request.get("logprobs") else None,
         "echo": False,

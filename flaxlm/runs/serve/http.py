@@ -21,7 +21,7 @@ from flaxlm.inference import generation
 from flaxlm.models.base import EncoderDecoderModel
 from flaxlm.models.row_start import RowStart
 from flaxlm.runs.serve import reasoning, tokenizer_api, tools
-from flaxlm.runs.serve.answer import Answer, error_body
+from flaxlm.runs.serve.answer import Answer, StreamedChoice, error_body
 from flaxlm.runs.serve.api import (
     Completion,
     check_prompt_ids,
@@ -78,7 +78,7 @@ class Server:
         tools.check_parser(tool_call_parser)
         reasoning.check_parser(reasoning_parser)
         self.reasoning_parser = reasoning_parser
-        self.tool_parser = tools.PARSERS.get(tool_call_parser or "")
+        self.tool_parser = tool_call_parser
         self.engine = engine
         self.model_name = model_name
         self.row_start = row_start
@@ -448,25 +448,18 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                     elif answer.request["echo"]:
                         self._event(answer.chunk(index, answer.prompt(index)))
 
-                    splitter = answer.splitter()
+                    choice = StreamedChoice(answer, index)
 
                     def send(
-                        text: str,
-                        index: int = index,
-                        stream: TextStream = stream,
-                        splitter: reasoning.Splitter | None = splitter,
+                        text: str, stream: TextStream = stream, choice: StreamedChoice = choice
                     ) -> None:
                         logprobs = answer.logprobs(stream, *stream.unreported())
-                        thought = None
-                        if splitter is not None:  # (a tag held back: an empty delta)
-                            thought, text = splitter.feed(text)
-                        self._event(answer.chunk(index, text, None, logprobs, thought=thought))
+                        self._event(choice.piece(text, logprobs))
 
                     reason = self._follow(job, stream, send)
                     answer.completion_tokens += len(stream.ids)
-                    if splitter is not None and any(rest := splitter.flush()):
-                        self._event(answer.chunk(index, rest[1], thought=rest[0]))
-                    self._event(answer.chunk(index, None, reason))
+                    for chunk in choice.end(reason):
+                        self._event(chunk)
                 if answer.request["include_usage"]:
                     self._event(answer.usage_chunk())
             except _Failed as e:

@@ -16,6 +16,8 @@ none to read."""
 
 from __future__ import annotations
 
+from flaxlm.runs.serve.stream import prefix_at_end
+
 START, END = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")
 
@@ -60,7 +62,7 @@ class Splitter:
                 reasoning += self.held[:at]
                 self.held, self.state = self.held[at + len(END) :], "content"
                 continue
-            keep = _tail(self.held, END)
+            keep = prefix_at_end(self.held, END)
             reasoning += self.held[: len(self.held) - keep]
             self.held = self.held[len(self.held) - keep :]
             return reasoning, content
@@ -81,11 +83,3 @@ def split(text: str, parser: str) -> tuple[str | None, str | None]:
     parts = [splitter.feed(text), splitter.flush()]
     reasoning, content = ("".join(p[i] for p in parts) for i in (0, 1))
     return (reasoning if splitter.thought else None), (content or None)
-
-
-def _tail(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (held back)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

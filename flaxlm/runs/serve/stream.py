@@ -91,13 +91,7 @@ class TextStream:
 
     def _stop_prefix(self, text: str) -> int:
         """Length of the longest end of `text` that may begin a stop string (held back)."""
-        longest = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:n]):
-                    longest = n
-                    break
-        return longest
+        return max((prefix_at_end(text, s) for s in self.stop), default=0)
 
     def flush(self) -> str:
         """Whatever text is still held back (an unfinished character) once decoding ends."""
@@ -152,6 +146,15 @@ class TextStream:
                 }
             )
         return {"content": content}
+
+
+def prefix_at_end(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (to hold back while the
+    next piece may complete it)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
 
 
 def _entry(token: str, logprob: float) -> dict[str, Any]:

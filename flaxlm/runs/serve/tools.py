@@ -7,7 +7,17 @@ with (`serve.tool_call_parser`, vLLM's `--tool-call-parser`): the calls become t
 `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (the format of
 Hermes, Qwen2.5, Qwen3 and QwQ, whose templates teach it). `llama3_json`: an answer that is
 `{"name": ..., "parameters": {...}}` objects joined by `; ` (Llama 3.1-3.3's). An answer
-that does not parse is all content, no calls, as vLLM's parsers leave it."""
+that does not parse is all content, no calls, as vLLM's parsers leave it.
+
+Streamed (`CallStream`), the text before the calls streams as content; from where the calls
+start it is held, and read by the same parser once the answer ends, so that a streamed answer
+gives what the whole one gives (vLLM streams a call's arguments as they come: its streamed and
+whole answers can differ where a call does not parse). Each call then comes as one delta
+(`index`, `id`, `type`, the name and all of its arguments), as OpenAI's clients accumulate
+them.
+
+`parallel_tool_calls=false` keeps an answer's first call alone, as vLLM does (it does not
+stop the model writing more)."""
 
 from __future__ import annotations
 
@@ -18,8 +28,11 @@ from collections.abc import Callable
 from typing import Any
 
 from flaxlm.runs.serve.settings import BadRequest, shown
+from flaxlm.runs.serve.stream import prefix_at_end
 
 Call = dict[str, Any]
+HERMES_OPEN = "<tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 
 
@@ -29,7 +42,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[Call]]:
     the function's name and its arguments as a JSON string); `(text, [])` where there is no
     block or one does not parse. A last block the answer ended inside (no closing tag) is
     read as well."""
-    start = text.find("<tool_call>")
+    start = text.find(HERMES_OPEN)
     if start < 0:
         return text, []
     calls = []
@@ -51,10 +64,10 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[Call]]:
     with `{` (or `<|python_tag|>`, where the tokenizer leaves it in the text) is one or more
     `{"name": ..., "parameters": {...}}` objects joined by `; `, all calls and no content;
     `(text, [])` for any other answer or one that does not parse, as vLLM's `llama3_json`."""
-    tag = "<|python_tag|>"
-    if not (text.startswith(tag) or text.startswith("{")):
+    if not (text.startswith(PYTHON_TAG) or text.startswith("{")):
         return text, []
-    decoder, at, objects = json.JSONDecoder(), len(tag) if text.startswith(tag) else 0, []
+    start = len(PYTHON_TAG) if text.startswith(PYTHON_TAG) else 0
+    decoder, at, objects = json.JSONDecoder(), start, []
     try:
         while at < len(text):
             obj, length = decoder.raw_decode(text[at:])
@@ -82,6 +95,57 @@ PARSERS: dict[str, Callable[[str], tuple[str | None, list[Call]]]] = {
     "hermes": parse_hermes,
     "llama3_json": parse_llama3_json,
 }
+
+
+def _hermes_start(text: str, sent: int) -> tuple[int | None, int]:
+    """(Where the calls start in `text`, None if they have not; how many of its last
+    characters may still begin them): the first `<tool_call>` (the first `sent` characters,
+    already content, hold none)."""
+    at = text.find(HERMES_OPEN, sent)
+    return (at, 0) if at >= 0 else (None, prefix_at_end(text, HERMES_OPEN))
+
+
+def _llama3_json_start(text: str, sent: int) -> tuple[int | None, int]:
+    """As `_hermes_start`: Llama 3's calls are the whole answer, from its first character."""
+    if sent or not text:
+        return None, 0
+    if text.startswith(PYTHON_TAG) or text.startswith("{"):
+        return 0, 0
+    return None, len(text) if PYTHON_TAG.startswith(text) else 0
+
+
+STARTS = {"hermes": _hermes_start, "llama3_json": _llama3_json_start}
+
+
+class CallStream:
+    """Reads a chat answer for tool calls as it streams, as its parser reads the whole answer:
+    `feed` each piece of content (returns the content that is final), `flush` at the end
+    (returns the content still held and the calls)."""
+
+    def __init__(self, parser: str):
+        self.parse, self.start_of = PARSERS[parser], STARTS[parser]
+        self.text = ""
+        self.sent = 0  # characters given back as content
+        self.start: int | None = None  # where the calls start, once seen
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        if self.start is not None:
+            return ""
+        self.start, hold = self.start_of(self.text, self.sent)
+        end = max(self.sent, self.start if self.start is not None else len(self.text) - hold)
+        if not self.text[:end].strip():
+            return ""  # blank so far: a whole answer's content before its calls is None
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+    def flush(self) -> tuple[str, list[Call]]:
+        if self.start is not None:
+            _, calls = self.parse(self.text[self.start :])
+            if calls:
+                return "", calls
+        rest, self.sent = self.text[self.sent :], len(self.text)
+        return rest, []
 
 
 def check_parser(name: str | None) -> None:
