@@ -143,8 +143,10 @@ def greedy(checkpoint):
             eos_token_id=eos,
             pad_token_id=eos[0],
         )
-    new = [t for t in out[0, len(ids) :].tolist() if t not in eos]
-    return tokenizer.decode(new, skip_special_tokens=True), new, ids
+    new = out[0, len(ids) :].tolist()
+    ended = next((i for i, t in enumerate(new) if t in eos), None)
+    new = new if ended is None else new[:ended]
+    return tokenizer.decode(new, skip_special_tokens=True), new, ids, ended is not None
 
 
 def chat(client, **kwargs):
@@ -158,21 +160,21 @@ def test_models_lists_the_served_model(served):
 
 def test_greedy_chat_equals_hf_generate_on_the_rendered_prompt(served, greedy):
     _, client = served
-    text, new, prompt_ids = greedy
+    text, new, prompt_ids, stopped = greedy
     response = chat(client, temperature=0, max_completion_tokens=TOKENS)
     (choice,) = response.choices
     assert choice.message.role == "assistant" and choice.message.content == text
-    assert choice.finish_reason == ("length" if len(new) == TOKENS else "stop")
+    assert choice.finish_reason == ("stop" if stopped else "length")
     assert response.object == "chat.completion" and response.model == MODEL
     assert response.usage.prompt_tokens == len(prompt_ids)
-    assert response.usage.completion_tokens == len(new)
+    assert response.usage.completion_tokens == len(new) + stopped  # the EOS counts
     # max_tokens (the older name) is the same setting.
     assert chat(client, temperature=0, max_tokens=TOKENS).choices[0].message.content == text
 
 
 def test_chat_n_samples_each_cut_at_the_stop_string(served, greedy):
     _, client = served
-    text, _, _ = greedy
+    text, _, _, _ = greedy
     stop = next(text[i : i + 2] for i in range(1, len(text) - 1) if text[i : i + 2].strip())
     response = chat(client, temperature=0, max_completion_tokens=TOKENS, n=2, stop=[stop])
     assert [c.index for c in response.choices] == [0, 1]
@@ -189,7 +191,7 @@ def test_chat_n_samples_each_cut_at_the_stop_string(served, greedy):
 
 def test_streamed_chat_ends_with_a_usage_chunk(served, greedy):
     _, client = served
-    text, new, prompt_ids = greedy
+    text, new, prompt_ids, stopped = greedy
     chunks = list(
         chat(
             client,
@@ -205,12 +207,13 @@ def test_streamed_chat_ends_with_a_usage_chunk(served, greedy):
     assert parts[-1].choices[0].finish_reason in ("stop", "length")
     assert all(c.object == "chat.completion.chunk" and c.usage is None for c in parts)
     assert last.choices == []
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt_ids), len(new))
+    assert last.usage.prompt_tokens == len(prompt_ids)
+    assert last.usage.completion_tokens == len(new) + stopped
 
 
 def test_chat_logprobs_give_each_token_and_its_alternatives(served, greedy):
     _, client = served
-    _, new, _ = greedy
+    _, new, _, _ = greedy
     response = chat(
         client, temperature=0, max_completion_tokens=TOKENS, logprobs=True, top_logprobs=2
     )
@@ -232,7 +235,7 @@ def test_penalties_top_k_and_min_tokens_reach_the_engine(served, checkpoint, gre
     and chat_template_kwargs."""
     path, torch_model, eos = checkpoint
     _, client = served
-    text, new, ids = greedy
+    text, new, ids, _ = greedy
     with torch.no_grad():
         out = torch_model.generate(
             torch.tensor([ids]), do_sample=False, max_new_tokens=TOKENS, eos_token_id=eos,
@@ -417,7 +420,7 @@ def scripted(tokenizer, text):
         for c in completions:
             for t in ids:
                 c.events.put(("token", t, 0.0, []))
-            c.events.put(("done", "stop"))
+            c.events.put(("done", "stop", tokenizer.eos_token_id, 0.0, []))
 
     return submit_many
 
@@ -431,7 +434,11 @@ def test_a_think_block_comes_back_as_reasoning_whole_and_streamed(served, checkp
     text = "<think>\nThe user wants a function.\n</think>\n\nHere it is."
     monkeypatch.setattr(server.engine, "submit_many", scripted(tokenizer, text))
     monkeypatch.setattr(server, "reasoning_parser", "qwen3")
-    message = chat(client).choices[0].message
+    response = chat(client)
+    message = response.choices[0].message
+    # The stop token counts, as vLLM's and OpenAI's usage count it.
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert response.usage.completion_tokens == len(ids) + 1
     assert message.reasoning == "\nThe user wants a function.\n"
     assert message.content == "\n\nHere it is."
     deltas = [c.choices[0].delta for c in chat(client, stream=True) if c.choices]

@@ -407,8 +407,8 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 if event[0] == "prompt":  # echo with logprobs: listed first
                     stream.add_prompt(job.prompt_ids, *event[1:])
                     continue
-                if event[:2] == ("done", "stop") and job.prompt_logprobs is not None:
-                    stream.add_stop(*event[2:])
+                if event[:2] == ("done", "stop") and len(event) > 2 and not stream.stopped:
+                    stream.add_stop(*event[2:], listed=job.prompt_logprobs is not None)
                 if event[0] in ("done", "cancelled"):
                     rest = stream.flush()
                     if rest:
@@ -428,7 +428,7 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 for job in jobs:
                     stream, parts = server.text_stream(answer.request), []
                     reason = self._follow(job, stream, parts.append)
-                    answer.completion_tokens += len(stream.ids)
+                    answer.completion_tokens += stream.generated
                     choices.append((stream, "".join(parts), reason))
             except _Failed as e:
                 self._error(e.status, e.message)
@@ -457,7 +457,7 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                         self._event(choice.piece(text, logprobs))
 
                     reason = self._follow(job, stream, send)
-                    answer.completion_tokens += len(stream.ids)
+                    answer.completion_tokens += stream.generated
                     for chunk in choice.end(reason):
                         self._event(chunk)
                 if answer.request["include_usage"]:

@@ -35,6 +35,7 @@ class TextStream:
         self.token_logprobs: list[float | None] = []
         self.top_logprobs: list[list[tuple[str, float]] | None] = []  # most likely first
         self.reported = 0  # tokens whose logprobs a stream has sent
+        self.stop_token: int | None = None  # the token that ended the completion, if one did
 
     def add(self, token: int, logprob: float, top: Sequence[tuple[int, float]]) -> str:
         """The new text this token makes final (may be ''); sets `stopped` at a stop string."""
@@ -66,10 +67,20 @@ class TextStream:
         for i in range(len(ids)):
             self._listed(self._piece(ids, i), logprobs[i], top[i])
 
-    def add_stop(self, token: int, logprob: float, top: Sequence[tuple[int, float]]) -> None:
-        """Lists the stop token that ended the completion after its tokens in `logprobs`, as
-        vLLM lists it (its text is not the completion's)."""
-        self._listed(self.vocabulary.decode([token]), logprob, top)
+    def add_stop(
+        self, token: int, logprob: float, top: Sequence[tuple[int, float]], listed: bool
+    ) -> None:
+        """The stop token that ended the completion: counted in `generated` (as vLLM's and
+        OpenAI's usage count it), and with `listed` (`echo` with `logprobs`) listed after its
+        tokens in `logprobs`, as vLLM lists it (its text is not the completion's)."""
+        self.stop_token = token
+        if listed:
+            self._listed(self.vocabulary.decode([token]), logprob, top)
+
+    @property
+    def generated(self) -> int:
+        """The tokens the completion generated: its own and the stop token that ended it."""
+        return len(self.ids) + (self.stop_token is not None)
 
     def _listed(
         self, text: str, logprob: float | None, top: Sequence[tuple[int, float]] | None
