@@ -345,6 +345,17 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_and_lm_eval_reads_it(served,
     )
     assert both.choices[1].logprobs.token_logprobs[: len(ids)] == listed.token_logprobs[: len(ids)]
     assert both.choices[0].logprobs.top_logprobs is None
+    # max_tokens=0 with echo (OpenAI's and vLLM's): the prompt alone, scored.
+    alone = client.completions.create(
+        model=MODEL, prompt=ids, echo=True, logprobs=2, max_tokens=0, temperature=0
+    )
+    (choice,) = alone.choices
+    assert choice.text == tokenizer.decode(ids) and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs == listed.token_logprobs[: len(ids)]
+    assert choice.logprobs.tokens == listed.tokens[: len(ids)]
+    assert (alone.usage.prompt_tokens, alone.usage.completion_tokens) == (len(ids), 0)
+    with pytest.raises(openai.BadRequestError, match="needs echo=true"):
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=0)
     # lm-eval's local-completions client as a user starts it (its tokenizer found on the
     # server: /tokenizer_info, /tokenize, /detokenize; tokenized requests): its
     # log-likelihoods and greedy flags are HF's, continuation by continuation.

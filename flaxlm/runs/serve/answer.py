@@ -31,6 +31,7 @@ class Answer:
         `reasoning_parser`: splits a chat answer's reasoning from its content
         (`reasoning.PARSERS`; None: all of it is content)."""
         self.request, self.chat, self.texts = request, request["chat"], texts
+        self.prompt_only = request.get("prompt_only", False)  # max_tokens=0 with echo
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser if self.chat else None
         self.ident = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"

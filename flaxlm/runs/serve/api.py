@@ -97,6 +97,17 @@ def parse_request(
             "stream",
         )
     max_tokens = request.get("max_tokens")
+    # OpenAI's (and vLLM's) max_tokens=0 with echo: the prompt alone, scored with logprobs.
+    # The engine decodes one token (its prompt event comes first), which the answer drops.
+    prompt_only = max_tokens == 0 and echo
+    if max_tokens == 0 and not echo:
+        raise BadRequest(
+            "max_tokens=0 answers the prompt alone: it needs echo=true (with logprobs to "
+            "score it).",
+            "max_tokens",
+        )
+    if prompt_only:
+        max_tokens = 1
     max_tokens = "max_tokens", defaults.max_tokens or COMPLETIONS_MAX_TOKENS, max_tokens
     return {
         "prompts": prompts,
@@ -105,6 +116,7 @@ def parse_request(
         ),
         "logprobs": logprobs,
         "echo": echo,
+        "prompt_only": prompt_only,
         "chat": False,
     }
 

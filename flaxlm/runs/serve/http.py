@@ -392,9 +392,11 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 for job in jobs:  # the client left: free the rows it no longer reads
                     server.engine.cancel(job, "The client disconnected.")
 
-        def _follow(self, job: Completion, stream: TextStream, on_text: Any) -> str:
+        def _follow(
+            self, job: Completion, stream: TextStream, on_text: Any, prompt_only: bool
+        ) -> str:
             """Feeds `job`'s tokens through `stream`, calling `on_text` with each piece of
-            text that is final; returns the finish reason."""
+            text that is final; returns the finish reason. `prompt_only`: none of them."""
             while True:
                 try:
                     event = job.events.get(timeout=server.request_timeout)
@@ -407,6 +409,10 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 if event[0] == "prompt":  # echo with logprobs: listed first
                     stream.add_prompt(job.prompt_ids, *event[1:])
                     continue
+                if prompt_only:  # max_tokens=0: the token decoded after the prompt is dropped
+                    if event[0] == "token":
+                        server.engine.cancel(job, "Only the prompt was asked for.")
+                    return "length"
                 if event[:2] == ("done", "stop") and len(event) > 2 and not stream.stopped:
                     stream.add_stop(*event[2:], listed=job.prompt_logprobs is not None)
                 if event[0] in ("done", "cancelled"):
@@ -427,7 +433,7 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
             try:
                 for job in jobs:
                     stream, parts = server.text_stream(answer.request), []
-                    reason = self._follow(job, stream, parts.append)
+                    reason = self._follow(job, stream, parts.append, answer.prompt_only)
                     answer.completion_tokens += stream.generated
                     choices.append((stream, "".join(parts), reason))
             except _Failed as e:
@@ -456,7 +462,7 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                         logprobs = answer.logprobs(stream, *stream.unreported())
                         self._event(choice.piece(text, logprobs))
 
-                    reason = self._follow(job, stream, send)
+                    reason = self._follow(job, stream, send, answer.prompt_only)
                     answer.completion_tokens += stream.generated
                     for chunk in choice.end(reason):
                         self._event(chunk)
