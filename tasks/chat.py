@@ -27,7 +27,7 @@ part of the next prompt. They stay in the sequence, as context without loss.
 Preference records (`register_preference_task`), one pair a line:
   plain:          {"prompt": str, "chosen": str, "rejected": str}
   conversational: {"prompt" (or "messages"): [messages...], "chosen": str | [one assistant
-                  message], "rejected": the same}
+                  message], "rejected": the same, "tools"?, "chat_template_kwargs"?}
 Plain text with an HF tokenizer is tokenized as TRL's DPO does it (`plain_pair_as_trl`:
 the tokenizer's special tokens, EOS appended to an answer only when its text lacks it);
 with a seqio vocabulary it is encoded as is and each answer ends with its EOS; a
@@ -224,10 +224,10 @@ def _openai_messages(raw: Any, where: str, key: str) -> Messages:
     return out
 
 
-# Columns TRL reads and these tasks do not: images (for a vision processor) and, in a
-# preference pair, tools and template variables (TRL's DPO takes its tools from its config).
+# Columns TRL reads and these tasks do not: images (for a vision processor).
 UNREAD_COLUMNS = ("images", "image")
-PAIR_UNREAD_COLUMNS = ("tools", "chat_template_kwargs", *UNREAD_COLUMNS)
+# What only a chat template reads: TRL hands them to it, and ignores them on plain text.
+TEMPLATE_COLUMNS = ("tools", "chat_template_kwargs")
 
 
 def check_unread_columns(
@@ -236,12 +236,15 @@ def check_unread_columns(
     """A ValueError naming `where` and the column for a record that sets one TRL would read
     and these tasks would not (its rows would differ from TRL's without a word)."""
     for key in columns:
-        if record.get(key) not in (None, [], {}, ""):
+        if _set(record, key):
             raise ValueError(
-                f"{where}: {key!r} is a column TRL reads (images go to a vision processor; "
-                "a preference pair's tools and template variables to the chat template) "
+                f"{where}: {key!r} is a column TRL reads (images go to a vision processor) "
                 "and this task does not: leave it out of the records."
             )
+
+
+def _set(record: Mapping[str, Any], key: str) -> bool:
+    return record.get(key) not in (None, [], {}, "")
 
 
 def template_args(record: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -323,8 +326,9 @@ def preference_parts(
     record: Mapping[str, Any], where: str
 ) -> tuple[str | Messages, str | dict[str, Any], str | dict[str, Any]]:
     """`(prompt, chosen, rejected)` of a preference record: strings for a plain-text
-    record, a message list and two assistant messages for a conversational one."""
-    check_unread_columns(record, where, PAIR_UNREAD_COLUMNS)
+    record, a message list and two assistant messages for a conversational one (whose
+    `tools` and `chat_template_kwargs` `template_args` reads, as TRL's DPO does)."""
+    check_unread_columns(record, where)
     if ("prompt" in record) == ("messages" in record):
         raise ValueError(f"{where}: give the prompt as 'prompt' (or 'messages'), exactly once.")
     key = "prompt" if "prompt" in record else "messages"
@@ -332,6 +336,13 @@ def preference_parts(
     conversational = not isinstance(prompt, str)
     if conversational:
         prompt = _openai_messages(prompt, where, key)
+    for column in TEMPLATE_COLUMNS:
+        if not conversational and _set(record, column):
+            raise ValueError(
+                f"{where}: {column!r} goes to the chat template, which a plain-text pair does "
+                "not use (TRL ignores it there): give the prompt as a list of messages, or "
+                f"leave {column!r} out."
+            )
     for name in ("chosen", "rejected"):
         if name not in record:
             raise ValueError(f"{where}: missing {name!r}.")
@@ -580,10 +591,10 @@ def render_preference_files(
                 for answer in (chosen, rejected):
                     answers.append(signed([*vocabulary.encode(answer), vocabulary.eos_id], True))
             else:
-                chat = renderer()
+                chat, extra = renderer(), template_args(record, where)
                 chat.check_roles([*prompt, chosen, rejected], where)
                 for answer in (chosen, rejected):
-                    full, spans = chat.spans([*prompt, answer], [len(prompt)], where)
+                    full, spans = chat.spans([*prompt, answer], [len(prompt)], where, extra)
                     # As TRL's DPO: the answer is all that follows the prompt (the
                     # template's newline after the end-of-turn token included).
                     start, ids = spans[0][0], signed(full[: spans[0][0]], False)

@@ -343,6 +343,11 @@ def test_malformed_preference_line_fails_naming_file_and_line(tmp_path):
     path = _write(tmp_path / "images.jsonl", [images])
     with pytest.raises(ValueError, match=f"{re.escape(path)}:1: 'images' is a column TRL"):
         chat.register_preference_task(name="pref_img", split_files={"train": path}, max_length=8)
+    # Tools go to the chat template: on a plain-text pair (TRL ignores them there), refused.
+    tools = {"prompt": "a", "chosen": "b", "rejected": "c", "tools": [{"type": "function"}]}
+    path = _write(tmp_path / "tools.jsonl", [tools])
+    with pytest.raises(ValueError, match=f"{re.escape(path)}:1: 'tools' goes to the chat"):
+        chat.register_preference_task(name="pref_tools", split_files={"train": path}, max_length=8)
 
 
 def test_examples_that_cannot_teach_are_refused_or_dropped_and_counted(

@@ -95,6 +95,15 @@ PAIRS = [
         "chosen": [{"role": "assistant", "content": "Hello."}],
         "rejected": [{"role": "assistant", "content": "Go away"}],
     },
+    # TRL's DPO hands a pair's tools and template variables to the template too: a call
+    # chosen over a guess.
+    {
+        "prompt": [{"role": "user", "content": "Paris?"}],
+        "chosen": [TOOL_RECORD["messages"][1]],
+        "rejected": [{"role": "assistant", "content": "Sunny."}],
+        "tools": TOOL_RECORD["tools"],
+        "chat_template_kwargs": {"brief": True},
+    },
 ]
 LENGTH = 96
 
@@ -285,10 +294,13 @@ def trl_pair_batch(tok, pairs) -> dict:
             prompt = trl_tokenize(tok, p["prompt"])["input_ids"]
             full_c = trl_tokenize(tok, p["prompt"] + chosen)["input_ids"]
             full_r = trl_tokenize(tok, p["prompt"] + rejected)["input_ids"]
-        else:
-            prompt = trl_tokenize(tok, p["prompt"], add_generation_prompt=True)["input_ids"]
-            full_c = trl_tokenize(tok, p["prompt"] + p["chosen"])["input_ids"]
-            full_r = trl_tokenize(tok, p["prompt"] + p["rejected"])["input_ids"]
+        else:  # as TRL 1.16's DPOTrainer.tokenize_fn hands a record's tools and variables
+            tools = json.loads(p["tools"]) if isinstance(p.get("tools"), str) else p.get("tools")
+            extra = {"tools": tools, **p.get("chat_template_kwargs", {})}
+            prompt = trl_tokenize(tok, p["prompt"], add_generation_prompt=True, **extra)
+            prompt = prompt["input_ids"]
+            full_c = trl_tokenize(tok, p["prompt"] + p["chosen"], **extra)["input_ids"]
+            full_r = trl_tokenize(tok, p["prompt"] + p["rejected"], **extra)["input_ids"]
         n = min(
             next((i for i, (a, b) in enumerate(zip(prompt, f)) if a != b), len(prompt))
             for f in (full_c, full_r)
