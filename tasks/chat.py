@@ -56,6 +56,7 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
+from flaxlm.data import vocabularies
 from flaxlm.data.jsonl_reader import read_numbered_jsonl
 from flaxlm.data.vocabularies import CHAT_TEMPLATE_ARGUMENTS, HuggingFaceVocabulary
 from tasks.jsonl import in_memory_token_dataset, split_file_lists
@@ -85,8 +86,7 @@ class ChatRenderer:
                 "or chat_template.jinja holds the template)."
             )
         self.tokenizer = tokenizer
-        specials = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-        self.control_ids = frozenset(specials | set(tokenizer.all_special_ids))
+        self.control_ids = vocabularies.special_token_ids(tokenizer)
         # The roles a conversation may use: those every chat template renders, and `tool`
         # where this template renders tool messages.
         template = str(tokenizer.chat_template)

@@ -247,7 +247,9 @@ def test_penalties_top_k_and_min_tokens_reach_the_engine(served, checkpoint, gre
     response = chat(
         client, temperature=0, max_tokens=TOKENS, extra_body={"repetition_penalty": 0.5}
     )
-    assert response.choices[0].message.content == tokenizer.decode(penalized)
+    assert response.choices[0].message.content == tokenizer.decode(
+        penalized, skip_special_tokens=True
+    )
     top1 = chat(client, temperature=1.0, seed=3, max_tokens=TOKENS, extra_body={"top_k": 1})
     assert top1.choices[0].message.content == text
     held = chat(client, temperature=0, max_tokens=TOKENS, extra_body={"min_tokens": TOKENS})
@@ -527,6 +529,13 @@ def test_tools_reach_the_template_and_a_hermes_call_comes_back_as_tool_calls(
     assert json.loads(first.function.arguments) == {"city": "Paris"}
     chunks = chat(client, tools=TOOLS, parallel_tool_calls=False, stream=True)
     assert len([t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]) == 1
+    # With tools offered, an answer keeps its special tokens (some formats write their
+    # markers as special tokens; vLLM's parsers decode with skip_special_tokens=false).
+    special = "<|im_start|>"
+    assert tokenizer.convert_tokens_to_ids(special) in server.special_ids
+    monkeypatch.setattr(server.engine, "submit_many", scripted(tokenizer, f"a{special}b"))
+    assert chat(client, tools=TOOLS).choices[0].message.content == f"a{special}b"
+    assert chat(client).choices[0].message.content == "ab"
     # A Qwen3 answer that thinks, then calls: reasoning, no content, the call (both ways).
     thinking = "<think>Paris, then.</think>\n\n" + second
     monkeypatch.setattr(server.engine, "submit_many", scripted(tokenizer, thinking))
@@ -581,21 +590,125 @@ def test_llama3_json_calls_are_read_as_vllms_parser_reads_them(text, content, ca
     check_parsed("llama3_json", text, content, calls)
 
 
+# The arguments the XML formats write as text are typed by the tool's schema.
+TYPED_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "w",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    }
+]
+DS = (
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{}<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+    "<｜tool▁calls▁end｜>"
+)
+DSML = "｜DSML｜"
+
+
+@pytest.mark.parametrize(
+    "parser, text, content, calls",
+    [
+        (  # a string parameter keeps its text ("007"), an integer one is read, an unknown
+            # one (not in the schema) is text
+            "qwen3_coder",
+            "Checking.\n<tool_call>\n<function=w>\n<parameter=city>\n007\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=note>\n[1]\n</parameter>\n"
+            "</function>\n</tool_call>",
+            "Checking.\n",
+            [("w", {"city": "007", "days": 3, "note": "[1]"})],
+        ),
+        ("qwen3_coder", "<tool_call>\nnot a function\n</tool_call>", None, None),
+        (
+            "glm45",
+            "<tool_call>w\n<arg_key>city</arg_key>\n<arg_value>007</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+            None,
+            [("w", {"city": "007", "days": 3})],
+        ),
+        (  # GLM-4.7's: no newline after the name
+            "glm47",
+            "So: <tool_call>w<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>",
+            "So: ",
+            [("w", {"city": "Oslo"})],
+        ),
+        ("glm45", "<tool_call>w\n<arg_key>city", None, None),  # cut off: no whole call
+        (
+            "deepseek_v31",
+            "Ok." + DS.format("w", '{"city": "Oslo"}'),
+            "Ok.",
+            [("w", {"city": "Oslo"})],
+        ),
+        (
+            "deepseek_v3",
+            DS.format("function", 'w\n```json\n{"city": "Oslo"}\n```'),
+            None,
+            [("w", {"city": "Oslo"})],
+        ),
+        ("deepseek_v31", DS.format("w", "{not json"), None, None),
+        (
+            "deepseek_v32",
+            f'<{DSML}function_calls>\n<{DSML}invoke name="w">\n<{DSML}parameter name="city" '
+            f'string="true">007</{DSML}parameter>\n<{DSML}parameter name="days" '
+            f'string="false">3</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}function_calls>',
+            None,
+            [("w", {"city": "007", "days": 3})],
+        ),
+        (
+            "kimi_k2",
+            "Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.w:0"
+            '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>'
+            "<|tool_calls_section_end|>",
+            "Sure.",
+            [("w", {"city": "Oslo"})],
+        ),
+        (
+            "mistral",
+            '[TOOL_CALLS]w[ARGS]{"city": "Oslo"}[TOOL_CALLS]w[ARGS]{"days": 2}',
+            None,
+            [("w", {"city": "Oslo"}), ("w", {"days": 2})],
+        ),
+        (  # before Mistral's tokenizers v11
+            "mistral",
+            '[TOOL_CALLS][{"name": "w", "arguments": {"city": "Oslo"}}]',
+            None,
+            [("w", {"city": "Oslo"})],
+        ),
+        ("mistral", "[TOOL_CALLS]w[ARGS]{cut", None, None),
+    ],
+)
+def test_each_familys_calls_are_read_as_vllms_parser_of_that_name_reads_them(
+    parser, text, content, calls
+):
+    got = check_parsed(parser, text, content, calls)
+    # Kimi's ids are the template's own (functions.NAME:N); Mistral's templates take ids of
+    # 9 letters and digits.
+    if parser == "kimi_k2":
+        assert got[0]["id"] == "functions.w:0"
+    if parser == "mistral" and got:
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in got)
+
+
 def check_parsed(parser, text, content, calls):
     """The whole answer read as vLLM's parser reads it; streamed in pieces of any size, the
     content deltas and calls add up to the same."""
-    got_content, got_calls = tools.PARSERS[parser](text)
+    got_content, got_calls = tools.parse(parser, text, TYPED_TOOLS)
     if calls is None:  # a block that does not parse: all of it is content, no calls
         assert (got_content, got_calls) == (text, [])
     else:
         assert got_content == content
         assert named(got_calls) == calls
     for size in (1, 2, 3, 7):
-        stream = tools.CallStream(parser)
+        stream = tools.CallStream(parser, TYPED_TOOLS)
         sent = [stream.feed(text[i : i + size]) for i in range(0, len(text), size)]
         rest, streamed_calls = stream.flush()
         assert "".join(sent) + rest == (got_content or "")
         assert named(streamed_calls) == named(got_calls)
+    return got_calls
 
 
 def named(calls):

@@ -39,6 +39,15 @@ CHAT_TEMPLATE_ARGUMENTS = frozenset(
 )  # fmt: skip
 
 
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """A transformers tokenizer's special tokens: its named ones (BOS, EOS, ...) and every
+    added token marked special (a chat template's turn markers), what `decode(...,
+    skip_special_tokens=True)` leaves out."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    marked = {i for i, token in added.items() if getattr(token, "special", False)}
+    return frozenset(marked | set(getattr(tokenizer, "all_special_ids", ())))
+
+
 class Vocabulary(Protocol):
     """What flaxlm reads and writes text with: seqio's vocabularies and this module's."""
 

@@ -78,7 +78,7 @@ class Answer:
                 if self.reasoning_parser is not None:
                     message["reasoning"], content = reasoning.split(text, self.reasoning_parser)
                 if self.tool_parser is not None and content:
-                    content, calls = tools.PARSERS[self.tool_parser](content)
+                    content, calls = tools.parse(self.tool_parser, content, self.request["tools"])
                     if calls:
                         message["tool_calls"] = self.calls_kept(calls)
                         reason = "tool_calls"
@@ -136,7 +136,11 @@ class StreamedChoice:
         self.splitter = (
             None if answer.reasoning_parser is None else reasoning.Splitter(answer.reasoning_parser)
         )
-        self.calls = None if answer.tool_parser is None else tools.CallStream(answer.tool_parser)
+        self.calls = (
+            None
+            if answer.tool_parser is None
+            else tools.CallStream(answer.tool_parser, answer.request["tools"])
+        )
 
     def piece(self, text: str, logprobs: Any) -> dict[str, Any]:
         """The chunk of the next piece of text (its content may be '' while a tag or a call

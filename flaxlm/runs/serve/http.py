@@ -17,6 +17,7 @@ from typing import Any
 
 from etils import epath
 
+from flaxlm.data import vocabularies
 from flaxlm.inference import generation
 from flaxlm.models.base import EncoderDecoderModel
 from flaxlm.models.row_start import RowStart
@@ -95,7 +96,7 @@ class Server:
             engine.model.generation_config, max_tokens_limit
         )
         tokenizer = getattr(engine.vocabulary, "tokenizer", None)
-        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        self.special_ids = vocabularies.special_token_ids(tokenizer)
         self.httpd = httpd
         self.httpd.RequestHandlerClass = _make_handler(self)
         self._serving = threading.Thread(target=self.httpd.serve_forever, name="flaxlm-http")
@@ -216,8 +217,10 @@ class Server:
 
     def text_stream(self, request: dict) -> TextStream:
         """A choice's TextStream: a chat answer shows no special tokens (its template's
-        turn markers), a completion shows every token as before."""
-        skip = self.special_ids if request["chat"] else ()
+        turn markers) unless its tool calls are read (their markers may be special tokens,
+        as vLLM's parsers decode them), a completion shows every token as before."""
+        calls_read = request.get("tools") and self.tool_parser is not None
+        skip = self.special_ids if request["chat"] and not calls_read else ()
         return TextStream(self.engine.vocabulary, request["stop"], skip)
 
     def start(self) -> None:
