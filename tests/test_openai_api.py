@@ -2,6 +2,7 @@
 whose tokenizer has a ChatML chat template: what a user of any OpenAI-speaking tool sees."""
 
 import json
+import types
 import urllib.error
 import urllib.request
 
@@ -11,6 +12,7 @@ import pytest
 import seqio
 import torch
 import transformers
+from tokenizers import AddedToken
 
 from flaxlm.checkpoints import run_dir
 from flaxlm.data import vocabularies
@@ -458,6 +460,34 @@ def test_a_think_block_comes_back_as_reasoning_whole_and_streamed(served, checkp
     assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning
     assert "".join(d.content or "" for d in deltas) == message.content
     assert len([d for d in deltas if getattr(d, "reasoning", None)]) > 1  # as it came
+
+
+def test_think_tags_a_tokenizer_marks_special_stay_in_the_text_the_parser_reads(
+    checkpoint, tmp_path
+):
+    """Chat answers leave out every token the tokenizer marks special, but with a reasoning
+    parser not its think tags (vLLM's parsers read them as ids; flaxlm's read the text)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint[0])
+    tags = [AddedToken(t, special=True, normalized=False) for t in ("<think>", "</think>")]
+    tokenizer.add_tokens(tags, special_tokens=True)
+    tokenizer.save_pretrained(str(tmp_path))
+    tag_ids = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    special = vocabularies.special_token_ids(tokenizer)
+    assert set(tag_ids) <= special and reasoning.tag_ids(tokenizer) == set(tag_ids)
+    vocabulary = vocabularies.HuggingFaceVocabulary(str(tmp_path))
+    ids = tokenizer.encode("<think>a</think>b", add_special_tokens=False)
+    assert set(tag_ids) <= set(ids)
+    request = {"chat": True, "stop": [], "tools": None}
+    for parser, text in (("qwen3", "<think>a</think>b"), (None, "ab")):
+        server = types.SimpleNamespace(
+            special_ids=special,
+            reasoning_tag_ids=reasoning.tag_ids(tokenizer),
+            reasoning_parser=parser,
+            tool_parser=None,
+            engine=types.SimpleNamespace(vocabulary=vocabulary),
+        )
+        stream = Server.text_stream(server, request)
+        assert "".join(stream.add(i, 0.0, []) for i in ids) + stream.flush() == text
 
 
 @pytest.mark.parametrize(

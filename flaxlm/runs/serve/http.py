@@ -97,6 +97,7 @@ class Server:
         )
         tokenizer = getattr(engine.vocabulary, "tokenizer", None)
         self.special_ids = vocabularies.special_token_ids(tokenizer)
+        self.reasoning_tag_ids = reasoning.tag_ids(tokenizer)
         self.httpd = httpd
         self.httpd.RequestHandlerClass = _make_handler(self)
         self._serving = threading.Thread(target=self.httpd.serve_forever, name="flaxlm-http")
@@ -220,7 +221,9 @@ class Server:
         turn markers) unless its tool calls are read (their markers may be special tokens,
         as vLLM's parsers decode them), a completion shows every token as before."""
         calls_read = request.get("tools") and self.tool_parser is not None
-        skip = self.special_ids if request["chat"] and not calls_read else ()
+        skip = self.special_ids if request["chat"] and not calls_read else frozenset()
+        if self.reasoning_parser is not None:
+            skip -= self.reasoning_tag_ids
         return TextStream(self.engine.vocabulary, request["stop"], skip)
 
     def start(self) -> None:

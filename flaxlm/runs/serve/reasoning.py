@@ -11,15 +11,24 @@ field, formerly `reasoning_content`), the rest as its `content`; streamed, as
 
 An answer that ends inside its block (at `max_tokens`) is all reasoning, streamed or whole
 (vLLM's whole answers give such a Qwen3 answer as content instead). The tags are read from
-the text: a tokenizer that marks them special (decoded to nothing in chat answers) leaves
-none to read."""
+the text: a chat answer keeps them where its tokenizer marks them special (`tag_ids`)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from flaxlm.runs.serve.stream import prefix_at_end
 
 START, END = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")
+
+
+def tag_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the tags where a tokenizer has them as tokens of their own: kept in the
+    text the parser reads even where the tokenizer marks them special (vLLM's parsers read
+    the ids; flaxlm's read the text)."""
+    added = getattr(tokenizer, "get_added_vocab", dict)()
+    return frozenset(added[tag] for tag in (START, END) if tag in added)
 
 
 def check_parser(name: str | None) -> None:
