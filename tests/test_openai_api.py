@@ -491,21 +491,28 @@ def test_think_tags_a_tokenizer_marks_special_stay_in_the_text_the_parser_reads(
 
 
 @pytest.mark.parametrize(
-    "parser, text, reasoning_, content",
+    "parser, kwargs, text, reasoning_, content",
     [
-        ("qwen3", "<think>a</think>b", "a", "b"),
-        ("qwen3", "no block", None, "no block"),  # enable_thinking=False
-        ("qwen3", "<think>cut at max_tokens", "cut at max_tokens", None),
-        ("qwen3", "<thinking> is not the tag", None, "<thinking> is not the tag"),
-        ("deepseek_r1", "opened by the prompt</think>b", "opened by the prompt", "b"),
-        ("deepseek_r1", "<think>a</think>", "a", None),
-        ("deepseek_r1", "still thinking", "still thinking", None),
+        ("qwen3", {}, "<think>a</think>b", "a", "b"),
+        ("qwen3", {}, "no block", None, "no block"),  # enable_thinking=False
+        ("qwen3", {}, "<think>cut at max_tokens", "cut at max_tokens", None),
+        ("qwen3", {}, "<thinking> is not the tag", None, "<thinking> is not the tag"),
+        ("glm45", {}, "<think>a</think>b", "a", "b"),
+        ("deepseek_r1", {}, "opened by the prompt</think>b", "opened by the prompt", "b"),
+        ("deepseek_r1", {}, "<think>a</think>", "a", None),
+        ("deepseek_r1", {}, "still thinking", "still thinking", None),
+        ("minimax_m2", {}, "opened by the prompt</think>b", "opened by the prompt", "b"),
+        # DeepSeek-V3.1's template opens the block where the request turns thinking on
+        ("deepseek_v3", {"thinking": True}, "a</think>b", "a", "b"),
+        ("deepseek_v3", {}, "a</think>b", None, "a</think>b"),
+        ("mistral", {}, "[THINK]a[/THINK]b", "a", "b"),
+        ("mistral", {}, "<think>a</think>b", None, "<think>a</think>b"),
     ],
 )
-def test_reasoning_splits_whole_and_in_any_pieces_alike(parser, text, reasoning_, content):
-    assert reasoning.split(text, parser) == (reasoning_, content)
+def test_reasoning_splits_whole_and_in_any_pieces_alike(parser, kwargs, text, reasoning_, content):
+    assert reasoning.split(text, parser, kwargs) == (reasoning_, content)
     for size in (1, 2, 3, 7):
-        splitter = reasoning.Splitter(parser)
+        splitter = reasoning.Splitter(parser, kwargs)
         parts = [splitter.feed(text[i : i + size]) for i in range(0, len(text), size)]
         parts.append(splitter.flush())
         assert "".join(p[0] for p in parts) == (reasoning_ or "")

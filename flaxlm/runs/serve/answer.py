@@ -76,7 +76,9 @@ class Answer:
                 message: dict[str, Any] = {"role": "assistant", "refusal": None}
                 content: str | None = text
                 if self.reasoning_parser is not None:
-                    message["reasoning"], content = reasoning.split(text, self.reasoning_parser)
+                    message["reasoning"], content = reasoning.split(
+                        text, self.reasoning_parser, self.request["chat_template_kwargs"]
+                    )
                 if self.tool_parser is not None and content:
                     content, calls = tools.parse(self.tool_parser, content, self.request["tools"])
                     if calls:
@@ -134,7 +136,9 @@ class StreamedChoice:
     def __init__(self, answer: Answer, index: int):
         self.answer, self.index = answer, index
         self.splitter = (
-            None if answer.reasoning_parser is None else reasoning.Splitter(answer.reasoning_parser)
+            None
+            if answer.reasoning_parser is None
+            else reasoning.Splitter(answer.reasoning_parser, answer.request["chat_template_kwargs"])
         )
         self.calls = (
             None

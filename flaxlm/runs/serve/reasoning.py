@@ -1,13 +1,17 @@
 """Reasoning in chat answers, as vLLM's `--reasoning-parser` returns it: what a model writes
-inside its `<think>` ... `</think>` block comes back as the message's `reasoning` (vLLM's
-field, formerly `reasoning_content`), the rest as its `content`; streamed, as
+inside its thinking block (`<think>` ... `</think>`) comes back as the message's `reasoning`
+(vLLM's field, formerly `reasoning_content`), the rest as its `content`; streamed, as
 `delta.reasoning` then `delta.content`.
 
-- `qwen3` (Qwen3): an answer that opens with `<think>` reasons until `</think>`; one that
-  does not (Qwen3 with `enable_thinking=False`, whose template closes an empty block in the
-  prompt) is all content.
-- `deepseek_r1` (DeepSeek-R1, QwQ-32B: templates that open the block in the prompt): the
-  answer starts inside the block (a `<think>` it writes anyway is dropped).
+- `qwen3` (Qwen3), `glm45` (GLM-4.5 on): an answer that opens with `<think>` reasons until
+  `</think>`; one that does not (thinking turned off, the template closing an empty block in
+  the prompt) is all content.
+- `deepseek_r1` (DeepSeek-R1, QwQ-32B), `minimax_m2` (MiniMax-M2): templates that open the
+  block in the prompt: the answer starts inside it (a `<think>` it writes anyway is dropped).
+- `deepseek_v3` (DeepSeek-V3.1 on): as `deepseek_r1` where the request's
+  `chat_template_kwargs` turn thinking on (`thinking` or `enable_thinking`), else all
+  content, as the template renders it.
+- `mistral` (Magistral): an answer that opens with `[THINK]` reasons until `[/THINK]`.
 
 An answer that ends inside its block (at `max_tokens`) is all reasoning, streamed or whole
 (vLLM's whole answers give such a Qwen3 answer as content instead). The tags are read from
@@ -15,20 +19,43 @@ the text: a chat answer keeps them where its tokenizer marks them special (`tag_
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from flaxlm.runs.serve.stream import prefix_at_end
 
-START, END = "<think>", "</think>"
-PARSERS = ("qwen3", "deepseek_r1")
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A family's thinking block: its tags, and where an answer starts (`inside`: in the
+    block; `opens`: inside only if it writes the opening tag first; `per_request`: inside
+    where the request's template variables turn thinking on, else with no block)."""
+
+    start: str
+    end: str
+    starts: str
+
+
+THINK = Block("<think>", "</think>", "opens")
+INSIDE = Block("<think>", "</think>", "inside")
+PARSERS: dict[str, Block] = {
+    "qwen3": THINK,
+    "glm45": THINK,
+    "deepseek_r1": INSIDE,
+    "minimax_m2": INSIDE,
+    "deepseek_v3": Block("<think>", "</think>", "per_request"),
+    "mistral": Block("[THINK]", "[/THINK]", "opens"),
+}
 
 
 def tag_ids(tokenizer: Any) -> frozenset[int]:
-    """The ids of the tags where a tokenizer has them as tokens of their own: kept in the
-    text the parser reads even where the tokenizer marks them special (vLLM's parsers read
-    the ids; flaxlm's read the text)."""
+    """The ids of the parsers' tags where a tokenizer has them as tokens of their own: kept
+    in the text a parser reads even where the tokenizer marks them special (vLLM's parsers
+    read the ids; flaxlm's read the text)."""
     added = getattr(tokenizer, "get_added_vocab", dict)()
-    return frozenset(added[tag] for tag in (START, END) if tag in added)
+    tags = {tag for block in PARSERS.values() for tag in (block.start, block.end)}
+    return frozenset(added[tag] for tag in tags if tag in added)
 
 
 def check_parser(name: str | None) -> None:
@@ -43,9 +70,17 @@ class Splitter:
     """Splits an answer's text, fed in pieces as it streams, into reasoning and content,
     holding back what may still turn out to be a tag (`feed`, then `flush` at the end)."""
 
-    def __init__(self, parser: str):
-        self.starts_inside = parser == "deepseek_r1"
-        self.state = "start"  # 'start' (may still open with <think>), 'reasoning', 'content'
+    def __init__(self, parser: str, template_kwargs: Mapping[str, Any] | None = None):
+        """`template_kwargs`: the request's `chat_template_kwargs` (`deepseek_v3` reads
+        them)."""
+        block, kwargs = PARSERS[parser], template_kwargs or {}
+        self.start, self.end = block.start, block.end
+        thinking = bool(kwargs.get("thinking") or kwargs.get("enable_thinking"))
+        self.starts_inside = block.starts == "inside" or (
+            block.starts == "per_request" and thinking
+        )
+        # 'start' (may still open with the tag), 'reasoning', 'content'
+        self.state = "content" if block.starts == "per_request" and not thinking else "start"
         self.thought = False  # whether the answer had a block
         self.held = ""
 
@@ -55,10 +90,14 @@ class Splitter:
         reasoning = content = ""
         while True:
             if self.state == "start":
-                if self.held.startswith(START):
-                    self.held, self.state, self.thought = self.held[len(START) :], "reasoning", True
+                if self.held.startswith(self.start):
+                    self.held, self.state, self.thought = (
+                        self.held[len(self.start) :],
+                        "reasoning",
+                        True,
+                    )
                     continue
-                if START.startswith(self.held):
+                if self.start.startswith(self.held):
                     return reasoning, content  # may still be the opening tag
                 self.state = "reasoning" if self.starts_inside else "content"
                 self.thought = self.starts_inside
@@ -66,12 +105,12 @@ class Splitter:
             if self.state == "content":
                 content, self.held = content + self.held, ""
                 return reasoning, content
-            at = self.held.find(END)
+            at = self.held.find(self.end)
             if at >= 0:
                 reasoning += self.held[:at]
-                self.held, self.state = self.held[at + len(END) :], "content"
+                self.held, self.state = self.held[at + len(self.end) :], "content"
                 continue
-            keep = prefix_at_end(self.held, END)
+            keep = prefix_at_end(self.held, self.end)
             reasoning += self.held[: len(self.held) - keep]
             self.held = self.held[len(self.held) - keep :]
             return reasoning, content
@@ -85,10 +124,12 @@ class Splitter:
         return (held, "") if self.state == "reasoning" else ("", held)
 
 
-def split(text: str, parser: str) -> tuple[str | None, str | None]:
+def split(
+    text: str, parser: str, template_kwargs: Mapping[str, Any] | None = None
+) -> tuple[str | None, str | None]:
     """`(reasoning, content)` of a whole answer, as its streamed pieces would add up: the
     reasoning None where the answer had no block, the content None where it is empty."""
-    splitter = Splitter(parser)
+    splitter = Splitter(parser, template_kwargs)
     parts = [splitter.feed(text), splitter.flush()]
     reasoning, content = ("".join(p[i] for p in parts) for i in (0, 1))
     return (reasoning if splitter.thought else None), (content or None)
