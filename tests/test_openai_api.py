@@ -490,6 +490,10 @@ def test_think_tags_a_tokenizer_marks_special_stay_in_the_text_the_parser_reads(
         assert "".join(stream.add(i, 0.0, []) for i in ids) + stream.flush() == text
 
 
+HARMONY_ANALYSIS = "<|channel|>analysis<|message|>a<|end|>"
+HARMONY_FINAL = "<|channel|>final<|message|>b"
+
+
 @pytest.mark.parametrize(
     "parser, kwargs, text, reasoning_, content",
     [
@@ -507,12 +511,16 @@ def test_think_tags_a_tokenizer_marks_special_stay_in_the_text_the_parser_reads(
         ("deepseek_v3", {}, "a</think>b", None, "a</think>b"),
         ("mistral", {}, "[THINK]a[/THINK]b", "a", "b"),
         ("mistral", {}, "<think>a</think>b", None, "<think>a</think>b"),
+        # gpt-oss's harmony channels (a header cut off at max_tokens gives nothing)
+        ("openai_gptoss", {}, f"{HARMONY_ANALYSIS}<|start|>assistant{HARMONY_FINAL}", "a", "b"),
+        ("openai_gptoss", {}, f"{HARMONY_FINAL}<|end|><|start|>assistant<|chan", None, "b"),
+        ("openai_gptoss", {}, "no channels", None, "no channels"),
     ],
 )
 def test_reasoning_splits_whole_and_in_any_pieces_alike(parser, kwargs, text, reasoning_, content):
     assert reasoning.split(text, parser, kwargs) == (reasoning_, content)
     for size in (1, 2, 3, 7):
-        splitter = reasoning.Splitter(parser, kwargs)
+        splitter = reasoning.splitter(parser, kwargs)
         parts = [splitter.feed(text[i : i + size]) for i in range(0, len(text), size)]
         parts.append(splitter.flush())
         assert "".join(p[0] for p in parts) == (reasoning_ or "")
@@ -573,6 +581,30 @@ def test_tools_reach_the_template_and_a_hermes_call_comes_back_as_tool_calls(
     monkeypatch.setattr(server.engine, "submit_many", scripted(tokenizer, f"a{special}b"))
     assert chat(client, tools=TOOLS).choices[0].message.content == f"a{special}b"
     assert chat(client).choices[0].message.content == "ab"
+    # gpt-oss (vLLM's --reasoning-parser openai_gptoss --tool-call-parser openai): harmony's
+    # analysis channel is the reasoning, a commentary message to a function the call.
+    harmony = (
+        "<|channel|>analysis<|message|>Paris, then.<|end|><|start|>assistant to=functions."
+        'get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}'
+    )
+    monkeypatch.setattr(server.engine, "submit_many", scripted(tokenizer, harmony))
+    monkeypatch.setattr(server, "reasoning_parser", "openai_gptoss")
+    monkeypatch.setattr(server, "tool_parser", "openai")
+    for stream in (False, True):
+        answer = chat(client, tools=TOOLS, stream=stream)
+        if stream:
+            deltas = [c.choices[0].delta for c in answer if c.choices]
+            thought = "".join(getattr(d, "reasoning", None) or "" for d in deltas)
+            content = "".join(d.content or "" for d in deltas) or None
+            calls = [t for d in deltas for t in d.tool_calls or []]
+        else:
+            message = answer.choices[0].message
+            thought, content, calls = message.reasoning, message.content, message.tool_calls
+        assert (thought, content) == ("Paris, then.", None), stream
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+    monkeypatch.setattr(server, "tool_parser", "hermes")
     # A Qwen3 answer that thinks, then calls: reasoning, no content, the call (both ways).
     thinking = "<think>Paris, then.</think>\n\n" + second
     monkeypatch.setattr(server.engine, "submit_many", scripted(tokenizer, thinking))
@@ -716,6 +748,12 @@ DSML = "｜DSML｜"
             [("w", {"city": "Oslo"})],
         ),
         ("mistral", "[TOOL_CALLS]w[ARGS]{cut", None, None),
+        (  # as the openai_gptoss reasoning parser hands harmony's calls on
+            "openai",
+            'Let me look.<|channel|>commentary to=functions.w<|message|>{"city": "Oslo"}',
+            "Let me look.",
+            [("w", {"city": "Oslo"})],
+        ),
     ],
 )
 def test_each_familys_calls_are_read_as_vllms_parser_of_that_name_reads_them(

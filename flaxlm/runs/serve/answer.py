@@ -138,7 +138,7 @@ class StreamedChoice:
         self.splitter = (
             None
             if answer.reasoning_parser is None
-            else reasoning.Splitter(answer.reasoning_parser, answer.request["chat_template_kwargs"])
+            else reasoning.splitter(answer.reasoning_parser, answer.request["chat_template_kwargs"])
         )
         self.calls = (
             None

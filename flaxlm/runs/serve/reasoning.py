@@ -12,6 +12,8 @@ inside its thinking block (`<think>` ... `</think>`) comes back as the message's
   `chat_template_kwargs` turn thinking on (`thinking` or `enable_thinking`), else all
   content, as the template renders it.
 - `mistral` (Magistral): an answer that opens with `[THINK]` reasons until `[/THINK]`.
+- `openai_gptoss` (gpt-oss): harmony's analysis channel is the reasoning, the final channel
+  the content (`harmony.py`; its calls reach the `openai` tool-call format).
 
 An answer that ends inside its block (at `max_tokens`) is all reasoning, streamed or whole
 (vLLM's whole answers give such a Qwen3 answer as content instead). The tags are read from
@@ -23,6 +25,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from flaxlm.runs.serve import harmony
 from flaxlm.runs.serve.stream import prefix_at_end
 
 
@@ -30,7 +33,8 @@ from flaxlm.runs.serve.stream import prefix_at_end
 class Block:
     """A family's thinking block: its tags, and where an answer starts (`inside`: in the
     block; `opens`: inside only if it writes the opening tag first; `per_request`: inside
-    where the request's template variables turn thinking on, else with no block)."""
+    where the request's template variables turn thinking on, else with no block;
+    `harmony`: gpt-oss's channels, `harmony.Splitter`)."""
 
     start: str
     end: str
@@ -46,6 +50,7 @@ PARSERS: dict[str, Block] = {
     "minimax_m2": INSIDE,
     "deepseek_v3": Block("<think>", "</think>", "per_request"),
     "mistral": Block("[THINK]", "[/THINK]", "opens"),
+    "openai_gptoss": Block(harmony.CHANNEL, harmony.END, "harmony"),
 }
 
 
@@ -55,6 +60,7 @@ def tag_ids(tokenizer: Any) -> frozenset[int]:
     read the ids; flaxlm's read the text)."""
     added = getattr(tokenizer, "get_added_vocab", dict)()
     tags = {tag for block in PARSERS.values() for tag in (block.start, block.end)}
+    tags.update(harmony.TAGS)
     return frozenset(added[tag] for tag in tags if tag in added)
 
 
@@ -124,12 +130,22 @@ class Splitter:
         return (held, "") if self.state == "reasoning" else ("", held)
 
 
+def splitter(
+    parser: str, template_kwargs: Mapping[str, Any] | None = None
+) -> Splitter | harmony.Splitter:
+    """What splits an answer's reasoning from its content for `parser` (`template_kwargs`:
+    the request's `chat_template_kwargs`, which `deepseek_v3` reads)."""
+    if PARSERS[parser].starts == "harmony":
+        return harmony.Splitter()
+    return Splitter(parser, template_kwargs)
+
+
 def split(
     text: str, parser: str, template_kwargs: Mapping[str, Any] | None = None
 ) -> tuple[str | None, str | None]:
     """`(reasoning, content)` of a whole answer, as its streamed pieces would add up: the
     reasoning None where the answer had no block, the content None where it is empty."""
-    splitter = Splitter(parser, template_kwargs)
-    parts = [splitter.feed(text), splitter.flush()]
+    splitter_ = splitter(parser, template_kwargs)
+    parts = [splitter_.feed(text), splitter_.flush()]
     reasoning, content = ("".join(p[i] for p in parts) for i in (0, 1))
-    return (reasoning if splitter.thought else None), (content or None)
+    return (reasoning if splitter_.thought else None), (content or None)

@@ -20,6 +20,8 @@ leaves it).
 - `mistral` (Mistral, Magistral, Devstral): `[TOOL_CALLS]NAME[ARGS]{...}` per call, or the
   older `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`; ids of 9 letters and digits,
   which Mistral's templates require.
+- `openai` (gpt-oss): harmony's commentary messages to `functions.NAME`, as the
+  `openai_gptoss` reasoning parser hands them on (`harmony.py`).
 
 Arguments written as text (the XML formats) are typed by the tool's JSON schema: a string
 parameter keeps its text, any other is read as JSON (then as a Python literal), else kept as
@@ -37,6 +39,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from flaxlm.runs.serve import harmony
 from flaxlm.runs.serve.stream import prefix_at_end
 
 Call = dict[str, Any]
@@ -301,6 +304,23 @@ def _mistral(text: str, tools: Tools) -> list[Call] | None:
     return calls
 
 
+_HARMONY_CALL = re.compile(
+    re.escape(harmony.CALL) + r"functions\.([^<\s]+)" + re.escape(harmony.MESSAGE)
+    + r"(.*?)(?:" + re.escape(harmony.END) + r"|\Z)",
+    re.DOTALL,
+)  # fmt: skip
+
+
+def _openai(text: str, tools: Tools) -> list[Call] | None:
+    calls = []
+    for name, arguments in _HARMONY_CALL.findall(text):
+        parsed = _json_object(arguments.strip())
+        if parsed is None:
+            return None
+        calls.append(call(name, parsed))
+    return calls
+
+
 _GLM = Format("<tool_call>", _glm)
 FORMATS: dict[str, Format] = {
     "hermes": Format("<tool_call>", _hermes),
@@ -313,4 +333,5 @@ FORMATS: dict[str, Format] = {
     "deepseek_v32": Format(f"<{_DSML}function_calls>", _deepseek_v32),
     "kimi_k2": Format("<|tool_calls_section_begin|>", _kimi_k2),
     "mistral": Format("[TOOL_CALLS]", _mistral),
+    "openai": Format(harmony.CALL, _openai),
 }
