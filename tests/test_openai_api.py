@@ -2,6 +2,7 @@
 whose tokenizer has a ChatML chat template: what a user of any OpenAI-speaking tool sees."""
 
 import json
+import re
 import types
 import urllib.error
 import urllib.request
@@ -18,6 +19,7 @@ from flaxlm.checkpoints import run_dir
 from flaxlm.data import vocabularies
 from flaxlm.inference.sampling import Sampling
 from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.runs import serve as serve_run
 from flaxlm.runs.serve import api, reasoning, settings, tools
 from flaxlm.runs.serve.engine import Engine
 from flaxlm.runs.serve.http import Server, listen
@@ -460,6 +462,19 @@ def test_a_think_block_comes_back_as_reasoning_whole_and_streamed(served, checkp
     assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning
     assert "".join(d.content or "" for d in deltas) == message.content
     assert len([d for d in deltas if getattr(d, "reasoning", None)]) > 1  # as it came
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"tool_call_parser": "json"}, "serve.tool_call_parser='json': expected None or one of"),
+        ({"reasoning_parser": "r1"}, "serve.reasoning_parser='r1': expected None or one of"),
+        ({"tool_call_parser": "openai"}, "set serve.reasoning_parser='openai_gptoss' too"),
+    ],
+)
+def test_a_parser_serve_cannot_use_is_named_before_the_model_loads(settings, message, tmp_path):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        serve_run.serve(checkpoint=str(tmp_path / "never_read"), port=0, **settings)
 
 
 def test_think_tags_a_tokenizer_marks_special_stay_in_the_text_the_parser_reads(

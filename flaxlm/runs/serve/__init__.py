@@ -82,15 +82,15 @@ def serve(
     them in place on an NVIDIA GPU; `flaxlm.models.paged_attention`).
 
     `tool_call_parser`: how a chat answer's tool calls are read when a request offers `tools`
-    ('hermes': `<tool_call>` JSON blocks, Qwen2.5/Qwen3/Hermes; 'llama3_json': Llama
-    3.1-3.3's JSON calls; vLLM's `--tool-call-parser` with `--enable-auto-tool-choice`); None:
-    such requests are refused unless their `tool_choice` is 'none'.
+    (the format of the model's family, named as vLLM's `--tool-call-parser` with
+    `--enable-auto-tool-choice`: `tools.PARSERS`, e.g. 'hermes' for Qwen3); None: such
+    requests are refused unless their `tool_choice` is 'none'.
 
-    `reasoning_parser`: how a chat answer's `<think>` block is returned apart from its content,
-    as the message's `reasoning` ('qwen3', 'deepseek_r1'; vLLM's `--reasoning-parser`); None:
-    all of the answer is content."""
+    `reasoning_parser`: how a chat answer's thinking block is returned apart from its
+    content, as the message's `reasoning` (named as vLLM's `--reasoning-parser`:
+    `reasoning.PARSERS`, e.g. 'qwen3'); None: all of the answer is content."""
     check_paged_attention(paged_attention, "serve.paged_attention")
-    tools.check_parser(tool_call_parser)
+    tools.check_parser(tool_call_parser, reasoning_parser)
     reasoning.check_parser(reasoning_parser)
     httpd = listen(host, port)
     try:

@@ -76,7 +76,7 @@ class Server:
           reasoning_parser: how a chat answer's reasoning is told from its content
             (`reasoning.PARSERS`); None: all of it is content.
         """
-        tools.check_parser(tool_call_parser)
+        tools.check_parser(tool_call_parser, reasoning_parser)
         reasoning.check_parser(reasoning_parser)
         self.reasoning_parser = reasoning_parser
         self.tool_parser = tool_call_parser

@@ -65,11 +65,17 @@ class CallStream:
         return rest, []
 
 
-def check_parser(name: str | None) -> None:
-    """A ValueError naming the setting for a parser flaxlm does not have."""
+def check_parser(name: str | None, reasoning_parser: str | None) -> None:
+    """A ValueError naming the setting for a parser flaxlm does not have, or for `openai`
+    without the reasoning parser that hands it harmony's calls."""
     if name is not None and name not in PARSERS:
         raise ValueError(
             f"serve.tool_call_parser={name!r}: expected None or one of {sorted(PARSERS)}."
+        )
+    if name == "openai" and reasoning_parser != "openai_gptoss":
+        raise ValueError(
+            "serve.tool_call_parser='openai' reads gpt-oss's calls as the harmony reasoning "
+            "parser hands them on: set serve.reasoning_parser='openai_gptoss' too."
         )
 
 
