@@ -457,6 +457,13 @@ def test_a_think_block_comes_back_as_reasoning_whole_and_streamed(served, checkp
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert response.usage.completion_tokens == len(ids) + 1
     assert message.reasoning == "\nThe user wants a function.\n"
+    # The message sent back as the client holds it (its `reasoning` reaches the template as
+    # `reasoning_content`, the field Qwen3's template reads).
+    history = [*MESSAGES, message, {"role": "user", "content": "More."}]
+    assert client.chat.completions.create(model=MODEL, messages=history, max_tokens=1).choices
+    body = json.dumps({"messages": [message.model_dump(exclude_unset=True)]}).encode()
+    parsed = api.parse_chat_request(body, 512, 64)["messages"][0]
+    assert parsed["reasoning_content"] == message.reasoning
     assert message.content == "\n\nHere it is."
     deltas = [c.choices[0].delta for c in chat(client, stream=True) if c.choices]
     assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning

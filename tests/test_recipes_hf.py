@@ -327,6 +327,7 @@ def test_preference_gin_reads_trls_pairs_and_logs_trls_log_probs(
         f"--gin.PREFERENCE_TOKENIZER='{hf_dir}'",
         "--gin.BATCH_SIZE=4",
         f"--gin.LOSS='{loss}'",
+        "--gin.MAX_LENGTH=64",  # the tool-use pair's 60-62 tokens whole, as TRL reads it
     )
 
     # TRL's rows of each pair (its tokenization and collator), as the model reads them.

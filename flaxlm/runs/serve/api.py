@@ -277,6 +277,7 @@ _MESSAGE_EXTRAS = {
     "tool_calls": (list, "a list of tool calls"),
     "tool_call_id": (str, "a string"),
     "reasoning_content": (str, "a string"),
+    "reasoning": (str, "a string"),
 }
 
 
@@ -299,6 +300,8 @@ def _message_extras(message: dict, where: str) -> dict[str, Any]:
         if not isinstance(value, kind):
             raise BadRequest(f"{where}.{key} must be {described}.", f"{where}.{key}")
         extras[key] = value
+    if "reasoning" in extras:  # vLLM's name in an answer, templates' (Qwen3's) in a history
+        extras.setdefault("reasoning_content", extras["reasoning"])
     for i, call in enumerate(extras.get("tool_calls", [])):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
