@@ -118,56 +118,48 @@ def trained_gptj(tmp_path_factory, repo_dir) -> str:
     return model_dir
 
 
-# The files that take longest, longest first (pytest --durations' times summed per file on
-# the 2-core machine, 2026-12-07; those of 20 s or more). pytest.ini runs whole files per
-# worker (`--dist loadfile`) in collection order (`--no-loadscope-reorder`: xdist's default
-# order, most tests first, put these few-test, many-second files last, where one worker ran
-# them alone while the other idled); these go first, every other file after them as
-# collected, so the short ones fill the tail.
+# The files that take longest, longest first (pytest --junitxml's times summed per file on
+# the 2-core machine, 2026-11-27). pytest.ini runs whole files per worker (`--dist
+# loadfile`) in collection order (`--no-loadscope-reorder`: xdist's default order, most
+# tests first, put these few-test, many-second files last, where one worker ran them alone
+# while the other idled); these go first, every other file after them as collected, so the
+# short ones fill the tail.
 LONGEST_FILES = (
     "test_multiprocess.py",
-    "test_main.py",
-    "test_hf_deepseek_v4.py",
-    "test_reliability.py",
-    "test_recipes_hf.py",
-    "test_plan.py",
-    "test_benchmarks.py",
-    "test_inference_runs.py",
-    "test_hf_qwen3_next.py",
     "test_lora.py",
+    "test_main.py",
+    "test_reliability.py",
+    "test_inference_runs.py",
+    "test_benchmarks.py",
+    "test_hf_t5.py",
+    "test_context_parallel.py",
+    "test_preference.py",
+    "test_data.py",
+    "test_decoding.py",
+    "test_hf_moe.py",
+    "test_hf_mistral4.py",
+    "test_hf_glm4_moe_minimax_m2.py",
+    "test_hf_llama4.py",
+    "test_hf_gemma4.py",
+    "test_hf_qwen3_next.py",
     "test_hf_kimi_linear.py",
     "test_hf_deepseek_v32.py",
-    "test_hf_gemma4.py",
-    "test_hf_deepseek.py",
-    "test_context_parallel.py",
-    "test_engine.py",
-    "test_decoding.py",
-    "test_hf_glm4_moe_minimax_m2.py",
-    "test_moe.py",
-    "test_serve.py",
-    "test_data.py",
+    "test_recipes_hf.py",
+    "test_hf_smollm3.py",
+    "test_hf_olmo3.py",
     "test_stops.py",
-    "test_models.py",
-    "test_preference.py",
-    "test_hf_multimodal.py",
-    "test_infer_engine.py",
-    "test_training_features.py",
-    "test_startup.py",
-    "test_hf_t5.py",
-    "test_gated_deltanet.py",
-    "test_checkpoints.py",
-    "test_hf_runs.py",
-    "test_harness.py",
-    "test_hf_llama4.py",
-    "test_hf_mistral4.py",
-    "test_linear_context_parallel.py",
-    "test_hf_ernie4_5.py",
-    "test_hf_moe.py",
-    "test_aux_free_balance.py",
-    "test_train_step.py",
     "test_hf_gemma23.py",
-    "test_hf_qwen.py",
-    "test_bad_input.py",
+    "test_checkpoints.py",
+    "test_harness.py",
+    "test_plan.py",
+    "test_hf_runs.py",
+    "test_serve.py",
+    "test_startup.py",
+    "test_hf_phi3.py",
+    "test_grpo.py",
+    "test_grpo_lora.py",
+    "test_moe.py",
+    "test_training_features.py",
     "test_kimi_delta.py",
 )
 
