@@ -18,6 +18,7 @@ from tokenizers import AddedToken
 from flaxlm.checkpoints import run_dir
 from flaxlm.data import vocabularies
 from flaxlm.inference.sampling import Sampling
+from flaxlm.models import gpt_oss, llama
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import serve as serve_run
 from flaxlm.runs.serve import api, reasoning, settings, tools
@@ -476,12 +477,28 @@ def test_a_think_block_comes_back_as_reasoning_whole_and_streamed(served, checkp
     [
         ({"tool_call_parser": "json"}, "serve.tool_call_parser='json': expected None or one of"),
         ({"reasoning_parser": "r1"}, "serve.reasoning_parser='r1': expected None or one of"),
-        ({"tool_call_parser": "openai"}, "set serve.reasoning_parser='openai_gptoss' too"),
+        (
+            {"tool_call_parser": "openai", "reasoning_parser": "qwen3"},
+            "set serve.reasoning_parser='openai_gptoss' too",
+        ),
     ],
 )
 def test_a_parser_serve_cannot_use_is_named_before_the_model_loads(settings, message, tmp_path):
     with pytest.raises(ValueError, match=re.escape(message)):
         serve_run.serve(checkpoint=str(tmp_path / "never_read"), port=0, **settings)
+
+
+def test_a_gpt_oss_checkpoint_reads_harmony_unless_told_otherwise():
+    """As vLLM: gpt-oss's answers are harmony, read so where no parser was chosen; 'openai'
+    alone is then allowed for it, refused (once the model is known) for any other family."""
+    oss, llama_ = gpt_oss.GptOssConfig(), llama.LlamaConfig()
+    assert serve_run.reasoning_parser_for(oss, None) == "openai_gptoss"
+    assert serve_run.reasoning_parser_for(oss, "qwen3") == "qwen3"
+    assert serve_run.reasoning_parser_for(llama_, None) is None
+    tools.check_parser("openai", None, final=False)
+    tools.check_parser("openai", serve_run.reasoning_parser_for(oss, None))
+    with pytest.raises(ValueError, match="openai_gptoss"):
+        tools.check_parser("openai", serve_run.reasoning_parser_for(llama_, None))
 
 
 def test_think_tags_a_tokenizer_marks_special_stay_in_the_text_the_parser_reads(

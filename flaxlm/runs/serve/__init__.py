@@ -24,6 +24,7 @@ from etils import epath
 from flaxlm.checkpoints import run_dir
 from flaxlm.data import vocabularies
 from flaxlm.inference import generation
+from flaxlm.models import gpt_oss
 from flaxlm.models.base import BaseModel
 from flaxlm.models.paged_attention import check_paged_attention
 from flaxlm.parallel.partitioning import Partitioner
@@ -88,9 +89,10 @@ def serve(
 
     `reasoning_parser`: how a chat answer's thinking block is returned apart from its
     content, as the message's `reasoning` (named as vLLM's `--reasoning-parser`:
-    `reasoning.PARSERS`, e.g. 'qwen3'); None: all of the answer is content."""
+    `reasoning.PARSERS`, e.g. 'qwen3'); None: all of the answer is content, except that a
+    gpt-oss checkpoint's harmony answers are read as such ('openai_gptoss', as vLLM)."""
     check_paged_attention(paged_attention, "serve.paged_attention")
-    tools.check_parser(tool_call_parser, reasoning_parser)
+    tools.check_parser(tool_call_parser, reasoning_parser, final=False)
     reasoning.check_parser(reasoning_parser)
     httpd = listen(host, port)
     try:
@@ -98,6 +100,8 @@ def serve(
         model, params, step, row_start = run_dir.load_model_and_params(
             checkpoint, partitioner, step, model, dtype=dtype
         )
+        reasoning_parser = reasoning_parser_for(model.config, reasoning_parser)
+        tools.check_parser(tool_call_parser, reasoning_parser)
         name = model_name or epath.Path(checkpoint).name
         params, adapters = load_adapters(lora_adapters, model, params, partitioner, name)
         vocabulary = (
@@ -147,6 +151,14 @@ def serve(
         print("Stopped.", flush=True)
     finally:
         httpd.server_close()
+
+
+def reasoning_parser_for(config: object, chosen: str | None) -> str | None:
+    """The reasoning parser a server uses: the one chosen, else the one vLLM picks by itself
+    for the model's family (gpt-oss's answers are harmony: `openai_gptoss`)."""
+    if chosen is None and isinstance(config, gpt_oss.GptOssConfig):
+        return "openai_gptoss"
+    return chosen
 
 
 @contextlib.contextmanager

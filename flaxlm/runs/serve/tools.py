@@ -65,14 +65,16 @@ class CallStream:
         return rest, []
 
 
-def check_parser(name: str | None, reasoning_parser: str | None) -> None:
+def check_parser(name: str | None, reasoning_parser: str | None, final: bool = True) -> None:
     """A ValueError naming the setting for a parser flaxlm does not have, or for `openai`
-    without the reasoning parser that hands it harmony's calls."""
+    without the reasoning parser that hands it harmony's calls (`final=False`: before the
+    model loads, an unset reasoning parser may still become gpt-oss's, `serve.serve`)."""
     if name is not None and name not in PARSERS:
         raise ValueError(
             f"serve.tool_call_parser={name!r}: expected None or one of {sorted(PARSERS)}."
         )
-    if name == "openai" and reasoning_parser != "openai_gptoss":
+    unknown_yet = not final and reasoning_parser is None
+    if name == "openai" and reasoning_parser != "openai_gptoss" and not unknown_yet:
         raise ValueError(
             "serve.tool_call_parser='openai' reads gpt-oss's calls as the harmony reasoning "
             "parser hands them on: set serve.reasoning_parser='openai_gptoss' too."
