@@ -208,8 +208,7 @@ def _exit(code: int) -> None:
         # A normal exit waits at jax.distributed's shutdown barrier for peers that are
         # themselves blocked in a collective waiting for this process: leave at once so
         # that they see the connection drop and fail too, instead of hanging.
-        library_start.remove_autograph_files()
-        os._exit(code)
+        library_start.exit_at_once(code)
     sys.exit(code)
 
 
@@ -411,10 +410,7 @@ def console_main() -> None:
             import logging as std_logging
 
             std_logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            library_start.remove_autograph_files()
-            os._exit(0)
+            library_start.exit_at_once(0)
         raise
 
 

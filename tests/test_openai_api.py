@@ -512,7 +512,8 @@ def test_think_tags_a_tokenizer_marks_special_stay_in_the_text_the_parser_reads(
     tokenizer.save_pretrained(str(tmp_path))
     tag_ids = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     special = vocabularies.special_token_ids(tokenizer)
-    assert set(tag_ids) <= special and reasoning.tag_ids(tokenizer) == set(tag_ids)
+    added = tokenizer.get_added_vocab()
+    assert set(tag_ids) <= special and reasoning.tag_ids(added, "qwen3") == set(tag_ids)
     vocabulary = vocabularies.HuggingFaceVocabulary(str(tmp_path))
     ids = tokenizer.encode("<think>a</think>b", add_special_tokens=False)
     assert set(tag_ids) <= set(ids)
@@ -520,7 +521,7 @@ def test_think_tags_a_tokenizer_marks_special_stay_in_the_text_the_parser_reads(
     for parser, text in (("qwen3", "<think>a</think>b"), (None, "ab")):
         server = types.SimpleNamespace(
             special_ids=special,
-            reasoning_tag_ids=reasoning.tag_ids(tokenizer),
+            added_vocab=added,
             reasoning_parser=parser,
             tool_parser=None,
             engine=types.SimpleNamespace(vocabulary=vocabulary),

@@ -409,8 +409,7 @@ def _exit_when_orphaned(run_pid: int, period: float = 0.5) -> None:
     left to write for."""
     while os.getppid() == run_pid:
         time.sleep(period)
-    library_start.remove_autograph_files()
-    os._exit(0)
+    library_start.exit_at_once(0)
 
 
 def _main() -> None:
@@ -423,9 +422,7 @@ def _main() -> None:
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a task's print() stays off the pipe
     serve(sys.stdin.buffer, answers, quiet="--quiet" in sys.argv[1:])
-    sys.stderr.flush()
-    library_start.remove_autograph_files()
-    os._exit(0)  # (without TensorFlow's teardown)
+    library_start.exit_at_once(0)  # (without TensorFlow's teardown)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 _QUIET = False
 
@@ -177,15 +177,21 @@ def hide_while_tensorflow_loads() -> None:
 # tf.data maps) to a `__autograph_generated_file*.py` in the temporary directory, imports it
 # as a module of that name and deletes the file in an atexit handler. A process that leaves
 # through `os._exit` (a finished `flaxlm.main` run, an input process: no interpreter teardown)
-# runs no atexit handler, so it deletes them here, or each run would leave its files in /tmp.
+# runs no atexit handler, so `exit_at_once` deletes them, or each run would leave its files in
+# /tmp.
 AUTOGRAPH_MODULE_PREFIX = "__autograph_generated_file"
 
 
-def remove_autograph_files() -> None:
-    """Deletes the source files of the modules TensorFlow's autograph generated in this
-    process (what its atexit handlers would have done)."""
+def exit_at_once(code: int) -> NoReturn:
+    """Ends the process without the interpreter's teardown (`os._exit`): its standard streams
+    flushed and the source files TensorFlow's autograph generated deleted first (what its
+    atexit handlers would have done)."""
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
         if name.startswith(AUTOGRAPH_MODULE_PREFIX) and path:
             with contextlib.suppress(OSError):
                 os.remove(path)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # (closed or replaced: nothing left to write)
+            stream.flush()
+    os._exit(code)

@@ -91,8 +91,7 @@ class PreemptionHandler:
         sig = signal.Signals(signum)
         if self.received is not None:
             _write_stderr(f"\nReceived {sig.name} again: exiting now without saving.\n")
-            library_start.remove_autograph_files()
-            os._exit(128 + signum)
+            library_start.exit_at_once(128 + signum)
         self.received = sig
         if self._announce:
             _write_stderr(

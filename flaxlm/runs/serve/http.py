@@ -97,7 +97,7 @@ class Server:
         )
         tokenizer = getattr(engine.vocabulary, "tokenizer", None)
         self.special_ids = vocabularies.special_token_ids(tokenizer)
-        self.reasoning_tag_ids = reasoning.tag_ids(tokenizer)
+        self.added_vocab = getattr(tokenizer, "get_added_vocab", dict)()
         self.httpd = httpd
         self.httpd.RequestHandlerClass = _make_handler(self)
         self._serving = threading.Thread(target=self.httpd.serve_forever, name="flaxlm-http")
@@ -223,7 +223,7 @@ class Server:
         calls_read = request.get("tools") and self.tool_parser is not None
         skip = self.special_ids if request["chat"] and not calls_read else frozenset()
         if self.reasoning_parser is not None:
-            skip -= self.reasoning_tag_ids
+            skip -= reasoning.tag_ids(self.added_vocab, self.reasoning_parser)
         return TextStream(self.engine.vocabulary, request["stop"], skip)
 
     def start(self) -> None:

@@ -54,14 +54,13 @@ PARSERS: dict[str, Block] = {
 }
 
 
-def tag_ids(tokenizer: Any) -> frozenset[int]:
-    """The ids of the parsers' tags where a tokenizer has them as tokens of their own: kept
-    in the text a parser reads even where the tokenizer marks them special (vLLM's parsers
-    read the ids; flaxlm's read the text)."""
-    added = getattr(tokenizer, "get_added_vocab", dict)()
-    tags = {tag for block in PARSERS.values() for tag in (block.start, block.end)}
-    tags.update(harmony.TAGS)
-    return frozenset(added[tag] for tag in tags if tag in added)
+def tag_ids(added_vocab: Mapping[str, int], parser: str) -> frozenset[int]:
+    """The ids of `parser`'s tags where a tokenizer has them as tokens of their own (its
+    `get_added_vocab()`): kept in the text the parser reads even where the tokenizer marks
+    them special (vLLM's parsers read the ids; flaxlm's read the text)."""
+    block = PARSERS[parser]
+    tags = harmony.TAGS if block.starts == "harmony" else (block.start, block.end)
+    return frozenset(added_vocab[tag] for tag in tags if tag in added_vocab)
 
 
 def check_parser(name: str | None) -> None:

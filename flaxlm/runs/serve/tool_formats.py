@@ -149,13 +149,18 @@ def _named(obj: Any) -> bool:
     return isinstance(obj, dict) and isinstance(obj.get("name"), str)
 
 
+def _json_call(obj: dict[str, Any]) -> Call:
+    """The call a `{"name", "arguments" (or "parameters")}` object writes."""
+    return call(obj["name"], obj.get("arguments", obj.get("parameters", {})))
+
+
 def _hermes(text: str, tools: Tools) -> list[Call] | None:
     calls = []
     for body in _blocks(text, "<tool_call>", "</tool_call>"):
         obj = _json_object(body.strip())
         if not _named(obj):
             return None
-        calls.append(call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
+        calls.append(_json_call(obj))
     return calls
 
 
@@ -171,7 +176,7 @@ def _llama3_json(text: str, tools: Tools) -> list[Call] | None:
         return None
     if not all(_named(o) for o in objects):
         return None
-    return [call(o["name"], o.get("arguments", o.get("parameters", {}))) for o in objects]
+    return [_json_call(o) for o in objects]
 
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?\Z", re.DOTALL)
