@@ -27,6 +27,9 @@ INSTALL_REQUIRES = [
     # needs jinja2 and does not require it.
     "jinja2>=3.1",
     "safetensors==0.8.0",
+    # Structured outputs in `serve` (response_format, tool_choice required): the grammar
+    # engine vLLM also offers (its `guidance` backend); no dependencies of its own.
+    "llguidance==1.9.1",
     # Text metrics of seqio tasks (tasks/metrics.py).
     "sacrebleu==2.6.0",
     "rouge-score==0.1.2",

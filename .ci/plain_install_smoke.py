@@ -117,7 +117,8 @@ def check_runs(planned: list[tuple[str, list[str]]], work: str) -> None:
 
 
 def check_serve(work: str) -> None:
-    """`serve` over the HF export answers one chat completion (the chat template: jinja2)."""
+    """`serve` over the HF export answers a chat completion (the chat template: jinja2) and a
+    guided one."""
     start = time.perf_counter()
     settings = [f"--gin.CHECKPOINT='{os.path.join(work, 'chat_hf')}'", "--gin.PORT=0"]
     process = flaxlm_main("runs/serve.gin", settings)
@@ -130,24 +131,28 @@ def check_serve(work: str) -> None:
                 break
         if address is None:
             sys.exit(f"FAILED: serve did not start\n{process.stderr.read()[-4000:]}")
-        request = urllib.request.Request(
-            address + "/v1/chat/completions",
-            data=json.dumps(
-                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-            ).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=300) as response:
-            answer = json.load(response)
-        if answer["choices"][0]["message"]["role"] != "assistant":
-            sys.exit(f"FAILED: serve answered {answer}")
+        # A plain answer, then a guided one (structured outputs: llguidance).
+        guided = {"structured_outputs": {"choice": ["yes", "no"]}}
+        for extra in ({}, guided):
+            request = urllib.request.Request(
+                address + "/v1/chat/completions",
+                data=json.dumps(
+                    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+                ).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=300) as response:
+                message = json.load(response)["choices"][0]["message"]
+            if message["role"] != "assistant" or extra and message["content"] not in ("yes", "no"):
+                sys.exit(f"FAILED: serve answered {message}")
     finally:
         process.send_signal(signal.SIGINT)
         try:
             process.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
-    print(f"ok  gin/runs/serve.gin: a chat completion ({time.perf_counter() - start:.1f} s)")
+    took = time.perf_counter() - start
+    print(f"ok  gin/runs/serve.gin: a chat completion, plain and guided ({took:.1f} s)")
 
 
 def main() -> None:

@@ -24,6 +24,14 @@ i mod N (every batch mixes them), against the same engine over the first adapter
 the base. The ratio of their tokens/s is the price of the per-row adapter gather.
 
     python benchmarks/serve.py --adapters 3 --clients 8 --seconds 20
+
+`--guided F` instead measures structured outputs in one process, alternating: the paged
+`Engine` with a fraction F of its clients guided (a regex over a byte-level HF tokenizer of
+the model's bytes, llguidance's mask each token; `serve/guides.py`) against the same engine
+with none guided. A guided row decodes one token a dispatch, and so does its batch while it
+runs: the ratio is what guiding some of the requests costs all of them.
+
+    python benchmarks/serve.py --guided 0.25 --clients 8 --seconds 20
 """
 
 from __future__ import annotations
@@ -110,11 +118,12 @@ def load(url: str, clients: int, seconds: float, max_tokens: int) -> dict[str, f
 
 
 def engine_load(
-    engine, clients: int, seconds: float, seed: int = 0, adapters: int = 0
+    engine, clients: int, seconds: float, seed: int = 0, adapters: int = 0, guide=None
 ) -> dict[str, float]:
     """Completion tokens/s and time-to-first-token percentiles of `clients` threads sending
     mixed-length greedy completions to `engine` back to back for `seconds` (client i to
-    adapter `i % adapters + 1` when `adapters`)."""
+    adapter `i % adapters + 1` when `adapters`; its requests guided where `guide(i)` gives
+    a `Guide`)."""
     import numpy as np
 
     from flaxlm.inference.sampling import Sampling
@@ -132,6 +141,7 @@ def engine_load(
             c = Completion(
                 prompt, int(rng.integers(8, 65)), Sampling(), [], None, 0, adapter=adapter
             )
+            c.guide = guide and guide(i)
             start = time.monotonic()
             engine.submit(c)
             first, n = None, 0
@@ -262,6 +272,65 @@ def adapters_vs_merged(args: argparse.Namespace) -> dict[str, dict[int, dict[str
     return results
 
 
+def guided_vs_not(args: argparse.Namespace) -> dict[str, dict[int, dict[str, float]]]:
+    """{"guided" | "none": {clients: engine_load's numbers}}, alternating per count."""
+    import seqio
+    import tokenizers
+    import transformers
+
+    from flaxlm.checkpoints import hf
+    from flaxlm.parallel.partitioning import Partitioner
+    from flaxlm.runs.serve import guides
+    from flaxlm.runs.serve.engine import Engine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(tmp)
+        partitioner = Partitioner()
+        model, params = hf.from_pretrained(tmp, partitioner)
+    # seqio's ByteVocabulary (ids 0-2 special, byte b id b + 3) as an HF byte-level
+    # tokenizer (what llguidance reads): GPT-2's byte-to-character map.
+    kept = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    moved = [b for b in range(256) if b not in kept]
+    char = {b: chr(b) if b in kept else chr(256 + moved.index(b)) for b in range(256)}
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{char[b]: b + 3 for b in range(256)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    tok.add_special_tokens(["<pad>", "</s>", "<unk>"])
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+    made = guides.Guides(fast, model.config.vocab_size, [])
+    grammar = made.grammar(guides.Spec("regex", "[a-z ]+"), None, True)  # never ends
+    every = max(1, round(1 / args.guided))
+
+    def guide(i: int):
+        return made.new(grammar, [], []) if i % every == 0 else None
+
+    size = args.max_batch_size
+    engine = Engine(
+        model, params, partitioner, seqio.ByteVocabulary(), max_batch_size=size, max_seq_len=512
+    )
+    engine.start()
+    engine_load(engine, size, min(args.seconds, 20.0), seed=99, guide=guide)  # compiles
+    results: dict[str, dict[int, dict[str, float]]] = {"guided": {}, "none": {}}
+    try:
+        for clients in args.clients:
+            for name in results:
+                r = engine_load(
+                    engine, clients, args.seconds, guide=guide if name == "guided" else None
+                )
+                results[name][clients] = r
+                print(
+                    f"{name:6s} {clients:3d} clients, "
+                    f"{f'1 in {every}' if name == 'guided' else 'none'} guided: "
+                    f"{r['tokens_per_second']:7.1f} tokens/s, first token p50 "
+                    f"{r['ttft_p50']:.3f} s",
+                    flush=True,
+                )
+    finally:
+        engine.stop()
+    return results
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
@@ -275,9 +344,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--adapters", type=int, default=0, help="N LoRA adapters at once against one merged model"
     )
+    parser.add_argument(
+        "--guided", type=float, default=0.0, help="the fraction of clients guided, against none"
+    )
     args = parser.parse_args(argv)
-    if args.engines or args.adapters:
-        results = (adapters_vs_merged if args.adapters else engines_side_by_side)(args)
+    if args.engines or args.adapters or args.guided:
+        side_by_side = engines_side_by_side
+        if args.adapters or args.guided:
+            side_by_side = adapters_vs_merged if args.adapters else guided_vs_not
+        results = side_by_side(args)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2)

@@ -6,9 +6,14 @@ import re
 import types
 import urllib.error
 import urllib.request
+from typing import Literal
 
+import llguidance
+import llguidance.hf
+import llguidance.numpy
 import numpy as np
 import openai
+import pydantic
 import pytest
 import seqio
 import torch
@@ -21,8 +26,8 @@ from flaxlm.inference.sampling import Sampling
 from flaxlm.models import gpt_oss, llama
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import serve as serve_run
-from flaxlm.runs.serve import api, reasoning, settings, tools
-from flaxlm.runs.serve.engine import Engine
+from flaxlm.runs.serve import api, guides, reasoning, settings, tools
+from flaxlm.runs.serve.engine import BatchEngine, Engine
 from flaxlm.runs.serve.http import Server, listen
 from tests.hf_helpers import random_hf_model, save_byte_bpe_tokenizer
 
@@ -58,6 +63,7 @@ TOOLS = [
         },
     }
 ]
+RE = {"structured_outputs": {"regex": "[0-9]{3}"}}
 TOOL_HISTORY = [
     {"role": "user", "name": "alice", "content": "Weather in Paris?"},
     {
@@ -818,7 +824,7 @@ def check_parsed(parser, text, content, calls):
         assert got_content == content
         assert named(got_calls) == calls
     for size in (1, 2, 3, 7):
-        stream = tools.CallStream(parser, TYPED_TOOLS)
+        stream = tools.CallStream(tools.PARSERS[parser], TYPED_TOOLS)
         sent = [stream.feed(text[i : i + size]) for i in range(0, len(text), size)]
         rest, streamed_calls = stream.flush()
         assert "".join(sent) + rest == (got_content or "")
@@ -854,7 +860,30 @@ def named(calls):
         ({"logit_bias": {"5": 300}}, "logit_bias", "between -100 and 100"),
         ({"logit_bias": {"999999": 3}}, "logit_bias", "outside the model's vocabulary"),
         ({"extra_body": {"stop_token_ids": ["a"]}}, "stop_token_ids", "list of token ids"),
-        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "guided decoding"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "'required' or"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"response_format": {"type": "json_object"}, "extra_body": RE},
+            "structured_outputs",
+            "ask for one structured output",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format", "'json_schema'"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+            "needs {'json_schema'",
+        ),
+        (
+            {"extra_body": {"structured_outputs": {"regex": "(", "choice": ["a"]}}},
+            "structured_outputs",
+            "one of",
+        ),
+        ({"extra_body": {"structured_outputs": {"regex": "(["}}}, "structured_outputs", "regex"),
+        (
+            {"extra_body": {"structured_outputs": {"backend": "x"}}},
+            "structured_outputs",
+            "not read",
+        ),
         ({"tools": [{"type": "function"}]}, "tools[0]", "must be {'type': 'function'"),
         ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
         (
@@ -906,3 +935,198 @@ def test_unset_settings_come_from_the_generation_config(served):
     seeds = settings.sample_seeds(2**32 - 1, 3)
     assert seeds == [2**32 - 1, 0, 1] and len(set(settings.sample_seeds(None, 4))) == 4
     assert np.all(np.asarray(seeds) < settings.SEED_LIMIT)
+
+
+# Structured outputs (serve/guides.py): a schema whose every answer ends (enums, booleans, no
+# other keys), so that the tiny random model's answers are whole.
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["color", "ok"],
+    "additionalProperties": False,
+}
+CITIES = ["Rome", "Oslo"]  # short: the tiny tokenizer writes about a token a character
+ENUM_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": CITIES}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    for name in ("wx", "tm")
+]
+
+
+class Verdict(pydantic.BaseModel):
+    color: Literal["red", "green", "blue"]
+    ok: bool
+
+
+def obeys(text):
+    value = json.loads(text)
+    assert set(value) == {"color", "ok"}, value
+    assert value["color"] in ("red", "green", "blue") and isinstance(value["ok"], bool)
+    return value
+
+
+@pytest.mark.slow
+def test_structured_outputs_through_the_official_client(served):
+    """OpenAI's `response_format` (the client's own `parse` with a pydantic model: a strict
+    json_schema), sampled and streamed; vLLM's `structured_outputs` choice and regex (the
+    completions endpoint too); `tool_choice` required and named: every answer follows its
+    grammar, as Python's json.dumps lays JSON out."""
+    _, client = served
+    parsed = client.chat.completions.parse(
+        model=MODEL, messages=MESSAGES, response_format=Verdict, max_tokens=48, temperature=0
+    )
+    choice = parsed.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Verdict)
+    assert choice.message.content == json.dumps(choice.message.parsed.model_dump())
+    schema = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}}
+    sampled = chat(client, response_format=schema, n=3, temperature=1.0, max_tokens=48, seed=5)
+    for c in sampled.choices:
+        assert c.finish_reason == "stop", c
+        obeys(c.message.content)
+    chunks = [c for c in chat(client, response_format=schema, stream=True, max_tokens=48)]
+    obeys("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    answer = chat(
+        client, max_tokens=8, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}
+    )
+    assert answer.choices[0].message.content in ("yes", "no")
+    text = client.completions.create(model=MODEL, prompt="n:", max_tokens=8, extra_body=RE)
+    assert re.fullmatch("[0-9]{3}", text.choices[0].text), text.choices[0].text
+    # tool_choice: 'required' gives tool_calls (finish reason tool_calls), a named function
+    # its call (finish reason stop, as OpenAI answers a forced function), whole or streamed,
+    # whatever the server's tool-call parser (hermes here).
+    for tool_choice, reason in (
+        ("required", "tool_calls"),
+        ({"type": "function", "function": {"name": "tm"}}, "stop"),
+    ):
+        kwargs = dict(tools=ENUM_TOOLS, tool_choice=tool_choice, max_tokens=64)
+        one = chat(client, parallel_tool_calls=False, **kwargs).choices[0]
+        assert one.finish_reason == reason and one.message.content is None, one
+        (call,) = one.message.tool_calls
+        assert call.id.startswith("call_") and call.type == "function"
+        if reason == "stop":
+            assert call.function.name == "tm"
+        assert json.loads(call.function.arguments)["city"] in CITIES
+        chunks = [c for c in chat(client, parallel_tool_calls=False, stream=True, **kwargs)]
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        (streamed,) = [t for d in deltas for t in d.tool_calls or []]
+        assert streamed.function.name in ("wx", "tm")
+        assert json.loads(streamed.function.arguments)["city"] in CITIES
+        assert "".join(d.content or "" for d in deltas) == ""
+        assert chunks[-1].choices[0].finish_reason == reason
+
+
+def hf_guided(torch_model, tokenizer, ids, grammar, eos, new):
+    """HF `generate`'s greedy tokens with llguidance's mask for `grammar` applied to each
+    step's logits (its own matcher, as a `LogitsProcessor`)."""
+    lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=torch_model.vocab_size, eos_token=eos)
+    matcher = llguidance.LLMatcher(lltok, grammar)
+
+    def guided(input_ids, scores):
+        if input_ids.shape[1] > len(ids):
+            assert matcher.consume_token(int(input_ids[0, -1]))
+        mask = llguidance.numpy.allocate_token_bitmask(1, scores.shape[-1])
+        llguidance.numpy.fill_next_token_bitmask(matcher, mask)
+        masked = scores.numpy().copy()
+        llguidance.numpy.apply_token_bitmask_inplace(masked, mask)
+        return torch.from_numpy(masked)
+
+    with torch.no_grad():
+        out = torch_model.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=new, eos_token_id=eos,
+            pad_token_id=eos[0], logits_processor=transformers.LogitsProcessorList([guided]),
+        )  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+def test_guided_greedy_tokens_are_hf_generates_under_the_same_mask(served, checkpoint):
+    """Greedy guided rows (a JSON schema, a regex) give HF `generate`'s tokens under the same
+    grammar's mask, beside an unguided row that gives HF's plain greedy tokens, in one batch
+    of the paged engine and of the batch engine (models that cannot page)."""
+    server, _ = served
+    path, torch_model, eos = checkpoint
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    new, stops = 20, list(eos)
+    specs = [guides.Spec("json", SCHEMA), guides.Spec("regex", "[a-z ]{3,30}[.!]")]
+    grammars = [server.guides.grammar(s, None, True) for s in specs]
+    want = [hf_guided(torch_model, tokenizer, ids, g, eos, new) for g in grammars]
+    with torch.no_grad():
+        plain = torch_model.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=new, eos_token_id=eos,
+            pad_token_id=eos[0],
+        )[0, len(ids) :].tolist()  # fmt: skip
+    partitioner = Partitioner((1, 8, 1))
+    model, params, _, _ = run_dir.load_model_and_params(path, partitioner)
+    batch_engine = BatchEngine(model, params, partitioner, run_dir.checkpoint_vocabulary(path))
+    for engine in (server.engine, batch_engine):
+        jobs = [
+            api.Completion(
+                ids, new, Sampling(), [], None, 0, guide=server.guides.new(g, stops, ids)
+            )
+            for g in grammars
+        ] + [api.Completion(ids, new, Sampling(), [], None, 0)]
+        if engine is batch_engine:
+            engine.decode(jobs)
+        else:
+            engine.submit_many(jobs)
+        for job, expected in zip(jobs, [*want, plain]):
+            got = []
+            while (event := job.events.get(timeout=120))[0] == "token":
+                got.append(event[1])
+            assert event[0] == "done", event
+            if event[1] == "stop":
+                got.append(event[2])
+            assert got == expected, (type(engine).__name__, tokenizer.decode(got))
+    assert tokenizer.decode(want[0]).startswith('{"color": "')  # the mask is at work
+    assert want[1] != plain[: len(want[1])]
+
+
+def test_with_a_reasoning_parser_the_grammar_starts_where_thinking_ends(
+    served, checkpoint, monkeypatch
+):
+    """As vLLM's: a guided answer thinks freely until its block's closing tag, then follows
+    its grammar; where the prompt closed the block (Qwen3's enable_thinking=false) the grammar
+    holds from the first token."""
+    server, client = served
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint[0])
+    monkeypatch.setattr(server, "reasoning_parser", "qwen3")
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    schema = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}}
+    answer = chat(client, response_format=schema, max_tokens=48, extra_body=off)
+    obeys(answer.choices[0].message.content)
+    grammar = server.guides.grammar(guides.Spec("json", SCHEMA), None, True)
+    words = (server.guides.vocab_size + 31) // 32  # the model's (padded) vocabulary
+
+    def mask(guide):
+        row = np.zeros(words, np.int32)
+        guide.fill(row)
+        return row
+
+    fresh = mask(server.guides.new(grammar, [0], []))
+    assert (fresh != -1).any()
+    block = guides.reasoning_block("qwen3", {})
+    for kwargs, waits in (({}, True), ({"enable_thinking": False}, False)):
+        text = tokenizer.apply_chat_template(
+            MESSAGES, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        guide = server.guides.new(grammar, [0], ids, block)
+        if waits:
+            for t in tokenizer.encode("Hmm.</think>", add_special_tokens=False):
+                assert (mask(guide) == -1).all()  # thinking: any token
+                guide.advance(t)
+        assert (mask(guide) == fresh).all()
+    assert guides.reasoning_block("deepseek_v3", {}) is None  # thinking off: no block
+    assert guides.reasoning_block("deepseek_v3", {"thinking": True}) is not None
+    with pytest.raises(settings.BadRequest, match="harmony"):
+        guides.reasoning_block("openai_gptoss", {})

@@ -1,6 +1,7 @@
-"""What the continuous-batching scheduler (`scheduler.py`) holds: a job as it reads it, each
-job's progress (`JobState`: its pages, state slot, prompt read, tokens generated, prefix
-sharing), and a decode dispatch whose tokens are not read yet (`Dispatch`).
+"""What the continuous-batching scheduler (`scheduler.py`) holds: a job as it reads it (and
+its grammar, `Guide`, where its tokens are guided), each job's progress (`JobState`: its
+pages, state slot, prompt read, tokens generated, prefix sharing), and a decode dispatch
+whose tokens are not read yet (`Dispatch`).
 """
 
 from __future__ import annotations
@@ -23,13 +24,39 @@ class Job(Protocol):
     ("done", "stop") carries the stop token (an EOS id), its log-prob and the most likely
     tokens there (as "token" events do) as its third to fifth items.
     A job may also have `adapter`: the index of its LoRA adapter in the params' stacked
-    adapters (0, the base, when it has none)."""
+    adapters (0, the base, when it has none), and `guide`: the grammar its tokens follow
+    (None: any token)."""
 
     prompt_ids: Sequence[int]
     max_tokens: int
     sampling: Sampling
     seed: int
     events: Any
+
+
+class Guide(Protocol):
+    """A guided job's grammar, on the host (structured outputs, `serve/guides.py`): each of
+    its tokens is chosen among those `fill` allows, then handed to `advance`. A guided row
+    decodes one token a dispatch (the next bitmask depends on the token chosen)."""
+
+    def fill(self, row: np.ndarray) -> None:
+        """Writes the tokens allowed next into `row`, int32 `[sampling.mask_words(vocab)]`
+        (bit `t % 32` of word `t // 32` for token `t`)."""
+
+    def advance(self, token: int) -> None:
+        """The token chosen (a stop token ends the job instead)."""
+
+
+def masks(guides: Sequence[Guide | None], size: int, words: int) -> np.ndarray | None:
+    """The bitmasks of a dispatch's `size` rows, the first with `guides` (None: any token),
+    where any is guided; None where none is."""
+    if all(guide is None for guide in guides):
+        return None
+    allowed = np.full((size, words), -1, np.int32)
+    for i, guide in enumerate(guides):
+        if guide is not None:
+            guide.fill(allowed[i])
+    return allowed
 
 
 @dataclasses.dataclass(eq=False)
@@ -42,6 +69,7 @@ class JobState:
     keys: list[bytes]  # prefix-cache keys of the prompt's full pages
     adapter: int = 0  # its LoRA adapter's index (0: the base)
     stops: frozenset[int] = frozenset()  # the tokens that end it (`Sampling.stops`)
+    guide: Guide | None = None  # its grammar, where its tokens are guided
     state_slot: int = 0  # its recurrent state's slot while running (a stateful model's)
     computed: int = 0  # prompt tokens whose keys and values are in the cache
     generated: int = 0

@@ -84,23 +84,26 @@ class PagedPrograms:
             )
         return logits, jax.lax.with_sharding_constraint(cache, self.shardings)
 
-    def _first_fn(self, logits, index, seeds, counts, settings, history):
+    def _first_fn(self, logits, index, seeds, counts, settings, history, allowed=None):
         keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.PRNGKey)(seeds), counts)
         logits = logits[index]
         seen = None if history is None else sampling.seen(*history, logits.shape[-1])
-        return self._on_every_host(self._select(logits, keys, settings, seen, counts))
+        out = self._select(logits, keys, settings, seen, counts, allowed)
+        return self._on_every_host(out)
 
     def decode_fn(
         self, params: Any, cache: Any, tokens: Array, slots: Array, table: Array,
         adapters: Array, remaining: Array, seeds: Array, counts: Array,
         settings: sampling.Rows, states: Array | None = None,
         history: tuple[Array, Array] | None = None, ahead: Array | None = None,
+        allowed: Array | None = None,
     ) -> tuple:  # fmt: skip
         """`decode_steps` tokens of every row: feed the last one, sample the next; a row
         stops writing after an EOS or its last token. `states`: each row's state slot;
         `history`: the rows' prompt and generated tokens where a row is penalized
         (`sampling.histories`), `ahead` `[steps, rows]` the tokens of a dispatch before this
-        one that the host has not read (None: none)."""
+        one that the host has not read (None: none); `allowed`: the tokens each row may
+        choose (`sampling.select`'s bitmask; guided rows): one token, not `decode_steps`."""
         params = self._layout(params)
         keys = jax.vmap(jax.random.PRNGKey)(seeds)
         last = jnp.zeros_like(tokens)
@@ -119,7 +122,7 @@ class PagedPrograms:
                     params, cache, token[:, None], fed, table, last, self.paged_attention, states
                 )
             step_keys = jax.vmap(jax.random.fold_in)(keys, count)
-            out = self._select(logits, step_keys, settings, seen, count)
+            out = self._select(logits, step_keys, settings, seen, count, allowed)
             if seen is not None:
                 seen = sampling.count(seen, out[0][:, None], active[:, None])
             stop = (out[0][:, None] == settings.stop_ids).any(-1)
@@ -127,13 +130,14 @@ class PagedPrograms:
             return (cache, out[0], slot + 1, remaining, count + 1, seen), out
 
         init = (cache, tokens, slots, remaining, counts, seen)
-        (cache, *_), out = jax.lax.scan(one, init, None, length=self.decode_steps)
+        steps = self.decode_steps if allowed is None else 1
+        (cache, *_), out = jax.lax.scan(one, init, None, length=steps)
         return (jax.lax.with_sharding_constraint(cache, self.shardings), *self._on_every_host(out))
 
-    def _select(self, logits, keys, settings, seen, generated):
+    def _select(self, logits, keys, settings, seen, generated, allowed):
         return sampling.select(
             logits, keys, settings, self.num_top, seen=seen, generated=generated,
-            tempered=self.tempered,
+            tempered=self.tempered, allowed=allowed,
         )  # fmt: skip
 
     def _on_every_host(self, tree: Any) -> Any:

@@ -15,6 +15,9 @@ repetition penalties, a logit bias and a minimum length, applied as vLLM applies
   probability, the tokens outside the top-k and those outside the top-p nucleus of what is
   left are removed, in that order.
 
+A guided row (structured outputs) chooses among the tokens its grammar allows next, after
+all of these (`allowed`: a bitmask per row, `mask_words`).
+
 The log-probabilities reported with each token are the model's own, before any of these
 (vLLM's default `raw_logprobs`).
 """
@@ -174,6 +177,7 @@ def select(
     seen: Seen | None = None,
     generated: Array | None = None,
     tempered: bool = False,
+    allowed: Array | None = None,
 ) -> tuple[Array, Array, Array, Array]:
     """Each row's next token by its own settings, its log-probability and the `num_top`
     most likely tokens with theirs (the model's distribution, before any setting; with
@@ -181,7 +185,8 @@ def select(
     computes a sampled token's log-prob).
 
     `seen`: the rows' tokens so far (None: no row is penalized); `generated` int32 `[rows]`:
-    how many each has generated (for `min_tokens`)."""
+    how many each has generated (for `min_tokens`); `allowed` int32 `[rows, mask_words]`: bit
+    `t % 32` of word `t // 32` set where a row may choose token `t` (None: every token)."""
     logits = logits.astype(jnp.float32)
     sampling = settings.temperature > 0
     if tempered:
@@ -198,6 +203,8 @@ def select(
         logits = logits.at[row, held].set(-jnp.inf, mode="drop")
     if seen is not None:
         logits = penalize(logits, seen, settings)
+    if allowed is not None:
+        logits = jnp.where(unpack(allowed, logits.shape[-1]), logits, -jnp.inf)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sample() -> Array:
@@ -221,6 +228,17 @@ def select(
     token_lp = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
     top_lps, top_ids = jax.lax.top_k(log_probs, num_top)
     return token, token_lp, top_ids, top_lps
+
+
+def mask_words(vocab: int) -> int:
+    """The int32 words of a row's `allowed` bitmask over `vocab` tokens."""
+    return (vocab + 31) // 32
+
+
+def unpack(bitmask: Array, vocab: int) -> Array:
+    """bool `[rows, vocab]` of an int32 bitmask `[rows, mask_words(vocab)]`."""
+    token = jnp.arange(vocab)
+    return (bitmask[:, token // 32] >> (token % 32)) & 1 == 1
 
 
 def penalize(logits: Array, seen: Seen, settings: Rows) -> Array:

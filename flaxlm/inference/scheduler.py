@@ -22,9 +22,8 @@ in a snapshot slot (`state_pool.py`; `prefix_snapshots`): a prefill chunk ends w
 does, and a prompt resumes only after a page with a snapshot.
 
 Many LoRA adapters: params that hold stacked adapters (`lora.with_row_adapters`) serve each
-job with its own (`Job.adapter`; 0 the base) in the same dispatches, the adapter index of
-each row an argument of the compiled programs (`lora.adapters_per_row`). Keys and values
-depend on the adapter, so only jobs with the same adapter share pages.
+job with its own (`Job.adapter`; 0 the base) in the same dispatches (`lora.adapters_per_row`);
+only jobs with the same adapter share pages. Guided jobs: `jobs.Guide`.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ import jax
 import numpy as np
 
 from flaxlm.inference import sampling
-from flaxlm.inference.jobs import Dispatch, Job, JobState
+from flaxlm.inference.jobs import Dispatch, Job, JobState, masks
 from flaxlm.inference.pages import PagePool, pages_for, prefix_keys
 from flaxlm.inference.programs import PagedPrograms
 from flaxlm.inference.state_pool import StatePool
@@ -124,13 +123,12 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.prefill_rows = prefill_rows
         self.num_top = num_top
-        self.position_limit = model.position_limit()
-        self.eos_ids = tuple(model.eos_ids)
+        self.position_limit, self.eos_ids = model.position_limit(), tuple(model.eos_ids)
+        self.mask_words = 0  # a guided row's bitmask, once one is added
         self.waiting: collections.deque[JobState] = collections.deque()
         self.running: list[JobState] = []
         self.prefilled_tokens = 0  # prompt tokens read by prefill dispatches
-        self.decode_dispatches = 0
-        self.prefill_dispatches = 0
+        self.decode_dispatches = self.prefill_dispatches = 0
         self.cached_tokens = 0  # prompt tokens found in the prefix cache
         self.read_wait_s = 0.0  # seconds `step` waited for dispatches' tokens (`_read`)
         new_cache = lambda: model.paged_cache(self.num_pages, page_size, max_rows, self.max_seq_len)
@@ -205,7 +203,9 @@ class Scheduler:
             salt = adapter.to_bytes(8, "little")
             keys = [hashlib.sha1(salt + key).digest() for key in keys]
         stops = frozenset(job.sampling.stops(self.eos_ids))
-        self.waiting.append(JobState(job, prompt, [], keys, adapter=adapter, stops=stops))
+        if (guide := getattr(job, "guide", None)) is not None:
+            self.mask_words = sampling.mask_words(self.model.config.vocab_size)
+        self.waiting.append(JobState(job, prompt, [], keys, adapter, stops, guide))
 
     def cancel(self, job: Job, message: str) -> bool:
         """Drops `job` (its pages freed) with a ("cancelled", message) event; False when the
@@ -298,6 +298,8 @@ class Scheduler:
         if token in seq.stops:
             self._end(seq, ("done", "stop", token, logprob, top))
             return False
+        if seq.guide is not None:
+            seq.guide.advance(token)
         seq.job.events.put(("token", token, logprob, top))
         seq.generated += 1
         seq.tokens.append(token)
@@ -307,15 +309,12 @@ class Scheduler:
             return False
         return True
 
-    def _bucket(self, pages: int) -> int:
-        """Page-table width for `pages`: a power of two (few compiled programs)."""
-        width = max(1, self.max_table // 8)
-        while width < pages:
-            width *= 2
-        return min(width, self.max_table)
-
     def _table(self, rows: Sequence[JobState], pages: Sequence[int], count: int) -> np.ndarray:
-        table = np.zeros((count, self._bucket(max(pages))), np.int32)
+        """The rows' page tables, as wide as a power of two (few compiled programs)."""
+        width = max(1, self.max_table // 8)
+        while width < max(pages):
+            width *= 2
+        table = np.zeros((count, min(width, self.max_table)), np.int32)
         for i, (seq, n) in enumerate(zip(rows, pages)):
             table[i, :n] = seq.pages[:n]
         return table
@@ -417,6 +416,7 @@ class Scheduler:
         history = sampling.histories(settings, [s.prompt for s, _ in finished], [], size)
         counts = np.zeros((size,), np.int32)
         args = (logits, index, seeds, counts, sampling.rows(settings, size, self.eos_ids), history)
+        args += (masks([seq.guide for seq, _ in finished], size, self.mask_words),)
         with self.partitioner.context():
             out = self.programs.first(*args)
         token, lp, top_ids, top_lps = self._read(out)
@@ -426,19 +426,22 @@ class Scheduler:
 
     def _decode_step(self) -> None:
         """One decode dispatch of every decoding row, enqueued before the tokens of the one
-        before it are read (`Dispatch`) where its rows go on: the same rows, none at its
-        max_tokens by then. A row that ended in the dispatch read (EOS, a stop, a cancel)
-        has run one more for nothing; its pages and state slot are reused only by dispatches
-        enqueued after it. Elsewhere the dispatch before is read first."""
+        before it are read (`Dispatch`) where the same rows go on, none at its max_tokens
+        by then and none guided (`jobs.Guide`: one token a dispatch); else after. A row that
+        ended in the dispatch read has run one more for nothing; its pages and state slot
+        are reused only by dispatches enqueued after it."""
         rows = [s for s in self.running if s.decoding]
         steps, ahead = self.decode_steps, self._pending
         if ahead is not None and (
-            ahead.rows != rows or any(s.generated + steps >= s.job.max_tokens for s in rows)
+            ahead.rows != rows
+            or any(s.generated + steps >= s.job.max_tokens or s.guide for s in rows)
         ):
             self._read_pending()
             rows, ahead = [s for s in self.running if s.decoding], None
         if not rows:
             return
+        allowed = masks([seq.guide for seq in rows], self.max_rows, self.mask_words)
+        steps = steps if allowed is None else 1
         done = steps if ahead else 0  # tokens each row has in the dispatch not read yet
         size = self.max_rows
         tokens = np.zeros((size,), np.int32)
@@ -466,7 +469,7 @@ class Scheduler:
         )
         args = (fed, slots, table, adapters, remaining, seeds, counts)
         args += (sampling.rows(settings, size, self.eos_ids), states, history)
-        args += (ahead.out[0] if ahead is not None and history is not None else None,)
+        args += (ahead.out[0] if ahead is not None and history is not None else None, allowed)
         with self.partitioner.context():
             self.cache, *out = self.programs.decode(self.params, self.cache, *args)
         self.decode_dispatches += 1
@@ -491,7 +494,7 @@ class Scheduler:
         for i, seq in enumerate(pending.rows):
             if seq not in self.running:  # ended in the dispatch before, or cancelled
                 continue
-            for k in range(self.decode_steps):
+            for k in range(len(token)):
                 top = list(zip(top_ids[k, i].tolist(), top_lps[k, i].tolist()))
                 if not self._emit(seq, int(token[k, i]), float(lp[k, i]), top):
                     break

@@ -7,8 +7,9 @@ import time
 import uuid
 from typing import Any
 
-from flaxlm.runs.serve import reasoning, tools
+from flaxlm.runs.serve import reasoning, tool_formats, tools
 from flaxlm.runs.serve.stream import TextStream
+from flaxlm.runs.serve.tool_formats import Format
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error"}
 
@@ -23,16 +24,17 @@ class Answer:
         model_name: str,
         prompt_ids: list[list[int]],
         texts: list[str],
-        tool_parser: str | None = None,
+        calls: Format | None = None,
         reasoning_parser: str | None = None,
     ):
-        """`texts`: what `echo` shows of each prompt (`Server.prompt_texts`); `tool_parser`:
-        reads a chat answer's tool calls (`tools.PARSERS`; None: none are read);
-        `reasoning_parser`: splits a chat answer's reasoning from its content
-        (`reasoning.PARSERS`; None: all of it is content)."""
+        """`texts`: what `echo` shows of each prompt (`Server.prompt_texts`); `calls`: how a
+        chat answer's tool calls are read (the tool-call parser's format, or a forced
+        call's, `guides.calls_format`; None: none are read); `reasoning_parser`: splits a
+        chat answer's reasoning from its content (`reasoning.PARSERS`; None: all of it is
+        content)."""
         self.request, self.chat, self.texts = request, request["chat"], texts
         self.prompt_only = request.get("prompt_only", False)  # max_tokens=0 with echo
-        self.tool_parser = tool_parser
+        self.calls = calls
         self.reasoning_parser = reasoning_parser if self.chat else None
         self.ident = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created, self.model_name = int(time.time()), model_name
@@ -79,11 +81,11 @@ class Answer:
                     message["reasoning"], content = reasoning.split(
                         text, self.reasoning_parser, self.request["chat_template_kwargs"]
                     )
-                if self.tool_parser is not None and content:
-                    content, calls = tools.parse(self.tool_parser, content, self.request["tools"])
+                if self.calls is not None and content:
+                    content, calls = tool_formats.read(self.calls, content, self.request["tools"])
                     if calls:
                         message["tool_calls"] = self.calls_kept(calls)
-                        reason = "tool_calls"
+                        reason = self.calls_reason()
                 choice["message"] = {**message, "content": content}
             else:
                 choice["text"] = (self.prompt(index) if self.request["echo"] else "") + text
@@ -120,6 +122,11 @@ class Answer:
             chunk["usage"] = None
         return chunk
 
+    def calls_reason(self) -> str:
+        """An answer's finish reason once it calls tools: `tool_calls`, but `stop` where the
+        request named the function (OpenAI's)."""
+        return "stop" if isinstance(self.request.get("tool_choice"), dict) else "tool_calls"
+
     def calls_kept(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """An answer's tool calls, the first alone with `parallel_tool_calls=false` (vLLM's)."""
         return calls if self.request.get("parallel_tool_calls", True) else calls[:1]
@@ -142,8 +149,8 @@ class StreamedChoice:
         )
         self.calls = (
             None
-            if answer.tool_parser is None
-            else tools.CallStream(answer.tool_parser, answer.request["tools"])
+            if answer.calls is None
+            else tools.CallStream(answer.calls, answer.request["tools"])
         )
 
     def piece(self, text: str, logprobs: Any) -> dict[str, Any]:
@@ -169,7 +176,7 @@ class StreamedChoice:
         if thought or text:
             chunks.append(self.answer.chunk(self.index, text or None, thought=thought or None))
         if calls:
-            calls, reason = self.answer.calls_kept(calls), "tool_calls"
+            calls, reason = self.answer.calls_kept(calls), self.answer.calls_reason()
             chunks.append(self.answer.chunk(self.index, None, calls=calls))
         return [*chunks, self.answer.chunk(self.index, None, reason)]
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from flaxlm.data.vocabularies import CHAT_TEMPLATE_ARGUMENTS
 from flaxlm.inference.sampling import Sampling
+from flaxlm.runs.serve import guides
 from flaxlm.runs.serve import tools as tools_lib
 from flaxlm.runs.serve.settings import (
     SAMPLING_FIELDS,
@@ -46,6 +47,7 @@ class Completion:
     adapter: int = 0  # the LoRA adapter the request's `model` names (0: the base)
     # `echo` with `logprobs`: the prompt's log-probs come first (a ("prompt", ...) event).
     prompt_logprobs: int | None = None
+    guide: Any = None  # the grammar its tokens follow (`guides.Guide`; None: any token)
 
 
 _NONE = type(None)
@@ -55,6 +57,7 @@ _COMPLETION_FIELDS = {
     "prompt": ((str, list), "a string or a list"),
     "logprobs": (int, "an integer"),
     "echo": (bool, "a boolean"),
+    **guides.FIELDS,
 }
 _CHAT_FIELDS = {
     **SAMPLING_FIELDS,
@@ -67,8 +70,9 @@ _CHAT_FIELDS = {
     # vLLM's: variables handed to the chat template (e.g. Qwen3's `enable_thinking`).
     "chat_template_kwargs": (dict, "an object"),
     "tools": (list, "a list of tools"),
-    "tool_choice": ((str, dict), "'none', 'auto' or an object"),
+    "tool_choice": ((str, dict), "'none', 'auto', 'required' or an object"),
     "parallel_tool_calls": (bool, "a boolean"),
+    **guides.FIELDS,
 }
 
 
@@ -117,6 +121,7 @@ def parse_request(
         "logprobs": logprobs,
         "echo": echo,
         "prompt_only": prompt_only,
+        "structured": guides.parse(request, None, None),
         "chat": False,
     }
 
@@ -188,7 +193,9 @@ def parse_chat_request(
         "messages": messages,
         "chat_template_kwargs": template_kwargs,
         # As vLLM: with tool_choice 'none' the tools are not shown to the model.
-        "tools": tools if choice == "auto" else None,
+        "tools": tools if choice != "none" else None,
+        "tool_choice": choice,
+        "structured": guides.parse(request, tools, choice),
         "parallel_tool_calls": request.get("parallel_tool_calls", True),
         **sampling_settings(request, max_tokens, max_positions, max_tokens_limit, defaults, 1),
         "logprobs": (top or 0) if request.get("logprobs") else None,

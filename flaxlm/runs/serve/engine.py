@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxlm.inference import generation, sampling
+from flaxlm.inference.jobs import masks
 from flaxlm.inference.scheduler import Scheduler
 from flaxlm.models import decoding
 from flaxlm.models.base import BaseModel
@@ -177,12 +178,16 @@ class BatchEngine:
             keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds))
             active = list(range(len(batch)))
             counts = [0] * len(batch)
+            guides = [c.guide for c in batch]
+            words = sampling.mask_words(logits.shape[-1])
             seen = None if history is None else self._seen(*history, logits.shape[-1])
             for t in range(new):
                 step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, t)
+                live = [g if i in active else None for i, g in enumerate(guides)]
+                allowed = masks(live, size, words)
                 out = self._select(
                     logits, step_keys, settings, MAX_LOGPROBS, seen=seen,
-                    generated=jnp.full((size,), t, jnp.int32),
+                    generated=jnp.full((size,), t, jnp.int32), allowed=allowed,
                 )  # fmt: skip
                 if seen is not None:
                     seen = self._count(seen, out[0][:, None], True)
@@ -195,6 +200,8 @@ class BatchEngine:
                     if tok in stops[i]:
                         c.events.put(("done", "stop", tok, float(token_lp[i]), top))
                         continue
+                    if guides[i] is not None:
+                        guides[i].advance(tok)
                     c.events.put(("token", tok, float(token_lp[i]), top))
                     counts[i] += 1
                     if counts[i] >= c.max_tokens:

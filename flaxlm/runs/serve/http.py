@@ -21,7 +21,7 @@ from flaxlm.data import vocabularies
 from flaxlm.inference import generation
 from flaxlm.models.base import EncoderDecoderModel
 from flaxlm.models.row_start import RowStart
-from flaxlm.runs.serve import reasoning, tokenizer_api, tools
+from flaxlm.runs.serve import guides, reasoning, tokenizer_api, tools
 from flaxlm.runs.serve.answer import Answer, StreamedChoice, error_body
 from flaxlm.runs.serve.api import (
     Completion,
@@ -98,6 +98,7 @@ class Server:
         tokenizer = getattr(engine.vocabulary, "tokenizer", None)
         self.special_ids = vocabularies.special_token_ids(tokenizer)
         self.added_vocab = getattr(tokenizer, "get_added_vocab", dict)()
+        self.guides = guides.Guides(tokenizer, engine.model.config.vocab_size, engine.model.eos_ids)
         self.httpd = httpd
         self.httpd.RequestHandlerClass = _make_handler(self)
         self._serving = threading.Thread(target=self.httpd.serve_forever, name="flaxlm-http")
@@ -170,8 +171,8 @@ class Server:
 
         A chat request that sets no max tokens (nor does the checkpoint) gets the room its
         prompt leaves, up to `max_tokens_limit`."""
-        adapter = self.adapter(request)
-        if request.get("tools") and self.tool_parser is None:
+        adapter, spec = self.adapter(request), request["structured"]
+        if request.get("tools") and spec is None and self.tool_parser is None:
             raise BadRequest(
                 "This server reads no tool calls from answers: start it with "
                 "--gin.TOOL_CALL_PARSER=\"'hermes'\" (serve.serve.tool_call_parser; vLLM's "
@@ -186,6 +187,12 @@ class Server:
                 "echo",
             )
         jobs, prompt_ids = [], self.prompt_ids(request)
+        if spec is not None:  # checked before any job starts
+            parallel = request.get("parallel_tool_calls", True)
+            grammar = self.guides.grammar(spec, request.get("tools"), parallel)
+            block = request["chat"] and guides.reasoning_block(
+                self.reasoning_parser, request["chat_template_kwargs"]
+            )
         for ids in prompt_ids:
             max_tokens = request["max_tokens"]
             if max_tokens is None:
@@ -202,6 +209,8 @@ class Server:
             check_prompt_ids(ids, max_tokens, self.max_positions, self.engine.vocab_size)
             check_token_ids(request["sampling"], self.engine.vocab_size)
             for seed in sample_seeds(request["seed"], request["n"]):
+                stops = request["sampling"].stops(self.engine.model.eos_ids)
+                guide = spec and self.guides.new(grammar, stops, ids, block or None)
                 jobs.append(
                     Completion(
                         ids,
@@ -212,6 +221,7 @@ class Server:
                         seed,
                         adapter=adapter,
                         prompt_logprobs=scored,
+                        guide=guide,
                     )
                 )
         return jobs, prompt_ids
@@ -386,9 +396,9 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
             for start in range(0, len(jobs), n):  # a prompt's samples share its pages
                 server.engine.submit_many(jobs[start : start + n])
             name = request["model"] or server.model_name
-            parser = server.tool_parser if request.get("tools") else None
             texts = server.prompt_texts(request)
-            answer = Answer(request, name, prompt_ids, texts, parser, server.reasoning_parser)
+            calls = guides.answer_calls(request, server.tool_parser)
+            answer = Answer(request, name, prompt_ids, texts, calls, server.reasoning_parser)
             try:
                 if request["stream"]:
                     self._stream(answer, jobs)

@@ -71,6 +71,12 @@ def check_parser(name: str | None) -> None:
         )
 
 
+def thinks(template_kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether a request's template variables turn thinking on (`per_request` blocks)."""
+    kwargs = template_kwargs or {}
+    return bool(kwargs.get("thinking") or kwargs.get("enable_thinking"))
+
+
 class Splitter:
     """Splits an answer's text, fed in pieces as it streams, into reasoning and content,
     holding back what may still turn out to be a tag (`feed`, then `flush` at the end)."""
@@ -78,9 +84,9 @@ class Splitter:
     def __init__(self, parser: str, template_kwargs: Mapping[str, Any] | None = None):
         """`template_kwargs`: the request's `chat_template_kwargs` (`deepseek_v3` reads
         them)."""
-        block, kwargs = PARSERS[parser], template_kwargs or {}
+        block = PARSERS[parser]
         self.start, self.end = block.start, block.end
-        thinking = bool(kwargs.get("thinking") or kwargs.get("enable_thinking"))
+        thinking = thinks(template_kwargs)
         self.starts_inside = block.starts == "inside" or (
             block.starts == "per_request" and thinking
         )

@@ -16,7 +16,8 @@ whole answers can differ where a call does not parse). Each call then comes as o
 them.
 
 `parallel_tool_calls=false` keeps an answer's first call alone, as vLLM does (it does not
-stop the model writing more)."""
+stop the model writing more). `tool_choice` `required` or a named function forces calls
+through the answer's grammar (`guides.py`)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Any
 
 from flaxlm.runs.serve import tool_formats
 from flaxlm.runs.serve.settings import BadRequest, shown
-from flaxlm.runs.serve.tool_formats import Call, Tools
+from flaxlm.runs.serve.tool_formats import Call, Format, Tools
 
 PARSERS = tool_formats.FORMATS
 
@@ -35,12 +36,12 @@ def parse(parser: str, text: str, tools: Tools) -> tuple[str | None, list[Call]]
 
 
 class CallStream:
-    """Reads a chat answer for tool calls as it streams, as its parser reads the whole answer:
-    `feed` each piece of content (returns the content that is final), `flush` at the end
-    (returns the content still held and the calls)."""
+    """Reads a chat answer for tool calls as it streams, as its format reads the whole answer
+    (`tool_formats.read`): `feed` each piece of content (returns the content that is final),
+    `flush` at the end (returns the content still held and the calls)."""
 
-    def __init__(self, parser: str, tools: Tools):
-        self.format, self.tools = PARSERS[parser], tools
+    def __init__(self, fmt: Format, tools: Tools):
+        self.format, self.tools = fmt, tools
         self.text = ""
         self.sent = 0  # characters given back as content
         self.start: int | None = None  # where the calls start, once seen
@@ -100,17 +101,11 @@ def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
     return tools
 
 
-def tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str:
-    """'none' or 'auto' (OpenAI's default: 'auto' with tools, 'none' without); 'required'
-    and a named function (which vLLM forces with guided decoding) are a BadRequest."""
+def tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> Any:
+    """'none' or 'auto' (OpenAI's default: 'auto' with tools, 'none' without), or what forces
+    a call ('required', a named function: `guides.py` reads them)."""
     if value is None:
         return "auto" if tools else "none"
-    if value in ("none", "auto"):
-        if value == "auto" and not tools:
-            raise BadRequest("tool_choice='auto' needs tools.", "tool_choice")
-        return value
-    raise BadRequest(
-        f"tool_choice={shown(value)}: flaxlm answers 'auto' or 'none' (forcing a call takes "
-        "guided decoding, which it does not do).",
-        "tool_choice",
-    )
+    if value == "auto" and not tools:
+        raise BadRequest("tool_choice='auto' needs tools.", "tool_choice")
+    return value
