@@ -794,6 +794,22 @@ DSML = "｜DSML｜"
             [("w", {"city": "Oslo"})],
         ),
         ("mistral", "[TOOL_CALLS]w[ARGS]{cut", None, None),
+        (
+            "pythonic",
+            '[w(city="Oslo", days=2), w(note=[1, {"a": None}], ok=True)]',
+            None,
+            [("w", {"city": "Oslo", "days": 2}), ("w", {"note": [1, {"a": None}], "ok": True})],
+        ),
+        (
+            "llama4_pythonic",
+            "<|python_start|>[w(city='Oslo')]<|python_end|>",
+            None,
+            [("w", {"city": "Oslo"})],
+        ),
+        ("pythonic", "[w('Oslo')]", None, None),  # positional: not a call vLLM reads
+        ("pythonic", "[w(city=x)]", None, None),  # not a literal
+        ("pythonic", "[1, 2] and more", None, None),
+        ("pythonic", "Sure: [w(city='Oslo')]", "Sure: [w(city='Oslo')]", []),  # not first
         (  # as the openai_gptoss reasoning parser hands harmony's calls on
             "openai",
             'Let me look.<|channel|>commentary to=functions.w<|message|>{"city": "Oslo"}',

@@ -8,6 +8,9 @@ leaves it).
   </tool_call>` blocks (a last block left open is read too).
 - `llama3_json` (Llama 3.1-3.3): an answer of `{"name": ..., "parameters": {...}}` objects
   joined by `; `, from its first character (`<|python_tag|>` before it allowed).
+- `pythonic` (Llama 3.2, Llama 4 with their pythonic templates), `llama4_pythonic` (Llama
+  4, `<|python_start|>` before it allowed): an answer that is a Python list of calls with
+  literal keyword arguments, `[get_weather(city="Paris"), ...]`.
 - `qwen3_coder` (Qwen3-Coder, Qwen3-Next, Qwen3.5): `<tool_call><function=NAME>` with a
   `<parameter=KEY>value</parameter>` per argument, `</function></tool_call>`.
 - `glm45` / `glm47` (GLM-4.5 to GLM-5): `<tool_call>NAME` then `<arg_key>KEY</arg_key>
@@ -179,6 +182,38 @@ def _llama3_json(text: str, tools: Tools) -> list[Call] | None:
     return [_json_call(o) for o in objects]
 
 
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+
+
+def _pythonic(text: str, tools: Tools) -> list[Call] | None:
+    """A Python list of calls with literal keyword arguments, `[f(a=1), g(b="x")]` (Llama 4
+    between `<|python_start|>` and `<|python_end|>` where it writes them)."""
+    body = text.strip()
+    if body.startswith(PYTHON_START):
+        body = body[len(PYTHON_START) :].removesuffix(PYTHON_END).strip()
+    try:
+        listed = ast.parse(body, mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(listed, ast.List) or not listed.elts:
+        return None
+    calls = []
+    for node in listed.elts:
+        if (
+            not isinstance(node, ast.Call)
+            or not isinstance(node.func, ast.Name)
+            or node.args
+            or any(k.arg is None for k in node.keywords)
+        ):
+            return None
+        try:  # literals JSON can hold (not sets or bytes)
+            arguments = json.dumps({k.arg: ast.literal_eval(k.value) for k in node.keywords})
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return None
+        calls.append(call(node.func.id, arguments))
+    return calls
+
+
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?\Z", re.DOTALL)
 _PARAMETER = re.compile(
     r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.DOTALL
@@ -330,6 +365,8 @@ _GLM = Format("<tool_call>", _glm)
 FORMATS: dict[str, Format] = {
     "hermes": Format("<tool_call>", _hermes),
     "llama3_json": Format("{", _llama3_json, at_start=True, alternatives=(PYTHON_TAG,)),
+    "pythonic": Format("[", _pythonic, at_start=True),
+    "llama4_pythonic": Format("[", _pythonic, at_start=True, alternatives=(PYTHON_START,)),
     "qwen3_coder": Format("<tool_call>", _qwen3_coder),
     "glm45": _GLM,
     "glm47": _GLM,
