@@ -407,6 +407,50 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_and_lm_eval_reads_it(served,
         assert greedy == bool((predicted.argmax(-1) == targets).all())
 
 
+def test_vllms_prompt_logprobs_give_each_prompt_tokens_logprob_rank_and_alternatives(
+    served, checkpoint
+):
+    """vLLM's `prompt_logprobs` (extra_body): per prompt token (the first None) its log-prob,
+    its rank and the k most likely there, keyed by token id, as HF's model gives them; per
+    choice of a completion, once at the top of a chat answer; a 400 when streamed."""
+    _, client = served
+    path, torch_model, _ = checkpoint
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    ids = tokenizer.encode("def main():\n    return 1 + 2", add_special_tokens=False)
+    ref = hf_logps(torch_model, ids)
+    text = client.completions.create(
+        model=MODEL, prompt=[ids, ids[:4]], max_tokens=1, extra_body={"prompt_logprobs": 2}
+    )
+    rendered = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    chat_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    answer = chat(client, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    for listed, prompt, k in (
+        (text.choices[0].prompt_logprobs, ids, 2),
+        (text.choices[1].prompt_logprobs, ids[:4], 2),
+        (answer.prompt_logprobs, chat_ids, 0),
+    ):
+        scores = hf_logps(torch_model, prompt) if prompt is not ids else ref
+        assert listed[0] is None and len(listed) == len(prompt)
+        for t in range(1, len(prompt)):
+            row, token = scores[t - 1], prompt[t]
+            mine = listed[t][str(token)]
+            # float32 logits of O(1) through 2 layers: log-probs agree well inside 1e-4; a
+            # rank may differ only where another token's log-prob is that close.
+            np.testing.assert_allclose(mine["logprob"], row[token], atol=1e-4)
+            close = np.abs(row - row[token]) < 1e-4
+            higher = int((row > row[token]).sum()) + 1
+            assert higher - close.sum() < mine["rank"] <= higher + close.sum()
+            assert mine["decoded_token"] == tokenizer.decode([token])
+            best = np.argsort(-row)[:k].tolist()
+            assert set(listed[t]) == {str(i) for i in [token, *best]}
+            for rank, i in enumerate(best, 1):
+                np.testing.assert_allclose(listed[t][str(i)]["logprob"], row[i], atol=1e-4)
+                assert listed[t][str(i)]["rank"] == rank or i == token
+    assert text.choices[0].logprobs is None  # not asked for
+    with pytest.raises(openai.BadRequestError, match="not streamed"):
+        chat(client, stream=True, extra_body={"prompt_logprobs": 1})
+
+
 def test_a_tool_use_history_reaches_the_template_as_vllm_hands_it_on(served, checkpoint):
     """Names, tool calls and call ids go to the checkpoint's template (rendered as HF's
     apply_chat_template renders the same messages, a call's arguments parsed into an object);
@@ -523,7 +567,7 @@ def test_think_tags_a_tokenizer_marks_special_stay_in_the_text_the_parser_reads(
     vocabulary = vocabularies.HuggingFaceVocabulary(str(tmp_path))
     ids = tokenizer.encode("<think>a</think>b", add_special_tokens=False)
     assert set(tag_ids) <= set(ids)
-    request = {"chat": True, "stop": [], "tools": None}
+    request = {"chat": True, "stop": [], "tools": None, "echo": False, "logprobs": None}
     for parser, text in (("qwen3", "<think>a</think>b"), (None, "ab")):
         server = types.SimpleNamespace(
             special_ids=special,

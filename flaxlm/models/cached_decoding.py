@@ -146,10 +146,12 @@ class CachedDecoding:
     def prompt_logprobs(self, params: Params, tokens: Array, top: int) -> tuple[Array, ...]:
         """What each position of `tokens` (int32 `[rows, length]`) predicts of the next
         token, from `decoding_params`' params: float32 `[rows, length]` log-probabilities of
-        `tokens[:, 1:]` (the last position's of token 0), and the `top` most likely ids and
-        their log-probabilities `[rows, length, top]`, most likely first. A server's
-        `echo` + `logprobs` (what lm-eval's `local-completions` scores with). The head reads
-        PROMPT_CHUNK positions at a time: a long prompt's float32 logits are never whole."""
+        `tokens[:, 1:]` (the last position's of token 0), the `top` most likely ids and
+        their log-probabilities `[rows, length, top]`, most likely first, and each token's
+        rank there (int32 `[rows, length]`, 1: the most likely). A server's `echo` +
+        `logprobs` (what lm-eval's `local-completions` scores with) and vLLM's
+        `prompt_logprobs`. The head reads PROMPT_CHUNK positions at a time: a long prompt's
+        float32 logits are never whole."""
         module = self._decode_module()
         skeleton = isinstance(module, CausalLM)
         with layers.decoding_products():
@@ -159,13 +161,14 @@ class CachedDecoding:
         rows, length = tokens.shape
         targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((rows, 1), tokens.dtype)], 1)
 
-        def scores(block: tuple[Array, Array]) -> tuple[Array, Array, Array]:
+        def scores(block: tuple[Array, Array]) -> tuple[Array, Array, Array, Array]:
             x, target = block
             logits = self._mask_padded_vocab(module.head_logits(params, x) if skeleton else x)
             logps = jax.nn.log_softmax(logits, axis=-1)
             chosen = losses.select_tokens(logps, target)
             top_lps, top_ids = jax.lax.top_k(logps, top)
-            return chosen, top_ids, top_lps
+            rank = 1 + (logps > chosen[..., None]).sum(-1, dtype=jnp.int32)
+            return chosen, top_ids, top_lps, rank
 
         chunk = min(length, PROMPT_CHUNK)
         if length % chunk:

@@ -71,7 +71,7 @@ class Answer:
 
     def whole(self, choices: list[tuple[TextStream, str, str]]) -> dict[str, Any]:
         """The JSON answer: each choice's (stream, text, finish reason)."""
-        out = []
+        out, count = [], self.request.get("prompt_logprobs")
         for index, (stream, text, reason) in enumerate(choices):
             choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs(stream)}
             if self.chat:
@@ -90,8 +90,13 @@ class Answer:
             else:
                 choice["text"] = (self.prompt(index) if self.request["echo"] else "") + text
             choice["finish_reason"] = reason
+            if count is not None and not self.chat:  # vLLM's, per choice of a completion
+                choice["prompt_logprobs"] = stream.prompt_logprobs(count)
             out.append(choice)
-        return {**self._envelope(False), "choices": out, "usage": self.usage()}
+        body = {**self._envelope(False), "choices": out, "usage": self.usage()}
+        if count is not None and self.chat:  # vLLM's, once for a chat's one prompt
+            body["prompt_logprobs"] = choices[0][0].prompt_logprobs(count)
+        return body
 
     def chunk(
         self,

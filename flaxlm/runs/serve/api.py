@@ -58,6 +58,7 @@ _COMPLETION_FIELDS = {
     "logprobs": (int, "an integer"),
     "echo": (bool, "a boolean"),
     **guides.FIELDS,
+    "prompt_logprobs": (int, "an integer"),  # vLLM's
 }
 _CHAT_FIELDS = {
     **SAMPLING_FIELDS,
@@ -73,6 +74,7 @@ _CHAT_FIELDS = {
     "tool_choice": ((str, dict), "'none', 'auto', 'required' or an object"),
     "parallel_tool_calls": (bool, "a boolean"),
     **guides.FIELDS,
+    "prompt_logprobs": (int, "an integer"),
 }
 
 
@@ -122,8 +124,26 @@ def parse_request(
         "echo": echo,
         "prompt_only": prompt_only,
         "structured": guides.parse(request, None, None),
+        "prompt_logprobs": _prompt_logprobs(request),
         "chat": False,
     }
+
+
+def _prompt_logprobs(request: dict) -> int | None:
+    """vLLM's `prompt_logprobs`: each prompt token's log-prob, rank and this many most likely
+    there (answered whole, as vLLM answers them)."""
+    value = request.get("prompt_logprobs")
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise BadRequest(
+            f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {value}.",
+            "prompt_logprobs",
+        )
+    if value is not None and request.get("stream"):
+        raise BadRequest(
+            "prompt_logprobs are answered whole, not streamed (as vLLM); leave out stream.",
+            "prompt_logprobs",
+        )
+    return value
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -199,6 +219,7 @@ def parse_chat_request(
         "parallel_tool_calls": request.get("parallel_tool_calls", True),
         **sampling_settings(request, max_tokens, max_positions, max_tokens_limit, defaults, 1),
         "logprobs": (top or 0) if request.get("logprobs") else None,
+        "prompt_logprobs": _prompt_logprobs(request),
         "echo": False,
         "chat": True,
     }

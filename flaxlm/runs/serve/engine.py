@@ -245,9 +245,10 @@ class BatchEngine:
 
     def _admit(self, c: Completion) -> _Row:
         """`_row(c)`; a completion that asks for its prompt's log-probs (`echo` with
-        `logprobs`) then gets them as its first event, ("prompt", logprobs, top): each prompt
-        token's given those before it and the MAX_LOGPROBS most likely there, most likely
-        first (the first token's None: nothing predicts it)."""
+        `logprobs`, vLLM's `prompt_logprobs`) then gets them as its first event, ("prompt",
+        logprobs, top, ranks): each prompt token's given those before it, the MAX_LOGPROBS
+        most likely there, most likely first, and its rank there (the first token's None:
+        nothing predicts it)."""
         row = self._row(c)
         if c.prompt_logprobs is None:
             return row
@@ -259,9 +260,9 @@ class BatchEngine:
         with self.partitioner.context():
             placed = [self.partitioner.global_array(x) for x in (tokens, np.full(rows, c.adapter))]
             out = self._prompt_scores(self.params, *placed)
-            chosen, ids, lps = (np.asarray(x[0, : n - 1]) for x in out)
+            chosen, ids, lps, ranks = (np.asarray(x[0, : n - 1]) for x in out)
         top = [list(zip(i.tolist(), lp.tolist())) for i, lp in zip(ids, lps)]
-        c.events.put(("prompt", [None, *chosen.tolist()], [None, *top]))
+        c.events.put(("prompt", [None, *chosen.tolist()], [None, *top], [None, *ranks.tolist()]))
         return row
 
     def _prompt_logprobs(

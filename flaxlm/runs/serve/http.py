@@ -179,12 +179,13 @@ class Server:
                 "--tool-call-parser), or send tool_choice='none'.",
                 "tools",
             )
-        scored = request["logprobs"] if request["echo"] else None
+        scored = request["logprobs"] if request["echo"] else request["prompt_logprobs"]
         if scored is not None and isinstance(self.engine.model, EncoderDecoderModel):
+            field = "echo" if request["echo"] else "prompt_logprobs"
             raise BadRequest(
-                "echo with logprobs asks for the prompt's log-probabilities, which an "
-                "encoder-decoder model does not predict; leave out echo (or logprobs).",
-                "echo",
+                f"{field} asks for the prompt's log-probabilities, which an encoder-decoder "
+                "model does not predict; leave it out.",
+                field,
             )
         jobs, prompt_ids = [], self.prompt_ids(request)
         if spec is not None:  # checked before any job starts
@@ -234,7 +235,8 @@ class Server:
         skip = self.special_ids if request["chat"] and not calls_read else frozenset()
         if self.reasoning_parser is not None:
             skip -= reasoning.tag_ids(self.added_vocab, self.reasoning_parser)
-        return TextStream(self.engine.vocabulary, request["stop"], skip)
+        scores = request["echo"] and request["logprobs"] is not None
+        return TextStream(self.engine.vocabulary, request["stop"], skip, scores)
 
     def start(self) -> None:
         """Starts the engine, then answers requests (on threads of their own)."""
@@ -422,7 +424,7 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                     raise _Failed(500, f"Decoding failed: {event[1]}")
                 if event[0] == "cancelled" and not stream.stopped:
                     raise _Failed(503, event[1])
-                if event[0] == "prompt":  # echo with logprobs: listed first
+                if event[0] == "prompt":  # the prompt's scores come first
                     stream.add_prompt(job.prompt_ids, *event[1:])
                     continue
                 if prompt_only:  # max_tokens=0: the token decoded after the prompt is dropped
@@ -430,7 +432,7 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                         server.engine.cancel(job, "Only the prompt was asked for.")
                     return "length"
                 if event[:2] == ("done", "stop") and len(event) > 2 and not stream.stopped:
-                    stream.add_stop(*event[2:], listed=job.prompt_logprobs is not None)
+                    stream.add_stop(*event[2:])
                 if event[0] in ("done", "cancelled"):
                     rest = stream.flush()
                     if rest:

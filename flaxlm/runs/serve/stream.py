@@ -22,9 +22,18 @@ class TextStream:
     OpenAI-style server's chat answers never show them."""
 
     def __init__(
-        self, vocabulary: seqio.Vocabulary, stop: Sequence[str], skip_ids: Collection[int] = ()
+        self,
+        vocabulary: seqio.Vocabulary,
+        stop: Sequence[str],
+        skip_ids: Collection[int] = (),
+        echo_scores: bool = False,
     ):
+        """`echo_scores`: `logprobs` lists the prompt's tokens and the stop token too (`echo`
+        with `logprobs`)."""
         self.vocabulary = vocabulary
+        self.echo_scores = echo_scores
+        # The prompt's scores where the engine gave them: (ids, logprobs, top, ranks).
+        self.prompt_scores: tuple[Sequence, ...] | None = None
         self.stop = list(stop)
         self.skip_ids = frozenset(skip_ids)
         self.ids: list[int] = []
@@ -60,22 +69,38 @@ class TextStream:
         ids: Sequence[int],
         logprobs: Sequence[float | None],
         top: Sequence[Sequence[tuple[int, float]] | None],
+        ranks: Sequence[int | None],
     ) -> None:
-        """Lists the prompt's tokens ahead of the new ones in `logprobs` (`echo`): each
-        token's text in the prompt's, its log-prob given those before it and the most likely
-        there (the first's None)."""
-        for i in range(len(ids)):
+        """The prompt's scores: each token's log-prob given those before it, the most likely
+        there and its rank (the first's None); with `echo_scores` its tokens are listed ahead
+        of the new ones in `logprobs`, each with its text in the prompt's."""
+        self.prompt_scores = (ids, logprobs, top, ranks)
+        for i in range(len(ids) if self.echo_scores else 0):
             self._listed(self._piece(ids, i), logprobs[i], top[i])
 
-    def add_stop(
-        self, token: int, logprob: float, top: Sequence[tuple[int, float]], listed: bool
-    ) -> None:
+    def add_stop(self, token: int, logprob: float, top: Sequence[tuple[int, float]]) -> None:
         """The stop token that ended the completion: counted in `generated` (as vLLM's and
-        OpenAI's usage count it), and with `listed` (`echo` with `logprobs`) listed after its
-        tokens in `logprobs`, as vLLM lists it (its text is not the completion's)."""
+        OpenAI's usage count it), and with `echo_scores` listed after its tokens in
+        `logprobs`, as vLLM lists it (its text is not the completion's)."""
         self.stop_token = token
-        if listed:
+        if self.echo_scores:
             self._listed(self.vocabulary.decode([token]), logprob, top)
+
+    def prompt_logprobs(self, count: int) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs` field: per prompt token (the first None), its own
+        `{"logprob", "rank", "decoded_token"}` and the `count` most likely's, keyed by id."""
+        ids, logprobs, top, ranks = self.prompt_scores or ((),) * 4
+        out: list[dict[str, dict[str, Any]] | None] = [None] if ids else []
+        for i in range(1, len(ids)):
+            entry = {str(ids[i]): self._scored(ids[i], logprobs[i], ranks[i])}
+            for rank, (token, logprob) in enumerate(top[i][:count], 1):
+                entry.setdefault(str(token), self._scored(token, logprob, rank))
+            out.append(entry)
+        return out
+
+    def _scored(self, token: int, logprob: float, rank: int) -> dict[str, Any]:
+        text = self.vocabulary.decode([token])
+        return {"logprob": logprob, "rank": rank, "decoded_token": text}
 
     @property
     def generated(self) -> int:
