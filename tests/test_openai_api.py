@@ -596,6 +596,8 @@ HARMONY_FINAL = "<|channel|>final<|message|>b"
         ("deepseek_r1", {}, "<think>a</think>", "a", None),
         ("deepseek_r1", {}, "still thinking", "still thinking", None),
         ("minimax_m2", {}, "opened by the prompt</think>b", "opened by the prompt", "b"),
+        ("seed_oss", {}, "<seed:think>a</seed:think>b", "a", "b"),
+        ("seed_oss", {}, "still thinking", "still thinking", None),
         # DeepSeek-V3.1's template opens the block where the request turns thinking on
         ("deepseek_v3", {"thinking": True}, "a</think>b", "a", "b"),
         ("deepseek_v3", {}, "a</think>b", None, "a</think>b"),
@@ -782,6 +784,13 @@ DSML = "｜DSML｜"
             [("w", {"city": "007", "days": 3, "note": "[1]"})],
         ),
         ("qwen3_coder", "<tool_call>\nnot a function\n</tool_call>", None, None),
+        (
+            "seed_oss",
+            "Ok.<seed:tool_call>\n<function=w>\n<parameter=city>007</parameter>\n"
+            "<parameter=days>3</parameter>\n</function>\n</seed:tool_call>",
+            "Ok.",
+            [("w", {"city": "007", "days": 3})],
+        ),
         (
             "glm45",
             "<tool_call>w\n<arg_key>city</arg_key>\n<arg_value>007</arg_value>\n"

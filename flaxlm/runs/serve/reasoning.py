@@ -7,7 +7,8 @@ inside its thinking block (`<think>` ... `</think>`) comes back as the message's
   `</think>`; one that does not (thinking turned off, the template closing an empty block in
   the prompt) is all content.
 - `deepseek_r1` (DeepSeek-R1, QwQ-32B), `minimax_m2` (MiniMax-M2): templates that open the
-  block in the prompt: the answer starts inside it (a `<think>` it writes anyway is dropped).
+  block in the prompt: the answer starts inside it (a `<think>` it writes anyway is dropped);
+  `seed_oss` (Seed-OSS) alike with `<seed:think>` ... `</seed:think>`, as vLLM's reads it.
 - `deepseek_v3` (DeepSeek-V3.1 on): as `deepseek_r1` where the request's
   `chat_template_kwargs` turn thinking on (`thinking` or `enable_thinking`), else all
   content, as the template renders it.
@@ -48,6 +49,7 @@ PARSERS: dict[str, Block] = {
     "glm45": THINK,
     "deepseek_r1": INSIDE,
     "minimax_m2": INSIDE,
+    "seed_oss": Block("<seed:think>", "</seed:think>", "inside"),
     "deepseek_v3": Block("<think>", "</think>", "per_request"),
     "mistral": Block("[THINK]", "[/THINK]", "opens"),
     "openai_gptoss": Block(harmony.CHANNEL, harmony.END, "harmony"),

@@ -12,7 +12,8 @@ leaves it).
   4, `<|python_start|>` before it allowed): an answer that is a Python list of calls with
   literal keyword arguments, `[get_weather(city="Paris"), ...]`.
 - `qwen3_coder` (Qwen3-Coder, Qwen3-Next, Qwen3.5): `<tool_call><function=NAME>` with a
-  `<parameter=KEY>value</parameter>` per argument, `</function></tool_call>`.
+  `<parameter=KEY>value</parameter>` per argument, `</function></tool_call>`; `seed_oss`
+  (Seed-OSS): the same in `<seed:tool_call>` blocks.
 - `glm45` / `glm47` (GLM-4.5 to GLM-5): `<tool_call>NAME` then `<arg_key>KEY</arg_key>
   <arg_value>value</arg_value>` pairs, `</tool_call>`.
 - `deepseek_v3` (DeepSeek-V3, R1), `deepseek_v31` (V3.1), `deepseek_v32` (V3.2's DSML:
@@ -220,20 +221,26 @@ _PARAMETER = re.compile(
 )
 
 
-def _qwen3_coder(text: str, tools: Tools) -> list[Call] | None:
-    calls = []
-    for body in _blocks(text, "<tool_call>", "</tool_call>"):
-        match = _FUNCTION.match(body)
-        if match is None:
-            return None
-        name, arguments = match.group(1).strip(), {}
-        for key, value in _PARAMETER.findall(match.group(2)):
-            value = value[1:] if value.startswith("\n") else value
-            value = value[:-1] if value.endswith("\n") else value
-            kind = _schema_type(tools, name, key.strip())
-            arguments[key.strip()] = _typed(value, kind in (None, "string"))
-        calls.append(call(name, arguments))
-    return calls
+def _function_blocks(open_: str, close: str) -> Callable[[str, Tools], list[Call] | None]:
+    """Qwen3-Coder's calls (`<function=NAME>` with `<parameter=KEY>` blocks) in `open_ ...
+    close` blocks."""
+
+    def calls_of(text: str, tools: Tools) -> list[Call] | None:
+        calls = []
+        for body in _blocks(text, open_, close):
+            match = _FUNCTION.match(body)
+            if match is None:
+                return None
+            name, arguments = match.group(1).strip(), {}
+            for key, value in _PARAMETER.findall(match.group(2)):
+                value = value[1:] if value.startswith("\n") else value
+                value = value[:-1] if value.endswith("\n") else value
+                kind = _schema_type(tools, name, key.strip())
+                arguments[key.strip()] = _typed(value, kind in (None, "string"))
+            calls.append(call(name, arguments))
+        return calls
+
+    return calls_of
 
 
 _ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
@@ -367,7 +374,10 @@ FORMATS: dict[str, Format] = {
     "llama3_json": Format("{", _llama3_json, at_start=True, alternatives=(PYTHON_TAG,)),
     "pythonic": Format("[", _pythonic, at_start=True),
     "llama4_pythonic": Format("[", _pythonic, at_start=True, alternatives=(PYTHON_START,)),
-    "qwen3_coder": Format("<tool_call>", _qwen3_coder),
+    "qwen3_coder": Format("<tool_call>", _function_blocks("<tool_call>", "</tool_call>")),
+    "seed_oss": Format(
+        "<seed:tool_call>", _function_blocks("<seed:tool_call>", "</seed:tool_call>")
+    ),
     "glm45": _GLM,
     "glm47": _GLM,
     "deepseek_v3": Format("<｜tool▁calls▁begin｜>", _deepseek(True)),
