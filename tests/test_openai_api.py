@@ -1197,5 +1197,11 @@ def test_with_a_reasoning_parser_the_grammar_starts_where_thinking_ends(
         assert (mask(guide) == fresh).all()
     assert guides.reasoning_block("deepseek_v3", {}) is None  # thinking off: no block
     assert guides.reasoning_block("deepseek_v3", {"thinking": True}) is not None
-    with pytest.raises(settings.BadRequest, match="harmony"):
-        guides.reasoning_block("openai_gptoss", {})
+    # gpt-oss: the grammar starts with the final channel's message (after the analysis).
+    block = guides.reasoning_block("openai_gptoss", {})
+    guide = server.guides.new(grammar, [0], tokenizer.encode("<|start|>assistant"), block)
+    answer = "<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant"
+    for t in tokenizer.encode(answer + "<|channel|>final<|message|>"):
+        assert (mask(guide) == -1).all()
+        guide.advance(t)
+    assert (mask(guide) == fresh).all()

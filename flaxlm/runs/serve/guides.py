@@ -22,7 +22,8 @@ end; a schema's `"x-guidance": {"whitespace_flexible": true}` asks for that inst
 
 With a reasoning parser (`reasoning.py`), the grammar starts after the thinking block ends,
 as vLLM's does: where the prompt leaves the block open or a thinking answer may open one,
-the answer thinks freely and its closing tag starts the grammar. Where the answer ends
+the answer thinks freely and its closing tag starts the grammar (gpt-oss's harmony: its
+final channel's `<|channel|>final<|message|>`). Where the answer ends
 before its grammar is satisfied (`max_tokens`), it is cut (finish reason `length`).
 
 The grammar needs the checkpoint's HF tokenizer (a fast one); each guided row decodes one
@@ -38,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from flaxlm.runs.serve import reasoning
+from flaxlm.runs.serve import harmony, reasoning
 from flaxlm.runs.serve.settings import BadRequest, shown
 from flaxlm.runs.serve.tool_formats import FORMATS, Call, Format, Tools, call
 
@@ -331,11 +332,9 @@ def reasoning_block(parser: str | None, template_kwargs: Mapping[str, Any]) -> A
     if parser is None:
         return None
     block = reasoning.PARSERS[parser]
-    if block.starts == "harmony":
-        raise BadRequest(
-            "Structured outputs with gpt-oss's harmony channels are not served by flaxlm yet.",
-            "response_format",
-        )
+    if block.starts == "harmony":  # the final channel's message follows the grammar
+        final = f"{harmony.CHANNEL}final{harmony.MESSAGE}"
+        return reasoning.Block(f"{harmony.START}assistant", final, "harmony")
     if block.starts == "per_request" and not reasoning.thinks(template_kwargs):
         return None
     return block
