@@ -369,6 +369,19 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_and_lm_eval_reads_it(served,
     assert (alone.usage.prompt_tokens, alone.usage.completion_tokens) == (len(ids), 0)
     with pytest.raises(openai.BadRequestError, match="needs echo=true"):
         client.completions.create(model=MODEL, prompt=ids, max_tokens=0)
+    # Streamed, as vLLM streams it: the prompt with the first piece, its logprobs with it;
+    # the chunks add up to the whole answer (max_tokens=0: the prompt alone, scored).
+    for max_tokens in (4, 0):
+        kwargs = dict(model=MODEL, prompt=ids, echo=True, logprobs=2, max_tokens=max_tokens)
+        kwargs["temperature"] = 0
+        whole = client.completions.create(**kwargs).choices[0]
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs)]
+        assert chunks[0].text.startswith(tokenizer.decode(ids)) and chunks[0].logprobs
+        assert "".join(c.text for c in chunks) == whole.text
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            streamed = [x for c in chunks if c.logprobs for x in getattr(c.logprobs, key)]
+            assert streamed == getattr(whole.logprobs, key), key
+        assert chunks[-1].finish_reason == whole.finish_reason
     # lm-eval's local-completions client as a user starts it (its tokenizer found on the
     # server: /tokenizer_info, /tokenize, /detokenize; tokenized requests): its
     # log-likelihoods and greedy flags are HF's, continuation by continuation.

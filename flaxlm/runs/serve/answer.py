@@ -143,10 +143,16 @@ class Answer:
 
 class StreamedChoice:
     """One choice of a streamed chat or text answer: its pieces of text as chunks, with the
-    reasoning and the tool calls read out of them as `Answer.whole` reads the whole text."""
+    reasoning and the tool calls read out of them as `Answer.whole` reads the whole text,
+    and the logprobs of the tokens `stream` has listed since the chunk before.
 
-    def __init__(self, answer: Answer, index: int):
-        self.answer, self.index = answer, index
+    A completion's `echo` comes first, alone; with `logprobs` it comes with the first piece
+    of text, its tokens' logprobs with it, as vLLM streams it."""
+
+    def __init__(self, answer: Answer, index: int, stream: TextStream):
+        self.answer, self.index, self.stream = answer, index, stream
+        echo = not answer.chat and answer.request["echo"]
+        self.prompt = answer.prompt(index) if echo else None  # echo's text, until sent
         self.splitter = (
             None
             if answer.reasoning_parser is None
@@ -158,9 +164,21 @@ class StreamedChoice:
             else tools.CallStream(answer.calls, answer.request["tools"])
         )
 
-    def piece(self, text: str, logprobs: Any) -> dict[str, Any]:
+    def start(self) -> list[dict[str, Any]]:
+        """The choice's first chunks: a chat's role, a completion's echo without logprobs."""
+        if self.answer.chat:
+            return [self.answer.chunk(self.index, "", role=True)]
+        if self.prompt is not None and not self.stream.echo_scores:
+            prompt, self.prompt = self.prompt, None
+            return [self.answer.chunk(self.index, prompt)]
+        return []
+
+    def piece(self, text: str) -> dict[str, Any]:
         """The chunk of the next piece of text (its content may be '' while a tag or a call
         is held back; the logprobs of its tokens go out all the same)."""
+        logprobs = self.answer.logprobs(self.stream, *self.stream.unreported())
+        if self.prompt is not None:
+            text, self.prompt = self.prompt + text, None
         thought = None
         if self.splitter is not None:
             thought, text = self.splitter.feed(text)
@@ -178,8 +196,14 @@ class StreamedChoice:
             rest, calls = self.calls.flush()
             text += rest
         chunks = []
-        if thought or text:
-            chunks.append(self.answer.chunk(self.index, text or None, thought=thought or None))
+        if self.prompt is not None:  # echo with logprobs, no text generated
+            chunks.append(self.piece(""))
+        start, end = self.stream.unreported()  # tokens with no text of their own (a stop's)
+        logprobs = self.answer.logprobs(self.stream, start, end) if end > start else None
+        if thought or text or logprobs is not None:
+            chunks.append(
+                self.answer.chunk(self.index, text or None, None, logprobs, thought=thought or None)
+            )
         if calls:
             calls, reason = self.answer.calls_kept(calls), self.answer.calls_reason()
             chunks.append(self.answer.chunk(self.index, None, calls=calls))

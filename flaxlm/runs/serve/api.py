@@ -96,12 +96,6 @@ def parse_request(
             f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}.", "logprobs"
         )
     echo = bool(request.get("echo"))
-    if logprobs is not None and echo and request.get("stream"):
-        raise BadRequest(
-            "echo with logprobs (the prompt's log-probabilities) is answered whole, not "
-            "streamed; leave out stream.",
-            "stream",
-        )
     max_tokens = request.get("max_tokens")
     # OpenAI's (and vLLM's) max_tokens=0 with echo: the prompt alone, scored with logprobs.
     # The engine decodes one token (its prompt event comes first), which the answer drops.

@@ -467,18 +467,12 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
             try:
                 for index, job in enumerate(jobs):
                     stream = server.text_stream(answer.request)
-                    if answer.chat:
-                        self._event(answer.chunk(index, "", role=True))
-                    elif answer.request["echo"]:
-                        self._event(answer.chunk(index, answer.prompt(index)))
+                    choice = StreamedChoice(answer, index, stream)
+                    for chunk in choice.start():
+                        self._event(chunk)
 
-                    choice = StreamedChoice(answer, index)
-
-                    def send(
-                        text: str, stream: TextStream = stream, choice: StreamedChoice = choice
-                    ) -> None:
-                        logprobs = answer.logprobs(stream, *stream.unreported())
-                        self._event(choice.piece(text, logprobs))
+                    def send(text: str, choice: StreamedChoice = choice) -> None:
+                        self._event(choice.piece(text))
 
                     reason = self._follow(job, stream, send, answer.prompt_only)
                     answer.completion_tokens += stream.generated
