@@ -26,8 +26,8 @@ the base. The ratio of their tokens/s is the price of the per-row adapter gather
     python benchmarks/serve.py --adapters 3 --clients 8 --seconds 20
 
 `--guided F` instead measures structured outputs in one process, alternating: the paged
-`Engine` with a fraction F of its clients guided (a regex over a byte-level HF tokenizer of
-the model's bytes, llguidance's mask each token; `serve/guides.py`) against the same engine
+`Engine` with a fraction F of its clients guided (a regex over the model's bytes,
+llguidance's mask each token; `inference/guides.py`) against the same engine
 with none guided. A guided row decodes one token a dispatch, and so does its batch while it
 runs: the ratio is what guiding some of the requests costs all of them.
 
@@ -275,35 +275,22 @@ def adapters_vs_merged(args: argparse.Namespace) -> dict[str, dict[int, dict[str
 def guided_vs_not(args: argparse.Namespace) -> dict[str, dict[int, dict[str, float]]]:
     """{"guided" | "none": {clients: engine_load's numbers}}, alternating per count."""
     import seqio
-    import tokenizers
-    import transformers
 
     from flaxlm.checkpoints import hf
+    from flaxlm.inference.guides import Grammars
     from flaxlm.parallel.partitioning import Partitioner
-    from flaxlm.runs.serve import guides
     from flaxlm.runs.serve.engine import Engine
 
     with tempfile.TemporaryDirectory() as tmp:
         build_model(tmp)
         partitioner = Partitioner()
         model, params = hf.from_pretrained(tmp, partitioner)
-    # seqio's ByteVocabulary (ids 0-2 special, byte b id b + 3) as an HF byte-level
-    # tokenizer (what llguidance reads): GPT-2's byte-to-character map.
-    kept = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    moved = [b for b in range(256) if b not in kept]
-    char = {b: chr(b) if b in kept else chr(256 + moved.index(b)) for b in range(256)}
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{char[b]: b + 3 for b in range(256)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
-    tok.add_special_tokens(["<pad>", "</s>", "<unk>"])
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
-    made = guides.Guides(fast, model.config.vocab_size, [])
-    grammar = made.grammar(guides.Spec("regex", "[a-z ]+"), None, True)  # never ends
+    grammars = Grammars(seqio.ByteVocabulary(), model.config.vocab_size, [])
+    grammar = grammars.compile("regex", "[a-z ]+")  # never ends
     every = max(1, round(1 / args.guided))
 
     def guide(i: int):
-        return made.new(grammar, [], []) if i % every == 0 else None
+        return grammars.guide(grammar, []) if i % every == 0 else None
 
     size = args.max_batch_size
     engine = Engine(

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -32,13 +33,8 @@ def task():
 
 
 def run(task, model_dir, steps, inputs=8, **config):
-    cfg = rl.GrpoConfig(
-        num_generations=4,
-        max_new_tokens=4,
-        reward_fns=(digit_share, rewards.exact_match),
-        reward_weights=(1.0, 0.0),
-        **config,
-    )
+    rewarded = dict(reward_fns=(digit_share, rewards.exact_match), reward_weights=(1.0, 0.0))
+    cfg = rl.GrpoConfig(num_generations=4, max_new_tokens=4, **{**rewarded, **config})
     return grpo.grpo(
         model=tiny_gptj(vocab_size=384, max_position_embeddings=32),
         partitioner=Partitioner(mesh_shape=(2, 2, 2)),
@@ -103,6 +99,29 @@ def test_grpo_raises_the_reward_and_resumes_exactly(task, tmp_path):
     assert not os.path.exists(tmp_path / "long" / "checkpoints" / "1")
 
 
+@pytest.mark.slow
+def test_rollouts_follow_trls_structured_outputs_regex(task, tmp_path):
+    """`GrpoConfig.structured_outputs_regex` (TRL's `vllm_structured_outputs_regex`): every
+    completion the paged engine samples is the regex, then EOS (the random policy writes any
+    byte unguided); a regex llguidance cannot read stops the run before it writes anything."""
+    completions = []
+
+    def digits(prompts, completions_, answers):
+        completions.extend(completions_)
+        return [float(bool(re.fullmatch("[0-9]{1,2}", c))) for c in completions_]
+
+    guided = dict(reward_fns=(digits,), reward_weights=None)
+    run(task, tmp_path / "guided", 2, structured_outputs_regex="[0-9]{1,2}", **guided)
+    assert len(completions) == 2 * 4 * 4  # steps x prompts x generations
+    assert all(re.fullmatch("[0-9]{1,2}", c) for c in completions), completions
+    records = [r for r in read(tmp_path / "guided") if "reward" in r]
+    assert [r["reward"] for r in records] == [1.0, 1.0]
+    assert all(r["completion_length"] <= 3 for r in records)  # digits, then EOS
+    with pytest.raises(ValueError, match=r"structured_outputs_regex='\(\[': "):
+        run(task, tmp_path / "bad", 2, structured_outputs_regex="([")
+    assert not os.path.exists(tmp_path / "bad" / "checkpoints")
+
+
 def test_rollout_batch_and_bad_config():
     # Prompts after seqio's start token 0: rows read [0, prompt, completion].
     batch = rl.rollout_batch([[0, 5, 6], [0, 7]], np.array([[8, 1, 0], [9, 9, 9]]), (1,), 6)
@@ -128,8 +147,10 @@ def test_rollout_batch_and_bad_config():
     np.testing.assert_array_equal(
         sampled["old_logps"], [[0, 0, -1, -2, 0, 0], [0, -4, -5, -6, 0, 0]]
     )
-    with pytest.raises(ValueError, match="repetition_penalty=1.1 are the paged engine's"):
+    with pytest.raises(ValueError, match="repetition_penalty=1.1 and structured_outputs_regex="):
         rl.GrpoConfig(repetition_penalty=1.1, rollout_engine="batch")
+    with pytest.raises(ValueError, match="structured_outputs_regex='a' are the paged engine's"):
+        rl.GrpoConfig(structured_outputs_regex="a", rollout_engine="batch")
     with pytest.raises(ValueError, match="min_p=2 must be in"):
         rl.GrpoConfig(min_p=2)
     with pytest.raises(ValueError, match="rollout_engine='vllm'"):

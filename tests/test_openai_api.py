@@ -1140,7 +1140,7 @@ def test_guided_greedy_tokens_are_hf_generates_under_the_same_mask(served, check
     ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     new, stops = 20, list(eos)
     specs = [guides.Spec("json", SCHEMA), guides.Spec("regex", "[a-z ]{3,30}[.!]")]
-    grammars = [server.guides.grammar(s, None, True) for s in specs]
+    grammars = [guides.grammar(server.grammars, s, None, True) for s in specs]
     want = [hf_guided(torch_model, tokenizer, ids, g, eos, new) for g in grammars]
     with torch.no_grad():
         plain = torch_model.generate(
@@ -1153,7 +1153,7 @@ def test_guided_greedy_tokens_are_hf_generates_under_the_same_mask(served, check
     for engine in (server.engine, batch_engine):
         jobs = [
             api.Completion(
-                ids, new, Sampling(), [], None, 0, guide=server.guides.new(g, stops, ids)
+                ids, new, Sampling(), [], None, 0, guide=server.grammars.guide(g, stops, ids)
             )
             for g in grammars
         ] + [api.Completion(ids, new, Sampling(), [], None, 0)]
@@ -1186,33 +1186,33 @@ def test_with_a_reasoning_parser_the_grammar_starts_where_thinking_ends(
     schema = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}}
     answer = chat(client, response_format=schema, max_tokens=48, extra_body=off)
     obeys(answer.choices[0].message.content)
-    grammar = server.guides.grammar(guides.Spec("json", SCHEMA), None, True)
-    words = (server.guides.vocab_size + 31) // 32  # the model's (padded) vocabulary
+    grammar = guides.grammar(server.grammars, guides.Spec("json", SCHEMA), None, True)
+    words = (server.grammars.vocab_size + 31) // 32  # the model's (padded) vocabulary
 
     def mask(guide):
         row = np.zeros(words, np.int32)
         guide.fill(row)
         return row
 
-    fresh = mask(server.guides.new(grammar, [0], []))
+    fresh = mask(server.grammars.guide(grammar, [0]))
     assert (fresh != -1).any()
-    block = guides.reasoning_block("qwen3", {})
+    tags = guides.thinking_tags("qwen3", {})
     for kwargs, waits in (({}, True), ({"enable_thinking": False}, False)):
         text = tokenizer.apply_chat_template(
             MESSAGES, add_generation_prompt=True, tokenize=False, **kwargs
         )
         ids = tokenizer.encode(text, add_special_tokens=False)
-        guide = server.guides.new(grammar, [0], ids, block)
+        guide = server.grammars.guide(grammar, [0], ids, tags)
         if waits:
             for t in tokenizer.encode("Hmm.</think>", add_special_tokens=False):
                 assert (mask(guide) == -1).all()  # thinking: any token
                 guide.advance(t)
         assert (mask(guide) == fresh).all()
-    assert guides.reasoning_block("deepseek_v3", {}) is None  # thinking off: no block
-    assert guides.reasoning_block("deepseek_v3", {"thinking": True}) is not None
+    assert guides.thinking_tags("deepseek_v3", {}) is None  # thinking off: no block
+    assert guides.thinking_tags("deepseek_v3", {"thinking": True}) == ("<think>", "</think>")
     # gpt-oss: the grammar starts with the final channel's message (after the analysis).
-    block = guides.reasoning_block("openai_gptoss", {})
-    guide = server.guides.new(grammar, [0], tokenizer.encode("<|start|>assistant"), block)
+    tags = guides.thinking_tags("openai_gptoss", {})
+    guide = server.grammars.guide(grammar, [0], tokenizer.encode("<|start|>assistant"), tags)
     answer = "<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant"
     for t in tokenizer.encode(answer + "<|channel|>final<|message|>"):
         assert (mask(guide) == -1).all()

@@ -32,6 +32,7 @@ class BatchJob:
     finished: list[BatchJob] = dataclasses.field(default_factory=list, repr=False)
     tokens: list[int] = dataclasses.field(default_factory=list)
     logps: list[float] = dataclasses.field(default_factory=list)
+    guide: Any = None  # the grammar its tokens follow (`jobs.Guide`; None: any token)
 
     @property
     def events(self) -> BatchJob:
@@ -124,15 +125,19 @@ class BatchGenerator:
         sampling: Sampling,
         keep_eos: bool = False,
         progress: Callable[[BatchProgress], None] | None = None,
+        guide: Callable[[], Any] | None = None,
     ) -> list[BatchJob]:
         """The ended job of each prompt, in order, prompt i sampled from `seeds[i]` alone (so
         its completion does not depend on the rows decoded beside it). `progress` is called
-        each time another `max_rows` jobs have ended, and once when all have."""
+        each time another `max_rows` jobs have ended, and once when all have; `guide` makes
+        each job's grammar (`jobs.Guide`; None: none)."""
         finished: list[BatchJob] = []
         jobs = [
             BatchJob(p, self.max_new_tokens, sampling, int(seed), keep_eos, finished)
             for p, seed in zip(prompts, seeds)
         ]
+        for job in jobs if guide is not None else ():
+            job.guide = guide()
         scheduler = self.scheduler
         for job in jobs:
             scheduler.add(job)

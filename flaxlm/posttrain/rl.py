@@ -46,6 +46,10 @@ class GrpoConfig:
       reward_fns: `fn(prompts, completions, answers) -> [float]` (see `rewards.py`).
       reward_weights: one per reward function (default all 1); the reward is the weighted
         sum.
+      structured_outputs_regex: every completion follows this regex (then ends with its
+        EOS), as TRL's `vllm_structured_outputs_regex` constrains vLLM's rollouts; the paged
+        engine's (`inference/guides.py`; the task's vocabulary an HF fast tokenizer or
+        bytes). Its log-probs stay the policy's, unmasked, as TRL's.
       rollout_engine: what samples the completions: 'paged', the serving engine's
         continuous batching over a paged KV cache (a group's completions read their prompt
         once, and the sampled tokens' log-probs are the policy's, so none are recomputed),
@@ -66,6 +70,7 @@ class GrpoConfig:
     reward_fns: Sequence[Callable[..., Sequence[float]]] = (rewards.exact_match,)
     reward_weights: Sequence[float] | None = None
     rollout_engine: str = "paged"
+    structured_outputs_regex: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_generations", "max_new_tokens", "num_iterations"):
@@ -93,9 +98,10 @@ class GrpoConfig:
             )
         if self.rollout_engine == "batch" and self.engine_only:
             raise ValueError(
-                f"GrpoConfig: min_p={self.min_p!r} and repetition_penalty="
-                f"{self.repetition_penalty!r} are the paged engine's settings; with "
-                "rollout_engine='batch' leave them at 0 and 1."
+                f"GrpoConfig: min_p={self.min_p!r}, repetition_penalty="
+                f"{self.repetition_penalty!r} and structured_outputs_regex="
+                f"{self.structured_outputs_regex!r} are the paged engine's settings; with "
+                "rollout_engine='batch' leave them at 0, 1 and None."
             )
         if not self.reward_fns or not all(callable(f) for f in self.reward_fns):
             raise ValueError("GrpoConfig.reward_fns must be a non-empty list of callables.")
@@ -108,7 +114,11 @@ class GrpoConfig:
     @property
     def engine_only(self) -> bool:
         """Whether a sampling setting is one only the paged engine applies."""
-        return self.min_p > 0.0 or self.repetition_penalty != 1.0
+        return (
+            self.min_p > 0.0
+            or self.repetition_penalty != 1.0
+            or self.structured_outputs_regex is not None
+        )
 
     @property
     def needs_reference(self) -> bool:

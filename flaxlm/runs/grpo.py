@@ -20,6 +20,7 @@ and the KL reference is the base without them (no second copy of the weights).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +38,7 @@ from flaxlm.checkpoints import checkpointer, peft_config, run_dir
 from flaxlm.data import pipeline
 from flaxlm.data.config import DatasetConfig
 from flaxlm.inference import generation
+from flaxlm.inference.guides import Grammars, Guide
 from flaxlm.inference.paged_batch import BatchGenerator
 from flaxlm.inference.sampling import Sampling
 from flaxlm.models.base import BaseModel
@@ -67,8 +69,10 @@ class PagedSampler:
         cfg: rl.GrpoConfig,
         prompts: int,
         prompt_length: int,
+        guided: Callable[[], Guide] | None = None,
     ):
-        self.cfg = cfg
+        """`guided`: makes each completion's guide (`structured_outputs_regex`)."""
+        self.cfg, self.guided = cfg, guided
         self.generator = BatchGenerator(
             model,
             None,
@@ -99,7 +103,9 @@ class PagedSampler:
             cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
             repetition_penalty=cfg.repetition_penalty,
         )  # fmt: skip
-        jobs = self.generator.generate(prompts, seeds, sampling=sampling, keep_eos=True)
+        jobs = self.generator.generate(
+            prompts, seeds, sampling=sampling, keep_eos=True, guide=self.guided
+        )
         scheduler.release()
         self.prefilled_tokens += scheduler.prefilled_tokens - read
         self.prompt_tokens += sum(len(p) for p in prompts)
@@ -124,6 +130,7 @@ class Rollouts:
         prompt_length: int,
         prompts: int,
         row_start: RowStart,
+        guided: Callable[[], Guide] | None = None,
     ):
         self.setup, self.cfg, self.vocabulary = setup, cfg, vocabulary
         # Each prompt after what training rows started with (seqio's start token 0, or the
@@ -157,11 +164,14 @@ class Rollouts:
         if cfg.rollout_engine == "paged":
             refusal = model.paged_refusal()
             if refusal is None:
-                self.sampler = PagedSampler(model, partitioner, cfg, prompts, self.prompt_width)
+                self.sampler = PagedSampler(
+                    model, partitioner, cfg, prompts, self.prompt_width, guided
+                )
             elif cfg.engine_only:
                 raise ValueError(
-                    f"{refusal} GrpoConfig.min_p and repetition_penalty need the paged "
-                    "engine: leave them at 0 and 1 for this model."
+                    f"{refusal} GrpoConfig.min_p, repetition_penalty and "
+                    "structured_outputs_regex need the paged engine: leave them at 0, 1 and "
+                    "None for this model."
                 )
             else:
                 metrics.print0(f"{refusal} GRPO's rollouts use the batch engine.")
@@ -340,6 +350,15 @@ def grpo(
     model.check_lengths({"prompt + completion": length})
     task = seqio.get_mixture_or_task(train_dataset_cfg.mixture_or_task_name)
     vocabulary = vocabulary or task.output_features["targets"].vocabulary
+    guided = None
+    if config.structured_outputs_regex is not None:  # checked before any device work
+        grammars = Grammars(vocabulary, model.config.vocab_size, model.eos_ids)
+        try:  # its stops: the EOS ids, as GRPO samples
+            grammar = grammars.compile("regex", config.structured_outputs_regex)
+            guided = functools.partial(grammars.guide, grammar, tuple(model.eos_ids))
+        except ValueError as e:
+            regex = config.structured_outputs_regex
+            raise ValueError(f"GrpoConfig.structured_outputs_regex={regex!r}: {e}") from None
     row_start = run_dir.run_row_start(model, model_dir, init_from)
     signals = preemption.PreemptionHandler().install()
     ckpt = writer = None
@@ -370,8 +389,9 @@ def grpo(
             state, frozen = policy_and_reference(setup, config, state, start_step, init_from)
         run_dir.record_if_known(model, model_dir, row_start)
         rollouts = Rollouts(
-            setup, config, vocabulary, frozen, seed, lengths["inputs"], batch_size, row_start
-        )
+            setup, config, vocabulary, frozen, seed, lengths["inputs"], batch_size, row_start,
+            guided,
+        )  # fmt: skip
         update = setup.partition_train_step(
             steps.make_train_step(
                 model, partitioner, learning_rate, seed=seed, lora=lora, objective=config

@@ -1,6 +1,6 @@
-"""Structured outputs, as vLLM serves them: each token of a guided answer is chosen among
-those its grammar allows next (llguidance computes the set; `sampling.select` masks the
-rest), so the answer always parses.
+"""Structured outputs in requests, as vLLM serves them: each token of a guided answer is
+chosen among those its grammar allows next (`inference/guides.py`, llguidance's grammars;
+`sampling.select` masks the rest), so the answer always parses.
 
 What a request may ask for:
 
@@ -16,29 +16,24 @@ What a request may ask for:
   `tool_calls` for `required`, `stop` for a named function, as OpenAI answers) whatever
   the server's tool-call parser.
 
-JSON is written as Python's `json.dumps` writes it (`", "` and `": "`, no other
-whitespace): vLLM allows any whitespace there by default, which a model may fill without
-end; a schema's `"x-guidance": {"whitespace_flexible": true}` asks for that instead.
+JSON is laid out as `json.dumps` writes it (`inference/guides.py`: vLLM allows any
+whitespace). With a reasoning parser (`reasoning.py`), the grammar starts after the
+thinking block ends, as vLLM's does: where the prompt leaves the block open or a thinking
+answer may open one, the answer thinks freely and its closing tag starts the grammar
+(gpt-oss's harmony: its final channel's `<|channel|>final<|message|>`). Where the answer
+ends before its grammar is satisfied (`max_tokens`), it is cut (finish reason `length`).
 
-With a reasoning parser (`reasoning.py`), the grammar starts after the thinking block ends,
-as vLLM's does: where the prompt leaves the block open or a thinking answer may open one,
-the answer thinks freely and its closing tag starts the grammar (gpt-oss's harmony: its
-final channel's `<|channel|>final<|message|>`). Where the answer ends
-before its grammar is satisfied (`max_tokens`), it is cut (finish reason `length`).
-
-The grammar needs the checkpoint's HF tokenizer (a fast one); each guided row decodes one
-token per engine dispatch (its next set depends on the token it chose)."""
+Each guided row decodes one token per engine dispatch (its next set depends on the token it
+chose)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
+from flaxlm.inference.guides import Grammars
 from flaxlm.runs.serve import harmony, reasoning
 from flaxlm.runs.serve.settings import BadRequest, shown
 from flaxlm.runs.serve.tool_formats import FORMATS, Call, Format, Tools, call
@@ -47,7 +42,6 @@ FIELDS = {
     "response_format": (dict, "an object"),
     "structured_outputs": (dict, "an object"),
 }
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -217,124 +211,24 @@ def _named_call(name: str, text: str) -> list[Call] | None:
     return [call(name, text.strip())]
 
 
-class Guide:
-    """One guided row's grammar (`inference.jobs.Guide`): an llguidance matcher, the row's
-    stop tokens (allowed wherever the grammar may end) and, with a reasoning parser, the
-    tokens of the thinking block's closing tag it waits for first."""
-
-    def __init__(self, matcher: Any, stops: Sequence[int], wait_for: Sequence[int] = ()):
-        self.matcher, self.stops = matcher, list(stops)
-        self.wait_for, self.tail = list(wait_for), []
-
-    def fill(self, row: np.ndarray) -> None:
-        if self.wait_for:
-            row[:] = -1
-            return
-        if self.matcher.is_error():
-            row[:] = 0
-        else:
-            self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-        if self.matcher.is_error() or self.matcher.is_accepting():
-            bits = row.view(np.uint32)
-            for t in self.stops:
-                if t < 32 * row.size:
-                    bits[t // 32] |= np.uint32(1 << (t % 32))
-
-    def advance(self, token: int) -> None:
-        if self.wait_for:
-            self.tail = (self.tail + [token])[-len(self.wait_for) :]
-            if self.tail == self.wait_for:
-                self.wait_for = []
-            return
-        self.matcher.consume_token(token)
+def grammar(grammars: Grammars, spec: Spec, tools: Tools | None, parallel: bool) -> str:
+    """`spec`'s grammar for the served model (a BadRequest naming the field where it cannot
+    be used: llguidance's reason, or no tokenizer it reads)."""
+    source = schema(spec, tools or [], parallel) if spec.kind == "json" else spec.source
+    try:
+        return grammars.compile(spec.kind, source)
+    except ValueError as e:
+        raise BadRequest(f"{spec.field}: {e}", spec.field) from None
 
 
-class Guides:
-    """A server's guides: the tokenizer llguidance reads (built at the first guided request,
-    a second or so for a large vocabulary) and a `Guide` per guided job."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]):
-        self.hf_tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
-        self._tokenizer: Any = None
-        self._lock = threading.Lock()
-
-    def tokenizer(self, field: str) -> Any:
-        with self._lock:
-            if self._tokenizer is None:
-                import llguidance.hf
-                import transformers
-
-                if not isinstance(self.hf_tokenizer, transformers.PreTrainedTokenizerFast):
-                    raise BadRequest(
-                        f"{field}: structured outputs read the checkpoint's HF tokenizer (a "
-                        "fast one, tokenizer.json); this server has none.",
-                        field,
-                    )
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids or None
-                )
-            return self._tokenizer
-
-    def grammar(self, spec: Spec, tools: Tools | None, parallel: bool) -> str:
-        """`spec`'s grammar, checked (a BadRequest where llguidance cannot use it)."""
-        import llguidance
-
-        tokenizer = self.tokenizer(spec.field)
-        if spec.kind == "json":
-            layout = {**JSON_LAYOUT}
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                schema(spec, tools or [], parallel), defaults=layout
-            )
-        elif spec.kind == "choice":
-            grammar = llguidance.grammar_from("choice", spec.source)
-        else:
-            try:
-                grammar = llguidance.grammar_from(spec.kind, spec.source)
-            except ValueError as e:
-                raise BadRequest(f"{spec.field}.{spec.kind}: {e}", spec.field) from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
-        if error:
-            raise BadRequest(f"{spec.field}: {error.splitlines()[0]}", spec.field)
-        return grammar
-
-    def new(
-        self, grammar: str, stops: Sequence[int], prompt: Sequence[int], block: Any = None
-    ) -> Guide:
-        """A row's guide; `block`: the reasoning parser's thinking block (`reasoning.Block`),
-        whose end it waits for unless the prompt has closed it."""
-        import llguidance
-
-        matcher = llguidance.LLMatcher(self.tokenizer("structured_outputs"), grammar, log_level=0)
-        wait = ()
-        if block is not None and not _closed(prompt, self._ids(block.start), self._ids(block.end)):
-            wait = self._ids(block.end)
-        return Guide(matcher, stops, wait)
-
-    def _ids(self, text: str) -> list[int]:
-        return list(self.hf_tokenizer.encode(text, add_special_tokens=False))
-
-
-def _closed(prompt: Sequence[int], start: list[int], end: list[int]) -> bool:
-    """Whether `prompt`'s last thinking block is closed (its end tag after its last start)."""
-    text = list(prompt)
-
-    def last(tag: list[int]) -> int:
-        for at in range(len(text) - len(tag), -1, -1):
-            if text[at : at + len(tag)] == tag:
-                return at
-        return -1
-
-    return last(end) > last(start) if end else True
-
-
-def reasoning_block(parser: str | None, template_kwargs: Mapping[str, Any]) -> Any:
-    """The thinking block a guided chat answer's grammar waits out (None: none)."""
+def thinking_tags(parser: str | None, template_kwargs: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The (start, end) tags of the thinking block a guided chat answer's grammar waits out
+    (None: none)."""
     if parser is None:
         return None
     block = reasoning.PARSERS[parser]
     if block.starts == "harmony":  # the final channel's message follows the grammar
-        final = f"{harmony.CHANNEL}final{harmony.MESSAGE}"
-        return reasoning.Block(f"{harmony.START}assistant", final, "harmony")
+        return f"{harmony.START}assistant", f"{harmony.CHANNEL}final{harmony.MESSAGE}"
     if block.starts == "per_request" and not reasoning.thinks(template_kwargs):
         return None
-    return block
+    return block.start, block.end

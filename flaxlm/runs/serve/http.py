@@ -19,6 +19,7 @@ from etils import epath
 
 from flaxlm.data import vocabularies
 from flaxlm.inference import generation
+from flaxlm.inference.guides import Grammars
 from flaxlm.models.base import EncoderDecoderModel
 from flaxlm.models.row_start import RowStart
 from flaxlm.runs.serve import guides, reasoning, tokenizer_api, tools
@@ -98,7 +99,8 @@ class Server:
         tokenizer = getattr(engine.vocabulary, "tokenizer", None)
         self.special_ids = vocabularies.special_token_ids(tokenizer)
         self.added_vocab = getattr(tokenizer, "get_added_vocab", dict)()
-        self.guides = guides.Guides(tokenizer, engine.model.config.vocab_size, engine.model.eos_ids)
+        model = engine.model
+        self.grammars = Grammars(engine.vocabulary, model.config.vocab_size, model.eos_ids)
         self.httpd = httpd
         self.httpd.RequestHandlerClass = _make_handler(self)
         self._serving = threading.Thread(target=self.httpd.serve_forever, name="flaxlm-http")
@@ -190,8 +192,8 @@ class Server:
         jobs, prompt_ids = [], self.prompt_ids(request)
         if spec is not None:  # checked before any job starts
             parallel = request.get("parallel_tool_calls", True)
-            grammar = self.guides.grammar(spec, request.get("tools"), parallel)
-            block = request["chat"] and guides.reasoning_block(
+            grammar = guides.grammar(self.grammars, spec, request.get("tools"), parallel)
+            tags = request["chat"] and guides.thinking_tags(
                 self.reasoning_parser, request["chat_template_kwargs"]
             )
         for ids in prompt_ids:
@@ -211,7 +213,7 @@ class Server:
             check_token_ids(request["sampling"], self.engine.vocab_size)
             for seed in sample_seeds(request["seed"], request["n"]):
                 stops = request["sampling"].stops(self.engine.model.eos_ids)
-                guide = spec and self.guides.new(grammar, stops, ids, block or None)
+                guide = spec and self.grammars.guide(grammar, stops, ids, tags or None)
                 jobs.append(
                     Completion(
                         ids,
