@@ -3,6 +3,7 @@ seqio task evaluation they and training share."""
 
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -127,6 +128,51 @@ def test_infer_score_and_eval_runs_from_a_training_run(trained_gptj, tmp_path, r
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_infer_with_structured_outputs_writes_only_what_the_grammar_allows(
+    trained_gptj, tmp_path, repo_dir
+):
+    """STRUCTURED_OUTPUTS (vLLM's offline structured outputs) through gin/runs/infer.gin:
+    every output of the byte-level model follows the regex (the paged engine's grammar);
+    with fixed batches, which cannot follow one, the run stops before writing, named."""
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("".join(json.dumps({"in_text": p}) + "\n" for p in PROMPTS))
+    args = [
+        "--gin_file=gin/runs/infer.gin",
+        f"--gin.CHECKPOINT='{trained_gptj}'",
+        f"--gin.INFER_SOURCE='{jsonl}'",
+        "--gin.MAX_NEW_TOKENS=6",
+        "--gin.STRUCTURED_OUTPUTS=('regex', '[0-9]{1,3}')",
+    ]
+    out_dir = tmp_path / "guided"
+    result = run_main([*args, f"--gin.OUTPUT_DIR='{out_dir}'"], repo_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outputs = [r["output"] for r in read_jsonl(out_dir / "prompts.jsonl")]
+    assert len(outputs) == len(PROMPTS)
+    assert all(re.fullmatch("[0-9]{1,3}", o) for o in outputs), outputs
+    refused = run_main(
+        [*args, f"--gin.OUTPUT_DIR='{tmp_path / 'batch'}'", "--gin.INFER_ENGINE='batch'"],
+        repo_dir,
+    )
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "STRUCTURED_OUTPUTS: outputs follow a grammar through the paged engine" in (
+        refused.stderr
+    )
+    assert not (tmp_path / "batch").exists()
+
+
+def test_settings_refuse_a_structured_output_that_is_not_one():
+    with pytest.raises(ValueError, match=r"expected \(kind, source text\)"):
+        generation.GenerationSettings(structured_outputs=("xml", "a"))
+    with pytest.raises(ValueError, match="not JSON text"):
+        generation.GenerationSettings(structured_outputs=("json", "{"))
+    guided = generation.GenerationSettings(structured_outputs=["regex", "a"])  # gin's list
+    assert guided.structured_outputs == ("regex", "a")
+    # Fixed batches (eval's, the harness's) cannot follow a grammar: refused, not ignored.
+    with pytest.raises(ValueError, match="paged engine"):
+        generation.generate_ids(None, None, [[1]], None, guided, batch_size=1)
+
+
 def test_two_process_infer_writes_every_output_once_in_order(trained_gptj, tmp_path, repo_dir):
     prompts = [p.replace("\n", " ") for p in PROMPTS]  # one prompt per line
     text = tmp_path / "prompts.txt"

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxlm.inference import guides
 from flaxlm.models import decoding
 from flaxlm.models.base import BaseModel, DecoderOnlyModel, EncoderDecoderModel
 from flaxlm.models.options import MODEL_EOS, eos_tuple
@@ -188,12 +189,16 @@ class GenerationSettings:
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
     seed: int = 0
+    # (kind, source): every output follows a grammar (`guides.KINDS`; a JSON schema or the
+    # choices as JSON text); the paged engine's (infer).
+    structured_outputs: tuple[str, str] | None = None
 
     def __post_init__(self):  # a setting out of range fails where the run is configured
         decoding.DecodingConfig(
             self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.num_beams,
             self.length_penalty, self.repetition_penalty, self.min_new_tokens,
         )  # fmt: skip
+        object.__setattr__(self, "structured_outputs", guides.check_spec(self.structured_outputs))
 
 
 DEFAULT_SETTINGS = GenerationSettings()
@@ -345,6 +350,8 @@ def generate_ids(
     """The new token ids after each prompt (up to EOS), in order (every process gets all).
     Prompts are padded to `input_length` (the longest if None; longer ones are cut: a
     decoder-only prompt keeps its end, an encoder's input its start)."""
+    if settings.structured_outputs is not None:
+        raise ValueError("STRUCTURED_OUTPUTS: guided through the paged engine (infer), not here.")
     length = input_length or max(len(p) for p in prompts)
     cut = sum(len(p) > length for p in prompts)
     if cut and progress:

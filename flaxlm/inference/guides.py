@@ -16,9 +16,10 @@ closed it, as vLLM's structured outputs wait for a reasoning parser's end."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -138,6 +139,44 @@ class Grammars:
 
     def _ids(self, text: str) -> list[int]:
         return list(self.hf_tokenizer().encode(text, add_special_tokens=False))
+
+
+def guide_factory(
+    spec: tuple[str, str] | None, vocabulary: Any, vocab_size: int, eos_ids: Sequence[int]
+) -> Callable[[], Guide] | None:
+    """What makes each row's guide for a run's `(kind, source)` (`GenerationSettings.
+    structured_outputs`, GRPO's regex: a JSON schema or the choices as JSON text), the
+    model's EOS ids its stops; None for no spec. A ValueError says why it cannot be used."""
+    if spec is None:
+        return None
+    kind, source = spec
+    grammars = Grammars(vocabulary, vocab_size, eos_ids)
+    grammar = grammars.compile(kind, json.loads(source) if kind in ("json", "choice") else source)
+    return functools.partial(grammars.guide, grammar, tuple(eos_ids))
+
+
+def check_spec(spec: Sequence[str] | None) -> tuple[str, str] | None:
+    """A `(kind, source)` spec as a tuple; a ValueError for one that is not (before any
+    model loads)."""
+    if spec is None:
+        return None
+    if not (
+        isinstance(spec, (tuple, list))
+        and len(spec) == 2
+        and spec[0] in KINDS
+        and isinstance(spec[1], str)
+    ):
+        raise ValueError(
+            f"structured outputs: expected (kind, source text), kind one of {KINDS}; got {spec!r}."
+        )
+    if spec[0] in ("json", "choice"):
+        try:
+            json.loads(spec[1])
+        except ValueError as e:
+            raise ValueError(
+                f"structured outputs ({spec[0]!r}): the source is not JSON text: {e}."
+            ) from None
+    return spec[0], spec[1]
 
 
 def _closed(prompt: Sequence[int], start: list[int], end: list[int]) -> bool:

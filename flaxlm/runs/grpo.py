@@ -20,7 +20,6 @@ and the KL reference is the base without them (no second copy of the weights).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -37,8 +36,8 @@ from jax.sharding import PartitionSpec as P
 from flaxlm.checkpoints import checkpointer, peft_config, run_dir
 from flaxlm.data import pipeline
 from flaxlm.data.config import DatasetConfig
-from flaxlm.inference import generation
-from flaxlm.inference.guides import Grammars, Guide
+from flaxlm.inference import generation, guides
+from flaxlm.inference.guides import Guide
 from flaxlm.inference.paged_batch import BatchGenerator
 from flaxlm.inference.sampling import Sampling
 from flaxlm.models.base import BaseModel
@@ -350,15 +349,12 @@ def grpo(
     model.check_lengths({"prompt + completion": length})
     task = seqio.get_mixture_or_task(train_dataset_cfg.mixture_or_task_name)
     vocabulary = vocabulary or task.output_features["targets"].vocabulary
-    guided = None
-    if config.structured_outputs_regex is not None:  # checked before any device work
-        grammars = Grammars(vocabulary, model.config.vocab_size, model.eos_ids)
-        try:  # its stops: the EOS ids, as GRPO samples
-            grammar = grammars.compile("regex", config.structured_outputs_regex)
-            guided = functools.partial(grammars.guide, grammar, tuple(model.eos_ids))
-        except ValueError as e:
-            regex = config.structured_outputs_regex
-            raise ValueError(f"GrpoConfig.structured_outputs_regex={regex!r}: {e}") from None
+    regex = config.structured_outputs_regex  # checked before any device work
+    try:
+        spec = None if regex is None else ("regex", regex)
+        guided = guides.guide_factory(spec, vocabulary, model.config.vocab_size, model.eos_ids)
+    except ValueError as e:
+        raise ValueError(f"GrpoConfig.structured_outputs_regex={regex!r}: {e}") from None
     row_start = run_dir.run_row_start(model, model_dir, init_from)
     signals = preemption.PreemptionHandler().install()
     ckpt = writer = None

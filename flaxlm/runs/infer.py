@@ -31,7 +31,7 @@ from flaxlm.data import vocabularies
 from flaxlm.data.input_process import load_pipeline
 from flaxlm.data.jsonl_reader import read_jsonl
 from flaxlm.data.vocabularies import Vocabulary
-from flaxlm.inference import generation
+from flaxlm.inference import generation, guides
 from flaxlm.inference.generation import GenerationSettings
 from flaxlm.inference.paged_batch import BatchGenerator, BatchProgress
 from flaxlm.inference.sampling import Sampling
@@ -208,11 +208,17 @@ def choose_engine(
     ValueError naming the setting when 'paged' is asked for where it cannot decode)."""
     check_engine(engine)
     refusal = paged_refusal(model, settings)
+    if settings.structured_outputs is not None and (refusal or engine == "batch"):
+        raise ValueError(
+            "STRUCTURED_OUTPUTS: outputs follow a grammar through the paged engine only: "
+            f"{refusal or 'set INFER_ENGINE to paged or auto.'}"
+        )
     if engine == "paged" and refusal is not None:
         raise ValueError(f"infer.engine='paged': {refusal} Use 'batch' or 'auto'.")
     if engine == "auto":
         ratio = padding_ratio(prompt_lengths, settings.max_new_tokens, input_length)
-        return "paged" if refusal is None and ratio >= PADDING_RATIO else "batch"
+        guided = settings.structured_outputs is not None
+        return "paged" if refusal is None and (ratio >= PADDING_RATIO or guided) else "batch"
     return engine
 
 
@@ -239,10 +245,12 @@ def paged_generate_ids(
     prefill_chunk: int = PREFILL_CHUNK,
     page_size: int = PAGE_SIZE,
     paged_attention: str = "gather",
+    guide: Callable[[], Any] | None = None,
 ) -> list[list[int]]:
     """The new token ids after each prompt (up to EOS), in order, through the paged engine
     (`paged_batch.BatchGenerator`): every prompt queued at once, `max_rows` decoded
-    together, a row's place taken by the next prompt as soon as it ends. Prompts longer
+    together, a row's place taken by the next prompt as soon as it ends; `guide`: makes each
+    row's grammar (`guides.guide_factory`). Prompts longer
     than `input_length` keep their end, as `generation.generate_ids` cuts them. Greedy
     decoding gives `generate_ids`' tokens; a sampled example draws from its own seed
     (`example_seeds`). Every process must pass the same prompts: each runs the same
@@ -286,6 +294,7 @@ def paged_generate_ids(
             min_tokens=settings.min_new_tokens,
         ),  # fmt: skip
         progress=report if progress else None,
+        guide=guide,
     )
     return [j.tokens for j in jobs]
 
@@ -321,6 +330,9 @@ def generate_texts(
             input_length=input_length,
             progress=progress,
             paged_attention=paged_attention,
+            guide=guides.guide_factory(
+                settings.structured_outputs, vocabulary, model.config.vocab_size, model.eos_ids
+            ),
         )
     else:
         ids = generation.generate_ids(
