@@ -29,7 +29,7 @@ class Answer:
     ):
         """`texts`: what `echo` shows of each prompt (`Server.prompt_texts`); `calls`: how a
         chat answer's tool calls are read (the tool-call parser's format, or a forced
-        call's, `guides.calls_format`; None: none are read); `reasoning_parser`: splits a
+        call's, `guides.answer_calls`; None: none are read); `reasoning_parser`: splits a
         chat answer's reasoning from its content (`reasoning.PARSERS`; None: all of it is
         content)."""
         self.request, self.chat, self.texts = request, request["chat"], texts
