@@ -460,6 +460,11 @@ def test_vllms_prompt_logprobs_give_each_prompt_tokens_logprob_rank_and_alternat
                 np.testing.assert_allclose(listed[t][str(i)]["logprob"], row[i], atol=1e-4)
                 assert listed[t][str(i)]["rank"] == rank or i == token
     assert text.choices[0].logprobs is None  # not asked for
+    # With echo (and no logprobs): the same scores.
+    echoed = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, echo=True, extra_body={"prompt_logprobs": 2}
+    )
+    assert echoed.choices[0].prompt_logprobs == text.choices[0].prompt_logprobs
     with pytest.raises(openai.BadRequestError, match="not streamed"):
         chat(client, stream=True, extra_body={"prompt_logprobs": 1})
 

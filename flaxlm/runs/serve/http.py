@@ -181,9 +181,10 @@ class Server:
                 "--tool-call-parser), or send tool_choice='none'.",
                 "tools",
             )
-        scored = request["logprobs"] if request["echo"] else request["prompt_logprobs"]
+        echoed = request["logprobs"] if request["echo"] else None  # the prompt's scores asked
+        scored = echoed if echoed is not None else request["prompt_logprobs"]
         if scored is not None and isinstance(self.engine.model, EncoderDecoderModel):
-            field = "echo" if request["echo"] else "prompt_logprobs"
+            field = "echo" if echoed is not None else "prompt_logprobs"
             raise BadRequest(
                 f"{field} asks for the prompt's log-probabilities, which an encoder-decoder "
                 "model does not predict; leave it out.",
