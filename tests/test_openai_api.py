@@ -26,7 +26,7 @@ from flaxlm.inference.sampling import Sampling
 from flaxlm.models import gpt_oss, llama
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import serve as serve_run
-from flaxlm.runs.serve import api, guides, reasoning, settings, tools
+from flaxlm.runs.serve import api, guides, reasoning, settings, tool_formats, tools
 from flaxlm.runs.serve.engine import BatchEngine, Engine
 from flaxlm.runs.serve.http import Server, listen
 from tests.hf_helpers import random_hf_model, save_byte_bpe_tokenizer
@@ -904,7 +904,7 @@ def test_each_familys_calls_are_read_as_vllms_parser_of_that_name_reads_them(
 def check_parsed(parser, text, content, calls):
     """The whole answer read as vLLM's parser reads it; streamed in pieces of any size, the
     content deltas and calls add up to the same."""
-    got_content, got_calls = tools.parse(parser, text, TYPED_TOOLS)
+    got_content, got_calls = tool_formats.read(tools.PARSERS[parser], text, TYPED_TOOLS)
     if calls is None:  # a block that does not parse: all of it is content, no calls
         assert (got_content, got_calls) == (text, [])
     else:

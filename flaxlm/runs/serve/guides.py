@@ -33,16 +33,16 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from flaxlm.inference.guides import Grammars
+from flaxlm.inference.guides import KINDS, Grammars
 from flaxlm.runs.serve import harmony, reasoning
 from flaxlm.runs.serve.settings import BadRequest, shown
-from flaxlm.runs.serve.tool_formats import FORMATS, Call, Format, Tools, call
+from flaxlm.runs.serve.tool_formats import FORMATS, Call, Format, Tools, call, listed_calls
 
 FIELDS = {
     "response_format": (dict, "an object"),
     "structured_outputs": (dict, "an object"),
 }
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_KINDS = (*KINDS, "json_object")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,25 +182,13 @@ def answer_calls(request: Mapping[str, Any], tool_parser: str | None) -> Format 
     request offers tools; None: it gives none."""
     spec = request.get("structured")
     if spec is not None and spec.calls == "required":
-        return Format("", _listed_calls)
+        return Format("", listed_calls)
     if spec is not None and spec.calls is not None:
         name = spec.calls
         return Format("", lambda text, tools: _named_call(name, text))
     if request.get("tools") and tool_parser is not None:
         return FORMATS[tool_parser]
     return None
-
-
-def _listed_calls(text: str, tools: Tools) -> list[Call] | None:
-    try:
-        listed = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(listed, list) or not all(
-        isinstance(c, dict) and isinstance(c.get("name"), str) for c in listed
-    ):
-        return None
-    return [call(c["name"], c.get("parameters", {})) for c in listed] or None
 
 
 def _named_call(name: str, text: str) -> list[Call] | None:

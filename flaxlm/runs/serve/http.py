@@ -194,9 +194,10 @@ class Server:
         if spec is not None:  # checked before any job starts
             parallel = request.get("parallel_tool_calls", True)
             grammar = guides.grammar(self.grammars, spec, request.get("tools"), parallel)
-            tags = request["chat"] and guides.thinking_tags(
-                self.reasoning_parser, request["chat_template_kwargs"]
-            )
+            stops = request["sampling"].stops(self.engine.model.eos_ids)
+            tags = None
+            if request["chat"]:
+                tags = guides.thinking_tags(self.reasoning_parser, request["chat_template_kwargs"])
         for ids in prompt_ids:
             max_tokens = request["max_tokens"]
             if max_tokens is None:
@@ -213,8 +214,7 @@ class Server:
             check_prompt_ids(ids, max_tokens, self.max_positions, self.engine.vocab_size)
             check_token_ids(request["sampling"], self.engine.vocab_size)
             for seed in sample_seeds(request["seed"], request["n"]):
-                stops = request["sampling"].stops(self.engine.model.eos_ids)
-                guide = spec and self.grammars.guide(grammar, stops, ids, tags or None)
+                guide = None if spec is None else self.grammars.guide(grammar, stops, ids, tags)
                 jobs.append(
                     Completion(
                         ids,

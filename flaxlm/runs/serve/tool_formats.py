@@ -158,6 +158,18 @@ def _json_call(obj: dict[str, Any]) -> Call:
     return call(obj["name"], obj.get("arguments", obj.get("parameters", {})))
 
 
+def listed_calls(text: str, tools: Tools) -> list[Call] | None:
+    """A JSON list of `{"name", "parameters"}` objects (what `tool_choice` 'required' forces,
+    as vLLM's schema has it)."""
+    try:
+        listed = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(listed, list) or not listed or not all(_named(c) for c in listed):
+        return None
+    return [_json_call(c) for c in listed]
+
+
 def _hermes(text: str, tools: Tools) -> list[Call] | None:
     calls = []
     for body in _blocks(text, "<tool_call>", "</tool_call>"):

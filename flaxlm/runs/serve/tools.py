@@ -30,11 +30,6 @@ from flaxlm.runs.serve.tool_formats import Call, Format, Tools
 PARSERS = tool_formats.FORMATS
 
 
-def parse(parser: str, text: str, tools: Tools) -> tuple[str | None, list[Call]]:
-    """`(content, calls)` of a whole answer read by `parser` (`(text, [])`: no calls)."""
-    return tool_formats.read(PARSERS[parser], text, tools)
-
-
 class CallStream:
     """Reads a chat answer for tool calls as it streams, as its format reads the whole answer
     (`tool_formats.read`): `feed` each piece of content (returns the content that is final),
