@@ -117,8 +117,8 @@ def check_runs(planned: list[tuple[str, list[str]]], work: str) -> None:
 
 
 def check_serve(work: str) -> None:
-    """`serve` over the HF export answers a chat completion (the chat template: jinja2) and a
-    guided one."""
+    """`serve` over the HF export answers a chat completion (the chat template: jinja2), a
+    guided one and a Responses API request."""
     start = time.perf_counter()
     settings = [f"--gin.CHECKPOINT='{os.path.join(work, 'chat_hf')}'", "--gin.PORT=0"]
     process = flaxlm_main("runs/serve.gin", settings)
@@ -145,6 +145,17 @@ def check_serve(work: str) -> None:
                 message = json.load(response)["choices"][0]["message"]
             if message["role"] != "assistant" or extra and message["content"] not in ("yes", "no"):
                 sys.exit(f"FAILED: serve answered {message}")
+        # The Responses API (/v1/responses), its answer stored then retrieved.
+        request = urllib.request.Request(
+            address + "/v1/responses",
+            data=json.dumps({"input": "hi", "max_output_tokens": 4}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=300) as response:
+            answer = json.load(response)
+        with urllib.request.urlopen(f"{address}/v1/responses/{answer['id']}") as response:
+            if json.load(response) != answer or answer["output"][0]["type"] != "message":
+                sys.exit(f"FAILED: serve's /v1/responses answered {answer}")
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -152,7 +163,7 @@ def check_serve(work: str) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
     took = time.perf_counter() - start
-    print(f"ok  gin/runs/serve.gin: a chat completion, plain and guided ({took:.1f} s)")
+    print(f"ok  gin/runs/serve.gin: chat completions, plain and guided, a response ({took:.1f} s)")
 
 
 def main() -> None:

@@ -21,7 +21,8 @@ from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve.adapters import load_adapters
 from flaxlm.runs.serve.api import Completion
 from flaxlm.runs.serve.engine import Engine
-from flaxlm.runs.serve.http import Server, listen
+from flaxlm.runs.serve.http import Server
+from flaxlm.runs.serve.sockets import listen
 from tests.hf_helpers import random_hf_model, save_byte_bpe_tokenizer
 
 BASE = "tiny-base"

@@ -28,7 +28,8 @@ from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import serve as serve_run
 from flaxlm.runs.serve import api, guides, reasoning, settings, tool_formats, tools
 from flaxlm.runs.serve.engine import BatchEngine, Engine
-from flaxlm.runs.serve.http import Server, listen
+from flaxlm.runs.serve.http import Server
+from flaxlm.runs.serve.sockets import listen
 from tests.hf_helpers import random_hf_model, save_byte_bpe_tokenizer
 
 MODEL = "tiny-chat"
@@ -549,6 +550,7 @@ def test_a_think_block_comes_back_as_reasoning_whole_and_streamed(served, checkp
             {"tool_call_parser": "openai", "reasoning_parser": "qwen3"},
             "set serve.reasoning_parser='openai_gptoss' too",
         ),
+        ({"responses_kept": -1}, "serve.responses_kept must be a whole number >= 0, got -1"),
     ],
 )
 def test_a_parser_serve_cannot_use_is_named_before_the_model_loads(settings, message, tmp_path):
@@ -1223,3 +1225,213 @@ def test_with_a_reasoning_parser_the_grammar_starts_where_thinking_ends(
         assert (mask(guide) == -1).all()
         guide.advance(t)
     assert (mask(guide) == fresh).all()
+
+
+# OpenAI's Responses API (/v1/responses), through the client's `responses` resource.
+RESPONSE = {"model": MODEL, "instructions": "You are terse.", "input": "def main():"}
+
+
+def event_text(events, kind):
+    return "".join(e.delta for e in events if e.type == kind)
+
+
+def test_responses_greedy_stored_streamed_and_continued_through_the_official_client(
+    served, checkpoint, greedy
+):
+    """`client.responses.create`: the instructions and input rendered as the chat's system
+    and user messages, the greedy answer HF's; streamed, its events add up to the same
+    response (the client's own `responses.stream` accumulates them); stored (OpenAI's
+    default), it is retrieved, continued by `previous_response_id` (the earlier input and
+    output before the new input, its instructions not) and deleted."""
+    _, client = served
+    text, new, prompt_ids, stopped = greedy
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint[0])
+    response = client.responses.create(**RESPONSE, temperature=0, max_output_tokens=TOKENS)
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.output_text == text and [o.type for o in response.output] == ["message"]
+    assert response.status == ("completed" if stopped else "incomplete")
+    assert response.usage.input_tokens == len(prompt_ids)
+    assert response.usage.output_tokens == len(new) + stopped
+    assert (response.instructions, response.max_output_tokens) == ("You are terse.", TOKENS)
+    assert response.text.format.type == "text" and response.tools == []
+    # Streamed: created, in progress, the message's item and part opened, its text deltas,
+    # closed, then the whole response; sequence numbers count up from 0.
+    events = list(
+        client.responses.create(
+            **RESPONSE, temperature=0, max_output_tokens=TOKENS, stream=True, top_logprobs=2
+        )
+    )
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed" if stopped else "response.incomplete",
+    ]
+    assert event_text(events, "response.output_text.delta") == text
+    final = events[-1].response
+    assert final.output_text == text and final.usage == response.usage
+    # Logprobs (top_logprobs): each generated token's with its two likeliest, as a chat's.
+    listed = final.output[0].content[0].logprobs
+    assert len(listed) == len(new) and all(len(e.top_logprobs) == 2 for e in listed)
+    assert sum(len(e.logprobs) for e in events if e.type.endswith("text.delta")) == len(new)
+    # The client's `responses.stream` (it needs `response.completed`: an answer cut at a stop
+    # string, vLLM's `stop`, is complete).
+    stop = next(text[i : i + 2] for i in range(1, len(text) - 1) if text[i : i + 2].strip())
+    with client.responses.stream(
+        **RESPONSE, temperature=0, max_output_tokens=TOKENS, extra_body={"stop": [stop]}
+    ) as stream:
+        done = stream.get_final_response()
+        assert done.output_text == text[: text.find(stop)] and done.status == "completed"
+    # Stored: retrieved as answered; continued (the instructions are not carried over).
+    assert client.responses.retrieve(response.id).output_text == text
+    more = client.responses.create(
+        model=MODEL, previous_response_id=response.id, input="More.", max_output_tokens=1
+    )
+    history = [
+        {"role": "user", "content": "def main():"},
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": "More."},
+    ]
+    assert more.usage.input_tokens == rendered_length(tokenizer, history)
+    assert more.previous_response_id == response.id
+    assert client.responses.delete(response.id) is None
+    for call in (
+        lambda: client.responses.retrieve(response.id),
+        lambda: client.responses.create(model=MODEL, previous_response_id=response.id, input="x"),
+        lambda: client.responses.retrieve(
+            client.responses.create(**RESPONSE, max_output_tokens=1, store=False).id
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError, match="not found"):
+            call()
+
+
+def test_responses_read_reasoning_calls_and_their_outputs_back_as_the_chat_does(
+    served, checkpoint, monkeypatch
+):
+    """A thinking answer that calls a tool (scripted: the tiny model writes neither) comes
+    back as reasoning, message and function_call items, whole and streamed alike; its
+    output, sent back as input with the call's output (or continued by its id), reaches the
+    template as the chat history the same turn makes; text.format json_schema (the client's
+    `responses.parse`) is followed; a forced tool_choice gives a function call."""
+    server, client = served
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint[0])
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    script = scripted(tokenizer, "<think>Paris, then.</think>\n\nLet me look." + call)
+    monkeypatch.setattr(server.engine, "submit_many", script)
+    monkeypatch.setattr(server, "reasoning_parser", "qwen3")
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    whole = client.responses.create(model=MODEL, input="Weather in Paris?", tools=tools)
+    reasoning_, message, function_call = whole.output
+    assert reasoning_.type == "reasoning" and reasoning_.content[0].text == "Paris, then."
+    assert message.type == "message" and message.content[0].text == "\n\nLet me look."
+    assert (function_call.type, function_call.name) == ("function_call", "get_weather")
+    assert json.loads(function_call.arguments) == {"city": "Paris"}
+    assert function_call.call_id.startswith("call_") and whole.status == "completed"
+    assert whole.usage.output_tokens_details.reasoning_tokens == len(
+        tokenizer.encode("Paris, then.", add_special_tokens=False)
+    )
+    events = list(
+        client.responses.create(model=MODEL, input="Weather in Paris?", tools=tools, stream=True)
+    )
+    assert event_text(events, "response.reasoning_text.delta") == "Paris, then."
+    assert event_text(events, "response.output_text.delta") == "\n\nLet me look."
+    arguments = event_text(events, "response.function_call_arguments.delta")
+    assert arguments == function_call.arguments
+    streamed = events[-1].response
+    assert [o.type for o in streamed.output] == ["reasoning", "message", "function_call"]
+    assert [o.model_dump(exclude={"id", "call_id"}) for o in streamed.output] == [
+        o.model_dump(exclude={"id", "call_id"}) for o in whole.output
+    ]
+    # The output sent back with the call's output: the chat history of the same turn.
+    monkeypatch.setattr(server, "reasoning_parser", None)
+    back = client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            *[o.model_dump(exclude_none=True) for o in whole.output],
+            {"type": "function_call_output", "call_id": function_call.call_id, "output": "18C"},
+        ],
+        tools=tools,
+    )
+    chat_call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "\n\nLet me look.",
+            "reasoning_content": "Paris, then.",
+            "tool_calls": [
+                {"id": function_call.call_id, "type": "function", "function": chat_call}
+            ],
+        },
+        {"role": "tool", "tool_call_id": function_call.call_id, "content": "18C"},
+    ]
+    assert back.usage.input_tokens == rendered_length(tokenizer, history, tools=TOOLS)
+    # The same turn continued from the stored response: the same conversation.
+    output = {"type": "function_call_output", "call_id": function_call.call_id, "output": "18C"}
+    continued = client.responses.create(
+        model=MODEL, previous_response_id=whole.id, input=[output], tools=tools
+    )
+    assert continued.usage.input_tokens == back.usage.input_tokens
+    monkeypatch.undo()
+    parsed = client.responses.parse(
+        model=MODEL, input="def main():", text_format=Verdict, max_output_tokens=48, temperature=0
+    )
+    assert isinstance(parsed.output_parsed, Verdict)
+    assert parsed.output_text == json.dumps(parsed.output_parsed.model_dump())
+    forced = client.responses.create(
+        model=MODEL,
+        input="def main():",
+        tools=[{"type": "function", **t["function"]} for t in ENUM_TOOLS],
+        tool_choice={"type": "function", "name": "tm"},
+        max_output_tokens=64,
+    )
+    (item,) = forced.output
+    assert item.type == "function_call" and item.name == "tm"
+    assert json.loads(item.arguments)["city"] in CITIES
+
+
+@pytest.mark.parametrize(
+    "kwargs, param, message",
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools[0]", "function tools"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content",
+            "only text parts",
+        ),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]", "item references"),
+        ({"background": True}, "background", "answers while the request waits"),
+        ({"include": ["reasoning.encrypted_content"]}, "include", "no encrypted"),
+        ({"truncation": "auto"}, "truncation", "drops no input"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "not a summary"),
+        ({"max_output_tokens": 1000}, "max_output_tokens", "between 1 and 64"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "'schema'"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 3}}}},
+            "text.format",
+            "text.format:",
+        ),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "["}]},
+            "input[0].arguments",
+            "JSON object",
+        ),
+        ({"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "one of []"),
+        ({"extra_body": {"frobnicate": 1}}, "frobnicate", "Unknown field 'frobnicate'"),
+    ],
+)
+def test_a_bad_responses_request_names_the_field(served, kwargs, param, message):
+    _, client = served
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.create(**{**RESPONSE, **kwargs})
+    assert raised.value.param == param and message in raised.value.message, raised.value.message

@@ -31,7 +31,9 @@ from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs.serve import reasoning, tools
 from flaxlm.runs.serve.adapters import load_adapters
 from flaxlm.runs.serve.engine import Engine
-from flaxlm.runs.serve.http import Server, listen
+from flaxlm.runs.serve.http import Server
+from flaxlm.runs.serve.responses import KEPT
+from flaxlm.runs.serve.sockets import listen
 
 if TYPE_CHECKING:  # (serving loads neither seqio nor TensorFlow)
     import seqio
@@ -56,13 +58,14 @@ def serve(
     paged_attention: str = "gather",
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    responses_kept: int = KEPT,
     ready: Callable[[Server], None] | None = None,
 ) -> None:
     """Run function: serves `checkpoint` (a flaxlm MODEL_DIR or an HF directory) over HTTP
     until SIGINT (Ctrl-C) or SIGTERM: POST /v1/chat/completions (messages rendered with the
-    checkpoint's chat template), POST /v1/completions, GET /health, GET /v1/models, and a
-    page at /. Sampling settings a request leaves unset come from the checkpoint's
-    generation_config.json.
+    checkpoint's chat template), POST /v1/completions, POST /v1/responses (OpenAI's
+    Responses API: `responses.py`), GET /health, GET /v1/models, and a page at /. Sampling
+    settings a request leaves unset come from the checkpoint's generation_config.json.
 
     Requests that arrive within `batch_wait_ms` of each other decode together (up to
     `max_batch_size` prompts per batch). The port is taken before the model loads (a port in
@@ -90,7 +93,19 @@ def serve(
     `reasoning_parser`: how a chat answer's thinking block is returned apart from its
     content, as the message's `reasoning` (named as vLLM's `--reasoning-parser`:
     `reasoning.PARSERS`, e.g. 'qwen3'); None: all of the answer is content, except that a
-    gpt-oss checkpoint's harmony answers are read as such ('openai_gptoss', as vLLM)."""
+    gpt-oss checkpoint's harmony answers are read as such ('openai_gptoss', as vLLM).
+
+    `responses_kept`: how many stored responses (/v1/responses with `store`, OpenAI's
+    default) the server keeps in memory for `previous_response_id` and GET; the oldest go
+    first (0: none is kept)."""
+    if (
+        isinstance(responses_kept, bool)
+        or not isinstance(responses_kept, int)
+        or responses_kept < 0
+    ):
+        raise ValueError(
+            f"serve.responses_kept must be a whole number >= 0, got {responses_kept!r}."
+        )
     check_paged_attention(paged_attention, "serve.paged_attention")
     tools.check_parser(tool_call_parser, reasoning_parser, final=False)
     reasoning.check_parser(reasoning_parser)
@@ -125,6 +140,7 @@ def serve(
             max_tokens_limit=max_tokens_limit,
             tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser,
+            responses_kept=responses_kept,
         )
         generation.file_settings_note(
             checkpoint,

@@ -3,6 +3,7 @@ as server-sent chunks, its usage, and the error body OpenAI's clients read."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -139,6 +140,20 @@ class Answer:
     def usage_chunk(self) -> dict[str, Any]:
         """The last event when `stream_options.include_usage`: no choices, the usage."""
         return {**self._envelope(True), "choices": [], "usage": self.usage()}
+
+    # Server-sent events (a Responses answer's differ: `response_answer.py`).
+
+    def sse(self, chunk: dict[str, Any]) -> list[str]:
+        """The events that stream `chunk`."""
+        return [f"data: {json.dumps(chunk)}\n\n"]
+
+    def sse_end(self) -> list[str]:
+        """The events that end the stream."""
+        return ["data: [DONE]\n\n"]
+
+    def sse_error(self, status: int, message: str) -> list[str]:
+        """The events that end a stream that failed."""
+        return [*self.sse(error_body(status, message)), *self.sse_end()]
 
 
 class StreamedChoice:

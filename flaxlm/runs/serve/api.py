@@ -178,7 +178,21 @@ def parse_chat_request(
     """The validated fields of a `/v1/chat/completions` body, as `parse_request`'s (one
     prompt: `messages`, to render with the checkpoint's template; `max_tokens` None where
     the request and the checkpoint leave it to the room the prompt leaves)."""
-    request, defaults = json_fields(body, _CHAT_FIELDS), defaults or Defaults()
+    fields = json_fields(body, _CHAT_FIELDS)
+    return chat_request(fields, max_positions, max_tokens_limit, defaults)
+
+
+def chat_request(
+    request: dict,
+    max_positions: int | None,
+    max_tokens_limit: int,
+    defaults: Defaults | None = None,
+    max_key: str | None = None,
+) -> dict:
+    """`parse_chat_request` of a body's fields (`json_fields`' dict; the Responses API hands
+    its request so, `responses.py`); `max_key`: the field holding max tokens (None: chat's
+    `max_completion_tokens` or `max_tokens`)."""
+    defaults = defaults or Defaults()
     if request.get("store"):
         raise BadRequest("store=true: flaxlm keeps no completions to retrieve.", "store")
     if request.get("messages") is None:
@@ -199,7 +213,9 @@ def parse_chat_request(
         )
     if top is not None and not request.get("logprobs"):
         raise BadRequest("top_logprobs needs logprobs set to true.", "top_logprobs")
-    key = "max_completion_tokens" if "max_completion_tokens" in request else "max_tokens"
+    key = max_key or (
+        "max_completion_tokens" if "max_completion_tokens" in request else "max_tokens"
+    )
     max_tokens = key, defaults.max_tokens, request.get(key)
     tools = tools_lib.check_tools(request.get("tools") or [])
     choice = tools_lib.tool_choice(request.get("tool_choice"), tools)

@@ -1,17 +1,16 @@
-"""The HTTP front: OpenAI's completions and chat completions (JSON, or server-sent events
-when `stream`), health and model listing, and a small page at `/` to try it. HTTP threads
-only parse, validate and stream; the engine thread decodes.
+"""The HTTP front: OpenAI's completions, chat completions and responses (JSON, or
+server-sent events when `stream`; stored responses read and deleted), health and model
+listing, and a small page at `/` to try it. HTTP threads only parse, validate and stream;
+the engine thread decodes.
 
 The models served are the base, by its own name, and each LoRA adapter the engine holds by
 its name (`/v1/models` lists them; a request's `model` picks one, none the base)."""
 
 from __future__ import annotations
 
-import errno
 import http.server
 import json
 import queue
-import socket
 import threading
 from typing import Any
 
@@ -32,24 +31,10 @@ from flaxlm.runs.serve.api import (
     render_chat,
 )
 from flaxlm.runs.serve.engine import Engine
+from flaxlm.runs.serve.response_answer import ResponseAnswer
+from flaxlm.runs.serve.responses import KEPT, Responses
 from flaxlm.runs.serve.settings import BadRequest, Defaults, check_token_ids, sample_seeds
 from flaxlm.runs.serve.stream import TextStream
-
-
-def listen(host: str, port: int) -> http.server.ThreadingHTTPServer:
-    """The bound, listening socket of a server not yet answering (connections wait in its
-    backlog): taken before the model loads, so a port in use fails at once, as a ValueError
-    naming the setting to change."""
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ValueError(f"PORT must be an integer between 0 and 65535, got {port!r}.")
-    try:
-        return _HTTPServer((host, port), http.server.BaseHTTPRequestHandler)
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            raise ValueError(f"port {port} is in use; set --gin.PORT") from e
-        raise ValueError(
-            f"cannot listen on {host}:{port} ({e.strerror or e}); set --gin.HOST or --gin.PORT"
-        ) from e
 
 
 class Server:
@@ -66,16 +51,19 @@ class Server:
         request_timeout_s: float = 600.0,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        responses_kept: int = KEPT,
     ):
         """
         Args:
-          httpd: the listening server from `listen()`; it answers with this Server's handler.
+          httpd: the listening server from `sockets.listen()`; it answers with this
+            Server's handler.
           row_start: what the checkpoint's training rows started with
             (`run_dir.Loaded.row_start`): a completion's prompt starts so.
           tool_call_parser: how a chat answer's tool calls are read (`tools.PARSERS`);
             None: requests offering tools with tool_choice 'auto' are refused.
           reasoning_parser: how a chat answer's reasoning is told from its content
             (`reasoning.PARSERS`); None: all of it is content.
+          responses_kept: the stored responses (/v1/responses) kept in memory.
         """
         tools.check_parser(tool_call_parser, reasoning_parser)
         reasoning.check_parser(reasoning_parser)
@@ -101,6 +89,7 @@ class Server:
         self.added_vocab = getattr(tokenizer, "get_added_vocab", dict)()
         model = engine.model
         self.grammars = Grammars(engine.vocabulary, model.config.vocab_size, model.eos_ids)
+        self.responses = Responses(responses_kept)
         self.httpd = httpd
         self.httpd.RequestHandlerClass = _make_handler(self)
         self._serving = threading.Thread(target=self.httpd.serve_forever, name="flaxlm-http")
@@ -258,39 +247,6 @@ class Server:
         self.httpd.server_close()  # joins the handler threads
 
 
-class _HTTPServer(http.server.ThreadingHTTPServer):
-    # Handler threads are joined by server_close() (none is cut off at exit); stop_reading()
-    # first ends those still waiting for a request (an idle connection, a preconnect).
-    daemon_threads = False
-    block_on_close = True
-    request_queue_size = 128  # many clients connecting at once are queued, not reset
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        self._connections: set[socket.socket] = set()
-        self._connections_lock = threading.Lock()
-        super().__init__(*args, **kwargs)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        with self._connections_lock:
-            self._connections.add(request)
-        super().process_request(request, client_address)
-
-    def shutdown_request(self, request: Any) -> None:
-        with self._connections_lock:
-            self._connections.discard(request)
-        super().shutdown_request(request)
-
-    def stop_reading(self) -> None:
-        """Shuts the reading side of every open connection: a handler waiting for a request
-        sees it end; one writing its answer goes on."""
-        with self._connections_lock:
-            for connection in self._connections:
-                try:
-                    connection.shutdown(socket.SHUT_RD)
-                except OSError:
-                    pass  # the client has gone already
-
-
 class _Failed(Exception):
     """A completion that ended without its text: the HTTP status and message to answer."""
 
@@ -300,6 +256,7 @@ class _Failed(Exception):
 
 
 _PAGE = epath.Path(__file__).parent / "page.html"
+_RESPONSES = "/v1/responses"
 _ENDPOINTS = {"/v1/completions": parse_request, "/v1/chat/completions": parse_chat_request}
 _TOKENIZER_ENDPOINTS = {
     "/tokenize": tokenizer_api.tokenize,
@@ -333,8 +290,8 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
         ) -> None:
             self._json(status, error_body(status, message, param, code))
 
-        def _event(self, payload: Any) -> None:
-            self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
+        def _send(self, events: list[str]) -> None:
+            self.wfile.write("".join(events).encode())
             self.wfile.flush()
 
         def do_GET(self) -> None:  # noqa: N802
@@ -348,6 +305,11 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                     self._json(200, tokenizer_api.tokenizer_info(server))
                 except BadRequest as e:
                     self._error(e.status, str(e), e.param, e.code)
+            elif path.startswith(_RESPONSES + "/"):
+                try:
+                    self._json(200, server.responses.get(path[len(_RESPONSES) + 1 :]).body)
+                except BadRequest as e:
+                    self._error(e.status, str(e), e.param, e.code)
             elif path in ("/", "/index.html"):
                 body = _PAGE.read_text().replace("{{MODEL}}", server.model_name).encode()
                 self.send_response(200)
@@ -357,6 +319,16 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 self.wfile.write(body)
             else:
                 self._error(404, f"No such path {path!r}; try GET /v1/models.")
+
+        def do_DELETE(self) -> None:  # noqa: N802
+            path = self.path.split("?")[0]
+            if not path.startswith(_RESPONSES + "/"):
+                self._error(404, f"No such path {path!r}; try DELETE /v1/responses/{{id}}.")
+                return
+            try:
+                self._json(200, server.responses.delete(path[len(_RESPONSES) + 1 :]))
+            except BadRequest as e:
+                self._error(e.status, str(e), e.param, e.code)
 
         def _body(self) -> bytes:
             """The request's body, of its Content-Length."""
@@ -375,12 +347,12 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 except ValueError as e:
                     self._error(400, f"Bad request: {e}")
                 return
-            parse = _ENDPOINTS.get(path)
+            parse = server.responses.parse if path == _RESPONSES else _ENDPOINTS.get(path)
             if parse is None:
                 self._error(
                     404,
-                    f"No such path {self.path!r}; try POST /v1/chat/completions or "
-                    "/v1/completions.",
+                    f"No such path {self.path!r}; try POST /v1/chat/completions, "
+                    "/v1/completions or /v1/responses.",
                 )
                 return
             try:
@@ -403,7 +375,13 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
             name = request["model"] or server.model_name
             texts = server.prompt_texts(request)
             calls = guides.answer_calls(request, server.tool_parser)
-            answer = Answer(request, name, prompt_ids, texts, calls, server.reasoning_parser)
+            if "response" in request:  # /v1/responses
+                answer: Answer = ResponseAnswer(
+                    request, name, prompt_ids, calls, server.reasoning_parser,
+                    server.responses, server.engine.vocabulary.encode,
+                )  # fmt: skip
+            else:
+                answer = Answer(request, name, prompt_ids, texts, calls, server.reasoning_parser)
             try:
                 if request["stream"]:
                     self._stream(answer, jobs)
@@ -471,21 +449,19 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                 for index, job in enumerate(jobs):
                     stream = server.text_stream(answer.request)
                     choice = StreamedChoice(answer, index, stream)
-                    for chunk in choice.start():
-                        self._event(chunk)
+                    self._send([e for chunk in choice.start() for e in answer.sse(chunk)])
 
                     def send(text: str, choice: StreamedChoice = choice) -> None:
-                        self._event(choice.piece(text))
+                        self._send(answer.sse(choice.piece(text)))
 
                     reason = self._follow(job, stream, send, answer.prompt_only)
                     answer.completion_tokens += stream.generated
-                    for chunk in choice.end(reason):
-                        self._event(chunk)
+                    self._send([e for chunk in choice.end(reason) for e in answer.sse(chunk)])
                 if answer.request["include_usage"]:
-                    self._event(answer.usage_chunk())
+                    self._send(answer.sse(answer.usage_chunk()))
+                end = answer.sse_end()
             except _Failed as e:
-                self._event(error_body(e.status, e.message))
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
+                end = answer.sse_error(e.status, e.message)
+            self._send(end)
 
     return Handler
