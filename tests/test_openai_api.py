@@ -550,12 +550,28 @@ def test_a_think_block_comes_back_as_reasoning_whole_and_streamed(served, checkp
             {"tool_call_parser": "openai", "reasoning_parser": "qwen3"},
             "set serve.reasoning_parser='openai_gptoss' too",
         ),
-        ({"responses_kept": -1}, "serve.responses_kept must be a whole number >= 0, got -1"),
+        ({"responses_kept": -1}, "RESPONSES_KEPT=-1 must be a whole number >= 0"),
+        ({"decode_steps": 0}, "DECODE_STEPS=0 must be a whole number >= 1"),
+        ({"max_model_len": "4k"}, "MAX_MODEL_LEN='4k' must be a whole number >= 2"),
     ],
 )
 def test_a_parser_serve_cannot_use_is_named_before_the_model_loads(settings, message, tmp_path):
     with pytest.raises(ValueError, match=re.escape(message)):
         serve_run.serve(checkpoint=str(tmp_path / "never_read"), port=0, **settings)
+
+
+def test_the_paged_engines_settings_are_refused_for_a_model_that_does_not_page(
+    monkeypatch, tmp_path
+):
+    refusal = "T5Model decodes over a contiguous KV cache only."
+    model = types.SimpleNamespace(config=None, paged_refusal=lambda: refusal)
+    loaded = lambda *args, **kwargs: (model, None, 0, None)  # noqa: E731
+    monkeypatch.setattr(serve_run.run_dir, "load_model_and_params", loaded)
+    message = (
+        f"DECODE_STEPS, PAGE_SIZE tune the paged engine, which this model does not use ({refusal})"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        serve_run.serve(checkpoint=str(tmp_path), port=0, decode_steps=4, page_size=8)
 
 
 def test_a_gpt_oss_checkpoint_reads_harmony_unless_told_otherwise():

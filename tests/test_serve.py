@@ -84,6 +84,10 @@ def server_process(tmp_path_factory, repo_dir, trained_gptj):
             "--gin.MAX_BATCH_SIZE=8",
             "--gin.BATCH_WAIT_MS=50",
             "--gin.Partitioner.mesh_shape=(1, 2, 4)",
+            # The engine's settings as a user tunes them (vLLM's --max-model-len).
+            "--gin.MAX_MODEL_LEN=600",
+            "--gin.DECODE_STEPS=4",
+            "--gin.PREFILL_ROWS=3",
         ],
         cwd=repo_dir,
         env=server_env(),
@@ -248,6 +252,8 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "frobnicate": 1}, "Unknown field 'frobnicate'"),
     ([1, 2], "JSON object"),
 ]
+# Refused by the served model's limit: its MAX_MODEL_LEN (600, below the engine's 2048 slots).
+SERVED_LIMITS = [({"prompt": "x" * 100, "max_tokens": 512}, "max_model_len of 600 tokens")]
 
 
 # Refused where the model reads nothing before a prompt (the server may prefix a start token).
@@ -261,14 +267,15 @@ EMPTY_PROMPTS = [
 def test_bad_requests_get_400_alone_and_their_batch_mates_are_served(server):
     url, model, params = server
     good = [{"prompt": f"good {i}: ", "max_tokens": 6, "temperature": 0} for i in range(3)]
-    requests = [payload for payload, _ in BAD_REQUESTS] + good
+    bad = BAD_REQUESTS + SERVED_LIMITS
+    requests = [payload for payload, _ in bad] + good
     # All at once: the good requests decode in the batches the bad ones would have joined.
     with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
         answers = list(pool.map(lambda payload: post(url, payload), requests))
-    for (payload, message), (status, body) in zip(BAD_REQUESTS, answers):
+    for (payload, message), (status, body) in zip(bad, answers):
         assert status == 400, (str(payload)[:80], body)
         assert message in json.loads(body)["error"]["message"], (str(payload)[:80], body)
-    for payload, (status, body) in zip(good, answers[len(BAD_REQUESTS) :]):
+    for payload, (status, body) in zip(good, answers[len(bad) :]):
         assert status == 200, body
         text = json.loads(body)["choices"][0]["text"]
         assert text == expected_text(model, params, payload["prompt"], 6)

@@ -28,6 +28,7 @@ from flaxlm.models import gpt_oss
 from flaxlm.models.base import BaseModel
 from flaxlm.models.paged_attention import check_paged_attention
 from flaxlm.parallel.partitioning import Partitioner
+from flaxlm.runs import checks
 from flaxlm.runs.serve import reasoning, tools
 from flaxlm.runs.serve.adapters import load_adapters
 from flaxlm.runs.serve.engine import Engine
@@ -59,6 +60,12 @@ def serve(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     responses_kept: int = KEPT,
+    max_model_len: int | None = None,
+    decode_steps: int | None = None,
+    prefill_rows: int | None = None,
+    prefill_chunk: int | None = None,
+    page_size: int | None = None,
+    num_pages: int | None = None,
     ready: Callable[[Server], None] | None = None,
 ) -> None:
     """Run function: serves `checkpoint` (a flaxlm MODEL_DIR or an HF directory) over HTTP
@@ -97,15 +104,30 @@ def serve(
 
     `responses_kept`: how many stored responses (/v1/responses with `store`, OpenAI's
     default) the server keeps in memory for `previous_response_id` and GET; the oldest go
-    first (0: none is kept)."""
-    if (
-        isinstance(responses_kept, bool)
-        or not isinstance(responses_kept, int)
-        or responses_kept < 0
-    ):
-        raise ValueError(
-            f"serve.responses_kept must be a whole number >= 0, got {responses_kept!r}."
-        )
+    first (0: none is kept).
+
+    `max_model_len` (vLLM's `--max-model-len`): the longest prompt plus completion served,
+    a request beyond it a 400 naming it; None: the model's positions, at most 2048 (the
+    paged engine holds that many slots per sequence unless told more).
+
+    The paged engine's tuning (None: its defaults; a model that cannot page refuses them):
+    `decode_steps` (tokens a running sequence generates per dispatch, 8), `prefill_rows`
+    and `prefill_chunk` (each prefill dispatch reads up to this many prompts, 2, of this
+    many tokens each, 64), `page_size` (KV-cache slots per page, 16: vLLM's `--block-size`),
+    `num_pages` (pages of the pool; default: `max_batch_size` sequences of `max_model_len`:
+    vLLM's `--num-gpu-blocks-override`)."""
+    tuning = {
+        "DECODE_STEPS": decode_steps,
+        "PREFILL_ROWS": prefill_rows,
+        "PREFILL_CHUNK": prefill_chunk,
+        "PAGE_SIZE": page_size,
+        "NUM_PAGES": num_pages,
+    }
+    checks.check_counts(
+        RESPONSES_KEPT=(responses_kept, 0),
+        **{k: (v, 2 if k == "NUM_PAGES" else 1) for k, v in tuning.items() if v is not None},
+        **({} if max_model_len is None else {"MAX_MODEL_LEN": (max_model_len, 2)}),
+    )
     check_paged_attention(paged_attention, "serve.paged_attention")
     tools.check_parser(tool_call_parser, reasoning_parser, final=False)
     reasoning.check_parser(reasoning_parser)
@@ -116,6 +138,12 @@ def serve(
             checkpoint, partitioner, step, model, dtype=dtype
         )
         reasoning_parser = reasoning_parser_for(model.config, reasoning_parser)
+        refusal, given = model.paged_refusal(), [k for k, v in tuning.items() if v is not None]
+        if refusal is not None and given:
+            raise ValueError(
+                f"{', '.join(given)} tune the paged engine, which this model does not use "
+                f"({refusal}); leave them unset."
+            )
         tools.check_parser(tool_call_parser, reasoning_parser)
         name = model_name or epath.Path(checkpoint).name
         params, adapters = load_adapters(lora_adapters, model, params, partitioner, name)
@@ -131,6 +159,8 @@ def serve(
             batch_wait_ms=batch_wait_ms,
             adapters=adapters,
             paged_attention=paged_attention,
+            max_seq_len=max_model_len,
+            **{k.lower(): v for k, v in tuning.items() if v is not None},
         )
         server = Server(
             engine,
@@ -141,6 +171,7 @@ def serve(
             tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser,
             responses_kept=responses_kept,
+            max_model_len=max_model_len,
         )
         generation.file_settings_note(
             checkpoint,

@@ -20,6 +20,7 @@ from flaxlm.runs.serve.settings import (
     Defaults,
     Types,
     check_unicode,
+    held,
     is_whole,
     sampling_settings,
     shown,
@@ -281,7 +282,7 @@ def check_prompt_ids(
     if max_positions is not None and len(ids) + max_tokens > max_positions:
         raise BadRequest(
             f"The prompt has {len(ids)} tokens; with max_tokens={max_tokens} "
-            f"that is beyond the model's {max_positions} positions.",
+            f"that is beyond {held(max_positions)}.",
             "max_tokens",
         )
 

@@ -75,6 +75,7 @@ class BatchEngine:
         self.max_batch_size = max_batch_size
         self.batch_wait = batch_wait_ms / 1000.0
         self.adapters: tuple[str, ...] = ()  # the names of the LoRA adapters served (Engine)
+        self.sequence_limit: int | None = None  # the longest prompt plus completion held
         # None: wake up, stop; a list: completions admitted together (`Engine.submit_many`).
         self.queue: queue.Queue[Completion | list[Completion] | None] = queue.Queue()
         self._prefill = jax.jit(model.prefill, static_argnums=(3,))
@@ -347,6 +348,8 @@ class Engine(BatchEngine):
                 paged_attention=paged_attention,
                 prefix_snapshots=prefix_snapshots,
             )
+            held = min(self.scheduler.max_seq_len, self.scheduler.pool.capacity * page_size)
+            self.sequence_limit = held + 1  # the last token is never fed back
 
     def submit_many(self, completions: Sequence[Completion]) -> None:
         """Queues `completions` to be admitted together: those with one prompt (a request's

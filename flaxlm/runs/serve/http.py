@@ -33,7 +33,13 @@ from flaxlm.runs.serve.api import (
 from flaxlm.runs.serve.engine import Engine
 from flaxlm.runs.serve.response_answer import ResponseAnswer
 from flaxlm.runs.serve.responses import KEPT, Responses
-from flaxlm.runs.serve.settings import BadRequest, Defaults, check_token_ids, sample_seeds
+from flaxlm.runs.serve.settings import (
+    BadRequest,
+    Defaults,
+    check_token_ids,
+    held,
+    sample_seeds,
+)
 from flaxlm.runs.serve.stream import TextStream
 
 
@@ -52,6 +58,7 @@ class Server:
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
         responses_kept: int = KEPT,
+        max_model_len: int | None = None,
     ):
         """
         Args:
@@ -64,6 +71,8 @@ class Server:
           reasoning_parser: how a chat answer's reasoning is told from its content
             (`reasoning.PARSERS`); None: all of it is content.
           responses_kept: the stored responses (/v1/responses) kept in memory.
+          max_model_len: the longest prompt plus completion served (None: the model's
+            positions and the engine's slots per sequence decide).
         """
         tools.check_parser(tool_call_parser, reasoning_parser)
         reasoning.check_parser(reasoning_parser)
@@ -77,9 +86,13 @@ class Server:
         self.models.update({name: i + 1 for i, name in enumerate(engine.adapters)})
         self.max_tokens_limit = max_tokens_limit
         self.request_timeout = request_timeout_s
-        self.max_positions = engine.model.position_limit()
+        # The longest prompt plus completion served (vLLM's max_model_len): the model's
+        # positions (an encoder-decoder's relative ones have no hard limit), the engine's
+        # slots per sequence and `max_model_len`, the smallest of them.
+        limits = [engine.model.position_limit(), engine.sequence_limit, max_model_len]
         if isinstance(engine.model, EncoderDecoderModel):
-            self.max_positions = None  # relative positions: no hard limit
+            limits[0] = None
+        self.max_positions = min((n for n in limits if n is not None), default=None)
         # Where a request leaves a sampling setting unset, the checkpoint's own choice.
         self.defaults = Defaults.from_generation_config(
             engine.model.generation_config, max_tokens_limit
@@ -195,8 +208,8 @@ class Server:
                     room = min(room, self.max_positions - len(ids))
                 if room < 1:
                     raise BadRequest(
-                        f"The prompt has {len(ids)} tokens, all of the model's "
-                        f"{self.max_positions} positions; shorten the messages.",
+                        f"The prompt has {len(ids)} tokens, all of "
+                        f"{held(self.max_positions)}; shorten the messages.",
                         "messages",
                     )
                 max_tokens = room

@@ -122,9 +122,7 @@ def sampling_settings(
             raise BadRequest(f"{key} must be between 1 and {max_tokens_limit}, got {value}.", key)
         if max_positions is not None and value >= max_positions:
             raise BadRequest(
-                f"{key}={value} leaves no room for a prompt in the model's "
-                f"{max_positions} positions.",
-                key,
+                f"{key}={value} leaves no room for a prompt in {held(max_positions)}.", key
             )
     temperature = _number(request, "temperature", defaults.temperature)
     if not 0.0 <= temperature <= 2.0:
@@ -260,6 +258,14 @@ def check_token_ids(settings: Sampling, vocab_size: int) -> None:
                 f"{vocab_size}.",
                 key,
             )
+
+
+def held(max_positions: int) -> str:
+    """The tokens a sequence may hold on this server, and where the limit comes from."""
+    return (
+        f"the server's max_model_len of {max_positions} tokens (the model's positions, or "
+        "serve's MAX_MODEL_LEN where smaller)"
+    )
 
 
 def is_whole(value: object) -> bool:
