@@ -1398,6 +1398,42 @@ def test_responses_read_reasoning_calls_and_their_outputs_back_as_the_chat_does(
         model=MODEL, previous_response_id=whole.id, input=[output], tools=tools
     )
     assert continued.usage.input_tokens == back.usage.input_tokens
+    # Stateless (Codex's way: store false, the reasoning as an opaque blob sent back).
+    monkeypatch.setattr(server, "reasoning_parser", "qwen3")
+    sealed = client.responses.create(
+        model=MODEL,
+        input="Weather in Paris?",
+        tools=tools,
+        store=False,
+        include=["reasoning.encrypted_content"],
+    )
+    thought = sealed.output[0].model_dump(exclude_none=True)
+    assert thought["encrypted_content"] and "Paris" not in thought["encrypted_content"]
+    streamed = list(
+        client.responses.create(
+            model=MODEL,
+            input="Weather in Paris?",
+            tools=tools,
+            stream=True,
+            include=["reasoning.encrypted_content"],
+        )
+    )
+    done = [e.item for e in streamed if e.type == "response.output_item.done"]
+    assert done[0].encrypted_content == thought["encrypted_content"]
+    monkeypatch.setattr(server, "reasoning_parser", None)
+    opaque = {**thought, "content": []}
+    items = [o.model_dump(exclude_none=True) for o in sealed.output[1:]]
+    resent = client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            opaque,
+            *items,
+            {**output, "call_id": sealed.output[2].call_id},
+        ],
+        tools=tools,
+    )
+    assert resent.usage.input_tokens == back.usage.input_tokens
     monkeypatch.undo()
     parsed = client.responses.parse(
         model=MODEL, input="def main():", text_format=Verdict, max_output_tokens=48, temperature=0
@@ -1427,7 +1463,12 @@ def test_responses_read_reasoning_calls_and_their_outputs_back_as_the_chat_does(
         ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]", "item references"),
         ({"background": True}, "background", "answers while the request waits"),
-        ({"include": ["reasoning.encrypted_content"]}, "include", "no encrypted"),
+        ({"include": ["file_search_call.results"]}, "include", "flaxlm includes"),
+        (
+            {"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}]},
+            "input[0].encrypted_content",
+            "another server's",
+        ),
         ({"truncation": "auto"}, "truncation", "drops no input"),
         ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "not a summary"),
         ({"max_output_tokens": 1000}, "max_output_tokens", "between 1 and 64"),

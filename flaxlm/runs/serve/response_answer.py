@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flaxlm.runs.serve.answer import Answer, error_body
-from flaxlm.runs.serve.responses import Responses
+from flaxlm.runs.serve.responses import Responses, reasoning_blob
 from flaxlm.runs.serve.tool_formats import Format
 
 
@@ -70,6 +70,7 @@ class ResponseAnswer(Answer):
         for n, item in enumerate(items):  # the text the limit cut is the last item's
             cut = n == len(items) - 1 and item["type"] != "function_call"
             item["status"] = status if cut else "completed"
+            self._seal(item)
         body = self._response(status, items)
         info = self.request["response"]
         if info["store"]:
@@ -195,6 +196,11 @@ class ResponseAnswer(Answer):
         events.append(self._event(kind_delta, **self._where(), delta=text, **extra))
         return events
 
+    def _seal(self, item: dict[str, Any]) -> None:
+        """A finished reasoning item's blob, where the request includes it."""
+        if item["type"] == "reasoning" and self.request["response"]["blob"]:
+            item["encrypted_content"] = reasoning_blob(item["content"][0]["text"])
+
     def _where(self) -> dict[str, Any]:
         return {
             "item_id": self.items[-1]["id"],
@@ -215,8 +221,8 @@ class ResponseAnswer(Answer):
             done = self._event(
                 "response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]
             )
-        status = "incomplete" if self.reason == "length" else "completed"
-        item["status"] = status
+        item["status"] = "incomplete" if self.reason == "length" else "completed"
+        self._seal(item)
         return [
             done,
             self._event("response.content_part.done", **where, part=_part(item)),

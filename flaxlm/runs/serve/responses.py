@@ -14,21 +14,29 @@ What maps to what:
   `reasoning.effort` -> the chat template's `reasoning_effort` (gpt-oss's); `top_logprobs`
   or `include: ["message.output_text.logprobs"]` -> the output text's logprobs (each
   generated token's, as a chat's); vLLM's sampling parameters (`top_k`, `min_p`, `seed`,
-  `stop`, ...) and `chat_template_kwargs` as on the chat endpoint.
+  `stop`, ...) and `chat_template_kwargs` as on the chat endpoint;
+  `include: ["reasoning.encrypted_content"]` gives each reasoning item an opaque blob that a
+  client keeping no state (`store: false`, as Codex) sends back to continue: the reasoning's
+  text, compressed and encoded, not encrypted (an open model's reasoning is no secret; vLLM's
+  blob is the same); an item sent back with its text is read from the text.
 - `store` (OpenAI's default: true) keeps the response in the server's memory (the last
   `kept`), for `previous_response_id` (the stored conversation, its input and output, goes
   before the new input) and `GET` / `DELETE /v1/responses/{id}`.
 
 What flaxlm does not serve is refused with a 400 naming the field: hosted tools (web search,
 file search, ...), images and files in the input, `background`, `truncation: "auto"`,
-reasoning summaries, encrypted reasoning, item references, `conversation`, `prompt`."""
+reasoning summaries, another server's encrypted reasoning, item references, `conversation`,
+`prompt`."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import collections
 import dataclasses
 import json
 import threading
+import zlib
 from typing import Any
 
 from flaxlm.runs.serve import api
@@ -66,6 +74,8 @@ FIELDS = {
     "stream_options": (dict, "an object"),
 }
 LOGPROBS = "message.output_text.logprobs"
+BLOB = "reasoning.encrypted_content"
+_BLOB_PREFIX = "flaxlm-reasoning-v1."
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text")
 
@@ -124,13 +134,11 @@ class Responses:
         elif text_format["type"] == "json_schema":
             chat["structured_outputs"] = {"json": text_format["schema"]}
         include = fields.get("include") or []
-        if include != [LOGPROBS] and include:
+        if not set(include) <= {LOGPROBS, BLOB}:
             raise BadRequest(
-                f"include {shown(include)}: flaxlm includes {LOGPROBS!r} only (no encrypted "
-                "reasoning: its reasoning items carry their text).",
-                "include",
+                f"include {shown(include)}: flaxlm includes {[LOGPROBS, BLOB]} only.", "include"
             )
-        if include or "top_logprobs" in fields:
+        if LOGPROBS in include or "top_logprobs" in fields:
             chat.update(logprobs=True, top_logprobs=fields.get("top_logprobs", 0))
         effort = _reasoning_effort(fields.get("reasoning"))
         if effort is not None:  # the variable gpt-oss's template reads
@@ -144,6 +152,7 @@ class Responses:
             request["structured"] = dataclasses.replace(spec, field="text.format")
         sampling = request["sampling"]
         request["response"] = {
+            "blob": BLOB in include,
             "store": fields.get("store", True),
             "conversation": conversation,
             "echo": {
@@ -314,16 +323,31 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
         summary = item.get("summary") or []
         parts = [p.get("text") for p in summary if isinstance(p, dict)]
     if not parts and item.get("encrypted_content"):
-        raise BadRequest(
-            f"{where}: flaxlm cannot read encrypted reasoning; send the reasoning item as this "
-            "server answered it (its content's text).",
-            where,
-        )
+        parts = [_read_blob(item["encrypted_content"], where)]
     if not all(isinstance(p, str) for p in parts):
         raise BadRequest(f"{where}: a reasoning item's parts need their text.", where)
     text = "\n".join(parts)
     check_unicode(where, text)
     return text
+
+
+def reasoning_blob(text: str) -> str:
+    """A reasoning item's `encrypted_content`: its text, compressed and encoded."""
+    packed = base64.urlsafe_b64encode(zlib.compress(text.encode("utf-8")))
+    return _BLOB_PREFIX + packed.decode("ascii")
+
+
+def _read_blob(blob: Any, where: str) -> str:
+    try:
+        if not isinstance(blob, str) or not blob.startswith(_BLOB_PREFIX):
+            raise ValueError
+        return zlib.decompress(base64.urlsafe_b64decode(blob[len(_BLOB_PREFIX) :])).decode()
+    except (ValueError, binascii.Error, zlib.error, UnicodeDecodeError):
+        raise BadRequest(
+            f"{where}.encrypted_content is not a blob this server wrote (another server's "
+            "encrypted reasoning cannot be read); send the reasoning's text as its content.",
+            f"{where}.encrypted_content",
+        ) from None
 
 
 def _chat_tool(tool: Any, n: int) -> dict[str, Any]:
