@@ -26,7 +26,7 @@ from flaxlm.inference.sampling import Sampling
 from flaxlm.models import gpt_oss, llama
 from flaxlm.parallel.partitioning import Partitioner
 from flaxlm.runs import serve as serve_run
-from flaxlm.runs.serve import api, guides, reasoning, settings, tool_formats, tools
+from flaxlm.runs.serve import api, guides, reasoning, responses, settings, tool_formats, tools
 from flaxlm.runs.serve.engine import BatchEngine, Engine
 from flaxlm.runs.serve.http import Server
 from flaxlm.runs.serve.sockets import listen
@@ -1270,6 +1270,13 @@ def test_responses_greedy_stored_streamed_and_continued_through_the_official_cli
     assert response.usage.output_tokens == len(new) + stopped
     assert (response.instructions, response.max_output_tokens) == ("You are terse.", TOKENS)
     assert response.text.format.type == "text" and response.tools == []
+    # reasoning.effort reaches the template as `reasoning_effort` (gpt-oss's variable).
+    effort = {"effort": "low", "summary": "auto"}
+    low = client.responses.create(**RESPONSE, reasoning=effort, max_output_tokens=1)
+    assert low.reasoning.effort == "low"
+    body = json.dumps({**RESPONSE, "reasoning": effort}).encode()
+    parsed = responses.Responses().parse(body, 512, 64)
+    assert parsed["chat_template_kwargs"] == {"reasoning_effort": "low"}
     # Streamed: created, in progress, the message's item and part opened, its text deltas,
     # closed, then the whole response; sequence numbers count up from 0.
     events = list(
@@ -1470,7 +1477,8 @@ def test_responses_read_reasoning_calls_and_their_outputs_back_as_the_chat_does(
             "another server's",
         ),
         ({"truncation": "auto"}, "truncation", "drops no input"),
-        ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "not a summary"),
+        ({"reasoning": {"summary": "detailed"}}, "reasoning.summary", "not a summary"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity", "leave it out"),
         ({"max_output_tokens": 1000}, "max_output_tokens", "between 1 and 64"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "'schema'"),
         (

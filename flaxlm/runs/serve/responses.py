@@ -402,6 +402,12 @@ def _text_format(text: dict[str, Any] | None) -> dict[str, Any]:
     """`text.format`: `{"type": "text"}` (the default), `json_object`, or `json_schema`
     with its `name` and `schema`."""
     value = (text or {}).get("format") or {"type": "text"}
+    if (text or {}).get("verbosity") is not None:
+        raise BadRequest(
+            "text.verbosity: a hint OpenAI's models read, which an open model has no setting "
+            "for; leave it out.",
+            "text.verbosity",
+        )
     unknown = sorted(set(text or {}) - {"format", "verbosity"})
     kind = value.get("type") if isinstance(value, dict) else None
     if unknown or kind not in ("text", "json_object", "json_schema"):
@@ -420,13 +426,16 @@ def _text_format(text: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _reasoning_effort(value: dict[str, Any] | None) -> str | None:
+    """`reasoning.effort`; `summary` 'auto' leaves the summary to the server (flaxlm has
+    no summarizer: none, the reasoning itself is the item's content)."""
     value = value or {}
-    if value.get("summary") is not None or value.get("generate_summary") is not None:
-        raise BadRequest(
-            "reasoning.summary: flaxlm gives the reasoning itself (a reasoning item's "
-            "content), not a summary; leave it out.",
-            "reasoning.summary",
-        )
+    for key in ("summary", "generate_summary"):
+        if value.get(key) not in (None, "auto"):
+            raise BadRequest(
+                f"reasoning.{key}={shown(value[key])}: flaxlm gives the reasoning itself (a "
+                "reasoning item's content), not a summary; leave it out or set 'auto'.",
+                f"reasoning.{key}",
+            )
     effort = value.get("effort")
     if set(value) - {"effort", "summary", "generate_summary"} or not (
         effort is None or isinstance(effort, str)
