@@ -1270,6 +1270,16 @@ def test_responses_greedy_stored_streamed_and_continued_through_the_official_cli
     assert response.usage.output_tokens == len(new) + stopped
     assert (response.instructions, response.max_output_tokens) == ("You are terse.", TOKENS)
     assert response.text.format.type == "text" and response.tools == []
+    # Cached tokens: a prompt's full pages (16 tokens) the prefix cache held, as the second
+    # request of a new prompt finds them; the chat endpoint reports them too.
+    fresh = {"model": MODEL, "input": "A prompt no test sent before, " * 3, "store": False}
+    asked = [{"role": "user", "content": fresh["input"]}]
+    pages = (rendered_length(tokenizer, asked) - 1) // 16 * 16  # the last token is read
+    first, second = (client.responses.create(**fresh, max_output_tokens=1) for _ in range(2))
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    assert second.usage.input_tokens_details.cached_tokens == pages > 0
+    again = client.chat.completions.create(model=MODEL, messages=asked, max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens == pages
     # reasoning.effort reaches the template as `reasoning_effort` (gpt-oss's variable).
     effort = {"effort": "low", "summary": "auto"}
     low = client.responses.create(**RESPONSE, reasoning=effort, max_output_tokens=1)
@@ -1300,7 +1310,9 @@ def test_responses_greedy_stored_streamed_and_continued_through_the_official_cli
     ]
     assert event_text(events, "response.output_text.delta") == text
     final = events[-1].response
-    assert final.output_text == text and final.usage == response.usage
+    assert final.output_text == text
+    cached = {"input_tokens_details"}  # the same prompt's pages, cached by now
+    assert final.usage.model_dump(exclude=cached) == response.usage.model_dump(exclude=cached)
     # Logprobs (top_logprobs): each generated token's with its two likeliest, as a chat's.
     listed = final.output[0].content[0].logprobs
     assert len(listed) == len(new) and all(len(e.top_logprobs) == 2 for e in listed)

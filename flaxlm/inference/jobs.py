@@ -25,13 +25,15 @@ class Job(Protocol):
     tokens there (as "token" events do) as its third to fifth items.
     A job may also have `adapter`: the index of its LoRA adapter in the params' stacked
     adapters (0, the base, when it has none), and `guide`: the grammar its tokens follow
-    (None: any token)."""
+    (None: any token). Admitted, its `cached_tokens` are set: the prompt tokens found in the
+    prefix cache (0 for a job following another's reading of the same prompt)."""
 
     prompt_ids: Sequence[int]
     max_tokens: int
     sampling: Sampling
     seed: int
     events: Any
+    cached_tokens: int
 
 
 class Guide(Protocol):

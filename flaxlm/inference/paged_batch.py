@@ -33,6 +33,7 @@ class BatchJob:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logps: list[float] = dataclasses.field(default_factory=list)
     guide: Any = None  # the grammar its tokens follow (`jobs.Guide`; None: any token)
+    cached_tokens: int = 0  # its prompt's tokens found in the prefix cache (the scheduler's)
 
     @property
     def events(self) -> BatchJob:

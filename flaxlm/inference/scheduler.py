@@ -259,7 +259,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.state_slot = self.states.take() if self.stateful else 0
             seq.pages = hits + self.pool.allocate(need)
-            seq.computed = len(hits) * self.page_size
+            seq.computed = seq.job.cached_tokens = len(hits) * self.page_size
             self.cached_tokens += seq.computed
             if self.stateful and hits:
                 snapshots.append((self.states.slot_of(seq.keys[len(hits) - 1]), seq.state_slot))

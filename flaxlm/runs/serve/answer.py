@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from flaxlm.runs.serve import reasoning, tool_formats, tools
@@ -41,6 +42,7 @@ class Answer:
         self.created, self.model_name = int(time.time()), model_name
         self.prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once, whatever n is
         self.completion_tokens = 0
+        self.cached_tokens = 0  # of the prompt tokens, those the prefix cache held
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion" if self.chat else "text_completion") + (
@@ -54,12 +56,21 @@ class Answer:
             "system_fingerprint": None,
         }
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+
+    def count_cached(self, jobs: Sequence[Any]) -> None:
+        """The cached prompt tokens of a request's ended `jobs` (`n` a prompt, which read it
+        once): each prompt's once."""
+        n = self.request["n"]
+        self.cached_tokens = sum(
+            max(j.cached_tokens for j in jobs[i : i + n]) for i in range(0, len(jobs), n)
+        )
 
     def prompt(self, index: int) -> str:
         return self.texts[index // self.request["n"]]

@@ -49,6 +49,7 @@ class Completion:
     # `echo` with `logprobs`: the prompt's log-probs come first (a ("prompt", ...) event).
     prompt_logprobs: int | None = None
     guide: Any = None  # the grammar its tokens follow (`guides.Guide`; None: any token)
+    cached_tokens: int = 0  # its prompt's tokens found in the prefix cache (the scheduler's)
 
 
 _NONE = type(None)

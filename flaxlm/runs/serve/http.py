@@ -451,6 +451,7 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
             except _Failed as e:
                 self._error(e.status, e.message)
                 return
+            answer.count_cached(jobs)
             self._json(200, answer.whole(choices))
 
         def _stream(self, answer: Answer, jobs: list[Completion]) -> None:
@@ -470,6 +471,7 @@ def _make_handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                     reason = self._follow(job, stream, send, answer.prompt_only)
                     answer.completion_tokens += stream.generated
                     self._send([e for chunk in choice.end(reason) for e in answer.sse(chunk)])
+                answer.count_cached(jobs)
                 if answer.request["include_usage"]:
                     self._send(answer.sse(answer.usage_chunk()))
                 end = answer.sse_end()

@@ -10,8 +10,9 @@ the chat endpoint (`tools.py`), each as one arguments delta; `response.completed
 as the JSON answer. The output text's logprobs are those of every generated token (its
 reasoning's and calls' too), as a chat's are.
 
-Usage counts the prompt's and the answer's tokens as a chat's does; `reasoning_tokens` are
-the reasoning's text as the tokenizer reads it; cached tokens are not counted (0)."""
+Usage counts the prompt's and the answer's tokens as a chat's does (`cached_tokens` those
+the prefix cache held; `cache_write_tokens` 0: flaxlm's cache is no paid write);
+`reasoning_tokens` are the reasoning's text as the tokenizer reads it."""
 
 from __future__ import annotations
 
@@ -84,7 +85,10 @@ class ResponseAnswer(Answer):
         reasoning_tokens = len(self.encode(thought)) if thought else 0
         usage = {
             "input_tokens": self.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {
+                "cached_tokens": self.cached_tokens,
+                "cache_write_tokens": 0,
+            },
             "output_tokens": self.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": self.prompt_tokens + self.completion_tokens,
