@@ -1386,6 +1386,19 @@ def test_responses_read_reasoning_calls_and_their_outputs_back_as_the_chat_does(
     assert [o.model_dump(exclude={"id", "call_id"}) for o in streamed.output] == [
         o.model_dump(exclude={"id", "call_id"}) for o in whole.output
     ]
+
+    # A decode that fails mid-stream: an error event, then response.failed.
+    def failing(completions):
+        for c in completions:
+            c.events.put(("token", tokenizer.encode("a")[0], 0.0, []))
+            c.events.put(("error", "boom"))
+
+    monkeypatch.setattr(server.engine, "submit_many", failing)
+    *_, error, failed = client.responses.create(model=MODEL, input="x", stream=True)
+    assert (error.type, error.message) == ("error", "Decoding failed: boom")
+    assert failed.type == "response.failed" and failed.response.status == "failed"
+    assert failed.response.error.message == "Decoding failed: boom"
+    monkeypatch.setattr(server.engine, "submit_many", script)
     # The output sent back with the call's output: the chat history of the same turn.
     monkeypatch.setattr(server, "reasoning_parser", None)
     back = client.responses.create(

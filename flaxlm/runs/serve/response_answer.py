@@ -104,7 +104,7 @@ class ResponseAnswer(Answer):
             ),
             "model": self.model_name,
             "output": items,
-            "usage": usage if status != "in_progress" else None,
+            "usage": usage if status in ("completed", "incomplete") else None,
             **self.request["response"]["echo"],
         }
 
@@ -160,8 +160,14 @@ class ResponseAnswer(Answer):
         return [*events, self._event(kind, response=body)]
 
     def sse_error(self, status: int, message: str) -> list[str]:
-        error = error_body(status, message)["error"]
-        return [self._event("error", code=error["type"], message=message, param=None)]
+        """An `error` event, then `response.failed` with the items streamed so far."""
+        code = error_body(status, message)["error"]["type"]
+        failed = self._response("failed", self.items)
+        failed.update(error={"code": code, "message": message}, usage=None)
+        return [
+            self._event("error", code=code, message=message, param=None),
+            self._event("response.failed", response=failed),
+        ]
 
     def _event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
