@@ -381,25 +381,32 @@ def _messages(value: list) -> list[dict[str, Any]]:
         content = message.get("content")
         if content is None and role == "assistant":
             content = ""
-        if isinstance(content, list):
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                for p in content
-            ):
-                raise BadRequest(
-                    f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are "
-                    "supported.",
-                    f"{where}.content",
-                )
-            content = "\n".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise BadRequest(
-                f"{where}.content must be a string or a list of text parts, got {shown(content)}.",
-                f"{where}.content",
-            )
-        check_unicode(f"{where}.content", content)
+        content = message_text(content, where)
         out.append({"role": role, "content": content, **_message_extras(message, where)})
     return out
+
+
+def message_text(content: Any, where: str, parts: tuple[str, ...] = ("text",)) -> str:
+    """A message's content as a chat template reads it: a string, or text parts (of the
+    types `parts`) joined by newlines, as vLLM joins them."""
+    if isinstance(content, list):
+        if not all(
+            isinstance(p, dict) and p.get("type") in parts and isinstance(p.get("text"), str)
+            for p in content
+        ):
+            raise BadRequest(
+                f"{where}.content: only text parts ({{'type': '{parts[0]}', 'text': ...}}) are "
+                "supported (no images, files or audio).",
+                f"{where}.content",
+            )
+        content = "\n".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise BadRequest(
+            f"{where}.content must be a string or a list of text parts, got {shown(content)}.",
+            f"{where}.content",
+        )
+    check_unicode(f"{where}.content", content)
+    return content
 
 
 def _first_line(error: BaseException) -> str:

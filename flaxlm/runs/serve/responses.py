@@ -223,28 +223,6 @@ def _refuse_unserved(fields: dict[str, Any]) -> None:
         raise BadRequest("stream_options supports only include_obfuscation.", "stream_options")
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's content as a chat template reads it: text parts joined by newlines."""
-    if isinstance(content, list):
-        if not all(
-            isinstance(p, dict) and p.get("type") in _TEXT_PARTS and isinstance(p.get("text"), str)
-            for p in content
-        ):
-            raise BadRequest(
-                f"{where}.content: only text parts ({{'type': 'input_text', 'text': ...}}) are "
-                "supported (no images, files or audio).",
-                f"{where}.content",
-            )
-        content = "\n".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise BadRequest(
-            f"{where}.content must be a string or a list of text parts, got {shown(content)}.",
-            f"{where}.content",
-        )
-    check_unicode(f"{where}.content", content)
-    return content
-
-
 def input_messages(value: str | list) -> list[dict[str, Any]]:
     """A request's `input` as chat messages: a string is a user's message; of items, a
     message keeps its role and text, a function call joins the assistant's message of its
@@ -267,7 +245,10 @@ def input_messages(value: str | list) -> list[dict[str, Any]]:
                     f"{where}.role must be one of {list(_ROLES)}, got {shown(role)}.",
                     f"{where}.role",
                 )
-            message = {"role": role, "content": _text(item.get("content"), where)}
+            message = {
+                "role": role,
+                "content": api.message_text(item.get("content"), where, _TEXT_PARTS),
+            }
             if role == "assistant" and thought is not None:
                 message["reasoning_content"], thought = thought, None
             out.append(message)
@@ -284,7 +265,11 @@ def input_messages(value: str | list) -> list[dict[str, Any]]:
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise BadRequest(f"{where}.call_id must be a string.", f"{where}.call_id")
-            text = output if isinstance(output, str) else _text(output, f"{where}.output")
+            text = (
+                output
+                if isinstance(output, str)
+                else api.message_text(output, f"{where}.output", _TEXT_PARTS)
+            )
             out.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "reasoning":
             thought = _reasoning_text(item, where)
