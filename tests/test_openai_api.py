@@ -491,6 +491,28 @@ def test_a_tool_use_history_reaches_the_template_as_vllm_hands_it_on(served, che
     assert response.usage.prompt_tokens == len(ids)
 
 
+def test_vllms_continue_final_message_and_add_generation_prompt_render_as_hf_does(
+    served, checkpoint
+):
+    """vLLM's `continue_final_message` (the assistant's last message continued, not closed:
+    a prefilled answer) and `add_generation_prompt=false` reach `apply_chat_template`."""
+    _, client = served
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint[0])
+    prefilled = [*MESSAGES, {"role": "assistant", "content": "def"}]
+    for messages, flags in (
+        (prefilled, {"continue_final_message": True}),
+        (MESSAGES, {"add_generation_prompt": False}),
+    ):
+        answer = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=1, extra_body=flags
+        )
+        hf_flags = {"add_generation_prompt": False, **flags}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **hf_flags)
+        assert answer.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+        # Neither opens a new assistant turn: one ends in "def", the other closed.
+        assert text.endswith("def" if "continue_final_message" in flags else "<|im_end|>\n")
+
+
 def rendered_length(tokenizer, messages, **kwargs):
     prompt = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False, **kwargs
@@ -958,6 +980,11 @@ def named(calls):
             "apply_chat_template's own arguments",
         ),
         ({"presence_penalty": 2.5}, "presence_penalty", "between -2 and 2"),
+        (
+            {"extra_body": {"continue_final_message": True, "add_generation_prompt": True}},
+            "continue_final_message",
+            "Cannot set both",
+        ),
         ({"extra_body": {"top_k": -2}}, "top_k", "top_k must be -1 or 0"),
         ({"extra_body": {"top_k": 2**40}}, "top_k", "top_k must be -1 or 0"),
         ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty", "must be > 0"),

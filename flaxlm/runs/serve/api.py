@@ -70,8 +70,11 @@ _CHAT_FIELDS = {
     "top_logprobs": (int, "an integer"),
     "store": (bool, "a boolean"),
     "metadata": (dict, "an object"),
-    # vLLM's: variables handed to the chat template (e.g. Qwen3's `enable_thinking`).
+    # vLLM's: variables handed to the chat template (e.g. Qwen3's `enable_thinking`), and
+    # whether the assistant's turn is opened or its last message continued.
     "chat_template_kwargs": (dict, "an object"),
+    "add_generation_prompt": (bool, "a boolean"),
+    "continue_final_message": (bool, "a boolean"),
     "tools": (list, "a list of tools"),
     "tool_choice": ((str, dict), "'none', 'auto', 'required' or an object"),
     "parallel_tool_calls": (bool, "a boolean"),
@@ -208,6 +211,12 @@ def chat_request(
             "template's variables.",
             "chat_template_kwargs",
         )
+    continued = request.get("continue_final_message", False)
+    if continued and request.get("add_generation_prompt"):
+        raise BadRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            "continue_final_message",
+        )
     top = request.get("top_logprobs")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise BadRequest(
@@ -224,6 +233,9 @@ def chat_request(
     return {
         "messages": messages,
         "chat_template_kwargs": template_kwargs,
+        # vLLM's: the assistant's turn opened (the default), or its last message continued.
+        "add_generation_prompt": request.get("add_generation_prompt", not continued),
+        "continue_final_message": continued,
         # As vLLM: with tool_choice 'none' the tools are not shown to the model.
         "tools": tools if choice != "none" else None,
         "tool_choice": choice,
@@ -242,12 +254,15 @@ def render_chat(
     messages: list[dict[str, Any]],
     template_kwargs: Mapping[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> str:
     """`messages` as the checkpoint's own chat template renders them, ending with the
     assistant's turn opened (HF's `apply_chat_template(add_generation_prompt=True)`): the
     text the model was fine-tuned on, so it answers as it learned to. `template_kwargs`:
     variables the template reads (a request's `chat_template_kwargs`); `tools`: the
-    request's, which the template shows the model."""
+    request's, which the template shows the model; `add_generation_prompt`,
+    `continue_final_message`: `apply_chat_template`'s (vLLM's request fields)."""
     tokenizer = getattr(vocabulary, "tokenizer", None)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise BadRequest(
@@ -259,7 +274,8 @@ def render_chat(
         return tokenizer.apply_chat_template(
             messages,
             tools=tools or None,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tokenize=False,
             **(template_kwargs or {}),
         )

@@ -149,7 +149,12 @@ class Server:
         if request["chat"]:
             vocabulary = self.engine.vocabulary
             text = render_chat(
-                vocabulary, request["messages"], request["chat_template_kwargs"], request["tools"]
+                vocabulary,
+                request["messages"],
+                request["chat_template_kwargs"],
+                request["tools"],
+                request["add_generation_prompt"],
+                request["continue_final_message"],
             )
             return [list(vocabulary.encode(text))]
         return [p if isinstance(p, list) else self.encode(p) for p in request["prompts"]]
