@@ -223,6 +223,37 @@ def test_streamed_chat_ends_with_a_usage_chunk(served, greedy):
     assert last.usage.completion_tokens == len(new) + stopped
 
 
+def test_vllms_return_token_ids_give_the_prompts_and_the_answers_ids(served, checkpoint, greedy):
+    """vLLM's `return_token_ids`: a chat's `prompt_token_ids` (once, in the first chunk when
+    streamed) and each choice's `token_ids` (the stop token that ended it included; when
+    streamed, each chunk's own); a completion's both per choice."""
+    _, client = served
+    _, new, prompt_ids, stopped = greedy
+    eos = checkpoint[2]
+    flags = {"extra_body": {"return_token_ids": True}}
+    answer = chat(client, temperature=0, max_completion_tokens=TOKENS, **flags)
+    ids = answer.choices[0].token_ids
+    assert answer.prompt_token_ids == prompt_ids and ids[: len(new)] == new
+    assert len(ids) == len(new) + stopped and (not stopped or ids[-1] in eos)
+    chunks = list(chat(client, temperature=0, max_tokens=TOKENS, stream=True, **flags))
+    assert chunks[0].prompt_token_ids == prompt_ids
+    assert all("prompt_token_ids" not in c.model_dump() for c in chunks[1:])
+    assert [t for c in chunks for t in c.choices[0].model_dump().get("token_ids") or []] == ids
+    assert "token_ids" not in chat(client, max_tokens=1).choices[0].model_dump()
+    prompts, whole = ["def f(", "x = "], {}
+    for stream in (False, True):
+        out = client.completions.create(
+            model=MODEL, prompt=prompts, max_tokens=3, temperature=0, stream=stream, **flags
+        )
+        choices = [c for chunk in out for c in chunk.choices] if stream else out.choices
+        for index, prompt in enumerate(prompts):
+            mine = [c for c in choices if c.index == index]
+            assert mine[0].prompt_token_ids == served[0].encode(prompt), stream
+            got = [t for c in mine for t in c.token_ids]
+            assert len(got) == 3 or got[-1] in eos
+            assert whole.setdefault(index, got) == got  # streamed as whole
+
+
 def test_chat_logprobs_give_each_token_and_its_alternatives(served, greedy):
     _, client = served
     _, new, _, _ = greedy

@@ -40,6 +40,7 @@ class Answer:
         self.reasoning_parser = reasoning_parser if self.chat else None
         self.ident = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created, self.model_name = int(time.time()), model_name
+        self.prompt_ids = prompt_ids
         self.prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once, whatever n is
         self.completion_tokens = 0
         self.cached_tokens = 0  # of the prompt tokens, those the prefix cache held
@@ -104,8 +105,14 @@ class Answer:
             choice["finish_reason"] = reason
             if count is not None and not self.chat:  # vLLM's, per choice of a completion
                 choice["prompt_logprobs"] = stream.prompt_logprobs(count)
+            if self.request.get("return_token_ids"):  # vLLM's
+                choice["token_ids"] = token_ids(stream)
+                if not self.chat:
+                    choice["prompt_token_ids"] = self.prompt_ids[index // self.request["n"]]
             out.append(choice)
         body = {**self._envelope(False), "choices": out, "usage": self.usage()}
+        if self.request.get("return_token_ids") and self.chat:
+            body["prompt_token_ids"] = self.prompt_ids[0]
         if count is not None and self.chat:  # vLLM's, once for a chat's one prompt
             body["prompt_logprobs"] = choices[0][0].prompt_logprobs(count)
         return body
@@ -189,14 +196,32 @@ class StreamedChoice:
             if answer.calls is None
             else tools.CallStream(answer.calls, answer.request["tools"])
         )
+        self.ids_sent = 0  # with `return_token_ids`: the token ids streamed so far
+        self.prompt_sent = answer.chat and index > 0  # a chat's prompt ids come once
+
+    def _ids(self, chunk: dict[str, Any], last: bool = False) -> dict[str, Any]:
+        """`chunk` with vLLM's `token_ids` (those decoded since the chunk before; the
+        stop token with the `last`) and, in the first, `prompt_token_ids`, where the request
+        asks for them."""
+        if not self.answer.request.get("return_token_ids"):
+            return chunk
+        choice = chunk["choices"][0]
+        ids, self.ids_sent = self.stream.ids[self.ids_sent :], len(self.stream.ids)
+        stop = self.stream.stop_token
+        choice["token_ids"] = ids + ([stop] if last and stop is not None else [])
+        if not self.prompt_sent:
+            self.prompt_sent = True
+            prompt = self.answer.prompt_ids[self.index // self.answer.request["n"]]
+            (chunk if self.answer.chat else choice)["prompt_token_ids"] = prompt
+        return chunk
 
     def start(self) -> list[dict[str, Any]]:
         """The choice's first chunks: a chat's role, a completion's echo without logprobs."""
         if self.answer.chat:
-            return [self.answer.chunk(self.index, "", role=True)]
+            return [self._ids(self.answer.chunk(self.index, "", role=True))]
         if self.prompt is not None and not self.stream.echo_scores:
             prompt, self.prompt = self.prompt, None
-            return [self.answer.chunk(self.index, prompt)]
+            return [self._ids(self.answer.chunk(self.index, prompt))]
         return []
 
     def piece(self, text: str) -> dict[str, Any]:
@@ -210,7 +235,7 @@ class StreamedChoice:
             thought, text = self.splitter.feed(text)
         if self.calls is not None:
             text = self.calls.feed(text)
-        return self.answer.chunk(self.index, text, None, logprobs, thought=thought)
+        return self._ids(self.answer.chunk(self.index, text, None, logprobs, thought=thought))
 
     def end(self, reason: str) -> list[dict[str, Any]]:
         """The choice's last chunks once its text has ended: what was held back, its tool
@@ -233,7 +258,13 @@ class StreamedChoice:
         if calls:
             calls, reason = self.answer.calls_kept(calls), self.answer.calls_reason()
             chunks.append(self.answer.chunk(self.index, None, calls=calls))
-        return [*chunks, self.answer.chunk(self.index, None, reason)]
+        return [*chunks, self._ids(self.answer.chunk(self.index, None, reason), last=True)]
+
+
+def token_ids(stream: TextStream) -> list[int]:
+    """vLLM's `token_ids` of a choice: the tokens decoded, the stop token that ended it
+    included."""
+    return stream.ids + ([stream.stop_token] if stream.stop_token is not None else [])
 
 
 def error_body(

@@ -61,6 +61,7 @@ _COMPLETION_FIELDS = {
     "echo": (bool, "a boolean"),
     **guides.FIELDS,
     "prompt_logprobs": (int, "an integer"),  # vLLM's
+    "return_token_ids": (bool, "a boolean"),  # vLLM's
 }
 _CHAT_FIELDS = {
     **SAMPLING_FIELDS,
@@ -80,6 +81,7 @@ _CHAT_FIELDS = {
     "parallel_tool_calls": (bool, "a boolean"),
     **guides.FIELDS,
     "prompt_logprobs": (int, "an integer"),
+    "return_token_ids": (bool, "a boolean"),
 }
 
 
@@ -124,6 +126,7 @@ def parse_request(
         "prompt_only": prompt_only,
         "structured": guides.parse(request, None, None),
         "prompt_logprobs": _prompt_logprobs(request),
+        "return_token_ids": request.get("return_token_ids", False),
         "chat": False,
     }
 
@@ -244,6 +247,7 @@ def chat_request(
         **sampling_settings(request, max_tokens, max_positions, max_tokens_limit, defaults, 1),
         "logprobs": (top or 0) if request.get("logprobs") else None,
         "prompt_logprobs": _prompt_logprobs(request),
+        "return_token_ids": request.get("return_token_ids", False),
         "echo": False,
         "chat": True,
     }
