@@ -199,6 +199,10 @@ def test_chat_n_samples_each_cut_at_the_stop_string(served, greedy):
     assert first != second
     alone = chat(client, temperature=1.0, max_completion_tokens=TOKENS, seed=7)
     assert alone.choices[0].message.content == first
+    # vLLM's include_stop_str_in_output: the stop string kept.
+    kept = {"include_stop_str_in_output": True}
+    kept = chat(client, temperature=0, max_tokens=TOKENS, stop=[stop], extra_body=kept)
+    assert kept.choices[0].message.content == text[: text.find(stop) + len(stop)]
 
 
 def test_streamed_chat_ends_with_a_usage_chunk(served, greedy):
@@ -762,6 +766,17 @@ def test_tools_reach_the_template_and_a_hermes_call_comes_back_as_tool_calls(
     monkeypatch.setattr(server.engine, "submit_many", scripted(tokenizer, f"a{special}b"))
     assert chat(client, tools=TOOLS).choices[0].message.content == f"a{special}b"
     assert chat(client).choices[0].message.content == "ab"
+    # vLLM's skip_special_tokens chooses (a completion shows them unless told); not where
+    # calls are read from them.
+    shown = {"skip_special_tokens": False}
+    assert chat(client, extra_body=shown).choices[0].message.content == f"a{special}b"
+    completion = client.completions.create(model=MODEL, prompt="x", max_tokens=4)
+    assert completion.choices[0].text == f"a{special}b"
+    hidden = {"skip_special_tokens": True}
+    completion = client.completions.create(model=MODEL, prompt="x", extra_body=hidden)
+    assert completion.choices[0].text == "ab"
+    with pytest.raises(openai.BadRequestError, match="skip_special_tokens=true"):
+        chat(client, tools=TOOLS, extra_body=hidden)
     # gpt-oss (vLLM's --reasoning-parser openai_gptoss --tool-call-parser openai): harmony's
     # analysis channel is the reasoning, a commentary message to a function the call.
     harmony = (

@@ -181,6 +181,12 @@ class Server:
         A chat request that sets no max tokens (nor does the checkpoint) gets the room its
         prompt leaves, up to `max_tokens_limit`."""
         adapter, spec = self.adapter(request), request["structured"]
+        if request["skip_special_tokens"] and request.get("tools") and self.tool_parser:
+            raise BadRequest(
+                "skip_special_tokens=true: this request's tool calls are read from the "
+                "special tokens the answer keeps (as vLLM's parsers read them); leave it unset.",
+                "skip_special_tokens",
+            )
         if request.get("tools") and spec is None and self.tool_parser is None:
             raise BadRequest(
                 "This server reads no tool calls from answers: start it with "
@@ -240,13 +246,18 @@ class Server:
     def text_stream(self, request: dict) -> TextStream:
         """A choice's TextStream: a chat answer shows no special tokens (its template's
         turn markers) unless its tool calls are read (their markers may be special tokens,
-        as vLLM's parsers decode them), a completion shows every token as before."""
+        as vLLM's parsers decode them), a completion shows every token as before; vLLM's
+        `skip_special_tokens` chooses otherwise (not where calls are read)."""
         calls_read = request.get("tools") and self.tool_parser is not None
-        skip = self.special_ids if request["chat"] and not calls_read else frozenset()
+        skipped = request["skip_special_tokens"]
+        if skipped is None:
+            skipped = request["chat"] and not calls_read
+        skip = self.special_ids if skipped else frozenset()
         if self.reasoning_parser is not None:
             skip -= reasoning.tag_ids(self.added_vocab, self.reasoning_parser)
         scores = request["echo"] and request["logprobs"] is not None
-        return TextStream(self.engine.vocabulary, request["stop"], skip, scores)
+        vocabulary, stop = self.engine.vocabulary, request["stop"]
+        return TextStream(vocabulary, stop, skip, scores, request["include_stop"])
 
     def start(self) -> None:
         """Starts the engine, then answers requests (on threads of their own)."""

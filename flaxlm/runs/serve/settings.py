@@ -95,6 +95,8 @@ SAMPLING_FIELDS: dict[str, tuple[Types, str]] = {
     "ignore_eos": (bool, "a boolean"),
     "stop_token_ids": (list, "a list of token ids"),
     "logit_bias": (dict, "an object"),
+    "skip_special_tokens": (bool, "a boolean"),
+    "include_stop_str_in_output": (bool, "a boolean"),
 }
 
 
@@ -196,6 +198,10 @@ def sampling_settings(
         "max_tokens": value,
         "sampling": settings,
         "stop": stop,
+        # vLLM's: a stop string kept at the end of the text; the tokenizer's special tokens
+        # left out of it (None: the endpoint's default, `Server.text_stream`).
+        "include_stop": request.get("include_stop_str_in_output", False),
+        "skip_special_tokens": request.get("skip_special_tokens"),
         "stream": stream,
         "include_usage": bool((options or {}).get("include_usage")),
         "seed": seed,

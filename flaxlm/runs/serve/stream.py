@@ -27,9 +27,12 @@ class TextStream:
         stop: Sequence[str],
         skip_ids: Collection[int] = (),
         echo_scores: bool = False,
+        include_stop: bool = False,
     ):
         """`echo_scores`: `logprobs` lists the prompt's tokens and the stop token too (`echo`
-        with `logprobs`)."""
+        with `logprobs`); `include_stop`: the stop string that ended the text stays at its
+        end (vLLM's `include_stop_str_in_output`)."""
+        self.include_stop = include_stop
         self.vocabulary = vocabulary
         self.echo_scores = echo_scores
         # The prompt's scores where the engine gave them: (ids, logprobs, top, ranks).
@@ -56,7 +59,7 @@ class TextStream:
             at = text.find(s, max(0, len(self.sent) - len(s)))
             if at != -1:
                 self.stopped = True
-                text = text[:at]
+                text = text[: at + (len(s) if self.include_stop else 0)]
         if not self.stopped and text.endswith("\ufffd"):
             return ""  # part of a multi-byte character: wait for the rest
         final = len(text) if self.stopped else len(text) - self._stop_prefix(text)
