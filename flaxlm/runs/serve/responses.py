@@ -33,6 +33,7 @@ from __future__ import annotations
 import base64
 import binascii
 import collections
+import copy
 import dataclasses
 import json
 import threading
@@ -112,8 +113,8 @@ class Responses:
             raise BadRequest("Field 'input' is required.", "input")
         conversation = []
         if "previous_response_id" in fields:
-            conversation = self.get(fields["previous_response_id"], "previous_response_id")
-            conversation = [dict(m) for m in conversation.messages]
+            stored = self.get(fields["previous_response_id"], "previous_response_id")
+            conversation = copy.deepcopy(stored.messages)  # the chat's checks rewrite it
         conversation += input_messages(fields["input"])
         instructions = fields.get("instructions")
         if instructions is not None:
