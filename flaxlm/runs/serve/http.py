@@ -179,14 +179,20 @@ class Server:
         given, for a prompt of token ids).
 
         A chat request that sets no max tokens (nor does the checkpoint) gets the room its
-        prompt leaves, up to `max_tokens_limit`."""
+        prompt leaves, up to `max_tokens_limit`. Its `skip_special_tokens` is settled here:
+        a chat answer shows no special tokens (its template's turn markers) unless its tool
+        calls are read (their markers may be special tokens, as vLLM's parsers decode
+        them), a completion shows every token, unless the request chose."""
         adapter, spec = self.adapter(request), request["structured"]
-        if request["skip_special_tokens"] and request.get("tools") and self.tool_parser:
+        calls_read = bool(request.get("tools")) and self.tool_parser is not None
+        if request["skip_special_tokens"] and calls_read:
             raise BadRequest(
                 "skip_special_tokens=true: this request's tool calls are read from the "
                 "special tokens the answer keeps (as vLLM's parsers read them); leave it unset.",
                 "skip_special_tokens",
             )
+        if request["skip_special_tokens"] is None:
+            request["skip_special_tokens"] = request["chat"] and not calls_read
         if request.get("tools") and spec is None and self.tool_parser is None:
             raise BadRequest(
                 "This server reads no tool calls from answers: start it with "
@@ -244,15 +250,9 @@ class Server:
         return jobs, prompt_ids
 
     def text_stream(self, request: dict) -> TextStream:
-        """A choice's TextStream: a chat answer shows no special tokens (its template's
-        turn markers) unless its tool calls are read (their markers may be special tokens,
-        as vLLM's parsers decode them), a completion shows every token as before; vLLM's
-        `skip_special_tokens` chooses otherwise (not where calls are read)."""
-        calls_read = request.get("tools") and self.tool_parser is not None
-        skipped = request["skip_special_tokens"]
-        if skipped is None:
-            skipped = request["chat"] and not calls_read
-        skip = self.special_ids if skipped else frozenset()
+        """A choice's TextStream, without the special tokens where the request (as
+        `completions` settled it) leaves them out."""
+        skip = self.special_ids if request["skip_special_tokens"] else frozenset()
         if self.reasoning_parser is not None:
             skip -= reasoning.tag_ids(self.added_vocab, self.reasoning_parser)
         scores = request["echo"] and request["logprobs"] is not None

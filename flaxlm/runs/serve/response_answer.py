@@ -150,9 +150,7 @@ class ResponseAnswer(Answer):
 
     def sse_end(self) -> list[str]:
         events = self._close()
-        if not any(i["type"] == "message" for i in self.items) and not any(
-            i["type"] == "function_call" for i in self.items
-        ):
+        if not any(i["type"] in ("message", "function_call") for i in self.items):
             events += self._grow("message", "", [])  # an empty answer is an empty message
             events += self._close()
         body = self._finished(self.items, self.reason or "stop")
