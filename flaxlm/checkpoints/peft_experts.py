@@ -65,7 +65,15 @@ _ROUTER = "mlp/gate/kernel"
 # a shared expert's Linear of such a name would load onto the experts.
 _READ_AS_EXPERTS = {
     t: ("gate_proj", "up_proj", "down_proj")
-    for t in ("qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+    for t in (
+        "qwen3_moe",
+        "olmoe",
+        "deepseek_v3",
+        "deepseek_v32",
+        "glm_moe_dsa",
+        "glm4_moe_lite",
+        "solar_open",
+    )
 }
 
 

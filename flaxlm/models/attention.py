@@ -361,6 +361,14 @@ class AttentionSinks(nn.Module):
         return self.param("logits", init, (self.num_heads,), as_dtype(self.param_dtype))
 
 
+def pad_heads(x: Array, width: int) -> Array:
+    """`x` [..., features] zero-padded to `width` features: zero query and key features add
+    nothing to the scores, zero value features come out zero (and are cut off)."""
+    if x.shape[-1] == width:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+
 def rotary_self_attention(
     h: Array,
     sin: Array,
@@ -389,6 +397,8 @@ def rotary_self_attention(
     output_gate: bool = False,
     query_scale: Array | None = None,
     rotary_interleaved: bool = False,
+    v_head_dim: int | None = None,
+    value_scale: float | None = None,
 ) -> Array:
     """Llama-style attention, built inside the calling block's scope (`q_proj`, `k_proj`,
     `v_proj`, `o_proj`, `cache`, `sinks`): rotary (half-split) queries and keys,
@@ -406,12 +416,16 @@ def rotary_self_attention(
     before `o_proj` (Qwen3-Next's gated attention); query_scale: `[batch, length]`, each
     query multiplied by it after rotary, in the queries' dtype as HF (Ministral 3's
     `rope.llama4_query_scale`); rotary_interleaved: rotary over pairs (0, 1), (2, 3), ...
-    (ERNIE 4.5's) rather than half-split ones.
+    (ERNIE 4.5's) rather than half-split ones; v_head_dim: the values' width where it is
+    not `head_dim` (MiMo-V2-Flash's 128 beside 192), cached at it, the narrower side
+    zero-padded for the kernels (`pad_heads`); value_scale: the values multiplied by it after
+    `v_proj`, in their dtype (MiMo-V2-Flash's `attention_value_scale`).
 
     h: [batch, length, embed] -> [batch, length, embed], tagged `attn_out` for remat.
     """
     dense = dict(dtype=dtype, param_dtype=param_dtype, use_bias=qkv_bias)
     kv_axis = kv_heads_axis(num_kv_heads)
+    v_dim = v_head_dim or head_dim
     q, k, v = parallel_dense(
         h,
         [
@@ -422,10 +436,8 @@ def rotary_self_attention(
                 **dense,
             ),
             *(
-                DenseGeneral(
-                    (num_kv_heads, head_dim), ("embed", kv_axis, "head_dim"), name=n, **dense
-                )
-                for n in ("k_proj", "v_proj")
+                DenseGeneral((num_kv_heads, width), ("embed", kv_axis, "head_dim"), name=n, **dense)
+                for n, width in (("k_proj", head_dim), ("v_proj", v_dim))
             ),
         ],
     )
@@ -441,12 +453,14 @@ def rotary_self_attention(
         k = RMSNorm(name="k_norm", axes=(kv_axis, "head_dim")[not whole :], **norm)(k)
     if clip_qkv is not None:  # after the norms, as HF's OLMoE
         q, k, v = (jnp.clip(x, -clip_qkv, clip_qkv) for x in (q, k, v))
+    if value_scale is not None:
+        v = v * jnp.asarray(value_scale, v.dtype)
     q = apply_rotary(q, sin, cos, interleaved=rotary_interleaved)
     if query_scale is not None:
         q = q * query_scale[:, :, None, None].astype(q.dtype)
     q = constrain(q, HEAD_AXES)
     k = constrain(apply_rotary(k, sin, cos, interleaved=rotary_interleaved), kv_axes)
-    if use_kernel(decoding, q, window=window, sinks=sinks):
+    if use_kernel(decoding, q, window=window, sinks=sinks, value_dim=v_dim):
         pools = KVCache(kv_axes, name="cache")(k, v, decoding, pools=True)
         attn = kernel_attention(q, *pools, decoding, scale=scale, softcap=softcap, dtype=dtype)
     else:
@@ -455,10 +469,13 @@ def rotary_self_attention(
             mask = mask.within(window)
         elif window is not None and decoding is not None and decoding.paged:
             mask = mask & paged_mask(decoding, window)
+        width = max(head_dim, v_dim)
+        if scale is None and width != head_dim:  # the padded queries' width is not the heads'
+            scale = head_dim**-0.5
         attn = dot_product_attention(
-            q,
-            k,
-            v,
+            pad_heads(q, width),
+            pad_heads(k, width),
+            pad_heads(v, width),
             mask,
             scale=scale,
             softcap=softcap,
@@ -467,7 +484,7 @@ def rotary_self_attention(
             chunk_size=chunk_size,
             context_parallel=context_parallel,
             sinks=AttentionSinks(num_heads, param_dtype, name="sinks")() if sinks else None,
-        )
+        )[..., :v_dim]
     if output_gate:
         attn = attn * jax.nn.sigmoid(gate).astype(attn.dtype)
     attn = DenseGeneral(

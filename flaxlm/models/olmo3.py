@@ -82,6 +82,7 @@ class Olmo3Config(rope.RopeScaling):
     mlp_bias: ClassVar[bool] = False
     norm_scale_plus_one: ClassVar[bool] = False
     qk_norm: ClassVar[bool] = False
+    model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES  # a subclass's own (OLMo 2)
 
     def __post_init__(self) -> None:
         if self.layer_types is not None:  # Gin and JSON give lists; the config stays hashable
@@ -90,8 +91,8 @@ class Olmo3Config(rope.RopeScaling):
             items = dict(self.sliding_rope_parameters).items()
             object.__setattr__(self, "sliding_rope_parameters", tuple(sorted(items)))
         super().__post_init__()
-        if self.model_type not in MODEL_TYPES:
-            raise ValueError(f"model_type {self.model_type!r}: expected one of {MODEL_TYPES}.")
+        if self.model_type not in self.model_types:
+            raise ValueError(f"model_type {self.model_type!r}: expected one of {self.model_types}.")
         attention.check_heads(self.hidden_size, self.num_heads, self.kv_heads, self.head_dim)
         types = self.layer_types
         if types is not None and (

@@ -83,11 +83,13 @@ def use_kernel(
     *,
     window: Array | int | None = None,
     sinks: bool = False,
+    value_dim: int | None = None,
 ) -> bool:
     """Whether this attention runs the 'pallas' kernel: asked for, one query per row (a
     prefill chunk gathers), no sliding window or sinks, a head width Triton's blocks take
-    (a power of two >= 16). A decode step asked for it that it cannot take gathers, and
-    says why once (on stderr)."""
+    (a power of two >= 16), values as wide as the keys (`value_dim`: their width, None: the
+    same). A decode step asked for it that it cannot take gathers, and says why once (on
+    stderr)."""
     if decoding is None or not decoding.paged or decoding.paged_attention != "pallas":
         return False
     if query.shape[1] != 1:
@@ -98,6 +100,8 @@ def use_kernel(
         reason = "a layer with a sliding window or attention sinks"
     elif head_dim < 16 or head_dim & (head_dim - 1):
         reason = f"head_dim {head_dim} (Triton's blocks: a power of two >= 16)"
+    elif value_dim is not None and value_dim != head_dim:
+        reason = f"values {value_dim} wide beside keys {head_dim} wide (one width a pool pair)"
     if reason is not None and reason not in _DECLINED and jax.process_index() == 0:
         _DECLINED.add(reason)
         print(f"paged_attention='pallas': {reason} gathers its pages.", file=sys.stderr)
