@@ -27,7 +27,6 @@ from typing import Any, ClassVar
 
 import gin
 import jax
-import jax.numpy as jnp
 
 from flaxlm.models import attention, llama, masks, olmo2, olmo3, qwen, rope
 from flaxlm.models.base import DecoderOnlyModel
@@ -181,10 +180,7 @@ class Exaone4Block(olmo3.Olmo3Block):
         sin: Array,
         cos: Array,
     ) -> Array:
-        rope_layers = self.config.rope_layers
-        if not all(rope_layers):
-            rotates = jnp.asarray(rope_layers)[index]
-            sin, cos = jnp.where(rotates, sin, 0.0), jnp.where(rotates, cos, 1.0)
+        sin, cos = rope.nope_where(self.config.rope_layers, index, sin, cos)
         return super().self_attention(h, index, mask, decoding, sin, cos)
 
     def attention_options(self) -> dict[str, Any]:

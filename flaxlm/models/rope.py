@@ -155,6 +155,18 @@ def sin_cos(positions: Array, cfg: Any, dim: int | None = None) -> tuple[Array, 
     return sin * scale, cos * scale
 
 
+def nope_where(
+    rope_layers: tuple[bool, ...], index: Array, sin: Array, cos: Array
+) -> tuple[Array, Array]:
+    """The rotary of layer `index` (a traced int where layers scan) where `rope_layers` says it
+    rotates, else sin 0 and cos 1: rotary becomes the identity, exactly (a NoPE layer:
+    SmolLM3's, EXAONE 4's), so scanned layers stay one program."""
+    if all(rope_layers):
+        return sin, cos
+    rotates = jnp.asarray(rope_layers)[index]
+    return jnp.where(rotates, sin, 0.0), jnp.where(rotates, cos, 1.0)
+
+
 def llama4_query_scale(positions: Array, cfg: Any) -> Array:
     """float32 `[batch, length]`: HF's `get_llama_4_attn_scale` at `positions` in its order
     of float32 operations, `1 + llama_4_scaling_beta * log(1 + floor(position /
