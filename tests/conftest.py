@@ -150,6 +150,7 @@ LONGEST_FILES = (
     "test_hf_glm4_moe_lite_solar_open.py",
     "test_hf_mimo_v2_flash.py",
     "test_hf_olmo2_exaone4.py",
+    "test_hf_cohere.py",
     "test_stops.py",
     "test_hf_gemma23.py",
     "test_checkpoints.py",

@@ -24,6 +24,7 @@ from flaxlm.models.layers import (
     HEAD_AXES,
     DenseGeneral,
     Dtype,
+    LayerNorm,
     RMSNorm,
     as_dtype,
     constrain,
@@ -32,13 +33,7 @@ from flaxlm.models.layers import (
     parallel_dense,
     target_device,
 )
-from flaxlm.models.masks import (
-    Decoding,
-    Mask,
-    paged_mask,
-    plain_causal,
-    whole_self_attention,
-)
+from flaxlm.models.masks import Decoding, Mask, paged_mask, plain_causal, whole_self_attention
 from flaxlm.models.paged_attention import (
     gather_pages,
     kernel_attention,
@@ -344,7 +339,7 @@ def kv_heads_axis(num_kv_heads: int) -> str | None:
     return "kv_heads" if num_kv_heads > 1 else None
 
 
-QK_NORMS = ("rms", "rms_plus_one", "rms_whole")
+QK_NORMS = ("rms", "rms_plus_one", "rms_whole", "layer")
 
 
 class AttentionSinks(nn.Module):
@@ -407,7 +402,8 @@ def rotary_self_attention(
     (partial rotary).
 
     qk_norm: 'rms' (Qwen3) or 'rms_plus_one' (Gemma 3) normalises each query and key head
-    (`q_norm`, `k_norm`, eps `norm_eps`) before rotary, 'rms_whole' all heads at once (OLMoE,
+    (`q_norm`, `k_norm`, eps `norm_eps`) before rotary, 'layer' each head by a bias-free
+    LayerNorm with a scale per head (Command R+), 'rms_whole' all heads at once (OLMoE,
     then q, k, v clipped to +-`clip_qkv` if set). scale: of the scores (default head_dim**-0.5);
     softcap: of the scaled scores (Gemma 2); window: this layer's sliding window
     (`layer_window`); context_parallel: see `dot_product_attention`; sinks: a learned
@@ -447,10 +443,14 @@ def rotary_self_attention(
     if qk_norm is not None:
         if qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm {qk_norm!r}: expected None or one of {QK_NORMS}.")
-        whole, plus_one = qk_norm == "rms_whole", qk_norm == "rms_plus_one"
-        norm = dict(epsilon=norm_eps, scale_plus_one=plus_one, dtype=dtype, param_dtype=param_dtype)
-        q = RMSNorm(name="q_norm", axes=("heads", "head_dim")[not whole :], **norm)(q)
-        k = RMSNorm(name="k_norm", axes=(kv_axis, "head_dim")[not whole :], **norm)(k)
+        norm = dict(epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype)
+        # The norm, the first of its scale's axes (1: over head_dim) and its own options.
+        cls, first, own = RMSNorm, int(qk_norm != "rms_whole"), {}
+        own["scale_plus_one"] = qk_norm == "rms_plus_one"
+        if qk_norm == "layer":  # Cohere's: mean-subtracted, no bias, a scale [heads, head_dim]
+            cls, first, own = LayerNorm, 0, dict(use_bias=False)
+        q = cls(name="q_norm", axes=("heads", "head_dim")[first:], **norm, **own)(q)
+        k = cls(name="k_norm", axes=(kv_axis, "head_dim")[first:], **norm, **own)(k)
     if clip_qkv is not None:  # after the norms, as HF's OLMoE
         q, k, v = (jnp.clip(x, -clip_qkv, clip_qkv) for x in (q, k, v))
     if value_scale is not None:

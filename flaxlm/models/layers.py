@@ -353,18 +353,19 @@ class Embed(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm computed in float32 whatever the compute dtype."""
+    """LayerNorm over the last dim, computed in float32 whatever the compute dtype; its scale
+    and bias span the last `len(axes)` dims (Cohere's per-head q/k norms: a scale per head)."""
 
     epsilon: float = 1e-5
     use_bias: bool = True
     use_scale: bool = True  # False with use_bias=False: no params (torch's elementwise_affine)
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
-    axes: tuple[str | None, ...] = ("embed",)  # the logical axis of the features
+    axes: tuple[str | None, ...] = ("embed",)  # the logical axes of the scale and bias
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        features = x.shape[-1]
+        shape = x.shape[-len(self.axes) :]
         x32 = x.astype(jnp.float32)
         mean = x32.mean(-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(-1, keepdims=True)
@@ -373,7 +374,7 @@ class LayerNorm(nn.Module):
             scale = self.param(
                 "scale",
                 nn.with_logical_partitioning(nn.initializers.ones, self.axes),
-                (features,),
+                shape,
                 as_dtype(self.param_dtype),
             )
             y = y * scale.astype(jnp.float32)
@@ -381,7 +382,7 @@ class LayerNorm(nn.Module):
             bias = self.param(
                 "bias",
                 nn.with_logical_partitioning(nn.initializers.zeros, self.axes),
-                (features,),
+                shape,
                 as_dtype(self.param_dtype),
             )
             y = y + bias.astype(jnp.float32)
