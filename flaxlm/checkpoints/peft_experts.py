@@ -73,6 +73,8 @@ _READ_AS_EXPERTS = {
         "glm_moe_dsa",
         "glm4_moe_lite",
         "solar_open",
+        "exaone_moe",
+        "hunyuan_v1_moe",
     )
 }
 

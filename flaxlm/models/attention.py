@@ -29,8 +29,9 @@ from flaxlm.models.layers import (
     as_dtype,
     constrain,
     gpu_without_one,
+    kv_heads_axis,
     nvidia_gpu,
-    parallel_dense,
+    qkv_projections,
     target_device,
 )
 from flaxlm.models.masks import Decoding, Mask, paged_mask, plain_causal, whole_self_attention
@@ -334,11 +335,6 @@ def check_heads(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: i
         raise ValueError(f"head_dim {width} must be even for rotary embeddings.")
 
 
-def kv_heads_axis(num_kv_heads: int) -> str | None:
-    """Logical name of the key/value heads axis; one shared head (MQA) is never split."""
-    return "kv_heads" if num_kv_heads > 1 else None
-
-
 QK_NORMS = ("rms", "rms_plus_one", "rms_whole", "layer")
 
 
@@ -419,24 +415,12 @@ def rotary_self_attention(
 
     h: [batch, length, embed] -> [batch, length, embed], tagged `attn_out` for remat.
     """
-    dense = dict(dtype=dtype, param_dtype=param_dtype, use_bias=qkv_bias)
     kv_axis = kv_heads_axis(num_kv_heads)
     v_dim = v_head_dim or head_dim
-    q, k, v = parallel_dense(
-        h,
-        [
-            DenseGeneral(
-                (num_heads, head_dim * (2 if output_gate else 1)),
-                ("embed", "heads", "head_dim"),
-                name="q_proj",
-                **dense,
-            ),
-            *(
-                DenseGeneral((num_kv_heads, width), ("embed", kv_axis, "head_dim"), name=n, **dense)
-                for n, width in (("k_proj", head_dim), ("v_proj", v_dim))
-            ),
-        ],
-    )
+    q, k, v = qkv_projections(
+        h, num_heads, num_kv_heads, head_dim, head_dim * (1 + output_gate), v_dim,
+        dtype=dtype, param_dtype=param_dtype, use_bias=qkv_bias,
+    )  # fmt: skip
     kv_axes = ("batch", "length", kv_axis, "head_dim")
     if output_gate:
         q, gate = jnp.split(q, 2, axis=-1)

@@ -38,7 +38,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxlm.models import attention, layers, linear_context_parallel, masks, state_slots
+from flaxlm.models import layers, linear_context_parallel, masks, state_slots
 from flaxlm.models.layers import DenseGeneral, Dtype, as_dtype
 from flaxlm.models.linear_context_parallel import Rule
 
@@ -431,6 +431,7 @@ class GatedDeltaNet(DeltaRuleLayer):
     value_dim: int
     norm_eps: float = 1e-6
     projection: str = "grouped"  # one of PROJECTIONS
+    norm_cls = GatedRMSNorm  # the gated norm's class (Qwen4-Exp's sigmoid gate: a subclass)
 
     @nn.compact
     def __call__(
@@ -438,7 +439,7 @@ class GatedDeltaNet(DeltaRuleLayer):
     ) -> Array:
         h, reading = self.start(h, mask, decoding)
         q, k, v, z, b, a = self._project(h)
-        key_heads = attention.kv_heads_axis(self.num_key_heads)
+        key_heads = layers.kv_heads_axis(self.num_key_heads)
         q = self.convolve("q", q, key_heads, reading)
         k = self.convolve("k", k, key_heads, reading)
         v = self.convolve("v", v, "heads", reading)
@@ -458,7 +459,7 @@ class GatedDeltaNet(DeltaRuleLayer):
         k = jnp.repeat(l2_normalize(k), group, axis=2)
 
         out = self.delta_rule(chunk_gated_delta_rule, q, k, v, g, beta, reading)
-        norm = GatedRMSNorm(self.norm_eps, self.dtype, self.param_dtype, name="norm")
+        norm = self.norm_cls(self.norm_eps, self.dtype, self.param_dtype, name="norm")
         out = layers.constrain(norm(out.astype(as_dtype(self.dtype)), z), layers.HEAD_AXES)
         return DenseGeneral(
             self.hidden_size, ("heads", "head_dim", "embed"), axis=(-2, -1), name="out_proj",
@@ -474,7 +475,7 @@ class GatedDeltaNet(DeltaRuleLayer):
         batch, length, _ = h.shape
         if self.projection == "grouped":
             width = 2 * dk + 2 * group * dv
-            axes = ("embed", attention.kv_heads_axis(hk), None)  # one key head: unsplit
+            axes = ("embed", layers.kv_heads_axis(hk), None)  # one key head: unsplit
             qkvz = DenseGeneral((hk, width), axes, name="in_proj_qkvz", **dense)(h)
             ba = DenseGeneral((hk, 2 * group), axes, name="in_proj_ba", **dense)(h)
             q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + group * dv], axis=-1)
@@ -483,7 +484,7 @@ class GatedDeltaNet(DeltaRuleLayer):
             return q, k, v, z, b, a
         if self.projection != "split":
             raise ValueError(f"projection {self.projection!r}: expected one of {PROJECTIONS}.")
-        key_axes = ("embed", attention.kv_heads_axis(hk), "head_dim")
+        key_axes = ("embed", layers.kv_heads_axis(hk), "head_dim")
         value_axes = ("embed", "heads", "head_dim")
         q, k, v, z, b, a = layers.parallel_dense(
             h,

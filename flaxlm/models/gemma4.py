@@ -394,7 +394,7 @@ class Gemma4Block(nn.Module):
         cfg = self.config
         kv_heads, d = cfg.layer_shape(i)
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, use_bias=cfg.attention_bias)
-        kv_axis = attention.kv_heads_axis(kv_heads)
+        kv_axis = layers.kv_heads_axis(kv_heads)
         kv_axes = ("batch", "length", kv_axis, "head_dim")
         q = layers.DenseGeneral(
             (cfg.num_heads, d), ("embed", "heads", "head_dim"), name="q_proj", **dense

@@ -463,3 +463,29 @@ def gated_mlp(
     m = constrain(ACTIVATIONS[activation](gate) * up, ("batch", "length", "mlp"))
     m = DenseGeneral(hidden_size, ("mlp", "embed"), name="down_proj", **dense)(m)
     return checkpoint_name(m, "mlp_out")
+
+
+def kv_heads_axis(num_kv_heads: int) -> str | None:
+    """Logical name of the key/value heads axis; one shared head (MQA) is never split."""
+    return "kv_heads" if num_kv_heads > 1 else None
+
+
+def qkv_projections(
+    h: Array,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_width: int | None = None,
+    v_width: int | None = None,
+    **dense: Any,
+) -> tuple[Array, Array, Array]:
+    """Queries `[..., num_heads, q_width]`, keys and values `[..., num_kv_heads, head_dim |
+    v_width]` from `h` in one pass (`q_proj`, `k_proj`, `v_proj` in the caller's scope;
+    `dense`: DenseGeneral's dtype, param_dtype, use_bias)."""
+    kv_axis = kv_heads_axis(num_kv_heads)
+    q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", kv_axis, "head_dim")
+    projections = [DenseGeneral((num_heads, q_width or head_dim), q_axes, name="q_proj", **dense)]
+    for name, width in (("k_proj", head_dim), ("v_proj", v_width or head_dim)):
+        projections.append(DenseGeneral((num_kv_heads, width), kv_axes, name=name, **dense))
+    q, k, v = parallel_dense(h, projections)
+    return q, k, v

@@ -264,22 +264,9 @@ class Llama4Block(nn.Module):
         cfg = self.config
         dtype, d = cfg.dtype, cfg.dim_per_head
         dense = dict(dtype=dtype, param_dtype=cfg.param_dtype, use_bias=cfg.attention_bias)
-        kv_axis = attention.kv_heads_axis(cfg.kv_heads)
+        kv_axis = layers.kv_heads_axis(cfg.kv_heads)
         kv_axes = ("batch", "length", kv_axis, "head_dim")
-        q, k, v = layers.parallel_dense(
-            h,
-            [
-                layers.DenseGeneral(
-                    (cfg.num_heads, d), ("embed", "heads", "head_dim"), name="q_proj", **dense
-                ),
-                *(
-                    layers.DenseGeneral(
-                        (cfg.kv_heads, d), ("embed", kv_axis, "head_dim"), name=n, **dense
-                    )
-                    for n in ("k_proj", "v_proj")
-                ),
-            ],
-        )
+        q, k, v = layers.qkv_projections(h, cfg.num_heads, cfg.kv_heads, d, **dense)
         rotary = self.per_layer(cfg.rotary, index)
 
         def rotated(x: Array) -> Array:
