@@ -18,6 +18,7 @@ import importlib.abc
 import importlib.util
 import os
 import platform
+import re
 import sys
 import traceback
 
@@ -354,12 +355,16 @@ def _start_up(
                 profile.mark(f"task registration (import {FLAGS.tasks_module})")
         if "tensorflow" in sys.modules:  # the run reads data: TensorFlow stays off devices
             importlib.import_module("flaxlm.data.pipeline").configure_tensorflow()
-        gin.finalize()  # (all that registers configurables at start-up is in)
         jax.devices()
         try:
+            gin.finalize()  # (all that registers configurables at start-up is in)
             gin_utils.check_macros(FLAGS.gin_bindings or (), FLAGS.gin_search_paths or ())
             gin_utils.check_callables()
         except ValueError as e:
+            required = re.match(r"(\w+)/macro\.value set to `%gin\.REQUIRED`", str(e))
+            if required:  # a run's file leaves it to the user (the task, the model dir, ...)
+                name = required.group(1)
+                e = f"{name} is required and not set: add --gin.{name}=... or a file binding it."
             _fail(f"bad Gin configuration: {e}")
         if profile:
             profile.mark("TensorFlow set-up, JAX devices, Gin checks")

@@ -151,6 +151,7 @@ LONGEST_FILES = (
     "test_hf_mimo_v2_flash.py",
     "test_hf_olmo2_exaone4.py",
     "test_hf_cohere.py",
+    "test_hf_qwen4_exp.py",
     "test_hf_exaone_moe_hunyuan.py",
     "test_stops.py",
     "test_hf_gemma23.py",

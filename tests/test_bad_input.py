@@ -47,6 +47,10 @@ ROWS = {
         ["--gin_file=gin/gptj_pretrian.gin"],
         ["gptj_pretrian.gin", "not found", "Did you mean ['gin/gptj_pretrain.gin'"],
     ),
+    "required_macro_left_unset": (
+        ["--gin_file=gin/models/llama_tiny.gin", "--gin_file=gin/runs/pretrain.gin"],
+        ["MIXTURE_OR_TASK_NAME is required and not set: add --gin.MIXTURE_OR_TASK_NAME="],
+    ),
     "misspelled_configurable": (
         [*PRETRAIN, "--gin.GPTJConfg.hidden_size=8"],
         ["No configurable matching 'GPTJConfg'", "Did you mean 'GPTJConfig'"],

@@ -355,6 +355,8 @@ def hf_state_dict(model: BaseModel, params: Params) -> Iterator[tuple[str, np.nd
             yield name, tensor
             for other in t.copies:
                 yield other, tensor
+    if spec.buffers is not None:
+        yield from spec.buffers(model.config).items()
 
 
 def _first(pair: tuple[int, Any]) -> int:

@@ -385,6 +385,7 @@ def decode(
 RECURRENT_STATE = (
     "conv_q", "conv_k", "conv_v", "recurrent_state",
     "sliding_kv", "window_kv", "window_gate", "entries",
+    "ple_context", "ple_conv",  # Qwen4-Exp's PLE: its n-gram context, its convolution's inputs
 )  # fmt: skip
 
 

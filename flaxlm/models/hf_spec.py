@@ -213,6 +213,9 @@ class HFSpec:
     # The multimodal files whose text tower this family reads (`text_tower`), as `Multimodal`
     # records; their tensors' names come through `renames` and `skip` above.
     multimodal: tuple[Multimodal, ...] = ()
+    # config -> HF's persistent buffers derived from it (name -> array: Qwen4-Exp's PLE hash
+    # constants), written on export; `ignore` passes over them on import.
+    buffers: Callable[[Any], dict[str, np.ndarray]] | None = None
 
     def for_config(self, config: Any) -> HFSpec:
         """This spec for a model of `config` (`config_fields` applied)."""

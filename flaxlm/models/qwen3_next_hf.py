@@ -86,7 +86,7 @@ MULTIMODAL = (
     Multimodal("qwen3_5", "qwen3_5_text", tied=False),
     Multimodal("qwen3_5_moe", "qwen3_5_moe_text", tied=False),
 )
-_COPIED = (
+COPIED = (
     ("vocab_size", "vocab_size"),
     ("hidden_size", "hidden_size"),
     ("num_layers", "num_hidden_layers"),
@@ -104,7 +104,7 @@ _COPIED = (
     ("linear_num_key_heads", "linear_num_key_heads"),
     ("linear_num_value_heads", "linear_num_value_heads"),
 )
-_MOE_COPIED = (
+MOE_COPIED = (
     "num_experts",
     "num_experts_per_tok",
     "moe_intermediate_size",
@@ -122,7 +122,7 @@ def config_from_hf(hf: dict, **overrides: Any) -> Qwen3NextConfig:
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     if params.get("rope_type", params.get("type")) == "mrope":  # Qwen2-VL's spelling
         params["rope_type"] = "default"
-    kwargs: dict[str, Any] = {ours: hf[theirs] for ours, theirs in _COPIED}
+    kwargs: dict[str, Any] = {ours: hf[theirs] for ours, theirs in COPIED}
     kwargs.update(
         model_type=model_type,
         intermediate_size=hf.get("intermediate_size", hf.get("moe_intermediate_size", 512)),
@@ -140,7 +140,7 @@ def config_from_hf(hf: dict, **overrides: Any) -> Qwen3NextConfig:
     if model_type == "qwen3_5_text":
         kwargs.update(num_experts=0)
     else:
-        kwargs.update({name: hf[name] for name in _MOE_COPIED})
+        kwargs.update({name: hf[name] for name in MOE_COPIED})
     if model_type == "qwen3_next":
         kwargs.update(
             norm_topk_prob=bool(hf["norm_topk_prob"]),
@@ -157,7 +157,7 @@ def config_to_hf(cfg: Qwen3NextConfig) -> dict:
     out = {
         "model_type": cfg.model_type,
         "architectures": [ARCHITECTURES[cfg.model_type]],
-        **{theirs: getattr(cfg, ours) for ours, theirs in _COPIED},
+        **{theirs: getattr(cfg, ours) for ours, theirs in COPIED},
         "vocab_size": cfg.real_vocab_size or cfg.vocab_size,
         "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.dim_per_head,
@@ -172,7 +172,7 @@ def config_to_hf(cfg: Qwen3NextConfig) -> dict:
     if cfg.model_type != "qwen3_5_moe_text":
         out["intermediate_size"] = cfg.intermediate_size
     if cfg.model_type != "qwen3_5_text":
-        out.update({name: getattr(cfg, name) for name in _MOE_COPIED})
+        out.update({name: getattr(cfg, name) for name in MOE_COPIED})
     if cfg.model_type == "qwen3_next":
         out.update(
             norm_topk_prob=cfg.norm_topk_prob,
@@ -193,7 +193,7 @@ def conv_from_hf(rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return rows[:, 0, :].T.reshape(shape)
 
 
-def _mixer_records(
+def mixer_records(
     cfg: Qwen3NextConfig, kind: str, scope: str, prefix: str, n: int
 ) -> list[HFTensor]:
     if kind == FULL:
@@ -256,7 +256,7 @@ def hf_tensors(cfg: Qwen3NextConfig) -> list[HFTensor]:
         HFTensor(f"layers_{{i}}/{p}/scale", f"model.layers.{{i}}.{p}.weight", layers=n)
         for p in ("input_layernorm", "post_attention_layernorm")
     ]
-    out += per_kind(kinds, lambda k: _mixer_records(cfg, k, "layers_{i}", "model.layers.{i}", n))
+    out += per_kind(kinds, lambda k: mixer_records(cfg, k, "layers_{i}", "model.layers.{i}", n))
     return out + qwen_moe.moe_hf_tensors(cfg, "model.layers.{i}.mlp") + mtp_tensors(cfg)
 
 
