@@ -40,6 +40,7 @@ from flaxlm.models import attention, layers, llama, masks, olmo2, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
+from flaxlm.models.options import HeadShapes
 
 Array = jax.Array
 
@@ -70,7 +71,7 @@ HF_DEFAULTS = {
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class CohereConfig(rope.RopeScaling):
+class CohereConfig(HeadShapes, rope.RopeScaling):
     """Command R / R+ hyper-parameters (HF names where they exist); the defaults are the
     shapes of c4ai-command-r-v01 (35B)."""
 
@@ -124,14 +125,6 @@ class CohereConfig(rope.RopeScaling):
                 f"sliding_window {self.sliding_window} / layer_types {self.layer_types}: HF's "
                 "cohere has no sliding layers (model_type='cohere2' has)."
             )
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
 
     @property
     def rms_norm_eps(self) -> float:

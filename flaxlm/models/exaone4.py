@@ -31,6 +31,7 @@ import jax
 from flaxlm.models import attention, llama, masks, olmo2, olmo3, qwen, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
+from flaxlm.models.options import HeadShapes
 
 Array = jax.Array
 
@@ -55,7 +56,7 @@ HF_DEFAULTS = dict(
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class Exaone4Config(rope.RopeScaling):
+class Exaone4Config(HeadShapes, rope.RopeScaling):
     """EXAONE 4.0 hyper-parameters (HF names where they exist); the defaults are the shapes
     of EXAONE-4.0-32B (its llama3 rope scaling is in gin/models/exaone4_32b.gin)."""
 
@@ -116,14 +117,6 @@ class Exaone4Config(rope.RopeScaling):
                 f"sliding_window None: layer_types has {SLIDING!r} layers (HF has no window to "
                 "give them)."
             )
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
 
     @property
     def per_layer_types(self) -> tuple[str, ...]:

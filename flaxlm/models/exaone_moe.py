@@ -51,6 +51,7 @@ from flaxlm.models import (
 )
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
+from flaxlm.models.options import HeadShapes
 
 Array = jax.Array
 
@@ -66,7 +67,9 @@ FIXED: dict[str, Any] = dict(
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class ExaoneMoeConfig(moe.DenseFirstScan, qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
+class ExaoneMoeConfig(
+    HeadShapes, moe.DenseFirstScan, qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions
+):
     """K-EXAONE hyper-parameters (HF's names where they exist; `n_shared_experts` is HF's
     `num_shared_experts`, `mlp_only_layers` its 'dense' `mlp_layer_types`); the defaults are
     K-EXAONE-236B-A23B's shapes (transformers' `ExaoneMoeConfig` defaults are in HF_DEFAULTS)."""
@@ -156,14 +159,6 @@ class ExaoneMoeConfig(moe.DenseFirstScan, qwen_moe.MoESizes, rope.RopeScaling, m
                 f"layer_types {types}: expected num_layers ({self.num_layers}) entries, each "
                 f"{FULL!r} or {SLIDING!r}."
             )
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
 
     @property
     def per_layer_types(self) -> tuple[str, ...]:

@@ -39,6 +39,7 @@ from flaxlm.models.hf_spec import (
     Multimodal,
     register_hf,
 )
+from flaxlm.models.options import HeadShapes
 
 Array = jax.Array
 
@@ -79,17 +80,9 @@ def check_quantization(hf: dict, family: str) -> None:
         )
 
 
-class PartialRotary:
+class PartialRotary(HeadShapes):
     """What a config with `head_dim`, `partial_rotary_factor` and grouped-query heads gives
     the block: head widths and the rotated features."""
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
 
     @property
     def rotary_dim(self) -> int:

@@ -56,6 +56,7 @@ from flaxlm.models import (
 )
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, linear, register_hf
+from flaxlm.models.options import HeadShapes
 
 Array = jax.Array
 
@@ -64,7 +65,7 @@ ARCHITECTURES = {DENSE: "HunYuanDenseV1ForCausalLM", MOE: "HunYuanMoEV1ForCausal
 
 
 @dataclasses.dataclass(frozen=True)
-class HunyuanFields(rope.RopeScaling):
+class HunyuanFields(HeadShapes, rope.RopeScaling):
     """Hunyuan V1 hyper-parameters both models share (HF's names where they exist); the
     defaults are Hunyuan-7B-Instruct's."""
 
@@ -106,14 +107,6 @@ class HunyuanFields(rope.RopeScaling):
                 f"head_dim {self.dim_per_head}: the NTK-alpha base is alpha ** (head_dim / "
                 "(head_dim - 2)); it needs head_dim > 2."
             )
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
 
     @property
     def qkv_bias(self) -> bool:

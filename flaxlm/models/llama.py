@@ -30,6 +30,7 @@ from flaxlm.models.hf_spec import (
     linear,
     register_hf,
 )
+from flaxlm.models.options import HeadShapes
 
 Array = jax.Array
 
@@ -43,7 +44,7 @@ ARCHITECTURES = {
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig(rope.RopeScaling):
+class LlamaConfig(HeadShapes, rope.RopeScaling):
     """Llama / Mistral / Gemma hyper-parameters (HF names where they exist; rope scaling's
     in `rope.RopeScaling`)."""
 
@@ -96,14 +97,6 @@ class LlamaConfig(rope.RopeScaling):
                 )
         if gemma and (self.sliding_window is not None or self.mlp_bias):
             raise ValueError("HF Gemma has no sliding_window or mlp_bias: set None and False.")
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
 
     # LlamaBlock's options that Llama, Mistral and Gemma 1 share: q, k, v biased as o is, no
     # q/k norms, no per-layer windows (Mistral's window is the whole model's, in its mask).

@@ -44,6 +44,7 @@ from flaxlm.models import (
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.causal_lm import CausalLM
 from flaxlm.models.hf_spec import HFSpec, HFTensor, Multimodal, linear, per_kind, register_hf
+from flaxlm.models.options import HeadShapes
 
 Array = jax.Array
 
@@ -54,7 +55,9 @@ NO_CHUNK = masks.NO_WINDOW  # a chunk longer than any sequence: one chunk, no li
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class Llama4Config(moe.DenseFirstScan, qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions):
+class Llama4Config(
+    HeadShapes, moe.DenseFirstScan, qwen_moe.MoESizes, rope.RopeScaling, moe.MoEOptions
+):
     """Llama 4 text hyper-parameters (HF's names but where said); the defaults are
     Llama-4-Scout-17B-16E's. The experts and the shared expert are `moe_intermediate_size`
     wide (HF: intermediate_size), the dense layers `intermediate_size` (HF:
@@ -149,14 +152,6 @@ class Llama4Config(moe.DenseFirstScan, qwen_moe.MoESizes, rope.RopeScaling, moe.
             )
         if self.floor_scale < 1:
             raise ValueError(f"floor_scale {self.floor_scale} must be >= 1.")
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
 
     @property
     def qkv_bias(self) -> bool:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flaxlm.models import attention, layers, llama, masks, qwen, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
+from flaxlm.models.options import HeadShapes
 
 Array = jax.Array
 
@@ -49,7 +50,7 @@ HF_DEFAULTS = dict(
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class Olmo3Config(rope.RopeScaling):
+class Olmo3Config(HeadShapes, rope.RopeScaling):
     """OLMo 3 hyper-parameters (HF names where they exist); the defaults are Olmo-3-7B's.
 
     The `rope_*` fields are the full-attention layers' rotary; `sliding_rope_parameters`
@@ -111,14 +112,6 @@ class Olmo3Config(rope.RopeScaling):
             )
         if self.sliding_rope_parameters is not None:
             self.sliding_rope()  # a ValueError naming what it cannot read
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
 
     @property
     def qkv_bias(self) -> bool:

@@ -105,6 +105,19 @@ class ParamCounts:
         return self.param_counts()[1]
 
 
+class HeadShapes:
+    """`kv_heads` and `dim_per_head` of a config with `num_kv_heads` and `head_dim` fields
+    (None: the query heads; width / heads), as most families read HF's keys."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+
 MODEL_EOS = -1  # inference.generate(eos_id=MODEL_EOS): the model's own EOS ids
 
 

@@ -34,6 +34,7 @@ from flaxlm.models.hf_spec import (
     Multimodal,
     register_hf,
 )
+from flaxlm.models.options import HeadShapes
 
 Array = jax.Array
 
@@ -77,7 +78,7 @@ VL_DEFAULTS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenFields(rope.RopeScaling):
+class QwenFields(HeadShapes, rope.RopeScaling):
     """Qwen2 / Qwen2.5 / Qwen3 hyper-parameters (HF names where they exist); the defaults
     are Qwen2.5-7B's. `QwenConfig` is these; the Qwen MoE families (`qwen_moe.py`) build on
     them without being a QwenConfig (an HF mapping is found by its config's class)."""
@@ -151,14 +152,6 @@ class QwenFields(rope.RopeScaling):
                 f"layer_types names {SLIDING!r} layers but use_sliding_window is False "
                 "(HF then has no window to give them): set it True with a sliding_window."
             )
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
 
     @property
     def qkv_bias(self) -> bool:

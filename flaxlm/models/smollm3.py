@@ -19,6 +19,7 @@ import jax
 from flaxlm.models import attention, llama, masks, qwen, rope
 from flaxlm.models.base import DecoderOnlyModel
 from flaxlm.models.hf_spec import HFSpec, HFTensor, register_hf
+from flaxlm.models.options import HeadShapes
 
 Array = jax.Array
 
@@ -41,7 +42,7 @@ HF_DEFAULTS = dict(
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class SmolLM3Config(rope.RopeScaling):
+class SmolLM3Config(HeadShapes, rope.RopeScaling):
     """SmolLM3 hyper-parameters (HF names where they exist); the defaults are SmolLM3-3B's."""
 
     vocab_size: int = 128256
@@ -108,14 +109,6 @@ class SmolLM3Config(rope.RopeScaling):
                 f"layer_types names {SLIDING!r} layers: set use_sliding_window=True and a "
                 f"sliding_window (now {self.use_sliding_window}, {self.sliding_window})."
             )
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
 
     @property
     def qkv_bias(self) -> bool:
