@@ -159,10 +159,10 @@ class Exaone4Config(HeadShapes, rope.RopeScaling):
         return Exaone4(self)
 
 
-class Exaone4Block(olmo3.Olmo3Block):
-    """OLMo 3's post-normalised block with Qwen3's per-head q/k norms and no biases; a NoPE
-    layer's attention takes sin 0 and cos 1 (rotary becomes the identity, exactly), so
-    scanned layers stay one program."""
+class Exaone4Attention:
+    """EXAONE 4's attention, mixed into a block (EXAONE 4.0's and K-EXAONE's): Qwen3's
+    per-head q/k norms and no biases; a NoPE layer's attention takes sin 0 and cos 1 (rotary
+    becomes the identity, exactly), so scanned layers stay one program."""
 
     def self_attention(
         self,
@@ -179,6 +179,10 @@ class Exaone4Block(olmo3.Olmo3Block):
     def attention_options(self) -> dict[str, Any]:
         """No biases; each query and key head RMS-normalised."""
         return dict(qkv_bias=False, out_bias=False, qk_norm="rms")
+
+
+class Exaone4Block(Exaone4Attention, olmo3.Olmo3Block):
+    """OLMo 3's post-normalised block with EXAONE 4's attention."""
 
 
 class Exaone4(qwen.Qwen):

@@ -40,9 +40,9 @@ import jax
 from flaxlm.models import (
     attention,
     deepseek,
+    exaone4,
     glm4_moe,
     llama,
-    masks,
     moe,
     olmo2,
     qwen,
@@ -188,25 +188,9 @@ class ExaoneMoeConfig(
         return ExaoneMoe(self)
 
 
-class ExaoneMoeBlock(qwen_moe.QwenMoeBlock):
-    """Llama's pre-normalised block with EXAONE 4.0's attention (per-head q/k norms before
-    rotary, no biases; a NoPE layer takes sin 0 and cos 1, so that scanned layers stay one
-    program) and the mixture of experts (a dense SwiGLU on `mlp_only_layers`)."""
-
-    def self_attention(
-        self,
-        h: Array,
-        index: Array,
-        mask: masks.Mask,
-        decoding: masks.Decoding | None,
-        sin: Array,
-        cos: Array,
-    ) -> Array:
-        sin, cos = rope.nope_where(self.config.rope_layers, index, sin, cos)
-        return super().self_attention(h, index, mask, decoding, sin, cos)
-
-    def attention_options(self) -> dict[str, Any]:
-        return dict(qkv_bias=False, out_bias=False, qk_norm="rms")
+class ExaoneMoeBlock(exaone4.Exaone4Attention, qwen_moe.QwenMoeBlock):
+    """Llama's pre-normalised block with EXAONE 4.0's attention (`exaone4.Exaone4Attention`)
+    and the mixture of experts (a dense SwiGLU on `mlp_only_layers`)."""
 
 
 class ExaoneMoe(qwen.Qwen):
