@@ -151,9 +151,7 @@ class Exaone4Config(HeadShapes, rope.RopeScaling):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus the attention scores (a sliding
         layer's over its window)."""
-        matmul = llama.matmul_params(self)
-        contexts = sum(min(seq_len, w or seq_len) for w in self.layer_windows)
-        return 6.0 * matmul + 12.0 * self.num_heads * self.dim_per_head * contexts
+        return llama.windowed_flops_per_token(self, seq_len)
 
     def make_module(self) -> Exaone4:
         return Exaone4(self)

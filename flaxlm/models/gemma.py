@@ -165,9 +165,7 @@ class GemmaConfig(ComputeOptions):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus the attention scores (a sliding
         layer's over its window)."""
-        matmul = llama.matmul_params(self)
-        contexts = sum(min(seq_len, w or seq_len) for w in self.layer_windows)
-        return 6.0 * matmul + 12.0 * self.num_heads * self.head_dim * contexts
+        return llama.windowed_flops_per_token(self, seq_len)
 
     def make_module(self) -> Gemma:
         return Gemma(self)

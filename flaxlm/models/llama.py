@@ -131,6 +131,15 @@ class LlamaConfig(HeadShapes, rope.RopeScaling):
         return Llama(self)
 
 
+def windowed_flops_per_token(config: Any, seq_len: int, matmul: int | None = None) -> float:
+    """Training FLOPs per token: 6 x the `matmul` params (None: `matmul_params`) plus the
+    attention scores, each layer's over at most its window (`layer_windows`)."""
+    if matmul is None:
+        matmul = matmul_params(config)
+    contexts = sum(min(seq_len, w or seq_len) for w in config.layer_windows)
+    return 6.0 * matmul + 12.0 * config.num_heads * config.dim_per_head * contexts
+
+
 def matmul_params(config: Any) -> int:
     """The params each token is multiplied by (6 FLOPs apiece in training): all but the
     input embedding's lookup; the LM head is a matmul whether or not it reuses the embedding

@@ -73,9 +73,7 @@ class MoESizes(options.ParamCounts):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x the active matmul params plus attention scores."""
         lookup = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-        contexts = sum(min(seq_len, w or seq_len) for w in self.layer_windows)
-        matmul = self.active_params() - lookup
-        return 6.0 * matmul + 12.0 * self.num_heads * self.dim_per_head * contexts
+        return llama.windowed_flops_per_token(self, seq_len, self.active_params() - lookup)
 
 
 @gin.configurable
